@@ -1,0 +1,1 @@
+"""Control plane: the conductor (global prefix index, scheduling) and the capacity planner."""

@@ -1,0 +1,28 @@
+"""Entry point of the ``kvtier`` command. Sub-commands live in sibling modules and import lazily,
+so ``kvtier --help`` stays fast and a missing optional dependency only breaks its own command."""
+
+from __future__ import annotations
+
+import typer
+
+from kvstore import __version__
+from kvstore.cli import bench as bench_cli
+
+app = typer.Typer(
+    name="kvtier",
+    help="kvtier: a tiered KV-cache store for LLM serving.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(bench_cli.app, name="bench")
+
+
+@app.command()
+def version() -> None:
+    """Print kvtier's version."""
+    typer.echo(__version__)
+
+
+if __name__ == "__main__":
+    app()

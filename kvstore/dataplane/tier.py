@@ -1,0 +1,190 @@
+"""The storage tier contract shared by HBM, pinned DRAM and NVMe.
+
+A *tier* stores immutable chunks of bytes under opaque keys. It knows nothing
+about prefixes, eviction or other tiers: the tiered cache
+(:mod:`kvstore.node.cache`) decides what lives where and moves chunks between
+tiers with the calls below. Every implementation runs the conformance suite in
+``tests/dataplane/tier_conformance.py``.
+
+Ownership and lifetime
+    * ``put`` copies out of the caller's buffer before it returns; the caller
+      keeps ownership of ``src``.
+    * ``get_into`` copies into the caller's buffer; the tier never keeps a
+      reference to ``dst``.
+    * ``HostMemoryTier.view`` returns a zero-copy view into the tier's own
+      memory. It is valid until the chunk is removed. The tier does **not**
+      reference-count views: the cache pins a chunk while any view or lease on
+      it is outstanding and never removes a pinned chunk.
+    * ``reserve`` hands out a writable slot in the tier's memory. The chunk is
+      invisible (``contains`` is False, ``get_into`` raises ``ChunkNotFound``)
+      until ``commit``; ``abort`` frees the slot. A slot neither committed nor
+      aborted leaks its space until the tier is closed, so callers use
+      ``try/finally``.
+
+Errors
+    Per call, from :mod:`kvstore.errors`: ``ChunkNotFound`` (unknown key),
+    ``ChunkExists`` (key already committed: chunks are immutable),
+    ``SizeMismatch`` (``dst`` is not exactly the chunk's size), ``CapacityError``
+    / ``DiskFull`` (no room; nothing already stored is affected),
+    ``ChunkCorrupt`` (checksum mismatch: the chunk is dropped by the tier
+    before raising, and never returned), ``TierUnavailable`` (closed, or the
+    hardware is missing). A miss on ``contains`` / ``size_of`` is not an error.
+
+Thread safety
+    All methods may be called from any thread concurrently. Bulk copies run
+    without holding the tier's internal lock, so two large transfers proceed in
+    parallel.
+
+Eviction
+    A tier never evicts on its own. ``put``/``reserve`` raise ``CapacityError``
+    when there is no room, and the cache evicts (via ``remove``) and retries.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, NewType, Protocol, runtime_checkable
+
+from kvstore.errors import InvalidArgument
+
+ChunkKey = NewType("ChunkKey", bytes)
+"""Opaque key of one chunk. The data plane never interprets it (1 to 64 bytes)."""
+
+MAX_KEY_BYTES = 64
+
+# A host buffer: anything exposing the buffer protocol (bytes, bytearray, memoryview,
+# numpy arrays, mmap) or a CPU torch tensor. The HBM tier also accepts CUDA tensors.
+Buffer = Any
+
+
+class TierKind(enum.Enum):
+    """Storage tiers, fastest first. ``order`` is the demotion order."""
+
+    HBM = "hbm"
+    DRAM = "dram"
+    NVME = "nvme"
+
+    @property
+    def order(self) -> int:
+        return _TIER_ORDER[self]
+
+    def below(self) -> TierKind | None:
+        """The tier a chunk is demoted to when evicted from this one (None: dropped)."""
+        idx = _TIER_ORDER[self] + 1
+        return _TIERS_BY_ORDER[idx] if idx < len(_TIERS_BY_ORDER) else None
+
+
+_TIERS_BY_ORDER = (TierKind.HBM, TierKind.DRAM, TierKind.NVME)
+_TIER_ORDER = {kind: i for i, kind in enumerate(_TIERS_BY_ORDER)}
+
+
+def check_key(key: bytes) -> ChunkKey:
+    """Validate a key's type and length; return it typed as a ``ChunkKey``."""
+    if not isinstance(key, bytes | bytearray):
+        raise InvalidArgument(f"chunk key must be bytes, not {type(key).__name__}")
+    if not 1 <= len(key) <= MAX_KEY_BYTES:
+        raise InvalidArgument(f"chunk key must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
+    return ChunkKey(bytes(key))
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkInfo:
+    """What a tier knows about one committed chunk."""
+
+    key: ChunkKey
+    size_bytes: int
+    tier: TierKind
+    checksum: int | None = None
+    """xxh3_64 of the bytes where the tier keeps one (NVMe always; memory tiers may not)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    kind: TierKind
+    capacity_bytes: int
+    used_bytes: int
+    chunks: int
+    largest_free_bytes: int
+    """The biggest single chunk that would fit now without evicting anything."""
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self.used_bytes
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """One storage tier. See the module docstring for ownership, errors and threading."""
+
+    @property
+    def kind(self) -> TierKind: ...
+
+    @property
+    def capacity_bytes(self) -> int: ...
+
+    def put(self, key: bytes, src: Buffer) -> ChunkInfo:
+        """Store a copy of ``src`` under ``key``. Raises ChunkExists, CapacityError, DiskFull."""
+        ...
+
+    def get_into(self, key: bytes, dst: Buffer) -> int:
+        """Copy the chunk into ``dst`` (exactly its size); return the byte count.
+
+        Raises ChunkNotFound, SizeMismatch, ChunkCorrupt.
+        """
+        ...
+
+    def contains(self, key: bytes) -> bool: ...
+
+    def size_of(self, key: bytes) -> int | None:
+        """The chunk's size, or None when the tier does not hold it."""
+        ...
+
+    def remove(self, key: bytes) -> bool:
+        """Free the chunk's space at once. Returns False when the key was not held."""
+        ...
+
+    def chunks(self) -> Iterator[ChunkInfo]:
+        """Every committed chunk (a snapshot; used to rebuild the index after a restart)."""
+        ...
+
+    def stats(self) -> TierStats: ...
+
+    def close(self) -> None:
+        """Release memory / flush files. Idempotent. Later calls raise TierUnavailable."""
+        ...
+
+
+@runtime_checkable
+class HostMemoryTier(Tier, Protocol):
+    """A tier in host-addressable memory: zero-copy views and in-place writes."""
+
+    def view(self, key: bytes) -> memoryview:
+        """A read-only zero-copy view of the chunk (see lifetime rules above). Raises ChunkNotFound."""
+        ...
+
+    def reserve(self, key: bytes, size_bytes: int) -> WriteSlot:
+        """Allocate an invisible writable slot. Raises ChunkExists, CapacityError."""
+        ...
+
+    def commit(self, slot: WriteSlot) -> ChunkInfo:
+        """Make the slot's chunk visible. Raises InvalidArgument for a foreign or finished slot."""
+        ...
+
+    def abort(self, slot: WriteSlot) -> None:
+        """Free an uncommitted slot. Idempotent."""
+        ...
+
+
+class WriteSlot(Protocol):
+    """A reserved, not yet visible chunk. ``buffer`` is exactly ``size_bytes`` long and writable."""
+
+    @property
+    def key(self) -> ChunkKey: ...
+
+    @property
+    def size_bytes(self) -> int: ...
+
+    @property
+    def buffer(self) -> memoryview: ...

@@ -1,0 +1,1 @@
+"""The node: one machine's tiered cache (index, eviction policies, tier moves)."""

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Install everything kvtier needs on a fresh Debian machine, idempotently:
+# system packages (etcd for membership tests), a virtual environment in .venv
+# with torch pinned to the CPU-capable 2.13.0 build, and kvtier itself (editable).
+# Re-running is cheap: each step is skipped when its result is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+VENV=.venv
+STAMP=$VENV/.kvtier-setup
+
+apt_missing=()
+command -v etcd >/dev/null 2>&1 || apt_missing+=(etcd-server etcd-client)
+command -v redis-server >/dev/null 2>&1 || apt_missing+=(redis-server)
+if ((${#apt_missing[@]})); then
+  if [[ $(id -u) -eq 0 ]]; then
+    echo "setup: apt-get install ${apt_missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${apt_missing[@]}" >/dev/null
+  else
+    echo "setup: warning: missing ${apt_missing[*]} and not root; tests that need them will be skipped" >&2
+  fi
+fi
+
+[[ -x $VENV/bin/python ]] || "$PY" -m venv "$VENV"
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [[ ! -f $STAMP || $(cat "$STAMP") != "$want" ]]; then
+  echo "setup: installing Python packages into $VENV"
+  "$VENV/bin/pip" install -q --upgrade pip
+  # Pin torch first: the CPU build is on local disk here; a bare `torch` would pull CUDA wheels.
+  "$VENV/bin/pip" install -q "torch==2.13.0"
+  "$VENV/bin/pip" install -q -e ".[dev,model]"
+  echo "$want" >"$STAMP"
+fi
