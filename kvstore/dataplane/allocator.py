@@ -1,0 +1,431 @@
+"""A free-extent allocator for one contiguous arena (pinned DRAM or HBM).
+
+Policy: **address-ordered best fit with immediate coalescing**, every extent aligned.
+
+* Every request is rounded up to ``alignment_bytes`` (a power of two; 4 KiB for DRAM
+  so O_DIRECT and GPU DMA can use chunks in place, 256 B for HBM). Offsets are
+  therefore always aligned and the *internal* waste of a chunk is below one
+  alignment unit.
+* Free space is a set of maximal extents: two free extents are never adjacent
+  (``free`` merges a released block with both neighbours at once), so when
+  everything is freed the arena is one extent again.
+* ``allocate`` takes the smallest free extent that fits; among equal sizes the
+  lowest offset. Best fit is the policy with the lowest fragmentation in
+  published allocator studies (Johnstone & Wilson, ISMM 1998). With a single
+  chunk size (the usual KV-cache case: fixed token blocks) any free extent fits
+  any request, so there is no external fragmentation at all; docs/dram-arena.md
+  has the measured figures for mixed sizes.
+
+Data structures (``n`` = number of free extents, ``m`` = number of live blocks):
+
+* ``_free_by_start`` / ``_free_by_end``: dicts start -> size and end -> start, so
+  freeing finds its neighbours in O(1) without a sorted offset list;
+* ``_by_size``: a sorted Python list of packed ints ``size << 48 | offset``. One
+  ``bisect`` finds the best fit; insert/remove are a ``memmove`` inside the list
+  (O(n) but a few microseconds for tens of thousands of extents). Packing into one
+  int avoids a tuple per extent: an operation allocates no container objects;
+* ``_allocated``: offset -> rounded size of each live block.
+
+The allocator is **not** thread-safe. :class:`ExtentTable` (below) wraps it with the
+lock and the key index both memory tiers share.
+Misuse (freeing an unknown offset, double free) is a bug in the caller and raises
+:class:`~kvstore.errors.InvariantViolation`.
+"""
+
+from __future__ import annotations
+
+import threading
+from bisect import bisect_left, insort
+
+from kvstore.dataplane.compress import CodecKind
+from kvstore.dataplane.tier import ChunkKey
+from kvstore.errors import (
+    CapacityError,
+    ChunkBusy,
+    ChunkExists,
+    ChunkNotFound,
+    InvalidArgument,
+    InvariantViolation,
+    TierUnavailable,
+)
+
+_OFFSET_BITS = 48
+"""Offsets and sizes fit in 48 bits (256 TiB): plenty for one arena."""
+_OFFSET_MASK = (1 << _OFFSET_BITS) - 1
+MAX_ARENA_BYTES = 1 << _OFFSET_BITS
+
+
+def align_up(size_bytes: int, alignment_bytes: int) -> int:
+    """Round ``size_bytes`` up to a multiple of ``alignment_bytes`` (a power of two)."""
+    return (size_bytes + alignment_bytes - 1) & ~(alignment_bytes - 1)
+
+
+class ExtentAllocator:
+    """Best-fit allocator of aligned extents inside ``[0, capacity_bytes)``.
+
+    ``capacity_bytes`` is rounded *down* to the alignment (a partial unit at the
+    end can never be handed out).
+    """
+
+    __slots__ = (
+        "_alignment_bytes",
+        "_allocated",
+        "_by_size",
+        "_capacity_bytes",
+        "_free_by_end",
+        "_free_by_start",
+        "_used_bytes",
+    )
+
+    def __init__(self, capacity_bytes: int, alignment_bytes: int = 4096) -> None:
+        if alignment_bytes <= 0 or alignment_bytes & (alignment_bytes - 1):
+            raise InvalidArgument(f"alignment must be a power of two, got {alignment_bytes}")
+        usable = capacity_bytes - capacity_bytes % alignment_bytes
+        if usable <= 0:
+            raise InvalidArgument(
+                f"capacity {capacity_bytes} bytes holds no {alignment_bytes}-byte unit"
+            )
+        if usable >= MAX_ARENA_BYTES:
+            raise InvalidArgument(f"capacity {capacity_bytes} bytes exceeds {MAX_ARENA_BYTES}")
+        self._alignment_bytes = alignment_bytes
+        self._capacity_bytes = usable
+        self._used_bytes = 0
+        self._allocated: dict[int, int] = {}
+        self._free_by_start: dict[int, int] = {0: usable}
+        self._free_by_end: dict[int, int] = {usable: 0}
+        self._by_size: list[int] = [usable << _OFFSET_BITS]
+
+    # --- queries ------------------------------------------------------------------------------
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity_bytes
+
+    @property
+    def alignment_bytes(self) -> int:
+        return self._alignment_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes held by live blocks, each counted at its rounded (aligned) size."""
+        return self._used_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        return self._capacity_bytes - self._used_bytes
+
+    @property
+    def largest_free_bytes(self) -> int:
+        """The biggest request that would succeed now."""
+        return self._by_size[-1] >> _OFFSET_BITS if self._by_size else 0
+
+    @property
+    def free_extent_count(self) -> int:
+        return len(self._by_size)
+
+    @property
+    def block_count(self) -> int:
+        return len(self._allocated)
+
+    def block_size(self, offset: int) -> int | None:
+        """The rounded size of the live block at ``offset``, or None."""
+        return self._allocated.get(offset)
+
+    def fragmentation(self) -> float:
+        """External fragmentation ``1 - largest_free / free`` (0.0 when nothing is free)."""
+        free = self.free_bytes
+        return 0.0 if free == 0 else 1.0 - self.largest_free_bytes / free
+
+    def free_extents(self) -> list[tuple[int, int]]:
+        """Free ``(offset, size_bytes)`` extents in address order (a snapshot, for tests/debug)."""
+        return sorted(self._free_by_start.items())
+
+    # --- allocate / free ------------------------------------------------------------------------
+
+    def allocate(self, size_bytes: int) -> int:
+        """Reserve ``size_bytes`` (rounded up to the alignment); return the block's offset.
+
+        Raises ``InvalidArgument`` for a size < 1 and ``CapacityError`` when no free
+        extent is large enough (the message says how much is free and in how many pieces).
+        """
+        if size_bytes < 1:
+            raise InvalidArgument(f"allocation size must be >= 1 byte, got {size_bytes}")
+        need = align_up(size_bytes, self._alignment_bytes)
+        by_size = self._by_size
+        # Smallest extent with size >= need; ties broken by the lowest offset.
+        idx = bisect_left(by_size, need << _OFFSET_BITS)
+        if idx == len(by_size):
+            raise CapacityError(
+                f"no free extent of {need} bytes: {self.free_bytes} bytes free in "
+                f"{len(by_size)} extents, largest {self.largest_free_bytes}"
+            )
+        packed = by_size.pop(idx)
+        extent_size = packed >> _OFFSET_BITS
+        offset = packed & _OFFSET_MASK
+        del self._free_by_start[offset]
+        del self._free_by_end[offset + extent_size]
+        rest = extent_size - need
+        if rest:
+            # Keep the tail free: the block sits at the extent's start (address order).
+            self._insert_free(offset + need, rest)
+        self._allocated[offset] = need
+        self._used_bytes += need
+        return offset
+
+    def free(self, offset: int) -> int:
+        """Release the block at ``offset`` and merge it with free neighbours; return its size.
+
+        Raises ``InvariantViolation`` when ``offset`` is not a live block (double free).
+        """
+        size = self._allocated.pop(offset, None)
+        if size is None:
+            raise InvariantViolation(f"free of offset {offset}, which is not an allocated block")
+        self._used_bytes -= size
+        start, end = offset, offset + size
+        left_start = self._free_by_end.get(start)
+        if left_start is not None:
+            self._remove_free(left_start, start - left_start)
+            start = left_start
+        right_size = self._free_by_start.get(end)
+        if right_size is not None:
+            self._remove_free(end, right_size)
+            end += right_size
+        self._insert_free(start, end - start)
+        return size
+
+    def reset(self) -> None:
+        """Forget every block: the whole arena is one free extent again."""
+        self._allocated.clear()
+        self._used_bytes = 0
+        self._free_by_start = {0: self._capacity_bytes}
+        self._free_by_end = {self._capacity_bytes: 0}
+        self._by_size = [self._capacity_bytes << _OFFSET_BITS]
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _insert_free(self, offset: int, size: int) -> None:
+        self._free_by_start[offset] = size
+        self._free_by_end[offset + size] = offset
+        insort(self._by_size, size << _OFFSET_BITS | offset)
+
+    def _remove_free(self, offset: int, size: int) -> None:
+        del self._free_by_start[offset]
+        del self._free_by_end[offset + size]
+        packed = size << _OFFSET_BITS | offset
+        idx = bisect_left(self._by_size, packed)
+        if idx == len(self._by_size) or self._by_size[idx] != packed:
+            raise InvariantViolation(f"free extent ({offset}, {size}) missing from the size index")
+        del self._by_size[idx]
+
+    def check_invariants(self) -> None:
+        """Verify every internal invariant (O(n log n); for tests). Raises InvariantViolation."""
+        extents = sorted(self._free_by_start.items())
+        blocks = sorted(self._allocated.items())
+        if sorted((s << _OFFSET_BITS | o) for o, s in extents) != self._by_size:
+            raise InvariantViolation("size index disagrees with the free extents")
+        if {o + s: o for o, s in extents} != self._free_by_end:
+            raise InvariantViolation("end index disagrees with the free extents")
+        if sum(s for _, s in blocks) != self._used_bytes:
+            raise InvariantViolation("used_bytes disagrees with the live blocks")
+        pieces = sorted([(o, s, True) for o, s in extents] + [(o, s, False) for o, s in blocks])
+        cursor = 0
+        prev_free = False
+        for offset, size, is_free in pieces:
+            if offset != cursor:
+                raise InvariantViolation(f"gap or overlap at offset {cursor} (next piece {offset})")
+            if size <= 0 or offset % self._alignment_bytes or size % self._alignment_bytes:
+                raise InvariantViolation(f"bad piece ({offset}, {size})")
+            if is_free and prev_free:
+                raise InvariantViolation(f"adjacent free extents at {offset} were not coalesced")
+            prev_free = is_free
+            cursor = offset + size
+        if cursor != self._capacity_bytes:
+            raise InvariantViolation(f"pieces cover {cursor} of {self._capacity_bytes} bytes")
+
+
+# --- the chunk table shared by the memory tiers ---------------------------------------------
+
+
+class Extent:
+    """One committed chunk's place in an arena. Mutable only under the table's lock."""
+
+    __slots__ = ("codec", "key", "offset", "readers", "removed", "size_bytes", "stored_bytes")
+
+    def __init__(
+        self, key: ChunkKey, offset: int, stored_bytes: int, size_bytes: int, codec: CodecKind
+    ) -> None:
+        self.key = key
+        self.offset = offset
+        self.stored_bytes = stored_bytes
+        """Bytes occupied in the arena (the compressed size when ``codec`` is not NONE)."""
+        self.size_bytes = size_bytes
+        """The chunk's logical size: what ``get_into`` fills."""
+        self.codec = codec
+        self.readers = 0
+        """Copies out of this extent in flight: its space is not reused until they end."""
+        self.removed = False
+
+
+class ExtentTable:
+    """Thread-safe bookkeeping of a memory tier: allocator, committed chunks, pending writes.
+
+    The tier does its bulk copies *outside* this lock, so the table makes them safe:
+
+    * a write first ``begin_write``s (the key is then *pending*: invisible, and a second
+      writer of the same key gets ``ChunkBusy``), copies, then ``commit_write``s or
+      ``abort_write``s with the same ``token``;
+    * a read ``acquire``s the extent (``readers += 1``), copies, then ``release``s it. A
+      ``remove`` during the copy hides the key at once but frees the space only when the
+      last reader releases it, so a concurrent put can never overwrite bytes being read.
+    """
+
+    def __init__(self, allocator: ExtentAllocator, *, where: str) -> None:
+        self._allocator = allocator
+        self._where = where
+        self._lock = threading.Lock()
+        self._committed: dict[ChunkKey, Extent] = {}
+        self._pending: dict[ChunkKey, object] = {}
+        self._closed = False
+
+    @property
+    def allocator(self) -> ExtentAllocator:
+        return self._allocator
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierUnavailable(f"{self._where} is closed")
+
+    def check_open(self) -> None:
+        """Raise TierUnavailable when closed."""
+        with self._lock:
+            self._check_open()
+
+    # --- writes -------------------------------------------------------------------------------
+
+    def begin_write(self, key: ChunkKey, stored_bytes: int, token: object) -> int:
+        """Make ``key`` pending under ``token`` and allocate its space; return the offset.
+
+        Raises TierUnavailable, ChunkExists, ChunkBusy (already pending), CapacityError.
+        """
+        with self._lock:
+            self._check_open()
+            if key in self._committed:
+                raise ChunkExists(f"chunk {key.hex()} is already stored in {self._where}")
+            if key in self._pending:
+                raise ChunkBusy(f"chunk {key.hex()} is being written to {self._where}")
+            offset = self._allocator.allocate(stored_bytes)
+            self._pending[key] = token
+            return offset
+
+    def allocate_raw(self, stored_bytes: int) -> int:
+        """Allocate space outside any key (a pending write moving its bytes, e.g. compressed)."""
+        with self._lock:
+            self._check_open()
+            return self._allocator.allocate(stored_bytes)
+
+    def free_raw(self, offset: int) -> None:
+        with self._lock:
+            if not self._closed:
+                self._allocator.free(offset)
+
+    def is_pending(self, key: ChunkKey, token: object) -> bool:
+        with self._lock:
+            return self._pending.get(key) is token
+
+    def commit_write(
+        self,
+        key: ChunkKey,
+        token: object,
+        offset: int,
+        stored_bytes: int,
+        size_bytes: int,
+        codec: CodecKind,
+    ) -> Extent:
+        """Publish a pending write. Raises InvalidArgument when ``token`` is not pending."""
+        with self._lock:
+            self._check_open()
+            if self._pending.get(key) is not token:
+                raise InvalidArgument(f"write of {key.hex()} is not pending (committed or aborted)")
+            del self._pending[key]
+            extent = Extent(key, offset, stored_bytes, size_bytes, codec)
+            self._committed[key] = extent
+            return extent
+
+    def abort_write(self, key: ChunkKey, token: object, offset: int) -> bool:
+        """Drop a pending write and free its space; False when it was not pending (idempotent)."""
+        with self._lock:
+            if self._pending.get(key) is not token:
+                return False
+            del self._pending[key]
+            if not self._closed:
+                self._allocator.free(offset)
+            return True
+
+    # --- reads --------------------------------------------------------------------------------
+
+    def get(self, key: ChunkKey) -> Extent | None:
+        with self._lock:
+            self._check_open()
+            return self._committed.get(key)
+
+    def acquire(self, key: ChunkKey) -> Extent:
+        """Pin a committed extent for a copy out of it. Raises ChunkNotFound, TierUnavailable."""
+        with self._lock:
+            self._check_open()
+            extent = self._committed.get(key)
+            if extent is None:
+                raise ChunkNotFound(key, self._where)
+            extent.readers += 1
+            return extent
+
+    def release(self, extent: Extent) -> None:
+        """End a copy started by :meth:`acquire`; frees the space of a removed extent."""
+        with self._lock:
+            extent.readers -= 1
+            if extent.removed and extent.readers == 0 and not self._closed:
+                self._allocator.free(extent.offset)
+
+    # --- removal, listing ---------------------------------------------------------------------
+
+    def remove(self, key: ChunkKey) -> bool:
+        with self._lock:
+            self._check_open()
+            extent = self._committed.pop(key, None)
+            if extent is None:
+                return False
+            extent.removed = True
+            if extent.readers == 0:
+                self._allocator.free(extent.offset)
+            return True
+
+    def drop(self, extent: Extent) -> None:
+        """Remove ``extent`` if it is still the committed one for its key (corrupt chunks)."""
+        with self._lock:
+            if self._committed.get(extent.key) is extent:
+                del self._committed[extent.key]
+                extent.removed = True
+                if extent.readers == 0 and not self._closed:
+                    self._allocator.free(extent.offset)
+
+    def snapshot(self) -> list[Extent]:
+        with self._lock:
+            self._check_open()
+            return list(self._committed.values())
+
+    def usage(self) -> tuple[int, int, int]:
+        """``(used_bytes, committed chunks, largest_free_bytes)`` read atomically."""
+        with self._lock:
+            self._check_open()
+            a = self._allocator
+            return a.used_bytes, len(self._committed), a.largest_free_bytes
+
+    def close(self) -> bool:
+        """Forget everything; True the first time. Readers in flight finish on their own views."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._closed = True
+            self._committed.clear()
+            self._pending.clear()
+            self._allocator.reset()
+            return True
