@@ -1,0 +1,356 @@
+"""The pinned-DRAM tier: chunks in one pre-touched shared-memory arena.
+
+``DramTier`` implements :class:`~kvstore.dataplane.tier.HostMemoryTier` (see that
+module for ownership, errors and threading). What is specific here:
+
+* **Memory.** One :class:`~kvstore.dataplane.arena.ShmArena` of ``capacity_bytes``
+  is created, reserved and pre-faulted by the constructor (≈0.5 s per GiB on the
+  reference machine) and pinned with CUDA when a GPU exists. Nothing is allocated
+  from the OS afterwards. Other local processes can map it read-only by
+  :attr:`arena_name` and copy a chunk straight out at :meth:`locate`'s offset
+  (the cache must hold a lease on that chunk meanwhile: the tier does not know
+  about outside readers).
+* **Layout.** :class:`~kvstore.dataplane.allocator.ExtentAllocator`: best fit,
+  coalescing, every chunk at a multiple of ``alignment_bytes`` (4 KiB default, so
+  O_DIRECT writes and GPU DMA can use a chunk in place).
+* **Copies.** ``put`` = allocate under the lock, one memcpy outside it, publish
+  under the lock; ``get_into`` = one memcpy outside the lock (the extent is pinned
+  against reuse meanwhile: a ``remove`` during the copy frees the space when the
+  copy ends). Copies of >= 256 KiB release the GIL.
+* **Compression** (``CodecSpec``, off by default). ``put`` compresses before
+  allocating and stores the frame when it saves at least ``min_saving``, raw bytes
+  otherwise; ``commit`` does the same with a reserved slot's bytes (moving them).
+  ``size_of``/``ChunkInfo.size_bytes`` are always the logical size; ``stats`` count
+  the stored (compressed) bytes. ``view`` of a compressed chunk cannot be zero-copy:
+  it **decompresses into a new read-only buffer** (correct bytes, one allocation)
+  rather than fail, and :meth:`is_zero_copy` tells which a key gets. A frame that
+  fails to decode drops the chunk and raises ``ChunkCorrupt``.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from kvstore.dataplane.allocator import Extent, ExtentAllocator, ExtentTable
+from kvstore.dataplane.arena import PinMode, ShmArena, copy_bytes, host_byte_view
+from kvstore.dataplane.compress import Codec, CodecKind, CodecSpec, make_codec
+from kvstore.dataplane.tier import ChunkInfo, ChunkKey, TierKind, TierStats, check_key
+from kvstore.errors import ChunkCorrupt, InvalidArgument, InvariantViolation, SizeMismatch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ALIGNMENT_BYTES = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkLocation:
+    """Where a chunk's bytes lie in the arena, for a same-host reader mapping it.
+
+    ``stored_bytes`` bytes at ``offset`` are the chunk itself when ``codec`` is NONE
+    (then ``stored_bytes == size_bytes``), else a frame of that codec.
+    """
+
+    offset: int
+    stored_bytes: int
+    size_bytes: int
+    codec: CodecKind
+
+
+class _SlotState(enum.Enum):
+    PENDING = "pending"
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+
+
+class DramSlot:
+    """A reserved, invisible chunk in the arena (a :class:`~kvstore.dataplane.tier.WriteSlot`).
+
+    ``buffer`` is released when the slot is committed or aborted, so a late write
+    through it raises ``ValueError`` instead of corrupting a neighbour (unless the
+    caller exported it further, e.g. ``np.frombuffer(slot.buffer)``: don't keep those).
+    """
+
+    __slots__ = ("_buffer", "_key", "_offset", "_size_bytes", "_state", "_tier", "_token")
+
+    def __init__(
+        self,
+        tier: DramTier,
+        key: ChunkKey,
+        offset: int,
+        size_bytes: int,
+        buffer: memoryview,
+        token: object,
+    ) -> None:
+        self._tier = tier
+        self._token = token
+        self._key = key
+        self._offset = offset
+        self._size_bytes = size_bytes
+        self._buffer = buffer
+        self._state = _SlotState.PENDING
+
+    @property
+    def key(self) -> ChunkKey:
+        return self._key
+
+    @property
+    def size_bytes(self) -> int:
+        return self._size_bytes
+
+    @property
+    def buffer(self) -> memoryview:
+        return self._buffer
+
+    def _finish(self, state: _SlotState) -> None:
+        self._state = state
+        try:
+            self._buffer.release()
+        except BufferError:
+            # The caller still holds an export of it (numpy/torch view): nothing to revoke.
+            log.debug("slot %s finished while its buffer is still exported", self._key.hex())
+
+    def __repr__(self) -> str:
+        return f"DramSlot({self._key.hex()}, {self._size_bytes} bytes, {self._state.value})"
+
+
+class DramTier:
+    """Chunks in pinned shared memory. See the module docstring.
+
+    The constructor creates, reserves, pre-faults and (with a GPU) pins the arena;
+    it raises ``CapacityError`` when ``/dev/shm`` lacks the room and
+    ``TierUnavailable`` when POSIX shared memory is missing.
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
+        codec: CodecSpec | None = None,
+        pin: PinMode = PinMode.AUTO,
+        arena_name: str | None = None,
+        prefault: bool = True,
+    ) -> None:
+        if not isinstance(capacity_bytes, int) or capacity_bytes < alignment_bytes:
+            raise InvalidArgument(
+                f"capacity must be an int >= {alignment_bytes} bytes, got {capacity_bytes!r}"
+            )
+        spec = codec or CodecSpec()
+        self._codec: Codec | None = make_codec(spec)
+        self._codec_spec = spec
+        allocator = ExtentAllocator(capacity_bytes, alignment_bytes)  # validates alignment
+        self._arena = ShmArena.create(
+            allocator.capacity_bytes, name=arena_name, prefault=prefault, pin=pin
+        )
+        self._table = ExtentTable(allocator, where=f"DRAM tier {self._arena.name}")
+        log.info(
+            "DRAM tier: %d bytes in %s, pre-fault %.3f s, pinned=%s, codec=%s",
+            allocator.capacity_bytes,
+            self._arena.name,
+            self._arena.prefault_s or 0.0,
+            self._arena.pinned,
+            spec.kind.value,
+        )
+
+    # --- identity -----------------------------------------------------------------------------
+
+    @property
+    def kind(self) -> TierKind:
+        return TierKind.DRAM
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._table.allocator.capacity_bytes
+
+    @property
+    def arena_name(self) -> str:
+        """The shared-memory name a same-host process passes to ``ShmArena.attach``."""
+        return self._arena.name
+
+    @property
+    def pinned(self) -> bool:
+        return self._arena.pinned
+
+    @property
+    def prefault_s(self) -> float | None:
+        return self._arena.prefault_s
+
+    @property
+    def codec(self) -> CodecSpec:
+        return self._codec_spec
+
+    # --- writes -------------------------------------------------------------------------------
+
+    def put(self, key: bytes, src: object) -> ChunkInfo:
+        """Store a copy of ``src``. Raises ChunkExists, ChunkBusy, CapacityError, InvalidArgument."""
+        chunk_key = check_key(key)
+        view = host_byte_view(src)
+        size = view.nbytes
+        if size == 0:
+            raise InvalidArgument("cannot store an empty chunk")
+        self._table.check_open()
+        packed = self._codec.compress(view) if self._codec is not None else None
+        stored: memoryview = memoryview(packed) if packed is not None else view
+        codec = self._codec_spec.kind if packed is not None else CodecKind.NONE
+        token = object()
+        offset = self._table.begin_write(chunk_key, stored.nbytes, token)
+        try:
+            copy_bytes(self._arena.view(offset, stored.nbytes, readonly=False), stored)
+            self._table.commit_write(chunk_key, token, offset, stored.nbytes, size, codec)
+        except BaseException:
+            self._table.abort_write(chunk_key, token, offset)
+            raise
+        return ChunkInfo(chunk_key, size, TierKind.DRAM)
+
+    def reserve(self, key: bytes, size_bytes: int) -> DramSlot:
+        """An invisible writable slot of ``size_bytes``. Raises ChunkExists, ChunkBusy, CapacityError."""
+        chunk_key = check_key(key)
+        if not isinstance(size_bytes, int) or size_bytes < 1:
+            raise InvalidArgument(f"slot size must be a positive int, got {size_bytes!r}")
+        token = object()
+        offset = self._table.begin_write(chunk_key, size_bytes, token)
+        try:
+            buffer = self._arena.view(offset, size_bytes, readonly=False)
+        except BaseException:
+            self._table.abort_write(chunk_key, token, offset)
+            raise
+        return DramSlot(self, chunk_key, offset, size_bytes, buffer, token)
+
+    def commit(self, slot: DramSlot) -> ChunkInfo:
+        """Publish a reserved slot. Raises InvalidArgument for a foreign or finished slot."""
+        token = self._slot_token(slot)
+        if slot._state is not _SlotState.PENDING or not self._table.is_pending(slot.key, token):
+            raise InvalidArgument(f"slot {slot.key.hex()} is {slot._state.value}, not pending")
+        offset, stored_bytes, codec = slot._offset, slot.size_bytes, CodecKind.NONE
+        if self._codec is not None:
+            packed = self._codec.compress(slot.buffer)
+            if packed is not None:
+                # Move the frame to a smaller extent; the raw one is freed after publishing.
+                new_offset = self._table.allocate_raw(len(packed))
+                try:
+                    copy_bytes(
+                        self._arena.view(new_offset, len(packed), readonly=False),
+                        memoryview(packed),
+                    )
+                except BaseException:
+                    self._table.free_raw(new_offset)
+                    raise
+                offset, stored_bytes, codec = new_offset, len(packed), self._codec_spec.kind
+        try:
+            self._table.commit_write(slot.key, token, offset, stored_bytes, slot.size_bytes, codec)
+        except BaseException:
+            if offset != slot._offset:
+                self._table.free_raw(offset)
+            raise
+        if offset != slot._offset:
+            self._table.free_raw(slot._offset)
+        slot._finish(_SlotState.COMMITTED)
+        return ChunkInfo(slot.key, slot.size_bytes, TierKind.DRAM)
+
+    def abort(self, slot: DramSlot) -> None:
+        """Free an uncommitted slot. Idempotent; a no-op on a committed slot."""
+        token = self._slot_token(slot)
+        if slot._state is not _SlotState.PENDING:
+            return
+        self._table.abort_write(slot.key, token, slot._offset)
+        slot._finish(_SlotState.ABORTED)
+
+    def _slot_token(self, slot: DramSlot) -> object:
+        if not isinstance(slot, DramSlot) or slot._tier is not self:
+            raise InvalidArgument("slot was not reserved from this tier")
+        return slot._token
+
+    # --- reads --------------------------------------------------------------------------------
+
+    def get_into(self, key: bytes, dst: object) -> int:
+        """Copy the chunk into ``dst`` (exactly its size). Raises ChunkNotFound, SizeMismatch, ChunkCorrupt."""
+        chunk_key = check_key(key)
+        out = host_byte_view(dst, writable=True)
+        extent = self._table.acquire(chunk_key)
+        try:
+            if out.nbytes != extent.size_bytes:
+                raise SizeMismatch(
+                    f"get_into {chunk_key.hex()}", expected=extent.size_bytes, actual=out.nbytes
+                )
+            stored = self._arena.view(extent.offset, extent.stored_bytes)
+            if extent.codec is CodecKind.NONE:
+                copy_bytes(out, stored)
+            else:
+                self._decompress(extent, stored, out)
+        finally:
+            self._table.release(extent)
+        return extent.size_bytes
+
+    def view(self, key: bytes) -> memoryview:
+        """A read-only view of the chunk: zero-copy unless it is compressed (see module doc)."""
+        chunk_key = check_key(key)
+        extent = self._table.acquire(chunk_key)
+        try:
+            stored = self._arena.view(extent.offset, extent.stored_bytes)
+            if extent.codec is CodecKind.NONE:
+                return stored
+            out = bytearray(extent.size_bytes)
+            self._decompress(extent, stored, memoryview(out))
+            return memoryview(out).toreadonly()
+        finally:
+            self._table.release(extent)
+
+    def _decompress(self, extent: Extent, stored: memoryview, out: memoryview) -> None:
+        # A tier compresses with its one codec only: a compressed extent implies self._codec.
+        if self._codec is None or extent.codec is not self._codec_spec.kind:
+            raise InvariantViolation(
+                f"extent codec {extent.codec} but tier codec {self._codec_spec}"
+            )
+        try:
+            self._codec.decompress_into(stored, out)
+        except ChunkCorrupt:
+            self._table.drop(extent)
+            log.error("DRAM chunk %s failed to decompress and was dropped", extent.key.hex())
+            raise
+
+    def is_zero_copy(self, key: bytes) -> bool | None:
+        """Whether ``view(key)`` is zero-copy (stored raw); None when the key is absent."""
+        extent = self._table.get(check_key(key))
+        return None if extent is None else extent.codec is CodecKind.NONE
+
+    def locate(self, key: bytes) -> ChunkLocation | None:
+        """Where the chunk lies in the arena (see :class:`ChunkLocation`); None on a miss."""
+        extent = self._table.get(check_key(key))
+        if extent is None:
+            return None
+        return ChunkLocation(extent.offset, extent.stored_bytes, extent.size_bytes, extent.codec)
+
+    def contains(self, key: bytes) -> bool:
+        return self._table.get(check_key(key)) is not None
+
+    def size_of(self, key: bytes) -> int | None:
+        extent = self._table.get(check_key(key))
+        return None if extent is None else extent.size_bytes
+
+    def remove(self, key: bytes) -> bool:
+        """Free the chunk (at once, or when a copy out of it in flight ends). False on a miss."""
+        return self._table.remove(check_key(key))
+
+    def chunks(self) -> Iterator[ChunkInfo]:
+        return iter([ChunkInfo(e.key, e.size_bytes, TierKind.DRAM) for e in self._table.snapshot()])
+
+    def stats(self) -> TierStats:
+        used, count, largest = self._table.usage()
+        return TierStats(TierKind.DRAM, self.capacity_bytes, used, count, largest)
+
+    def close(self) -> None:
+        """Forget every chunk, unpin, unmap and unlink the arena. Idempotent."""
+        if self._table.close():
+            self._arena.close()
+
+    def __enter__(self) -> DramTier:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"DramTier({self.capacity_bytes} bytes, arena={self._arena.name!r})"
