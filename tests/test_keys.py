@@ -479,3 +479,49 @@ def test_namespace_validates_itself_and_is_frozen() -> None:
     with pytest.raises(AttributeError):
         ns.tenant = "other"  # type: ignore[misc]
     assert ns == Namespace(fingerprint(), "acme") and hash(ns) == hash(Namespace(fingerprint(), "acme"))
+
+
+def test_kv_dtype_from_torch() -> None:
+    torch = pytest.importorskip("torch")
+    assert KVDtype.from_torch(torch.bfloat16) is KVDtype.BFLOAT16
+    assert KVDtype.from_torch(torch.float8_e4m3fn) is KVDtype.FLOAT8_E4M3FN
+    assert KVDtype.from_torch(torch.float16).itemsize_bytes == 2
+    with pytest.raises(InvalidArgument):
+        KVDtype.from_torch(torch.int64)
+
+
+# --------------------------------------------------------------------------------------
+# The hashing benchmark: a smoke run through the CLI (no timing is asserted).
+# --------------------------------------------------------------------------------------
+
+def test_bench_hashing_quick_writes_every_row(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from kvstore.cli.main import app
+
+    out = tmp_path / "hashing.json"
+    result = CliRunner().invoke(app, ["bench", "hashing", "--quick", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert {(r["mode"], r["block_tokens"], r["input"]) for r in data["rows"]} == {
+        (m.value, b, i) for m in HashMode for b in (256, 16) for i in ("numpy", "list")}
+    for row in data["rows"]:
+        assert row["tokens"] == 131072 and row["keys"] == 131072 // row["block_tokens"]
+        assert row["seconds"] > 0 and row["ratio_to_limit"] > 0
+        assert set(row) >= {"mode", "block_tokens", "tokens", "seconds", "tokens_per_s",
+                            "ratio_to_limit", "fraction_of_prefill"}
+    assert data["git_sha"] and data["versions"]["numpy"] == np.__version__
+
+
+def test_prefill_reference_takes_the_fastest_linear_term(tmp_path: Path) -> None:
+    from bench.hashing import prefill_reference
+
+    assert prefill_reference(1000, tmp_path) is None
+    fits = {"m1": {"1": {"prefill": [10.0, 0.1, 1e-6]}, "2": {"prefill": [5.0, 0.05, -1e-6]}},
+            "m2": {"4": {"prefill": [1.0, 0.2, 0.0]}}}
+    (tmp_path / "profiler-x.json").write_text(json.dumps(fits))
+    ref = prefill_reference(1000, tmp_path)
+    assert ref is not None
+    assert (ref.model, ref.tp) == ("m1", 2)
+    assert ref.seconds == pytest.approx((5.0 + 50.0) / 1e3)
+    assert ref.full_fit_seconds is None  # a negative quadratic term is not extrapolated
