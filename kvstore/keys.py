@@ -10,11 +10,12 @@ Keys never depend on a random seed, ``PYTHONHASHSEED`` or the host: the same
 tokens give the same keys in every process on every machine.
 
 Namespace
-    The first block's parent is the 16-byte :meth:`Namespace.key_prefix`, a
-    hash of the model's :class:`KVFingerprint` (model name, KV dtype, layers,
-    KV heads, head dim, block size, tensor-parallel shard) and a tenant.
-    KV bytes of two models, or of two shards of one model, can therefore never
-    be confused, and tenants never share a chunk.
+    :meth:`Namespace.key_prefix` is 16 bytes hashed from the model's
+    :class:`KVFingerprint` (model name, KV dtype, layers, KV heads, head dim,
+    block size, tensor-parallel shard) and a tenant. It is the first block's
+    parent in ``XXH3_128`` mode and the first 16 bytes of every key in
+    ``SHA256_CBOR`` mode, so KV bytes of two models, or of two shards of one
+    model, are never confused, and tenants never share a chunk.
 
 Modes (:class:`HashMode`)
     ``XXH3_128`` (default)
@@ -28,8 +29,9 @@ Modes (:class:`HashMode`)
         ``seed`` is the vLLM process's ``PYTHONHASHSEED`` string, passed here
         explicitly as ``vllm_hash_seed``). vLLM's hash has no model in it, so
         the store key is ``namespace.key_prefix() || vllm_hash`` (48 bytes):
-        the model namespace stays outside the vLLM hash, and the tenant also
-        enters it as vLLM's ``cache_salt`` on the first block. See
+        the model namespace stays outside the vLLM hash, and a non-empty
+        tenant also enters the vLLM hash as its ``cache_salt`` (first block's
+        extra keys, hence every later block through the chain). See
         ``docs/keys.md``.
 
 Thread safety
