@@ -155,7 +155,7 @@ class ShmArena:
         if not isinstance(size_bytes, int) or size_bytes < 1:
             raise InvalidArgument(f"arena size must be a positive int, got {size_bytes!r}")
         size_bytes = -(-size_bytes // PAGE_BYTES) * PAGE_BYTES
-        name = name or default_arena_name()
+        name = default_arena_name() if name is None else name
         path = _shm_path(name)
         if pin is PinMode.REQUIRE and not cuda.cuda_available():
             raise TierUnavailable("PinMode.REQUIRE but no CUDA device is available")
@@ -307,7 +307,12 @@ class ShmArena:
             self._pinned = False
         # Drop our own exports of the mapping, then try to unmap.
         self._array = np.empty(0, dtype=np.uint8)
-        self._buffer.release()
+        try:
+            self._buffer.release()
+        except BufferError:
+            # Something still holds an export of our whole-arena view (a pinned tensor
+            # slice in a copy in flight): it keeps the mapping alive until it is dropped.
+            log.debug("arena %s: whole-arena view still exported at close", self._name)
         try:
             mapping.close()
         except BufferError:

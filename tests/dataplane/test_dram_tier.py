@@ -11,11 +11,19 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvstore.dataplane.arena import ArenaAccess, ShmArena
+from kvstore.dataplane.arena import ArenaAccess, PinMode, ShmArena
 from kvstore.dataplane.compress import CodecKind, CodecSpec
+from kvstore.dataplane.cuda import cuda_available
 from kvstore.dataplane.dram import DramTier
 from kvstore.dataplane.tier import HostMemoryTier, Tier
-from kvstore.errors import ChunkBusy, ChunkCorrupt, ChunkExists, ChunkNotFound, InvalidArgument
+from kvstore.errors import (
+    ChunkBusy,
+    ChunkCorrupt,
+    ChunkExists,
+    ChunkNotFound,
+    InvalidArgument,
+    TierUnavailable,
+)
 
 from .tier_conformance import HostMemoryTierConformance, KiB, MiB, TierFactory, payload, read_back
 
@@ -297,3 +305,22 @@ def test_corrupt_compressed_chunk_is_dropped_and_raises(zstd_tier: DramTier) -> 
         zstd_tier.get_into(b"kv", bytearray(256 * KiB))
     assert not zstd_tier.contains(b"kv")
     assert zstd_tier.stats().used_bytes == 0
+
+
+# --- pinning ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(cuda_available(), reason="a CUDA device is present")
+def test_without_a_gpu_the_arena_is_not_pinned_and_require_fails() -> None:
+    with DramTier(MiB) as t:
+        assert t.pinned is False
+    with pytest.raises(TierUnavailable):
+        DramTier(MiB, pin=PinMode.REQUIRE)
+
+
+@pytest.mark.gpu
+def test_with_a_gpu_the_arena_is_pinned_by_default() -> None:
+    with DramTier(MiB) as t:
+        assert t.pinned is True
+        t.put(b"k", payload(4096, seed=1))
+        assert read_back(t, b"k") == payload(4096, seed=1)
