@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+pytest_plugins = ["tests.support.etcd"]
+
 
 def _cuda_available() -> bool:
     try:
