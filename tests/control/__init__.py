@@ -1,0 +1,1 @@
+"""Control-plane tests: membership in a real etcd, and later the conductor."""
