@@ -7,6 +7,7 @@ import typer
 
 from kvstore import __version__
 from kvstore.cli import bench as bench_cli
+from kvstore.cli import plan as plan_cli
 
 app = typer.Typer(
     name="kvtier",
@@ -16,6 +17,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.add_typer(bench_cli.app, name="bench")
+app.add_typer(plan_cli.app, name="plan")
 
 
 @app.command()
