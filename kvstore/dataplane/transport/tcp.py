@@ -1,0 +1,1178 @@
+"""The TCP data-plane transport: framed requests, payloads moved without intermediate copies.
+
+Wire format: :mod:`kvstore.dataplane.transport.frames`. Contracts: :mod:`.base`. Design notes and
+measured figures: ``docs/transport.md``.
+
+Zero intermediate copies
+    Payloads are received with ``recv_into`` straight into their destination (the server's
+    ``WriteLease.buffer``; the caller's ``dst`` on the client) and sent with one
+    ``sendmsg([header, key, view])`` from their source (the server's ``ReadLease.view``; the
+    caller's ``src``). No ``bytes`` object is built for a payload and nothing is joined. Header
+    buffers are preallocated per connection, so a small request allocates only its key.
+    ``MSG_WAITALL`` lets the kernel fill a whole payload in one system call.
+
+Striping
+    Values of at least ``stripe_threshold_bytes`` are split into one range per pooled connection
+    and moved in parallel threads (sockets release the GIL). Reads use ``GET_RANGE``; writes use
+    ``PUT_BEGIN`` (the server reserves an invisible write lease and returns a transfer id), then
+    ``PUT_PART`` per range on any connection: the part that completes the value commits it, so a
+    striped put is visible only once every byte has arrived. A failed part aborts the whole
+    reservation; a reservation nobody writes to for ``reservation_ttl_s`` is aborted by the
+    server's reaper.
+
+Threads, not asyncio
+    The server runs one thread per connection. Bulk transfers spend their time inside
+    ``recv_into``/``sendmsg`` with the GIL released, so threads overlap them as well as an event
+    loop would, without asyncio's per-read buffer copies (``StreamReader`` copies into its own
+    buffer) or its per-call scheduling overhead, and a slow backend call blocks only its own
+    connection. Connections are few and long-lived (a pool per engine), so thread count stays low.
+
+Timeouts and dead peers
+    Every socket carries ``SO_RCVTIMEO``/``SO_SNDTIMEO`` = ``io_timeout_s`` (set with
+    ``setsockopt``, so the socket stays in blocking mode and a read costs one system call, not a
+    ``poll`` plus a read). A peer that stalls mid-frame, dies or resets raises ``PeerUnavailable``
+    on the client; on the server it ends the connection and aborts its write lease. An idle server
+    connection waits in ``poll`` without timeout, together with the server's wake-up pipe, so
+    shutdown reaches it at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import logging
+import os
+import secrets
+import select
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvstore.dataplane.tier import MAX_KEY_BYTES, Buffer, ChunkKey, check_key
+from kvstore.dataplane.transport.base import Endpoint, LeaseBackend, TransportKind, WriteLease
+from kvstore.dataplane.transport.frames import (
+    DEFAULT_MAX_VALUE_BYTES,
+    HEADER_BYTES,
+    MAX_DETAIL_BYTES,
+    Flags,
+    Header,
+    Opcode,
+    Status,
+    decode_header,
+    error_for_status,
+    pack_header,
+    status_for_error,
+)
+from kvstore.errors import (
+    ChunkNotFound,
+    InvalidArgument,
+    InvariantViolation,
+    KvtierError,
+    PeerUnavailable,
+    ProtocolError,
+    TransportError,
+)
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+DEFAULT_STRIPE_THRESHOLD_BYTES = 8 * MiB
+_MIN_STRIPE_PART_BYTES = 1 * MiB
+_DRAIN_CHUNK_BYTES = 256 * 1024
+_T = TypeVar("_T")
+
+
+# --- socket helpers --------------------------------------------------------------------------------
+
+
+def _set_io_timeout(sock: socket.socket, io_timeout_s: float) -> None:
+    """Kernel-level send/receive timeouts; the socket stays blocking (no extra poll per call)."""
+    sec = int(io_timeout_s)
+    usec = int((io_timeout_s - sec) * 1_000_000)
+    tv = struct.pack("ll", sec, usec)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def _tune(sock: socket.socket, socket_buffer_bytes: int | None, io_timeout_s: float) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if socket_buffer_bytes:
+        # Setting these turns off Linux's buffer autotuning for this socket; see docs/transport.md
+        # for why the default leaves them alone.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, socket_buffer_bytes)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, socket_buffer_bytes)
+    _set_io_timeout(sock, io_timeout_s)
+
+
+def _recv_exact(sock: socket.socket, view: memoryview, what: str) -> None:
+    """Fill ``view`` from the socket. Raises PeerUnavailable on EOF, reset or timeout."""
+    size = len(view)
+    pos = 0
+    while pos < size:
+        try:
+            got = sock.recv_into(view[pos:] if pos else view, size - pos, socket.MSG_WAITALL)
+        except (BlockingIOError, TimeoutError) as exc:
+            raise PeerUnavailable(f"timed out receiving {what} ({pos} of {size} bytes)") from exc
+        except OSError as exc:
+            raise PeerUnavailable(f"connection failed receiving {what}: {exc}") from exc
+        if got == 0:
+            raise PeerUnavailable(f"peer closed the connection after {pos} of {size} bytes "
+                                  f"of {what}")
+        pos += got
+
+
+def _send_parts(sock: socket.socket, parts: Sequence[Buffer], what: str) -> None:
+    """Send ``parts`` back to back with one ``sendmsg`` (a loop only if the kernel sends less)."""
+    try:
+        sent = sock.sendmsg(parts)
+        total = sum(len(p) for p in parts)
+        if sent == total:
+            return
+        for part in parts:  # rare: interrupted or timed-out partial send
+            if sent >= len(part):
+                sent -= len(part)
+                continue
+            sock.sendall(memoryview(part)[sent:])
+            sent = 0
+    except (BlockingIOError, TimeoutError) as exc:
+        raise PeerUnavailable(f"timed out sending {what}") from exc
+    except OSError as exc:
+        raise PeerUnavailable(f"connection failed sending {what}: {exc}") from exc
+
+
+def byte_view(buf: Buffer, *, writable: bool) -> memoryview:
+    """A flat, C-contiguous ``uint8`` view of ``buf`` (no copy). Accepts anything with the buffer
+    protocol and CPU torch tensors. Raises InvalidArgument otherwise."""
+    try:
+        view = buf if isinstance(buf, memoryview) else memoryview(buf)
+    except TypeError:
+        if type(buf).__module__.split(".")[0] != "torch":
+            raise InvalidArgument(f"expected a buffer, got {type(buf).__name__}") from None
+        if buf.device.type != "cpu" or not buf.is_contiguous():
+            raise InvalidArgument("a torch tensor buffer must be contiguous and on the CPU"
+                                  ) from None
+        import torch  # a tensor was passed, so torch is already imported
+
+        view = memoryview(buf.view(torch.uint8).numpy())
+    if not view.c_contiguous:
+        raise InvalidArgument("buffer must be C-contiguous")
+    if writable and view.readonly:
+        raise InvalidArgument("destination buffer is read-only")
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    return view
+
+
+def _split(size_bytes: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous (offset, length) ranges covering ``size_bytes``; 64 KiB aligned."""
+    step = -(-size_bytes // parts)
+    step = -(-step // 65536) * 65536
+    return [(off, min(step, size_bytes - off)) for off in range(0, size_bytes, step)]
+
+
+# --- client ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TcpClientConfig:
+    """Client tuning. ``socket_buffer_bytes=None`` keeps Linux autotuning (see docs/transport.md)."""
+
+    connections: int = 4
+    stripe_threshold_bytes: int = DEFAULT_STRIPE_THRESHOLD_BYTES
+    max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES
+    connect_timeout_s: float = 5.0
+    io_timeout_s: float = 30.0
+    socket_buffer_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.connections <= 256:
+            raise InvalidArgument(f"connections must be 1..256, got {self.connections}")
+        if self.stripe_threshold_bytes < _MIN_STRIPE_PART_BYTES:
+            raise InvalidArgument(f"stripe_threshold_bytes must be >= {_MIN_STRIPE_PART_BYTES}, "
+                                  f"got {self.stripe_threshold_bytes}")
+        if self.max_value_bytes < 1:
+            raise InvalidArgument(f"max_value_bytes must be >= 1, got {self.max_value_bytes}")
+        if self.connect_timeout_s <= 0 or self.io_timeout_s <= 0:
+            raise InvalidArgument("timeouts must be > 0 seconds")
+        if self.socket_buffer_bytes is not None and self.socket_buffer_bytes < 4096:
+            raise InvalidArgument(f"socket_buffer_bytes must be >= 4096 or None, "
+                                  f"got {self.socket_buffer_bytes}")
+
+
+class _ClientConnection:
+    """One pooled socket. Used by one thread at a time; ``broken`` once out of step."""
+
+    __slots__ = ("_ids", "_max_value_bytes", "broken", "recv_hdr", "recv_view", "send_hdr", "sock")
+
+    def __init__(self, sock: socket.socket, max_value_bytes: int) -> None:
+        self.sock = sock
+        self.send_hdr = bytearray(HEADER_BYTES)
+        self.recv_hdr = bytearray(HEADER_BYTES)
+        self.recv_view = memoryview(self.recv_hdr)
+        self.broken = False
+        self._ids = itertools.count(1)
+        self._max_value_bytes = max_value_bytes
+
+    def request(self, opcode: Opcode, key: bytes, *, flags: int = 0, transfer_id: int = 0,
+                offset: int = 0, length: int = 0, total_size: int = 0,
+                payload: memoryview | None = None) -> Header:
+        """Send one request and read its response header (the caller reads any payload).
+
+        A non-OK status is raised as its kvtier error after reading the peer's detail message,
+        leaving the connection in step; transport failures mark it broken.
+        """
+        request_id = next(self._ids)
+        payload_len = 0 if payload is None else len(payload)
+        pack_header(self.send_hdr, opcode, flags=flags, key_len=len(key), request_id=request_id,
+                    transfer_id=transfer_id, offset=offset, length=length,
+                    total_size=total_size, payload_len=payload_len)
+        parts: list[Buffer] = [self.send_hdr, key] if payload is None else \
+            [self.send_hdr, key, payload]
+        try:
+            _send_parts(self.sock, parts, f"{opcode.name} request")
+        except PeerUnavailable as exc:
+            self.broken = True
+            # The peer may have refused the frame and closed (oversized value): its answer
+            # is likely already in our receive queue.
+            rejection = self._rejection_after_failed_send(key)
+            if rejection is not None:
+                raise rejection from exc
+            raise
+        header = self._read_header(request_id)
+        if header.status is not Status.OK:
+            raise self._error(header, key, expected_size=total_size)
+        return header
+
+    def recv_payload(self, view: memoryview, what: str) -> None:
+        try:
+            _recv_exact(self.sock, view, what)
+        except PeerUnavailable:
+            self.broken = True
+            raise
+
+    def _read_header(self, request_id: int) -> Header:
+        try:
+            _recv_exact(self.sock, self.recv_view, "response header")
+            header = decode_header(self.recv_hdr, self._max_value_bytes)
+        except (PeerUnavailable, ProtocolError):
+            self.broken = True
+            raise
+        if header.request_id != request_id or header.key_len:
+            self.broken = True
+            raise ProtocolError(f"response to request {header.request_id} (key_len "
+                                f"{header.key_len}) where {request_id} was expected")
+        return header
+
+    def _error(self, header: Header, key: bytes, *, expected_size: int = -1) -> KvtierError:
+        detail = ""
+        if header.payload_len:
+            if header.payload_len > MAX_DETAIL_BYTES:
+                self.broken = True
+                return ProtocolError(f"error detail of {header.payload_len} bytes")
+            buf = bytearray(header.payload_len)
+            self.recv_payload(memoryview(buf), "error detail")
+            detail = buf.decode("utf-8", "replace")
+        exc = error_for_status(header, key, detail, expected_size=expected_size)
+        if isinstance(exc, TransportError):
+            self.broken = True  # the peer closes after PROTOCOL / SHUTTING_DOWN answers
+        return exc
+
+    def _rejection_after_failed_send(self, key: bytes) -> KvtierError | None:
+        try:
+            ready, _, _ = select.select([self.sock], [], [], 0.2)
+            if not ready:
+                return None
+            got = self.sock.recv_into(self.recv_view, HEADER_BYTES,
+                                      socket.MSG_WAITALL | socket.MSG_DONTWAIT)
+            if got != HEADER_BYTES:
+                return None
+            header = decode_header(self.recv_hdr, self._max_value_bytes)
+        except (OSError, KvtierError):
+            return None
+        if header.status is Status.OK:
+            return None
+        detail = ""
+        if 0 < header.payload_len <= MAX_DETAIL_BYTES:
+            with contextlib.suppress(OSError):
+                detail = self.sock.recv(header.payload_len, socket.MSG_DONTWAIT).decode(
+                    "utf-8", "replace")
+        return error_for_status(header, key, detail)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+class TcpClient:
+    """A thread-safe data-plane client for one :class:`TcpServer` (contract: ``base.Transport``).
+
+    Holds up to ``connections`` sockets, opened on first use (the constructor touches no network).
+    Calls from many threads proceed in parallel, one connection each; values of at least
+    ``stripe_threshold_bytes`` are striped across all connections. A pooled connection that
+    fails is discarded, so the call after a server restart succeeds on a fresh one (the failing
+    call raises ``PeerUnavailable``: nothing is retried behind the caller's back).
+    """
+
+    def __init__(self, host: str, port: int, connections: int = 4, *,
+                 stripe_threshold_bytes: int = DEFAULT_STRIPE_THRESHOLD_BYTES,
+                 max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+                 connect_timeout_s: float = 5.0, io_timeout_s: float = 30.0,
+                 socket_buffer_bytes: int | None = None) -> None:
+        self._endpoint = Endpoint(TransportKind.TCP, host, port)
+        self._config = TcpClientConfig(
+            connections=connections, stripe_threshold_bytes=stripe_threshold_bytes,
+            max_value_bytes=max_value_bytes, connect_timeout_s=connect_timeout_s,
+            io_timeout_s=io_timeout_s, socket_buffer_bytes=socket_buffer_bytes)
+        self._lock = threading.Lock()
+        self._idle: list[_ClientConnection] = []
+        self._slots = threading.BoundedSemaphore(connections)
+        self._executor: ThreadPoolExecutor | None = None
+        self._closed = False
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return self._endpoint
+
+    @property
+    def config(self) -> TcpClientConfig:
+        return self._config
+
+    # --- Transport ----------------------------------------------------------------------------
+
+    def put(self, key: bytes, src: Buffer) -> None:
+        k = check_key(key)
+        view = byte_view(src, writable=False)
+        size = len(view)
+        if size > self._config.max_value_bytes:
+            raise InvalidArgument(f"value of {size} bytes exceeds max_value_bytes "
+                                  f"{self._config.max_value_bytes}")
+        if size < self._config.stripe_threshold_bytes or self._config.connections == 1:
+            with self._connection() as conn:
+                conn.request(Opcode.PUT, k, length=size, total_size=size, payload=view)
+            return
+        self._put_striped(k, view)
+
+    def get_into(self, key: bytes, dst: Buffer) -> int:
+        k = check_key(key)
+        view = byte_view(dst, writable=True)
+        size = len(view)
+        if size < self._config.stripe_threshold_bytes or self._config.connections == 1:
+            with self._connection() as conn:
+                header = conn.request(Opcode.GET, k, length=size, total_size=size)
+                self._check_payload(header, size, 0)
+                conn.recv_payload(view, "GET payload")
+            return size
+        self._get_ranges(k, view, 0, size)
+        return size
+
+    def get(self, key: bytes) -> bytearray:
+        """The whole value. Small values take one round trip: the first request asks for up to
+        ``stripe_threshold_bytes`` of a value of any size; a larger value's rest is striped."""
+        k = check_key(key)
+        head_bytes = self._config.stripe_threshold_bytes
+        with self._connection() as conn:
+            header = conn.request(Opcode.GET_RANGE, k, flags=Flags.ANY_SIZE, length=head_bytes)
+            total = header.total_size
+            if header.offset != 0 or header.length != min(head_bytes, total) or \
+                    header.payload_len != header.length:
+                conn.broken = True
+                raise ProtocolError(f"GET_RANGE answered {header.payload_len} bytes at "
+                                    f"{header.offset} of a {total}-byte value")
+            out = bytearray(total)
+            view = memoryview(out)
+            conn.recv_payload(view[:header.length], "GET_RANGE payload")
+        if total > header.length:
+            self._get_ranges(k, view, header.length, total)
+        return out
+
+    def exists(self, key: bytes) -> bool:
+        return self.size_of(key) is not None
+
+    def size_of(self, key: bytes) -> int | None:
+        k = check_key(key)
+        with self._connection() as conn:
+            try:
+                header = conn.request(Opcode.EXISTS, k)
+            except ChunkNotFound:
+                return None
+        return header.total_size
+
+    def remove(self, key: bytes) -> bool:
+        k = check_key(key)
+        with self._connection() as conn:
+            try:
+                conn.request(Opcode.REMOVE, k)
+            except ChunkNotFound:
+                return False
+        return True
+
+    def ping(self) -> None:
+        """One round trip on a pooled connection. Raises PeerUnavailable."""
+        with self._connection() as conn:
+            conn.request(Opcode.PING, b"")
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            executor, self._executor = self._executor, None
+        for conn in idle:
+            conn.close()
+        if executor is not None:
+            executor.shutdown(wait=True)
+
+    def __enter__(self) -> TcpClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # --- striping -----------------------------------------------------------------------------
+
+    def _get_ranges(self, key: ChunkKey, view: memoryview, start: int, total: int) -> None:
+        """Fill ``view[start:total]`` with GET_RANGE requests, one range per connection."""
+        span = total - start
+        parts = max(1, min(self._config.connections, span // _MIN_STRIPE_PART_BYTES))
+
+        def fetch(offset: int, length: int) -> None:
+            off = start + offset
+            with self._connection() as conn:
+                header = conn.request(Opcode.GET_RANGE, key, offset=off, length=length,
+                                      total_size=total)
+                self._check_payload(header, length, off)
+                conn.recv_payload(view[off:off + length], "GET_RANGE payload")
+
+        self._in_parallel(fetch, _split(span, parts))
+
+    def _put_striped(self, key: ChunkKey, view: memoryview) -> None:
+        size = len(view)
+        with self._connection() as conn:
+            header = conn.request(Opcode.PUT_BEGIN, key, total_size=size)
+        transfer_id = header.transfer_id
+
+        def send(offset: int, length: int) -> bool:
+            with self._connection() as conn:
+                reply = conn.request(Opcode.PUT_PART, key, transfer_id=transfer_id,
+                                     offset=offset, length=length, total_size=size,
+                                     payload=view[offset:offset + length])
+            return bool(reply.flags & Flags.COMMITTED)
+
+        try:
+            committed = self._in_parallel(send, _split(size, self._config.connections))
+        except BaseException:
+            self._abort_transfer(key, transfer_id)
+            raise
+        if sum(committed) != 1:
+            raise InvariantViolation(f"striped put of {key.hex()}: {sum(committed)} parts "
+                                     "reported the commit, expected exactly 1")
+
+    def _abort_transfer(self, key: ChunkKey, transfer_id: int) -> None:
+        """Best effort: the server's reaper frees the reservation anyway after its TTL."""
+        try:
+            with self._connection() as conn:
+                conn.request(Opcode.PUT_ABORT, key, transfer_id=transfer_id)
+        except KvtierError as exc:
+            log.debug("PUT_ABORT of transfer %#x failed (reaper will free it): %s",
+                      transfer_id, exc)
+
+    def _in_parallel(self, fn: Callable[[int, int], _T], ranges: list[tuple[int, int]]
+                     ) -> list[_T]:
+        """Run ``fn(offset, length)`` per range: the first in this thread, the rest in the pool.
+        Waits for every range, even after a failure (they write into the caller's buffer), then
+        raises the first error."""
+        futures: list[Future[_T]] = [self._pool_executor().submit(fn, off, n)
+                                     for off, n in ranges[1:]]
+        results: list[_T] = []
+        first_error: BaseException | None = None
+        try:
+            results.append(fn(*ranges[0]))
+        except BaseException as exc:
+            first_error = exc
+        for fut in futures:
+            try:
+                results.append(fut.result())
+            except BaseException as exc:
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
+        return results
+
+    def _pool_executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._closed:
+                raise PeerUnavailable("client is closed")
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=self._config.connections,
+                                                    thread_name_prefix="kvtier-tcp-stripe")
+            return self._executor
+
+    # --- pool ---------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _connection(self) -> Iterator[_ClientConnection]:
+        """Check out a connection (blocking while all ``connections`` are busy)."""
+        self._slots.acquire()
+        try:
+            conn = self._checkout()
+        except BaseException:
+            self._slots.release()
+            raise
+        try:
+            yield conn
+        except BaseException as exc:
+            if not isinstance(exc, KvtierError) or isinstance(exc, TransportError):
+                conn.broken = True
+            raise
+        finally:
+            with self._lock:
+                keep = not conn.broken and not self._closed
+                if keep:
+                    self._idle.append(conn)
+            if not keep:
+                conn.close()
+            self._slots.release()
+
+    def _checkout(self) -> _ClientConnection:
+        with self._lock:
+            if self._closed:
+                raise PeerUnavailable("client is closed")
+            if self._idle:
+                return self._idle.pop()
+        host, port = self._endpoint.host, self._endpoint.port
+        try:
+            sock = socket.create_connection((host, port), timeout=self._config.connect_timeout_s)
+        except OSError as exc:
+            raise PeerUnavailable(f"cannot connect to {host}:{port}: {exc}") from exc
+        sock.settimeout(None)
+        _tune(sock, self._config.socket_buffer_bytes, self._config.io_timeout_s)
+        return _ClientConnection(sock, self._config.max_value_bytes)
+
+    @staticmethod
+    def _check_payload(header: Header, length: int, offset: int) -> None:
+        if header.payload_len != length or header.offset != offset:
+            raise ProtocolError(f"peer answered {header.payload_len} bytes at {header.offset} "
+                                f"where {length} at {offset} were asked for")
+
+
+# --- server ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TcpServerConfig:
+    """Server settings. ``port=0`` binds an ephemeral port (see ``TcpServer.endpoint``)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES
+    socket_buffer_bytes: int | None = None
+    io_timeout_s: float = 30.0
+    """Longest stall allowed inside one frame (an idle connection may wait forever)."""
+    reservation_ttl_s: float = 30.0
+    """A multi-part put nobody writes to for this long is aborted."""
+    drain_timeout_s: float = 5.0
+    """Default time ``close`` gives in-flight transfers to finish."""
+    backlog: int = 128
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise InvalidArgument("host must not be empty")
+        if not 0 <= self.port < 65536:
+            raise InvalidArgument(f"port must be 0..65535, got {self.port}")
+        if self.max_value_bytes < 1:
+            raise InvalidArgument(f"max_value_bytes must be >= 1, got {self.max_value_bytes}")
+        if self.socket_buffer_bytes is not None and self.socket_buffer_bytes < 4096:
+            raise InvalidArgument(f"socket_buffer_bytes must be >= 4096 or None, "
+                                  f"got {self.socket_buffer_bytes}")
+        for name in ("io_timeout_s", "reservation_ttl_s"):
+            if getattr(self, name) <= 0:
+                raise InvalidArgument(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.drain_timeout_s < 0:
+            raise InvalidArgument(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.backlog < 1:
+            raise InvalidArgument(f"backlog must be >= 1, got {self.backlog}")
+
+
+@dataclass(frozen=True, slots=True)
+class TcpServerStats:
+    """A snapshot of a server's counters."""
+
+    requests: dict[str, int]
+    bytes_received: int
+    bytes_sent: int
+    connections_open: int
+    connections_total: int
+    reservations_open: int
+    reservations_expired: int
+    protocol_errors: int
+
+
+@dataclass(slots=True)
+class _Reservation:
+    """A multi-part put in progress. Guarded by ``TcpServer._lock``."""
+
+    transfer_id: int
+    key: ChunkKey
+    lease: WriteLease
+    deadline: float
+    claimed: list[tuple[int, int]] = field(default_factory=list)
+    received_bytes: int = 0
+    writers: int = 0
+    """Threads receiving into the lease right now: it is aborted only when this drops to 0."""
+    doomed: bool = False
+
+
+class TcpServer:
+    """Serves a :class:`~kvstore.dataplane.transport.base.LeaseBackend` over TCP.
+
+    The constructor only records its arguments; ``start()`` binds, listens and starts the
+    accept thread, the reservation reaper and, per connection, one handler thread. ``close()``
+    drains (see ``TransportServer.close``). Usable as a context manager (start/close).
+    """
+
+    def __init__(self, backend: LeaseBackend, config: TcpServerConfig | None = None) -> None:
+        self._backend = backend
+        self._config = config or TcpServerConfig()
+        self._lock = threading.Lock()
+        self._listener: socket.socket | None = None
+        self._endpoint: Endpoint | None = None
+        self._closing = threading.Event()
+        self._closed = False
+        self._wake_r = self._wake_w = -1
+        self._threads: list[threading.Thread] = []
+        self._connections: dict[int, _ServerConnection] = {}
+        self._reservations: dict[int, _Reservation] = {}
+        self._conn_ids = itertools.count(1)
+        self._counts: Counter[str] = Counter()
+
+    @property
+    def config(self) -> TcpServerConfig:
+        return self._config
+
+    @property
+    def backend(self) -> LeaseBackend:
+        return self._backend
+
+    @property
+    def endpoint(self) -> Endpoint:
+        if self._endpoint is None:
+            raise TransportError("server is not started")
+        return self._endpoint
+
+    def start(self) -> Endpoint:
+        with self._lock:
+            if self._closed or self._listener is not None:
+                raise TransportError("a TcpServer can be started once")
+            cfg = self._config
+            try:
+                listener = socket.create_server((cfg.host, cfg.port), backlog=cfg.backlog)
+            except OSError as exc:
+                raise TransportError(f"cannot listen on {cfg.host}:{cfg.port}: {exc}") from exc
+            self._listener = listener
+            host, port = listener.getsockname()[:2]
+            self._endpoint = Endpoint(TransportKind.TCP, host, port)
+            self._wake_r, self._wake_w = os.pipe()
+            for target, name in ((self._accept_loop, "kvtier-tcp-accept"),
+                                 (self._reap_loop, "kvtier-tcp-reaper")):
+                thread = threading.Thread(target=target, name=name, daemon=True)
+                self._threads.append(thread)
+                thread.start()
+        log.info("data-plane TCP server listening on %s:%d", host, port)
+        return self._endpoint
+
+    def close(self, drain_timeout_s: float | None = None) -> None:
+        drain_s = self._config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            started = self._listener is not None
+            self._closing.set()
+        if not started:
+            return
+        os.write(self._wake_w, b"x")  # never read: stays readable for every poller
+        for thread in self._threads:
+            thread.join()
+        assert self._listener is not None
+        self._listener.close()
+        deadline = time.monotonic() + drain_s
+        with self._lock:
+            handlers = list(self._connections.values())
+        for handler in handlers:
+            handler.thread.join(max(0.0, deadline - time.monotonic()))
+        stuck = [h for h in handlers if h.thread.is_alive()]
+        for handler in stuck:
+            log.warning("cutting connection %s still busy after the %.1f s drain",
+                        handler.peer, drain_s)
+            handler.cut()
+        for handler in stuck:
+            handler.thread.join(5.0)
+        with self._lock:
+            leftovers = list(self._reservations.values())
+            self._reservations.clear()
+        for res in leftovers:
+            res.lease.abort()
+        if not any(h.thread.is_alive() for h in stuck):
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    def __enter__(self) -> TcpServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def stats(self) -> TcpServerStats:
+        with self._lock:
+            counts = dict(self._counts)
+            return TcpServerStats(
+                requests={op.name: counts.get(op.name, 0) for op in Opcode},
+                bytes_received=counts.get("bytes_received", 0),
+                bytes_sent=counts.get("bytes_sent", 0),
+                connections_open=len(self._connections),
+                connections_total=counts.get("connections", 0),
+                reservations_open=len(self._reservations),
+                reservations_expired=counts.get("reservations_expired", 0),
+                protocol_errors=counts.get("protocol_errors", 0),
+            )
+
+    # --- threads ------------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        poller = select.poll()
+        poller.register(self._listener, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        while not self._closing.is_set():
+            events = poller.poll()
+            if not any(fd == self._listener.fileno() for fd, _ in events):
+                continue
+            try:
+                sock, addr = self._listener.accept()
+            except OSError as exc:
+                log.warning("accept failed: %s", exc)
+                continue
+            try:
+                _tune(sock, self._config.socket_buffer_bytes, self._config.io_timeout_s)
+            except OSError as exc:
+                log.warning("cannot configure connection from %s: %s", addr, exc)
+                sock.close()
+                continue
+            handler = _ServerConnection(self, next(self._conn_ids), sock, f"{addr[0]}:{addr[1]}")
+            with self._lock:
+                if self._closing.is_set():
+                    sock.close()
+                    return
+                self._connections[handler.conn_id] = handler
+                self._counts["connections"] += 1
+            handler.thread.start()
+
+    def _reap_loop(self) -> None:
+        interval_s = min(1.0, self._config.reservation_ttl_s / 4)
+        while not self._closing.wait(interval_s):
+            now = time.monotonic()
+            expired: list[_Reservation] = []
+            with self._lock:
+                for tid, res in list(self._reservations.items()):
+                    if res.writers == 0 and res.deadline < now:
+                        del self._reservations[tid]
+                        expired.append(res)
+                self._counts["reservations_expired"] += len(expired)
+            for res in expired:
+                log.info("multi-part put of %s expired after %.1f s without progress",
+                         res.key.hex(), self._config.reservation_ttl_s)
+                res.lease.abort()
+
+    # --- shared state used by the handlers ----------------------------------------------------
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += n
+
+    def _forget(self, handler: _ServerConnection) -> None:
+        with self._lock:
+            self._connections.pop(handler.conn_id, None)
+
+    def _begin_reservation(self, key: ChunkKey, lease: WriteLease) -> int:
+        with self._lock:
+            transfer_id = secrets.randbits(63) or 1
+            while transfer_id in self._reservations:
+                transfer_id = secrets.randbits(63) or 1
+            self._reservations[transfer_id] = _Reservation(
+                transfer_id, key, lease, time.monotonic() + self._config.reservation_ttl_s)
+        return transfer_id
+
+    def _claim_part(self, transfer_id: int, key: ChunkKey, offset: int, length: int
+                    ) -> _Reservation | str:
+        """Register a writer for ``[offset, offset+length)``; a string says why not."""
+        with self._lock:
+            res = self._reservations.get(transfer_id)
+            if res is None or res.doomed:
+                return "unknown, expired or aborted transfer"
+            if res.key != key:
+                return "transfer belongs to another key"
+            if offset + length > res.lease.size_bytes or length == 0:
+                return (f"part [{offset}, {offset + length}) outside the "
+                        f"{res.lease.size_bytes}-byte value")
+            for start, n in res.claimed:
+                if offset < start + n and start < offset + length:
+                    return f"part [{offset}, {offset + length}) overlaps one already sent"
+            res.claimed.append((offset, length))
+            res.writers += 1
+            res.deadline = time.monotonic() + self._config.reservation_ttl_s
+            return res
+
+    def _finish_part(self, res: _Reservation, length: int, ok: bool) -> str:
+        """Account for a finished writer. Returns "committed", "partial" or "dropped"."""
+        abort = False
+        with self._lock:
+            res.writers -= 1
+            if ok and not res.doomed:
+                res.received_bytes += length
+                res.deadline = time.monotonic() + self._config.reservation_ttl_s
+                if res.received_bytes < res.lease.size_bytes:
+                    return "partial"
+                # Every byte has arrived, so no other writer is inside the buffer.
+                del self._reservations[res.transfer_id]
+            else:
+                res.doomed = True
+                if res.writers == 0:
+                    self._reservations.pop(res.transfer_id, None)
+                    abort = True
+        if abort:
+            res.lease.abort()
+            return "dropped"
+        if not ok or res.doomed:
+            return "dropped"
+        res.lease.commit()
+        return "committed"
+
+    def _abort_reservation(self, transfer_id: int, key: ChunkKey) -> bool:
+        with self._lock:
+            res = self._reservations.get(transfer_id)
+            if res is None or res.key != key:
+                return False
+            res.doomed = True
+            if res.writers:
+                return True  # the last writer aborts the lease when it leaves
+            del self._reservations[transfer_id]
+        res.lease.abort()
+        return True
+
+
+class _ServerConnection:
+    """One client connection, served by its own thread until EOF, error or shutdown."""
+
+    def __init__(self, server: TcpServer, conn_id: int, sock: socket.socket, peer: str) -> None:
+        self.server = server
+        self.conn_id = conn_id
+        self.sock = sock
+        self.peer = peer
+        self.hdr = bytearray(HEADER_BYTES)
+        self.hdr_view = memoryview(self.hdr)
+        self.key_buf = bytearray(MAX_KEY_BYTES)
+        self.key_view = memoryview(self.key_buf)
+        self.out = bytearray(HEADER_BYTES)
+        self.scratch: memoryview | None = None
+        self.thread = threading.Thread(target=self.serve, name=f"kvtier-tcp-conn-{conn_id}",
+                                       daemon=True)
+        self._handlers: dict[Opcode, Callable[[Header, ChunkKey], None]] = {
+            Opcode.PING: self._ping,
+            Opcode.PUT: self._put,
+            Opcode.GET: self._get,
+            Opcode.GET_RANGE: self._get_range,
+            Opcode.EXISTS: self._exists,
+            Opcode.REMOVE: self._remove,
+            Opcode.PUT_BEGIN: self._put_begin,
+            Opcode.PUT_PART: self._put_part,
+            Opcode.PUT_ABORT: self._put_abort,
+        }
+
+    def cut(self) -> None:
+        """Force the connection down (from another thread): blocked I/O fails at once."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def serve(self) -> None:
+        server = self.server
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        poller.register(server._wake_r, select.POLLIN)
+        sock_fd = self.sock.fileno()
+        header: Header | None = None
+        try:
+            while True:
+                # After close() the wake-up pipe stays readable: requests already on the socket
+                # are still served (drained), and the loop ends once the socket has nothing more.
+                if not any(fd == sock_fd for fd, _ in poller.poll()):
+                    break
+                header = None
+                if not self._read_header():
+                    break  # clean EOF between frames
+                header = decode_header(self.hdr, server._config.max_value_bytes)
+                self._serve_one(header)
+        except PeerUnavailable as exc:
+            log.info("connection %s ended mid-frame: %s", self.peer, exc)
+        except ProtocolError as exc:
+            log.warning("protocol error from %s, closing: %s", self.peer, exc)
+            server._count("protocol_errors")
+            self._reply_quietly(header, Status.PROTOCOL, str(exc))
+        except Exception as exc:
+            log.exception("bug while serving %s; closing the connection", self.peer)
+            self._reply_quietly(header, Status.INTERNAL, f"{type(exc).__name__}: {exc}")
+        finally:
+            with contextlib.suppress(OSError):
+                self.sock.close()
+            server._forget(self)
+
+    def _read_header(self) -> bool:
+        """Read one header; False on EOF before its first byte."""
+        try:
+            got = self.sock.recv_into(self.hdr_view, HEADER_BYTES, socket.MSG_WAITALL)
+        except (BlockingIOError, TimeoutError) as exc:
+            raise PeerUnavailable("timed out inside a frame header") from exc
+        except OSError as exc:
+            raise PeerUnavailable(f"connection failed: {exc}") from exc
+        if got == 0:
+            return False
+        if got < HEADER_BYTES:
+            _recv_exact(self.sock, self.hdr_view[got:], "frame header")
+        return True
+
+    def _serve_one(self, h: Header) -> None:
+        if h.status is not Status.OK:
+            raise ProtocolError(f"request with status {h.status.name}")
+        key = b""
+        if h.key_len:
+            _recv_exact(self.sock, self.key_view[:h.key_len], "key")
+            key = bytes(self.key_view[:h.key_len])
+        self.server._count(h.opcode.name)
+        if h.payload_len and h.opcode not in (Opcode.PUT, Opcode.PUT_PART):
+            self._drain(h.payload_len)
+            self._reply(h, Status.BAD_REQUEST, detail=f"{h.opcode.name} carries no payload")
+            return
+        if h.opcode is not Opcode.PING:
+            try:
+                key = check_key(key)
+            except InvalidArgument as exc:
+                self._drain(h.payload_len)
+                self._reply(h, Status.BAD_REQUEST, detail=str(exc))
+                return
+        try:
+            self._handlers[h.opcode](h, ChunkKey(key))
+        except KvtierError as exc:
+            if isinstance(exc, TransportError):
+                raise
+            # Raised by the backend before any payload moved (handlers drain first).
+            self._reply(h, status_for_error(exc), detail=str(exc))
+
+    # --- replies ------------------------------------------------------------------------------
+
+    def _reply(self, h: Header, status: Status = Status.OK, *, flags: int = 0,
+               transfer_id: int = 0, offset: int = 0, length: int = 0, total_size: int = 0,
+               payload: memoryview | None = None, detail: str = "") -> None:
+        if detail:
+            payload = memoryview(detail.encode("utf-8", "replace")[:MAX_DETAIL_BYTES])
+        payload_len = 0 if payload is None else len(payload)
+        pack_header(self.out, h.opcode, flags=flags, status=status, request_id=h.request_id,
+                    transfer_id=transfer_id, offset=offset, length=length,
+                    total_size=total_size, payload_len=payload_len)
+        parts: list[Buffer] = [self.out] if payload is None else [self.out, payload]
+        _send_parts(self.sock, parts, f"{h.opcode.name} response")
+        if payload_len:
+            self.server._count("bytes_sent", payload_len)
+
+    def _reply_quietly(self, h: Header | None, status: Status, detail: str) -> None:
+        """Best-effort last word before closing; the peer may already be gone."""
+        if h is None:  # the header itself was refused: still echo its request id
+            (request_id,) = struct.unpack_from("<Q", self.hdr, 16)
+            h = Header(Opcode.PING, 0, Status.OK, 0, request_id, 0, 0, 0, 0, 0)
+        with contextlib.suppress(KvtierError):
+            self._reply(h, status, detail=detail)
+
+    def _drain(self, size_bytes: int) -> None:
+        """Read and discard a refused payload so the connection stays in step."""
+        if self.scratch is None:
+            self.scratch = memoryview(bytearray(_DRAIN_CHUNK_BYTES))
+        while size_bytes:
+            n = min(size_bytes, _DRAIN_CHUNK_BYTES)
+            _recv_exact(self.sock, self.scratch[:n], "refused payload")
+            size_bytes -= n
+
+    # --- opcodes ------------------------------------------------------------------------------
+
+    def _ping(self, h: Header, key: ChunkKey) -> None:
+        self._reply(h)
+
+    def _put(self, h: Header, key: ChunkKey) -> None:
+        if not (h.offset == 0 and h.length == h.total_size == h.payload_len):
+            self._drain(h.payload_len)
+            self._reply(h, Status.BAD_REQUEST, detail="PUT must carry the whole value: "
+                        "offset 0 and length == total_size == payload_len")
+            return
+        try:
+            lease = self.server._backend.open_write(key, h.total_size)
+        except KvtierError as exc:
+            self._drain(h.payload_len)
+            self._reply(h, status_for_error(exc), detail=str(exc))
+            return
+        try:
+            _recv_exact(self.sock, lease.buffer, "PUT payload")
+        except BaseException:
+            lease.abort()  # the client vanished or stalled: never visible
+            raise
+        self.server._count("bytes_received", h.payload_len)
+        lease.commit()
+        self._reply(h, total_size=h.total_size)
+
+    def _get(self, h: Header, key: ChunkKey) -> None:
+        lease = self.server._backend.open_read(key)
+        try:
+            size = lease.size_bytes
+            if not h.flags & Flags.ANY_SIZE and h.total_size != size:
+                self._reply(h, Status.SIZE_MISMATCH, total_size=size,
+                            detail=f"chunk is {size} bytes, the buffer {h.total_size}")
+                return
+            self._reply(h, length=size, total_size=size, payload=lease.view)
+        finally:
+            lease.release()  # also when the client vanished mid-send
+
+    def _get_range(self, h: Header, key: ChunkKey) -> None:
+        lease = self.server._backend.open_read(key)
+        try:
+            size = lease.size_bytes
+            offset, length = h.offset, h.length
+            if h.flags & Flags.ANY_SIZE:
+                length = max(0, min(length, size - offset))
+            elif h.total_size != size:
+                self._reply(h, Status.SIZE_MISMATCH, total_size=size,
+                            detail=f"chunk is {size} bytes, the buffer {h.total_size}")
+                return
+            if offset + length > size:
+                self._reply(h, Status.BAD_REQUEST, total_size=size,
+                            detail=f"range [{offset}, {offset + length}) outside {size} bytes")
+                return
+            self._reply(h, offset=offset, length=length, total_size=size,
+                        payload=lease.view[offset:offset + length])
+        finally:
+            lease.release()
+
+    def _exists(self, h: Header, key: ChunkKey) -> None:
+        size = self.server._backend.size_of(key)
+        if size is None:
+            self._reply(h, Status.NOT_FOUND)
+        else:
+            self._reply(h, total_size=size)
+
+    def _remove(self, h: Header, key: ChunkKey) -> None:
+        removed = self.server._backend.remove(key)
+        self._reply(h, Status.OK if removed else Status.NOT_FOUND)
+
+    def _put_begin(self, h: Header, key: ChunkKey) -> None:
+        if h.total_size == 0:
+            self._reply(h, Status.BAD_REQUEST, detail="a multi-part put needs a size >= 1")
+            return
+        lease = self.server._backend.open_write(key, h.total_size)
+        transfer_id = self.server._begin_reservation(key, lease)
+        self._reply(h, transfer_id=transfer_id, total_size=h.total_size)
+
+    def _put_part(self, h: Header, key: ChunkKey) -> None:
+        if h.length != h.payload_len:
+            self._drain(h.payload_len)
+            self._reply(h, Status.BAD_REQUEST, detail="PUT_PART length != payload_len")
+            return
+        claim = self.server._claim_part(h.transfer_id, key, h.offset, h.length)
+        if isinstance(claim, str):
+            self._drain(h.payload_len)
+            self._reply(h, Status.UNKNOWN_TRANSFER, transfer_id=h.transfer_id, detail=claim)
+            return
+        ok = False
+        try:
+            _recv_exact(self.sock, claim.lease.buffer[h.offset:h.offset + h.length],
+                        "PUT_PART payload")
+            ok = True
+        finally:
+            outcome = self.server._finish_part(claim, h.length, ok)
+        self.server._count("bytes_received", h.length)
+        if outcome == "dropped":
+            self._reply(h, Status.UNKNOWN_TRANSFER, transfer_id=h.transfer_id,
+                        detail="the transfer was aborted while this part arrived")
+            return
+        flags = Flags.COMMITTED if outcome == "committed" else Flags.NONE
+        self._reply(h, flags=flags, transfer_id=h.transfer_id, offset=h.offset,
+                    length=h.length, total_size=h.total_size)
+
+    def _put_abort(self, h: Header, key: ChunkKey) -> None:
+        found = self.server._abort_reservation(h.transfer_id, key)
+        self._reply(h, Status.OK if found else Status.UNKNOWN_TRANSFER,
+                    transfer_id=h.transfer_id)
+
+
+# --- standalone server (tests, benchmarks, a quick peer by hand) -----------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvstore.dataplane.transport``: serve an in-memory backend.
+
+    Prints ``LISTENING <host> <port>`` once bound, then serves until SIGTERM/SIGINT (or, with
+    ``--exit-on-stdin-eof``, until its parent closes stdin), draining in-flight transfers. A test
+    and benchmark harness, not the store daemon: it reads flags only, no config tree.
+    """
+    from kvstore.dataplane.transport.memory_backend import MemoryBackend
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--max-value-bytes", type=int, default=DEFAULT_MAX_VALUE_BYTES)
+    parser.add_argument("--capacity-bytes", type=int, default=None)
+    parser.add_argument("--socket-buffer-bytes", type=int, default=None)
+    parser.add_argument("--io-timeout-s", type=float, default=30.0)
+    parser.add_argument("--reservation-ttl-s", type=float, default=30.0)
+    parser.add_argument("--drain-timeout-s", type=float, default=5.0)
+    parser.add_argument("--exit-on-stdin-eof", action="store_true")
+    parser.add_argument("--log-level", default="WARNING")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = TcpServerConfig(
+            host=args.host, port=args.port, max_value_bytes=args.max_value_bytes,
+            socket_buffer_bytes=args.socket_buffer_bytes, io_timeout_s=args.io_timeout_s,
+            reservation_ttl_s=args.reservation_ttl_s, drain_timeout_s=args.drain_timeout_s)
+    except InvalidArgument as exc:
+        parser.error(str(exc))
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    if args.exit_on_stdin_eof:
+        def watch_stdin() -> None:
+            # A raw fd read: a daemon thread blocked in the buffered reader would hold its lock
+            # and abort interpreter shutdown.
+            while os.read(sys.stdin.fileno(), 4096):
+                pass
+            stop.set()
+
+        threading.Thread(target=watch_stdin, name="stdin-watch", daemon=True).start()
+    server = TcpServer(MemoryBackend(capacity_bytes=args.capacity_bytes), config)
+    endpoint = server.start()
+    print(f"LISTENING {endpoint.host} {endpoint.port}", flush=True)
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        server.close()
+    return 0
+
