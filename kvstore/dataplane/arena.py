@@ -103,6 +103,13 @@ def _unlink_quietly(path: str) -> None:
         log.warning("shared-memory arena %s was already unlinked by someone else", path)
 
 
+def _unlink_if_creator(path: str, creator_pid: int) -> None:
+    # A forked child inherits the finalizer (and runs it at its own exit): only the
+    # creating process may unlink, or a child's exit would pull the arena's name away.
+    if os.getpid() == creator_pid:
+        _unlink_quietly(path)
+
+
 class ShmArena:
     """One shared-memory mapping. Build with :meth:`create` or :meth:`attach`, not directly."""
 
@@ -132,7 +139,9 @@ class ShmArena:
         self._address = int(self._array.ctypes.data)
         self._pinned = False
         self._finalizer = (
-            weakref.finalize(self, _unlink_quietly, os.path.join(SHM_DIR, name)) if owner else None
+            weakref.finalize(self, _unlink_if_creator, os.path.join(SHM_DIR, name), os.getpid())
+            if owner
+            else None
         )
 
     # --- construction -------------------------------------------------------------------------

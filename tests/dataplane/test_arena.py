@@ -195,3 +195,16 @@ def test_copy_bytes(size: int) -> None:
     dst = bytearray(size)
     copy_bytes(memoryview(dst), memoryview(src))
     assert bytes(dst) == src.tobytes()
+
+
+def test_a_forked_child_exiting_does_not_unlink_the_parents_arena() -> None:
+    with ShmArena.create(MiB, pin=PinMode.OFF) as arena:
+        pid = os.fork()
+        if pid == 0:  # the child: run the normal interpreter shutdown (atexit, finalizers)
+            try:
+                arena.close()
+            finally:
+                os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert os.path.exists(f"/dev/shm/{arena.name}")
