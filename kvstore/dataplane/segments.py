@@ -1,0 +1,306 @@
+"""The on-disk format of NVMe segment files, and the scan that recovers them.
+
+A tier directory holds segment files ``seg-NNNNNN.kvt`` of fixed size (preallocated when
+created). Every structure starts on a 4 KiB boundary (:data:`ALIGN_BYTES`) so payloads can
+move with O_DIRECT straight to and from 4 KiB-aligned memory::
+
+    segment file
+    ├── block 0            segment header   (magic "KVTS", version, id, size, checksum)
+    └── extents, back to back from offset 4096, each starting with a 4 KiB header block:
+        LIVE  header | payload (payload_bytes) | zero padding to 4 KiB      a stored chunk
+        DEAD  header | (old bytes)                                          a removed chunk
+        FREE  header | (old bytes)                                          free space
+
+Record header (little-endian, in the first 128 bytes of its block; the rest is zero)::
+
+    0   4s  magic "KVTR"          16  Q  offset of this header in the file
+    4   H   format version (1)    24  Q  extent_bytes (header block + padded payload)
+    6   B   kind (LIVE/DEAD/FREE) 32  Q  sequence number (global, increasing)
+    7   x                          40  Q  payload_bytes
+    8   I   segment id            48  Q  xxh3_64 of the payload
+    12  H   key length            56  64s key (zero padded)
+    14  xx                        120 Q  xxh3_64 of bytes 0..119 (header checksum)
+
+A header is valid only where it was written: its segment id and offset must match the place
+it is read from, so a payload that happens to contain header-like bytes is never mistaken
+for a record.
+
+**The chain.** Every extent's header says how long the extent is, so a scan hops from one
+header to the next: LIVE records are indexed, DEAD and FREE extents skipped. The writer keeps
+the chain intact: a put that takes the start of a free run writes a FREE header for the rest
+of the run right after its own extent (in the same system call), and a remove overwrites the
+record's header with a DEAD header of the same length. Invariant: a header that survives
+describes a range that is entirely its own (LIVE) or entirely free, so hopping never skips a
+live record (``docs/nvme-tier.md`` has the argument).
+
+**Resync.** A torn or corrupt header breaks the chain at one place; the scan then looks at
+every following 4 KiB boundary (reading large windows and testing the magic with numpy) for
+the next valid header. Everything between is free space. Resyncs only happen after a crash,
+a failed write or corruption, and the tier rewrites a FREE header over each repaired gap.
+
+The payload checksum is *not* verified by the scan (that would read the whole directory); the
+tier verifies the newest records at open and every record on every read.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from kvstore.dataplane.directio import ALIGN_BYTES, AlignedBuffer, align_down, align_up
+from kvstore.dataplane.tier import MAX_KEY_BYTES
+from kvstore.errors import InvalidArgument
+
+FORMAT_VERSION = 1
+RECORD_MAGIC = b"KVTR"
+SEGMENT_MAGIC = b"KVTS"
+HEADER_BYTES = ALIGN_BYTES
+"""Every header (segment or record) occupies one whole 4 KiB block."""
+
+_RECORD = struct.Struct("<4sHBxIHxxQQQQQ64s")
+_RECORD_CHECKED = _RECORD.size  # 120: the header checksum covers bytes [0, 120)
+_CHECKSUM = struct.Struct("<Q")
+_SEGMENT = struct.Struct("<4sHHIIQ")
+_SEGMENT_CHECKED = _SEGMENT.size  # 24
+_RECORD_MAGIC_U32 = int.from_bytes(RECORD_MAGIC, "little")
+_ZERO_BLOCK = bytes(HEADER_BYTES)
+
+assert _RECORD_CHECKED == 120 and _SEGMENT_CHECKED == 24
+
+
+class RecordKind(enum.IntEnum):
+    """What an extent holds (stored on disk as one byte)."""
+
+    LIVE = 1
+    DEAD = 2
+    FREE = 3
+
+
+class HeaderCheck(enum.Enum):
+    """Why a 4 KiB block is or is not a valid record header at its place."""
+
+    OK = "ok"
+    NO_MAGIC = "no magic"
+    BAD_CHECKSUM = "header checksum mismatch"
+    BAD_FIELDS = "inconsistent fields"
+    MISPLACED = "header of another place"
+
+
+def record_extent_bytes(payload_bytes: int) -> int:
+    """Bytes a LIVE record of ``payload_bytes`` occupies: header block + padded payload."""
+    return HEADER_BYTES + align_up(payload_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class RecordHeader:
+    """One record header. Validates its own fields (``InvalidArgument`` when inconsistent)."""
+
+    kind: RecordKind
+    segment_id: int
+    offset: int
+    extent_bytes: int
+    seq: int
+    payload_bytes: int = 0
+    payload_xxh3: int = 0
+    key: bytes = b""
+
+    def __post_init__(self) -> None:
+        if self.offset < HEADER_BYTES or self.offset % ALIGN_BYTES:
+            raise InvalidArgument(f"record offset {self.offset} is not an aligned offset >= "
+                                  f"{HEADER_BYTES}")
+        if self.extent_bytes < HEADER_BYTES or self.extent_bytes % ALIGN_BYTES:
+            raise InvalidArgument(f"extent of {self.extent_bytes} bytes is not aligned")
+        if not 0 <= self.segment_id < 1 << 32 or self.seq < 0:
+            raise InvalidArgument("segment id or sequence number out of range")
+        if len(self.key) > MAX_KEY_BYTES:
+            raise InvalidArgument(f"key of {len(self.key)} bytes is longer than {MAX_KEY_BYTES}")
+        if self.kind is RecordKind.LIVE:
+            if not self.key or self.payload_bytes < 1:
+                raise InvalidArgument("a LIVE record needs a key and a payload")
+            if self.extent_bytes != record_extent_bytes(self.payload_bytes):
+                raise InvalidArgument(f"LIVE extent {self.extent_bytes} does not match "
+                                      f"payload of {self.payload_bytes} bytes")
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.extent_bytes
+
+    def encode_into(self, block: memoryview) -> None:
+        """Write this header into the first 4 KiB of ``block`` (the rest of the block is zeroed)."""
+        _RECORD.pack_into(block, 0, RECORD_MAGIC, FORMAT_VERSION, int(self.kind),
+                          self.segment_id, len(self.key), self.offset, self.extent_bytes,
+                          self.seq, self.payload_bytes, self.payload_xxh3, self.key)
+        _CHECKSUM.pack_into(block, _RECORD_CHECKED,
+                            xxhash.xxh3_64_intdigest(block[:_RECORD_CHECKED]))
+        block[_RECORD_CHECKED + 8:HEADER_BYTES] = _ZERO_BLOCK[_RECORD_CHECKED + 8:]
+
+
+def decode_record_header(block: memoryview | bytes, *, segment_id: int, offset: int,
+                         segment_bytes: int) -> tuple[HeaderCheck, RecordHeader | None]:
+    """Parse the 4 KiB ``block`` read at ``offset`` of segment ``segment_id``.
+
+    Returns ``(HeaderCheck.OK, header)`` only for a header with the right magic, checksum,
+    self-consistent fields, an extent inside the segment, written at exactly this place.
+    """
+    if bytes(block[:4]) != RECORD_MAGIC:
+        return HeaderCheck.NO_MAGIC, None
+    (stored,) = _CHECKSUM.unpack_from(block, _RECORD_CHECKED)
+    if xxhash.xxh3_64_intdigest(block[:_RECORD_CHECKED]) != stored:
+        return HeaderCheck.BAD_CHECKSUM, None
+    (_, version, kind, seg, key_len, off, extent, seq, payload_bytes, payload_xxh3,
+     key) = _RECORD.unpack_from(block, 0)
+    if version != FORMAT_VERSION or kind not in RecordKind._value2member_map_ \
+            or key_len > MAX_KEY_BYTES:
+        return HeaderCheck.BAD_FIELDS, None
+    try:
+        header = RecordHeader(RecordKind(kind), seg, off, extent, seq, payload_bytes,
+                              payload_xxh3, key[:key_len])
+    except InvalidArgument:
+        return HeaderCheck.BAD_FIELDS, None
+    if seg != segment_id or off != offset:
+        return HeaderCheck.MISPLACED, None
+    if header.end > segment_bytes:
+        return HeaderCheck.BAD_FIELDS, None
+    return HeaderCheck.OK, header
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentHeader:
+    """Block 0 of a segment file."""
+
+    segment_id: int
+    segment_bytes: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.segment_id < 1 << 32:
+            raise InvalidArgument(f"segment id {self.segment_id} out of range")
+        if self.segment_bytes < 2 * HEADER_BYTES or self.segment_bytes % ALIGN_BYTES:
+            raise InvalidArgument(f"segment of {self.segment_bytes} bytes is not a multiple of "
+                                  f"{ALIGN_BYTES} holding at least one record")
+
+    def encode_into(self, block: memoryview) -> None:
+        _SEGMENT.pack_into(block, 0, SEGMENT_MAGIC, FORMAT_VERSION, 0, ALIGN_BYTES,
+                           self.segment_id, self.segment_bytes)
+        _CHECKSUM.pack_into(block, _SEGMENT_CHECKED,
+                            xxhash.xxh3_64_intdigest(block[:_SEGMENT_CHECKED]))
+        block[_SEGMENT_CHECKED + 8:HEADER_BYTES] = _ZERO_BLOCK[_SEGMENT_CHECKED + 8:]
+
+
+def decode_segment_header(block: memoryview | bytes) -> SegmentHeader | None:
+    """The segment header in ``block``, or None when it is missing or damaged."""
+    if bytes(block[:4]) != SEGMENT_MAGIC:
+        return None
+    (stored,) = _CHECKSUM.unpack_from(block, _SEGMENT_CHECKED)
+    if xxhash.xxh3_64_intdigest(block[:_SEGMENT_CHECKED]) != stored:
+        return None
+    _, version, _, align, seg, size = _SEGMENT.unpack_from(block, 0)
+    if version != FORMAT_VERSION or align != ALIGN_BYTES:
+        return None
+    try:
+        return SegmentHeader(seg, size)
+    except InvalidArgument:
+        return None
+
+
+ReadAt = Callable[[memoryview, int], int]
+"""``read_at(dst, offset)``: fill ``dst`` from the file at ``offset``; return bytes read."""
+
+
+@dataclass(frozen=True, slots=True)
+class Gap:
+    """A free run between records found by a scan. ``clean``: the chain crossed it intact."""
+
+    offset: int
+    size_bytes: int
+    clean: bool
+
+
+@dataclass(slots=True)
+class SegmentScan:
+    """What a scan of one segment found."""
+
+    segment_id: int
+    segment_bytes: int
+    file_bytes: int
+    live: list[RecordHeader] = field(default_factory=list)
+    """LIVE headers in address order (non-overlapping by construction)."""
+    gaps: list[Gap] = field(default_factory=list)
+    invalid_headers: int = 0
+    """Places where a header was expected but the block was not a valid header there."""
+    torn_records: int = 0
+    """Records (or header blocks) running past the end of a truncated file."""
+    max_seq: int = 0
+
+
+def scan_segment(read_at: ReadAt, *, segment_id: int, segment_bytes: int, file_bytes: int,
+                 window: AlignedBuffer) -> SegmentScan:
+    """Walk the header chain of one segment (see the module docstring).
+
+    ``file_bytes`` may be less than ``segment_bytes`` (a truncated file): records running
+    past it are torn, and the gap up to ``segment_bytes`` is marked unclean so the tier
+    re-extends the file and stamps a FREE header over it. ``window`` (a multiple of 4 KiB)
+    is the read buffer; its size bounds each resync read.
+    """
+    scan = SegmentScan(segment_id, segment_bytes, file_bytes)
+    limit = min(segment_bytes, align_down(file_bytes))
+    block = window.view[:HEADER_BYTES]
+    pos = gap_start = HEADER_BYTES
+    gap_clean = True
+    while pos < segment_bytes:
+        if pos >= limit or read_at(block, pos) < HEADER_BYTES:
+            gap_clean = False
+            if pos < file_bytes:  # the file ends inside this header block
+                scan.torn_records += 1
+            break
+        _, header = decode_record_header(block, segment_id=segment_id, offset=pos,
+                                         segment_bytes=segment_bytes)
+        if header is None:
+            scan.invalid_headers += 1
+            gap_clean = False
+            pos = _resync(read_at, pos + HEADER_BYTES, limit, segment_id, segment_bytes, window)
+            continue
+        scan.max_seq = max(scan.max_seq, header.seq)
+        if header.kind is not RecordKind.LIVE:
+            pos = header.end
+            continue
+        if header.end > limit:
+            scan.torn_records += 1
+            gap_clean = False
+            pos = _resync(read_at, pos + HEADER_BYTES, limit, segment_id, segment_bytes, window)
+            continue
+        if pos > gap_start:
+            scan.gaps.append(Gap(gap_start, pos - gap_start, gap_clean))
+        scan.live.append(header)
+        pos = gap_start = header.end
+        gap_clean = True
+    if segment_bytes > gap_start:
+        scan.gaps.append(Gap(gap_start, segment_bytes - gap_start, gap_clean))
+    return scan
+
+
+def _resync(read_at: ReadAt, pos: int, limit: int, segment_id: int, segment_bytes: int,
+            window: AlignedBuffer) -> int:
+    """The first place at or after ``pos`` holding a valid header, else ``segment_bytes``."""
+    stride = ALIGN_BYTES // 4
+    while pos < limit:
+        want = min(window.size_bytes, limit - pos)
+        got = align_down(read_at(window.view[:want], pos))
+        if got < HEADER_BYTES:
+            break
+        words = np.frombuffer(window.view[:got], dtype="<u4")[::stride]
+        candidates = np.flatnonzero(words == _RECORD_MAGIC_U32).tolist()
+        del words
+        for idx in candidates:
+            at = idx * ALIGN_BYTES
+            check, _ = decode_record_header(window.view[at:at + HEADER_BYTES],
+                                            segment_id=segment_id, offset=pos + at,
+                                            segment_bytes=segment_bytes)
+            if check is HeaderCheck.OK:
+                return pos + at
+        pos += got
+    return segment_bytes
