@@ -1,0 +1,468 @@
+"""NvmeTier against the Tier contract and its own promises, on real files with fdatasync.
+
+The conformance suite runs twice: O_DIRECT where the test directory's filesystem takes it
+(ext4 on the reference machine) with small I/O pieces so multi-piece transfers are
+exercised, and forced buffered I/O (what tmpfs-like filesystems get). Disk-full tests mount
+a real 4 MiB tmpfs and a loop-mounted ext4 image and skip cleanly where mounting is not
+permitted.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from kvstore.dataplane.directio import AlignedBuffer, IoMode
+from kvstore.dataplane.nvme import NvmeTier, NvmeTierConfig, OpenVerify, Preallocation
+from kvstore.dataplane.segments import HEADER_BYTES
+from kvstore.dataplane.tier import Tier, TierKind
+from kvstore.errors import (
+    CapacityError,
+    ChunkBusy,
+    ChunkCorrupt,
+    ChunkNotFound,
+    ConfigError,
+    DiskFull,
+    InvalidArgument,
+    TierUnavailable,
+)
+from tests.dataplane.tier_conformance import KiB, MiB, TierConformance, payload, read_back
+
+TierFactory = Callable[[int], Tier]
+
+
+def open_tier(directory: Path, capacity_bytes: int = 16 * MiB, **overrides: object) -> NvmeTier:
+    return NvmeTier.open(NvmeTierConfig(directory=directory, capacity_bytes=capacity_bytes,
+                                        **overrides))  # type: ignore[arg-type]
+
+
+class TestNvmeTierConformance(TierConformance):
+    """The contract, with O_DIRECT when available and 256 KiB pieces (so 1 MiB chunks split)."""
+
+    @pytest.fixture
+    def make_tier(self, tmp_path: Path) -> Iterator[TierFactory]:
+        tiers: list[NvmeTier] = []
+
+        def factory(capacity_bytes: int) -> Tier:
+            tier = open_tier(tmp_path / f"tier{len(tiers)}", capacity_bytes,
+                             io_block_bytes=256 * KiB)
+            tiers.append(tier)
+            return tier
+
+        yield factory
+        for tier in tiers:
+            tier.close()
+
+
+class TestNvmeTierBufferedConformance(TierConformance):
+    """The same contract with buffered I/O (the mode filesystems without O_DIRECT get)."""
+
+    @pytest.fixture
+    def make_tier(self, tmp_path: Path) -> Iterator[TierFactory]:
+        tiers: list[NvmeTier] = []
+
+        def factory(capacity_bytes: int) -> Tier:
+            tier = open_tier(tmp_path / f"tier{len(tiers)}", capacity_bytes,
+                             io_mode=IoMode.BUFFERED)
+            tiers.append(tier)
+            return tier
+
+        yield factory
+        for tier in tiers:
+            tier.close()
+
+
+@pytest.fixture
+def tier(tmp_path: Path) -> Iterator[NvmeTier]:
+    t = open_tier(tmp_path / "nvme", 32 * MiB, segment_bytes=8 * MiB, io_block_bytes=256 * KiB)
+    yield t
+    t.close()
+
+
+# --- data paths -------------------------------------------------------------------------------
+
+
+def test_direct_io_is_used_where_the_filesystem_takes_it(tier: NvmeTier) -> None:
+    stats = tier.nvme_stats()
+    assert stats.io_mode is tier.io_mode
+    probe = tier.directory / "probe"
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_RDWR | os.O_DIRECT)
+    except OSError as exc:
+        assert exc.errno == errno.EINVAL
+        assert tier.io_mode is IoMode.BUFFERED
+        return
+    os.close(fd)
+    probe.unlink()
+    assert tier.io_mode is IoMode.DIRECT, stats.io_mode_reason
+
+
+@pytest.mark.parametrize("size_bytes", [1, 4095, 4096, 4097, 256 * KiB, 256 * KiB + 1,
+                                        3 * 256 * KiB - 5, 2 * MiB])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_aligned_and_unaligned_buffers_round_trip(tier: NvmeTier, size_bytes: int,
+                                                  aligned: bool) -> None:
+    data = payload(size_bytes, seed=size_bytes)
+    src_buf = AlignedBuffer(size_bytes + 1)
+    dst_buf = AlignedBuffer(size_bytes + 1)
+    try:
+        lo = 0 if aligned else 1  # offset 1: never 4 KiB-aligned
+        src = src_buf.view[lo:lo + size_bytes]
+        src[:] = data
+        info = tier.put(b"k", src)
+        assert info.checksum == xxhash.xxh3_64_intdigest(data)
+        dst = dst_buf.view[lo:lo + size_bytes]
+        assert tier.get_into(b"k", dst) == size_bytes
+        assert dst == data
+        del src, dst
+    finally:
+        src_buf.close()
+        dst_buf.close()
+
+
+def test_chunks_report_sizes_and_checksums(tier: NvmeTier) -> None:
+    for i in range(5):
+        tier.put(f"c{i}".encode(), payload(1000 * (i + 1), seed=i))
+    infos = {info.key: info for info in tier.chunks()}
+    assert set(infos) == {f"c{i}".encode() for i in range(5)}
+    for i in range(5):
+        info = infos[f"c{i}".encode()]
+        assert info.tier is TierKind.NVME
+        assert info.size_bytes == 1000 * (i + 1)
+        assert info.checksum == xxhash.xxh3_64_intdigest(payload(1000 * (i + 1), seed=i))
+
+
+def test_used_bytes_count_headers_padding_and_segment_headers(tier: NvmeTier) -> None:
+    tier.put(b"a", payload(5000, seed=1))  # 4 KiB header + 8 KiB padded payload
+    tier.put(b"b", payload(4096, seed=2))  # 4 KiB header + 4 KiB
+    stats = tier.stats()
+    assert stats.used_bytes == HEADER_BYTES + (4 + 8) * KiB + (4 + 4) * KiB
+    assert stats.capacity_bytes == 32 * MiB
+    tier.remove(b"a")
+    assert tier.stats().used_bytes == HEADER_BYTES + 8 * KiB
+
+
+def test_a_freed_extent_is_reused_in_place(tier: NvmeTier) -> None:
+    tier.put(b"a", payload(64 * KiB, seed=1))
+    tier.put(b"b", payload(64 * KiB, seed=2))
+    loc_a = tier.record_location(b"a")
+    assert loc_a is not None
+    tier.remove(b"a")
+    tier.put(b"c", payload(60 * KiB, seed=3))  # same padded size: best fit is a's old extent
+    loc_c = tier.record_location(b"c")
+    assert loc_c is not None
+    assert (loc_c.path, loc_c.header_offset) == (loc_a.path, loc_a.header_offset)
+    assert read_back(tier, b"b") == payload(64 * KiB, seed=2)
+
+
+def test_segments_are_created_on_demand_within_the_budget(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path / "t", 3 * MiB, segment_bytes=MiB)
+    try:
+        assert tier.nvme_stats().segments == 0
+        stored = 0
+        with pytest.raises(CapacityError):
+            for i in range(100):
+                tier.put(f"k{i}".encode(), payload(200 * KiB, seed=i))
+                stored += 1
+        stats = tier.nvme_stats()
+        assert stats.segments == 3
+        assert stats.segment_bytes_total == 3 * MiB
+        assert sum(p.stat().st_size for p in (tmp_path / "t").glob("seg-*.kvt")) == 3 * MiB
+        assert stored == 3 * ((MiB - HEADER_BYTES) // (204 * KiB))
+    finally:
+        tier.close()
+
+
+def test_a_chunk_bigger_than_a_segment_gets_its_own_segment(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path / "t", 8 * MiB, segment_bytes=MiB)
+    try:
+        data = payload(3 * MiB + 5, seed=9)
+        tier.put(b"big", data)
+        assert read_back(tier, b"big") == data
+        loc = tier.record_location(b"big")
+        assert loc is not None and loc.path.stat().st_size == 3 * MiB + 4 * KiB + 2 * HEADER_BYTES
+    finally:
+        tier.close()
+
+
+def test_accepts_torch_tensors_of_any_dtype(tier: NvmeTier) -> None:
+    torch = pytest.importorskip("torch")
+    src = torch.randn(3, 1000, dtype=torch.float32)
+    tier.put(b"t", src)
+    dst = torch.empty_like(src)
+    tier.get_into(b"t", dst)
+    assert torch.equal(src, dst)
+
+
+def test_read_only_destination_is_rejected(tier: NvmeTier) -> None:
+    tier.put(b"k", b"x" * 10)
+    with pytest.raises(InvalidArgument):
+        tier.get_into(b"k", b"\x00" * 10)
+
+
+@pytest.mark.parametrize("verify", [OpenVerify.NONE, OpenVerify.NEWEST])
+def test_corrupt_payload_is_dropped_never_returned(tmp_path: Path, verify: OpenVerify) -> None:
+    directory = tmp_path / "t"
+    with open_tier(directory, io_block_bytes=64 * KiB) as tier:
+        tier.put(b"old", payload(300 * KiB, seed=1))
+        tier.put(b"new", payload(10 * KiB, seed=2))
+        loc = tier.record_location(b"old")
+        assert loc is not None
+    _flip_byte(loc.path, loc.payload_offset + 200 * KiB)
+    # NEWEST with 1: only "new" is verified at open, so "old" is caught by the read.
+    with open_tier(directory, open_verify=verify, open_verify_newest=1) as tier:
+        assert tier.recovery.corrupt_dropped == 0
+        assert tier.contains(b"old")
+        dst = bytearray(b"\xaa" * (300 * KiB))
+        with pytest.raises(ChunkCorrupt):
+            tier.get_into(b"old", dst)
+        assert dst == bytes(len(dst)), "bad bytes must not be left in the caller's buffer"
+        assert not tier.contains(b"old")
+        assert tier.nvme_stats().corrupt_dropped == 1
+        with pytest.raises(ChunkNotFound):
+            tier.get_into(b"old", dst)
+        assert read_back(tier, b"new") == payload(10 * KiB, seed=2)
+        free_before = tier.stats().free_bytes
+    with open_tier(directory) as tier:  # stays dropped, its space is free again
+        assert not tier.contains(b"old")
+        assert read_back(tier, b"new") == payload(10 * KiB, seed=2)
+        assert tier.stats().free_bytes == free_before
+
+
+# --- concurrency ------------------------------------------------------------------------------
+
+
+def test_a_second_open_of_the_same_directory_is_refused(tmp_path: Path) -> None:
+    with open_tier(tmp_path / "t"), pytest.raises(TierUnavailable, match="in use"):
+        open_tier(tmp_path / "t")
+    with open_tier(tmp_path / "t"):  # the lock went with close()
+        pass
+
+
+def test_concurrent_put_of_one_key_is_busy_not_duplicated(tmp_path: Path) -> None:
+    results: list[str] = []
+    with open_tier(tmp_path / "t", 64 * MiB) as tier:
+        data = payload(8 * MiB, seed=1)
+        barrier = threading.Barrier(4)
+
+        def worker() -> None:
+            barrier.wait()
+            try:
+                tier.put(b"same", data)
+                results.append("stored")
+            except ChunkBusy:
+                results.append("busy")
+            except Exception as exc:  # ChunkExists when the winner already finished
+                results.append(type(exc).__name__)
+
+        threads = [threading.Thread(target=worker) for _ in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert results.count("stored") == 1
+        assert set(results) <= {"stored", "busy", "ChunkExists"}
+        assert tier.stats().chunks == 1
+    with open_tier(tmp_path / "t", 64 * MiB) as tier:
+        assert tier.recovery.duplicates_dropped == 0
+        assert read_back(tier, b"same") == data
+
+
+def test_remove_during_reads_frees_space_after_they_end(tmp_path: Path) -> None:
+    with open_tier(tmp_path / "t", 64 * MiB, io_block_bytes=256 * KiB) as tier:
+        baseline = None
+        for round_ in range(5):
+            data = payload(4 * MiB, seed=round_)
+            tier.put(b"k", data)
+            if baseline is None:
+                baseline = tier.stats().used_bytes - 4 * MiB - HEADER_BYTES
+            outcomes: list[str] = []
+
+            def reader(data: bytes = data, outcomes: list[str] = outcomes) -> None:
+                dst = bytearray(len(data))
+                try:
+                    tier.get_into(b"k", dst)
+                    outcomes.append("ok" if dst == data else "WRONG BYTES")
+                except ChunkNotFound:
+                    outcomes.append("gone")
+
+            threads = [threading.Thread(target=reader) for _ in range(3)]
+            for th in threads:
+                th.start()
+            assert tier.remove(b"k")
+            for th in threads:
+                th.join()
+            assert "WRONG BYTES" not in outcomes
+            assert tier.stats().chunks == 0
+            assert tier.stats().used_bytes == baseline
+        assert tier.nvme_stats().corrupt_dropped == 0
+
+
+def test_many_threads_put_get_remove_then_reopen_agrees(tmp_path: Path) -> None:
+    directory = tmp_path / "t"
+    kept: dict[bytes, bytes] = {}
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+    with open_tier(directory, 64 * MiB, segment_bytes=4 * MiB, io_block_bytes=128 * KiB) as tier:
+        def worker(t: int) -> None:
+            try:
+                for i in range(30):
+                    key = f"w{t}-{i}".encode()
+                    data = payload(1 + (t * 7919 + i * 104729) % (400 * KiB), seed=t * 1000 + i)
+                    tier.put(key, data)
+                    assert read_back(tier, key) == data
+                    if i % 3 == 0:
+                        assert tier.remove(key)
+                    else:
+                        with lock:
+                            kept[key] = data
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert not errors, errors
+        assert {i.key for i in tier.chunks()} == set(kept)
+    for _ in range(2):
+        with open_tier(directory, 64 * MiB, open_verify=OpenVerify.ALL) as tier:
+            report = tier.recovery
+            assert (report.invalid_headers, report.torn_records, report.corrupt_dropped,
+                    report.repaired_gaps) == (0, 0, 0, 0)
+            assert {i.key for i in tier.chunks()} == set(kept)
+            for key, data in kept.items():
+                assert read_back(tier, key) == data
+
+
+# --- configuration ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides", [
+    {"capacity_bytes": True},
+    {"capacity_bytes": 100},
+    {"segment_bytes": 5000},
+    {"io_block_bytes": 1000},
+    {"io_threads": 0},
+    {"preallocation": "sparse"},
+    {"io_mode": "direct"},
+    {"open_verify_newest": -1},
+])
+def test_bad_configuration_fails_loudly(tmp_path: Path, overrides: dict[str, object]) -> None:
+    fields: dict[str, object] = {"directory": tmp_path, "capacity_bytes": MiB, **overrides}
+    with pytest.raises(ConfigError):
+        NvmeTierConfig(**fields)  # type: ignore[arg-type]
+
+
+def test_existing_segments_beyond_the_capacity_are_a_config_error(tmp_path: Path) -> None:
+    with open_tier(tmp_path / "t", 8 * MiB, segment_bytes=4 * MiB) as tier:
+        tier.put(b"a", payload(3 * MiB, seed=1))
+        tier.put(b"b", payload(3 * MiB, seed=2))
+    with pytest.raises(ConfigError, match="more than capacity"):
+        open_tier(tmp_path / "t", 4 * MiB)
+    with open_tier(tmp_path / "t", 8 * MiB) as tier:  # the failed open released the lock
+        assert tier.stats().chunks == 2
+
+
+# --- a full filesystem ------------------------------------------------------------------------
+
+
+def _mount_small_fs(kind: str, where: Path, image_dir: Path) -> None:
+    """Mount a ~4-8 MiB filesystem at ``where`` or skip the test."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small filesystem needs root")
+    where.mkdir()
+    if kind == "tmpfs":
+        cmd = ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(where)]
+    else:
+        if shutil.which("mkfs.ext4") is None:
+            pytest.skip("mkfs.ext4 not installed")
+        image = image_dir / "small.ext4"
+        with open(image, "wb") as f:
+            f.truncate(8 * MiB)
+        made = subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], capture_output=True)
+        if made.returncode != 0:
+            pytest.skip(f"mkfs.ext4 failed: {made.stderr.decode().strip()}")
+        cmd = ["mount", "-o", "loop", str(image), str(where)]
+    done = subprocess.run(cmd, capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount {kind}: {done.stderr.decode().strip()}")
+
+
+@pytest.fixture(params=["tmpfs", "ext4-loop"])
+def small_fs(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
+    mountpoint = tmp_path / "mnt"
+    _mount_small_fs(request.param, mountpoint, tmp_path)
+    try:
+        yield mountpoint
+    finally:
+        subprocess.run(["umount", "-l", str(mountpoint)], check=False)
+
+
+def test_disk_full_while_creating_a_segment_keeps_everything(small_fs: Path) -> None:
+    directory = small_fs / "t"
+    stored: dict[bytes, bytes] = {}
+    with open_tier(directory, 64 * MiB, segment_bytes=MiB) as tier:
+        with pytest.raises(DiskFull) as caught:
+            for i in range(200):
+                key = f"k{i}".encode()
+                data = payload(200 * KiB, seed=i)
+                tier.put(key, data)
+                stored[key] = data
+        assert isinstance(caught.value, CapacityError)
+        assert not tier.contains(f"k{len(stored)}".encode())
+        assert len(stored) >= 8
+        assert not list(directory.glob("*.tmp")), "a half-made segment was left behind"
+        for key, data in stored.items():
+            assert read_back(tier, key) == data
+        victim = next(iter(stored))
+        tier.remove(victim)
+        del stored[victim]
+        tier.put(b"again", payload(200 * KiB, seed=999))  # room in an existing segment
+        stored[b"again"] = payload(200 * KiB, seed=999)
+    with open_tier(directory, 64 * MiB, open_verify=OpenVerify.ALL) as tier:
+        assert {i.key for i in tier.chunks()} == set(stored)
+
+
+def test_disk_full_mid_write_discards_the_partial_record(small_fs: Path) -> None:
+    directory = small_fs / "t"
+    stored: dict[bytes, bytes] = {}
+    failed_key = b""
+    with open_tier(directory, 64 * MiB, segment_bytes=32 * MiB,
+                   preallocation=Preallocation.SPARSE) as tier:
+        with pytest.raises(DiskFull):
+            for i in range(200):
+                failed_key = f"k{i}".encode()
+                data = payload(300 * KiB, seed=i)
+                tier.put(failed_key, data)
+                stored[failed_key] = data
+        assert failed_key not in stored
+        assert not tier.contains(failed_key)
+        assert tier.nvme_stats().quarantined_bytes == 0
+        for key, data in stored.items():
+            assert read_back(tier, key) == data
+    for _ in range(2):
+        with open_tier(directory, 64 * MiB, open_verify=OpenVerify.ALL) as tier:
+            assert not tier.contains(failed_key)
+            assert tier.recovery.corrupt_dropped == 0
+            assert {i.key for i in tier.chunks()} == set(stored)
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+        f.flush()
+        os.fsync(f.fileno())
+
