@@ -306,6 +306,8 @@ class ShmArena:
         """Unpin, unmap and (when owner) unlink. Idempotent.
 
         Views still referenced elsewhere keep the pages mapped until they are released.
+        Closing must not race a GPU copy in flight to or from the arena: the range is
+        unregistered from CUDA here, and a DMA still using it would be undefined.
         """
         mapping = self._mmap
         if mapping is None:
