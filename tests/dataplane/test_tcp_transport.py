@@ -746,3 +746,30 @@ def test_concurrent_clients_and_a_shared_client(server: ServerProcess) -> None:
     finally:
         for c in [shared, *own]:
             c.close()
+
+
+# --- batches (pipelined) ---------------------------------------------------------------------------------
+
+
+def test_batches_pipeline_many_keys_with_per_key_outcomes(local_server: TcpServer) -> None:
+    ep = local_server.endpoint
+    sizes = [1, 4 * KiB, 64 * KiB + 1, 0, 300 * KiB] * 40 + [3 * MiB]  # 201 values, one striped
+    keys = [b"batch-%d" % i for i in range(len(sizes))]
+    values = [payload(n, i) for i, n in enumerate(sizes)]
+    with TcpClient(ep.host, ep.port, 2, stripe_threshold_bytes=MiB) as client:
+        client.put(keys[7], values[7])
+        assert client.put_many(keys, values) == [i != 7 for i in range(len(keys))]
+        dsts = [bytearray(n) for n in sizes]
+        assert client.get_many_into([*keys, b"missing"], [*dsts, bytearray(5)]) == \
+            [*sizes, None]
+        assert dsts == values
+        with pytest.raises(SizeMismatch):
+            client.get_many_into([keys[0], keys[1]], [bytearray(1), bytearray(5)])
+        client.ping()  # still in step after the refused request
+        with pytest.raises(InvalidArgument):
+            client.get_many_into(keys[:2], dsts[:1])
+    stats = local_server.stats()
+    # 200 small puts pipelined (plus the single one), the striped one in 2 parts
+    assert stats.requests["PUT"] == 201
+    assert stats.requests["PUT_PART"] == 2
+    assert stats.requests["GET"] == 200 + 1 + 2

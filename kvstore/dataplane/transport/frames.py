@@ -90,6 +90,10 @@ class Flags(enum.IntFlag):
     """GET/GET_RANGE request: do not check total_size; the response says the real size."""
     COMMITTED = 2
     """PUT_PART response: this part completed the value, which is now visible."""
+    MORE = 4
+    """Request: further pipelined requests follow at once. The server may hold the response back
+    (``MSG_MORE``) so that a batch's responses share segments and wake the client once; the
+    response to a request without it flushes them."""
 
 
 class Status(enum.IntEnum):
@@ -114,7 +118,7 @@ class Status(enum.IntEnum):
 # int -> member tables: a dict lookup is several times cheaper than calling the Enum class.
 _OPCODES: dict[int, Opcode] = {int(op): op for op in Opcode}
 _STATUSES: dict[int, Status] = {int(s): s for s in Status}
-_ALL_FLAGS = int(Flags.ANY_SIZE | Flags.COMMITTED)
+_ALL_FLAGS = int(Flags.ANY_SIZE | Flags.COMMITTED | Flags.MORE)
 
 
 class Header(NamedTuple):
@@ -145,11 +149,12 @@ def pack_header(
     length: int = 0,
     total_size: int = 0,
     payload_len: int = 0,
+    at: int = 0,
 ) -> bytearray:
-    """Write a header into ``buf`` (at least ``HEADER_BYTES`` long, reused per connection so the
-    hot path allocates nothing) and return it."""
+    """Write a header into ``buf[at:at + HEADER_BYTES]`` (buffers are reused per connection, so
+    the hot path allocates nothing) and return ``buf``."""
     try:
-        HEADER.pack_into(buf, 0, MAGIC, VERSION, opcode, flags, status, key_len, 0, request_id,
+        HEADER.pack_into(buf, at, MAGIC, VERSION, opcode, flags, status, key_len, 0, request_id,
                          transfer_id, offset, length, total_size, payload_len)
     except struct.error as exc:
         raise InvalidArgument(f"frame field out of range: {exc}") from exc
