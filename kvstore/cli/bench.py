@@ -19,3 +19,14 @@ def hashing(
     from bench import hashing as bench_hashing
 
     bench_hashing.main(json_path, quick)
+
+
+@app.command()
+def datapath(
+    quick: bool = typer.Option(False, "--quick", help="~24 MiB per size and op (smoke run)."),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write the results as JSON here."),
+) -> None:
+    """Put/get GB/s and latency of the TCP data path beside a bare socket and Redis (2 processes)."""
+    from bench import datapath as bench_datapath
+
+    bench_datapath.main(json_path, quick)

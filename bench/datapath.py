@@ -1,0 +1,512 @@
+"""Data-path throughput and latency between two processes on loopback, beside the socket limit.
+
+Run with ``kvtier bench datapath [--quick] [--json PATH]``.
+
+For each value size (4 KiB .. 64 MiB) and op, every *path* moves the same bytes from this process
+to a peer process and back. Ops: ``put`` and ``get`` of one value per call; ``put_batch`` and
+``get_batch`` of ``BATCH_KEYS`` values per call, pipelined (sizes up to 1 MiB only).
+
+``socket`` (the limit)
+    A bare request/response over one TCP connection: a 16-byte request, then the payload with one
+    ``sendmsg`` into a peer that ``recv_into``s (``MSG_WAITALL``) a preallocated, pre-touched
+    buffer and answers one byte (put); or the peer ``sendall``s from such a buffer into the
+    caller's (get). No framing, no keys, no store: what one connection can carry here. Batches
+    send all requests, then read all answers.
+``tcp``
+    :class:`kvstore.dataplane.transport.tcp.TcpClient` against a ``TcpServer`` over a
+    ``MemoryBackend`` in its own process (``python -m kvstore.dataplane.transport``). Values of
+    at least the stripe threshold are striped over the client's connections (``conns`` column);
+    a second client with one connection shows the same sizes unstriped. Batches use
+    ``put_many``/``get_many_into``. Put rows remove the keys between iterations (untimed), so
+    each put reuses the backend's pre-touched buffers, as the daemon's arenas are pre-touched.
+``redis``
+    ``/usr/bin/redis-server`` started here on an ephemeral port (no persistence), driven over a raw
+    RESP socket that sends with ``sendmsg`` and receives with ``recv_into`` into the caller's
+    buffer (a Python client library would add its own copies: this is Redis at its best from
+    Python). SETs overwrite the same keys; batches are pipelined SETs / GETs.
+
+Each figure is ``value_bytes * values moved / sum(per-call seconds)`` in GB/s (10^9 bytes/s),
+after untimed warm-up calls; ``limit_gbps`` is the ``socket`` figure for the same op and size
+from the same run. Latency p50/p99 are per call (a whole batch for batch ops). Every get is
+checked against the bytes put. The machine is shared and noisy: each measurement is split into
+rounds in which the paths take turns, so background load lands on all paths alike.
+
+Adding a path (shared memory, Mooncake): implement :class:`DataPath` and add a factory to
+``PATHS``; rows, ratios, the table and the JSON pick it up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import xxhash
+
+from kvstore.dataplane.transport.tcp import DEFAULT_STRIPE_THRESHOLD_BYTES, TcpClient
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+KiB, MiB = 1 << 10, 1 << 20
+SIZES_BYTES = (4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB)
+OPS = ("put", "get", "put_batch", "get_batch")
+BATCH_KEYS = 32
+BATCH_MAX_VALUE_BYTES = 1 * MiB
+TCP_CONNECTIONS = 4
+REDIS_BINARY = "/usr/bin/redis-server"
+_SOCKET_REQUEST = struct.Struct("<4sQ4x")  # op b"PUT_"/b"GET_", size; 16 bytes
+
+
+# --- paths -----------------------------------------------------------------------------------------
+
+
+class DataPath(Protocol):
+    """One way of moving values to a peer process and back. Buffers are flat byte views; a
+    batch's ``keys``/``srcs``/``dsts`` are parallel lists. Values are stored under the keys
+    given (repeated puts of one key either overwrite or follow ``after_put``)."""
+
+    name: str
+    connections: int
+
+    def put_many(self, keys: Sequence[bytes], srcs: Sequence[memoryview]) -> None: ...
+
+    def get_many_into(self, keys: Sequence[bytes], dsts: Sequence[memoryview]) -> None: ...
+
+    def after_put(self, keys: Sequence[bytes]) -> None:
+        """Untimed clean-up between put iterations (e.g. remove the keys)."""
+        ...
+
+    def covers(self, size_bytes: int) -> bool:
+        """Whether this path is measured at this size (a variant may cover only some)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def _spawn_listening(cmd: list[str], ready_prefix: str, timeout_s: float = 30.0
+                     ) -> tuple[subprocess.Popen[str], int]:
+    """Start a peer process that prints ``<ready_prefix> ... <port>``; return it and the port."""
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            cwd=REPO_ROOT)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith(ready_prefix):
+            return proc, int(line.split()[-1])
+    proc.kill()
+    raise RuntimeError(f"peer {cmd} did not report {ready_prefix!r}")
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(OSError):
+        if proc.stdin is not None:
+            proc.stdin.close()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+def _connect(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.settimeout(None)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    pos = 0
+    while pos < len(view):
+        got = sock.recv_into(view[pos:], len(view) - pos, socket.MSG_WAITALL)
+        if got == 0:
+            raise ConnectionError("peer closed")
+        pos += got
+
+
+class SocketPath:
+    """The limit: bare sendmsg/recv_into over one connection to :func:`socket_peer`."""
+
+    name = "socket"
+    connections = 1
+
+    def __init__(self) -> None:
+        self._proc, port = _spawn_listening(
+            [sys.executable, "-m", "bench.datapath", "--socket-peer"], "LISTENING")
+        self._sock = _connect(port)
+        self._acks = memoryview(bytearray(BATCH_KEYS))
+
+    def put_many(self, keys: Sequence[bytes], srcs: Sequence[memoryview]) -> None:
+        parts: list[bytes | memoryview] = []
+        for src in srcs:
+            parts += [_SOCKET_REQUEST.pack(b"PUT_", len(src)), src]
+        self._sock.sendmsg(parts)
+        _recv_exact(self._sock, self._acks[:len(srcs)])
+
+    def get_many_into(self, keys: Sequence[bytes], dsts: Sequence[memoryview]) -> None:
+        self._sock.sendall(b"".join(_SOCKET_REQUEST.pack(b"GET_", len(d)) for d in dsts))
+        for dst in dsts:
+            _recv_exact(self._sock, dst)
+
+    def after_put(self, keys: Sequence[bytes]) -> None:
+        pass
+
+    def covers(self, size_bytes: int) -> bool:
+        return True
+
+    def close(self) -> None:
+        self._sock.close()
+        _stop(self._proc)
+
+
+def socket_peer() -> None:
+    """The ``socket`` path's peer process: one connection, a pre-touched 64 MiB buffer."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    print(f"LISTENING 127.0.0.1 {listener.getsockname()[1]}", flush=True)
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = np.ones(max(SIZES_BYTES), dtype=np.uint8).data
+    req = memoryview(bytearray(_SOCKET_REQUEST.size))
+    while True:
+        try:
+            _recv_exact(conn, req)
+        except ConnectionError:
+            return
+        op, size = _SOCKET_REQUEST.unpack(req)
+        if op == b"PUT_":
+            _recv_exact(conn, buf[:size])
+            conn.sendall(b"k")
+        else:
+            conn.sendall(buf[:size])
+
+
+class TcpPath:
+    """kvtier's TCP transport against a standalone server process.
+
+    ``striped_only``: measure only the sizes that are striped by default (the one-connection
+    variant, which is the same code as the default below the stripe threshold).
+    """
+
+    name = "tcp"
+
+    def __init__(self, connections: int = TCP_CONNECTIONS, striped_only: bool = False) -> None:
+        self.connections = connections
+        self._striped_only = striped_only
+        self._proc, port = _spawn_listening(
+            [sys.executable, "-m", "kvstore.dataplane.transport", "--exit-on-stdin-eof",
+             "--max-value-bytes", str(2 * max(SIZES_BYTES))], "LISTENING")
+        self._client = TcpClient("127.0.0.1", port, connections=connections)
+
+    def put_many(self, keys: Sequence[bytes], srcs: Sequence[memoryview]) -> None:
+        if len(keys) == 1:
+            self._client.put(keys[0], srcs[0])
+        else:
+            self._client.put_many(keys, srcs)
+
+    def get_many_into(self, keys: Sequence[bytes], dsts: Sequence[memoryview]) -> None:
+        if len(keys) == 1:
+            self._client.get_into(keys[0], dsts[0])
+        else:
+            self._client.get_many_into(keys, dsts)
+
+    def after_put(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self._client.remove(key)
+
+    def covers(self, size_bytes: int) -> bool:
+        return not self._striped_only or size_bytes >= DEFAULT_STRIPE_THRESHOLD_BYTES
+
+    def close(self) -> None:
+        self._client.close()
+        _stop(self._proc)
+
+
+class RedisPath:
+    """redis-server on an ephemeral port, over raw RESP with zero-copy receives."""
+
+    name = "redis"
+    connections = 1
+
+    def __init__(self) -> None:
+        self._dir = tempfile.mkdtemp(prefix="kvtier-bench-redis-")
+        self._proc: subprocess.Popen[bytes] | None = None
+        for _ in range(5):  # redis-server cannot bind port 0: pick a free one, retry on a race
+            port = _free_port()
+            proc = subprocess.Popen(
+                [REDIS_BINARY, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "no", "--protected-mode", "no", "--dir", self._dir,
+                 "--proto-max-bulk-len", str(2 * max(SIZES_BYTES))],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            sock = _wait_for_port(port, proc)
+            if sock is not None:
+                self._proc, self._sock = proc, sock
+                break
+        if self._proc is None:
+            raise RuntimeError("redis-server did not start")
+        self._sock.settimeout(None)
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._oks = memoryview(bytearray(5 * BATCH_KEYS))
+        self._crlf = memoryview(bytearray(2))
+
+    def put_many(self, keys: Sequence[bytes], srcs: Sequence[memoryview]) -> None:
+        parts: list[bytes | memoryview] = []
+        for key, src in zip(keys, srcs, strict=True):
+            parts += [b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key, len(src)),
+                      src, b"\r\n"]
+        self._sock.sendmsg(parts)
+        oks = self._oks[:5 * len(keys)]
+        _recv_exact(self._sock, oks)
+        if oks.tobytes() != b"+OK\r\n" * len(keys):
+            raise RuntimeError(f"redis SET answered {oks.tobytes()[:40]!r}")
+
+    def get_many_into(self, keys: Sequence[bytes], dsts: Sequence[memoryview]) -> None:
+        self._sock.sendall(b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k)
+                                    for k in keys))
+        for dst in dsts:
+            prefix = b"$%d\r\n" % len(dst)
+            got = memoryview(bytearray(len(prefix)))
+            _recv_exact(self._sock, got)
+            if got.tobytes() != prefix:
+                raise RuntimeError(f"redis GET answered {got.tobytes()!r}, expected {prefix!r}")
+            _recv_exact(self._sock, dst)
+            _recv_exact(self._sock, self._crlf)
+
+    def after_put(self, keys: Sequence[bytes]) -> None:
+        pass  # the next SET overwrites the same keys
+
+    def covers(self, size_bytes: int) -> bool:
+        return True
+
+    def close(self) -> None:
+        self._sock.close()
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait(10)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen[bytes]) -> socket.socket | None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return None
+        try:
+            return socket.create_connection(("127.0.0.1", port), timeout=1)
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    return None
+
+
+PATHS: dict[str, Callable[[], DataPath]] = {
+    "socket": SocketPath,
+    "tcp": TcpPath,
+    "tcp-1conn": lambda: TcpPath(connections=1, striped_only=True),
+    "redis": RedisPath,
+}
+"""Every path the benchmark runs, limit first. Add new paths here; ``socket`` must stay."""
+
+
+# --- measurement -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    path: str
+    op: str
+    value_bytes: int
+    batch_keys: int
+    connections: int
+    calls: int
+    gbps: float
+    """10^9 bytes per second over the timed calls."""
+    limit_gbps: float
+    """The ``socket`` path's figure for the same op and size in this run."""
+    ratio_to_limit: float
+    p50_us: float
+    """Per call: one value, or a whole batch of ``batch_keys`` values."""
+    p99_us: float
+
+
+def calls_for(size_bytes: int, batch_keys: int, quick: bool) -> int:
+    budget = (24 if quick else 384) * MiB
+    low, high = (6, 300) if quick else (15, 4000)
+    return max(low, min(high, budget // (size_bytes * batch_keys)))
+
+
+def measure(path: DataPath, op: str, size_bytes: int, src: memoryview, dst: memoryview,
+            calls: int, warmup: int) -> list[float]:
+    """Per-call seconds of ``calls`` calls after ``warmup`` untimed ones."""
+    batch = BATCH_KEYS if op.endswith("_batch") else 1
+    keys = [b"bench-%d-%d" % (size_bytes, i) for i in range(batch)]
+    srcs = [src[:size_bytes]] * batch
+    dsts = [dst[i * size_bytes:(i + 1) * size_bytes] for i in range(batch)]
+    times: list[float] = []
+    if op.startswith("put"):
+        for i in range(warmup + calls):
+            t0 = time.perf_counter()
+            path.put_many(keys, srcs)
+            elapsed = time.perf_counter() - t0
+            path.after_put(keys)
+            if i >= warmup:
+                times.append(elapsed)
+        return times
+    path.put_many(keys, srcs)
+    for i in range(warmup + calls):
+        t0 = time.perf_counter()
+        path.get_many_into(keys, dsts)
+        elapsed = time.perf_counter() - t0
+        if i >= warmup:
+            times.append(elapsed)
+    if path.name != "socket":
+        want = xxhash.xxh3_64_digest(srcs[0])
+        if any(xxhash.xxh3_64_digest(d) != want for d in dsts):
+            raise RuntimeError(f"{path.name} {op} of {size_bytes} bytes returned other bytes")
+    path.after_put(keys)
+    return times
+
+
+def run(quick: bool, path_names: tuple[str, ...] = tuple(PATHS)) -> dict[str, Any]:
+    """Measure every path, op and size, the paths taking turns in rotating order per round."""
+    if path_names[0] != "socket":
+        raise ValueError("the socket path (the limit) must be measured, and first")
+    largest = max(SIZES_BYTES)
+    rng = np.random.default_rng(0)
+    src = rng.integers(0, 256, largest, dtype=np.uint8).data  # pre-touched by the fill
+    dst = np.ones(max(largest, BATCH_KEYS * BATCH_MAX_VALUE_BYTES), dtype=np.uint8).data
+    rounds = 3 if quick else 5
+    times: dict[tuple[str, str, int], list[float]] = {}
+    paths: dict[str, DataPath] = {}
+    try:
+        for name in path_names:
+            paths[name] = PATHS[name]()
+        for size in SIZES_BYTES:
+            for op in OPS:
+                batch = BATCH_KEYS if op.endswith("_batch") else 1
+                if batch > 1 and size > BATCH_MAX_VALUE_BYTES:
+                    continue
+                per_round = -(-calls_for(size, batch, quick) // rounds)
+                for r in range(rounds):
+                    order = path_names[r % len(path_names):] + path_names[:r % len(path_names)]
+                    for name in order:
+                        if paths[name].covers(size):
+                            times.setdefault((name, op, size), []).extend(measure(
+                                paths[name], op, size, src, dst, per_round,
+                                warmup=max(2, per_round // 5) if r == 0 else 1))
+    finally:
+        for path in paths.values():
+            path.close()
+    rows = []
+    for (name, op, size), ts in times.items():
+        batch = BATCH_KEYS if op.endswith("_batch") else 1
+        gbps = size * batch * len(ts) / sum(ts) / 1e9
+        limit = times[("socket", op, size)]
+        limit_gbps = size * batch * len(limit) / sum(limit) / 1e9
+        us = np.asarray(ts) * 1e6
+        rows.append(Row(paths[name].name, op, size, batch, paths[name].connections, len(ts),
+                        gbps, limit_gbps, gbps / limit_gbps, float(np.percentile(us, 50)),
+                        float(np.percentile(us, 99))))
+    return {
+        "benchmark": "datapath",
+        "quick": quick,
+        "git_sha": git_sha(),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                    "python": platform.python_version()},
+        "versions": {"numpy": np.__version__, "redis_server": _redis_version()},
+        "settings": {"tcp_connections": TCP_CONNECTIONS,
+                     "stripe_threshold_bytes": DEFAULT_STRIPE_THRESHOLD_BYTES,
+                     "batch_keys": BATCH_KEYS, "rounds": rounds},
+        "rows": [asdict(r) for r in rows],
+    }
+
+
+def git_sha() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kvstore/dataplane/transport",
+                                "bench/datapath.py"], cwd=REPO_ROOT, capture_output=True,
+                               text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return sha + ("+dirty" if dirty else "")
+
+
+def _redis_version() -> str:
+    try:
+        out = subprocess.run([REDIS_BINARY, "--version"], capture_output=True, text=True,
+                             check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "missing"
+    return out.split("v=")[1].split()[0] if "v=" in out else out.strip()
+
+
+def _size_label(size_bytes: int) -> str:
+    return f"{size_bytes // MiB} MiB" if size_bytes >= MiB else f"{size_bytes // KiB} KiB"
+
+
+def print_table(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="data path between two processes on loopback (GB/s = 10^9 B/s; "
+                        "limit = bare socket, same op and size, same run; µs per call)")
+    for col in ("op", "size", "path", "conns", "GB/s", "limit GB/s", "ratio", "p50 µs", "p99 µs"):
+        table.add_column(col, justify="left" if col in ("op", "path") else "right")
+    paths = ["socket", "tcp", "redis"]
+    for row in sorted(result["rows"], key=lambda r: (
+            OPS.index(r["op"]), r["value_bytes"],
+            paths.index(r["path"]) if r["path"] in paths else len(paths), r["connections"])):
+        op = row["op"] if row["batch_keys"] == 1 else f"{row['op']} ×{row['batch_keys']}"
+        table.add_row(op, _size_label(row["value_bytes"]), row["path"],
+                      str(row["connections"]), f"{row['gbps']:.2f}", f"{row['limit_gbps']:.2f}",
+                      f"{row['ratio_to_limit']:.2f}", f"{row['p50_us']:.0f}",
+                      f"{row['p99_us']:.0f}")
+    console = Console()
+    console.print(table)
+    console.print(f"git {result['git_sha']}, {result['machine']['platform']}, "
+                  f"{result['machine']['cpus']} CPUs, redis-server "
+                  f"{result['versions']['redis_server']}, tcp connections "
+                  f"{result['settings']['tcp_connections']}, striping from "
+                  f"{_size_label(result['settings']['stripe_threshold_bytes'])}")
+
+
+def main(json_path: Path | None, quick: bool) -> None:
+    """Run the benchmark, print its table, and write its JSON to ``json_path`` when given."""
+    paths = tuple(p for p in PATHS if p != "redis" or Path(REDIS_BINARY).exists())
+    result = run(quick, paths)
+    print_table(result)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {json_path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--socket-peer"]:
+        socket_peer()
+    else:
+        main(Path(sys.argv[2]) if sys.argv[1:2] == ["--json"] else None,
+             quick="--quick" in sys.argv)
