@@ -773,3 +773,26 @@ def test_batches_pipeline_many_keys_with_per_key_outcomes(local_server: TcpServe
     assert stats.requests["PUT"] == 201
     assert stats.requests["PUT_PART"] == 2
     assert stats.requests["GET"] == 200 + 1 + 2
+
+
+# --- the benchmark still runs (tiny sizes) ------------------------------------------------------------
+
+
+def test_datapath_benchmark_smoke(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from bench import datapath
+
+    monkeypatch.setattr(datapath, "SIZES_BYTES", (4 * KiB, 9 * MiB))
+    monkeypatch.setattr(datapath, "OPS", ("put", "get", "get_batch"))
+    monkeypatch.setattr(datapath, "calls_for", lambda size, batch, quick: 3)
+    names = ("socket", "tcp", "tcp-1conn")
+    if Path(datapath.REDIS_BINARY).exists():
+        names += ("redis",)
+    result = datapath.run(quick=True, path_names=names)
+    rows = {(r["path"], r["op"], r["value_bytes"], r["connections"]): r for r in result["rows"]}
+    assert ("tcp", "get", 9 * MiB, 1) in rows  # the unstriped variant covers striped sizes only
+    assert ("tcp", "get", 4 * KiB, 1) not in rows
+    assert ("tcp", "get_batch", 9 * MiB, 4) not in rows  # batches stop at 1 MiB values
+    for row in rows.values():
+        assert row["gbps"] > 0 and row["p50_us"] > 0
+        if row["path"] == "socket":
+            assert row["ratio_to_limit"] == pytest.approx(1.0)
