@@ -30,3 +30,41 @@ def datapath(
     from bench import datapath as bench_datapath
 
     bench_datapath.main(json_path, quick)
+
+
+@app.command()
+def replay(
+    trace: Path | None = typer.Option(
+        None, "--trace", help="Mooncake JSONL trace [default: ../shared/data/traces/"
+        "conversation_trace.jsonl next to the repository, when it exists]."),
+    capacity_tokens: int | None = typer.Option(
+        None, "--capacity-tokens", help="Cache size in tokens (512-token blocks); omit: unbounded."),
+    policy: str = typer.Option("lru", "--policy", help="lru, s3fifo, mq or belady."),
+    limit: int | None = typer.Option(None, "--limit", help="Replay only the first N requests."),
+    sweep: bool = typer.Option(
+        False, "--sweep", help="Every policy at 1M, 3M and 10M tokens beside LRU and Belady."),
+    json_output: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
+    out: Path | None = typer.Option(
+        None, "--out", help="Where --sweep writes its JSON [default: bench/results/replay.json]."),
+) -> None:
+    """Replay a Mooncake trace through the cache index; print the block hit ratio."""
+    import json
+
+    from bench import replay as bench_replay
+    from kvstore.errors import KvtierError
+    from kvstore.node.trace import default_trace_path
+
+    path = trace or default_trace_path()
+    if path is None:
+        raise typer.BadParameter("no --trace given and the default trace does not exist",
+                                 param_hint="--trace")
+    try:
+        if sweep:
+            result = bench_replay.run_sweep(path, out or bench_replay.DEFAULT_SWEEP_OUT, limit)
+            typer.echo(json.dumps(result) if json_output else bench_replay.format_sweep(result))
+            return
+        one = bench_replay.run_one(path, capacity_tokens, policy, limit=limit)
+    except (KvtierError, OSError) as exc:  # bad flag value or unreadable/malformed trace
+        typer.echo(f"kvtier bench replay: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    typer.echo(json.dumps(one.to_json()) if json_output else bench_replay.format_one(one))
