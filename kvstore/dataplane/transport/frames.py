@@ -93,7 +93,9 @@ class Flags(enum.IntFlag):
     MORE = 4
     """Request: further pipelined requests follow at once. The server may hold the response back
     (``MSG_MORE``) so that a batch's responses share segments and wake the client once; the
-    response to a request without it flushes them."""
+    response to a request without it flushes them. The server reads the announced request
+    without waiting for shutdown signals, so a client that never sends it has its connection
+    treated as stalled (closed after ``io_timeout_s``, or cut at the end of a drain)."""
 
 
 class Status(enum.IntEnum):

@@ -349,8 +349,9 @@ class _ClientConnection:
 
     def _rejection_after_failed_send(self, key: bytes) -> KvtierError | None:
         try:
-            ready, _, _ = select.select([self.sock], [], [], 0.2)
-            if not ready:
+            poller = select.poll()
+            poller.register(self.sock, select.POLLIN)
+            if not poller.poll(200):
                 return None
             got = self.sock.recv_into(self.recv_view, HEADER_BYTES,
                                       socket.MSG_WAITALL | socket.MSG_DONTWAIT)
