@@ -6,22 +6,26 @@ ownership, errors and threading). The on-disk format and the recovery scan are i
 
 Space
     ``capacity_bytes`` is the budget for the directory: the sum of the segment files'
-    sizes. Segment files (``segment_bytes`` each, the last one smaller to fit the budget,
-    one bigger when a chunk is bigger) are created on demand and preallocated
-    (:class:`Preallocation`), then never shrink. Inside them a free-extent allocator
+    sizes. Segment files are created on demand, about ``segment_bytes`` each (a whole
+    number of the records that triggered them, so uniform chunks leave no tail waste; the
+    last one smaller to fit the budget), preallocated (:class:`Preallocation`), and never
+    shrink. Inside them a free-extent allocator
     (:class:`~kvstore.dataplane.extents.SegmentSpace`: best fit, coalescing) places each
     record; ``remove`` frees its extent at once. A chunk costs its size rounded up to
     4 KiB plus one 4 KiB header block.
 
 Writes (``put``)
-    The payload's xxh3_64 is computed from the caller's buffer first. Then, under the
-    tier's *write lock* (puts write one at a time; reads and removes do not wait for it),
-    an extent is allocated and header + payload + (FREE header for the rest of the free
-    run) go out in one ``pwritev`` (4 KiB-aligned caller memory is written in place; other
-    memory is staged through two aligned buffers, copying piece k+1 while piece k is
-    written). After the write lock is released, ``fdatasync``; the chunk becomes visible
-    when that returns. Concurrent puts therefore overlap one write with other puts'
-    flushes; the kernel merges concurrent flushes of one file (no explicit group commit).
+    Under the tier's *write lock* (puts write one at a time; reads and removes do not wait
+    for it) an extent is allocated and written. A chunk up to ``io_block_bytes`` is hashed
+    (xxh3_64, before taking the lock) and goes out in one ``pwritev``: header | payload |
+    padding | FREE header for the rest of the free run (4 KiB-aligned caller memory is
+    written in place, other memory is copied once into an aligned staging buffer). A
+    larger chunk streams in pieces with one write in flight on the I/O thread while the
+    caller hashes (and, if unaligned, stages) the next piece (aligned memory: one write of
+    the whole payload while the caller hashes it); its header goes last. After
+    the write lock is released, ``fdatasync``; the chunk becomes visible when that returns.
+    Concurrent puts therefore overlap one write with other puts' flushes; the kernel
+    merges concurrent flushes of one file (no explicit group commit).
 
 Reads (``get_into``)
     Header block and payload are read together with ``os.preadv`` (the GIL is released):
@@ -55,6 +59,7 @@ Thread safety
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import errno
 import fcntl
@@ -418,7 +423,8 @@ class NvmeTier:
                 rec = _Record(chunk_key, None, 0, size, 0, 0, _State.WRITING)
                 self._index[chunk_key] = rec
             try:
-                rec.checksum = xxhash.xxh3_64_intdigest(view)
+                if not self._pipelined(size):  # else hashed piece by piece while writing
+                    rec.checksum = xxhash.xxh3_64_intdigest(view)
                 self._place_and_write(rec, view)
                 segment = rec.segment
                 assert segment is not None
@@ -652,7 +658,7 @@ class NvmeTier:
                 trailer = RecordHeader(RecordKind.FREE, segment.id, offset + rec.extent_bytes,
                                        run_bytes - rec.extent_bytes, seq + 1)
             try:
-                self._write_record(segment.fd, header, view, trailer)
+                rec.checksum = self._write_record(segment.fd, header, view, trailer)
             except OSError as exc:
                 self._give_back_after_failed_write(rec)
                 raise _os_error(exc, f"writing chunk {rec.key.hex()}") from exc
@@ -676,7 +682,7 @@ class NvmeTier:
                     f"no room for a {extent_bytes}-byte record in the NVMe tier: "
                     f"{stats.free_bytes} bytes free, largest chunk that fits "
                     f"{stats.largest_free_bytes}")
-            size = min(max(self._config.segment_bytes, extent_bytes + HEADER_BYTES), unallocated)
+            size = min(self._new_segment_bytes(extent_bytes), unallocated)
             seg_id = self._next_segment_id
             self._next_segment_id += 1
             seq = self._take_seq_locked()
@@ -693,75 +699,138 @@ class NvmeTier:
             assert got is not None
             return segment, got[0], got[1]
 
+    def _new_segment_bytes(self, extent_bytes: int) -> int:
+        """Size of a segment created for a record of ``extent_bytes``.
+
+        A whole number of such records (the one nearest ``segment_bytes``, at least one)
+        plus the segment header: with uniform chunk sizes, the usual KV-cache case, no
+        segment ends in a run too short for another chunk (256 MiB segments of 64 MiB chunks
+        would otherwise waste a quarter of the disk).
+        """
+        records = max(1, round((self._config.segment_bytes - HEADER_BYTES) / extent_bytes))
+        return HEADER_BYTES + records * extent_bytes
+
+    def _pipelined(self, size_bytes: int) -> bool:
+        """Whether a put of this size streams in pieces (hash and copy overlap the writes)."""
+        return self._io_mode is IoMode.DIRECT and size_bytes > self._config.io_block_bytes
+
     def _write_record(self, fd: int, header: RecordHeader, view: memoryview,
-                      trailer: RecordHeader | None) -> None:
-        """One ``pwritev`` of header | payload | padding | FREE trailer (pieces if staged)."""
+                      trailer: RecordHeader | None) -> int:
+        """Write header | payload | padding | FREE trailer; return the payload's xxh3_64.
+
+        Small chunks (and buffered mode) go out in one ``pwritev`` whose header carries
+        ``header.payload_xxh3`` (computed by the caller). Larger ones stream in pieces, see
+        :meth:`_write_pipelined`.
+        """
         if self._wblocks is None:
             self._wblocks = AlignedBuffer(3 * ALIGN_BYTES)
         blocks = self._wblocks.view
         head = blocks[:ALIGN_BYTES]
-        header.encode_into(head)
         tail_iov: list[memoryview] = []
         if trailer is not None:
             trailer.encode_into(blocks[2 * ALIGN_BYTES:])
             tail_iov.append(blocks[2 * ALIGN_BYTES:])
+        if self._pipelined(view.nbytes):
+            return self._write_pipelined(fd, header, view, blocks, tail_iov)
+        header.encode_into(head)
         size = view.nbytes
         offset = header.offset
         if self._io_mode is IoMode.BUFFERED:
             pad = align_up(size) - size
             pwritev_all(fd, [head, view, *([memoryview(_ZERO_PAD)[:pad]] if pad else []),
                              *tail_iov], offset)
-            return
+            return header.payload_xxh3
         bulk = align_down(size)
         rem = size - bulk
-        if bulk == 0 or is_aligned(view):
-            iov = [head]
-            if bulk:
-                iov.append(view[:bulk])
-            if rem:
-                tail = blocks[ALIGN_BYTES:2 * ALIGN_BYTES]
-                tail[:rem] = view[bulk:]
-                tail[rem:] = _ZERO_PAD[rem:]
-                iov.append(tail)
-            pwritev_all(fd, [*iov, *tail_iov], offset)
-            return
-        self._write_staged(fd, offset, head, view, tail_iov)
+        if bulk and not is_aligned(view):  # stage through an aligned buffer (one copy)
+            if not self._wstage:
+                self._wstage.append(AlignedBuffer(self._config.io_block_bytes))
+            stage = self._wstage[0].view
+            padded = align_up(size)
+            copy_bytes(stage[:size], view)
+            stage[size:padded] = _ZERO_PAD[:padded - size]
+            pwritev_all(fd, [head, stage[:padded], *tail_iov], offset)
+            return header.payload_xxh3
+        iov = [head]
+        if bulk:
+            iov.append(view[:bulk])
+        if rem:
+            tail = blocks[ALIGN_BYTES:2 * ALIGN_BYTES]
+            tail[:rem] = view[bulk:]
+            tail[rem:] = _ZERO_PAD[rem:]
+            iov.append(tail)
+        pwritev_all(fd, [*iov, *tail_iov], offset)
+        return header.payload_xxh3
 
-    def _write_staged(self, fd: int, offset: int, head: memoryview, view: memoryview,
-                      tail_iov: list[memoryview]) -> None:
-        """Copy an unaligned source through two aligned buffers, overlapping copy and write."""
+    def _write_pipelined(self, fd: int, header: RecordHeader, view: memoryview,
+                         blocks: memoryview, tail_iov: list[memoryview]) -> int:
+        """Write a large payload with its hash (and copy) overlapped, then its header.
+
+        Aligned memory: one ``pwritev`` of the whole payload on the I/O thread while this
+        thread hashes it. Unaligned memory: :meth:`_write_staged_pieces`. The header, which
+        needs the finished checksum, is written last: a crash before it leaves the old
+        FREE/DEAD header in place, so a half-written record never looks like one.
+        """
+        size = view.nbytes
+        bulk = align_down(size)
+        pool = self._pool_get()
+        if is_aligned(view):
+            # One pwritev of the whole payload (the device sees the deepest queue) on the I/O
+            # thread while this thread hashes the same memory.
+            iov = [view[:bulk]]
+            if size > bulk:
+                tail = blocks[ALIGN_BYTES:2 * ALIGN_BYTES]
+                tail[:size - bulk] = view[bulk:]
+                tail[size - bulk:] = _ZERO_PAD[size - bulk:]
+                iov.append(tail)
+            written = pool.submit(pwritev_all, fd, [*iov, *tail_iov],
+                                  header.offset + HEADER_BYTES)
+            try:
+                digest = xxhash.xxh3_64_intdigest(view)
+            finally:
+                wait_futures([written])
+            written.result()
+        else:
+            digest = self._write_staged_pieces(fd, header.offset, view, tail_iov)
+        head = blocks[:ALIGN_BYTES]
+        dataclasses.replace(header, payload_xxh3=digest).encode_into(head)
+        pwritev_all(fd, [head], header.offset)
+        return digest
+
+    def _write_staged_pieces(self, fd: int, offset: int, view: memoryview,
+                             tail_iov: list[memoryview]) -> int:
+        """Copy unaligned memory through two aligned buffers: piece k is written on the I/O
+        thread while piece k+1 is copied and hashed here. Returns the payload's xxh3_64."""
         piece_bytes = self._config.io_block_bytes
         while len(self._wstage) < 2:
             self._wstage.append(AlignedBuffer(piece_bytes))
         size = view.nbytes
         starts = range(0, size, piece_bytes)
+        hasher = xxhash.xxh3_64()
+        pool = self._pool_get()
         pending: Future[int] | None = None
         try:
             for k, start in enumerate(starts):
-                n = min(piece_bytes, size - start)
+                end = min(start + piece_bytes, size)
+                n = end - start
                 padded = align_up(n)
                 stage = self._wstage[k % 2].view
-                copy_bytes(stage[:n], view[start:start + n])
-                if padded > n:
-                    stage[n:padded] = _ZERO_PAD[:padded - n]
+                copy_bytes(stage[:n], view[start:end])  # its previous write has finished
+                stage[n:padded] = _ZERO_PAD[:padded - n]
                 iov = [stage[:padded]]
-                if k == 0:
-                    iov.insert(0, head)
+                hasher.update(stage[:n])
                 if k == len(starts) - 1:
                     iov.extend(tail_iov)
-                at = offset if k == 0 else offset + HEADER_BYTES + start
-                if len(starts) == 1:
-                    pwritev_all(fd, iov, at)
-                    return
                 if pending is not None:
-                    pending.result()  # piece k-1 is written: its buffer may be reused next
-                pending = self._pool_get().submit(pwritev_all, fd, iov, at)
+                    pending.result()  # piece k-1 is written: keeps one write in flight
+                pending = pool.submit(pwritev_all, fd, iov, offset + HEADER_BYTES + start)
             if pending is not None:
                 pending.result()
                 pending = None
         finally:
             if pending is not None:
                 wait_futures([pending])
+        return hasher.intdigest()
 
     def _give_back_after_failed_write(self, rec: _Record) -> None:
         """Free the extent of a failed write behind a FREE header (caller holds the write lock).
@@ -943,10 +1012,17 @@ class NvmeTier:
             raise ChunkCorrupt(f"chunk {rec.key.hex()} at {segment.path.name}+{rec.offset}: "
                                f"{why}")
 
-    def _pieces(self, size: int) -> list[tuple[int, int]]:
-        """Split the padded payload ``[0, align_up(size))`` into io_block pieces."""
+    def _pieces(self, size: int, *, quarters: bool = False) -> list[tuple[int, int]]:
+        """Split the padded payload ``[0, align_up(size))`` into io_block pieces.
+
+        ``quarters``: pieces of at least a quarter of the chunk (reads straight into the
+        caller's memory: big requests keep the device queue deep, and only the last
+        quarter's hash is not overlapped with a read).
+        """
         padded = align_up(size)
         step = self._config.io_block_bytes
+        if quarters:
+            step = max(step, align_up(-(-padded // 4)))
         return [(s, min(s + step, padded)) for s in range(0, padded, step)]
 
     def _read_direct(self, rec: _Record, fd: int, head: memoryview, tail: memoryview,
@@ -955,7 +1031,7 @@ class NvmeTier:
         size = rec.payload_bytes
         bulk = align_down(size)
         rem = size - bulk
-        pieces = self._pieces(size)
+        pieces = self._pieces(size, quarters=True)
         hasher = xxhash.xxh3_64()
 
         def iov_of(k: int) -> tuple[list[memoryview], int]:

@@ -181,6 +181,14 @@ def test_segments_are_created_on_demand_within_the_budget(tmp_path: Path) -> Non
         tier.close()
 
 
+def test_segments_hold_a_whole_number_of_uniform_chunks(tmp_path: Path) -> None:
+    with open_tier(tmp_path / "t", 8 * MiB, segment_bytes=MiB) as tier:
+        for i in range(11):  # 100 KiB chunks: 104 KiB records, 10 per ~1 MiB segment
+            tier.put(f"k{i}".encode(), payload(100 * KiB, seed=i))
+            assert tier.nvme_stats().segments == (1 if i < 10 else 2)
+        assert tier.nvme_stats().segment_bytes_total == 2 * (HEADER_BYTES + 10 * 104 * KiB)
+
+
 def test_a_chunk_bigger_than_a_segment_gets_its_own_segment(tmp_path: Path) -> None:
     tier = open_tier(tmp_path / "t", 8 * MiB, segment_bytes=MiB)
     try:
