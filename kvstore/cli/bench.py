@@ -22,6 +22,21 @@ def hashing(
 
 
 @app.command()
+def tiers(
+    quick: bool = typer.Option(False, "--quick", help="128 MiB per size, one round (smoke run)."),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write the results as JSON here."),
+    directory: Path | None = typer.Option(
+        None, "--dir", help="Where the NVMe files go (default: a temp dir on the repo's filesystem)."),
+    unaligned: bool = typer.Option(
+        False, "--unaligned", help="Also measure NVMe with unaligned caller buffers (staged path)."),
+) -> None:
+    """Put/get GB/s of the DRAM, NVMe (and HBM) tiers beside memcpy, O_DIRECT disk and PCIe limits."""
+    from bench import tiers as bench_tiers
+
+    bench_tiers.main(json_path, quick, directory, unaligned)
+
+
+@app.command()
 def datapath(
     quick: bool = typer.Option(False, "--quick", help="~24 MiB per size and op (smoke run)."),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the results as JSON here."),
