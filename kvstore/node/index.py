@@ -772,8 +772,10 @@ class CacheIndex:
                         if drops and parent is not None and parent.tier is tier:
                             done = planned_children.get(parent, 0) + 1
                             planned_children[parent] = done
-                            if parent in blocked and done == parent.n_children() \
-                                    and not parent.held(now):
+                            # A parent skipped earlier (older) whose last child is now
+                            # planned goes next, unless the plan is already big enough.
+                            if freed < bytes_needed and parent in blocked \
+                                    and done == parent.n_children() and not parent.held(now):
                                 blocked.discard(parent)
                                 cascade = parent
                     if freed >= bytes_needed:
