@@ -4,11 +4,11 @@ One tier (DRAM), metadata only: capacity in tokens becomes ``capacity // 512``
 blocks. Requests run in timestamp order; for each one:
 
 1. ``hit`` = the longest cached prefix, in blocks (``CacheIndex.longest_prefix``);
-2. the hit prefix is pinned (the engine reads it) and counted as a hit
-   (``access_prefix``);
-3. the new blocks are offered to the policy (``admit_count``: only Belady
-   refuses any), room is made (``plan_eviction`` -> ``remove``) and they are
-   inserted (``insert_chain``); then the pin is released.
+2. the hit prefix is pinned while the request's new blocks are offered to the
+   policy (``admit_count``: only Belady refuses any), made room for
+   (``plan_eviction`` -> ``remove``) and inserted (``insert_chain``), as a
+   serving engine holds the blocks it reads;
+3. the hit prefix is counted as a hit (``access_prefix``) and unpinned.
 
 Block hit ratio = sum of hits / sum of blocks. The index's clock is the trace's
 own timestamps, so leases expire in trace time.
@@ -105,8 +105,6 @@ def replay(requests: Sequence[TraceRequest], capacity_tokens: int | None,
         hit = index.longest_prefix(keys)
         hits += hit
         lease = index.pin_many(keys[:hit], PIN_TTL_S) if hit else None
-        if hit:
-            index.access_prefix(keys[:hit])
         new = keys[hit:]
         if new:
             parent = keys[hit - 1] if hit else None
@@ -123,6 +121,10 @@ def replay(requests: Sequence[TraceRequest], capacity_tokens: int | None,
                 if n:
                     index.insert_chain(new[:n], parent, TIER, BLOCK_TOKENS)
             refused += len(new) - n
+        if hit:
+            # After the inserts: with both notified deepest block first, a recency order holds
+            # this request's blocks leaf first, root last, so LRU never has to skip a parent.
+            index.access_prefix(keys[:hit])
         if lease is not None:
             index.unpin(lease)
     elapsed = time.perf_counter() - start

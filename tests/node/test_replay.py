@@ -42,8 +42,8 @@ TINY = [req(0, 0, 1, 2), req(1, 0, 1, 3), req(2, 0, 4), req(3, 0, 1, 2)]
 
 def test_tiny_trace_by_hand() -> None:
     cap = 3 * BLOCK_TOKENS
-    # LRU, 3 blocks. r1 hits 0,1 and evicts leaf 2 for 3. r2 hits 0; 1 is the LRU entry but has
-    # a cached child (3), so 3 goes for 4. r3 hits 0,1 (2 is gone) and 4 goes for 2.
+    # LRU, 3 blocks. r1 hits 0,1 and evicts leaf 2 for 3. r2 hits 0 and evicts leaf 3 for 4.
+    # r3 hits 0,1 (2 is gone); 1 is now the LRU entry but r3 pins it, so 4 goes for 2.
     # 0+2+1+2 = 5 hits of 11 blocks, 3 evictions.
     lru = replay(TINY, cap, PolicyName.LRU)
     assert (lru.hit_blocks, lru.blocks, lru.requests, lru.evictions) == (5, 11, 4, 3)
