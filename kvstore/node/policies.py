@@ -26,9 +26,10 @@ Contract (:class:`EvictionPolicy`)
       ``False`` means "do not cache it" (the index's caller then also skips the
       key's descendants, which could not be cached without it).
 
-Policies are selected by :class:`PolicyName` through :func:`make_policy`.
-:class:`BeladyPolicy` is the offline optimum (it is given the future) and is
-only meaningful in a trace replay.
+Policies are selected by :class:`PolicyName` through :func:`make_policy`:
+LRU (baseline), S3-FIFO, MQ (the best online policy measured on the Mooncake
+conversation trace; docs/eviction.md has the figures) and Belady, the offline
+optimum, which is given the future and only makes sense in a trace replay.
 """
 
 from __future__ import annotations
@@ -114,13 +115,14 @@ class PolicyName(enum.Enum):
 # Shared helpers
 
 
-def _queue_candidates(queue: OrderedDict[bytes, int], on_skip_to_tail: bool = True) -> CandidateStream:
-    """Yield the keys of ``queue`` from its head (oldest first).
+def _queue_candidates(queue: OrderedDict[bytes, int]) -> CandidateStream:
+    """Yield the keys of ``queue`` from its head (oldest first), each once.
 
     A taken key is popped for the rest of this scan and put back at the head,
     in its old order, when the generator closes: the plan may be abandoned, and
     if it is executed ``on_remove`` deletes the key normally. A skipped key goes
-    to the tail (it is in use: pinned, or needed by a cached child).
+    to the tail (it is in use: pinned, or needed by a cached child), so after
+    ``len(queue)`` steps every key has been at the head exactly once.
     """
     taken: list[tuple[bytes, int]] = []
     try:
@@ -130,10 +132,8 @@ def _queue_candidates(queue: OrderedDict[bytes, int], on_skip_to_tail: bool = Tr
             key = next(iter(queue))
             if (yield key):
                 taken.append((key, queue.pop(key)))
-            elif on_skip_to_tail:
+            else:
                 queue.move_to_end(key)
-            else:  # pragma: no cover - every caller rotates today
-                raise InvariantViolation("queue scan without rotation would loop")
     finally:
         for key, value in reversed(taken):
             queue[key] = value
