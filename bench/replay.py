@@ -42,7 +42,7 @@ PIN_TTL_S = 60.0
 """Lease on a request's hit prefix while its new blocks are inserted (trace seconds)."""
 SWEEP_CAPACITIES_TOKENS = (1_000_000, 3_000_000, 10_000_000)
 SWEEP_POLICIES = tuple(PolicyName)
-DEFAULT_SWEEP_OUT = Path("bench/results/replay.json")
+DEFAULT_SWEEP_OUT = Path("bench/out/replay.json")
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,7 +60,7 @@ def replay(
         False, "--sweep", help="Every policy at 1M, 3M and 10M tokens beside LRU and Belady."),
     json_output: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
     out: Path | None = typer.Option(
-        None, "--out", help="Where --sweep writes its JSON [default: bench/results/replay.json]."),
+        None, "--out", help="Where --sweep writes its JSON [default: bench/out/replay.json]."),
 ) -> None:
     """Replay a Mooncake trace through the cache index; print the block hit ratio."""
     import json
