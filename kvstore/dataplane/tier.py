@@ -98,6 +98,9 @@ class ChunkInfo:
     tier: TierKind
     checksum: int | None = None
     """xxh3_64 of the bytes where the tier keeps one (NVMe always; memory tiers may not)."""
+    meta: bytes = b""
+    """Opaque caller metadata kept with the chunk by persistent tiers (the cache stores the
+    parent key there, so the prefix chain survives a restart); empty elsewhere."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +178,22 @@ class HostMemoryTier(Tier, Protocol):
     def abort(self, slot: WriteSlot) -> None:
         """Free an uncommitted slot. Idempotent."""
         ...
+
+
+@runtime_checkable
+class PersistentTier(Tier, Protocol):
+    """A tier whose chunks survive a restart or ``kill -9`` (NVMe).
+
+    Besides the bytes it keeps up to ``MAX_META_BYTES`` of opaque caller metadata per chunk,
+    written atomically with the chunk and returned by ``chunks()`` in ``ChunkInfo.meta``.
+    """
+
+    def put_with_meta(self, key: bytes, src: Buffer, meta: bytes) -> ChunkInfo:
+        """``put`` that also persists ``meta``. Raises InvalidArgument when meta is too long."""
+        ...
+
+
+MAX_META_BYTES = 64
 
 
 class WriteSlot(Protocol):

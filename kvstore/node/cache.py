@@ -1,0 +1,540 @@
+"""The tiered cache: real tiers (HBM, DRAM, NVMe) kept in step with one :class:`CacheIndex`.
+
+The index decides (what is cached, where, what to evict: :mod:`kvstore.node.index`); the tiers hold
+the bytes (:mod:`kvstore.dataplane.tier`); this module executes the decisions and keeps both equal.
+
+Placement
+    A put lands in the *write tier* (the fastest configured tier unless configured otherwise).
+    When it is full, the index plans victims; each is **demoted** one tier down (HBM -> DRAM ->
+    NVMe), making room there the same way, and victims of the last tier are **dropped**. A read
+    from a slower tier **promotes** the chunk one tier up when that tier has room or can make it
+    (best effort: a failed promotion leaves the chunk where it was). Each chunk lives in exactly one
+    tier at a time.
+
+Prefix rule
+    A chunk is useless without its parent. ``put`` refuses a chunk whose parent is not cached, the
+    index never plans a drop that would orphan a child, and a chunk found corrupt is dropped
+    together with everything cached under it.
+
+Leases
+    Reads pin the chunks they copy (a shared lease with a timeout), moves claim theirs (exclusive),
+    so a chunk being read or moved cannot be evicted, and a crashed reader's pin expires.
+    ``pin``/``unpin`` expose the same leases to callers that hand out zero-copy views.
+
+Persistence
+    A persistent tier (NVMe) keeps each chunk's parent key in the record's metadata, so
+    :meth:`TieredCache.recover` rebuilds the index, parents included, after a restart or a
+    ``kill -9``. Chunks whose parent did not survive are dropped (they could never be used).
+
+Thread safety
+    Every method may be called from any thread. Metadata decisions run under the index's lock;
+    byte copies run outside it, protected by leases.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstore.dataplane.tier import (
+    Buffer,
+    ChunkInfo,
+    HostMemoryTier,
+    PersistentTier,
+    Tier,
+    TierKind,
+    TierStats,
+    check_key,
+)
+from kvstore.errors import (
+    CapacityError,
+    ChunkBusy,
+    ChunkCorrupt,
+    ChunkExists,
+    ChunkNotFound,
+    ConfigError,
+    InvalidArgument,
+    KvtierError,
+)
+from kvstore.node.index import CacheIndex, IndexEntry, Lease, PrefixMatch, TierBudget
+from kvstore.node.policies import EvictionPolicy, PolicyName
+
+log = logging.getLogger(__name__)
+
+_MAX_ROOM_ATTEMPTS = 8
+"""Evict-and-retry rounds before a put gives up. The index counts logical bytes; a tier may need a
+little more (alignment, record headers, fragmentation), so a put that the index admits can still
+find the tier full and evicts again."""
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    write_tier: TierKind | None = None
+    """Where puts land; None: the fastest configured tier."""
+    promote_on_hit: bool = True
+    """Move a chunk read from a slower tier one tier up."""
+    lease_ttl_s: float = 30.0
+    """How long a pin or move claim protects a chunk if its holder never releases it."""
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+
+    def __post_init__(self) -> None:
+        if not self.lease_ttl_s > 0:
+            raise ConfigError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
+        if not 0.0 <= self.low_watermark <= self.high_watermark <= 1.0:
+            raise ConfigError("watermarks must satisfy 0 <= low <= high <= 1")
+
+
+@dataclass(slots=True)
+class TierCounters:
+    """What happened in one tier since the cache started (monotonic counters)."""
+
+    hits: int = 0
+    puts: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    demotions_out: int = 0
+    promotions_in: int = 0
+    drops: int = 0
+    corrupt: int = 0
+    seconds_writing: float = 0.0
+    seconds_reading: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class TierReport:
+    kind: TierKind
+    stats: TierStats
+    counters: TierCounters
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryReport:
+    recovered: int
+    dropped_orphans: int
+    by_tier: dict[TierKind, int] = field(default_factory=dict)
+
+
+class TieredCache:
+    """Tiers plus the index that says what lives where. See the module docstring."""
+
+    def __init__(self, tiers: Mapping[TierKind, Tier], *,
+                 policy: EvictionPolicy | PolicyName | str = PolicyName.LRU,
+                 config: CacheConfig | None = None) -> None:
+        if not tiers:
+            raise ConfigError("a tiered cache needs at least one tier")
+        for kind, tier in tiers.items():
+            if tier.kind is not kind:
+                raise ConfigError(f"tier {tier!r} is a {tier.kind.value} tier, configured as {kind.value}")
+        self._config = config or CacheConfig()
+        self._tiers = dict(sorted(tiers.items(), key=lambda kv: kv[0].order))
+        budgets = {kind: TierBudget.of(tier.capacity_bytes, high_fraction=self._config.high_watermark,
+                                       low_fraction=self._config.low_watermark)
+                   for kind, tier in self._tiers.items()}
+        self._index = CacheIndex(budgets, policy)
+        write = self._config.write_tier or next(iter(self._tiers))
+        if write not in self._tiers:
+            raise ConfigError(f"write tier {write.value} is not configured")
+        self._write_tier = write
+        self._counters = {kind: TierCounters() for kind in self._tiers}
+        self._counter_lock = threading.Lock()
+        self.misses = 0
+        self.lookups = 0
+
+    # -- introspection ---------------------------------------------------------------------
+
+    @property
+    def index(self) -> CacheIndex:
+        return self._index
+
+    @property
+    def tiers(self) -> Mapping[TierKind, Tier]:
+        return self._tiers
+
+    def tier(self, kind: TierKind) -> Tier:
+        try:
+            return self._tiers[kind]
+        except KeyError:
+            raise InvalidArgument(f"tier {kind.value} is not configured") from None
+
+    def report(self) -> list[TierReport]:
+        with self._counter_lock:
+            return [TierReport(kind, tier.stats(), _copy(self._counters[kind]))
+                    for kind, tier in self._tiers.items()]
+
+    def entry(self, key: bytes) -> IndexEntry | None:
+        return self._index.get(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._index
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    # -- lookups ---------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes]) -> PrefixMatch:
+        """The longest cached prefix of ``keys`` and the tier of each block (not a hit)."""
+        return self._index.match_prefix(keys)
+
+    # -- writes ----------------------------------------------------------------------------
+
+    def put(self, key: bytes, src: Buffer, *, parent: bytes | None = None,
+            tier: TierKind | None = None) -> ChunkInfo:
+        """Store ``src`` under ``key`` (a child of ``parent``) in the write tier, making room.
+
+        Raises ChunkExists (already cached: chunks are immutable), InvalidArgument (the parent is
+        not cached, bad key), CapacityError (nothing evictable frees enough: everything is
+        pinned, or the chunk is larger than the tier).
+        """
+        key = check_key(key)
+        kind = tier or self._write_tier
+        target = self.tier(kind)
+        if key in self._index:
+            raise ChunkExists(f"chunk {key.hex()} is already cached")
+        if parent is not None and parent not in self._index:
+            raise InvalidArgument(f"parent {bytes(parent).hex()} of {key.hex()} is not cached: "
+                                  "a chunk without its prefix is useless")
+        size = _nbytes(src)
+        start = time.perf_counter()
+        info = self._place(kind, target, key, size, lambda: _put(target, key, src, parent))
+        try:
+            self._index.insert(key, parent, kind, size, info.checksum)
+        except KvtierError:
+            target.remove(key)  # the index refused it (a racing put, or the parent vanished)
+            raise
+        self._count(kind, puts=1, bytes_written=size, seconds_writing=time.perf_counter() - start)
+        return info
+
+    def put_chain(self, keys: Sequence[bytes], chunks: Sequence[Buffer], *,
+                  parent: bytes | None = None) -> int:
+        """Store a chain of chunks (``keys[i]`` is the child of ``keys[i-1]``); skip cached ones.
+
+        Returns how many were newly stored. Stops at the first chunk that cannot be placed
+        (its descendants would be orphans) and re-raises that error only when nothing was stored.
+        """
+        if len(keys) != len(chunks):
+            raise InvalidArgument(f"{len(keys)} keys but {len(chunks)} chunks")
+        stored = 0
+        up = parent
+        for key, chunk in zip(keys, chunks, strict=True):
+            if key not in self._index:
+                try:
+                    self.put(key, chunk, parent=up)
+                except (CapacityError, ChunkBusy):
+                    if stored == 0:
+                        raise
+                    break
+                except ChunkExists:
+                    pass  # another writer stored the same prefix meanwhile: same bytes
+                else:
+                    stored += 1
+            up = key
+        return stored
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def get_into(self, key: bytes, dst: Buffer) -> int:
+        """Copy one chunk into ``dst`` (exactly its size). A hit; may promote the chunk.
+
+        Raises ChunkNotFound, SizeMismatch, ChunkCorrupt (the chunk and its descendants are
+        dropped).
+        """
+        key = check_key(key)
+        try:
+            lease = self._index.pin(key, self._config.lease_ttl_s)
+        except ChunkNotFound:
+            self.misses += 1
+            raise
+        try:
+            kind = self._read_pinned(key, dst)
+        finally:
+            self._index.unpin(lease)
+        self._index.touch(key)
+        self._maybe_promote(key, kind, dst)
+        return _nbytes(dst)
+
+    def load_prefix(self, keys: Sequence[bytes], dsts: Sequence[Buffer]) -> int:
+        """Copy the longest cached prefix of ``keys`` into ``dsts``; return how many blocks loaded.
+
+        Loads stop early at a chunk that turns out corrupt or vanished: the caller recomputes
+        from there (fewer blocks, never wrong bytes). Counts as one hit on the loaded prefix.
+        """
+        if len(keys) != len(dsts):
+            raise InvalidArgument(f"{len(keys)} keys but {len(dsts)} destinations")
+        self.lookups += 1
+        lease = self._index.pin_prefix(keys, self._config.lease_ttl_s)
+        if lease is None:
+            self.misses += 1
+            return 0
+        loaded = 0
+        found: list[TierKind] = []
+        try:
+            for key, dst in zip(lease.keys, dsts, strict=False):
+                try:
+                    found.append(self._read_pinned(key, dst))
+                except (ChunkCorrupt, ChunkNotFound) as exc:
+                    log.warning("prefix load stops at block %d: %s", loaded, exc)
+                    break
+                loaded += 1
+        finally:
+            self._index.unpin(lease)
+        self._index.access_prefix(keys[:loaded])
+        for key, kind, dst in zip(keys[:loaded], found, dsts, strict=False):
+            self._maybe_promote(key, kind, dst)
+        return loaded
+
+    def _read_pinned(self, key: bytes, dst: Buffer) -> TierKind:
+        entry = self._index.get(key)
+        if entry is None:
+            raise ChunkNotFound(key, "the tiered cache")
+        kind = entry.tier
+        start = time.perf_counter()
+        try:
+            n = self._tiers[kind].get_into(key, dst)
+        except ChunkCorrupt:
+            self._count(kind, corrupt=1)
+            self._drop_subtree(key)
+            raise
+        except ChunkNotFound:
+            # The tier lost it (a file deleted by hand): the index must not keep promising it.
+            self._drop_subtree(key)
+            raise
+        self._count(kind, hits=1, bytes_read=n, seconds_reading=time.perf_counter() - start)
+        return kind
+
+    # -- pins for zero-copy readers -----------------------------------------------------------
+
+    def pin(self, keys: Sequence[bytes], ttl_s: float | None = None) -> Lease:
+        """Pin chunks (all or nothing) so they are neither evicted nor moved until ``unpin``."""
+        return self._index.pin_many(keys, ttl_s or self._config.lease_ttl_s)
+
+    def unpin(self, lease: Lease) -> bool:
+        return self._index.unpin(lease)
+
+    # -- removal and eviction ----------------------------------------------------------------
+
+    def remove(self, key: bytes) -> list[bytes]:
+        """Drop a chunk and everything cached under it; return the dropped keys.
+
+        Raises ChunkNotFound, ChunkBusy (some of them are pinned).
+        """
+        dropped = self._index.remove_subtree(key)
+        for k in dropped:
+            self._remove_bytes(k)
+        return dropped
+
+    def evict(self, kind: TierKind, bytes_needed: int) -> int:
+        """Free at least ``bytes_needed`` in one tier (demoting or dropping); return bytes freed."""
+        self.tier(kind)
+        before = self._index.usage(kind).used_bytes
+        self._evict(kind, bytes_needed)
+        return before - self._index.usage(kind).used_bytes
+
+    def demote_to_low_watermark(self) -> dict[TierKind, int]:
+        """Background work: bring every tier above its high watermark down to its low one."""
+        freed: dict[TierKind, int] = {}
+        for kind in self._tiers:
+            if self._index.over_high_watermark(kind):
+                need = self._index.bytes_above_low_watermark(kind)
+                try:
+                    freed[kind] = self.evict(kind, need)
+                except CapacityError as exc:
+                    log.info("cannot reach the low watermark of %s: %s", kind.value, exc)
+        return freed
+
+    # -- recovery -----------------------------------------------------------------------------
+
+    def recover(self) -> RecoveryReport:
+        """Index the chunks persistent tiers already hold (after a restart). Call once, first.
+
+        A chunk is indexed only when its parent is (the chain is rebuilt root first); chunks whose
+        parent did not survive are dropped from their tier, since they could never be used.
+        """
+        pending: dict[bytes, tuple[TierKind, ChunkInfo, bytes | None]] = {}
+        for kind, tier in self._tiers.items():
+            for info in tier.chunks():
+                if info.key in self._index or info.key in pending:
+                    continue
+                pending[info.key] = (kind, info, _parent_of(info))
+        # Index root first: a breadth-first walk from chunks whose parent is known (O(n)).
+        children: dict[bytes | None, list[bytes]] = {}
+        for key, (_kind, _info, parent) in pending.items():
+            children.setdefault(parent, []).append(key)
+        ready = [k for parent, keys in children.items()
+                 if parent is None or parent in self._index for k in keys]
+        by_tier: dict[TierKind, int] = {}
+        while ready:
+            key = ready.pop()
+            kind, info, parent = pending.pop(key)
+            self._index.insert(key, parent, kind, info.size_bytes, info.checksum)
+            by_tier[kind] = by_tier.get(kind, 0) + 1
+            ready.extend(children.get(key, ()))
+        recovered = sum(by_tier.values())
+        for key, (kind, _info, _parent) in pending.items():
+            log.warning("dropping recovered chunk %s from %s: its parent did not survive",
+                        key.hex(), kind.value)
+            self._tiers[kind].remove(key)
+        return RecoveryReport(recovered, len(pending), by_tier)
+
+    def close(self) -> None:
+        for tier in self._tiers.values():
+            tier.close()
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _place(self, kind: TierKind, target: Tier, key: bytes, size: int,
+               write: Any) -> ChunkInfo:
+        """Make room for ``size`` bytes in ``kind`` and run ``write`` (a tier put), evicting on
+        CapacityError until it fits or nothing more can be evicted."""
+        usage = self._index.usage(kind)
+        if size > usage.capacity_bytes:
+            raise CapacityError(f"{kind.value}: a {size}-byte chunk is larger than the tier "
+                                f"({usage.capacity_bytes} bytes)")
+        shortfall = usage.used_bytes + size - usage.capacity_bytes
+        if shortfall > 0:
+            self._evict(kind, shortfall)
+        for _attempt in range(_MAX_ROOM_ATTEMPTS):
+            try:
+                info: ChunkInfo = write()
+                return info
+            except CapacityError:
+                # Logical room exists but the tier needs more (alignment, headers, fragments).
+                self._evict(kind, max(size, target.capacity_bytes // 64))
+        raise CapacityError(f"{kind.value}: no room for {size} bytes after evicting "
+                            f"{_MAX_ROOM_ATTEMPTS} times")
+
+    def _evict(self, kind: TierKind, bytes_needed: int) -> None:
+        claim = self._index.claim_eviction(kind, bytes_needed, self._config.lease_ttl_s)
+        below = self._index.demotion_target(kind)
+        try:
+            for key in claim.keys:
+                if below is None:
+                    self._drop(kind, key, claim)
+                    continue
+                try:
+                    self._move(key, kind, below, claim)
+                except CapacityError:
+                    self._drop(kind, key, claim)  # nothing below can take it
+        finally:
+            self._index.unpin(claim)
+
+    def _drop(self, kind: TierKind, key: bytes, claim: Lease) -> None:
+        """Drop a claimed victim, index first: the index refuses (ChunkBusy) when a child was
+        inserted under it since the plan, and then the bytes must stay."""
+        try:
+            self._index.remove(key, lease=claim)
+        except (ChunkBusy, ChunkNotFound) as exc:
+            log.debug("victim %s kept: %s", key.hex(), exc)
+            return
+        self._tiers[kind].remove(key)
+        self._count(kind, drops=1)
+
+    def _move(self, key: bytes, src_kind: TierKind, dst_kind: TierKind, claim: Lease) -> None:
+        """Copy a claimed chunk from one tier to another, then retarget the index."""
+        src, dst = self._tiers[src_kind], self._tiers[dst_kind]
+        entry = self._index.get(key)
+        if entry is None:
+            return
+        size = entry.size_bytes
+        parent = entry.parent
+        start = time.perf_counter()
+
+        def write() -> ChunkInfo:
+            if isinstance(dst, HostMemoryTier):
+                slot = dst.reserve(key, size)
+                try:
+                    src.get_into(key, slot.buffer)
+                    return dst.commit(slot)
+                except BaseException:
+                    dst.abort(slot)
+                    raise
+            if isinstance(src, HostMemoryTier):
+                return _put(dst, key, src.view(key), parent)
+            bounce = bytearray(size)
+            src.get_into(key, bounce)
+            return _put(dst, key, bounce, parent)
+
+        try:
+            self._place(dst_kind, dst, key, size, write)
+        except ChunkCorrupt:
+            self._count(src_kind, corrupt=1)
+            self._index.unpin(claim)
+            self._drop_subtree(key)
+            return
+        try:
+            self._index.move(key, dst_kind, lease=claim)
+        except KvtierError:
+            dst.remove(key)  # the index refused the move: the copy below must not linger
+            raise
+        src.remove(key)
+        elapsed = time.perf_counter() - start
+        self._count(src_kind, demotions_out=1) if dst_kind.order > src_kind.order else \
+            self._count(dst_kind, promotions_in=1)
+        self._count(dst_kind, bytes_written=size, seconds_writing=elapsed)
+
+    def _maybe_promote(self, key: bytes, kind: TierKind, data: Buffer) -> None:
+        if not self._config.promote_on_hit:
+            return
+        order = list(self._tiers)
+        up_idx = order.index(kind) - 1
+        if up_idx < 0 or order[up_idx].order < self._write_tier.order:
+            return  # already in the fastest tier a put would use
+        up = order[up_idx]
+        try:
+            claim = self._index.claim([key], self._config.lease_ttl_s)
+        except (ChunkBusy, ChunkNotFound):
+            return  # someone else is reading or moving it; promotion is best effort
+        try:
+            self._move(key, kind, up, claim)
+        except (CapacityError, ChunkBusy) as exc:
+            log.debug("promotion of %s to %s skipped: %s", key.hex(), up.value, exc)
+        finally:
+            self._index.unpin(claim)
+
+    def _drop_subtree(self, key: bytes) -> None:
+        try:
+            dropped = self._index.remove_subtree(key, force=True)
+        except ChunkNotFound:
+            return
+        for k in dropped:
+            self._remove_bytes(k)
+
+    def _remove_bytes(self, key: bytes) -> None:
+        for kind, tier in self._tiers.items():
+            if tier.remove(key):
+                self._count(kind, drops=1)
+
+    def _count(self, kind: TierKind, **deltas: float) -> None:
+        with self._counter_lock:
+            c = self._counters[kind]
+            for name, delta in deltas.items():
+                setattr(c, name, getattr(c, name) + delta)
+
+
+def _nbytes(buf: Buffer) -> int:
+    if hasattr(buf, "nbytes") and not isinstance(buf, memoryview):
+        return int(buf.nbytes)
+    if hasattr(buf, "element_size"):  # torch tensors
+        return int(buf.numel() * buf.element_size())
+    return memoryview(buf).nbytes
+
+
+def _put(tier: Tier, key: bytes, src: Buffer, parent: bytes | None) -> ChunkInfo:
+    """Put into a tier; persistent tiers also keep the parent key, for ``recover``."""
+    if parent is not None and isinstance(tier, PersistentTier):
+        return tier.put_with_meta(key, src, bytes(parent))
+    return tier.put(key, src)
+
+
+def _parent_of(info: ChunkInfo) -> bytes | None:
+    return bytes(info.meta) if info.meta else None
+
+
+def _copy(c: TierCounters) -> TierCounters:
+    return TierCounters(**{name: getattr(c, name) for name in TierCounters.__slots__})
+

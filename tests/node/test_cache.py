@@ -1,0 +1,264 @@
+"""The tiered cache over the real DRAM tier (shared memory) and the real NVMe tier (files, fsync)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore.dataplane.dram import DramTier
+from kvstore.dataplane.nvme import NvmeTier, NvmeTierConfig
+from kvstore.dataplane.tier import TierKind
+from kvstore.errors import CapacityError, ChunkCorrupt, ChunkExists, ChunkNotFound, InvalidArgument
+from kvstore.node.cache import CacheConfig, TieredCache
+from kvstore.node.policies import PolicyName
+
+KiB = 1 << 10
+MiB = 1 << 20
+CHUNK = 64 * KiB
+
+
+def chunk(i: int, size: int = CHUNK) -> bytes:
+    return np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def key(i: int) -> bytes:
+    return f"block-{i:06d}".encode()
+
+
+def chain_keys(n: int, start: int = 0) -> list[bytes]:
+    return [key(i) for i in range(start, start + n)]
+
+
+def read(cache: TieredCache, k: bytes, size: int = CHUNK) -> bytes:
+    dst = bytearray(size)
+    cache.get_into(k, dst)
+    return bytes(dst)
+
+
+def assert_no_orphans(cache: TieredCache) -> None:
+    for tier in cache.tiers.values():
+        for info in tier.chunks():
+            entry = cache.entry(info.key)
+            assert entry is not None, f"{info.key!r} is in {tier.kind.value} but not indexed"
+            assert entry.tier is tier.kind
+            if entry.parent is not None:
+                assert cache.entry(entry.parent) is not None, f"{info.key!r} is an orphan"
+
+
+@pytest.fixture
+def nvme_dir(tmp_path: Path) -> Path:
+    return tmp_path / "nvme"
+
+
+def make_cache(nvme_dir: Path, *, dram_bytes: int = 16 * CHUNK, nvme_bytes: int = 4 * MiB,
+               policy: PolicyName = PolicyName.LRU, **config: object) -> TieredCache:
+    dram = DramTier(dram_bytes)
+    nvme = NvmeTier.open(NvmeTierConfig(directory=nvme_dir, capacity_bytes=nvme_bytes,
+                                        segment_bytes=MiB))
+    return TieredCache({TierKind.DRAM: dram, TierKind.NVME: nvme}, policy=policy,
+                       config=CacheConfig(**config))  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def cache(nvme_dir: Path) -> Iterator[TieredCache]:
+    c = make_cache(nvme_dir)
+    yield c
+    c.close()
+
+
+def test_put_lands_in_dram_and_reads_back(cache: TieredCache) -> None:
+    cache.put(key(0), chunk(0))
+    cache.put(key(1), chunk(1), parent=key(0))
+    assert cache.entry(key(1)).tier is TierKind.DRAM  # type: ignore[union-attr]
+    assert read(cache, key(0)) == chunk(0)
+    assert read(cache, key(1)) == chunk(1)
+    assert cache.lookup([key(0), key(1), key(2)]).length == 2
+
+
+def test_a_chunk_without_its_cached_parent_is_refused(cache: TieredCache) -> None:
+    with pytest.raises(InvalidArgument, match="parent"):
+        cache.put(key(1), chunk(1), parent=key(0))
+    assert key(1) not in cache
+    assert not cache.tier(TierKind.DRAM).contains(key(1))
+
+
+def test_chunks_are_immutable(cache: TieredCache) -> None:
+    cache.put(key(0), chunk(0))
+    with pytest.raises(ChunkExists):
+        cache.put(key(0), chunk(1))
+    assert read(cache, key(0)) == chunk(0)
+
+
+def test_full_dram_demotes_to_nvme_and_everything_stays_readable(cache: TieredCache) -> None:
+    keys = chain_keys(40)  # 40 x 64 KiB = 2.5 MiB through a 1 MiB DRAM tier
+    assert cache.put_chain(keys, [chunk(i) for i in range(40)]) == 40
+    where = cache.lookup(keys)
+    assert where.length == 40
+    assert where.count(TierKind.NVME) >= 24
+    assert where.count(TierKind.DRAM) <= 16
+    # LRU demotes the oldest: the first blocks went down to NVMe.
+    assert where.tiers[0] is TierKind.NVME and where.tiers[-1] is TierKind.DRAM
+    nvme = cache.tier(TierKind.NVME)
+    assert nvme.contains(keys[0]) and not cache.tier(TierKind.DRAM).contains(keys[0])
+    for i, k in enumerate(keys):
+        assert read(cache, k) == chunk(i), i
+    assert_no_orphans(cache)
+    demoted = {r.kind: r.counters for r in cache.report()}[TierKind.DRAM].demotions_out
+    assert demoted >= 24
+
+
+def test_a_hit_in_nvme_promotes_to_dram(cache: TieredCache) -> None:
+    keys = chain_keys(30)
+    cache.put_chain(keys, [chunk(i) for i in range(30)])
+    assert cache.entry(keys[0]).tier is TierKind.NVME  # type: ignore[union-attr]
+    assert read(cache, keys[0]) == chunk(0)
+    assert cache.entry(keys[0]).tier is TierKind.DRAM  # type: ignore[union-attr]
+    assert not cache.tier(TierKind.NVME).contains(keys[0])
+    assert read(cache, keys[0]) == chunk(0)
+    assert_no_orphans(cache)
+
+
+def test_no_promotion_when_disabled(nvme_dir: Path) -> None:
+    cache = make_cache(nvme_dir, promote_on_hit=False)
+    try:
+        keys = chain_keys(30)
+        cache.put_chain(keys, [chunk(i) for i in range(30)])
+        read(cache, keys[0])
+        assert cache.entry(keys[0]).tier is TierKind.NVME  # type: ignore[union-attr]
+    finally:
+        cache.close()
+
+
+def test_last_tier_drops_leaves_first_and_never_orphans(nvme_dir: Path) -> None:
+    # NVMe of 1 MiB holds ~12 chunks of 64 KiB (+4 KiB header each); many chains overflow both tiers.
+    cache = make_cache(nvme_dir, dram_bytes=4 * CHUNK, nvme_bytes=MiB)
+    try:
+        for c in range(12):
+            root = key(10_000 + c)
+            keys = [root, *chain_keys(3, start=c * 10)]
+            cache.put_chain(keys, [chunk(c * 100 + j) for j in range(4)])
+            assert_no_orphans(cache)
+        assert len(cache) < 48
+        for tier in cache.tiers.values():
+            for info in tier.chunks():
+                assert cache.entry(info.key) is not None
+    finally:
+        cache.close()
+
+
+def test_put_fails_cleanly_when_everything_is_pinned(nvme_dir: Path) -> None:
+    dram = DramTier(4 * CHUNK)
+    cache = TieredCache({TierKind.DRAM: dram})
+    try:
+        keys = chain_keys(4)
+        cache.put_chain(keys, [chunk(i) for i in range(4)])
+        lease = cache.pin(keys)
+        with pytest.raises(CapacityError):
+            cache.put(key(100), chunk(100))
+        assert key(100) not in cache and not dram.contains(key(100))
+        for i, k in enumerate(keys):
+            assert read(cache, k) == chunk(i)
+        cache.unpin(lease)
+        cache.put(key(100), chunk(100))  # room again once unpinned
+        assert read(cache, key(100)) == chunk(100)
+    finally:
+        cache.close()
+
+
+def test_corrupt_nvme_chunk_is_dropped_with_its_descendants(nvme_dir: Path) -> None:
+    cache = make_cache(nvme_dir, promote_on_hit=False)
+    try:
+        keys = chain_keys(30)
+        cache.put_chain(keys, [chunk(i) for i in range(30)])
+        victim = keys[3]
+        assert cache.entry(victim).tier is TierKind.NVME  # type: ignore[union-attr]
+        loc = cache.tier(TierKind.NVME).record_location(victim)  # type: ignore[attr-defined]
+        assert loc is not None
+        with open(loc.path, "r+b") as f:  # flip payload bytes on disk
+            f.seek(loc.payload_offset + 100)
+            f.write(b"\xff" * 8)
+            f.flush()
+        dsts = [bytearray(CHUNK) for _ in keys]
+        loaded = cache.load_prefix(keys, dsts)
+        assert loaded == 3  # stops before the corrupt block; the caller recomputes the rest
+        assert [bytes(d) for d in dsts[:3]] == [chunk(i) for i in range(3)]
+        assert cache.lookup(keys).length == 3
+        with pytest.raises(ChunkNotFound):
+            read(cache, keys[10])
+        assert_no_orphans(cache)
+        # Already stored chunks above the corruption stay readable.
+        assert read(cache, keys[2]) == chunk(2)
+    finally:
+        cache.close()
+
+
+def test_corrupt_chunk_read_directly_raises(nvme_dir: Path) -> None:
+    cache = make_cache(nvme_dir, promote_on_hit=False)
+    try:
+        keys = chain_keys(30)
+        cache.put_chain(keys, [chunk(i) for i in range(30)])
+        loc = cache.tier(TierKind.NVME).record_location(keys[0])  # type: ignore[attr-defined]
+        with open(loc.path, "r+b") as f:
+            f.seek(loc.payload_offset)
+            f.write(b"\x00" * 16)
+        with pytest.raises(ChunkCorrupt):
+            read(cache, keys[0])
+        assert len(cache) == 0  # everything hung under block 0
+    finally:
+        cache.close()
+
+
+def test_recover_rebuilds_the_index_with_parents_after_restart(nvme_dir: Path) -> None:
+    cache = make_cache(nvme_dir, dram_bytes=4 * CHUNK)
+    keys = chain_keys(20)
+    cache.put_chain(keys, [chunk(i) for i in range(20)])
+    on_nvme = [k for k in keys if cache.entry(k).tier is TierKind.NVME]  # type: ignore[union-attr]
+    assert len(on_nvme) >= 16
+    cache.close()  # DRAM contents are gone; NVMe stays
+
+    reopened = make_cache(nvme_dir, dram_bytes=4 * CHUNK)
+    try:
+        report = reopened.recover()
+        assert report.recovered == len(on_nvme)
+        assert reopened.lookup(keys).length == len(on_nvme)  # the prefix, in order
+        for i, k in enumerate(on_nvme):
+            assert reopened.entry(k).parent == (keys[i - 1] if i else None)  # type: ignore[union-attr]
+            assert read(reopened, k) == chunk(i)
+        assert_no_orphans(reopened)
+    finally:
+        reopened.close()
+
+
+def test_load_prefix_reports_partial_hits(cache: TieredCache) -> None:
+    keys = chain_keys(5)
+    cache.put_chain(keys[:3], [chunk(i) for i in range(3)])
+    dsts = [bytearray(CHUNK) for _ in keys]
+    assert cache.load_prefix(keys, dsts) == 3
+    assert cache.load_prefix([key(99)], [bytearray(CHUNK)]) == 0
+
+
+def test_evict_by_bytes_demotes(cache: TieredCache) -> None:
+    keys = chain_keys(8)
+    cache.put_chain(keys, [chunk(i) for i in range(8)])
+    freed = cache.evict(TierKind.DRAM, 3 * CHUNK)
+    assert freed >= 3 * CHUNK
+    assert cache.lookup(keys).count(TierKind.NVME) >= 3
+    for i, k in enumerate(keys):
+        assert read(cache, k) == chunk(i)
+
+
+@pytest.mark.parametrize("policy", [p for p in PolicyName if p is not PolicyName.BELADY])
+def test_every_online_policy_keeps_data_readable(nvme_dir: Path, policy: PolicyName) -> None:
+    cache = make_cache(nvme_dir, policy=policy)
+    try:
+        keys = chain_keys(40)
+        cache.put_chain(keys, [chunk(i) for i in range(40)])
+        for i, k in enumerate(keys):
+            if k in cache:
+                assert read(cache, k) == chunk(i)
+        assert_no_orphans(cache)
+    finally:
+        cache.close()
