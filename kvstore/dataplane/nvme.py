@@ -28,14 +28,14 @@ Writes (``put``)
     merges concurrent flushes of one file (no explicit group commit).
 
 Reads (``get_into``)
-    Header block and payload are read together with ``os.preadv`` (the GIL is released):
-    straight into the caller's buffer when it is 4 KiB-aligned, otherwise through reused
-    aligned bounce buffers with one copy. Chunks larger than ``io_block_bytes`` are read
-    in pieces on a small thread pool (``io_threads`` in flight) while the calling thread
-    hashes the pieces already read. The header must still be this chunk's LIVE header and
-    the payload's xxh3_64 must match **on every read**; otherwise the chunk is dropped (a
-    DEAD header is written so it stays dropped), counted, logged, ``dst`` is zeroed and
-    ``ChunkCorrupt`` raised.
+    The payload is read with ``os.preadv`` (the GIL is released): straight into the
+    caller's buffer when it is 4 KiB-aligned, otherwise through reused aligned bounce
+    buffers with one copy. Chunks larger than ``io_block_bytes`` are read in pieces on a
+    small thread pool (``io_threads`` in flight) while the calling thread hashes the pieces
+    already read. The payload's xxh3_64 must match **on every read** (the header block is
+    not re-read: the 64-bit payload checksum already tells a wrong or stale extent);
+    otherwise the chunk is dropped (a DEAD header is written so it stays dropped),
+    counted, logged, ``dst`` is zeroed and ``ChunkCorrupt`` raised.
 
 Removal
     ``remove`` overwrites the record's header with a DEAD header and ``fdatasync``-s
@@ -98,12 +98,18 @@ from kvstore.dataplane.segments import (
     RecordKind,
     SegmentHeader,
     SegmentScan,
-    decode_record_header,
     decode_segment_header,
     record_extent_bytes,
     scan_segment,
 )
-from kvstore.dataplane.tier import ChunkInfo, ChunkKey, TierKind, TierStats, check_key
+from kvstore.dataplane.tier import (
+    MAX_META_BYTES,
+    ChunkInfo,
+    ChunkKey,
+    TierKind,
+    TierStats,
+    check_key,
+)
 from kvstore.errors import (
     CapacityError,
     ChunkBusy,
@@ -276,12 +282,13 @@ class _State(enum.Enum):
 class _Record:
     """One chunk in the index. Mutable only under the tier's lock."""
 
-    __slots__ = ("checksum", "extent_bytes", "free_when_idle", "key", "offset",
+    __slots__ = ("checksum", "extent_bytes", "free_when_idle", "key", "meta", "offset",
                  "payload_bytes", "readers", "segment", "seq", "state")
 
     def __init__(self, key: ChunkKey, segment: _Segment | None, offset: int, payload_bytes: int,
-                 checksum: int, seq: int, state: _State) -> None:
+                 checksum: int, seq: int, state: _State, meta: bytes = b"") -> None:
         self.key = key
+        self.meta = meta
         self.segment = segment
         self.offset = offset
         self.payload_bytes = payload_bytes
@@ -404,6 +411,17 @@ class NvmeTier:
         Raises ChunkExists, ChunkBusy (a put of the same key is in flight), CapacityError,
         DiskFull, StorageError, InvalidArgument, TierUnavailable.
         """
+        return self.put_with_meta(key, src, b"")
+
+    def put_with_meta(self, key: bytes, src: object, meta: bytes) -> ChunkInfo:
+        """``put`` that also persists up to ``MAX_META_BYTES`` of caller metadata in the header.
+
+        The metadata is written with the chunk (same header, same fdatasync) and comes back
+        in ``ChunkInfo.meta`` from :meth:`chunks`, also after a restart.
+        """
+        if not isinstance(meta, bytes | bytearray) or len(meta) > MAX_META_BYTES:
+            raise InvalidArgument(f"chunk metadata must be bytes of at most {MAX_META_BYTES}, "
+                                  f"got {meta!r:.80}")
         chunk_key = check_key(key)
         view = host_byte_view(src)
         size = view.nbytes
@@ -420,7 +438,7 @@ class NvmeTier:
                 if extent + HEADER_BYTES > self._budget_bytes:
                     raise CapacityError(f"a chunk of {size} bytes cannot fit in an NVMe tier "
                                         f"of {self._budget_bytes} bytes")
-                rec = _Record(chunk_key, None, 0, size, 0, 0, _State.WRITING)
+                rec = _Record(chunk_key, None, 0, size, 0, 0, _State.WRITING, bytes(meta))
                 self._index[chunk_key] = rec
             try:
                 if not self._pipelined(size):  # else hashed piece by piece while writing
@@ -440,7 +458,7 @@ class NvmeTier:
             with self._lock:
                 rec.state = _State.LIVE
                 self._live_chunks += 1
-            return ChunkInfo(chunk_key, size, TierKind.NVME, rec.checksum)
+            return ChunkInfo(chunk_key, size, TierKind.NVME, rec.checksum, meta=rec.meta)
 
     def get_into(self, key: bytes, dst: object) -> int:
         """Read the chunk into ``dst`` (exactly its size), verifying its checksum; return the size.
@@ -524,7 +542,8 @@ class NvmeTier:
         """A snapshot of every stored chunk (with its xxh3_64)."""
         with self._lock:
             self._check_open()
-            infos = [ChunkInfo(rec.key, rec.payload_bytes, TierKind.NVME, rec.checksum)
+            infos = [ChunkInfo(rec.key, rec.payload_bytes, TierKind.NVME, rec.checksum,
+                               meta=rec.meta)
                      for rec in self._index.values() if rec.state is _State.LIVE]
         return iter(infos)
 
@@ -652,7 +671,7 @@ class NvmeTier:
                 seq = self._take_seq_locked(2)
             rec.segment, rec.offset, rec.seq = segment, offset, seq
             header = RecordHeader(RecordKind.LIVE, segment.id, offset, rec.extent_bytes, seq,
-                                  rec.payload_bytes, rec.checksum, rec.key)
+                                  rec.payload_bytes, rec.checksum, rec.key, rec.meta)
             trailer = None
             if run_bytes > rec.extent_bytes:
                 trailer = RecordHeader(RecordKind.FREE, segment.id, offset + rec.extent_bytes,
@@ -972,45 +991,28 @@ class NvmeTier:
     # --- reading ----------------------------------------------------------------------------
 
     def _transfer_in(self, rec: _Record, dst: memoryview | None) -> None:
-        """Read ``rec`` (header block + payload), copy into ``dst`` unless None, verify.
+        """Read ``rec``'s payload, copy it into ``dst`` unless None, and verify its xxh3_64.
 
-        Raises ChunkCorrupt (header no longer this record's, short file, checksum mismatch)
-        or OSError.
+        Only the payload is read: its 64-bit checksum already proves the bytes are this
+        chunk's (a stale or misplaced extent fails it), so re-reading the header block would
+        cost a 4 KiB transfer per get for nothing. Raises ChunkCorrupt (short file, checksum
+        mismatch) or OSError.
         """
         segment = rec.segment
         if segment is None:
             raise ChunkCorrupt(f"chunk {rec.key.hex()} has no extent")
         fd, size = segment.fd, rec.payload_bytes
-        small = self._small.acquire()
-        try:
-            head = small.view[:ALIGN_BYTES]
-            tail = small.view[ALIGN_BYTES:]
-            if dst is not None and self._io_mode is IoMode.BUFFERED:
-                got = preadv_all(fd, [head, dst], rec.offset)
-                if got != HEADER_BYTES + size:
-                    raise ChunkCorrupt(f"chunk {rec.key.hex()}: file ends inside the record")
-                self._check_header(rec, segment, head)
-                digest = xxhash.xxh3_64_intdigest(dst)
-            elif dst is not None and is_aligned(dst):
-                digest = self._read_direct(rec, fd, head, tail, dst)
-            else:
-                digest = self._read_bounced(rec, fd, head, dst)
-        finally:
-            del head, tail
-            self._small.release(small)
+        if dst is not None and self._io_mode is IoMode.BUFFERED:
+            if preadv_all(fd, [dst], rec.offset + HEADER_BYTES) != size:
+                raise ChunkCorrupt(f"chunk {rec.key.hex()}: file ends inside the record")
+            digest = xxhash.xxh3_64_intdigest(dst)
+        elif dst is not None and is_aligned(dst):
+            digest = self._read_direct(rec, fd, dst)
+        else:
+            digest = self._read_bounced(rec, fd, dst)
         if digest != rec.checksum:
-            raise ChunkCorrupt(f"chunk {rec.key.hex()}: payload xxh3 {digest:016x} != stored "
-                               f"{rec.checksum:016x}")
-
-    def _check_header(self, rec: _Record, segment: _Segment, head: memoryview) -> None:
-        check, header = decode_record_header(head, segment_id=segment.id, offset=rec.offset,
-                                             segment_bytes=segment.size_bytes)
-        if header is None or header.kind is not RecordKind.LIVE or header.key != rec.key \
-                or header.seq != rec.seq or header.payload_xxh3 != rec.checksum \
-                or header.payload_bytes != rec.payload_bytes:
-            why = check.value if header is None else "header is not this chunk's any more"
             raise ChunkCorrupt(f"chunk {rec.key.hex()} at {segment.path.name}+{rec.offset}: "
-                               f"{why}")
+                               f"payload xxh3 {digest:016x} != stored {rec.checksum:016x}")
 
     def _pieces(self, size: int, *, quarters: bool = False) -> list[tuple[int, int]]:
         """Split the padded payload ``[0, align_up(size))`` into io_block pieces.
@@ -1025,58 +1027,56 @@ class NvmeTier:
             step = max(step, align_up(-(-padded // 4)))
         return [(s, min(s + step, padded)) for s in range(0, padded, step)]
 
-    def _read_direct(self, rec: _Record, fd: int, head: memoryview, tail: memoryview,
-                     dst: memoryview) -> int:
-        """O_DIRECT into 4 KiB-aligned ``dst``; the last partial block through ``tail``."""
+    def _read_direct(self, rec: _Record, fd: int, dst: memoryview) -> int:
+        """O_DIRECT into 4 KiB-aligned ``dst``; the last partial block through a bounce block."""
         size = rec.payload_bytes
         bulk = align_down(size)
         rem = size - bulk
         pieces = self._pieces(size, quarters=True)
         hasher = xxhash.xxh3_64()
+        payload_at = rec.offset + HEADER_BYTES
+        small = self._small.acquire() if rem else None
+        tail = small.view[:ALIGN_BYTES] if small is not None else None
 
         def iov_of(k: int) -> tuple[list[memoryview], int]:
             s, e = pieces[k]
-            iov = [head] if k == 0 else []
-            if min(e, bulk) > s:
-                iov.append(dst[s:min(e, bulk)])
-            if e > bulk:
+            iov = [dst[s:min(e, bulk)]] if min(e, bulk) > s else []
+            if e > bulk and tail is not None:
                 iov.append(tail)
-            return iov, rec.offset if k == 0 else rec.offset + HEADER_BYTES + s
+            return iov, payload_at + s
 
         def after(k: int, got: int, want: int) -> None:
             if got != want:
                 raise ChunkCorrupt(f"chunk {rec.key.hex()}: file ends inside the record")
-            if k == 0:
-                self._check_header(rec, _seg(rec), head)
             s, e = pieces[k]
-            if e > bulk and rem:
+            if e > bulk and tail is not None:
                 dst[bulk:size] = tail[:rem]
             hasher.update(dst[s:min(e, size)])
 
-        self._run_pieces(fd, len(pieces), iov_of, after)
+        try:
+            self._run_pieces(fd, len(pieces), iov_of, after)
+        finally:
+            if small is not None:
+                del tail
+                self._small.release(small)
         return hasher.intdigest()
 
-    def _read_bounced(self, rec: _Record, fd: int, head: memoryview,
-                      dst: memoryview | None) -> int:
+    def _read_bounced(self, rec: _Record, fd: int, dst: memoryview | None) -> int:
         """Read through aligned bounce buffers, copying into ``dst`` (if any) and hashing."""
         size = rec.payload_bytes
         pieces = self._pieces(size)
         window = 1 if len(pieces) == 1 else self._window
         bounces = [self._blocks.acquire() for _ in range(window)]
         hasher = xxhash.xxh3_64()
+        payload_at = rec.offset + HEADER_BYTES
         try:
             def iov_of(k: int) -> tuple[list[memoryview], int]:
                 s, e = pieces[k]
-                iov = [bounces[k % window].view[:e - s]]
-                if k == 0:
-                    iov.insert(0, head)
-                return iov, rec.offset if k == 0 else rec.offset + HEADER_BYTES + s
+                return [bounces[k % window].view[:e - s]], payload_at + s
 
             def after(k: int, got: int, want: int) -> None:
                 if got != want:
                     raise ChunkCorrupt(f"chunk {rec.key.hex()}: file ends inside the record")
-                if k == 0:
-                    self._check_header(rec, _seg(rec), head)
                 s, e = pieces[k]
                 data = bounces[k % window].view[:min(e, size) - s]
                 if dst is not None:
@@ -1169,7 +1169,7 @@ class NvmeTier:
                         continue
                 best[header.key] = (header, segment)
         records = {key: _Record(ChunkKey(key), seg, h.offset, h.payload_bytes, h.payload_xxh3,
-                                h.seq, _State.LIVE) for key, (h, seg) in best.items()}
+                                h.seq, _State.LIVE, h.meta) for key, (h, seg) in best.items()}
 
         # Verify the payloads a crash may have torn (or all of them).
         if self._config.open_verify is OpenVerify.ALL:
@@ -1286,13 +1286,6 @@ class NvmeTier:
             os.fsync(fd)
         except OSError as exc:
             raise _os_error(exc, f"repairing segment {segment.path.name}") from exc
-
-
-def _seg(rec: _Record) -> _Segment:
-    segment = rec.segment
-    if segment is None:
-        raise ChunkCorrupt(f"chunk {rec.key.hex()} has no extent")
-    return segment
 
 
 def _gaps(total_bytes: int, used: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -11,15 +11,16 @@ move with O_DIRECT straight to and from 4 KiB-aligned memory::
         DEAD  header | (old bytes)                                          a removed chunk
         FREE  header | (old bytes)                                          free space
 
-Record header (little-endian, in the first 128 bytes of its block; the rest is zero)::
+Record header (little-endian, in the first 192 bytes of its block; the rest is zero)::
 
-    0   4s  magic "KVTR"          16  Q  offset of this header in the file
-    4   H   format version (1)    24  Q  extent_bytes (header block + padded payload)
-    6   B   kind (LIVE/DEAD/FREE) 32  Q  sequence number (global, increasing)
-    7   x                          40  Q  payload_bytes
-    8   I   segment id            48  Q  xxh3_64 of the payload
-    12  H   key length            56  64s key (zero padded)
-    14  xx                        120 Q  xxh3_64 of bytes 0..119 (header checksum)
+    0   4s  magic "KVTR"          24  Q  extent_bytes (header block + padded payload)
+    4   H   format version (1)    32  Q  sequence number (global, increasing)
+    6   B   kind (LIVE/DEAD/FREE) 40  Q  payload_bytes
+    7   x                          48  Q  xxh3_64 of the payload
+    8   I   segment id            56  64s key (zero padded)
+    12  H   key length            120 64s caller metadata (zero padded; e.g. the parent key)
+    14  H   metadata length       184 Q  xxh3_64 of bytes 0..183 (header checksum)
+    16  Q   offset of this header in the file
 
 A header is valid only where it was written: its segment id and offset must match the place
 it is read from, so a payload that happens to contain header-like bytes is never mistaken
@@ -53,7 +54,7 @@ import numpy as np
 import xxhash
 
 from kvstore.dataplane.directio import ALIGN_BYTES, AlignedBuffer, align_down, align_up
-from kvstore.dataplane.tier import MAX_KEY_BYTES
+from kvstore.dataplane.tier import MAX_KEY_BYTES, MAX_META_BYTES
 from kvstore.errors import InvalidArgument
 
 FORMAT_VERSION = 1
@@ -62,15 +63,19 @@ SEGMENT_MAGIC = b"KVTS"
 HEADER_BYTES = ALIGN_BYTES
 """Every header (segment or record) occupies one whole 4 KiB block."""
 
-_RECORD = struct.Struct("<4sHBxIHxxQQQQQ64s")
-_RECORD_CHECKED = _RECORD.size  # 120: the header checksum covers bytes [0, 120)
+_RECORD = struct.Struct("<4sHBxIHHQQQQQ64s64s")
+_RECORD_CHECKED = _RECORD.size  # 184: the header checksum covers bytes [0, 184)
 _CHECKSUM = struct.Struct("<Q")
 _SEGMENT = struct.Struct("<4sHHIIQ")
 _SEGMENT_CHECKED = _SEGMENT.size  # 24
 _RECORD_MAGIC_U32 = int.from_bytes(RECORD_MAGIC, "little")
 _ZERO_BLOCK = bytes(HEADER_BYTES)
 
-assert _RECORD_CHECKED == 120 and _SEGMENT_CHECKED == 24
+MAX_RECORD_META_BYTES = 64
+"""Room for caller metadata (``ChunkInfo.meta``) in a record header."""
+assert MAX_META_BYTES <= MAX_RECORD_META_BYTES, "the Tier contract's metadata must fit a header"
+
+assert _RECORD_CHECKED == 184 and _SEGMENT_CHECKED == 24
 
 
 class RecordKind(enum.IntEnum):
@@ -108,6 +113,7 @@ class RecordHeader:
     payload_bytes: int = 0
     payload_xxh3: int = 0
     key: bytes = b""
+    meta: bytes = b""
 
     def __post_init__(self) -> None:
         if self.offset < HEADER_BYTES or self.offset % ALIGN_BYTES:
@@ -119,6 +125,9 @@ class RecordHeader:
             raise InvalidArgument("segment id or sequence number out of range")
         if len(self.key) > MAX_KEY_BYTES:
             raise InvalidArgument(f"key of {len(self.key)} bytes is longer than {MAX_KEY_BYTES}")
+        if len(self.meta) > MAX_RECORD_META_BYTES:
+            raise InvalidArgument(f"metadata of {len(self.meta)} bytes is longer than "
+                                  f"{MAX_RECORD_META_BYTES}")
         if self.kind is RecordKind.LIVE:
             if not self.key or self.payload_bytes < 1:
                 raise InvalidArgument("a LIVE record needs a key and a payload")
@@ -133,8 +142,9 @@ class RecordHeader:
     def encode_into(self, block: memoryview) -> None:
         """Write this header into the first 4 KiB of ``block`` (the rest of the block is zeroed)."""
         _RECORD.pack_into(block, 0, RECORD_MAGIC, FORMAT_VERSION, int(self.kind),
-                          self.segment_id, len(self.key), self.offset, self.extent_bytes,
-                          self.seq, self.payload_bytes, self.payload_xxh3, self.key)
+                          self.segment_id, len(self.key), len(self.meta), self.offset,
+                          self.extent_bytes, self.seq, self.payload_bytes, self.payload_xxh3,
+                          self.key, self.meta)
         _CHECKSUM.pack_into(block, _RECORD_CHECKED,
                             xxhash.xxh3_64_intdigest(block[:_RECORD_CHECKED]))
         block[_RECORD_CHECKED + 8:HEADER_BYTES] = _ZERO_BLOCK[_RECORD_CHECKED + 8:]
@@ -152,14 +162,14 @@ def decode_record_header(block: memoryview | bytes, *, segment_id: int, offset: 
     (stored,) = _CHECKSUM.unpack_from(block, _RECORD_CHECKED)
     if xxhash.xxh3_64_intdigest(block[:_RECORD_CHECKED]) != stored:
         return HeaderCheck.BAD_CHECKSUM, None
-    (_, version, kind, seg, key_len, off, extent, seq, payload_bytes, payload_xxh3,
-     key) = _RECORD.unpack_from(block, 0)
+    (_, version, kind, seg, key_len, meta_len, off, extent, seq, payload_bytes, payload_xxh3,
+     key, meta) = _RECORD.unpack_from(block, 0)
     if version != FORMAT_VERSION or kind not in RecordKind._value2member_map_ \
-            or key_len > MAX_KEY_BYTES:
+            or key_len > MAX_KEY_BYTES or meta_len > MAX_RECORD_META_BYTES:
         return HeaderCheck.BAD_FIELDS, None
     try:
         header = RecordHeader(RecordKind(kind), seg, off, extent, seq, payload_bytes,
-                              payload_xxh3, key[:key_len])
+                              payload_xxh3, key[:key_len], meta[:meta_len])
     except InvalidArgument:
         return HeaderCheck.BAD_FIELDS, None
     if seg != segment_id or off != offset:

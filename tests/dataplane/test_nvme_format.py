@@ -121,14 +121,14 @@ def test_space_agrees_with_a_page_map(ops: list[tuple[bool, int, int]]) -> None:
 
 
 def _live(offset: int = A, key: bytes = b"key", payload_bytes: int = 5000,
-          seq: int = 7) -> RecordHeader:
+          seq: int = 7, meta: bytes = b"") -> RecordHeader:
     return RecordHeader(RecordKind.LIVE, 3, offset, record_extent_bytes(payload_bytes), seq,
-                        payload_bytes, 0x1234, key)
+                        payload_bytes, 0x1234, key, meta)
 
 
 def test_record_header_round_trips_and_knows_its_place() -> None:
     block = memoryview(bytearray(HEADER_BYTES))
-    header = _live(offset=5 * A)
+    header = _live(offset=5 * A, meta=b"parent-key")
     header.encode_into(block)
     assert decode_record_header(block, segment_id=3, offset=5 * A, segment_bytes=64 * A) \
         == (HeaderCheck.OK, header)
@@ -138,7 +138,7 @@ def test_record_header_round_trips_and_knows_its_place() -> None:
         is HeaderCheck.MISPLACED
     assert decode_record_header(block, segment_id=3, offset=5 * A, segment_bytes=6 * A)[0] \
         is HeaderCheck.BAD_FIELDS  # the extent would run past the segment
-    for i in (5, 17, 60, 127):
+    for i in (5, 17, 60, 127, 150, 190):
         damaged = bytearray(block)
         damaged[i] ^= 1
         assert decode_record_header(damaged, segment_id=3, offset=5 * A,
@@ -155,6 +155,8 @@ def test_inconsistent_headers_cannot_be_built() -> None:
         RecordHeader(RecordKind.FREE, 1, 0, 2 * A, 1)  # offset 0 is the segment header
     with pytest.raises(InvalidArgument):
         RecordHeader(RecordKind.FREE, 1, A, 100, 1)
+    with pytest.raises(InvalidArgument):
+        RecordHeader(RecordKind.LIVE, 1, A, 2 * A, 1, 10, 0, b"k", b"m" * 65)  # metadata too long
 
 
 def test_segment_header_round_trips_and_detects_damage() -> None:

@@ -23,7 +23,7 @@ import xxhash
 from kvstore.dataplane.directio import AlignedBuffer, IoMode
 from kvstore.dataplane.nvme import NvmeTier, NvmeTierConfig, OpenVerify, Preallocation
 from kvstore.dataplane.segments import HEADER_BYTES
-from kvstore.dataplane.tier import Tier, TierKind
+from kvstore.dataplane.tier import MAX_META_BYTES, PersistentTier, Tier, TierKind
 from kvstore.errors import (
     CapacityError,
     ChunkBusy,
@@ -138,6 +138,23 @@ def test_chunks_report_sizes_and_checksums(tier: NvmeTier) -> None:
         assert info.tier is TierKind.NVME
         assert info.size_bytes == 1000 * (i + 1)
         assert info.checksum == xxhash.xxh3_64_intdigest(payload(1000 * (i + 1), seed=i))
+
+
+def test_metadata_is_kept_with_the_chunk_across_a_restart(tmp_path: Path) -> None:
+    directory = tmp_path / "t"
+    with open_tier(directory) as tier:
+        assert isinstance(tier, PersistentTier)
+        info = tier.put_with_meta(b"child", payload(6000, seed=1), b"parent-key")
+        assert info.meta == b"parent-key"
+        tier.put(b"plain", payload(10, seed=2))
+        tier.put_with_meta(b"big", payload(MiB + 1, seed=3), b"p" * MAX_META_BYTES)
+        with pytest.raises(InvalidArgument):
+            tier.put_with_meta(b"x", b"data", b"m" * (MAX_META_BYTES + 1))
+        assert not tier.contains(b"x")
+    with open_tier(directory) as tier:
+        metas = {info.key: info.meta for info in tier.chunks()}
+        assert metas == {b"child": b"parent-key", b"plain": b"", b"big": b"p" * MAX_META_BYTES}
+        assert read_back(tier, b"big") == payload(MiB + 1, seed=3)
 
 
 def test_used_bytes_count_headers_padding_and_segment_headers(tier: NvmeTier) -> None:
