@@ -8,6 +8,7 @@ import typer
 from kvstore import __version__
 from kvstore.cli import bench as bench_cli
 from kvstore.cli import plan as plan_cli
+from kvstore.cli import run as run_cli
 
 app = typer.Typer(
     name="kvtier",
@@ -17,6 +18,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.add_typer(bench_cli.app, name="bench")
+app.command(name="run")(run_cli.run)
 app.add_typer(plan_cli.app, name="plan")
 
 

@@ -200,14 +200,13 @@ class TieredCache:
             raise InvalidArgument(f"parent {bytes(parent).hex()} of {key.hex()} is not cached: "
                                   "a chunk without its prefix is useless")
         size = _nbytes(src)
-        start = time.perf_counter()
-        info = self._place(kind, target, key, size, lambda: _put(target, key, src, parent))
+        info, seconds = self._place(kind, target, key, size, lambda: _put(target, key, src, parent))
         try:
             self._index.insert(key, parent, kind, size, info.checksum)
         except KvtierError:
             target.remove(key)  # the index refused it (a racing put, or the parent vanished)
             raise
-        self._count(kind, puts=1, bytes_written=size, seconds_writing=time.perf_counter() - start)
+        self._count(kind, puts=1, bytes_written=size, seconds_writing=seconds)
         return info
 
     def put_chain(self, keys: Sequence[bytes], chunks: Sequence[Buffer], *,
@@ -388,9 +387,10 @@ class TieredCache:
     # -- internals ------------------------------------------------------------------------------
 
     def _place(self, kind: TierKind, target: Tier, key: bytes, size: int,
-               write: Any) -> ChunkInfo:
+               write: Any) -> tuple[ChunkInfo, float]:
         """Make room for ``size`` bytes in ``kind`` and run ``write`` (a tier put), evicting on
-        CapacityError until it fits or nothing more can be evicted."""
+        CapacityError until it fits or nothing more can be evicted. Returns the chunk's info and
+        the seconds the write itself took (evictions excluded)."""
         usage = self._index.usage(kind)
         if size > usage.capacity_bytes:
             raise CapacityError(f"{kind.value}: a {size}-byte chunk is larger than the tier "
@@ -400,8 +400,9 @@ class TieredCache:
             self._evict(kind, shortfall)
         for _attempt in range(_MAX_ROOM_ATTEMPTS):
             try:
+                start = time.perf_counter()
                 info: ChunkInfo = write()
-                return info
+                return info, time.perf_counter() - start
             except CapacityError:
                 # Logical room exists but the tier needs more (alignment, headers, fragments).
                 self._evict(kind, max(size, target.capacity_bytes // 64))
@@ -442,7 +443,6 @@ class TieredCache:
             return
         size = entry.size_bytes
         parent = entry.parent
-        start = time.perf_counter()
 
         def write() -> ChunkInfo:
             if isinstance(dst, HostMemoryTier):
@@ -460,7 +460,7 @@ class TieredCache:
             return _put(dst, key, bounce, parent)
 
         try:
-            self._place(dst_kind, dst, key, size, write)
+            _info, seconds = self._place(dst_kind, dst, key, size, write)
         except ChunkCorrupt:
             self._count(src_kind, corrupt=1)
             self._index.unpin(claim)
@@ -472,10 +472,11 @@ class TieredCache:
             dst.remove(key)  # the index refused the move: the copy below must not linger
             raise
         src.remove(key)
-        elapsed = time.perf_counter() - start
-        self._count(src_kind, demotions_out=1) if dst_kind.order > src_kind.order else \
+        if dst_kind.order > src_kind.order:
+            self._count(src_kind, demotions_out=1)
+        else:
             self._count(dst_kind, promotions_in=1)
-        self._count(dst_kind, bytes_written=size, seconds_writing=elapsed)
+        self._count(dst_kind, bytes_written=size, seconds_writing=seconds)
 
     def _maybe_promote(self, key: bytes, kind: TierKind, data: Buffer) -> None:
         if not self._config.promote_on_hit:
