@@ -135,6 +135,8 @@ _TMP_SUFFIX = ".tmp"
 _MIN_SEGMENT_BYTES = 3 * ALIGN_BYTES
 """A segment header, one record header and one payload block."""
 _ZERO_PAD = bytes(ALIGN_BYTES)
+_SCAN_THREADS = 8
+"""Segments scanned in parallel at open."""
 
 
 class Preallocation(enum.Enum):
@@ -1137,10 +1139,20 @@ class NvmeTier:
         found.sort()
         scans: list[tuple[_Segment, SegmentScan, bool]] = []
         damaged = 0
-        window = self._blocks.acquire()
-        try:
-            for seg_id, path in found:
-                opened = self._open_segment(seg_id, path, window)
+        # Segments are scanned in parallel: a scan is a chain of dependent 4 KiB reads, so
+        # it is bound by latency, and several chains keep the device queue busy.
+        error: BaseException | None = None
+        workers = min(_SCAN_THREADS, max(1, len(found)))
+        with ThreadPoolExecutor(max_workers=workers,
+                                thread_name_prefix="kvtier-nvme-scan") as scan_pool:
+            futures = [scan_pool.submit(self._open_segment, seg_id, path)
+                       for seg_id, path in found]
+            for (seg_id, _), fut in zip(found, futures, strict=True):
+                try:
+                    opened = fut.result()
+                except BaseException as exc:  # re-raised below, once every fd is accounted for
+                    error = error or exc
+                    continue
                 if opened is None:
                     continue
                 segment, scan, header_ok = opened
@@ -1149,8 +1161,8 @@ class NvmeTier:
                 self._segments.append(segment)  # so close() closes its fd on a later error
                 self._segment_bytes_total += segment.size_bytes
                 self._next_segment_id = max(self._next_segment_id, seg_id + 1)
-        finally:
-            self._blocks.release(window)
+        if error is not None:
+            raise error
         if self._segment_bytes_total > self._budget_bytes:
             raise ConfigError(
                 f"{self._dir} holds {self._segment_bytes_total} bytes of segments, more than "
@@ -1180,16 +1192,16 @@ class NvmeTier:
         else:
             to_verify = []
         corrupt = 0
-        for rec in to_verify:
-            try:
-                self._transfer_in(rec, None)
-            except ChunkCorrupt as exc:
+        workers = min(_SCAN_THREADS, max(1, len(to_verify)))
+        with ThreadPoolExecutor(max_workers=workers,
+                                thread_name_prefix="kvtier-nvme-verify") as verify_pool:
+            verdicts = list(verify_pool.map(self._verify_at_open, to_verify))
+        for rec, problem in zip(to_verify, verdicts, strict=True):
+            if problem is not None:
                 corrupt += 1
                 log.error("NVMe tier %s: dropping chunk %s at open: %s", self._dir,
-                          rec.key.hex(), exc)
+                          rec.key.hex(), problem)
                 del records[rec.key]
-            except OSError as exc:
-                raise _os_error(exc, f"verifying chunk {rec.key.hex()} at open") from exc
 
         # Rebuild each segment's free space from the records kept; repair unclean gaps.
         by_segment: dict[int, list[_Record]] = {}
@@ -1222,8 +1234,26 @@ class NvmeTier:
             "NVMe tier %s opened (%s I/O: %s): %s", self._dir, self._io_mode.value,
             self._io_mode_reason, report)
 
-    def _open_segment(self, seg_id: int, path: Path, window: AlignedBuffer,
-                      ) -> tuple[_Segment, SegmentScan, bool] | None:
+    def _verify_at_open(self, rec: _Record) -> str | None:
+        """Read and check one record's payload; the reason it is corrupt, or None."""
+        try:
+            self._transfer_in(rec, None)
+        except ChunkCorrupt as exc:
+            return str(exc)
+        except OSError as exc:
+            raise _os_error(exc, f"verifying chunk {rec.key.hex()} at open") from exc
+        return None
+
+    def _open_segment(self, seg_id: int, path: Path) -> tuple[_Segment, SegmentScan, bool] | None:
+        """Open and scan one segment file (None: it was unusable and has been removed)."""
+        window = self._blocks.acquire()
+        try:
+            return self._open_and_scan(seg_id, path, window)
+        finally:
+            self._blocks.release(window)
+
+    def _open_and_scan(self, seg_id: int, path: Path, window: AlignedBuffer,
+                       ) -> tuple[_Segment, SegmentScan, bool] | None:
         try:
             fd = os.open(path, open_flags(self._io_mode))
         except OSError as exc:
