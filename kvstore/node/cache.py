@@ -26,6 +26,17 @@ Persistence
     :meth:`TieredCache.recover` rebuilds the index, parents included, after a restart or a
     ``kill -9``. Chunks whose parent did not survive are dropped (they could never be used).
 
+Zero-copy access (the store daemon)
+    ``reserve``/``commit``/``abort`` put a chunk by writing straight into a slot of a host-memory
+    tier (invisible until ``commit``). ``pin_in`` pins chunks after moving them into one tier
+    (promoting from NVMe into DRAM), so a reader may copy straight out of the tier's memory
+    (``HostMemoryTier.view``/``locate``) until it ``unpin``s.
+
+Change notifications
+    An optional ``observer`` is called with a :class:`ChunkChange` after every chunk the cache
+    stores, moves or removes (recovery included), in the thread that made the change. It must be
+    quick and must not raise, nor call back into the cache.
+
 Thread safety
     Every method may be called from any thread. Metadata decisions run under the index's lock;
     byte copies run outside it, protected by leases.
@@ -33,12 +44,13 @@ Thread safety
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeVar
 
 from kvstore.dataplane.tier import (
     Buffer,
@@ -48,6 +60,7 @@ from kvstore.dataplane.tier import (
     Tier,
     TierKind,
     TierStats,
+    WriteSlot,
     check_key,
 )
 from kvstore.errors import (
@@ -69,6 +82,36 @@ _MAX_ROOM_ATTEMPTS = 8
 """Evict-and-retry rounds before a put gives up. The index counts logical bytes; a tier may need a
 little more (alignment, record headers, fragmentation), so a put that the index admits can still
 find the tier full and evicts again."""
+
+
+_T = TypeVar("_T")
+
+_PIN_IN_ATTEMPTS = 8
+"""Move-then-pin rounds ``pin_in`` tries before giving up: a chunk promoted for a reader can be
+demoted again by a racing put before the reader's pin lands."""
+
+
+class ChunkChangeKind(enum.Enum):
+    STORED = "stored"
+    REMOVED = "removed"
+    MOVED = "moved"
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkChange:
+    """One change the cache made: a chunk stored in, removed from, or moved into ``tier``."""
+
+    kind: ChunkChangeKind
+    key: bytes
+    tier: TierKind
+    size_bytes: int
+    parent: bytes | None = None
+    """STORED only: the chunk's parent key (None for the first block of a sequence)."""
+    from_tier: TierKind | None = None
+    """MOVED only: where the chunk was before."""
+
+
+ChangeObserver = Callable[[ChunkChange], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +167,8 @@ class TieredCache:
 
     def __init__(self, tiers: Mapping[TierKind, Tier], *,
                  policy: EvictionPolicy | PolicyName | str = PolicyName.LRU,
-                 config: CacheConfig | None = None) -> None:
+                 config: CacheConfig | None = None,
+                 observer: ChangeObserver | None = None) -> None:
         if not tiers:
             raise ConfigError("a tiered cache needs at least one tier")
         for kind, tier in tiers.items():
@@ -144,12 +188,21 @@ class TieredCache:
         self._counter_lock = threading.Lock()
         self.misses = 0
         self.lookups = 0
+        self._observer = observer
 
     # -- introspection ---------------------------------------------------------------------
 
     @property
     def index(self) -> CacheIndex:
         return self._index
+
+    @property
+    def config(self) -> CacheConfig:
+        return self._config
+
+    @property
+    def write_tier(self) -> TierKind:
+        return self._write_tier
 
     @property
     def tiers(self) -> Mapping[TierKind, Tier]:
@@ -207,7 +260,62 @@ class TieredCache:
             target.remove(key)  # the index refused it (a racing put, or the parent vanished)
             raise
         self._count(kind, puts=1, bytes_written=size, seconds_writing=seconds)
+        self._notify(ChunkChangeKind.STORED, key, kind, size, parent=parent)
         return info
+
+    def reserve(self, key: bytes, size_bytes: int, *, parent: bytes | None = None,
+                tier: TierKind | None = None) -> WriteSlot:
+        """An invisible writable slot for ``key`` in a host-memory tier, making room for it.
+
+        The caller fills ``slot.buffer`` and then calls exactly one of :meth:`commit` (with the
+        same ``parent``) or :meth:`abort`; an unfinished slot keeps its space. Raises
+        ChunkExists, ChunkBusy (the key is being written), InvalidArgument (uncached parent,
+        bad size, ``tier`` not in host memory), CapacityError.
+        """
+        key = check_key(key)
+        kind = tier or self._write_tier
+        target = self.tier(kind)
+        if not isinstance(target, HostMemoryTier):
+            raise InvalidArgument(f"tier {kind.value} is not in host memory: cannot reserve in it")
+        if not isinstance(size_bytes, int) or size_bytes < 1:
+            raise InvalidArgument(f"chunk size must be a positive int, got {size_bytes!r}")
+        if key in self._index:
+            raise ChunkExists(f"chunk {key.hex()} is already cached")
+        if parent is not None and parent not in self._index:
+            raise InvalidArgument(f"parent {bytes(parent).hex()} of {key.hex()} is not cached: "
+                                  "a chunk without its prefix is useless")
+        slot, _seconds = self._place(kind, target, key, size_bytes,
+                                     lambda: target.reserve(key, size_bytes))
+        return slot
+
+    def commit(self, slot: WriteSlot, *, parent: bytes | None = None,
+               tier: TierKind | None = None) -> ChunkInfo:
+        """Publish a slot from :meth:`reserve` (``parent``/``tier`` as given there).
+
+        Raises InvalidArgument (a finished or foreign slot; or the parent was dropped meanwhile:
+        the chunk is then discarded), ChunkExists (a racing put of the same key won).
+        """
+        kind = tier or self._write_tier
+        target = self.tier(kind)
+        if not isinstance(target, HostMemoryTier):
+            raise InvalidArgument(f"tier {kind.value} is not in host memory")
+        key, size = slot.key, slot.size_bytes
+        info = target.commit(slot)
+        try:
+            self._index.insert(key, parent, kind, size, info.checksum)
+        except KvtierError:
+            target.remove(key)
+            raise
+        self._count(kind, puts=1, bytes_written=size)
+        self._notify(ChunkChangeKind.STORED, key, kind, size, parent=parent)
+        return info
+
+    def abort(self, slot: WriteSlot, *, tier: TierKind | None = None) -> None:
+        """Free a slot from :meth:`reserve`; the chunk never becomes visible. Idempotent."""
+        target = self.tier(tier or self._write_tier)
+        if not isinstance(target, HostMemoryTier):
+            raise InvalidArgument(f"tier {target.kind.value} is not in host memory")
+        target.abort(slot)
 
     def put_chain(self, keys: Sequence[bytes], chunks: Sequence[Buffer], *,
                   parent: bytes | None = None) -> int:
@@ -315,6 +423,58 @@ class TieredCache:
     def unpin(self, lease: Lease) -> bool:
         return self._index.unpin(lease)
 
+    def renew(self, lease: Lease, ttl_s: float | None = None) -> Lease | None:
+        """Extend a live lease; None when it already expired (see ``CacheIndex.renew``)."""
+        return self._index.renew(lease, ttl_s or self._config.lease_ttl_s)
+
+    def pin_in(self, kind: TierKind, keys: Sequence[bytes], ttl_s: float | None = None) -> Lease:
+        """Move ``keys`` into tier ``kind`` when they live elsewhere, then pin them there.
+
+        For readers that copy straight out of a tier's memory: while the lease lives, every key
+        stays in ``kind`` at the same place. Counts one hit per key (and a miss when a key is
+        not cached). Raises ChunkNotFound, ChunkBusy (a key is claimed by a mover, or pinned by
+        a reader in its old tier so it cannot move now), CapacityError (``kind`` cannot make
+        room), ChunkCorrupt (the copy found it corrupt: it was dropped).
+        """
+        self.tier(kind)
+        ttl = ttl_s or self._config.lease_ttl_s
+        checked = [check_key(k) for k in keys]
+        for _attempt in range(_PIN_IN_ATTEMPTS):
+            for key in checked:
+                entry = self._index.get(key)
+                if entry is None:
+                    self.misses += 1
+                    raise ChunkNotFound(key, "the tiered cache")
+                if entry.tier is not kind:
+                    self._move_claimed(key, entry.tier, kind, ttl)
+            lease = self._index.pin_many(checked, ttl)
+            entries = [self._index.get(key) for key in checked]
+            if all(e is not None and e.tier is kind for e in entries):
+                for e in entries:
+                    assert e is not None
+                    self._count(kind, hits=1, bytes_read=e.size_bytes)
+                self._index.access_prefix(checked)
+                return lease
+            self._index.unpin(lease)  # a racing eviction moved one away again: retry
+        raise ChunkBusy(f"could not hold {len(checked)} chunk(s) in {kind.value}: "
+                        "they keep being evicted")
+
+    def _move_claimed(self, key: bytes, src_kind: TierKind, dst_kind: TierKind,
+                      ttl_s: float) -> None:
+        claim = self._index.claim([key], ttl_s)
+        try:
+            entry = self._index.get(key)
+            if entry is None:
+                raise ChunkNotFound(key, "the tiered cache")
+            if entry.tier is dst_kind:
+                return
+            src_kind = entry.tier
+            self._move(key, src_kind, dst_kind, claim)
+            if key not in self._index:  # found corrupt while copying: dropped
+                raise ChunkCorrupt(f"chunk {key.hex()} failed its checksum and was dropped")
+        finally:
+            self._index.unpin(claim)
+
     # -- removal and eviction ----------------------------------------------------------------
 
     def remove(self, key: bytes) -> list[bytes]:
@@ -371,6 +531,7 @@ class TieredCache:
             key = ready.pop()
             kind, info, parent = pending.pop(key)
             self._index.insert(key, parent, kind, info.size_bytes, info.checksum)
+            self._notify(ChunkChangeKind.STORED, key, kind, info.size_bytes, parent=parent)
             by_tier[kind] = by_tier.get(kind, 0) + 1
             ready.extend(children.get(key, ()))
         recovered = sum(by_tier.values())
@@ -387,7 +548,7 @@ class TieredCache:
     # -- internals ------------------------------------------------------------------------------
 
     def _place(self, kind: TierKind, target: Tier, key: bytes, size: int,
-               write: Any) -> tuple[ChunkInfo, float]:
+               write: Callable[[], _T]) -> tuple[_T, float]:
         """Make room for ``size`` bytes in ``kind`` and run ``write`` (a tier put), evicting on
         CapacityError until it fits or nothing more can be evicted. Returns the chunk's info and
         the seconds the write itself took (evictions excluded)."""
@@ -401,8 +562,8 @@ class TieredCache:
         for _attempt in range(_MAX_ROOM_ATTEMPTS):
             try:
                 start = time.perf_counter()
-                info: ChunkInfo = write()
-                return info, time.perf_counter() - start
+                result = write()
+                return result, time.perf_counter() - start
             except CapacityError:
                 # Logical room exists but the tier needs more (alignment, headers, fragments).
                 self._evict(kind, max(size, target.capacity_bytes // 64))
@@ -428,12 +589,13 @@ class TieredCache:
         """Drop a claimed victim, index first: the index refuses (ChunkBusy) when a child was
         inserted under it since the plan, and then the bytes must stay."""
         try:
-            self._index.remove(key, lease=claim)
+            snap = self._index.remove(key, lease=claim)
         except (ChunkBusy, ChunkNotFound) as exc:
             log.debug("victim %s kept: %s", key.hex(), exc)
             return
         self._tiers[kind].remove(key)
         self._count(kind, drops=1)
+        self._notify(ChunkChangeKind.REMOVED, key, kind, snap.size_bytes)
 
     def _move(self, key: bytes, src_kind: TierKind, dst_kind: TierKind, claim: Lease) -> None:
         """Copy a claimed chunk from one tier to another, then retarget the index."""
@@ -472,6 +634,7 @@ class TieredCache:
             dst.remove(key)  # the index refused the move: the copy below must not linger
             raise
         src.remove(key)
+        self._notify(ChunkChangeKind.MOVED, key, dst_kind, size, from_tier=src_kind)
         if dst_kind.order > src_kind.order:
             self._count(src_kind, demotions_out=1)
         else:
@@ -507,8 +670,16 @@ class TieredCache:
 
     def _remove_bytes(self, key: bytes) -> None:
         for kind, tier in self._tiers.items():
+            size = tier.size_of(key) if self._observer is not None else 0
             if tier.remove(key):
                 self._count(kind, drops=1)
+                self._notify(ChunkChangeKind.REMOVED, key, kind, size or 0)
+
+    def _notify(self, kind: ChunkChangeKind, key: bytes, tier: TierKind, size_bytes: int, *,
+                parent: bytes | None = None, from_tier: TierKind | None = None) -> None:
+        if self._observer is not None:
+            self._observer(ChunkChange(kind, bytes(key), tier, size_bytes,
+                                       None if parent is None else bytes(parent), from_tier))
 
     def _count(self, kind: TierKind, **deltas: float) -> None:
         with self._counter_lock:
