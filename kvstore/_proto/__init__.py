@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC code (scripts/gen_protos.sh from proto/). Never edit by hand."""
