@@ -290,9 +290,15 @@ def etcd_client(endpoint: str, *, rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S) 
 
 
 async def _etcd(what: str, call: Awaitable[T], timeout_s: float) -> T:
-    """Await one etcd call with a deadline, translating failures into MembershipError."""
+    """Await one etcd call with a deadline, translating failures into MembershipError.
+
+    ``asyncio.timeout``, not ``asyncio.wait_for``: on Python 3.11 ``wait_for`` swallows a
+    cancellation that arrives as the call completes, which once left a keepalive task
+    running after ``close()`` had cancelled it.
+    """
     try:
-        return await asyncio.wait_for(call, timeout_s)
+        async with asyncio.timeout(timeout_s):
+            return await call
     except TimeoutError as exc:
         raise MembershipError(f"{what}: etcd did not answer within {timeout_s:.1f} s") from exc
     except (aetcd.ClientError, grpc.RpcError) as exc:
@@ -497,7 +503,8 @@ class NodeWatch:
                 log.warning("node watch: stream broken (%s); re-listing", exc)
             finally:
                 with contextlib.suppress(aetcd.ClientError, grpc.RpcError, TimeoutError):
-                    await asyncio.wait_for(watch.cancel(), self._rpc_timeout_s)
+                    async with asyncio.timeout(self._rpc_timeout_s):
+                        await watch.cancel()
             while True:
                 try:
                     watch, pending = await self._open()
@@ -602,6 +609,7 @@ class Registration:
         self._dirty = False  # the record changed and is not yet written under the live lease
         self._lock = asyncio.Lock()  # serializes every etcd write of this registration
         self._task: asyncio.Task[None] | None = None
+        self._closing = False  # the keepalive exits at its next step even if a cancel is lost
         self._failing = False
         self._leases_granted = 0
 
@@ -674,10 +682,11 @@ class Registration:
         if self._state is RegistrationState.CLOSED:
             return
         crashed: BaseException | None = None
+        self._closing = True
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # wait(), not await: the task's own CancelledError must not look like ours.
+            await asyncio.wait({self._task})
             if not self._task.cancelled():
                 crashed = self._task.exception()
             self._task = None
@@ -818,8 +827,10 @@ class Registration:
         reply = await _etcd(
             "refresh lease", self._client.refresh_lease(self._lease.lease_id), self._rpc_timeout_s
         )
-        ttl_s = int(reply.TTL) if reply is not None else 0
-        if ttl_s <= 0:
+        if reply is None:  # the stream closed without an answer: unknown, not expired
+            raise MembershipError("refresh lease: etcd closed the keepalive stream unanswered")
+        ttl_s = int(reply.TTL)
+        if ttl_s <= 0:  # etcd answers TTL 0 for a lease it no longer has
             return False
         self._lease.confirmed_until = sent_at + ttl_s
         return True
@@ -828,7 +839,7 @@ class Registration:
 
     async def _keepalive_loop(self) -> None:
         try:
-            while True:
+            while not self._closing:
                 healthy = await self._tick()
                 await asyncio.sleep(
                     self._keepalive_interval_s if healthy else self._retry_interval_s
