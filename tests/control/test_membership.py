@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+import aetcd
 import pytest
 
 from conductor.etcd import LocalEtcd, _pick_free_ports
@@ -28,6 +29,7 @@ from conductor.membership import (
     NodeRecord,
     RegistrationState,
     _diff,
+    _etcd,
     _Member,
     etcd_client,
     list_nodes,
@@ -169,6 +171,41 @@ def test_diff_reports_leave_join_update_and_restart_in_order() -> None:
     ]
     assert known == current
     assert _diff(known, dict(current), 31) == []
+
+
+def test_etcd_call_never_swallows_a_cancellation() -> None:
+    """A cancel that lands as the call completes must still cancel (3.11's wait_for loses it;
+    that once left a keepalive running after close())."""
+
+    async def scenario() -> str:
+        reply: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        call = asyncio.create_task(_etcd("refresh lease", reply, timeout_s=5.0))
+        await asyncio.sleep(0)  # the call is now waiting for its reply
+        reply.set_result(1)
+        call.cancel()
+        try:
+            await call
+        except asyncio.CancelledError:
+            return "cancelled"
+        return "swallowed"
+
+    assert asyncio.run(scenario()) == "cancelled"
+
+
+def test_etcd_call_translates_timeouts_and_client_errors() -> None:
+    async def scenario() -> None:
+        never: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        with pytest.raises(MembershipError, match="did not answer within"):
+            await _etcd("get", never, timeout_s=0.01)
+
+        async def failing() -> int:
+            raise aetcd.ConnectionFailedError("connection refused")
+
+        with pytest.raises(MembershipError, match="get: connection refused") as info:
+            await _etcd("get", failing(), timeout_s=1.0)
+        assert isinstance(info.value.__cause__, aetcd.ConnectionFailedError)
+
+    asyncio.run(scenario())
 
 
 # --------------------------------------------------------------------------- real etcd
