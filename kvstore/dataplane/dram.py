@@ -104,6 +104,11 @@ class DramSlot:
     def buffer(self) -> memoryview:
         return self._buffer
 
+    @property
+    def offset(self) -> int:
+        """Where the slot lies in the arena (a same-host writer that mapped it writes there)."""
+        return self._offset
+
     def _finish(self, state: _SlotState) -> None:
         self._state = state
         try:

@@ -1,0 +1,428 @@
+"""The daemon's data-plane side of its tiered cache: a LeaseBackend and same-host leases.
+
+:class:`CacheLeaseBackend` implements the transport's
+:class:`~kvstore.dataplane.transport.base.LeaseBackend` over a
+:class:`~kvstore.node.cache.TieredCache`, so a ``TcpServer`` sends chunks straight out of the
+DRAM arena and receives puts straight into it:
+
+* ``open_read`` moves the chunk into DRAM when it lives elsewhere (a chunk in NVMe is promoted,
+  the cache's ``pin_in``) and pins it there; the read lease's view is the arena range itself,
+  and ``release`` unpins. When DRAM cannot take it (everything pinned, chunk larger than DRAM,
+  or another reader holds it in NVMe) the chunk is copied into a private buffer instead: slower,
+  never wrong.
+* ``open_write`` reserves an invisible DRAM slot (the cache evicts to make room); ``commit``
+  publishes it into the cache index, ``abort`` frees it. TCP frames carry no parent key, so a
+  put arriving over TCP is a root chunk unless :meth:`ParentHints.expect` named its parent
+  first (the ``SetParents`` RPC).
+
+:class:`ShmLeases` hands out the same two kinds of lease by id, with arena offsets instead of
+views, for clients on the same host that map the arena themselves (through the gRPC lease
+calls or the Unix-socket lease channel, :mod:`kvstore.node.shm_channel`). Each lease has an
+*owner* (a channel connection, or None for gRPC) and a deadline: :meth:`ShmLeases.drop_owner`
+ends every lease of a connection that closed (a client that died mid-put never makes its chunk
+visible; one that died mid-get unpins), and :meth:`ShmLeases.expire` ends leases past their
+deadline.
+
+Thread safety: everything here may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvstore.dataplane.compress import CodecKind
+from kvstore.dataplane.dram import DramSlot, DramTier
+from kvstore.dataplane.tier import ChunkKey, TierKind, WriteSlot, check_key
+from kvstore.errors import (
+    CapacityError,
+    ChunkBusy,
+    ChunkNotFound,
+    InvalidArgument,
+    InvariantViolation,
+)
+from kvstore.node.cache import TieredCache
+from kvstore.node.index import Lease
+
+log = logging.getLogger(__name__)
+
+_PREFIX_RETRIES = 4
+MAX_PARENT_HINTS = 1 << 20
+
+
+class ParentHints:
+    """Parents announced for puts that will arrive without one (over TCP), for ``ttl_s``."""
+
+    def __init__(self, max_entries: int = MAX_PARENT_HINTS) -> None:
+        self._lock = threading.Lock()
+        self._hints: dict[bytes, tuple[bytes, float]] = {}
+        self._max_entries = max_entries
+
+    def expect(self, key: bytes, parent: bytes, ttl_s: float) -> None:
+        """The next put of ``key`` within ``ttl_s`` is a child of ``parent``."""
+        k, p = check_key(key), check_key(parent)
+        if not ttl_s > 0:
+            raise InvalidArgument(f"ttl_s must be > 0, got {ttl_s}")
+        now = time.monotonic()
+        with self._lock:
+            if len(self._hints) >= self._max_entries:
+                self._purge_locked(now)
+                if len(self._hints) >= self._max_entries:
+                    raise CapacityError(f"{self._max_entries} parent hints are pending")
+            self._hints[k] = (p, now + ttl_s)
+
+    def take(self, key: bytes) -> bytes | None:
+        """The announced parent of ``key`` (forgotten once taken), or None."""
+        with self._lock:
+            hint = self._hints.pop(key, None)
+        if hint is None or hint[1] < time.monotonic():
+            return None
+        return hint[0]
+
+    def _purge_locked(self, now: float) -> None:
+        for key in [k for k, (_p, deadline) in self._hints.items() if deadline < now]:
+            del self._hints[key]
+
+    def __len__(self) -> int:
+        return len(self._hints)
+
+
+# --- the LeaseBackend --------------------------------------------------------------------------
+
+
+class CacheReadLease:
+    """A read lease of :class:`CacheLeaseBackend`: an arena view under a cache pin, or a
+    private copy (no pin) when the chunk could not be brought into DRAM."""
+
+    __slots__ = ("_cache", "_key", "_lease", "_view")
+
+    def __init__(self, cache: TieredCache, key: ChunkKey, view: memoryview,
+                 lease: Lease | None) -> None:
+        self._cache = cache
+        self._key = key
+        self._view: memoryview | None = view
+        self._lease = lease
+
+    @property
+    def key(self) -> ChunkKey:
+        return self._key
+
+    @property
+    def size_bytes(self) -> int:
+        return self.view.nbytes
+
+    @property
+    def view(self) -> memoryview:
+        if self._view is None:
+            raise InvalidArgument(f"read lease on {self._key.hex()} was released")
+        return self._view
+
+    def release(self) -> None:
+        if self._view is None:
+            return
+        self._view = None
+        if self._lease is not None:
+            self._cache.unpin(self._lease)
+            self._lease = None
+
+
+class CacheWriteLease:
+    """A reserved DRAM slot; ``commit`` publishes it into the cache with its parent."""
+
+    __slots__ = ("_backend", "_parent", "_slot", "_state")
+
+    def __init__(self, backend: CacheLeaseBackend, slot: WriteSlot, parent: bytes | None) -> None:
+        self._backend = backend
+        self._slot = slot
+        self._parent = parent
+        self._state = "open"
+
+    @property
+    def key(self) -> ChunkKey:
+        return self._slot.key
+
+    @property
+    def size_bytes(self) -> int:
+        return self._slot.size_bytes
+
+    @property
+    def buffer(self) -> memoryview:
+        if self._state != "open":
+            raise InvalidArgument(f"write lease on {self.key.hex()} is {self._state}")
+        return self._slot.buffer
+
+    def commit(self) -> None:
+        if self._state != "open":
+            raise InvalidArgument(f"write lease on {self.key.hex()} is already {self._state}")
+        self._state = "committed"
+        try:
+            self._backend.cache.commit(self._slot, parent=self._parent, tier=TierKind.DRAM)
+        except BaseException:
+            self._backend.cache.abort(self._slot, tier=TierKind.DRAM)
+            raise
+
+    def abort(self) -> None:
+        if self._state == "open":
+            self._state = "aborted"
+            self._backend.cache.abort(self._slot, tier=TierKind.DRAM)
+
+
+class CacheLeaseBackend:
+    """A :class:`~kvstore.dataplane.transport.base.LeaseBackend` over a tiered cache with a
+    DRAM tier (module docstring). Nothing happens at construction."""
+
+    def __init__(self, cache: TieredCache, *, parents: ParentHints | None = None,
+                 read_ttl_s: float | None = None) -> None:
+        dram = cache.tiers.get(TierKind.DRAM)
+        if not isinstance(dram, DramTier):
+            raise InvalidArgument("the daemon's lease backend needs a DRAM tier")
+        self.cache = cache
+        self.dram: DramTier = dram
+        self.parents = parents or ParentHints()
+        self._read_ttl_s = read_ttl_s or cache.config.lease_ttl_s
+
+    def open_read(self, key: bytes) -> CacheReadLease:
+        k = check_key(key)
+        try:
+            lease = self.cache.pin_in(TierKind.DRAM, [k], self._read_ttl_s)
+        except (CapacityError, ChunkBusy) as exc:
+            entry = self.cache.entry(k)
+            if entry is None:
+                raise ChunkNotFound(k, "the tiered cache") from exc
+            log.debug("serving %s from a private copy: %s", k.hex(), exc)
+            copy = bytearray(entry.size_bytes)
+            self.cache.get_into(k, copy)
+            return CacheReadLease(self.cache, k, memoryview(copy).toreadonly(), None)
+        try:
+            view = self.dram.view(k)
+        except BaseException:
+            self.cache.unpin(lease)
+            raise
+        return CacheReadLease(self.cache, k, view, lease)
+
+    def open_write(self, key: bytes, size_bytes: int) -> CacheWriteLease:
+        k = check_key(key)
+        parent = self.parents.take(k)
+        slot = self.cache.reserve(k, size_bytes, parent=parent, tier=TierKind.DRAM)
+        return CacheWriteLease(self, slot, parent)
+
+    def exists(self, key: bytes) -> bool:
+        return self.cache.entry(check_key(key)) is not None
+
+    def size_of(self, key: bytes) -> int | None:
+        entry = self.cache.entry(check_key(key))
+        return None if entry is None else entry.size_bytes
+
+    def remove(self, key: bytes) -> bool:
+        try:
+            self.cache.remove(check_key(key))
+        except ChunkNotFound:
+            return False
+        return True
+
+
+# --- same-host leases by id --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ArenaRange:
+    """Where one leased chunk lies in the DRAM arena."""
+
+    offset: int
+    size_bytes: int
+
+
+@dataclass(slots=True)
+class _ReadRecord:
+    lease: Lease
+    owner: object | None
+    deadline: float
+    size_bytes: int
+
+
+@dataclass(slots=True)
+class _WriteRecord:
+    slot: WriteSlot
+    parent: bytes | None
+    owner: object | None
+    deadline: float
+    offset: int
+
+
+class ShmLeases:
+    """Read and write leases on the DRAM arena by id (module docstring). Nothing happens at
+    construction; :meth:`close` ends every lease."""
+
+    def __init__(self, cache: TieredCache) -> None:
+        dram = cache.tiers.get(TierKind.DRAM)
+        if not isinstance(dram, DramTier):
+            raise InvalidArgument("same-host leases need a DRAM tier")
+        self._cache = cache
+        self._dram = dram
+        self._lock = threading.Lock()
+        self._reads: dict[int, _ReadRecord] = {}
+        self._writes: dict[int, _WriteRecord] = {}
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    @property
+    def arena_name(self) -> str:
+        return self._dram.arena_name
+
+    def open_count(self) -> tuple[int, int]:
+        """(read leases, write leases) outstanding."""
+        with self._lock:
+            return len(self._reads), len(self._writes)
+
+    def _new_id_locked(self) -> int:
+        while True:
+            lease_id = secrets.randbits(63) or 1
+            if lease_id not in self._reads and lease_id not in self._writes:
+                return lease_id
+
+    def acquire_read(self, keys: Sequence[bytes], ttl_s: float, *, prefix: bool = False,
+                     owner: object | None = None) -> tuple[int, list[ArenaRange]]:
+        """Pin ``keys`` in DRAM (promoting them) and return a lease id and their ranges.
+
+        ``prefix``: lease the longest cached prefix of ``keys`` (lease id 0 and no ranges when
+        it is empty); otherwise all or nothing (ChunkNotFound). Raises ChunkBusy,
+        CapacityError (DRAM cannot hold them now: read over TCP instead), InvalidArgument.
+        """
+        if not ttl_s > 0:
+            raise InvalidArgument(f"ttl_s must be > 0, got {ttl_s}")
+        checked = [check_key(k) for k in keys]
+        if not checked:
+            raise InvalidArgument("acquire_read needs at least one key")
+        lease: Lease | None = None
+        for _attempt in range(_PREFIX_RETRIES):
+            wanted = checked[:self._cache.lookup(checked).length] if prefix else checked
+            if not wanted:
+                self._cache.misses += 1
+                return 0, []
+            try:
+                lease = self._cache.pin_in(TierKind.DRAM, wanted, ttl_s)
+                break
+            except ChunkNotFound:
+                if not prefix:
+                    raise
+        if lease is None:
+            raise ChunkBusy("the prefix kept changing while it was leased; retry")
+        ranges: list[ArenaRange] = []
+        try:
+            for key in lease.keys:
+                loc = self._dram.locate(key)
+                if loc is None:
+                    raise InvariantViolation(f"pinned chunk {key.hex()} is not in DRAM")
+                if loc.codec is not CodecKind.NONE:
+                    raise InvariantViolation("the daemon's DRAM tier must not compress")
+                ranges.append(ArenaRange(loc.offset, loc.size_bytes))
+        except BaseException:
+            self._cache.unpin(lease)
+            raise
+        size = sum(r.size_bytes for r in ranges)
+        with self._lock:
+            lease_id = self._new_id_locked()
+            self._reads[lease_id] = _ReadRecord(lease, owner, time.monotonic() + ttl_s, size)
+            self.bytes_read += size
+        return lease_id, ranges
+
+    def release(self, lease_id: int) -> bool:
+        """End a read lease. False when it is unknown (released, expired or never issued)."""
+        with self._lock:
+            rec = self._reads.pop(lease_id, None)
+        if rec is None:
+            return False
+        self._cache.unpin(rec.lease)
+        return True
+
+    def reserve(self, key: bytes, size_bytes: int, ttl_s: float, *, parent: bytes | None = None,
+                owner: object | None = None) -> tuple[int, int]:
+        """Reserve an invisible DRAM slot; return (lease id, arena offset).
+
+        Raises ChunkExists, ChunkBusy, CapacityError, InvalidArgument (as ``TieredCache.reserve``).
+        """
+        if not ttl_s > 0:
+            raise InvalidArgument(f"ttl_s must be > 0, got {ttl_s}")
+        slot = self._cache.reserve(key, size_bytes, parent=parent, tier=TierKind.DRAM)
+        offset = _slot_offset(slot)
+        with self._lock:
+            lease_id = self._new_id_locked()
+            self._writes[lease_id] = _WriteRecord(slot, parent, owner,
+                                                  time.monotonic() + ttl_s, offset)
+        return lease_id, offset
+
+    def commit(self, lease_id: int, *, owner: object | None = None) -> TierKind:
+        """Publish a reserved chunk. Raises InvalidArgument for an unknown (aborted, expired,
+        committed) lease or another owner's, and the cache's commit errors (the slot is then
+        freed)."""
+        rec = self._pop_write(lease_id, owner)
+        try:
+            self._cache.commit(rec.slot, parent=rec.parent, tier=TierKind.DRAM)
+        except BaseException:
+            self._cache.abort(rec.slot, tier=TierKind.DRAM)
+            raise
+        with self._lock:
+            self.bytes_written += rec.slot.size_bytes
+        return TierKind.DRAM
+
+    def abort(self, lease_id: int, *, owner: object | None = None) -> bool:
+        """Free a reserved slot; False when the lease is unknown."""
+        try:
+            rec = self._pop_write(lease_id, owner)
+        except InvalidArgument:
+            return False
+        self._cache.abort(rec.slot, tier=TierKind.DRAM)
+        return True
+
+    def _pop_write(self, lease_id: int, owner: object | None) -> _WriteRecord:
+        with self._lock:
+            rec = self._writes.get(lease_id)
+            if rec is None:
+                raise InvalidArgument(f"write lease {lease_id} is unknown (committed, aborted "
+                                      "or expired)")
+            if rec.owner is not owner:
+                raise InvalidArgument(f"write lease {lease_id} belongs to another connection")
+            del self._writes[lease_id]
+            return rec
+
+    def drop_owner(self, owner: object) -> tuple[int, int]:
+        """End every lease of ``owner`` (its connection closed); return (reads, writes) ended."""
+        with self._lock:
+            reads = [i for i, r in self._reads.items() if r.owner is owner]
+            writes = [i for i, w in self._writes.items() if w.owner is owner]
+        return self._end(reads, writes)
+
+    def expire(self, now: float | None = None) -> tuple[int, int]:
+        """End every lease past its deadline; return (reads, writes) ended."""
+        t = time.monotonic() if now is None else now
+        with self._lock:
+            reads = [i for i, r in self._reads.items() if r.deadline < t]
+            writes = [i for i, w in self._writes.items() if w.deadline < t]
+        return self._end(reads, writes)
+
+    def close(self) -> tuple[int, int]:
+        """End every lease (shutdown)."""
+        with self._lock:
+            reads, writes = list(self._reads), list(self._writes)
+        return self._end(reads, writes)
+
+    def _end(self, reads: list[int], writes: list[int]) -> tuple[int, int]:
+        ended_reads = sum(self.release(i) for i in reads)
+        ended_writes = 0
+        for lease_id in writes:
+            with self._lock:
+                rec = self._writes.pop(lease_id, None)
+            if rec is not None:
+                self._cache.abort(rec.slot, tier=TierKind.DRAM)
+                ended_writes += 1
+        return ended_reads, ended_writes
+
+
+def _slot_offset(slot: WriteSlot) -> int:
+    if not isinstance(slot, DramSlot):
+        raise InvariantViolation(f"slot {slot!r} is not a DRAM arena slot")
+    return slot.offset

@@ -1,0 +1,466 @@
+"""The store daemon's configuration: one frozen-dataclass tree, one loader.
+
+Precedence, lowest first: the dataclass defaults, a config **file** (YAML ``.yaml``/``.yml`` or
+TOML ``.toml``), the **environment**, then **flags** (``--set section.field=value`` and the
+daemon command's shortcuts). Every value is validated; a bad one raises
+:class:`~kvstore.errors.ConfigError` naming the key and where it came from, e.g.
+``dram.capacity_bytes: expected a size in bytes, got 'lots' (environment
+KVTIER_DRAM__CAPACITY_BYTES)``. Unknown keys are errors too (a typo must not be ignored).
+
+File layout (YAML shown; TOML uses ``[dram]`` tables)::
+
+    node_id: node-a
+    dram: {capacity_bytes: 1GiB}
+    nvme: {directory: /var/lib/kvtier, capacity_bytes: 64GiB}
+    server: {host: 0.0.0.0, grpc_port: 50051, tcp_port: 50052}
+    etcd: {endpoint: 127.0.0.1:2379}
+    metrics: {enabled: true, port: 9464}
+
+Environment: ``KVTIER_<SECTION>__<FIELD>`` (double underscore between section and field), and
+``KVTIER_<FIELD>`` for top-level fields (``KVTIER_NODE_ID``). Other ``KVTIER_*`` variables
+without a double underscore are not config (``KVTIER_ETCD_BINARY`` belongs to the test
+fixtures) and are ignored; one with a double underscore that names no field is an error.
+
+Values from the environment and flags are text: sizes accept ``4096``, ``64KiB``, ``1GiB``,
+``1_000_000`` (binary units only: ``MB`` is refused as ambiguous); booleans accept
+``true/false/yes/no/on/off/1/0`` (anything else is an error: ``"false"`` must never be truthy);
+optional fields accept ``none``/``null``/``off``/empty for None.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import re
+import socket
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+
+from kvstore.dataplane.tier import TierKind
+from kvstore.errors import ConfigError
+from kvstore.node.policies import PolicyName
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+ENV_PREFIX = "KVTIER_"
+_SIZE_RE = re.compile(r"^\s*(\d[\d_]*)\s*(B|KiB|MiB|GiB|TiB)?\s*$")
+_UNITS = {None: 1, "B": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB, "TiB": 1 << 40}
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+_NONE = {"none", "null", "off", ""}
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class _SizeMarker:
+    """Marks an int field as a size in bytes (``64MiB`` accepted in text)."""
+
+
+SizeBytes = Annotated[int, _SizeMarker()]
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def _port(name: str, value: int) -> None:
+    _require(0 <= value < 65536, f"{name} must be 0..65535 (0: an ephemeral port), got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class DramConfig:
+    """The pinned-DRAM tier: one pre-faulted shared-memory arena (same-host clients map it)."""
+
+    capacity_bytes: SizeBytes = 256 * MiB
+    prefault: bool = True
+    arena_name: str | None = None
+    """None: ``kvtier-<pid>-<random>`` (lets a restart sweep the arenas of dead daemons)."""
+
+    def __post_init__(self) -> None:
+        _require(self.capacity_bytes >= 64 * KiB,
+                 f"capacity_bytes must be >= 64 KiB, got {self.capacity_bytes}")
+
+
+@dataclass(frozen=True, slots=True)
+class NvmeConfig:
+    """The NVMe tier; off unless ``directory`` is set. Its chunks survive restarts."""
+
+    directory: Path | None = None
+    capacity_bytes: SizeBytes = 1 * GiB
+    segment_bytes: SizeBytes = 64 * MiB
+
+    def __post_init__(self) -> None:
+        _require(self.capacity_bytes >= MiB, f"capacity_bytes must be >= 1 MiB, got "
+                 f"{self.capacity_bytes}")
+        _require(self.segment_bytes >= MiB and self.segment_bytes % (4 * KiB) == 0,
+                 f"segment_bytes must be a multiple of 4 KiB and >= 1 MiB, got "
+                 f"{self.segment_bytes}")
+
+
+@dataclass(frozen=True, slots=True)
+class HbmConfig:
+    """The GPU tier; off unless ``capacity_bytes`` > 0 (needs CUDA)."""
+
+    capacity_bytes: SizeBytes = 0
+    device: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.capacity_bytes >= 0, "capacity_bytes must be >= 0")
+        _require(self.device >= 0, f"device must be >= 0, got {self.device}")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSection:
+    policy: PolicyName = PolicyName.LRU
+    lease_ttl_s: float = 30.0
+    """Default TTL of pins, reads in flight and gRPC leases."""
+    promote_on_hit: bool = True
+    write_tier: TierKind | None = None
+    """None: the fastest configured tier."""
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+    demote_interval_s: float = 1.0
+    """How often the daemon brings tiers above their high watermark down to the low one."""
+
+    def __post_init__(self) -> None:
+        _require(self.lease_ttl_s > 0, f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
+        _require(0.0 <= self.low_watermark <= self.high_watermark <= 1.0,
+                 "watermarks must satisfy 0 <= low_watermark <= high_watermark <= 1")
+        _require(self.demote_interval_s > 0, "demote_interval_s must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Listening addresses and limits of the control service and the data plane."""
+
+    host: str = "127.0.0.1"
+    advertise_host: str | None = None
+    """The host others should dial (None: ``host``, or this machine's name when ``host`` is
+    a wildcard)."""
+    grpc_port: int = 0
+    tcp_port: int = 0
+    inline_max_bytes: SizeBytes = 1 * MiB
+    """Largest value Put/Get carry inside a gRPC message; larger ones use the data plane."""
+    max_value_bytes: SizeBytes = 1 * GiB
+    """Largest chunk the TCP transport accepts."""
+    rpc_workers: int = 8
+    """Threads that run cache operations for the gRPC service."""
+    shm_channel: bool = True
+    """Serve same-host clients the Unix-socket lease channel (shared-memory data plane)."""
+    shm_lease_ttl_s: float = 300.0
+    """Leases of the lease channel end with their connection; this bounds a stuck client."""
+    reservation_ttl_s: float = 30.0
+    """A gRPC Reserve (or a multi-part TCP put) not committed within this is aborted."""
+    tcp_io_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        _require(bool(self.host), "host must not be empty")
+        _port("grpc_port", self.grpc_port)
+        _port("tcp_port", self.tcp_port)
+        _require(KiB <= self.inline_max_bytes <= 3 * MiB,
+                 f"inline_max_bytes must be 1 KiB..3 MiB (gRPC messages are capped at 4 MiB), "
+                 f"got {self.inline_max_bytes}")
+        _require(self.max_value_bytes >= MiB, "max_value_bytes must be >= 1 MiB")
+        _require(1 <= self.rpc_workers <= 256, f"rpc_workers must be 1..256, got "
+                 f"{self.rpc_workers}")
+        for name in ("shm_lease_ttl_s", "reservation_ttl_s", "tcp_io_timeout_s"):
+            _require(getattr(self, name) > 0, f"{name} must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsConfig:
+    """Prometheus metrics over HTTP (off by default)."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = 9464
+    """0: an ephemeral port (reported at start-up)."""
+
+    def __post_init__(self) -> None:
+        _port("port", self.port)
+
+
+@dataclass(frozen=True, slots=True)
+class EtcdConfig:
+    """Membership; off unless ``endpoint`` (``host:port``) is set."""
+
+    endpoint: str | None = None
+    prefix: str = "/kvtier/"
+    ttl_s: int = 10
+    """The node's key disappears this long after the daemon dies."""
+
+    def __post_init__(self) -> None:
+        _require(self.ttl_s >= 2, f"ttl_s must be >= 2 seconds, got {self.ttl_s}")
+        _require(self.prefix.startswith("/") and self.prefix.endswith("/"),
+                 f"prefix must start and end with '/', got {self.prefix!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class EventsConfig:
+    ring_capacity: int = 65536
+    """Events kept for replay; a subscriber further behind must resync from a snapshot."""
+
+    def __post_init__(self) -> None:
+        _require(self.ring_capacity >= 1, f"ring_capacity must be >= 1, got "
+                 f"{self.ring_capacity}")
+
+
+@dataclass(frozen=True, slots=True)
+class ShutdownConfig:
+    drain_timeout_s: float = 10.0
+    """How long a graceful stop lets transfers in flight finish."""
+    persist_dram: bool = False
+    """On a graceful stop, demote every DRAM chunk to NVMe first (so a restart keeps it)."""
+
+    def __post_init__(self) -> None:
+        _require(self.drain_timeout_s >= 0, "drain_timeout_s must be >= 0")
+
+
+def default_node_id() -> str:
+    """This host's name, reduced to the characters a node id allows."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).strip("-._") or "node"
+    return name[:128]
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonConfig:
+    """Everything one store daemon needs. Build with :func:`load_config`."""
+
+    node_id: str = field(default_factory=default_node_id)
+    log_level: str = "INFO"
+    dram: DramConfig = field(default_factory=DramConfig)
+    nvme: NvmeConfig = field(default_factory=NvmeConfig)
+    hbm: HbmConfig = field(default_factory=HbmConfig)
+    cache: CacheSection = field(default_factory=CacheSection)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    etcd: EtcdConfig = field(default_factory=EtcdConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
+    shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)
+
+    def __post_init__(self) -> None:
+        _require(bool(_ID_RE.match(self.node_id)),
+                 f"node_id must be 1-128 characters of [A-Za-z0-9._-], got {self.node_id!r}")
+        _require(self.log_level.upper() in {"DEBUG", "INFO", "WARNING", "ERROR"},
+                 f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+        if self.cache.write_tier is not None:
+            _require(self.cache.write_tier in self.tier_kinds(),
+                     f"cache.write_tier {self.cache.write_tier.value} is not configured")
+
+    def tier_kinds(self) -> tuple[TierKind, ...]:
+        kinds = [TierKind.DRAM]
+        if self.hbm.capacity_bytes > 0:
+            kinds.insert(0, TierKind.HBM)
+        if self.nvme.directory is not None:
+            kinds.append(TierKind.NVME)
+        return tuple(kinds)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (enums by value, paths as text): what ``kvtier daemon --print-config``
+        shows, and a valid config file when dumped as YAML."""
+        plain: dict[str, Any] = _plain(self)
+        return plain
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+
+def load_config(path: Path | str | None = None, *, env: Mapping[str, str] | None = None,
+                overrides: Mapping[str, str] | None = None) -> DaemonConfig:
+    """Defaults < file ``path`` < environment ``env`` (default ``os.environ``) < ``overrides``
+    (``{"dram.capacity_bytes": "1GiB"}``). Raises ConfigError naming the key and its source."""
+    layers: list[tuple[str, dict[str, Any]]] = []
+    if path is not None:
+        layers.append((f"file {path}", _read_file(Path(path))))
+    layers.append(("environment", _from_env(os.environ if env is None else env)))
+    layers.append(("flags", _from_overrides(overrides or {})))
+    merged: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for source, tree in layers:
+        _merge(merged, tree, sources, source, prefix="")
+    config: DaemonConfig = _build(DaemonConfig, merged, sources, prefix="")
+    return config
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            doc = yaml.safe_load(text)
+        elif path.suffix == ".toml":
+            doc = tomllib.loads(text)
+        else:
+            raise ConfigError(f"config file {path} must end in .yaml, .yml or .toml")
+    except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"config file {path} does not parse: {exc}") from exc
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    return doc
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    top = {f.name for f in dataclasses.fields(DaemonConfig)}
+    tree: dict[str, Any] = {}
+    for name, value in env.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        rest = name[len(ENV_PREFIX):].lower()
+        if "__" in rest:
+            section, _, key = rest.partition("__")
+            if "__" in key:
+                raise ConfigError(f"environment {name}: one '__' between section and field")
+            tree.setdefault(section, {})[key] = _Text(value, f"environment {name}")
+        elif rest in top:
+            tree[rest] = _Text(value, f"environment {name}")
+    return tree
+
+
+def _from_overrides(overrides: Mapping[str, str]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for dotted, value in overrides.items():
+        parts = dotted.split(".")
+        if not all(parts) or len(parts) > 2:
+            raise ConfigError(f"flag key {dotted!r} must be 'field' or 'section.field'")
+        node = tree
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = _Text(value, f"flag {dotted}")
+    return tree
+
+
+@dataclass(frozen=True, slots=True)
+class _Text:
+    """A value given as text (environment or flag): coerced to the field's type."""
+
+    text: str
+    source: str
+
+
+def _merge(into: dict[str, Any], tree: Mapping[str, Any], sources: dict[str, str], source: str,
+           prefix: str) -> None:
+    for key, value in tree.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"{source}: key {key!r} must be text")
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            existing = into.get(key)
+            if existing is not None and not isinstance(existing, dict):
+                raise ConfigError(f"{dotted}: expected a section ({source})")
+            _merge(into.setdefault(key, {}), value, sources, source, f"{dotted}.")
+        else:
+            into[key] = value
+            sources[dotted] = value.source if isinstance(value, _Text) else source
+
+
+def _build(cls: type[Any], values: Mapping[str, Any], sources: Mapping[str, str],
+           prefix: str) -> Any:
+    hints = typing.get_type_hints(cls, include_extras=True)
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    for key in values:
+        if key not in known:
+            where = sources.get(f"{prefix}{key}", "config")
+            raise ConfigError(f"{prefix}{key}: unknown key ({where}); known keys: "
+                              f"{', '.join(sorted(known))}")
+    kwargs: dict[str, Any] = {}
+    for name, value in values.items():
+        dotted = f"{prefix}{name}"
+        hint = hints[name]
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{dotted}: expected a section, got {value!r}")
+            kwargs[name] = _build(hint, value, sources, f"{dotted}.")
+        else:
+            kwargs[name] = _coerce(hint, value, dotted, sources.get(dotted, "config"))
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        where = ", ".join(sorted({sources[k] for k in sources if k.startswith(prefix)})) or \
+            "defaults"
+        label = prefix.rstrip(".") or "config"
+        raise ConfigError(f"{label}: {exc} ({where})") from exc
+
+
+def _coerce(hint: Any, value: Any, key: str, source: str) -> Any:
+    text = value.text if isinstance(value, _Text) else None
+    raw: Any = text if text is not None else value
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if raw is None or (isinstance(raw, str) and raw.strip().lower() in _NONE):
+            return None
+        hint = args[0]
+
+    def bad(expected: str) -> ConfigError:
+        return ConfigError(f"{key}: expected {expected}, got {raw!r} ({source})")
+
+    if typing.get_origin(hint) is Annotated:
+        if not any(isinstance(m, _SizeMarker) for m in hint.__metadata__):
+            raise ConfigError(f"{key}: unsupported config type {hint!r}")  # a bug here
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str):
+            m = _SIZE_RE.match(raw)
+            if m:
+                return int(m.group(1).replace("_", "")) * _UNITS[m.group(2)]
+        raise bad("a size in bytes (4096, 64KiB, 1GiB)")
+    if hint is bool:
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str) and raw.strip().lower() in _TRUE | _FALSE:
+            return raw.strip().lower() in _TRUE
+        raise bad("true or false")
+    if hint is int:
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str):
+            try:
+                return int(raw.replace("_", ""))
+            except ValueError:
+                pass
+        raise bad("an integer")
+    if hint is float:
+        if isinstance(raw, int | float) and not isinstance(raw, bool):
+            return float(raw)
+        if isinstance(raw, str):
+            try:
+                return float(raw)
+            except ValueError:
+                pass
+        raise bad("a number")
+    if hint is str:
+        if isinstance(raw, str):
+            return raw
+        raise bad("text")
+    if hint is Path:
+        if isinstance(raw, str) and raw:
+            return Path(raw).expanduser()
+        raise bad("a path")
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        try:
+            return hint(raw.lower() if isinstance(raw, str) else raw)
+        except ValueError:
+            choices = ", ".join(str(m.value) for m in hint)
+            raise bad(f"one of {choices}") from None
+    raise ConfigError(f"{key}: unsupported config type {hint!r}")  # a bug in this module
+
+
+def _plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
