@@ -334,7 +334,7 @@ class NvmeTier:
         self._recovery: RecoveryReport | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._window = max(2, config.io_threads)
-        self._blocks = BufferPool(config.io_block_bytes, max_cached=2 * self._window + 2)
+        self._blocks = BufferPool(config.io_block_bytes, max_cached=2 * (self._window + 1))
         self._small = BufferPool(2 * ALIGN_BYTES, max_cached=32)
         # Owned by the thread holding the write lock: header + tail + trailer blocks, and
         # two staging buffers for unaligned sources. Created on first use.
@@ -820,37 +820,38 @@ class NvmeTier:
 
     def _write_staged_pieces(self, fd: int, offset: int, view: memoryview,
                              tail_iov: list[memoryview]) -> int:
-        """Copy unaligned memory through two aligned buffers: piece k is written on the I/O
-        thread while piece k+1 is copied and hashed here. Returns the payload's xxh3_64."""
+        """Copy unaligned memory through aligned staging buffers: up to ``window`` pieces are
+        written on the I/O threads while the next one is copied and hashed here (one 4 MiB
+        write at a time reaches ~70% of the device here, two ~100%). Returns the xxh3_64."""
         piece_bytes = self._config.io_block_bytes
-        while len(self._wstage) < 2:
+        depth = self._window
+        while len(self._wstage) < depth + 1:
             self._wstage.append(AlignedBuffer(piece_bytes))
         size = view.nbytes
         starts = range(0, size, piece_bytes)
         hasher = xxhash.xxh3_64()
         pool = self._pool_get()
-        pending: Future[int] | None = None
+        inflight: deque[Future[int]] = deque()
         try:
             for k, start in enumerate(starts):
                 end = min(start + piece_bytes, size)
                 n = end - start
                 padded = align_up(n)
-                stage = self._wstage[k % 2].view
-                copy_bytes(stage[:n], view[start:end])  # its previous write has finished
+                if len(inflight) == depth:
+                    inflight.popleft().result()  # frees the buffer piece k reuses
+                stage = self._wstage[k % (depth + 1)].view
+                copy_bytes(stage[:n], view[start:end])
                 stage[n:padded] = _ZERO_PAD[:padded - n]
                 iov = [stage[:padded]]
                 hasher.update(stage[:n])
                 if k == len(starts) - 1:
                     iov.extend(tail_iov)
-                if pending is not None:
-                    pending.result()  # piece k-1 is written: keeps one write in flight
-                pending = pool.submit(pwritev_all, fd, iov, offset + HEADER_BYTES + start)
-            if pending is not None:
-                pending.result()
-                pending = None
+                inflight.append(pool.submit(pwritev_all, fd, iov, offset + HEADER_BYTES + start))
+            while inflight:
+                inflight.popleft().result()
         finally:
-            if pending is not None:
-                wait_futures([pending])
+            if inflight:  # an error: let writes out of our buffers finish before reuse
+                wait_futures(list(inflight))
         return hasher.intdigest()
 
     def _give_back_after_failed_write(self, rec: _Record) -> None:
@@ -1068,19 +1069,20 @@ class NvmeTier:
         size = rec.payload_bytes
         pieces = self._pieces(size)
         window = 1 if len(pieces) == 1 else self._window
-        bounces = [self._blocks.acquire() for _ in range(window)]
+        nbuf = 1 if window == 1 else window + 1  # window reads in flight + the one being copied
+        bounces = [self._blocks.acquire() for _ in range(nbuf)]
         hasher = xxhash.xxh3_64()
         payload_at = rec.offset + HEADER_BYTES
         try:
             def iov_of(k: int) -> tuple[list[memoryview], int]:
                 s, e = pieces[k]
-                return [bounces[k % window].view[:e - s]], payload_at + s
+                return [bounces[k % nbuf].view[:e - s]], payload_at + s
 
             def after(k: int, got: int, want: int) -> None:
                 if got != want:
                     raise ChunkCorrupt(f"chunk {rec.key.hex()}: file ends inside the record")
                 s, e = pieces[k]
-                data = bounces[k % window].view[:min(e, size) - s]
+                data = bounces[k % nbuf].view[:min(e, size) - s]
                 if dst is not None:
                     copy_bytes(dst[s:s + data.nbytes], data)
                 hasher.update(data)
@@ -1094,10 +1096,11 @@ class NvmeTier:
     def _run_pieces(self, fd: int, count: int,
                     iov_of: Callable[[int], tuple[list[memoryview], int]],
                     after: Callable[[int, int, int], None], window: int | None = None) -> None:
-        """Read ``count`` pieces with up to ``window`` in flight; run ``after`` on each in order.
+        """Read ``count`` pieces with ``window`` in flight; run ``after`` on each in order.
 
-        ``after(k, got, want)`` runs in the calling thread (hashing piece k overlaps the
-        reads of the following pieces). A single piece is read inline, with no thread.
+        ``after(k, got, want)`` runs in the calling thread while pieces k+1..k+window are
+        read (piece k+window is submitted before ``after(k)``, so ``iov_of`` must give it a
+        buffer other than piece k's). A single piece is read inline, with no thread.
         """
         if count == 1:
             iov, at = iov_of(0)
@@ -1112,12 +1115,13 @@ class NvmeTier:
                 inflight.append((pool.submit(preadv_all, fd, iov, at), sum(v.nbytes for v in iov)))
             for k in range(count):
                 fut, want = inflight.popleft()
-                after(k, fut.result(), want)
+                got = fut.result()
                 nxt = k + depth
                 if nxt < count:
                     iov, at = iov_of(nxt)
                     inflight.append((pool.submit(preadv_all, fd, iov, at),
                                      sum(v.nbytes for v in iov)))
+                after(k, got, want)
         finally:
             if inflight:  # an error: let reads into our buffers finish before they are reused
                 wait_futures([f for f, _ in inflight])

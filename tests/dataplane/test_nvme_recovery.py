@@ -38,10 +38,10 @@ def open_tier(directory: Path, **overrides: object) -> NvmeTier:
     return NvmeTier.open(NvmeTierConfig(**fields))  # type: ignore[arg-type]
 
 
-def chunk_for(key: str) -> bytes:
+def chunk_for(key: str, max_bytes: int = 300 * KiB) -> bytes:
     """The bytes stored under ``key`` (the writer process computes the same)."""
     crc = zlib.crc32(key.encode())
-    return payload(1 + crc % (300 * KiB), seed=crc)
+    return payload(1 + crc % max_bytes, seed=crc)
 
 
 WRITER = textwrap.dedent("""
@@ -51,7 +51,7 @@ WRITER = textwrap.dedent("""
     from kvstore.dataplane.nvme import NvmeTier, NvmeTierConfig
     from tests.dataplane.tier_conformance import KiB, MiB, payload
 
-    directory, threads, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    directory, threads, mode, max_bytes = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     tier = NvmeTier.open(NvmeTierConfig(
         directory=Path(directory), capacity_bytes=64 * MiB, segment_bytes=4 * MiB,
         io_block_bytes=128 * KiB, io_mode=IoMode(mode) if mode != "auto" else None))
@@ -67,7 +67,7 @@ WRITER = textwrap.dedent("""
         while True:
             key = f"t{t}-{i}"
             crc = zlib.crc32(key.encode())
-            tier.put(key.encode(), payload(1 + crc % (300 * KiB), seed=crc))
+            tier.put(key.encode(), payload(1 + crc % max_bytes, seed=crc))
             say(f"put {key}")
             if i % 3 == 2:
                 old = f"t{t}-{i - 1}"
@@ -82,14 +82,18 @@ WRITER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize(("threads", "mode", "acks_before_kill"), [
-    (1, "auto", 25), (1, "auto", 60), (3, "auto", 45), (1, "buffered", 40), (3, "buffered", 30),
+@pytest.mark.parametrize(("threads", "mode", "acks_before_kill", "max_bytes"), [
+    (1, "auto", 25, 300 * KiB), (1, "auto", 60, 300 * KiB), (3, "auto", 45, 300 * KiB),
+    (1, "buffered", 40, 300 * KiB), (3, "buffered", 30, 300 * KiB),
+    (2, "auto", 10, 8 * MiB), (1, "buffered", 10, 8 * MiB),
 ])
 def test_sigkill_mid_stream_loses_nothing_acknowledged(tmp_path: Path, threads: int, mode: str,
-                                                       acks_before_kill: int) -> None:
+                                                       acks_before_kill: int,
+                                                       max_bytes: int) -> None:
     directory = tmp_path / "t"
     repo_root = Path(__file__).resolve().parents[2]
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(directory), str(threads), mode],
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(directory), str(threads), mode,
+                             str(max_bytes)],
                             stdout=subprocess.PIPE, text=True, cwd=repo_root)
     assert proc.stdout is not None
     lines = [proc.stdout.readline().strip()]
@@ -124,13 +128,13 @@ def test_sigkill_mid_stream_loses_nothing_acknowledged(tmp_path: Path, threads: 
             unexpected = present - put_acked
             assert unexpected <= in_flight_puts, f"chunks never put appeared: {unexpected}"
             for key in present:
-                assert read_back(tier, key.encode()) == chunk_for(key), key
+                assert read_back(tier, key.encode()) == chunk_for(key, max_bytes), key
             if attempt == 1:
                 report = tier.recovery
                 assert (report.invalid_headers, report.torn_records, report.repaired_gaps) \
                     == (0, 0, 0), report
             # The tier keeps working where the writer died.
-            tier.put(f"after-{attempt}".encode(), chunk_for(f"after-{attempt}"))
+            tier.put(f"after-{attempt}".encode(), chunk_for(f"after-{attempt}", max_bytes))
             must_have.add(f"after-{attempt}")
             put_acked.add(f"after-{attempt}")
 
