@@ -15,12 +15,15 @@ own timestamps, so leases expire in trace time.
 
 ``python -m bench.replay --sweep`` (or ``kvtier bench replay --sweep``) prints
 every policy side by side at 1M, 3M and 10M tokens with the fraction of the
-LRU-to-Belady gap each one closes, and writes JSON.
+LRU-to-Belady gap each one closes, and writes JSON. ``--half first|second``
+replays only the requests before (from) the median timestamp: a held-out check
+for anything chosen by looking at the replay (tune on ``first``, report ``second``).
 """
 
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 import os
 import platform
@@ -135,6 +138,30 @@ def replay(requests: Sequence[TraceRequest], capacity_tokens: int | None,
         refused_blocks=refused, elapsed_s=elapsed)
 
 
+class TraceHalf(enum.Enum):
+    """A time split of a trace for held-out checks."""
+
+    FIRST = "first"
+    """Requests with a timestamp before the median timestamp."""
+    SECOND = "second"
+    """Requests at or after the median timestamp."""
+
+
+def split_by_time(requests: Sequence[TraceRequest], half: TraceHalf) -> list[TraceRequest]:
+    """The requests of ``half`` (in order), split at the median timestamp.
+
+    Requests that share the median timestamp all go to the second half, so the
+    halves are disjoint, cover ``requests``, and never split one instant.
+    """
+    if not requests:
+        return []
+    stamps = sorted(r.timestamp_ms for r in requests)
+    median_ms = stamps[len(stamps) // 2]
+    if half is TraceHalf.FIRST:
+        return [r for r in requests if r.timestamp_ms < median_ms]
+    return [r for r in requests if r.timestamp_ms >= median_ms]
+
+
 def seen_before_hits(requests: Sequence[TraceRequest]) -> int:
     """Blocks whose id appeared in an earlier request: the unbounded cache's hits.
 
@@ -205,10 +232,14 @@ def format_sweep(result: dict[str, object]) -> str:
 
 
 def run_sweep(trace: Path, out: Path | None, limit: int | None = None,
-              capacities_tokens: Sequence[int] = SWEEP_CAPACITIES_TOKENS) -> dict[str, object]:
+              capacities_tokens: Sequence[int] = SWEEP_CAPACITIES_TOKENS,
+              half: TraceHalf | None = None) -> dict[str, object]:
     requests = load_trace(trace, limit=limit)
+    if half is not None:
+        requests = split_by_time(requests, half)
     result = sweep(requests, capacities_tokens)
     result["trace"] = str(trace)
+    result["half"] = None if half is None else half.value
     result["environment"] = _environment()
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -240,10 +271,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--trace", type=Path, default=default_trace_path())
     ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     ap.add_argument("--out", type=Path, default=DEFAULT_SWEEP_OUT)
+    ap.add_argument("--half", choices=[h.value for h in TraceHalf], default=None,
+                    help="replay only the first or second half of the trace by time")
     args = ap.parse_args(argv)
     if args.trace is None:
         ap.error("no --trace given and the default trace does not exist")
-    result = run_sweep(args.trace, args.out, args.limit)
+    half = None if args.half is None else TraceHalf(args.half)
+    result = run_sweep(args.trace, args.out, args.limit, half=half)
     print(format_sweep(result))
     print(f"wrote {args.out}")
     return 0

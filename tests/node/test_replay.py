@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from bench.replay import gap_closed, replay, seen_before_hits
+from bench.replay import TraceHalf, gap_closed, replay, seen_before_hits, split_by_time
 from kvstore.cli.main import app
 from kvstore.errors import InvalidArgument
 from kvstore.node.policies import PolicyName
@@ -59,6 +59,16 @@ def test_tiny_trace_by_hand() -> None:
 def test_gap_closed() -> None:
     assert gap_closed(0.2, 0.1, 0.4) == pytest.approx(1 / 3)
     assert gap_closed(0.3, 0.3, 0.3) is None
+
+
+def test_split_by_time_is_disjoint_and_keeps_one_instant_together() -> None:
+    requests = [req(0, 1), req(1, 2), req(2, 3), req(2, 4), req(5, 5)]
+    first = split_by_time(requests, TraceHalf.FIRST)
+    second = split_by_time(requests, TraceHalf.SECOND)
+    # Median timestamp is 2: both requests at t=2 go to the second half.
+    assert [r.hash_ids for r in first] == [(1,), (2,)]
+    assert [r.hash_ids for r in second] == [(3,), (4,), (5,)]
+    assert split_by_time([], TraceHalf.FIRST) == []
 
 
 def test_trace_loader_rejects_malformed_records(tmp_path: Path) -> None:
