@@ -1,0 +1,61 @@
+"""``kvtier daemon``: run one store node from config (file < environment < flags)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import typer
+
+from kvstore.errors import ConfigError, KvtierError
+
+
+def daemon(
+    config: Path | None = typer.Option(None, "--config", "-c",
+                                       help="YAML (.yaml/.yml) or TOML (.toml) config file."),
+    set_: list[str] = typer.Option([], "--set", help="Override one key: section.field=value "
+                                   "(repeatable; beats the file and KVTIER_* variables)."),
+    node_id: str | None = typer.Option(None, "--node-id", help="Same as --set node_id=..."),
+    grpc_port: int | None = typer.Option(None, "--grpc-port", help="--set server.grpc_port=..."),
+    tcp_port: int | None = typer.Option(None, "--tcp-port", help="--set server.tcp_port=..."),
+    etcd: str | None = typer.Option(None, "--etcd", help="--set etcd.endpoint=host:port"),
+    ready_file: Path | None = typer.Option(
+        None, "--ready-file", help="Write the bound addresses (JSON) here once serving."),
+    print_config: bool = typer.Option(False, "--print-config",
+                                      help="Print the effective config as YAML and exit."),
+) -> None:
+    """Run a store daemon until SIGTERM/SIGINT or `kvtier drain`; then drain and exit 0.
+
+    Prints `KVTIER-DAEMON-READY {json}` with its addresses once it serves.
+    """
+    from kvstore.node.config import load_config
+    from kvstore.node.daemon import run_daemon
+
+    overrides: dict[str, str] = {}
+    for item in set_:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"{item!r} is not section.field=value", param_hint="--set")
+        overrides[key.strip()] = value.strip()
+    shortcuts: dict[str, object] = {"node_id": node_id, "server.grpc_port": grpc_port,
+                                    "server.tcp_port": tcp_port, "etcd.endpoint": etcd}
+    overrides.update({k: str(v) for k, v in shortcuts.items() if v is not None})
+    try:
+        cfg = load_config(config, overrides=overrides)
+    except ConfigError as exc:
+        typer.echo(f"kvtier daemon: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    if print_config:
+        import yaml
+
+        typer.echo(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        return
+    logging.basicConfig(level=cfg.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        code = asyncio.run(run_daemon(cfg, ready_file=str(ready_file) if ready_file else None))
+    except KvtierError as exc:
+        typer.echo(f"kvtier daemon: {type(exc).__name__}: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    raise typer.Exit(code)

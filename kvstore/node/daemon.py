@@ -1,0 +1,509 @@
+"""The store daemon: one node's tiers served over gRPC, TCP and shared memory.
+
+What :meth:`StoreDaemon.start` brings up, in order (the constructor only records the config):
+
+1. sweep shared-memory arenas left by dead daemons, build the tiers (DRAM arena, NVMe files,
+   HBM with a GPU) and the :class:`~kvstore.node.cache.TieredCache`, and **recover** what NVMe
+   kept (each recovered chunk is a STORED event of the new epoch);
+2. the TCP data plane (:class:`~kvstore.dataplane.transport.tcp.TcpServer` over
+   :class:`~kvstore.node.backend.CacheLeaseBackend`), the same-host lease channel
+   (:mod:`kvstore.node.shm_channel`), the gRPC service with health checking and reflection,
+   and the metrics endpoint when enabled;
+3. background tasks: a reaper (expired same-host leases and pins, every 0.5 s) and a demoter
+   (tiers above their high watermark down to their low one);
+4. etcd registration under a lease with keepalive, when an endpoint is configured.
+
+Graceful stop (SIGTERM, SIGINT or the Drain RPC, e.g. ``kvtier drain``): health turns
+NOT_SERVING and calls that start new work fail with UNAVAILABLE; the node deregisters from
+etcd at once (nobody should route to a node that refuses work); transfers in flight get
+``shutdown.drain_timeout_s`` to finish (TCP connections, lease-channel clients holding leases,
+gRPC calls); leftover reservations are aborted; with ``shutdown.persist_dram`` every DRAM chunk
+is demoted to NVMe; the tiers close (NVMe is durable at every put; the DRAM arena is unlinked).
+``kvtier daemon`` then exits 0. A ``kill -9`` skips all this: the etcd key expires after its TTL,
+and the next start recovers the NVMe chunks and sweeps the old arena.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvstore import __version__
+from kvstore._proto.kvtier.v1 import store_pb2 as pb
+from kvstore._proto.kvtier.v1 import store_pb2_grpc as pb_grpc
+from kvstore.dataplane.arena import remove_stale_arenas
+from kvstore.dataplane.dram import DramTier
+from kvstore.dataplane.tier import Tier, TierKind
+from kvstore.dataplane.transport.tcp import TcpServer, TcpServerConfig
+from kvstore.errors import ChunkBusy, ChunkNotFound, KvtierError, TierUnavailable
+from kvstore.node.backend import CacheLeaseBackend, ParentHints, ShmLeases
+from kvstore.node.cache import CacheConfig, ChunkChange, TieredCache
+from kvstore.node.config import DaemonConfig
+from kvstore.node.events import EventLog
+from kvstore.node.index import IndexEntry
+from kvstore.node.metrics import DaemonMetrics, MetricsSnapshot
+from kvstore.node.service import SERVICE_NAME, TIER_TO_PB, StoreService
+from kvstore.node.shm_channel import ShmChannelServer
+
+log = logging.getLogger(__name__)
+
+READY_PREFIX = "KVTIER-DAEMON-READY "
+"""``kvtier daemon`` prints this, then its :class:`DaemonAddresses` as JSON, once serving."""
+GRPC_MAX_MESSAGE_BYTES = 64 << 20
+"""Batches of inline values may exceed gRPC's 4 MiB default; single values are capped by
+``server.inline_max_bytes``."""
+REAPER_INTERVAL_S = 0.5
+
+
+def boot_id() -> str:
+    """This boot's id (equal on two processes only when they run on the same host and boot)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonAddresses:
+    node_id: str
+    epoch: str
+    pid: int
+    grpc_address: str
+    tcp_address: str
+    shm_arena: str
+    shm_socket: str
+    metrics_address: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+class StoreDaemon:
+    """One node. ``await start()``, then ``await wait_stopped()`` (or ``await drain()``)."""
+
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.events = EventLog(config.events.ring_capacity)
+        self.metrics = DaemonMetrics()
+        self.draining = False
+        self.started_monotonic = 0.0
+        self._cache: TieredCache | None = None
+        self._backend: CacheLeaseBackend | None = None
+        self._leases: ShmLeases | None = None
+        self._tcp: TcpServer | None = None
+        self._shm: ShmChannelServer | None = None
+        self._grpc: grpc.aio.Server | None = None
+        self._health: Any = None
+        self._service: StoreService | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._etcd: Any = None
+        self._registration: Any = None
+        self._addresses: DaemonAddresses | None = None
+        self._stopping: asyncio.Event | None = None
+        self._stopped: asyncio.Event | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+
+    # --- parts (valid after start) ------------------------------------------------------------
+
+    @property
+    def cache(self) -> TieredCache:
+        if self._cache is None:
+            raise TierUnavailable("the daemon is not started")
+        return self._cache
+
+    @property
+    def backend(self) -> CacheLeaseBackend:
+        assert self._backend is not None
+        return self._backend
+
+    @property
+    def leases(self) -> ShmLeases:
+        assert self._leases is not None
+        return self._leases
+
+    @property
+    def executor(self) -> ThreadPoolExecutor:
+        assert self._executor is not None
+        return self._executor
+
+    @property
+    def stopping(self) -> asyncio.Event:
+        assert self._stopping is not None
+        return self._stopping
+
+    @property
+    def addresses(self) -> DaemonAddresses:
+        assert self._addresses is not None
+        return self._addresses
+
+    @staticmethod
+    def index_clock() -> float:
+        return time.monotonic()
+
+    # --- start ------------------------------------------------------------------------------
+
+    async def start(self) -> DaemonAddresses:
+        cfg = self.config
+        self._stopping = asyncio.Event()
+        self._stopped = asyncio.Event()
+        self.started_monotonic = time.monotonic()
+        swept = remove_stale_arenas()
+        if swept:
+            log.info("removed %d shared-memory arena(s) of dead processes", len(swept))
+        self._executor = ThreadPoolExecutor(cfg.server.rpc_workers, thread_name_prefix="kvtier-rpc")
+        loop = asyncio.get_running_loop()
+        try:
+            self._cache = await loop.run_in_executor(self._executor, self._build_cache)
+            report = await loop.run_in_executor(self._executor, self._cache.recover)
+            log.info("recovered %d chunk(s) %s, dropped %d orphan(s)", report.recovered,
+                     {k.value: n for k, n in report.by_tier.items()}, report.dropped_orphans)
+            self._leases = ShmLeases(self._cache)
+            self._backend = CacheLeaseBackend(self._cache, parents=ParentHints())
+            self._tcp = TcpServer(self._backend, TcpServerConfig(
+                host=cfg.server.host, port=cfg.server.tcp_port,
+                max_value_bytes=cfg.server.max_value_bytes,
+                io_timeout_s=cfg.server.tcp_io_timeout_s,
+                reservation_ttl_s=cfg.server.reservation_ttl_s,
+                drain_timeout_s=cfg.shutdown.drain_timeout_s))
+            tcp_endpoint = self._tcp.start()
+            shm_socket = ""
+            if cfg.server.shm_channel:
+                self._shm = ShmChannelServer(self._leases, lease_ttl_s=cfg.server.shm_lease_ttl_s)
+                shm_socket = self._shm.start()
+            grpc_port = await self._start_grpc()
+            metrics_address = ""
+            self.metrics.source = self
+            if cfg.metrics.enabled:
+                port = await loop.run_in_executor(self._executor, self.metrics.serve,
+                                                  cfg.metrics.host, cfg.metrics.port)
+                metrics_address = f"{cfg.metrics.host}:{port}"
+            host = self._advertised_host()
+            self._addresses = DaemonAddresses(
+                node_id=cfg.node_id, epoch=self.events.epoch, pid=os.getpid(),
+                grpc_address=f"{host}:{grpc_port}",
+                tcp_address=f"{host}:{tcp_endpoint.port}",
+                shm_arena=self.backend.dram.arena_name, shm_socket=shm_socket,
+                metrics_address=metrics_address)
+            self._tasks = [loop.create_task(self._reaper(), name="kvtier-reaper"),
+                           loop.create_task(self._demoter(), name="kvtier-demoter")]
+            if cfg.etcd.endpoint:
+                await self._register()
+        except BaseException:
+            await self._teardown()
+            raise
+        log.info("node %s serving: gRPC %s, TCP %s, epoch %s", cfg.node_id,
+                 self._addresses.grpc_address, self._addresses.tcp_address, self.events.epoch)
+        return self._addresses
+
+    def _build_cache(self) -> TieredCache:
+        cfg = self.config
+        tiers: dict[TierKind, Tier] = {}
+        try:
+            if cfg.hbm.capacity_bytes > 0:
+                from kvstore.dataplane.hbm import HbmTier
+
+                tiers[TierKind.HBM] = HbmTier(cfg.hbm.capacity_bytes, device=cfg.hbm.device)
+            tiers[TierKind.DRAM] = DramTier(cfg.dram.capacity_bytes, prefault=cfg.dram.prefault,
+                                            arena_name=cfg.dram.arena_name)
+            if cfg.nvme.directory is not None:
+                from kvstore.dataplane.nvme import NvmeTier, NvmeTierConfig
+
+                tiers[TierKind.NVME] = NvmeTier.open(NvmeTierConfig(
+                    directory=cfg.nvme.directory, capacity_bytes=cfg.nvme.capacity_bytes,
+                    segment_bytes=cfg.nvme.segment_bytes))
+            return TieredCache(tiers, policy=cfg.cache.policy, observer=self._observe,
+                               config=CacheConfig(
+                                   write_tier=cfg.cache.write_tier,
+                                   promote_on_hit=cfg.cache.promote_on_hit,
+                                   lease_ttl_s=cfg.cache.lease_ttl_s,
+                                   high_watermark=cfg.cache.high_watermark,
+                                   low_watermark=cfg.cache.low_watermark))
+        except BaseException:
+            for tier in tiers.values():
+                tier.close()
+            raise
+
+    def _observe(self, change: ChunkChange) -> None:
+        self.events.record(change)
+
+    async def _start_grpc(self) -> int:
+        cfg = self.config
+        server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),
+        ])
+        self._service = StoreService(self)
+        pb_grpc.add_StoreServicer_to_server(self._service, server)  # type: ignore[no-untyped-call]
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        port: int = server.add_insecure_port(f"{cfg.server.host}:{cfg.server.grpc_port}")
+        if port == 0:
+            raise TierUnavailable(f"cannot bind gRPC on {cfg.server.host}:{cfg.server.grpc_port}")
+        await server.start()
+        self._grpc = server
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return port
+
+    def _advertised_host(self) -> str:
+        cfg = self.config.server
+        if cfg.advertise_host:
+            return cfg.advertise_host
+        if cfg.host in ("0.0.0.0", "::", ""):
+            return socket.gethostname()
+        return cfg.host
+
+    async def _register(self) -> None:
+        from conductor.membership import KeyLayout, NodeRecord, etcd_client, register_node
+
+        cfg = self.config
+        record = NodeRecord(
+            node_id=cfg.node_id, grpc_address=self.addresses.grpc_address,
+            tcp_address=self.addresses.tcp_address, hostname=socket.gethostname(),
+            tier_capacity_bytes={kind: tier.capacity_bytes
+                                 for kind, tier in self.cache.tiers.items()},
+            started_at_unix_s=time.time(), version=__version__,
+            shm_arena=self.addresses.shm_arena)
+        assert cfg.etcd.endpoint is not None
+        self._etcd = etcd_client(cfg.etcd.endpoint)
+        self._registration = register_node(self._etcd, record, ttl_s=cfg.etcd.ttl_s,
+                                           layout=KeyLayout(cfg.etcd.prefix))
+        await self._registration.start()
+        log.info("registered in etcd at %s as %s", cfg.etcd.endpoint, self._registration.key)
+
+    # --- background work --------------------------------------------------------------------
+
+    async def _reaper(self) -> None:
+        while not self.stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(REAPER_INTERVAL_S):
+                    await self.stopping.wait()
+            reads, writes = self.leases.expire()
+            if reads or writes:
+                log.info("expired %d read and %d write lease(s)", reads, writes)
+            if self._service is not None:
+                self._service.expire_pins()
+
+    async def _demoter(self) -> None:
+        loop = asyncio.get_running_loop()
+        interval = self.config.cache.demote_interval_s
+        while not self.stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(interval):
+                    await self.stopping.wait()
+            if self.stopping.is_set():
+                return
+            try:
+                await loop.run_in_executor(self.executor, self.cache.demote_to_low_watermark)
+            except KvtierError as exc:
+                log.warning("background demotion failed: %s", exc)
+
+    # --- queries used by the service --------------------------------------------------------
+
+    def node_info(self) -> pb.NodeInfo:
+        a = self.addresses
+        return pb.NodeInfo(
+            node_id=a.node_id, epoch=a.epoch, hostname=socket.gethostname(), boot_id=boot_id(),
+            version=__version__, pid=a.pid, grpc_address=a.grpc_address,
+            tcp_address=a.tcp_address, shm_arena=a.shm_arena, shm_socket=a.shm_socket,
+            inline_max_bytes=self.config.server.inline_max_bytes,
+            max_value_bytes=self.config.server.max_value_bytes,
+            tier_capacity_bytes={k.value: t.capacity_bytes for k, t in self.cache.tiers.items()},
+            draining=self.draining)
+
+    def list_entries(self, key_prefix: bytes, tier: TierKind | None, limit: int
+                     ) -> tuple[list[IndexEntry], bool]:
+        """Index entries whose key starts with ``key_prefix`` (in ``tier``), sorted by key;
+        at most ``limit`` (0: all). Returns them and whether more matched."""
+        keys: list[bytes] = []
+        for kind, t in self.cache.tiers.items():
+            if tier is not None and kind is not tier:
+                continue
+            keys.extend(info.key for info in t.chunks() if info.key.startswith(key_prefix))
+        keys.sort()
+        entries: list[IndexEntry] = []
+        for key in keys:
+            entry = self.cache.entry(key)
+            if entry is None:
+                continue
+            if limit and len(entries) == limit:
+                return entries, True
+            entries.append(entry)
+        return entries, False
+
+    def evict_prefix(self, key_prefix: bytes, tier: TierKind | None) -> tuple[int, int, int]:
+        """Remove every chunk whose key starts with ``key_prefix`` (and its descendants).
+
+        Returns (removed, busy, freed bytes); pinned chunks are skipped and counted busy.
+        """
+        entries, _ = self.list_entries(key_prefix, tier, 0)
+        removed = busy = freed = 0
+        gone: set[bytes] = set()
+        for entry in sorted(entries, key=lambda e: -e.depth):
+            if entry.key in gone:
+                continue
+            try:
+                dropped = self.cache.remove(entry.key)
+            except ChunkNotFound:
+                continue
+            except ChunkBusy:
+                busy += 1
+                continue
+            gone.update(dropped)
+            removed += len(dropped)
+            freed += entry.size_bytes if len(dropped) == 1 else 0
+        return removed, busy, freed
+
+    def stats_pb(self) -> pb.StatsResponse:
+        cache = self.cache
+        reads, writes = self.leases.open_count()
+        tiers = []
+        for report in cache.report():
+            s, c = report.stats, report.counters
+            tiers.append(pb.TierStats(
+                tier=TIER_TO_PB[report.kind], capacity_bytes=s.capacity_bytes,
+                used_bytes=s.used_bytes, chunks=s.chunks, largest_free_bytes=s.largest_free_bytes,
+                hits=c.hits, puts=c.puts, bytes_written=c.bytes_written, bytes_read=c.bytes_read,
+                demotions_out=c.demotions_out, promotions_in=c.promotions_in, drops=c.drops,
+                corrupt=c.corrupt))
+        tcp_open = self._tcp.stats().connections_open if self._tcp is not None else 0
+        return pb.StatsResponse(
+            node_id=self.config.node_id, epoch=self.events.epoch, tiers=tiers,
+            misses=cache.misses, lookups=cache.lookups, last_seq=self.events.last_seq,
+            shm_leases_open=reads + writes, tcp_connections_open=tcp_open,
+            uptime_s=time.monotonic() - self.started_monotonic)
+
+    def metrics_snapshot(self) -> MetricsSnapshot:
+        tcp = self._tcp.stats() if self._tcp is not None else None
+        return MetricsSnapshot(
+            tiers=self.cache.report(), misses=self.cache.misses,
+            events_last_seq=self.events.last_seq, shm_leases_open=self.leases.open_count(),
+            shm_bytes=(self.leases.bytes_read, self.leases.bytes_written),
+            tcp_bytes=(tcp.bytes_sent, tcp.bytes_received) if tcp else (0, 0),
+            tcp_connections_open=tcp.connections_open if tcp else 0)
+
+    # --- stop -------------------------------------------------------------------------------
+
+    def request_drain(self, reason: str) -> bool:
+        """Start a graceful stop in the background; False when one is already under way."""
+        if self._drain_task is not None:
+            return False
+        log.info("draining: %s", reason)
+        self._drain_task = asyncio.get_running_loop().create_task(self.drain(),
+                                                                  name="kvtier-drain")
+        return True
+
+    async def wait_stopped(self) -> None:
+        assert self._stopped is not None
+        await self._stopped.wait()
+
+    async def drain(self) -> None:
+        """The graceful stop described in the module docstring. Idempotent."""
+        if self.draining:
+            assert self._stopped is not None
+            await self._stopped.wait()
+            return
+        self.draining = True
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        timeout = cfg.shutdown.drain_timeout_s
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        if self._registration is not None:
+            await self._deregister()
+        self.stopping.set()  # ends Subscribe streams and the background tasks
+        stops = []
+        if self._shm is not None:
+            stops.append(loop.run_in_executor(self.executor, self._shm.close, timeout))
+        if self._tcp is not None:
+            stops.append(loop.run_in_executor(self.executor, self._tcp.close, timeout))
+        await asyncio.gather(*stops)
+        if self._grpc is not None:
+            await self._grpc.stop(timeout)
+            self._grpc = None
+        if cfg.shutdown.persist_dram and TierKind.NVME in self.cache.tiers:
+            used = self.cache.index.usage(TierKind.DRAM).used_bytes
+            if used:
+                freed = await loop.run_in_executor(self.executor, self.cache.evict,
+                                                   TierKind.DRAM, used)
+                log.info("persisted %d bytes of DRAM chunks to NVMe", freed)
+        await self._teardown()
+        log.info("node %s drained", cfg.node_id)
+
+    async def _deregister(self) -> None:
+        try:
+            await self._registration.close()
+        except KvtierError as exc:
+            log.warning("deregistering failed (the key expires by itself): %s", exc)
+        self._registration = None
+        if self._etcd is not None:
+            await self._etcd.close()
+            self._etcd = None
+
+    async def _teardown(self) -> None:
+        """Release whatever start() made (also after a failed start)."""
+        if self._stopping is not None:
+            self._stopping.set()
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks)
+        self._tasks = []
+        if self._registration is not None:
+            await self._deregister()
+        if self._grpc is not None:
+            await self._grpc.stop(0)
+            self._grpc = None
+        if self._shm is not None:
+            self._shm.close()
+        if self._tcp is not None:
+            self._tcp.close(0)
+        if self._leases is not None:
+            self._leases.close()
+        self.metrics.close()
+        if self._cache is not None:
+            self._cache.close()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._stopped is not None:
+            self._stopped.set()
+
+
+async def run_daemon(config: DaemonConfig, *, ready_file: str | None = None) -> int:
+    """Start a daemon, print the ready line, serve until SIGTERM/SIGINT or a Drain, drain.
+    Returns the exit status (0 after a graceful stop)."""
+    import json
+
+    daemon = StoreDaemon(config)
+    addresses = await daemon.start()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, daemon.request_drain, signal.Signals(signum).name)
+    line = json.dumps(addresses.to_dict(), sort_keys=True)
+    if ready_file:
+        tmp = f"{ready_file}.tmp"
+        with open(tmp, "w") as f:
+            f.write(line + "\n")
+        os.replace(tmp, ready_file)
+    sys.stdout.write(READY_PREFIX + line + "\n")
+    sys.stdout.flush()
+    await daemon.wait_stopped()
+    return 0

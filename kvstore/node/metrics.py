@@ -1,0 +1,154 @@
+"""Prometheus metrics of one store daemon.
+
+Everything lives in the daemon's own ``CollectorRegistry`` (no global registry is touched, so
+two daemons in one test process do not collide). Two kinds of metric:
+
+* recorded as they happen: ``kvtier_rpc_seconds{method,code}`` (a histogram per gRPC method)
+  and ``kvtier_inline_bytes_total{direction}`` (values carried inside gRPC messages);
+* read at scrape time from the daemon's parts through :class:`MetricsSource` (cheap snapshots,
+  no locks held across the scrape): per tier ``kvtier_tier_{capacity,used}_bytes``,
+  ``kvtier_tier_chunks``, ``kvtier_{hits,puts,evictions,demotions,promotions,corrupt}_total``,
+  ``kvtier_misses_total``, ``kvtier_bytes_moved_total{path,direction}`` (path: ``tier`` reads
+  and writes of each tier, ``tcp``, ``shm``, ``inline``), ``kvtier_events_last_seq``,
+  ``kvtier_shm_leases_open{kind}`` and ``kvtier_tcp_connections_open``.
+
+Eviction here means a chunk dropped from a tier (``drops``); a demotion moves it down a tier and
+is counted separately.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvstore.node.cache import TierReport
+
+log = logging.getLogger(__name__)
+
+RPC_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                 0.5, 1.0, 2.5, 10.0)
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsSnapshot:
+    tiers: list[TierReport]
+    misses: int
+    events_last_seq: int
+    shm_leases_open: tuple[int, int]
+    shm_bytes: tuple[int, int]
+    """(read by clients, written by clients)"""
+    tcp_bytes: tuple[int, int]
+    """(sent, received)"""
+    tcp_connections_open: int
+
+
+class MetricsSource(Protocol):
+    def metrics_snapshot(self) -> MetricsSnapshot: ...
+
+
+class _ScrapeCollector(Collector):
+    def __init__(self, metrics: DaemonMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        source = self._metrics.source
+        if source is None:
+            return
+        snap = source.metrics_snapshot()
+        cap = GaugeMetricFamily("kvtier_tier_capacity_bytes", "Tier capacity.", labels=["tier"])
+        used = GaugeMetricFamily("kvtier_tier_used_bytes", "Bytes stored in the tier.",
+                                 labels=["tier"])
+        chunks = GaugeMetricFamily("kvtier_tier_chunks", "Chunks in the tier.", labels=["tier"])
+        counters = {
+            name: CounterMetricFamily(f"kvtier_{name}", help_text, labels=["tier"])
+            for name, help_text in (
+                ("hits", "Chunks read from the tier."),
+                ("puts", "Chunks written into the tier by puts."),
+                ("evictions", "Chunks dropped from the tier."),
+                ("demotions", "Chunks moved from the tier to the one below."),
+                ("promotions", "Chunks moved into the tier from the one below."),
+                ("corrupt", "Chunks found corrupt in the tier (and dropped)."),
+            )
+        }
+        moved = CounterMetricFamily("kvtier_bytes_moved", "Bytes moved, by path and direction.",
+                                    labels=["path", "direction"])
+        for report in snap.tiers:
+            tier = report.kind.value
+            cap.add_metric([tier], report.stats.capacity_bytes)
+            used.add_metric([tier], report.stats.used_bytes)
+            chunks.add_metric([tier], report.stats.chunks)
+            c = report.counters
+            for name, value in (("hits", c.hits), ("puts", c.puts), ("evictions", c.drops),
+                                ("demotions", c.demotions_out), ("promotions", c.promotions_in),
+                                ("corrupt", c.corrupt)):
+                counters[name].add_metric([tier], value)
+            moved.add_metric([f"tier_{tier}", "read"], c.bytes_read)
+            moved.add_metric([f"tier_{tier}", "write"], c.bytes_written)
+        moved.add_metric(["tcp", "sent"], snap.tcp_bytes[0])
+        moved.add_metric(["tcp", "received"], snap.tcp_bytes[1])
+        moved.add_metric(["shm", "read"], snap.shm_bytes[0])
+        moved.add_metric(["shm", "write"], snap.shm_bytes[1])
+        yield cap
+        yield used
+        yield chunks
+        yield from counters.values()
+        yield moved
+        yield CounterMetricFamily("kvtier_misses", "Reads of chunks no tier holds.",
+                                  value=snap.misses)
+        yield GaugeMetricFamily("kvtier_events_last_seq", "Sequence number of the newest event.",
+                                value=snap.events_last_seq)
+        leases = GaugeMetricFamily("kvtier_shm_leases_open", "Same-host leases outstanding.",
+                                   labels=["kind"])
+        leases.add_metric(["read"], snap.shm_leases_open[0])
+        leases.add_metric(["write"], snap.shm_leases_open[1])
+        yield leases
+        yield GaugeMetricFamily("kvtier_tcp_connections_open", "Open data-plane connections.",
+                                value=snap.tcp_connections_open)
+
+
+class DaemonMetrics:
+    """The daemon's registry and recorders. Nothing is served until :meth:`serve`."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.source: MetricsSource | None = None
+        self.rpc_seconds = Histogram("kvtier_rpc_seconds", "gRPC call latency.",
+                                     ["method", "code"], buckets=RPC_BUCKETS_S,
+                                     registry=self.registry)
+        self.inline_bytes = Counter("kvtier_inline_bytes", "Value bytes carried inside gRPC.",
+                                    ["direction"], registry=self.registry)
+        self.registry.register(_ScrapeCollector(self))
+        self._server: object | None = None
+        self._thread: threading.Thread | None = None
+        self.port: int | None = None
+
+    def render(self) -> bytes:
+        """The text exposition format, as the HTTP endpoint serves it."""
+        return generate_latest(self.registry)
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve ``/metrics`` over HTTP on ``host:port`` (0: ephemeral); return the port."""
+        from prometheus_client import start_http_server
+
+        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server, self._thread = server, thread
+        self.port = int(server.server_port)
+        log.info("metrics on http://%s:%d/metrics", host, self.port)
+        return self.port
+
+    def close(self) -> None:
+        server = self._server
+        if server is not None:
+            server.shutdown()  # type: ignore[attr-defined]
+            server.server_close()  # type: ignore[attr-defined]
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(5.0)
+            self._thread = None

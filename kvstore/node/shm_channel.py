@@ -1,0 +1,231 @@
+"""The lease channel: same-host clients lease arena ranges over a Unix socket.
+
+Frames: :mod:`kvstore.node.protocol`. Leases: :class:`~kvstore.node.backend.ShmLeases`, owned by
+the connection that took them: when it closes (the client exited, crashed, or was killed), every
+read lease it held is released and every reservation it did not commit is aborted, so a
+half-written chunk never becomes visible and a dead reader pins nothing. A TTL
+(``lease_ttl_s``) bounds a client that stays connected but stuck.
+
+Threads: one accept thread and one thread per connection (a client process keeps a few pooled
+connections). A request's work is a few index operations (plus a promotion from NVMe when the
+chunk is there); bulk bytes never pass through here: the client copies them itself.
+
+Draining: :meth:`ShmChannelServer.close` stops accepting, refuses new ACQUIRE/RESERVE
+(``TierUnavailable``), lets commits, aborts and releases through until no connection holds a
+lease or ``drain_timeout_s`` passes, then closes every connection (ending what is left).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+
+from kvstore.errors import KvtierError, ProtocolError, TierUnavailable, TransportError
+from kvstore.node.backend import ShmLeases
+from kvstore.node.protocol import (
+    FLAG_NO_REPLY,
+    FLAG_PREFIX,
+    MAX_BODY_BYTES,
+    MAX_KEYS,
+    RANGE,
+    REPLY,
+    REQUEST,
+    STATUS_ERROR,
+    STATUS_OK,
+    ChannelOp,
+    error_name,
+    unpack_keys,
+)
+
+log = logging.getLogger(__name__)
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes | None:
+    """``size`` bytes, or None when the peer closed cleanly before the first byte."""
+    buf = bytearray(size)
+    view = memoryview(buf)
+    pos = 0
+    while pos < size:
+        n = sock.recv_into(view[pos:], size - pos)
+        if n == 0:
+            if pos == 0:
+                return None
+            raise ProtocolError(f"lease channel frame truncated after {pos} of {size} bytes")
+        pos += n
+    return bytes(buf)
+
+
+class _Connection:
+    __slots__ = ("peer", "sock", "thread")
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.thread: threading.Thread | None = None
+
+
+class ShmChannelServer:
+    """Serves :class:`ShmLeases` on an abstract Unix socket. The constructor records only;
+    :meth:`start` binds and starts the accept thread."""
+
+    def __init__(self, leases: ShmLeases, *, lease_ttl_s: float, name: str | None = None) -> None:
+        self._leases = leases
+        self._lease_ttl_s = lease_ttl_s
+        self._name = name or f"kvtier-{os.getpid()}-{secrets.token_hex(6)}"
+        self._listener: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._connections: set[_Connection] = set()
+        self._draining = False
+        self._closed = False
+        self._accept_thread: threading.Thread | None = None
+        self.requests = 0
+
+    @property
+    def address(self) -> str:
+        """``@name``: the abstract-namespace address clients connect to."""
+        return f"@{self._name}"
+
+    def start(self) -> str:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind("\0" + self._name)
+            listener.listen(64)
+        except OSError as exc:
+            listener.close()
+            raise TransportError(f"cannot listen on lease channel {self.address}: {exc}") from exc
+        self._listener = listener
+        self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
+                                               name="kvtier-shm-accept")
+        self._accept_thread.start()
+        log.info("lease channel listening on %s", self.address)
+        return self.address
+
+    def connection_count(self) -> int:
+        with self._lock:
+            return len(self._connections)
+
+    def close(self, drain_timeout_s: float = 0.0) -> None:
+        """Stop accepting, drain (module docstring), close every connection. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._draining = True
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                log.debug("lease channel listener was not connected")
+            self._listener.close()
+        if self._accept_thread is not None:
+            self._accept_thread.join(5.0)
+        deadline = time.monotonic() + drain_timeout_s
+        while time.monotonic() < deadline and any(self._leases.open_count()):
+            time.sleep(0.02)
+        with self._lock:
+            connections = list(self._connections)
+        for conn in connections:
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                log.debug("lease channel connection %s already closed", conn.peer)
+        for conn in connections:
+            if conn.thread is not None:
+                conn.thread.join(5.0)
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                sock, _addr = self._listener.accept()
+            except OSError:
+                return  # closed
+            try:
+                creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+                pid = int.from_bytes(creds[:4], "little")
+            except OSError:
+                pid = -1
+            conn = _Connection(sock, f"pid {pid}")
+            with self._lock:
+                if self._closed:
+                    sock.close()
+                    return
+                self._connections.add(conn)
+            conn.thread = threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                                           name=f"kvtier-shm-{pid}")
+            conn.thread.start()
+
+    def _serve(self, conn: _Connection) -> None:
+        sock = conn.sock
+        try:
+            while True:
+                header = _recv_exact(sock, REQUEST.size)
+                if header is None:
+                    return
+                op, flags, nkeys, body_len, arg, ttl_s = REQUEST.unpack(header)
+                if body_len > MAX_BODY_BYTES or nkeys > MAX_KEYS:
+                    raise ProtocolError(f"lease channel request of {body_len} bytes / {nkeys} "
+                                        "keys is over the limit")
+                body = _recv_exact(sock, body_len) if body_len else b""
+                if body is None:
+                    raise ProtocolError("lease channel request truncated")
+                keys = unpack_keys(body, nkeys)
+                self.requests += 1
+                reply = self._handle(conn, op, flags, keys, arg, ttl_s)
+                if not flags & FLAG_NO_REPLY:
+                    sock.sendall(reply)
+        except ProtocolError as exc:
+            log.warning("lease channel %s: %s; closing it", conn.peer, exc)
+        except OSError as exc:
+            log.debug("lease channel %s closed: %s", conn.peer, exc)
+        finally:
+            with self._lock:
+                self._connections.discard(conn)
+            reads, writes = self._leases.drop_owner(conn)
+            if reads or writes:
+                log.info("lease channel %s closed holding %d read and %d write lease(s): ended",
+                         conn.peer, reads, writes)
+            sock.close()
+
+    def _handle(self, conn: _Connection, op: int, flags: int, keys: list[bytes], arg: int,
+                ttl_s: float) -> bytes:
+        ttl = ttl_s if ttl_s > 0 else self._lease_ttl_s
+        try:
+            if op == ChannelOp.ACQUIRE_READ:
+                self._refuse_when_draining()
+                lease_id, ranges = self._leases.acquire_read(
+                    keys, ttl, prefix=bool(flags & FLAG_PREFIX), owner=conn)
+                return REPLY.pack(STATUS_OK, len(ranges), 0, lease_id) + b"".join(
+                    RANGE.pack(r.offset, r.size_bytes) for r in ranges)
+            if op == ChannelOp.RELEASE:
+                self._leases.release(arg)
+                return REPLY.pack(STATUS_OK, 0, 0, arg)
+            if op == ChannelOp.RESERVE:
+                self._refuse_when_draining()
+                if len(keys) != 2:
+                    raise ProtocolError(f"RESERVE carries [key, parent], got {len(keys)} keys")
+                lease_id, offset = self._leases.reserve(keys[0], arg, ttl,
+                                                        parent=keys[1] or None, owner=conn)
+                return REPLY.pack(STATUS_OK, 1, 0, lease_id) + RANGE.pack(offset, arg)
+            if op == ChannelOp.COMMIT:
+                self._leases.commit(arg, owner=conn)
+                return REPLY.pack(STATUS_OK, 0, 0, arg)
+            if op == ChannelOp.ABORT:
+                self._leases.abort(arg, owner=conn)
+                return REPLY.pack(STATUS_OK, 0, 0, arg)
+            if op == ChannelOp.PING:
+                return REPLY.pack(STATUS_OK, 0, 0, 0)
+            raise ProtocolError(f"unknown lease channel op {op}")
+        except ProtocolError:
+            raise
+        except KvtierError as exc:
+            detail = f"{error_name(exc)}\n{exc}".encode()
+            return REPLY.pack(STATUS_ERROR, 0, len(detail), 0) + detail
+
+    def _refuse_when_draining(self) -> None:
+        if self._draining:
+            raise TierUnavailable("the daemon is draining: no new leases")
