@@ -6,6 +6,7 @@ from __future__ import annotations
 import typer
 
 from kvstore import __version__
+from kvstore.cli import admin as admin_cli
 from kvstore.cli import bench as bench_cli
 from kvstore.cli import daemon as daemon_cli
 from kvstore.cli import plan as plan_cli
@@ -22,6 +23,7 @@ app.add_typer(bench_cli.app, name="bench")
 app.command(name="run")(run_cli.run)
 app.add_typer(plan_cli.app, name="plan")
 app.command(name="daemon")(daemon_cli.daemon)
+admin_cli.register(app)
 
 
 @app.command()

@@ -28,6 +28,7 @@ Thread safety: everything here may be called from any thread.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import secrets
 import threading
@@ -266,6 +267,7 @@ class ShmLeases:
         self._lock = threading.Lock()
         self._reads: dict[int, _ReadRecord] = {}
         self._writes: dict[int, _WriteRecord] = {}
+        self._ids = itertools.count(secrets.randbits(62) + 1)
         self.bytes_read = 0
         self.bytes_written = 0
 
@@ -279,10 +281,9 @@ class ShmLeases:
             return len(self._reads), len(self._writes)
 
     def _new_id_locked(self) -> int:
-        while True:
-            lease_id = secrets.randbits(63) or 1
-            if lease_id not in self._reads and lease_id not in self._writes:
-                return lease_id
+        # A counter from a random start: unique here, unlikely to match a stale id a client
+        # kept from an earlier daemon, and no system call per lease (secrets would make one).
+        return next(self._ids)
 
     def acquire_read(self, keys: Sequence[bytes], ttl_s: float, *, prefix: bool = False,
                      owner: object | None = None) -> tuple[int, list[ArenaRange]]:

@@ -440,14 +440,13 @@ class TieredCache:
         ttl = ttl_s or self._config.lease_ttl_s
         checked = [check_key(k) for k in keys]
         for _attempt in range(_PIN_IN_ATTEMPTS):
-            for key in checked:
-                entry = self._index.get(key)
-                if entry is None:
-                    self.misses += 1
-                    raise ChunkNotFound(key, "the tiered cache")
-                if entry.tier is not kind:
-                    self._move_claimed(key, entry.tier, kind, ttl)
-            lease = self._index.pin_many(checked, ttl)
+            # Pin first and check where the chunks are: the common case (already in ``kind``)
+            # costs one pin and one snapshot per key.
+            try:
+                lease = self._index.pin_many(checked, ttl)
+            except ChunkNotFound:
+                self.misses += 1
+                raise
             entries = [self._index.get(key) for key in checked]
             if all(e is not None and e.tier is kind for e in entries):
                 for e in entries:
@@ -455,7 +454,10 @@ class TieredCache:
                     self._count(kind, hits=1, bytes_read=e.size_bytes)
                 self._index.access_prefix(checked)
                 return lease
-            self._index.unpin(lease)  # a racing eviction moved one away again: retry
+            self._index.unpin(lease)
+            for key, e in zip(checked, entries, strict=True):
+                if e is not None and e.tier is not kind:
+                    self._move_claimed(key, e.tier, kind, ttl)
         raise ChunkBusy(f"could not hold {len(checked)} chunk(s) in {kind.value}: "
                         "they keep being evicted")
 

@@ -1,0 +1,291 @@
+"""Operator commands against live daemons: ``kvtier nodes|stats|ls|inspect|evict|pin|unpin|drain``.
+
+A daemon is named by its gRPC address (``--address host:port``); ``nodes`` and ``stats`` can
+instead find every daemon through etcd (``--etcd host:port``). Keys are written in hex (the
+store's keys are binary prefix hashes). Every command prints a readable table, or one JSON
+document with ``--json`` (for scripts). Exit status: 0 on success, 1 when a daemon answered
+with an error or could not be reached, 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import typer
+
+from kvstore.errors import KvtierError
+
+ADDRESS = typer.Option(..., "--address", "-a", help="The daemon's gRPC address, host:port.")
+JSON = typer.Option(False, "--json", help="Print one JSON document instead of a table.")
+TIERS = ("hbm", "dram", "nvme")
+
+
+def _fail(command: str, exc: Exception, code: int = 1) -> typer.Exit:
+    typer.echo(f"kvtier {command}: {type(exc).__name__}: {exc}", err=True)
+    return typer.Exit(code)
+
+
+def _hex(text: str, what: str) -> bytes:
+    try:
+        value = bytes.fromhex(text)
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not hex", param_hint=what) from None
+    return value
+
+
+def _tier(name: str | None) -> Any:
+    from kvstore.dataplane.tier import TierKind
+
+    if name is None:
+        return None
+    try:
+        return TierKind(name.lower())
+    except ValueError:
+        raise typer.BadParameter(f"{name!r} is not one of {', '.join(TIERS)}",
+                                 param_hint="--tier") from None
+
+
+@contextmanager
+def _client(command: str, address: str) -> Iterator[Any]:
+    from kvstore.client.store_client import DataPlane, StoreClient, StoreClientConfig
+
+    try:
+        client = StoreClient.connect(address, StoreClientConfig(data_plane=DataPlane.TCP,
+                                                                rpc_timeout_s=10.0))
+    except KvtierError as exc:
+        raise _fail(command, exc) from exc
+    try:
+        yield client
+    except KvtierError as exc:
+        raise _fail(command, exc) from exc
+    finally:
+        client.close()
+
+
+def _emit(as_json: bool, doc: Any, table: Callable[[], None]) -> None:
+    if as_json:
+        typer.echo(json.dumps(doc, indent=2, sort_keys=True))
+    else:
+        table()
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title)
+    for col in columns:
+        t.add_column(col, justify="left" if col in ("node", "tier", "key", "parent") else "right")
+    for row in rows:
+        t.add_row(*row)
+    Console().print(t)
+
+
+def entry_doc(entry: Any) -> dict[str, Any]:
+    from kvstore.node.service import PB_TO_TIER
+
+    return {"key": entry.key.hex(), "parent": entry.parent.hex() or None,
+            "tier": PB_TO_TIER[entry.tier].value, "size_bytes": entry.size_bytes,
+            "depth": entry.depth, "access_count": entry.access_count,
+            "children": entry.children, "pinned": entry.pinned,
+            "age_s": round(entry.age_s, 3), "idle_s": round(entry.idle_s, 3)}
+
+
+def stats_doc(reply: Any, address: str) -> dict[str, Any]:
+    from kvstore.node.service import PB_TO_TIER
+
+    hits = sum(t.hits for t in reply.tiers)
+    lookups = hits + reply.misses
+    return {
+        "node_id": reply.node_id, "address": address, "epoch": reply.epoch,
+        "uptime_s": round(reply.uptime_s, 3), "misses": reply.misses, "hits": hits,
+        "hit_ratio": hits / lookups if lookups else None, "last_seq": reply.last_seq,
+        "shm_leases_open": reply.shm_leases_open,
+        "tcp_connections_open": reply.tcp_connections_open,
+        "tiers": [{
+            "tier": PB_TO_TIER[t.tier].value, "capacity_bytes": t.capacity_bytes,
+            "used_bytes": t.used_bytes, "chunks": t.chunks, "hits": t.hits, "puts": t.puts,
+            "evictions": t.drops, "demotions": t.demotions_out, "promotions": t.promotions_in,
+            "corrupt": t.corrupt, "bytes_read": t.bytes_read, "bytes_written": t.bytes_written,
+        } for t in reply.tiers],
+    }
+
+
+async def _list_nodes(endpoint: str, prefix: str) -> dict[str, Any]:
+    from conductor.membership import KeyLayout, etcd_client, list_nodes
+
+    async with etcd_client(endpoint) as client:
+        return await list_nodes(client, layout=KeyLayout(prefix))
+
+
+def _nodes_from_etcd(command: str, endpoint: str, prefix: str) -> dict[str, Any]:
+    try:
+        return asyncio.run(_list_nodes(endpoint, prefix))
+    except KvtierError as exc:
+        raise _fail(command, exc) from exc
+
+
+# --- commands ------------------------------------------------------------------------------------
+
+
+def nodes(
+    etcd: str = typer.Option(..., "--etcd", help="etcd endpoint, host:port."),
+    prefix: str = typer.Option("/kvtier/", "--prefix", help="The cluster's etcd key prefix."),
+    as_json: bool = JSON,
+) -> None:
+    """The store daemons registered in etcd."""
+    records = _nodes_from_etcd("nodes", etcd, prefix)
+    doc = [record.to_dict() for record in records.values()]
+
+    def table() -> None:
+        _table(f"{len(doc)} node(s) in {etcd}{prefix}",
+               ["node", "gRPC", "TCP", "host", "tiers", "version"],
+               [[r["node_id"], r["grpc_address"], r["tcp_address"], r["hostname"],
+                 ", ".join(f"{t} {_size(n)}" for t, n in r["tier_capacity_bytes"].items()),
+                 r["version"]] for r in doc])
+
+    _emit(as_json, doc, table)
+
+
+def stats(
+    address: list[str] = typer.Option([], "--address", "-a", help="A daemon's gRPC address "
+                                      "(repeatable)."),
+    etcd: str | None = typer.Option(None, "--etcd", help="Or: every node registered in etcd."),
+    prefix: str = typer.Option("/kvtier/", "--prefix", help="The cluster's etcd key prefix."),
+    as_json: bool = JSON,
+) -> None:
+    """Per node and tier: capacity, used, chunks, hits and hit ratio, evictions, moves."""
+    targets = list(address)
+    if etcd:
+        targets += [r.grpc_address for r in _nodes_from_etcd("stats", etcd, prefix).values()]
+    if not targets:
+        raise typer.BadParameter("give --address or --etcd", param_hint="--address")
+    doc = []
+    for target in targets:
+        with _client("stats", target) as client:
+            doc.append(stats_doc(client.stats(), target))
+
+    def table() -> None:
+        rows = []
+        for node in doc:
+            ratio = "-" if node["hit_ratio"] is None else f"{node['hit_ratio']:.3f}"
+            for t in node["tiers"]:
+                rows.append([node["node_id"], t["tier"], _size(t["capacity_bytes"]),
+                             _size(t["used_bytes"]), str(t["chunks"]), str(t["hits"]), ratio,
+                             str(t["evictions"]), str(t["demotions"]), str(t["promotions"])])
+        _table("store nodes", ["node", "tier", "capacity", "used", "chunks", "hits",
+                               "node hit ratio", "evictions", "demotions", "promotions"], rows)
+
+    _emit(as_json, doc if len(doc) > 1 or etcd else doc[0], table)
+
+
+def ls(
+    address: str = ADDRESS,
+    prefix: str = typer.Option("", "--prefix", help="Only keys starting with these hex bytes."),
+    tier: str | None = typer.Option(None, "--tier", help="Only chunks in this tier."),
+    limit: int = typer.Option(1000, "--limit", help="At most this many (0: the daemon's cap)."),
+    as_json: bool = JSON,
+) -> None:
+    """List chunks (sorted by key)."""
+    key_prefix = _hex(prefix, "--prefix")
+    with _client("ls", address) as client:
+        reply = client.list_chunks(key_prefix, _tier(tier), limit)
+    doc = {"entries": [entry_doc(e) for e in reply.entries], "truncated": reply.truncated}
+
+    def table() -> None:
+        _table(f"{len(reply.entries)} chunk(s)" + (" (truncated)" if reply.truncated else ""),
+               ["key", "tier", "size", "depth", "hits", "pinned"],
+               [[e["key"], e["tier"], _size(e["size_bytes"]), str(e["depth"]),
+                 str(e["access_count"]), "yes" if e["pinned"] else ""] for e in doc["entries"]])
+
+    _emit(as_json, doc, table)
+
+
+def inspect(
+    key: str = typer.Argument(..., help="The chunk's key in hex."),
+    address: str = ADDRESS,
+    as_json: bool = JSON,
+) -> None:
+    """Everything a daemon knows about one chunk."""
+    k = _hex(key, "KEY")
+    with _client("inspect", address) as client:
+        doc = entry_doc(client.inspect(k))
+    _emit(as_json, doc, lambda: _table(f"chunk {key}", ["field", "value"],
+                                       [[name, str(value)] for name, value in doc.items()]))
+
+
+def evict(
+    address: str = ADDRESS,
+    tier: str | None = typer.Option(None, "--tier", help="With --bytes: the tier to free."),
+    bytes_: int = typer.Option(0, "--bytes", help="Free this many bytes (demoting chunks down)."),
+    prefix: str | None = typer.Option(None, "--prefix",
+                                      help="Or: remove every chunk whose hex key starts so."),
+    as_json: bool = JSON,
+) -> None:
+    """Free bytes in a tier, or remove chunks by key prefix (pinned ones are skipped)."""
+    if (prefix is None) == (bytes_ == 0):
+        raise typer.BadParameter("give either --tier with --bytes, or --prefix",
+                                 param_hint="--bytes")
+    if bytes_ and tier is None:
+        raise typer.BadParameter("--bytes needs --tier", param_hint="--tier")
+    with _client("evict", address) as client:
+        reply = client.evict(tier=_tier(tier), bytes_=bytes_,
+                             key_prefix=_hex(prefix, "--prefix") if prefix is not None else b"")
+    doc = {"freed_bytes": reply.freed_bytes, "removed_chunks": reply.removed_chunks,
+           "busy_chunks": reply.busy_chunks}
+    _emit(as_json, doc, lambda: typer.echo(
+        f"freed {_size(reply.freed_bytes)}, removed {reply.removed_chunks} chunk(s), "
+        f"{reply.busy_chunks} pinned chunk(s) skipped"))
+
+
+def pin(
+    keys: list[str] = typer.Argument(..., help="Keys in hex (all or nothing)."),
+    address: str = ADDRESS,
+    ttl_s: float = typer.Option(0.0, "--ttl", help="Seconds (0: the daemon's default)."),
+    as_json: bool = JSON,
+) -> None:
+    """Pin chunks so they are neither evicted nor moved; prints the lease id for unpin."""
+    parsed = [_hex(k, "KEYS") for k in keys]
+    with _client("pin", address) as client:
+        lease_id = client.pin(parsed, ttl_s)
+    _emit(as_json, {"lease_id": lease_id}, lambda: typer.echo(str(lease_id)))
+
+
+def unpin(
+    lease_id: int = typer.Argument(..., help="The id `kvtier pin` printed."),
+    address: str = ADDRESS,
+    as_json: bool = JSON,
+) -> None:
+    """End a pin (released: false when it had already expired)."""
+    with _client("unpin", address) as client:
+        released = client.unpin(lease_id)
+    _emit(as_json, {"released": released}, lambda: typer.echo(
+        "released" if released else "not held (expired or unknown)"))
+
+
+def drain(
+    address: str = ADDRESS,
+    as_json: bool = JSON,
+) -> None:
+    """Stop a daemon gracefully: refuse new work, finish transfers, deregister, exit."""
+    with _client("drain", address) as client:
+        accepted = client.drain()
+    _emit(as_json, {"accepted": accepted}, lambda: typer.echo(
+        "draining" if accepted else "already draining"))
+
+
+def register(app: typer.Typer) -> None:
+    """Add the admin commands to the ``kvtier`` app."""
+    for fn in (nodes, stats, ls, inspect, evict, pin, unpin, drain):
+        app.command(name=fn.__name__)(fn)

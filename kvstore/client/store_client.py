@@ -1,0 +1,588 @@
+"""The store daemon's client: gRPC for control, a data plane for the bytes.
+
+``StoreClient.connect(address)`` asks the daemon for its :class:`NodeInfo` and picks the data
+plane (:class:`DataPlane`):
+
+* **SHM**, when the daemon runs on this host (same hostname and boot id), its DRAM arena can be
+  mapped and its lease channel reached. ``get_into`` = one ACQUIRE_READ round trip on the
+  lease channel (~30 µs; the daemon pins the chunk in DRAM, promoting it from NVMe first) +
+  one memcpy out of the mapped arena + a RELEASE sent without waiting for a reply. ``put`` =
+  RESERVE (an invisible slot) + one memcpy into the arena + COMMIT. Leases belong to the
+  channel connection: if this process dies, the daemon ends them (no half-written chunk
+  becomes visible; nothing stays pinned). A chunk DRAM cannot take right now is read over
+  TCP instead.
+* **TCP** otherwise: the framed TCP transport (:class:`~kvstore.dataplane.transport.tcp.TcpClient`,
+  ``recv_into`` straight into ``dst``, striping large values over pooled connections). TCP
+  frames carry no parent key, so a put with a parent goes inline over gRPC when it is small
+  (one call) and otherwise announces the parent with ``SetParents`` first.
+
+``AUTO`` (the default) chooses SHM when possible. Every error is a
+:mod:`kvstore.errors` class: the daemon's own errors keep their class across the wire
+(``ChunkExists``, ``SizeMismatch``...); a dead or unreachable daemon is ``PeerUnavailable``.
+
+Ownership: ``put`` reads ``src`` and ``get_into`` writes ``dst`` only during the call. Misses:
+``get_into`` of an unknown key raises ``ChunkNotFound`` (an explicit read); ``lookup``,
+``exists`` and ``load_prefix`` report misses as counts. Thread safety: one client may be used
+from many threads (the lease channel and TCP connections are pooled).
+
+Ordering: a RELEASE travels after the get returns; a gRPC ``remove`` right behind a get waits
+for the releases this client sent (one ping per channel) so it never sees its own read lease.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import socket
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from kvstore._proto.kvtier.v1 import store_pb2 as pb
+from kvstore._proto.kvtier.v1 import store_pb2_grpc as pb_grpc
+from kvstore.dataplane.arena import ArenaAccess, ShmArena, copy_bytes, host_byte_view
+from kvstore.dataplane.tier import Buffer, TierKind, check_key
+from kvstore.dataplane.transport.tcp import TcpClient
+from kvstore.errors import (
+    CapacityError,
+    ChunkBusy,
+    ChunkNotFound,
+    InvalidArgument,
+    KvtierError,
+    PeerUnavailable,
+    SizeMismatch,
+    TierUnavailable,
+    TransportError,
+)
+from kvstore.node.protocol import (
+    ERROR_METADATA_KEY,
+    FLAG_NO_REPLY,
+    FLAG_PREFIX,
+    RANGE,
+    REPLY,
+    REQUEST,
+    STATUS_OK,
+    ChannelOp,
+    error_from_name,
+    pack_keys,
+)
+
+log = logging.getLogger(__name__)
+
+GRPC_MAX_MESSAGE_BYTES = 64 << 20
+_PB_TIER = {pb.TIER_HBM: TierKind.HBM, pb.TIER_DRAM: TierKind.DRAM, pb.TIER_NVME: TierKind.NVME}
+TIER_TO_PB = {v: k for k, v in _PB_TIER.items()}
+_FALLBACK_TO_TCP = (CapacityError, ChunkBusy)
+
+
+class DataPlane(enum.Enum):
+    AUTO = "auto"
+    SHM = "shm"
+    TCP = "tcp"
+
+
+@dataclass(frozen=True, slots=True)
+class StoreClientConfig:
+    data_plane: DataPlane = DataPlane.AUTO
+    tcp_connections: int = 4
+    rpc_timeout_s: float = 30.0
+    lease_ttl_s: float = 0.0
+    """TTL of same-host leases (0: the daemon's default)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.data_plane, DataPlane):
+            raise InvalidArgument(f"data_plane must be a DataPlane, got {self.data_plane!r}")
+        if self.tcp_connections < 1:
+            raise InvalidArgument("tcp_connections must be >= 1")
+        if self.rpc_timeout_s <= 0 or self.lease_ttl_s < 0:
+            raise InvalidArgument("rpc_timeout_s must be > 0 and lease_ttl_s >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    length: int
+    """How many leading keys are cached."""
+    tiers: tuple[TierKind, ...]
+    """Where each of them lives."""
+
+    def by_tier(self) -> dict[TierKind, int]:
+        out: dict[TierKind, int] = {}
+        for t in self.tiers:
+            out[t] = out.get(t, 0) + 1
+        return out
+
+
+def local_boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def translate_rpc_error(exc: grpc.RpcError, what: str) -> KvtierError:
+    """The kvtier error a failed call stands for (the daemon names it in trailing metadata)."""
+    call: Any = exc
+    name = None
+    with contextlib.suppress(AttributeError, TypeError):
+        for key, value in call.trailing_metadata() or ():
+            if key == ERROR_METADATA_KEY:
+                name = value
+    details = call.details() if hasattr(call, "details") else str(exc)
+    if name:
+        return error_from_name(name, details)
+    code = call.code() if hasattr(call, "code") else None
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.CANCELLED):
+        return PeerUnavailable(f"{what}: {code.name}: {details}")
+    return TransportError(f"{what}: {getattr(code, 'name', code)}: {details}")
+
+
+# --- the lease channel ---------------------------------------------------------------------------
+
+
+class LeaseChannel:
+    """One connection to a daemon's lease channel (:mod:`kvstore.node.protocol`), used by one
+    thread at a time. :class:`StoreClient` pools these; tools and tests may use one directly."""
+
+    def __init__(self, address: str) -> None:
+        if not address.startswith("@"):
+            raise InvalidArgument(f"lease channel address must be abstract (@name): {address!r}")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.sock.connect("\0" + address[1:])
+        except OSError as exc:
+            self.sock.close()
+            raise PeerUnavailable(f"cannot reach the lease channel {address}: {exc}") from exc
+        self._reply = memoryview(bytearray(REPLY.size))
+        self.unacknowledged = False
+        """A RELEASE was sent without a reply and nothing has been answered since."""
+
+    def send(self, op: ChannelOp, *, flags: int = 0, keys: Sequence[bytes] = (), arg: int = 0,
+             ttl_s: float = 0.0) -> None:
+        body = pack_keys(list(keys)) if keys else b""
+        try:
+            self.sock.sendall(REQUEST.pack(op, flags, len(keys), len(body), arg, ttl_s) + body)
+        except OSError as exc:
+            raise PeerUnavailable(f"lease channel send failed: {exc}") from exc
+        if flags & FLAG_NO_REPLY:
+            self.unacknowledged = True
+
+    def call(self, op: ChannelOp, *, flags: int = 0, keys: Sequence[bytes] = (), arg: int = 0,
+             ttl_s: float = 0.0) -> tuple[int, list[tuple[int, int]]]:
+        """Send a request and read its reply: (lease id, ranges). Raises the daemon's error."""
+        self.send(op, flags=flags, keys=keys, arg=arg, ttl_s=ttl_s)
+        self._recv_into(self._reply)
+        status, count, detail_len, lease_id = REPLY.unpack(self._reply)
+        self.unacknowledged = False
+        tail = bytearray(count * RANGE.size + detail_len)
+        if tail:
+            self._recv_into(memoryview(tail))
+        if status != STATUS_OK:
+            name, _, message = bytes(tail[count * RANGE.size:]).decode(errors="replace") \
+                .partition("\n")
+            raise error_from_name(name, message)
+        ranges = [RANGE.unpack_from(tail, i * RANGE.size) for i in range(count)]
+        return lease_id, ranges
+
+    def _recv_into(self, view: memoryview) -> None:
+        pos = 0
+        try:
+            while pos < len(view):
+                n = self.sock.recv_into(view[pos:], len(view) - pos, socket.MSG_WAITALL)
+                if n == 0:
+                    raise PeerUnavailable("the daemon closed the lease channel")
+                pos += n
+        except OSError as exc:
+            raise PeerUnavailable(f"lease channel receive failed: {exc}") from exc
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+# --- the client ----------------------------------------------------------------------------------
+
+
+class StoreClient:
+    """A client of one store daemon. Build with :meth:`connect`; see the module docstring."""
+
+    def __init__(self, address: str, info: pb.NodeInfo, channel: grpc.Channel,
+                 config: StoreClientConfig, arena: ShmArena | None) -> None:
+        """Wrap already-made connections; use :meth:`connect`."""
+        self._address = address
+        self._info = info
+        self._channel = channel
+        self._stub = pb_grpc.StoreStub(channel)  # type: ignore[no-untyped-call]
+        self._config = config
+        self._arena = arena
+        self._plane = DataPlane.SHM if arena is not None else DataPlane.TCP
+        self._lock = threading.Lock()
+        self._idle: list[LeaseChannel] = []
+        self._all: list[LeaseChannel] = []
+        self._tcp: TcpClient | None = None
+        self._closed = False
+
+    @classmethod
+    def connect(cls, address: str, config: StoreClientConfig | None = None) -> StoreClient:
+        """Open a gRPC channel to ``host:port``, fetch the daemon's info and pick the data plane.
+
+        Raises PeerUnavailable (no daemon there), TierUnavailable (SHM was required but is not
+        possible from here).
+        """
+        cfg = config or StoreClientConfig()
+        channel = grpc.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES)])
+        try:
+            stub = pb_grpc.StoreStub(channel)  # type: ignore[no-untyped-call]
+            try:
+                info = stub.Info(pb.InfoRequest(), timeout=cfg.rpc_timeout_s,
+                                 wait_for_ready=True)
+            except grpc.RpcError as exc:
+                raise translate_rpc_error(exc, f"Info from {address}") from exc
+            arena = None
+            if cfg.data_plane is not DataPlane.TCP:
+                arena = cls._attach_same_host(info, required=cfg.data_plane is DataPlane.SHM)
+            client = cls(address, info, channel, cfg, arena)
+            if arena is not None:
+                client._checkin(client._checkout())  # the lease channel must answer too
+            return client
+        except BaseException:
+            channel.close()
+            raise
+
+    @staticmethod
+    def _attach_same_host(info: pb.NodeInfo, *, required: bool) -> ShmArena | None:
+        reason = ""
+        if info.hostname != socket.gethostname() or info.boot_id != local_boot_id():
+            reason = f"the daemon runs on {info.hostname}, not on this host"
+        elif not info.shm_arena or not info.shm_socket:
+            reason = "the daemon serves no shared-memory arena or lease channel"
+        else:
+            try:
+                return ShmArena.attach(info.shm_arena, access=ArenaAccess.READ_WRITE)
+            except KvtierError as exc:
+                reason = f"cannot map arena {info.shm_arena}: {exc}"
+        if required:
+            raise TierUnavailable(f"shared-memory data plane unavailable: {reason}")
+        log.info("using the TCP data plane: %s", reason)
+        return None
+
+    # --- identity ---------------------------------------------------------------------------
+
+    @property
+    def info(self) -> pb.NodeInfo:
+        """What the daemon said about itself at connect time."""
+        return self._info
+
+    @property
+    def data_plane(self) -> DataPlane:
+        """SHM or TCP: the plane this client moves bytes over."""
+        return self._plane
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def refresh_info(self) -> pb.NodeInfo:
+        self._info = self._call("Info", pb.InfoRequest())
+        return self._info
+
+    # --- values -----------------------------------------------------------------------------
+
+    def put(self, key: bytes, src: Buffer, *, parent: bytes | None = None) -> None:
+        """Store ``src`` under ``key`` (a child of ``parent``), all or nothing.
+
+        Raises ChunkExists, ChunkBusy, CapacityError, InvalidArgument (bad key, empty value,
+        uncached parent), PeerUnavailable.
+        """
+        k = check_key(key)
+        p = check_key(parent) if parent is not None else None
+        view = host_byte_view(src)
+        if self._arena is not None:
+            self._put_shm(k, view, p)
+            return
+        if p is not None and view.nbytes <= self._info.inline_max_bytes:
+            self._call("Put", pb.PutRequest(key=k, parent=p, value=bytes(view)))  # small: one copy
+            return
+        if p is not None:
+            self._call("SetParents", pb.SetParentsRequest(keys=[k], parents=[p]))
+        self._tcp_client().put(k, view)
+
+    def get_into(self, key: bytes, dst: Buffer) -> int:
+        """Fill ``dst`` (exactly the chunk's size) with the chunk; return its size.
+
+        Raises ChunkNotFound, SizeMismatch (nothing copied), PeerUnavailable.
+        """
+        k = check_key(key)
+        out = host_byte_view(dst, writable=True)
+        if self._arena is not None:
+            try:
+                return self._get_shm(k, out)
+            except _FALLBACK_TO_TCP as exc:
+                log.debug("reading %s over TCP: %s", k.hex(), exc)
+        return self._tcp_client().get_into(k, out)
+
+    def get(self, key: bytes) -> bytearray:
+        """The whole chunk in a new buffer. Raises ChunkNotFound."""
+        k = check_key(key)
+        sizes = self.sizes([k])
+        if sizes[0] is None:
+            raise ChunkNotFound(k, f"node {self._info.node_id}")
+        out = bytearray(sizes[0])
+        self.get_into(k, out)
+        return out
+
+    def load_prefix(self, keys: Sequence[bytes], dsts: Sequence[Buffer]) -> int:
+        """Copy the longest cached prefix of ``keys`` into ``dsts``; return how many loaded.
+
+        Every ``dsts[i]`` must be exactly the size of chunk ``keys[i]`` (SizeMismatch
+        otherwise, nothing copied). A miss is a short count, not an error.
+        """
+        if len(keys) != len(dsts):
+            raise InvalidArgument(f"{len(keys)} keys but {len(dsts)} destinations")
+        if not keys:
+            return 0
+        checked: list[bytes] = [check_key(k) for k in keys]
+        outs = [host_byte_view(d, writable=True) for d in dsts]
+        if self._arena is not None:
+            try:
+                return self._load_prefix_shm(checked, outs)
+            except _FALLBACK_TO_TCP as exc:
+                log.debug("prefix load over TCP: %s", exc)
+        n = self.lookup(checked).length
+        if n == 0:
+            return 0
+        got = self._tcp_client().get_many_into(checked[:n], outs[:n])
+        loaded = 0
+        for size in got:
+            if size is None:
+                break
+            loaded += 1
+        return loaded
+
+    # --- the shared-memory plane ------------------------------------------------------------
+
+    def _get_shm(self, key: bytes, out: memoryview) -> int:
+        assert self._arena is not None
+        chan = self._checkout()
+        try:
+            lease_id, ranges = chan.call(ChannelOp.ACQUIRE_READ, keys=[key],
+                                         ttl_s=self._config.lease_ttl_s)
+            offset, size = ranges[0]
+            try:
+                if size != out.nbytes:
+                    raise SizeMismatch(f"get_into {key.hex()}", expected=size, actual=out.nbytes)
+                copy_bytes(out, self._arena.view(offset, size))
+            finally:
+                chan.send(ChannelOp.RELEASE, flags=FLAG_NO_REPLY, arg=lease_id)
+        finally:
+            self._checkin(chan)
+        return size
+
+    def _load_prefix_shm(self, keys: list[bytes], outs: list[memoryview]) -> int:
+        assert self._arena is not None
+        chan = self._checkout()
+        try:
+            lease_id, ranges = chan.call(ChannelOp.ACQUIRE_READ, flags=FLAG_PREFIX, keys=keys,
+                                         ttl_s=self._config.lease_ttl_s)
+            if not ranges:
+                return 0
+            try:
+                for i, (_offset, size) in enumerate(ranges):
+                    if size != outs[i].nbytes:
+                        raise SizeMismatch(f"load_prefix block {i} ({keys[i].hex()})",
+                                           expected=size, actual=outs[i].nbytes)
+                for i, (offset, size) in enumerate(ranges):
+                    copy_bytes(outs[i], self._arena.view(offset, size))
+            finally:
+                chan.send(ChannelOp.RELEASE, flags=FLAG_NO_REPLY, arg=lease_id)
+        finally:
+            self._checkin(chan)
+        return len(ranges)
+
+    def _put_shm(self, key: bytes, view: memoryview, parent: bytes | None) -> None:
+        assert self._arena is not None
+        if view.nbytes == 0:
+            raise InvalidArgument("cannot store an empty chunk")
+        chan = self._checkout()
+        try:
+            lease_id, ranges = chan.call(ChannelOp.RESERVE, keys=[key, parent or b""],
+                                         arg=view.nbytes, ttl_s=self._config.lease_ttl_s)
+            offset = ranges[0][0]
+            try:
+                copy_bytes(self._arena.view(offset, view.nbytes, readonly=False), view)
+            except BaseException:
+                with contextlib.suppress(KvtierError):  # the daemon aborts it on disconnect
+                    chan.call(ChannelOp.ABORT, arg=lease_id)
+                raise
+            chan.call(ChannelOp.COMMIT, arg=lease_id)
+        finally:
+            self._checkin(chan)
+
+    def _checkout(self) -> LeaseChannel:
+        with self._lock:
+            if self._closed:
+                raise PeerUnavailable("the client is closed")
+            if self._idle:
+                return self._idle.pop()
+        chan = LeaseChannel(self._info.shm_socket)
+        with self._lock:
+            self._all.append(chan)
+        return chan
+
+    def _checkin(self, chan: LeaseChannel) -> None:
+        with self._lock:
+            if not self._closed:
+                self._idle.append(chan)
+                return
+        chan.close()
+
+    def _sync_releases(self) -> None:
+        """Wait until the daemon has processed every RELEASE this client sent."""
+        if self._arena is None:
+            return
+        with self._lock:
+            pending = [c for c in self._idle if c.unacknowledged]
+            for c in pending:
+                self._idle.remove(c)
+        try:
+            for chan in pending:
+                chan.call(ChannelOp.PING)
+        finally:
+            for chan in pending:
+                self._checkin(chan)
+
+    def _tcp_client(self) -> TcpClient:
+        with self._lock:
+            if self._tcp is None:
+                host, _, port = self._info.tcp_address.rpartition(":")
+                self._tcp = TcpClient(host, int(port), connections=self._config.tcp_connections)
+            return self._tcp
+
+    # --- metadata ---------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+        """The longest cached prefix of ``keys`` and the tier of each block (not a hit)."""
+        reply = self._call("Lookup", pb.LookupRequest(keys=[check_key(k) for k in keys]))
+        return LookupResult(reply.length, tuple(_PB_TIER[t] for t in reply.tiers))
+
+    def sizes(self, keys: Sequence[bytes]) -> list[int | None]:
+        """Each chunk's size, or None when the daemon does not hold it."""
+        reply = self._call("Exists", pb.ExistsRequest(keys=[check_key(k) for k in keys]))
+        return [None if s < 0 else int(s) for s in reply.size_bytes]
+
+    def exists(self, key: bytes) -> bool:
+        return self.sizes([key])[0] is not None
+
+    def remove(self, key: bytes) -> list[bytes]:
+        """Drop a chunk and everything cached under it; return the dropped keys (empty: it was
+        not held). Raises ChunkBusy while any of them is pinned."""
+        self._sync_releases()
+        reply = self._call("Remove", pb.RemoveRequest(key=check_key(key)))
+        return list(reply.removed)
+
+    def pin(self, keys: Sequence[bytes], ttl_s: float = 0.0) -> int:
+        """Pin chunks (all or nothing) for ``ttl_s`` (0: the daemon's default); return the
+        lease id for :meth:`unpin`."""
+        reply = self._call("Pin", pb.PinRequest(keys=[check_key(k) for k in keys], ttl_s=ttl_s))
+        return int(reply.lease_id)
+
+    def unpin(self, lease_id: int) -> bool:
+        return bool(self._call("Unpin", pb.UnpinRequest(lease_id=lease_id)).released)
+
+    def inspect(self, key: bytes) -> pb.ChunkEntry:
+        """Everything the daemon knows about one chunk. Raises ChunkNotFound."""
+        entry: pb.ChunkEntry = self._call("Inspect", pb.InspectRequest(key=check_key(key)))
+        return entry
+
+    def list_chunks(self, key_prefix: bytes = b"", tier: TierKind | None = None,
+             limit: int = 0) -> pb.ListResponse:
+        reply: pb.ListResponse = self._call("List", pb.ListRequest(
+            key_prefix=key_prefix, tier=TIER_TO_PB[tier] if tier else pb.TIER_UNSPECIFIED,
+            limit=limit))
+        return reply
+
+    def stats(self) -> pb.StatsResponse:
+        reply: pb.StatsResponse = self._call("Stats", pb.StatsRequest())
+        return reply
+
+    def evict(self, *, tier: TierKind | None = None, bytes_: int = 0,
+              key_prefix: bytes = b"") -> pb.EvictResponse:
+        """Free ``bytes_`` in ``tier`` (demoting), or remove chunks whose key starts with
+        ``key_prefix`` (optionally only in ``tier``)."""
+        self._sync_releases()
+        reply: pb.EvictResponse = self._call("Evict", pb.EvictRequest(
+            tier=TIER_TO_PB[tier] if tier else pb.TIER_UNSPECIFIED, bytes=bytes_,
+            key_prefix=key_prefix))
+        return reply
+
+    def drain(self) -> bool:
+        """Ask the daemon to stop gracefully; False when it was already draining."""
+        return bool(self._call("Drain", pb.DrainRequest()).accepted)
+
+    def subscribe(self, from_seq: int = 0, epoch: str = "",
+                  timeout_s: float | None = None) -> Iterator[pb.ChunkEvent]:
+        """Chunk events after ``from_seq`` of ``epoch`` (see :mod:`kvstore.node.events`); an
+        EVENT_RESYNC event ends the stream when they are gone. Stops after ``timeout_s``."""
+        stream = self._stub.Subscribe(pb.SubscribeRequest(from_seq=from_seq, epoch=epoch),
+                                      timeout=timeout_s)
+        try:
+            yield from stream
+        except grpc.RpcError as exc:
+            if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                return
+            raise translate_rpc_error(exc, "Subscribe") from exc
+        finally:
+            stream.cancel()
+
+    def snapshot(self) -> tuple[str, int, list[pb.ChunkEntry]]:
+        """(epoch, seq, every chunk): continue a subscription from ``seq``."""
+        epoch, seq, entries = "", 0, []
+        try:
+            for page in self._stub.Snapshot(pb.SnapshotRequest(),
+                                            timeout=self._config.rpc_timeout_s):
+                epoch, seq = page.epoch, page.seq
+                entries.extend(page.entries)
+        except grpc.RpcError as exc:
+            raise translate_rpc_error(exc, "Snapshot") from exc
+        return epoch, seq, entries
+
+    def _call(self, method: str, request: Any) -> Any:
+        try:
+            return getattr(self._stub, method)(request, timeout=self._config.rpc_timeout_s)
+        except grpc.RpcError as exc:
+            raise translate_rpc_error(exc, method) from exc
+
+    def stub(self) -> pb_grpc.StoreStub:
+        """The raw gRPC stub (for calls this class does not wrap)."""
+        return self._stub
+
+    # --- teardown ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close every connection and unmap the arena. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            chans, self._all, self._idle = self._all, [], []
+            tcp, self._tcp = self._tcp, None
+        for chan in chans:
+            chan.close()
+        if tcp is not None:
+            tcp.close()
+        if self._arena is not None:
+            self._arena.close()
+        self._channel.close()
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
