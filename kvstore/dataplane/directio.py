@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.dataplane.arena import buffer_address
 from kvstore.errors import InvalidArgument, InvariantViolation
 
 ALIGN_BYTES = 4096
@@ -66,8 +67,6 @@ def align_down(size_bytes: int, alignment_bytes: int = ALIGN_BYTES) -> int:
 
 def is_aligned(view: memoryview, alignment_bytes: int = ALIGN_BYTES) -> bool:
     """True when the view's first byte sits at a multiple of ``alignment_bytes``."""
-    from kvstore.dataplane.arena import buffer_address
-
     return view.nbytes > 0 and buffer_address(view) % alignment_bytes == 0
 
 
