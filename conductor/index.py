@@ -1,0 +1,742 @@
+"""The conductor's global prefix index: which store node holds which chunk, in which tier.
+
+Fed by the store daemons' chunk events and answers, for a request's chained
+prefix keys, how many leading blocks each node holds and in which tiers. It
+holds metadata only (no bytes, no buffer pointers) and never talks to a node:
+the service that wires it to the daemons' event streams asks for resyncs when
+:meth:`GlobalPrefixIndex.needs_resync` says so.
+
+Shape (why lookups stay flat as the index grows)
+    One dict from chunk key to a small int, the key's *placement code*: two bits
+    per node slot (``0`` absent, ``1`` HBM, ``2`` DRAM, ``3`` NVMe), slot ``s``
+    at bits ``2s..2s+1``. A lookup of ``k`` keys costs at most ``k`` dict probes
+    plus one bit operation per probe and one per node that drops out of the
+    match, whatever the number of keys indexed or nodes known: no per-node dict
+    is consulted, nothing is scanned. Equal codes share one int object (see
+    ``_intern``), so a block costs its key object, one dict slot and nothing
+    more; ``bench/schedule.py`` measures the bytes per block at 1M and 10M.
+
+Events, sequence numbers and epochs
+    Each daemon numbers its chunk events ``seq = 1, 2, 3...`` within an
+    ``epoch`` (a new epoch every time the daemon starts). Per node the index
+    keeps the epoch and the last sequence number applied:
+
+    * ``seq == last + 1``: applied. ``seq <= last``: a duplicate, ignored.
+    * ``seq > last + 1``: a **gap** (events were lost). The event is dropped and
+      the node needs a REPLAY from ``last + 1``: feed the replayed events to
+      :meth:`apply_event` in order and the node is in sync again as soon as the
+      missing sequence number arrives. Events past the gap are dropped until
+      then (applying them out of order could resurrect a removed chunk). A
+      daemon that cannot replay that far sends a snapshot instead.
+    * a **newer epoch** (the daemon restarted): the node's entries vanish from
+      lookups at once and it needs a SNAPSHOT; its events are dropped until one
+      is applied. An older epoch: stale, ignored.
+    * a node the index does not know (first contact, or removed earlier): needs
+      a SNAPSHOT. A fresh daemon sends an empty one.
+
+    :meth:`apply_snapshot` (or :meth:`begin_snapshot` and a
+    :class:`SnapshotLoader`) replaces everything a node holds atomically: the
+    new entries are written into a fresh slot that lookups cannot see, and one
+    commit swaps the node onto it. A snapshot taken at ``seq = S`` sets the
+    node's last sequence number to ``S``.
+
+Node removal
+    :meth:`remove_node` (a lease expired in etcd) takes the node out of every
+    lookup at once, in O(1): its slot leaves the mask of live slots. The stale
+    bits it leaves in placement codes are cleared by :meth:`sweep`, which runs
+    in bounded steps (the caller decides when); retired slots are reused only
+    after a sweep has cleared them. Lookups never see a retired slot.
+
+Namespaces
+    Keys are opaque here. A namespace (model + tenant) no node has reported is
+    not an error for the index: its blocks are simply absent, as they are for a
+    brand-new model in a running cluster or for any model after a full restart,
+    and a miss is not an error (STYLE). The scheduler is where an unknown
+    *model* is an error (no instance can run it): docs/conductor.md.
+
+Thread safety and cost
+    Every public method takes one lock; lookups cost O(keys + nodes in the
+    answer). A snapshot loads in batches, taking the lock once per batch, so a
+    large one does not stall lookups; :meth:`sweep` works the same way.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvstore.dataplane.tier import TierKind
+from kvstore.errors import InvalidArgument, InvariantViolation
+from kvstore.keys import BlockHasher
+
+__all__ = [
+    "ChunkEvent",
+    "ChunkEventKind",
+    "EventOutcome",
+    "GlobalMatch",
+    "GlobalPrefixIndex",
+    "IndexStats",
+    "ResyncKind",
+    "ResyncNeed",
+    "SnapshotLoader",
+    "TierCounts",
+]
+
+_TIER_CODE = {TierKind.HBM: 1, TierKind.DRAM: 2, TierKind.NVME: 3}
+_CODE_TIER = (None, TierKind.HBM, TierKind.DRAM, TierKind.NVME)
+_SNAPSHOT_BATCH = 8192
+_INTERN_LIMIT = 1 << 16
+"""Distinct placement codes shared before the intern table is reset (bounds its memory)."""
+
+
+class ChunkEventKind(enum.Enum):
+    STORED = "stored"
+    """The node now holds the chunk in ``tier``."""
+    REMOVED = "removed"
+    """The node dropped the chunk (evicted, removed, found corrupt)."""
+    MOVED = "moved"
+    """The chunk changed tier inside the node (demotion or promotion) and is now in ``tier``."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkEvent:
+    """One chunk event from a store daemon.
+
+    ``parent`` is the chunk's parent key (the namespace prefix for a first
+    block, see :mod:`kvstore.keys`); the index does not store it (lookups get
+    the chain from the request) but daemons send it so other consumers can.
+    ``tier`` is required for STORED and MOVED and ignored for REMOVED.
+    """
+
+    node_id: str
+    epoch: int
+    seq: int
+    kind: ChunkEventKind
+    key: bytes
+    tier: TierKind | None = None
+    parent: bytes | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.node_id, str) or not self.node_id:
+            raise InvalidArgument(f"node_id must be a non-empty str, got {self.node_id!r}")
+        for name in ("epoch", "seq"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidArgument(f"{name} must be a non-negative int, got {value!r}")
+        if self.seq == 0:
+            raise InvalidArgument("event sequence numbers start at 1 (0 is 'before any event')")
+        if not isinstance(self.kind, ChunkEventKind):
+            raise InvalidArgument(f"kind must be a ChunkEventKind, got {self.kind!r}")
+        if not isinstance(self.key, bytes) or not self.key:
+            raise InvalidArgument(f"key must be non-empty bytes, got {self.key!r}")
+        if self.kind is not ChunkEventKind.REMOVED and not isinstance(self.tier, TierKind):
+            raise InvalidArgument(f"a {self.kind.value} event needs a TierKind, got {self.tier!r}")
+        if self.parent is not None and not isinstance(self.parent, bytes):
+            raise InvalidArgument(f"parent must be bytes or None, got {type(self.parent).__name__}")
+
+
+class EventOutcome(enum.Enum):
+    """What :meth:`GlobalPrefixIndex.apply_event` did with one event."""
+
+    APPLIED = "applied"
+    DUPLICATE = "duplicate"
+    """``seq`` was already applied: ignored."""
+    STALE = "stale"
+    """From an older epoch of the node, or of a node that was removed: ignored."""
+    GAP = "gap"
+    """Events were missed: dropped, and the node now needs a REPLAY."""
+    NEW_EPOCH = "new_epoch"
+    """The node restarted: its entries left lookups, and it needs a SNAPSHOT."""
+    UNKNOWN_NODE = "unknown_node"
+    """No snapshot of this node yet: dropped, and it needs a SNAPSHOT."""
+    AWAITING_RESYNC = "awaiting_resync"
+    """The node already needs a resync and this event does not heal it: dropped."""
+
+
+class ResyncKind(enum.Enum):
+    REPLAY = "replay"
+    """Send the events from ``from_seq`` on, in order (through ``apply_event``)."""
+    SNAPSHOT = "snapshot"
+    """Send a full snapshot of the node (through ``apply_snapshot``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ResyncNeed:
+    node_id: str
+    kind: ResyncKind
+    epoch: int
+    """The epoch the index expects the resync for (the newest one seen)."""
+    from_seq: int
+    """REPLAY: the first sequence number missing. SNAPSHOT: 1."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierCounts:
+    """How many blocks of a matched prefix one node holds in each tier."""
+
+    hbm: int = 0
+    dram: int = 0
+    nvme: int = 0
+
+    def of(self, tier: TierKind) -> int:
+        return {TierKind.HBM: self.hbm, TierKind.DRAM: self.dram, TierKind.NVME: self.nvme}[tier]
+
+    @property
+    def total(self) -> int:
+        return self.hbm + self.dram + self.nvme
+
+
+class GlobalMatch:
+    """The answer to one lookup: per node, how many leading blocks it holds, and where.
+
+    ``lengths`` maps each node holding at least the first block to the length
+    of its leading run (nodes holding nothing are absent). Tier details are
+    decoded lazily from the placement codes captured at lookup time, so the
+    answer is a consistent snapshot even if the index changes afterwards.
+    """
+
+    __slots__ = ("_codes", "_slots", "lengths", "probes")
+
+    def __init__(self, lengths: dict[str, int], slots: dict[str, int], codes: list[int],
+                 probes: int) -> None:
+        self.lengths = lengths
+        self._slots = slots
+        self._codes = codes
+        self.probes = probes
+        """Dict lookups this match made (at most ``len(keys)``; for flat-cost tests)."""
+
+    def length(self, node_id: str) -> int:
+        """Leading blocks ``node_id`` holds (0 when none, or an unknown node)."""
+        return self.lengths.get(node_id, 0)
+
+    @property
+    def best_length(self) -> int:
+        return len(self._codes)
+
+    def best_nodes(self) -> list[str]:
+        """The nodes holding the longest run, in node-id order (empty on a full miss)."""
+        best = self.best_length
+        return sorted(n for n, length in self.lengths.items() if length == best) if best else []
+
+    def tier_counts(self, node_id: str, length: int | None = None) -> TierCounts:
+        """Per-tier counts of the first ``length`` blocks (default: all ``node_id`` holds)."""
+        held = self.lengths.get(node_id, 0)
+        n = held if length is None else min(length, held)
+        if n == 0:
+            return TierCounts()
+        shift = 2 * self._slots[node_id]
+        counts = [0, 0, 0, 0]
+        for code in self._codes[:n]:
+            counts[(code >> shift) & 3] += 1
+        if counts[0]:
+            raise InvariantViolation(f"node {node_id} matched a block it does not hold")
+        return TierCounts(counts[1], counts[2], counts[3])
+
+    def tiers(self, node_id: str) -> tuple[TierKind, ...]:
+        """The tier of each leading block ``node_id`` holds."""
+        n = self.lengths.get(node_id, 0)
+        if n == 0:
+            return ()
+        shift = 2 * self._slots[node_id]
+        out: list[TierKind] = []
+        for code in self._codes[:n]:
+            tier = _CODE_TIER[(code >> shift) & 3]
+            if tier is None:
+                raise InvariantViolation(f"node {node_id} matched a block it does not hold")
+            out.append(tier)
+        return tuple(out)
+
+    def __repr__(self) -> str:
+        return f"GlobalMatch(best={self.best_length}, lengths={self.lengths})"
+
+
+@dataclass(frozen=True, slots=True)
+class IndexStats:
+    keys: int
+    """Distinct chunk keys indexed (including keys only retired slots still mark)."""
+    nodes: int
+    blocks_by_node: dict[str, int]
+    retired_slots: int
+    """Slots of removed or re-snapshotted nodes whose bits a sweep has not cleared yet."""
+    events_applied: int
+    events_dropped: int
+    probes: int
+    """Dict lookups made by all matches so far."""
+
+
+class _NodeState:
+    __slots__ = ("blocks", "epoch", "last_seq", "node_id", "resync", "slot")
+
+    def __init__(self, node_id: str, slot: int, epoch: int, last_seq: int, blocks: int) -> None:
+        self.node_id = node_id
+        self.slot = slot
+        self.epoch = epoch
+        self.last_seq = last_seq
+        self.blocks = blocks
+        self.resync: ResyncKind | None = None
+
+
+class GlobalPrefixIndex:
+    """Which node holds which chunk key, in which tier. See the module docstring.
+
+    The constructor only builds empty in-memory structures.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[bytes, int] = {}
+        self._intern: dict[int, int] = {}
+        self._nodes: dict[str, _NodeState] = {}
+        self._slot_node: dict[int, str] = {}
+        self._live_mask = 0
+        """Bit ``2s`` set for every live slot ``s``."""
+        self._next_slot = 0
+        self._free_slots: list[int] = []
+        self._retired: set[int] = set()
+        self._pending: dict[str, ResyncNeed] = {}
+        """Nodes seen (events, removal) but without a live slot: what they need."""
+        self._removed_epoch: dict[str, int] = {}
+        self._loader_gens = itertools.count(1)
+        self._latest_loader: dict[str, int] = {}
+        """Per node, the generation of the newest snapshot loader begun: only it may commit."""
+        self._events_applied = 0
+        self._events_dropped = 0
+        self._probes = 0
+        # Sweep in progress: a snapshot of the keys, a position, the slots it clears.
+        self._sweep_keys: list[bytes] | None = None
+        self._sweep_pos = 0
+        self._sweep_slots: frozenset[int] = frozenset()
+        self._sweep_clear = 0
+
+    # -- lookups ---------------------------------------------------------------
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def match(self, keys: Sequence[bytes]) -> GlobalMatch:
+        """For chained prefix ``keys``: each node's leading run of held blocks.
+
+        Not counted as a hit anywhere (nodes track their own hits). ``keys`` is a
+        list or tuple of bytes; a key the index does not know ends every run
+        (a miss is not an error).
+        """
+        if not isinstance(keys, list | tuple):
+            raise InvalidArgument(f"keys must be a list or tuple of bytes, got {type(keys).__name__}")
+        with self._lock:
+            alive = self._live_mask
+            get = self._entries.get
+            codes: list[int] = []
+            drops: list[tuple[int, int]] = []  # (slot bits that dropped out, their run length)
+            probes = 0
+            if alive:
+                for key in keys:
+                    probes += 1
+                    code = get(key, 0)
+                    # Bit 2s of (code | code >> 1) is set iff slot s holds the key.
+                    present = (code | (code >> 1)) & alive
+                    if present != alive:
+                        if codes:
+                            drops.append((alive ^ present, len(codes)))
+                        alive = present
+                        if not alive:
+                            break
+                    codes.append(code)
+            self._probes += probes
+            if alive and codes:
+                drops.append((alive, len(codes)))
+            lengths: dict[str, int] = {}
+            slots: dict[str, int] = {}
+            slot_node = self._slot_node
+            for bits, length in drops:
+                while bits:
+                    low = bits & -bits
+                    slot = (low.bit_length() - 1) >> 1
+                    node_id = slot_node[slot]
+                    lengths[node_id] = length
+                    slots[node_id] = slot
+                    bits ^= low
+            return GlobalMatch(lengths, slots, codes, probes)
+
+    def match_tokens(self, hasher: BlockHasher, token_ids: object) -> GlobalMatch:
+        """:meth:`match` on the keys of the full blocks of ``token_ids`` (see ``BlockHasher``)."""
+        return self.match(hasher.hash_blocks(token_ids))
+
+    def holders(self, key: bytes) -> dict[str, TierKind]:
+        """The live nodes holding ``key`` and the tier each holds it in (empty on a miss)."""
+        with self._lock:
+            code = self._entries.get(key, 0) & (self._live_mask * 3)
+            out: dict[str, TierKind] = {}
+            while code:
+                low_pair = code & -code
+                slot = (low_pair.bit_length() - 1) >> 1
+                tier = _CODE_TIER[(code >> (2 * slot)) & 3]
+                if tier is None:
+                    raise InvariantViolation("a placement code had a set bit but no tier")
+                out[self._slot_node[slot]] = tier
+                code &= ~(3 << (2 * slot))
+            return out
+
+    # -- node state ------------------------------------------------------------
+
+    def nodes(self) -> list[str]:
+        """Nodes with a live slot (their entries answer lookups), sorted."""
+        with self._lock:
+            return sorted(self._nodes)
+
+    def node_blocks(self, node_id: str) -> int:
+        """Chunks the index records for ``node_id`` (0 for an unknown node)."""
+        with self._lock:
+            st = self._nodes.get(node_id)
+            return 0 if st is None else st.blocks
+
+    def needs_resync(self, node_id: str) -> ResyncNeed | None:
+        """What ``node_id`` must send for the index to trust it again; None when in sync.
+
+        A node never heard of (no event, no snapshot) needs nothing yet: it joins
+        by sending a snapshot, an empty one when it starts empty.
+        """
+        with self._lock:
+            return self._need(node_id)
+
+    def resync_needed(self) -> list[ResyncNeed]:
+        """Every node that needs a resync, sorted by node id."""
+        with self._lock:
+            ids = sorted(set(self._pending) | {n for n, st in self._nodes.items() if st.resync})
+            needs = [self._need(n) for n in ids]
+            return [n for n in needs if n is not None]
+
+    def _need(self, node_id: str) -> ResyncNeed | None:
+        st = self._nodes.get(node_id)
+        if st is not None and st.resync is not None:
+            from_seq = st.last_seq + 1 if st.resync is ResyncKind.REPLAY else 1
+            return ResyncNeed(node_id, st.resync, st.epoch, from_seq)
+        if st is None:
+            return self._pending.get(node_id)
+        return None
+
+    def remove_node(self, node_id: str) -> bool:
+        """Take ``node_id`` out of every lookup now (its lease expired). False if unknown.
+
+        Later events of the same or an older epoch are STALE; the node comes back
+        only through a snapshot.
+        """
+        with self._lock:
+            self._pending.pop(node_id, None)
+            st = self._nodes.pop(node_id, None)
+            if st is None:
+                return False
+            self._removed_epoch[node_id] = st.epoch
+            self._retire(st.slot)
+            return True
+
+    # -- events ----------------------------------------------------------------
+
+    def apply_event(self, event: ChunkEvent) -> EventOutcome:
+        """Apply one daemon event in sequence order; see the module docstring for the rules."""
+        with self._lock:
+            outcome = self._apply(event)
+            if outcome is EventOutcome.APPLIED:
+                self._events_applied += 1
+            else:
+                self._events_dropped += 1
+            return outcome
+
+    def apply_events(self, events: Iterable[ChunkEvent]) -> list[EventOutcome]:
+        """:meth:`apply_event` on each event in order (one lock acquisition)."""
+        out: list[EventOutcome] = []
+        with self._lock:
+            for event in events:
+                outcome = self._apply(event)
+                if outcome is EventOutcome.APPLIED:
+                    self._events_applied += 1
+                else:
+                    self._events_dropped += 1
+                out.append(outcome)
+        return out
+
+    def _apply(self, ev: ChunkEvent) -> EventOutcome:
+        node_id = ev.node_id
+        st = self._nodes.get(node_id)
+        if st is None:
+            removed = self._removed_epoch.get(node_id)
+            if removed is not None and ev.epoch <= removed:
+                return EventOutcome.STALE
+            pending = self._pending.get(node_id)
+            if pending is not None and ev.epoch < pending.epoch:
+                return EventOutcome.STALE
+            self._pending[node_id] = ResyncNeed(node_id, ResyncKind.SNAPSHOT, ev.epoch, 1)
+            return EventOutcome.UNKNOWN_NODE
+        if ev.epoch < st.epoch:
+            return EventOutcome.STALE
+        if ev.epoch > st.epoch:
+            # The daemon restarted: what we knew of it is void. Leave lookups now.
+            del self._nodes[node_id]
+            self._retire(st.slot)
+            self._pending[node_id] = ResyncNeed(node_id, ResyncKind.SNAPSHOT, ev.epoch, 1)
+            return EventOutcome.NEW_EPOCH
+        if ev.seq <= st.last_seq:
+            return EventOutcome.DUPLICATE
+        if ev.seq > st.last_seq + 1:
+            if st.resync is None:
+                st.resync = ResyncKind.REPLAY
+                return EventOutcome.GAP
+            return EventOutcome.AWAITING_RESYNC
+        if st.resync is ResyncKind.SNAPSHOT:
+            return EventOutcome.AWAITING_RESYNC
+        # In order: apply. A pending REPLAY is healed by the missing event itself.
+        st.resync = None
+        st.last_seq = ev.seq
+        self._set(ev.key, st, ev.kind, ev.tier)
+        return EventOutcome.APPLIED
+
+    def _set(self, key: bytes, st: _NodeState, kind: ChunkEventKind, tier: TierKind | None) -> None:
+        shift = 2 * st.slot
+        entries = self._entries
+        code = entries.get(key, 0)
+        had = (code >> shift) & 3
+        if kind is ChunkEventKind.REMOVED:
+            if not had:
+                return  # idempotent: the node did not hold it (as far as we knew)
+            code &= ~(3 << shift)
+            st.blocks -= 1
+            if code:
+                entries[key] = self._intern_code(code)
+            else:
+                del entries[key]
+            return
+        if tier is None:
+            raise InvariantViolation(f"{kind.value} event without a tier passed validation")
+        code = (code & ~(3 << shift)) | (_TIER_CODE[tier] << shift)
+        if not had:
+            st.blocks += 1
+        entries[key] = self._intern_code(code)
+
+    def _intern_code(self, code: int) -> int:
+        # Every distinct placement code is one int object shared by all keys with that
+        # placement: codes above 256 are not cached by CPython, and 10M keys held by
+        # "node 5, DRAM" would otherwise cost 10M separate 28-byte ints.
+        interned = self._intern.get(code)
+        if interned is not None:
+            return interned
+        if len(self._intern) >= _INTERN_LIMIT:
+            self._intern.clear()  # only stops sharing for new codes; never wrong
+        self._intern[code] = code
+        return code
+
+    # -- snapshots -------------------------------------------------------------
+
+    def begin_snapshot(self, node_id: str, epoch: int, seq: int) -> SnapshotLoader:
+        """Start replacing everything ``node_id`` holds with a snapshot taken at ``seq``.
+
+        Entries added to the loader are invisible to lookups until ``commit``. A
+        newer ``begin_snapshot`` for the same node makes an older loader's commit
+        fail. Raises InvalidArgument for a bad id, epoch or seq, or an epoch older
+        than one already seen for the node.
+        """
+        if not isinstance(node_id, str) or not node_id:
+            raise InvalidArgument(f"node_id must be a non-empty str, got {node_id!r}")
+        for name, value in (("epoch", epoch), ("seq", seq)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidArgument(f"{name} must be a non-negative int, got {value!r}")
+        with self._lock:
+            st = self._nodes.get(node_id)
+            newest = st.epoch if st is not None else None
+            pending = self._pending.get(node_id)
+            if pending is not None:
+                newest = max(newest or 0, pending.epoch)
+            if newest is not None and epoch < newest:
+                raise InvalidArgument(
+                    f"snapshot of {node_id} is from epoch {epoch}, older than epoch {newest}")
+            gen = next(self._loader_gens)
+            self._latest_loader[node_id] = gen
+            slot = self._alloc_slot()
+            return SnapshotLoader(self, node_id, epoch, seq, slot, gen)
+
+    def apply_snapshot(self, node_id: str, epoch: int, seq: int,
+                       entries: Iterable[tuple[bytes, TierKind]]) -> bool:
+        """Replace everything ``node_id`` holds with ``entries`` (key, tier), atomically.
+
+        Loads in batches (the lock is released between them) and commits once.
+        Returns what :meth:`SnapshotLoader.commit` returns.
+        """
+        loader = self.begin_snapshot(node_id, epoch, seq)
+        try:
+            batch: list[tuple[bytes, TierKind]] = []
+            for entry in entries:
+                batch.append(entry)
+                if len(batch) >= _SNAPSHOT_BATCH:
+                    loader.add(batch)
+                    batch = []
+            if batch:
+                loader.add(batch)
+        except BaseException:
+            loader.abort()
+            raise
+        return loader.commit()
+
+    def _load(self, loader: SnapshotLoader, entries: Sequence[tuple[bytes, TierKind]]) -> int:
+        shift = 2 * loader.slot
+        mask = ~(3 << shift)
+        added = 0
+        with self._lock:
+            store = self._entries
+            intern = self._intern_code
+            for key, tier in entries:
+                if not isinstance(key, bytes) or not key:
+                    raise InvalidArgument(f"snapshot keys must be non-empty bytes, got {key!r}")
+                try:
+                    tcode = _TIER_CODE[tier]
+                except KeyError:
+                    raise InvalidArgument(f"snapshot tier must be a TierKind, got {tier!r}") from None
+                code = store.get(key, 0)
+                if not (code >> shift) & 3:
+                    added += 1
+                store[key] = intern((code & mask) | (tcode << shift))
+        return added
+
+    def _commit(self, loader: SnapshotLoader) -> bool:
+        with self._lock:
+            st = self._nodes.get(loader.node_id)
+            pending = self._pending.get(loader.node_id)
+            newest = max(st.epoch if st is not None else -1,
+                         pending.epoch if pending is not None else -1)
+            superseded = self._latest_loader.get(loader.node_id) != loader.gen
+            if superseded or loader.epoch < newest:
+                self._retire(loader.slot)
+                return False
+            new = _NodeState(loader.node_id, loader.slot, loader.epoch, loader.seq, loader.blocks)
+            if st is not None:
+                self._retire(st.slot)
+                if st.epoch == loader.epoch and st.last_seq > loader.seq:
+                    # Events after the snapshot reached the old slot only: replay them.
+                    new.resync = ResyncKind.REPLAY
+            self._nodes[loader.node_id] = new
+            self._pending.pop(loader.node_id, None)
+            self._removed_epoch.pop(loader.node_id, None)
+            self._slot_node[loader.slot] = loader.node_id
+            self._live_mask |= 1 << (2 * loader.slot)
+            return True
+
+    def _abort(self, loader: SnapshotLoader) -> None:
+        with self._lock:
+            self._retire(loader.slot)
+
+    # -- slots and sweeping ------------------------------------------------------
+
+    def _alloc_slot(self) -> int:
+        if self._free_slots:
+            return heapq.heappop(self._free_slots)
+        slot = self._next_slot
+        self._next_slot += 1
+        return slot
+
+    def _retire(self, slot: int) -> None:
+        self._live_mask &= ~(1 << (2 * slot))
+        self._slot_node.pop(slot, None)
+        self._retired.add(slot)
+
+    def sweep(self, max_keys: int | None = None) -> int:
+        """Clear retired slots' bits from up to ``max_keys`` keys; return how many remain.
+
+        A sweep snapshots the key list when it starts and clears the slots retired
+        by then; it frees those slots for reuse when it finishes (returns 0). Call
+        it in bounded steps from a background task; ``sweep()`` runs to the end.
+        """
+        if max_keys is not None and max_keys <= 0:
+            raise InvalidArgument(f"max_keys must be positive, got {max_keys}")
+        with self._lock:
+            if self._sweep_keys is None:
+                if not self._retired:
+                    return 0
+                self._sweep_keys = list(self._entries)
+                self._sweep_pos = 0
+                self._sweep_slots = frozenset(self._retired)
+                clear = 0
+                for slot in self._sweep_slots:
+                    clear |= 3 << (2 * slot)
+                self._sweep_clear = clear
+        while True:
+            with self._lock:
+                keys = self._sweep_keys
+                if keys is None:
+                    return 0
+                end = len(keys) if max_keys is None else min(len(keys), self._sweep_pos + max_keys)
+                end = min(end, self._sweep_pos + _SNAPSHOT_BATCH)
+                clear = self._sweep_clear
+                keep = ~clear
+                entries = self._entries
+                for key in keys[self._sweep_pos:end]:
+                    code = entries.get(key)
+                    if code is not None and code & clear:
+                        code &= keep
+                        if code:
+                            entries[key] = self._intern_code(code)
+                        else:
+                            del entries[key]
+                done = end - self._sweep_pos
+                self._sweep_pos = end
+                if end >= len(keys):
+                    for slot in self._sweep_slots:
+                        self._retired.discard(slot)
+                        heapq.heappush(self._free_slots, slot)
+                    self._sweep_keys = None
+                    self._sweep_slots = frozenset()
+                    self._intern.clear()  # drop codes that only retired slots used
+                    return 0
+                if max_keys is not None:
+                    max_keys -= done
+                    if max_keys <= 0:
+                        return len(keys) - end
+
+    def stats(self) -> IndexStats:
+        with self._lock:
+            return IndexStats(
+                keys=len(self._entries), nodes=len(self._nodes),
+                blocks_by_node={n: st.blocks for n, st in sorted(self._nodes.items())},
+                retired_slots=len(self._retired), events_applied=self._events_applied,
+                events_dropped=self._events_dropped, probes=self._probes)
+
+
+class SnapshotLoader:
+    """Loads one node's snapshot into a fresh slot; ``commit`` swaps it in atomically.
+
+    Made by :meth:`GlobalPrefixIndex.begin_snapshot`. ``add`` may be called any
+    number of times (each call takes the index lock once); then exactly one of
+    ``commit`` or ``abort``. Not thread-safe itself: one owner drives a loader.
+    """
+
+    def __init__(self, index: GlobalPrefixIndex, node_id: str, epoch: int, seq: int,
+                 slot: int, gen: int) -> None:
+        self._index = index
+        self.node_id = node_id
+        self.epoch = epoch
+        self.seq = seq
+        self.slot = slot
+        self.gen = gen
+        self.blocks = 0
+        self._closed = False
+
+    def add(self, entries: Sequence[tuple[bytes, TierKind]]) -> None:
+        """Record that the node holds each ``(key, tier)`` (a key repeated: the last tier wins)."""
+        if self._closed:
+            raise InvalidArgument("this snapshot loader was already committed or aborted")
+        self.blocks += self._index._load(self, entries)
+
+    def commit(self) -> bool:
+        """Make the snapshot the node's state. False (and nothing changes) when a newer
+        snapshot was begun for the node or a newer epoch of it was seen meanwhile."""
+        if self._closed:
+            raise InvalidArgument("this snapshot loader was already committed or aborted")
+        self._closed = True
+        return self._index._commit(self)
+
+    def abort(self) -> None:
+        """Discard the loaded entries (their slot is swept later)."""
+        if not self._closed:
+            self._closed = True
+            self._index._abort(self)
