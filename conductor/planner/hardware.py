@@ -32,7 +32,8 @@ class GpuSpec:
     """One accelerator model.
 
     ``memory_bytes`` is the HBM size; ``peak_flops`` the dense BF16/FP16 tensor rate; ``hbm_bytes_per_s``
-    the memory bandwidth; ``tdp_w`` the board power limit.
+    the memory bandwidth; ``tdp_w`` the board power limit; ``nvlink_bytes_per_s`` the per-direction NVLink
+    bandwidth between GPUs of one node (for tensor-parallel all-reduces).
     """
 
     name: str
@@ -40,6 +41,7 @@ class GpuSpec:
     peak_flops: float
     hbm_bytes_per_s: float
     tdp_w: float
+    nvlink_bytes_per_s: float = 300e9
     idle_fraction: float = 0.15
     prefill_power_fraction: float = 1.0
     decode_power_fraction: float = 0.45
@@ -76,12 +78,13 @@ class GpuSpec:
 
 
 GPUS: dict[str, GpuSpec] = {
-    # NVIDIA A100 SXM4 80GB datasheet: 312 TFLOPS BF16 dense, 2,039 GB/s, 400 W.
-    "a100-80g": GpuSpec("a100-80g", 80 * GIB, 312e12, 2.039e12, 400.0),
-    # NVIDIA H100 SXM5 80GB datasheet: 989 TFLOPS BF16 dense, 3.35 TB/s, 700 W.
-    "h100-80g": GpuSpec("h100-80g", 80 * GIB, 989e12, 3.35e12, 700.0),
-    # NVIDIA H200 SXM 141GB datasheet: 989 TFLOPS BF16 dense, 4.8 TB/s, 700 W.
-    "h200": GpuSpec("h200", 141 * GB, 989e12, 4.8e12, 700.0),
+    # NVIDIA A100 SXM4 80GB datasheet: 312 TFLOPS BF16 dense, 2,039 GB/s, 400 W, NVLink 3 600 GB/s
+    # (300 GB/s per direction).
+    "a100-80g": GpuSpec("a100-80g", 80 * GIB, 312e12, 2.039e12, 400.0, 300e9),
+    # NVIDIA H100 SXM5 80GB datasheet: 989 TFLOPS BF16 dense, 3.35 TB/s, 700 W, NVLink 4 900 GB/s.
+    "h100-80g": GpuSpec("h100-80g", 80 * GIB, 989e12, 3.35e12, 700.0, 450e9),
+    # NVIDIA H200 SXM 141GB datasheet: 989 TFLOPS BF16 dense, 4.8 TB/s, 700 W, NVLink 4 900 GB/s.
+    "h200": GpuSpec("h200", 141 * GB, 989e12, 4.8e12, 700.0, 450e9),
 }
 GPU_ALIASES = {"a100": "a100-80g", "h100": "h100-80g", "h200-141g": "h200"}
 

@@ -226,13 +226,20 @@ def _mean_by_key(points: list[tuple[float, float]]) -> tuple[tuple[float, ...], 
 
 @dataclass(frozen=True)
 class RooflineLatency:
-    """Estimate from FLOPs and bytes: ``max(compute, memory) + overhead`` per iteration.
+    """Estimate from FLOPs and bytes, per iteration, for model/GPU pairs nobody profiled.
 
-    Prefill FLOPs: ``2 * active_params * tokens`` plus causal attention ``4 * layers * attention_dim *
-    sum(n * (p + n/2))``, divided by ``peak * mfu * tp``. Decode: reading the weights (``weight_bytes / tp``)
-    and the KV of the context (``kv_bytes_per_token / tp`` per token) at ``hbm * mbu``, or the compute of
-    ``batch`` tokens if larger. TP scales ideally; ``overhead_s`` absorbs launch and communication costs.
-    A crude model: prefer a profile when one exists.
+    ``time = max(GEMM FLOPs / (peak * mfu), weight bytes / (hbm * mbu))   # linear layers, weights read once
+           + attention FLOPs / (peak * mfu)                              # prefill attention, compute-bound
+           + context KV bytes / (hbm * mbu)                              # decode attention, memory-bound
+           + TP all-reduces + overhead_s``
+
+    GEMM FLOPs are ``2 * active_params`` per row (prompt token or decode request); causal prefill attention
+    is ``4 * layers * attention_dim * sum(n * (p + n/2))`` for ``n`` new tokens after ``p`` prior ones.
+    Attention runs in its own kernels, so its time adds to the GEMMs' instead of hiding under them; in a
+    chunked iteration the piggybacked decodes' KV reads therefore cost their full time. Rates scale with
+    ``tp``; tensor parallelism pays two ring all-reduces of the activations per layer over NVLink
+    (``2 (tp-1)/tp * rows * hidden * 2 bytes`` each, plus ``allreduce_latency_s``). ``overhead_s`` is launch
+    and scheduling cost. A crude model: prefer a measured profile when one exists.
     """
 
     model: ModelSpec
@@ -243,6 +250,7 @@ class RooflineLatency:
     mfu: float = 0.5
     mbu: float = 0.7
     overhead_s: float = 0.004
+    allreduce_latency_s: float = 10e-6
 
     def __post_init__(self) -> None:
         if self.tp <= 0 or not 0 < self.mfu <= 1 or not 0 < self.mbu <= 1 or self.overhead_s < 0:
@@ -260,27 +268,37 @@ class RooflineLatency:
     def _bytes_rate(self) -> float:
         return self.gpu.hbm_bytes_per_s * self.mbu * self.tp
 
-    def _prefill_flops(self, new_tokens: Sequence[int], prior_tokens: Sequence[int]) -> float:
-        total = 0
-        attn = 0.0
+    def _linear_s(self, rows: int) -> float:
+        compute = 2.0 * self.model.compute_params * rows / self._flops_rate()
+        weights = self.model.weight_bytes(self.weight_dtype) / self._bytes_rate()
+        return max(compute, weights)
+
+    def _allreduce_s(self, rows: int) -> float:
+        if self.tp == 1:
+            return 0.0
+        size = rows * self.model.hidden_size * 2 * 2.0 * (self.tp - 1) / self.tp
+        per_layer = 2 * (self.allreduce_latency_s + size / self.gpu.nvlink_bytes_per_s)
+        return self.model.layers * per_layer
+
+    def _attention_s(self, new_tokens: Sequence[int], prior_tokens: Sequence[int]) -> float:
+        work = 0.0
         for n, p in zip(new_tokens, prior_tokens, strict=True):
-            total += n
-            attn += n * (p + n / 2.0)
-        return (
-            2.0 * self.model.compute_params * total
-            + 4.0 * self.model.layers * self.model.attention_dim * attn
-        )
+            work += n * (p + n / 2.0)
+        return 4.0 * self.model.layers * self.model.attention_dim * work / self._flops_rate()
 
     def prefill_s(self, new_tokens: Sequence[int], prior_tokens: Sequence[int]) -> float:
-        compute = self._prefill_flops(new_tokens, prior_tokens) / self._flops_rate()
-        memory = self.model.weight_bytes(self.weight_dtype) / self._bytes_rate()
-        return max(compute, memory) + self.overhead_s
+        rows = sum(new_tokens)
+        return (
+            self._linear_s(rows)
+            + self._attention_s(new_tokens, prior_tokens)
+            + self._allreduce_s(rows)
+            + self.overhead_s
+        )
 
     def decode_coeffs(self, batch_size: int) -> tuple[float, float]:
-        weights = self.model.weight_bytes(self.weight_dtype) / self._bytes_rate()
-        compute = 2.0 * self.model.compute_params * batch_size / self._flops_rate()
         per_ctx = self.model.kv_bytes_per_token(self.kv_dtype) / self._bytes_rate()
-        return max(weights, compute) + self.overhead_s, per_ctx
+        fixed = self._linear_s(batch_size) + self._allreduce_s(batch_size) + self.overhead_s
+        return fixed, per_ctx
 
     def mixed_s(
         self,
@@ -289,15 +307,19 @@ class RooflineLatency:
         decode_batch: int,
         decode_context_tokens: int,
     ) -> float:
-        flops = (
-            self._prefill_flops(new_tokens, prior_tokens)
-            + 2.0 * self.model.compute_params * decode_batch
+        rows = sum(new_tokens) + decode_batch
+        decode_attention = (
+            self.model.kv_bytes_per_token(self.kv_dtype)
+            * decode_context_tokens
+            / self._bytes_rate()
         )
-        memory = (
-            self.model.weight_bytes(self.weight_dtype)
-            + self.model.kv_bytes_per_token(self.kv_dtype) * decode_context_tokens
-        ) / self._bytes_rate()
-        return max(flops / self._flops_rate(), memory) + self.overhead_s
+        return (
+            self._linear_s(rows)
+            + self._attention_s(new_tokens, prior_tokens)
+            + decode_attention
+            + self._allreduce_s(rows)
+            + self.overhead_s
+        )
 
 
 @dataclass(frozen=True)

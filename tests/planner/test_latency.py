@@ -94,7 +94,22 @@ def test_roofline_scales_with_work() -> None:
     assert tp8.prefill_s([512], [60000]) > tp8.prefill_s([512], [0])
     fixed, per_ctx = tp8.decode_coeffs(1)
     weights_s = model.weight_bytes(tp8.weight_dtype) / (gpu.hbm_bytes_per_s * tp8.mbu * 8)
-    assert fixed == pytest.approx(weights_s + tp8.overhead_s)
+    # two ring all-reduces per layer of one row of activations, each with its latency
+    allreduce_s = (
+        model.layers * 2 * (10e-6 + model.hidden_size * 2 * 2 * 7 / 8 / gpu.nvlink_bytes_per_s)
+    )
+    assert fixed == pytest.approx(weights_s + allreduce_s + tp8.overhead_s)
+    assert provider.for_tp(1).decode_coeffs(1)[0] == pytest.approx(
+        model.weight_bytes(tp8.weight_dtype) / (gpu.hbm_bytes_per_s * tp8.mbu) + tp8.overhead_s
+    )
+    # A chunked iteration pays its decodes' KV reads on top of the chunk's GEMMs.
+    chunk = tp8.mixed_s([512], [0], 0, 0)
+    assert tp8.mixed_s([512], [0], 32, 32 * 4096) == pytest.approx(
+        chunk
+        + 32 * 4096 * per_ctx
+        + (tp8._linear_s(544) - tp8._linear_s(512))
+        + (tp8._allreduce_s(544) - tp8._allreduce_s(512))
+    )
     assert per_ctx > 0
 
 
