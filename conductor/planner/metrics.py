@@ -8,6 +8,10 @@ Definitions (DistServe's)
     * A request *attains* the SLO when ``ttft <= ttft_slo`` and ``tpot <= tpot_slo``; a rejected request (its
       KV does not fit an instance) never does.
     * Queue wait: arrival to the start of its prefill.
+    * KV transfer (disaggregated): from the moment a decode instance admits the request (at once, or when
+      memory frees up) to the last KV byte landing, i.e. what layer-by-layer pipelining left exposed plus
+      any wait for the sender's link. Decode wait: first token to joining a decode batch, minus the
+      transfer (waiting for decode memory or a batch slot).
 """
 
 from __future__ import annotations

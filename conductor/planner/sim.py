@@ -646,7 +646,9 @@ class _Simulation:
             start = max(src.link_free, now)
             done = start + duration
         src.link_free = done
-        self.transfer[rid] = done - self.first_token[rid]
+        # Exposed transfer: from the decode side's admission (the prefill's end when there was room) to
+        # the last byte. Waiting for decode memory before that is decode wait, not transfer.
+        self.transfer[rid] = done - now
         self._push(done, _EV_TRANSFER, rid, dst.idx)
 
     def _free_prefill(self, rid: int) -> None:
