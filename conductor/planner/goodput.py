@@ -62,7 +62,7 @@ def find_goodput(
     slo: Slo,
     *,
     start_rate_per_s: float | None = None,
-    rel_tol: float = 0.03,
+    rel_tol: float = 0.04,
     max_rate_per_s: float = 1e5,
 ) -> Goodput:
     """Highest rate (requests/s, whole deployment) meeting ``slo``; 0 if even a trickle misses it."""
@@ -75,7 +75,7 @@ def find_goodput(
         curve.append(point)
         return point.attainment >= slo.attainment_target
 
-    rate = start_rate_per_s or 0.5 * deployment.gpus
+    rate = start_rate_per_s or _start_rate(cluster, deployment, workload)
     lo, hi = 0.0, 0.0
     if ok(rate):
         lo = rate
@@ -104,6 +104,22 @@ def find_goodput(
         else:
             hi = mid
     return _finish(deployment, lo, curve)
+
+
+def _start_rate(cluster: ClusterSpec, deployment: Deployment, workload: Workload) -> float:
+    """A first guess near the capacity, so bracketing takes one or two simulations, not five.
+
+    GPU-seconds per request on the first group's instance shape: one prefill of the mean prompt plus the
+    mean output decoded at a batch of 32; the guess is 80% of the rate that keeps every GPU busy.
+    """
+    group = deployment.groups[0]
+    latency = cluster.latency.for_tp(group.tp)
+    prompt = int(workload.prompt_tokens.mean())
+    output = float(workload.output_tokens.mean())
+    fixed, per_ctx = latency.decode_coeffs(32)
+    per_token = fixed / 32 + per_ctx * (prompt + output / 2)
+    gpu_s = group.tp * (latency.prefill_s([prompt], [0]) + output * per_token)
+    return max(0.8 * deployment.gpus / gpu_s, 1e-3)
 
 
 def _finish(deployment: Deployment, rate: float, curve: list[RatePoint]) -> Goodput:

@@ -114,11 +114,15 @@ def plot_search(candidates: Sequence[Candidate], path: Path, top: int = 20) -> P
         [c.per_gpu for c in shown],
         color=[colours[c.deployment.architecture.value] for c in shown],
     )
-    for arch, colour in colours.items():
-        ax.barh([], [], color=colour, label=arch)
+    from matplotlib.patches import Patch
+
+    ax.legend(
+        handles=[Patch(color=colour, label=arch) for arch, colour in colours.items()],
+        fontsize=8,
+        loc="lower right",
+    )
     ax.set_xlabel("goodput per GPU (requests/s)")
     ax.tick_params(axis="y", labelsize=7)
-    ax.legend(fontsize=8, loc="lower right")
     ax.set_title("Search: best deployments per GPU")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

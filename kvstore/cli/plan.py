@@ -405,7 +405,7 @@ def search_command(
     gpus: int = typer.Option(8, help="GPU budget"),
     trace: str = typer.Option("sharegpt", help=TRACE_HELP),
     requests: int | None = typer.Option(
-        None, help="Requests per simulation (default: max(600, 150 x GPUs))"
+        None, help="Requests per simulation (default: max(1000, 300 x GPUs))"
     ),
     seed: int = typer.Option(0, help="Seed of synthetic traces"),
     link: str = typer.Option("roce-400g", help="Prefill-to-decode interconnect preset"),
@@ -439,7 +439,7 @@ def search_command(
             gpus, link_by_name(link, bandwidth_gbs), chunk_tokens=tuple(chunk), pp_degrees=tuple(pp)
         )
         workload = load_trace(
-            trace, data=data_dir, count=requests or max(600, 150 * gpus), seed=seed
+            trace, data=data_dir, count=requests or max(1000, 300 * gpus), seed=seed
         )
         slo = Slo(ttft_slo, tpot_slo)
         candidates, decision = search(
