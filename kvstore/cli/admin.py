@@ -89,7 +89,10 @@ def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
         t.add_column(col, justify="left" if col in ("node", "tier", "key", "parent") else "right")
     for row in rows:
         t.add_row(*row)
-    Console().print(t)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)  # a pipe: don't squeeze the table to 80 columns
+    console.print(t)
 
 
 def entry_doc(entry: Any) -> dict[str, Any]:

@@ -352,10 +352,15 @@ class StoreDaemon:
     def evict_prefix(self, key_prefix: bytes, tier: TierKind | None) -> tuple[int, int, int]:
         """Remove every chunk whose key starts with ``key_prefix`` (and its descendants).
 
-        Returns (removed, busy, freed bytes); pinned chunks are skipped and counted busy.
+        Returns (chunks removed, pinned chunks skipped, bytes freed). Bytes freed is how much
+        less the tiers' indexes hold afterwards (puts running meanwhile are netted in).
         """
+        def held() -> int:
+            return sum(self.cache.index.usage(kind).used_bytes for kind in self.cache.tiers)
+
+        before = held()
         entries, _ = self.list_entries(key_prefix, tier, 0)
-        removed = busy = freed = 0
+        removed = busy = 0
         gone: set[bytes] = set()
         for entry in sorted(entries, key=lambda e: -e.depth):
             if entry.key in gone:
@@ -369,8 +374,7 @@ class StoreDaemon:
                 continue
             gone.update(dropped)
             removed += len(dropped)
-            freed += entry.size_bytes if len(dropped) == 1 else 0
-        return removed, busy, freed
+        return removed, busy, max(0, before - held())
 
     def stats_pb(self) -> pb.StatsResponse:
         cache = self.cache
