@@ -22,11 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
-import os
-import platform
 import random
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from bench._meta import run_header
 from kvstore.dataplane import arena as arena_mod
 from kvstore.dataplane.allocator import ExtentAllocator
 from kvstore.dataplane.arena import PinMode, ShmArena
@@ -339,26 +336,8 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _machine() -> dict[str, Any]:
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        sha = "unknown"
-    return {
-        "git_sha": sha,
-        "machine": platform.machine(),
-        "kernel": platform.release(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "page_bytes": mmap.PAGESIZE,
-    }
-
-
 def main(json_path: Path | None = None, quick: bool = False) -> dict[str, Any]:
-    result: dict[str, Any] = {"meta": _machine(), "quick": quick}
+    result: dict[str, Any] = {**run_header("dram_arena", dists=("numpy",)), "quick": quick}
     sections: list[tuple[str, Callable[[], list[dict[str, Any]]]]] = [
         ("prefault", lambda: bench_prefault(256 * MiB if quick else GiB)),
         ("copy", lambda: bench_copies(256 * MiB if quick else 512 * MiB, 2 if quick else 4)),

@@ -26,19 +26,16 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
-import platform
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import cbor2
 import numpy as np
 import xxhash
 
+from bench._meta import run_header
 from kvstore.keys import BlockHasher, HashMode, KVDtype, KVFingerprint, Namespace
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -117,29 +114,6 @@ def prefill_reference(num_tokens: int, profile_dir: Path = PROFILE_DIR) -> Prefi
     return best
 
 
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (Linux), else what platform knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass  # not Linux: fall through to platform's (often empty) answer
-    return platform.processor() or "unknown"
-
-
-def git_sha() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                             text=True, check=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kvstore/keys.py",
-                                "bench/hashing.py"], cwd=REPO_ROOT, capture_output=True,
-                               text=True, check=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return f"{sha}-dirty" if dirty else sha
-
-
 def run(quick: bool) -> dict[str, Any]:
     """Measure every row and the limits; return the JSON-ready result."""
     repeats = 3 if quick else 10
@@ -171,12 +145,9 @@ def run(quick: bool) -> dict[str, Any]:
                     fraction_of_prefill=seconds / reference.seconds if reference else None))
 
     return {
-        "benchmark": "hashing",
+        **run_header("hashing", dists=("numpy", "xxhash", "cbor2"),
+                     dirty_paths=("kvstore/keys.py", "bench/hashing.py")),
         "quick": quick,
-        "git_sha": git_sha(),
-        "machine": {"platform": platform.platform(), "cpu": cpu_model(), "cpus": os.cpu_count()},
-        "versions": {"python": platform.python_version(), "numpy": np.__version__,
-                     "xxhash": xxhash.VERSION, "cbor2": _version("cbor2", cbor2)},
         "tokens": NUM_TOKENS,
         "token_bytes": len(token_bytes),
         "limits": {
@@ -188,15 +159,6 @@ def run(quick: bool) -> dict[str, Any]:
         "prefill_reference": asdict(reference) if reference else None,
         "rows": [asdict(r) for r in rows],
     }
-
-
-def _version(dist: str, module: object) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return str(getattr(module, "__version__", "unknown"))
 
 
 def print_table(result: dict[str, Any]) -> None:

@@ -25,15 +25,13 @@ from __future__ import annotations
 import argparse
 import enum
 import json
-import os
-import platform
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench._meta import run_header
 from kvstore.dataplane.tier import TierKind
 from kvstore.errors import CapacityError, ConfigError, InvalidArgument
 from kvstore.node.index import CacheIndex, TierBudget
@@ -203,16 +201,6 @@ def sweep(requests: Sequence[TraceRequest],
     return {"unbounded": unbounded.to_json(), "rows": rows}
 
 
-def _environment() -> dict[str, object]:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             check=True, timeout=10, cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        sha = None
-    return {"git_sha": sha, "python": platform.python_version(), "machine": platform.machine(),
-            "cpus": os.cpu_count(), "platform": platform.platform()}
-
-
 def format_sweep(result: dict[str, object]) -> str:
     unb = result["unbounded"]
     assert isinstance(unb, dict)
@@ -240,7 +228,7 @@ def run_sweep(trace: Path, out: Path | None, limit: int | None = None,
     result = sweep(requests, capacities_tokens)
     result["trace"] = str(trace)
     result["half"] = None if half is None else half.value
-    result["environment"] = _environment()
+    result.update(run_header("replay", dirty_paths=("kvstore/node", "bench/replay.py")))
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")

@@ -31,11 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import mmap
 import os
-import platform
 import shutil
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -45,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from bench._meta import run_header
 from kvstore.dataplane.directio import AlignedBuffer, IoMode, open_flags
 from kvstore.dataplane.nvme import NvmeTier, NvmeTierConfig
 from kvstore.errors import CapacityError
@@ -419,42 +417,6 @@ def _d2h(device: Any, host: Cycle, n: int) -> None:
 # --- driver -------------------------------------------------------------------------------------
 
 
-def _git_sha() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                             text=True, check=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kvstore/dataplane",
-                                "bench/tiers.py"], cwd=REPO_ROOT, capture_output=True,
-                               text=True, check=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return f"{sha}-dirty" if dirty else sha
-
-
-def _machine() -> dict[str, Any]:
-    cpu = platform.processor() or "unknown"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return {"platform": platform.platform(), "cpu": cpu, "cpus": os.cpu_count(),
-            "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-            "page_bytes": mmap.PAGESIZE}
-
-
-def _versions() -> dict[str, str]:
-    import xxhash
-
-    out = {"python": platform.python_version(), "numpy": np.__version__,
-           "xxhash": xxhash.VERSION}
-    with contextlib.suppress(ImportError):
-        import torch
-
-        out["torch"] = torch.__version__
-    return out
-
-
 def _cuda_available() -> bool:
     try:
         from kvstore.dataplane import cuda
@@ -491,13 +453,11 @@ def run(quick: bool, directory: Path | None = None, unaligned: bool = False,
     if _cuda_available():
         rows += bench_hbm(plan)
     return {
-        "benchmark": "tiers",
+        **run_header("tiers", dists=("numpy", "xxhash", "torch"),
+                     dirty_paths=("kvstore/dataplane", "bench/tiers.py")),
         "quick": quick,
         "rounds": plan.rounds,
         "figures": "best of rounds; GB/s = 1e9 bytes/s; one thread",
-        "git_sha": _git_sha(),
-        "machine": _machine(),
-        "versions": _versions(),
         "nvme": nvme_info,
         "hbm": hbm,
         "elapsed_s": time.perf_counter() - started,

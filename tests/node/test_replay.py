@@ -141,7 +141,7 @@ def test_cli_replay_sweep_writes_json(tmp_path: Path) -> None:
     rows = written["rows"]
     assert {r["policy"] for r in rows} == {p.value for p in PolicyName}
     assert {r["capacity_tokens"] for r in rows} == {1_000_000, 3_000_000, 10_000_000}
-    assert written["environment"]["python"]
+    assert written["versions"]["python"] and written["git_sha"]
 
 
 def test_cli_replay_bad_input_is_a_clear_error(tmp_path: Path) -> None:
