@@ -21,9 +21,6 @@ Run with ``.venv/bin/python -m bench.planner [--quick] [--json PATH]``.
 from __future__ import annotations
 
 import json
-import os
-import platform
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -32,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from bench._meta import run_header
 from conductor.planner.goodput import find_goodput
 from conductor.planner.hardware import gpu_by_name, link_by_name
 from conductor.planner.latency import build_latency_provider
@@ -301,34 +299,11 @@ def rules_of_thumb() -> list[dict[str, Any]]:
     return rows
 
 
-def git_sha() -> str:
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "conductor/planner", "bench/planner.py"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return sha + ("+dirty" if dirty else "")
-
-
 def run(quick: bool) -> dict[str, Any]:
     result: dict[str, Any] = {
-        "benchmark": "planner",
+        **run_header("planner", dists=("numpy", "matplotlib"),
+                     dirty_paths=("conductor/planner", "bench/planner.py")),
         "quick": quick,
-        "git_sha": git_sha(),
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-        },
-        "versions": {"numpy": np.__version__},
         "paper": PAPER,
         "search_space_size_8_gpus": len(
             enumerate_deployments(

@@ -83,3 +83,14 @@ def replay(
         typer.echo(f"kvtier bench replay: {exc}", err=True)
         raise typer.Exit(2) from exc
     typer.echo(json.dumps(one.to_json()) if json_output else bench_replay.format_one(one))
+
+
+@app.command()
+def planner(
+    quick: bool = typer.Option(False, "--quick", help="Fewer requests and seeds (smoke run)."),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write the results as JSON here."),
+) -> None:
+    """Planner speed (full-trace simulation, ~100-config search) and the DistServe OPT-13B check."""
+    from bench import planner as bench_planner
+
+    bench_planner.main(json_path, quick)
