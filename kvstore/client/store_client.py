@@ -92,6 +92,9 @@ class StoreClientConfig:
     rpc_timeout_s: float = 30.0
     lease_ttl_s: float = 0.0
     """TTL of same-host leases (0: the daemon's default)."""
+    wait_for_ready: bool = False
+    """``connect`` waits up to ``rpc_timeout_s`` for a daemon that is not listening yet,
+    instead of failing at once with PeerUnavailable."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.data_plane, DataPlane):
@@ -241,7 +244,7 @@ class StoreClient:
             stub = pb_grpc.StoreStub(channel)  # type: ignore[no-untyped-call]
             try:
                 info = stub.Info(pb.InfoRequest(), timeout=cfg.rpc_timeout_s,
-                                 wait_for_ready=True)
+                                 wait_for_ready=cfg.wait_for_ready)
             except grpc.RpcError as exc:
                 raise translate_rpc_error(exc, f"Info from {address}") from exc
             arena = None
