@@ -504,3 +504,22 @@ def search_command(
         typer.echo(f"  - {reason}")
     for path in doc.get("files", []):
         typer.echo(f"  wrote {path}")
+
+
+@app.command("profile-engine")
+def profile_engine_command(
+    out: Path = typer.Option(..., "--out", help="Where to write the kvtier.latency-profile/1 JSON."),
+    quick: bool = typer.Option(False, "--quick", help="Fewer points (smoke run)."),
+) -> None:
+    """Measure kvtier's reference engine (prefill per length, decode per batch and context) on this
+    machine and write a profile that `plan simulate --latency PATH` plugs in."""
+    from kvstore.engine.profile import measure_profile
+
+    if quick:
+        profile = measure_profile(prefill_tokens=(64, 256), decode_batches=(1, 2),
+                                  decode_contexts=(128, 256), repeats=1)
+    else:
+        profile = measure_profile()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(profile, indent=2) + "\n", encoding="utf-8")
+    _emit(profile)
