@@ -11,10 +11,10 @@ from typer.testing import CliRunner
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from conductor.planner.latency import PROFILE_SCHEMA, TableLatency  # noqa: E402
-from kvstore.cli.main import app  # noqa: E402
-from kvstore.engine.model import ModelSpec  # noqa: E402
-from kvstore.engine.profile import measure_profile  # noqa: E402
+from conductor.planner.latency import PROFILE_SCHEMA, TableLatency
+from kvstore.cli.main import app
+from kvstore.engine.model import ModelSpec
+from kvstore.engine.profile import measure_profile
 
 TINY = ModelSpec(vocab_size=500, hidden_size=64, intermediate_size=128, num_layers=2,
                  num_attention_heads=4, num_kv_heads=2, head_dim=16, max_positions=512)
