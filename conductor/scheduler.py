@@ -1,0 +1,819 @@
+"""KV-aware scheduling: which prefill and decode instances run a request, and what it reuses.
+
+The baseline is the Mooncake conductor (FAST'25, Algorithm 1). For each
+prefill instance the scheduler estimates the time to first token
+
+    TTFT = T_queue + T_transfer + max(T_prefill, T_load)
+
+* ``T_queue``: the work already queued on the instance: the sum of the
+  estimated durations of the requests it was given and has not finished,
+  re-anchored at every completion report (``queue drains at now + remaining
+  work``), so one late request delays the estimate of those behind it once.
+* ``T_prefill``: ``factor(instance) * latency_model.prefill_s(uncached,
+  reused)``: the latency model of :mod:`conductor.planner.latency`, corrected
+  per instance by a moving average of measured/modelled times
+  (:class:`~conductor.calibration.SpeedCalibration`).
+* ``T_load``: reading the reused blocks of the instance's own node into the
+  GPU, per tier (HBM free, DRAM over PCIe, NVMe at disk speed). Layer-wise
+  prefill overlaps it with compute (Mooncake section 5.2), hence the max.
+* ``T_transfer``: blocks fetched from another node: bytes over the link's
+  calibrated bandwidth (:class:`~conductor.calibration.LinkCalibration`), plus
+  the wait behind transfers already scheduled out of the same source node.
+
+Policies (:class:`Policy`), compared by ``kvtier bench schedule``:
+
+* ``RANDOM``: any prefill instance; the engine still reuses its node's prefix.
+* ``LOAD``: the instance with the least queued work.
+* ``LOCAL_CACHE``: the lowest TTFT reusing only the instance's own node.
+* ``GLOBAL_CACHE`` (Mooncake's KVCache-centric scheduling): also consider
+  fetching the longest prefix any node holds, from that node, when
+  ``best / local >= kvcache_balancing_threshold``. Algorithm 1 then always
+  fetches; here the fetch is taken only when its TTFT is lower than local
+  reuse (with a threshold of 1 this is a pure cost comparison).
+
+Decode: the instance with the lowest predicted time per output token at the
+moment the request will reach it (``now + TTFT``): requests predicted to have
+finished by then are not counted, requests admitted but still prefilling are.
+Predicting the load at arrival, instead of reading it now, is what keeps
+prefill-side and decode-side rejections from oscillating (Mooncake section
+7.4): an admitted burst is seen by the decode check before it lands.
+
+Early rejection: when ``ttft_slo_s`` or ``tpot_slo_s`` is set and the best
+estimate misses it, or no decode instance has KV room, the decision says so
+(``accepted=False`` with a :class:`RejectReason` and a message) and nothing is
+reserved. A rejection is an answer, not an exception; malformed requests and
+unknown models raise :class:`~kvstore.errors.InvalidArgument`.
+
+Hot prefixes: when ``GLOBAL_CACHE`` fetches the same prefix from a remote node
+``hot_prefix_fetches`` times, the decision carries a :class:`ReplicationHint`
+to copy it to the least-loaded nodes that lack it (the fetch itself already
+leaves a copy on the chosen node, as in Mooncake).
+
+Feedback: the caller reports completions (:meth:`Scheduler.prefill_done`,
+:meth:`Scheduler.decode_done`) with measured times; these calibrate the
+estimators and correct the queue predictions. Time is the caller's clock,
+passed in as ``now_s`` (seconds, monotonic).
+
+Thread safety: none. One owner (the conductor's event loop, or the replay)
+drives a scheduler; the prefix index it reads is thread-safe on its own.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import itertools
+import math
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from conductor.calibration import LinkCalibration, MeanEstimate, SpeedCalibration
+from conductor.index import GlobalMatch, GlobalPrefixIndex, TierCounts
+from conductor.planner.latency import LatencyModel
+from kvstore.errors import InvalidArgument, InvariantViolation
+
+__all__ = [
+    "Decision",
+    "DecodeInstance",
+    "FetchPlan",
+    "Policy",
+    "PrefillInstance",
+    "RejectReason",
+    "ReplicationHint",
+    "ScheduleRequest",
+    "Scheduler",
+    "SchedulerConfig",
+    "TtftEstimate",
+]
+
+_HOT_COUNTER_LIMIT = 1 << 16
+
+
+class Policy(enum.Enum):
+    RANDOM = "random"
+    LOAD = "load"
+    LOCAL_CACHE = "local-cache"
+    GLOBAL_CACHE = "global-cache"
+
+
+class RejectReason(enum.Enum):
+    TTFT_SLO = "ttft_slo"
+    """The lowest estimated TTFT over all prefill instances exceeds the TTFT target."""
+    TPOT_SLO = "tpot_slo"
+    """The lowest predicted time per output token over all decode instances exceeds the target."""
+    DECODE_KV_FULL = "decode_kv_full"
+    """No decode instance has room for the request's KV cache."""
+
+
+def _check_number(name: str, value: object, *, low: float = 0.0, strict: bool = True,
+                  allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidArgument(f"{name} must be a finite number, got {value!r}")
+    if (strict and not value > low) or (not strict and not value >= low):
+        raise InvalidArgument(f"{name} must be {'>' if strict else '>='} {low}, got {value!r}")
+
+
+def _check_id(name: str, value: object) -> None:
+    if not isinstance(value, str) or not value:
+        raise InvalidArgument(f"{name} must be a non-empty str, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Everything that shapes decisions. Bandwidths in bytes per second, times in seconds."""
+
+    policy: Policy
+    block_size_tokens: int
+    block_size_bytes: int
+    """KV bytes of one block (all layers): what a fetch moves per block."""
+    ttft_slo_s: float | None = None
+    tpot_slo_s: float | None = None
+    kvcache_balancing_threshold: float = 1.0
+    """GLOBAL_CACHE considers a fetch when ``best / local >= threshold`` (local 0: always)."""
+    remote_link_bytes_per_s: float = 45e9
+    """Nominal node-to-node bandwidth before calibration (400 Gb/s RoCE, ~45 GB/s effective)."""
+    dram_read_bytes_per_s: float = 64e9
+    """Host DRAM to GPU (PCIe Gen5 x16)."""
+    nvme_read_bytes_per_s: float = 6e9
+    hot_prefix_fetches: int = 0
+    """Remote fetches of one prefix that make it hot (a replication hint); 0: never."""
+    replication_fanout: int = 1
+    initial_output_tokens: float = 256.0
+    """Expected output length before any request has finished (then a moving average)."""
+    seed: int = 0
+    """Seeds the RANDOM policy."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.policy, Policy):
+            raise InvalidArgument(f"policy must be a Policy, got {self.policy!r}")
+        for name in ("block_size_tokens", "block_size_bytes", "replication_fanout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InvalidArgument(f"{name} must be a positive int, got {value!r}")
+        if (isinstance(self.hot_prefix_fetches, bool) or not isinstance(self.hot_prefix_fetches, int)
+                or self.hot_prefix_fetches < 0):
+            raise InvalidArgument(
+                f"hot_prefix_fetches must be a non-negative int, got {self.hot_prefix_fetches!r}")
+        _check_number("ttft_slo_s", self.ttft_slo_s, allow_none=True)
+        _check_number("tpot_slo_s", self.tpot_slo_s, allow_none=True)
+        _check_number("kvcache_balancing_threshold", self.kvcache_balancing_threshold,
+                      low=1.0, strict=False)
+        for name in ("remote_link_bytes_per_s", "dram_read_bytes_per_s", "nvme_read_bytes_per_s",
+                     "initial_output_tokens"):
+            _check_number(name, getattr(self, name))
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise InvalidArgument(f"seed must be an int, got {self.seed!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillInstance:
+    """A prefill engine. ``node_id`` is the store node on its host (its local cache)."""
+
+    instance_id: str
+    node_id: str
+    model: str
+
+    def __post_init__(self) -> None:
+        for name in ("instance_id", "node_id", "model"):
+            _check_id(name, getattr(self, name))
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeInstance:
+    """A decode engine with room for ``kv_capacity_tokens`` tokens of KV cache."""
+
+    instance_id: str
+    node_id: str
+    model: str
+    kv_capacity_tokens: int
+
+    def __post_init__(self) -> None:
+        for name in ("instance_id", "node_id", "model"):
+            _check_id(name, getattr(self, name))
+        if (isinstance(self.kv_capacity_tokens, bool) or not isinstance(self.kv_capacity_tokens, int)
+                or self.kv_capacity_tokens <= 0):
+            raise InvalidArgument(
+                f"kv_capacity_tokens must be a positive int, got {self.kv_capacity_tokens!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleRequest:
+    """One request to place: its chained block keys (one per block, in order) and length.
+
+    ``keys`` may cover a trailing partial block (as the Mooncake traces do) but
+    never more blocks than ``input_tokens`` fill.
+    """
+
+    request_id: str
+    model: str
+    keys: tuple[bytes, ...]
+    input_tokens: int
+
+    def __post_init__(self) -> None:
+        _check_id("request_id", self.request_id)
+        _check_id("model", self.model)
+        if not isinstance(self.keys, tuple):
+            raise InvalidArgument(f"keys must be a tuple of bytes, got {type(self.keys).__name__}")
+        for key in self.keys:
+            if not isinstance(key, bytes) or not key:
+                raise InvalidArgument(f"keys must be non-empty bytes, got {key!r}")
+        if (isinstance(self.input_tokens, bool) or not isinstance(self.input_tokens, int)
+                or self.input_tokens <= 0):
+            raise InvalidArgument(f"input_tokens must be a positive int, got {self.input_tokens!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class TtftEstimate:
+    """The parts of one TTFT estimate, in seconds. ``total_s = queue + transfer + max(prefill, load)``."""
+
+    queue_s: float
+    transfer_s: float
+    prefill_s: float
+    load_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.queue_s + self.transfer_s + max(self.prefill_s, self.load_s)
+
+
+@dataclass(frozen=True, slots=True)
+class FetchPlan:
+    """Load blocks ``[first_block, end_block)`` of the request from ``src_node`` into ``dst_node``."""
+
+    src_node: str
+    dst_node: str
+    first_block: int
+    end_block: int
+    size_bytes: int
+
+    @property
+    def blocks(self) -> int:
+        return self.end_block - self.first_block
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicationHint:
+    """Copy the request's first ``blocks`` blocks from ``src_node`` to each of ``dst_nodes``."""
+
+    src_node: str
+    dst_nodes: tuple[str, ...]
+    blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where a request runs, or why it does not.
+
+    Accepted: ``prefill_instance``/``decode_instance`` name the instances;
+    ``prefix_blocks`` leading blocks are reused, ``local_blocks`` of them from
+    the prefill instance's own node (``local_tiers`` says from which tiers) and
+    the rest by ``fetch``. ``ticket`` identifies the request in completion
+    reports. Rejected: ``reason`` and ``message`` say why; the estimates that
+    led there are filled in where they were computed.
+    """
+
+    request_id: str
+    accepted: bool
+    reason: RejectReason | None = None
+    message: str = ""
+    prefill_instance: str | None = None
+    prefill_node: str | None = None
+    decode_instance: str | None = None
+    prefix_blocks: int = 0
+    local_blocks: int = 0
+    local_tiers: TierCounts = field(default_factory=TierCounts)
+    fetch: FetchPlan | None = None
+    replicate: ReplicationHint | None = None
+    ttft: TtftEstimate | None = None
+    tpot_s: float | None = None
+    ticket: int = 0
+
+    @property
+    def estimated_ttft_s(self) -> float | None:
+        return None if self.ttft is None else self.ttft.total_s
+
+
+class _PrefillState:
+    __slots__ = ("busy_until_s", "instance", "outstanding", "pending_work_s")
+
+    def __init__(self, instance: PrefillInstance) -> None:
+        self.instance = instance
+        self.busy_until_s = 0.0
+        """When the queue is predicted to drain."""
+        self.outstanding = 0
+        self.pending_work_s = 0.0
+        """Estimated durations of the outstanding requests, summed."""
+
+
+class _DecodeState:
+    __slots__ = ("context_tokens", "ends", "instance", "kv_used_tokens")
+
+    def __init__(self, instance: DecodeInstance) -> None:
+        self.instance = instance
+        self.ends: list[float] = []
+        """Predicted finish times of the requests assigned here, sorted."""
+        self.context_tokens = 0
+        self.kv_used_tokens = 0
+
+
+class _Ticket:
+    __slots__ = ("decode_end_s", "decode_id", "fetch", "kv_tokens", "new_tokens", "prefill_id",
+                 "prefill_work_s", "prefilled", "prior_tokens", "request_id", "tpot_s")
+
+    def __init__(self, request_id: str, prefill_id: str, decode_id: str, prefill_work_s: float,
+                 new_tokens: int, prior_tokens: int, fetch: FetchPlan | None, decode_end_s: float,
+                 kv_tokens: int, tpot_s: float) -> None:
+        self.request_id = request_id
+        self.prefill_id = prefill_id
+        self.decode_id = decode_id
+        self.prefill_work_s = prefill_work_s
+        self.new_tokens = new_tokens
+        self.prior_tokens = prior_tokens
+        self.fetch = fetch
+        self.decode_end_s = decode_end_s
+        self.kv_tokens = kv_tokens
+        self.tpot_s = tpot_s
+        self.prefilled = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Option:
+    """One way to run the request on one prefill instance."""
+
+    state: _PrefillState
+    ttft: TtftEstimate
+    local_blocks: int
+    local_tiers: TierCounts
+    prefix_blocks: int
+    fetch: FetchPlan | None
+    new_tokens: int
+    prior_tokens: int
+
+
+
+class Scheduler:
+    """Places requests on prefill and decode instances. See the module docstring.
+
+    ``latency`` is the model of one prefill/decode instance (all instances run
+    the same model and parallelism; per-instance differences are calibrated).
+    The constructor builds in-memory state only.
+    """
+
+    def __init__(self, index: GlobalPrefixIndex, latency: LatencyModel, config: SchedulerConfig,
+                 *, prefill_speed: SpeedCalibration | None = None,
+                 decode_speed: SpeedCalibration | None = None,
+                 links: LinkCalibration | None = None) -> None:
+        if not isinstance(config, SchedulerConfig):
+            raise InvalidArgument(f"config must be a SchedulerConfig, got {config!r}")
+        self._index = index
+        self._latency = latency
+        self._config = config
+        self.prefill_speed = prefill_speed or SpeedCalibration()
+        self.decode_speed = decode_speed or SpeedCalibration()
+        self.links = links or LinkCalibration(config.remote_link_bytes_per_s)
+        self.output_tokens = MeanEstimate(config.initial_output_tokens)
+        self._rng = random.Random(config.seed)
+        self._prefill: dict[str, _PrefillState] = {}
+        self._decode: dict[str, _DecodeState] = {}
+        self._prefill_by_model: dict[str, list[_PrefillState]] = {}
+        self._decode_by_model: dict[str, list[_DecodeState]] = {}
+        self._src_busy_until: dict[str, float] = {}
+        """Per source node: when the transfers already scheduled out of it end."""
+        self._tickets: dict[int, _Ticket] = {}
+        self._ticket_ids = itertools.count(1)
+        self._fetch_counts: dict[bytes, int] = {}
+        self._decode_coeffs: dict[int, tuple[float, float]] = {}
+        self.accepted = 0
+        self.rejected: dict[RejectReason, int] = dict.fromkeys(RejectReason, 0)
+
+    @property
+    def config(self) -> SchedulerConfig:
+        return self._config
+
+    # -- instances ---------------------------------------------------------------
+
+    def add_prefill_instance(self, instance: PrefillInstance) -> None:
+        """Register a prefill instance (raises InvalidArgument if the id is taken)."""
+        if not isinstance(instance, PrefillInstance):
+            raise InvalidArgument(f"expected a PrefillInstance, got {instance!r}")
+        if instance.instance_id in self._prefill or instance.instance_id in self._decode:
+            raise InvalidArgument(f"instance {instance.instance_id} is already registered")
+        st = _PrefillState(instance)
+        self._prefill[instance.instance_id] = st
+        group = self._prefill_by_model.setdefault(instance.model, [])
+        group.append(st)
+        group.sort(key=lambda s: s.instance.instance_id)
+
+    def add_decode_instance(self, instance: DecodeInstance) -> None:
+        """Register a decode instance (raises InvalidArgument if the id is taken)."""
+        if not isinstance(instance, DecodeInstance):
+            raise InvalidArgument(f"expected a DecodeInstance, got {instance!r}")
+        if instance.instance_id in self._prefill or instance.instance_id in self._decode:
+            raise InvalidArgument(f"instance {instance.instance_id} is already registered")
+        st = _DecodeState(instance)
+        self._decode[instance.instance_id] = st
+        group = self._decode_by_model.setdefault(instance.model, [])
+        group.append(st)
+        group.sort(key=lambda s: s.instance.instance_id)
+
+    def remove_instance(self, instance_id: str) -> bool:
+        """Forget an instance (it died or left); its outstanding tickets are dropped."""
+        st_p = self._prefill.pop(instance_id, None)
+        st_d = self._decode.pop(instance_id, None)
+        if st_p is not None:
+            self._prefill_by_model[st_p.instance.model].remove(st_p)
+            self.prefill_speed.forget(instance_id)
+        if st_d is not None:
+            self._decode_by_model[st_d.instance.model].remove(st_d)
+            self.decode_speed.forget(instance_id)
+        if st_p is None and st_d is None:
+            return False
+        for ticket_id in [t for t, tk in self._tickets.items()
+                          if instance_id in (tk.prefill_id, tk.decode_id)]:
+            self.cancel(ticket_id)
+        return True
+
+    def queue_s(self, instance_id: str, now_s: float) -> float:
+        """Predicted seconds of work queued on a prefill instance."""
+        st = self._prefill.get(instance_id)
+        if st is None:
+            raise InvalidArgument(f"unknown prefill instance {instance_id!r}")
+        return max(0.0, st.busy_until_s - now_s)
+
+    # -- scheduling --------------------------------------------------------------
+
+    def schedule(self, request: ScheduleRequest, now_s: float) -> Decision:
+        """Decide where ``request`` runs. Accepted decisions reserve queue, link and KV room.
+
+        Raises InvalidArgument for a malformed request or a model no registered
+        prefill or decode instance serves.
+        """
+        if not isinstance(request, ScheduleRequest):
+            raise InvalidArgument(f"expected a ScheduleRequest, got {type(request).__name__}")
+        cfg = self._config
+        block = cfg.block_size_tokens
+        if len(request.keys) > -(-request.input_tokens // block):
+            raise InvalidArgument(
+                f"request {request.request_id}: {len(request.keys)} block keys for "
+                f"{request.input_tokens} tokens at {block} tokens per block")
+        prefills = self._prefill_by_model.get(request.model)
+        decodes = self._decode_by_model.get(request.model)
+        if not prefills or not decodes:
+            served = sorted(m for m in self._prefill_by_model if self._prefill_by_model[m])
+            raise InvalidArgument(
+                f"no {'prefill' if not prefills else 'decode'} instance serves model "
+                f"{request.model!r} (prefill instances serve: {', '.join(served) or 'nothing'})")
+
+        match = self._index.match(request.keys)
+        option = self._choose_prefill(request, match, prefills, now_s)
+        ttft = option.ttft
+        rid = request.request_id
+
+        if cfg.ttft_slo_s is not None and ttft.total_s > cfg.ttft_slo_s:
+            return self._reject(rid, RejectReason.TTFT_SLO,
+                                f"estimated TTFT {ttft.total_s:.3f} s > target {cfg.ttft_slo_s} s "
+                                f"on the best prefill instance {option.state.instance.instance_id}",
+                                option, None)
+
+        out_tokens = self.output_tokens.value
+        kv_tokens = request.input_tokens + math.ceil(out_tokens)
+        arrival_s = now_s + ttft.total_s
+        picked = self._choose_decode(decodes, request.input_tokens, kv_tokens, arrival_s)
+        if picked is None:
+            return self._reject(rid, RejectReason.DECODE_KV_FULL,
+                                f"no decode instance of {request.model!r} has room for "
+                                f"{kv_tokens} KV tokens", option, None)
+        dstate, tpot_s = picked
+        if cfg.tpot_slo_s is not None and tpot_s > cfg.tpot_slo_s:
+            return self._reject(rid, RejectReason.TPOT_SLO,
+                                f"predicted TPOT {tpot_s * 1000:.1f} ms > target "
+                                f"{cfg.tpot_slo_s * 1000:.1f} ms on the best decode instance "
+                                f"{dstate.instance.instance_id}", option, tpot_s)
+
+        # Accepted: reserve the prefill queue, the source link and the decode room.
+        pst = option.state
+        start_s = max(now_s, pst.busy_until_s)
+        work_s = ttft.transfer_s + max(ttft.prefill_s, ttft.load_s)
+        done_s = start_s + work_s
+        pst.busy_until_s = done_s
+        pst.outstanding += 1
+        pst.pending_work_s += work_s
+        if option.fetch is not None:
+            self._reserve_link(option.fetch.src_node, start_s, option.fetch.size_bytes,
+                               option.fetch.dst_node)
+        decode_end_s = done_s + out_tokens * tpot_s
+        bisect.insort(dstate.ends, decode_end_s)
+        dstate.context_tokens += request.input_tokens
+        dstate.kv_used_tokens += kv_tokens
+        ticket = next(self._ticket_ids)
+        self._tickets[ticket] = _Ticket(rid, pst.instance.instance_id, dstate.instance.instance_id,
+                                        work_s, option.new_tokens, option.prior_tokens,
+                                        option.fetch, decode_end_s, kv_tokens, tpot_s)
+        hint = self._replication_hint(request, match, option, prefills, now_s)
+        self.accepted += 1
+        return Decision(
+            request_id=rid, accepted=True, prefill_instance=pst.instance.instance_id,
+            prefill_node=pst.instance.node_id, decode_instance=dstate.instance.instance_id,
+            prefix_blocks=option.prefix_blocks, local_blocks=option.local_blocks,
+            local_tiers=option.local_tiers, fetch=option.fetch, replicate=hint, ttft=ttft,
+            tpot_s=tpot_s, ticket=ticket)
+
+    def _reject(self, request_id: str, reason: RejectReason, message: str, option: _Option,
+                tpot_s: float | None) -> Decision:
+        self.rejected[reason] += 1
+        return Decision(request_id=request_id, accepted=False, reason=reason, message=message,
+                        prefix_blocks=option.prefix_blocks, local_blocks=option.local_blocks,
+                        ttft=option.ttft, tpot_s=tpot_s)
+
+    # -- the cost model --------------------------------------------------------------
+
+    def _tokens(self, input_tokens: int, reused_blocks: int) -> tuple[int, int]:
+        """(tokens to compute, tokens reused) when ``reused_blocks`` leading blocks are cached.
+
+        At least one token is always computed (the engine needs its logits).
+        """
+        prior = min(reused_blocks * self._config.block_size_tokens, input_tokens - 1)
+        return input_tokens - prior, prior
+
+    def prefill_estimate_s(self, instance_id: str, new_tokens: int, prior_tokens: int) -> float:
+        """Calibrated prefill compute time on one instance."""
+        return self.prefill_speed.factor(instance_id) * self._latency.prefill_s(
+            [new_tokens], [prior_tokens])
+
+    def _load_s(self, tiers: TierCounts) -> float:
+        cfg = self._config
+        size = cfg.block_size_bytes
+        return (tiers.dram * size / cfg.dram_read_bytes_per_s
+                + tiers.nvme * size / cfg.nvme_read_bytes_per_s)
+
+    def _transfer_s(self, src: str, dst: str, size_bytes: int, start_s: float) -> float:
+        wait = max(0.0, self._src_busy_until.get(src, 0.0) - start_s)
+        return wait + self.links.transfer_s(src, dst, size_bytes)
+
+    def _reserve_link(self, src: str, start_s: float, size_bytes: int, dst: str) -> None:
+        begin = max(start_s, self._src_busy_until.get(src, 0.0))
+        self._src_busy_until[src] = begin + self.links.transfer_s(src, dst, size_bytes)
+
+    def _fetch_source(self, match: GlobalMatch) -> tuple[str, int] | None:
+        best = match.best_length
+        if best == 0:
+            return None
+        nodes = match.best_nodes()
+        if len(nodes) > 1:  # the least busy holder of the longest prefix
+            nodes.sort(key=lambda n: (self._src_busy_until.get(n, 0.0), n))
+        return nodes[0], best
+
+    def _choose_prefill(self, request: ScheduleRequest, match: GlobalMatch,
+                        prefills: list[_PrefillState], now_s: float) -> _Option:
+        # Candidates are ranked on plain floats and tuples; only the winner becomes an
+        # _Option. The latency model is pure, so its answers are memoized for this call:
+        # instances on nodes with equal prefixes ask it the same question.
+        policy = self._config.policy
+        if policy is Policy.RANDOM:
+            pool = [prefills[self._rng.randrange(len(prefills))]]
+        elif policy is Policy.LOAD:
+            pool = [min(prefills, key=lambda s: (s.busy_until_s, s.instance.instance_id))]
+        else:
+            pool = prefills
+        source = self._fetch_source(match) if policy is Policy.GLOBAL_CACHE else None
+        threshold = self._config.kvcache_balancing_threshold
+        input_tokens = request.input_tokens
+        block_bytes = self._config.block_size_bytes
+        model_s: dict[int, float] = {}
+        load_by_node: dict[str, float] = {}
+        factor = self.prefill_speed.factor
+        best: tuple[float, float, str] | None = None
+        best_plan: tuple[_PrefillState, int, str | None, float, float, float] | None = None
+        # best_plan: (instance, blocks reused, fetch source or None, transfer, compute, load)
+        for st in pool:
+            node = st.instance.node_id
+            local = match.length(node)
+            load_s = load_by_node.get(node)
+            if load_s is None:
+                load_s = self._load_s(match.tier_counts(node)) if local else 0.0
+                load_by_node[node] = load_s
+            queue_s = st.busy_until_s - now_s
+            if queue_s < 0.0:
+                queue_s = 0.0
+            speed = factor(st.instance.instance_id)
+            # Option 1: reuse the local prefix only.
+            compute_s = speed * self._model_prefill_s(input_tokens, local, model_s)
+            rank = (queue_s + max(compute_s, load_s), queue_s, st.instance.instance_id)
+            plan: tuple[_PrefillState, int, str | None, float, float, float] = (
+                st, local, None, 0.0, compute_s, load_s)
+            # Option 2 (GLOBAL_CACHE): fetch the rest of the longest prefix from its holder.
+            if source is not None:
+                src, best_len = source
+                if (src != node and best_len > local
+                        and (local == 0 or best_len >= threshold * local)):
+                    transfer_s = self._transfer_s(src, node, (best_len - local) * block_bytes,
+                                                  now_s + queue_s)
+                    fetch_compute_s = speed * self._model_prefill_s(input_tokens, best_len, model_s)
+                    fetch_rank = (queue_s + transfer_s + max(fetch_compute_s, load_s), queue_s,
+                                  st.instance.instance_id)
+                    if fetch_rank < rank:
+                        rank = fetch_rank
+                        plan = (st, best_len, src, transfer_s, fetch_compute_s, load_s)
+            if best is None or rank < best:
+                best, best_plan = rank, plan
+        if best is None or best_plan is None:
+            raise InvariantViolation("a model with prefill instances produced no option")
+        st, reused, src_node, transfer_s, compute_s, load_s = best_plan
+        node = st.instance.node_id
+        local = match.length(node)
+        fetch = None
+        if src_node is not None:
+            fetch = FetchPlan(src_node, node, local, reused, (reused - local) * block_bytes)
+        new_tokens, prior_tokens = self._tokens(input_tokens, reused)
+        ttft = TtftEstimate(best[1], transfer_s, compute_s, load_s)
+        tiers = match.tier_counts(node) if local else TierCounts()
+        return _Option(st, ttft, local, tiers, reused, fetch, new_tokens, prior_tokens)
+
+    def _model_prefill_s(self, input_tokens: int, reused_blocks: int,
+                         memo: dict[int, float]) -> float:
+        """The latency model's prefill time with ``reused_blocks`` cached (memoized per call)."""
+        cached = memo.get(reused_blocks)
+        if cached is None:
+            new_tokens, prior_tokens = self._tokens(input_tokens, reused_blocks)
+            cached = self._latency.prefill_s([new_tokens], [prior_tokens])
+            memo[reused_blocks] = cached
+        return cached
+
+    def _choose_decode(self, decodes: list[_DecodeState], input_tokens: int, kv_tokens: int,
+                       arrival_s: float) -> tuple[_DecodeState, float] | None:
+        """The decode instance with the lowest predicted TPOT at ``arrival_s``, and that TPOT."""
+        candidates = [d for d in decodes
+                      if d.kv_used_tokens + kv_tokens <= d.instance.kv_capacity_tokens]
+        if not candidates:
+            return None
+        if self._config.policy is Policy.RANDOM:
+            d = candidates[self._rng.randrange(len(candidates))]
+            return d, self._tpot_at(d, input_tokens, arrival_s)
+        best: tuple[float, str, _DecodeState] | None = None
+        for d in candidates:
+            tpot = self._tpot_at(d, input_tokens, arrival_s)
+            key = (tpot, d.instance.instance_id, d)
+            if best is None or key[:2] < best[:2]:
+                best = key
+        if best is None:
+            raise InvariantViolation("decode candidates produced no choice")
+        return best[2], best[0]
+
+    def _tpot_at(self, d: _DecodeState, input_tokens: int, at_s: float) -> float:
+        """Predicted time per output token on ``d`` at ``at_s`` with this request added.
+
+        Requests predicted to have finished by ``at_s`` are left out; the context
+        of those still running is prorated from the current total.
+        """
+        active = len(d.ends)
+        running = active - bisect.bisect_right(d.ends, at_s)
+        context = (d.context_tokens * running / active if active else 0.0) + input_tokens
+        batch = running + 1
+        coeffs = self._decode_coeffs.get(batch)
+        if coeffs is None:  # pure in the batch size: memoized (bounded by the largest batch)
+            coeffs = self._latency.decode_coeffs(batch)
+            self._decode_coeffs[batch] = coeffs
+        fixed_s, per_token_s = coeffs
+        return self.decode_speed.factor(d.instance.instance_id) * (fixed_s + per_token_s * context)
+
+    def _replication_hint(self, request: ScheduleRequest, match: GlobalMatch, option: _Option,
+                          prefills: list[_PrefillState], now_s: float) -> ReplicationHint | None:
+        threshold = self._config.hot_prefix_fetches
+        fetch = option.fetch
+        if fetch is None or threshold == 0:
+            return None
+        key = request.keys[fetch.end_block - 1]
+        count = self._fetch_counts.get(key, 0) + 1
+        if count < threshold:
+            if len(self._fetch_counts) >= _HOT_COUNTER_LIMIT:
+                self._fetch_counts.clear()  # crude aging: hot prefixes come back quickly
+            self._fetch_counts[key] = count
+            return None
+        self._fetch_counts.pop(key, None)
+        skip = {fetch.src_node, fetch.dst_node}
+        targets: list[tuple[float, str]] = []
+        seen: set[str] = set()
+        for st in prefills:
+            node = st.instance.node_id
+            if node in skip or node in seen or match.length(node) >= fetch.end_block:
+                continue
+            seen.add(node)
+            targets.append((max(0.0, st.busy_until_s - now_s), node))
+        targets.sort()
+        dst = tuple(node for _, node in targets[: self._config.replication_fanout])
+        if not dst:
+            return None
+        for node in dst:
+            size = (fetch.end_block - match.length(node)) * self._config.block_size_bytes
+            self._reserve_link(fetch.src_node, now_s, size, node)
+        return ReplicationHint(fetch.src_node, dst, fetch.end_block)
+
+    # -- feedback ----------------------------------------------------------------
+
+    def prefill_done(self, ticket: int, now_s: float, *, prefill_s: float,
+                     computed_tokens: int | None = None, reused_tokens: int | None = None,
+                     transfer_s: float | None = None, transferred_bytes: int = 0) -> None:
+        """A prefill finished at ``now_s``: calibrate, and correct the instance's queue.
+
+        ``prefill_s`` is the measured compute time; ``computed_tokens`` /
+        ``reused_tokens`` the work actually done (default: as planned; they differ
+        when a planned prefix was evicted meanwhile). ``transfer_s`` and
+        ``transferred_bytes`` describe the fetch, if one ran.
+        """
+        tk = self._tickets.get(ticket)
+        if tk is None:
+            raise InvalidArgument(f"unknown ticket {ticket}")
+        if tk.prefilled:
+            raise InvalidArgument(f"ticket {ticket} already reported its prefill")
+        tk.prefilled = True
+        new = tk.new_tokens if computed_tokens is None else computed_tokens
+        prior = tk.prior_tokens if reused_tokens is None else reused_tokens
+        self.prefill_speed.observe(tk.prefill_id, prefill_s,
+                                   self._latency.prefill_s([new], [prior]))
+        if tk.fetch is not None and transfer_s is not None and transferred_bytes > 0:
+            self.links.observe(tk.fetch.src_node, tk.fetch.dst_node, transferred_bytes, transfer_s)
+        st = self._prefill.get(tk.prefill_id)
+        if st is not None:
+            self._finish_prefill_work(st, tk, now_s)
+        d = self._decode.get(tk.decode_id)
+        if d is not None:  # re-predict the decode finish from the real prefill end
+            new_end = now_s + self.output_tokens.value * tk.tpot_s
+            self._remove_end(d, tk.decode_end_s)
+            bisect.insort(d.ends, new_end)
+            tk.decode_end_s = new_end
+
+    def decode_done(self, ticket: int, now_s: float, *, output_tokens: int,
+                    tpot_s: float | None = None, batch_size: int | None = None,
+                    context_tokens: int | None = None) -> None:
+        """A request finished decoding: release its decode room and calibrate.
+
+        ``tpot_s`` with ``batch_size`` and ``context_tokens`` (the decode batch it
+        ran in) calibrate the decode instance's speed.
+        """
+        tk = self._tickets.pop(ticket, None)
+        if tk is None:
+            raise InvalidArgument(f"unknown ticket {ticket}")
+        if output_tokens > 0:
+            self.output_tokens.observe(output_tokens)
+        d = self._decode.get(tk.decode_id)
+        if d is None:
+            return
+        self._release_decode(d, tk)
+        if tpot_s is not None and batch_size is not None and context_tokens is not None:
+            fixed_s, per_token_s = self._latency.decode_coeffs(batch_size)
+            self.decode_speed.observe(tk.decode_id, tpot_s, fixed_s + per_token_s * context_tokens)
+
+    def cancel(self, ticket: int) -> bool:
+        """Release everything an accepted request reserved (it failed or was aborted)."""
+        tk = self._tickets.pop(ticket, None)
+        if tk is None:
+            return False
+        st = self._prefill.get(tk.prefill_id)
+        if st is not None and not tk.prefilled:
+            self._finish_prefill_work(st, tk, None)
+        d = self._decode.get(tk.decode_id)
+        if d is not None:
+            self._release_decode(d, tk)
+        return True
+
+    @staticmethod
+    def _finish_prefill_work(st: _PrefillState, tk: _Ticket, now_s: float | None) -> None:
+        """Take a finished (``now_s``) or cancelled (None) request out of its queue estimate."""
+        st.outstanding -= 1
+        st.pending_work_s -= tk.prefill_work_s
+        if st.outstanding <= 0 or st.pending_work_s < 0:
+            st.outstanding = max(st.outstanding, 0)
+            st.pending_work_s = 0.0
+        if now_s is not None:  # what is left starts now (FIFO), whatever was predicted
+            st.busy_until_s = now_s + st.pending_work_s
+        else:  # cancelled while queued: the rest moves up by its estimate
+            st.busy_until_s -= tk.prefill_work_s
+
+    def _release_decode(self, d: _DecodeState, tk: _Ticket) -> None:
+        self._remove_end(d, tk.decode_end_s)
+        input_tokens = tk.new_tokens + tk.prior_tokens
+        d.context_tokens -= input_tokens
+        d.kv_used_tokens -= tk.kv_tokens
+        if d.context_tokens < 0 or d.kv_used_tokens < 0:
+            raise InvariantViolation(f"decode instance {d.instance.instance_id} released more "
+                                     "than it reserved")
+
+    @staticmethod
+    def _remove_end(d: _DecodeState, end_s: float) -> None:
+        i = bisect.bisect_left(d.ends, end_s)
+        if i >= len(d.ends) or d.ends[i] != end_s:
+            raise InvariantViolation(f"decode instance {d.instance.instance_id} lost a request")
+        del d.ends[i]
+
+    # -- introspection -------------------------------------------------------------
+
+    def load(self, now_s: float) -> Mapping[str, float]:
+        """Predicted queued prefill seconds per prefill instance."""
+        return {i: max(0.0, st.busy_until_s - now_s) for i, st in sorted(self._prefill.items())}
+
+    def outstanding(self) -> int:
+        """Accepted requests not yet reported done (or cancelled)."""
+        return len(self._tickets)
