@@ -22,13 +22,32 @@ def _pyplot() -> Any:
     return plt
 
 
-def _log_axis(ax: Any) -> None:
+def _log_axis(ax: Any, *, unit: str = "") -> None:
+    """A log x axis with few, readable labels; call after plotting (it reads the data limits).
+
+    ``unit="ms"`` labels durations in ms, s or min; otherwise plain numbers.
+    """
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     ax.set_xscale("log")
-    ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _pos: f"{value:g}"))
+    lo, hi = ax.get_xlim()
+    decades = np.log10(hi / lo) if lo > 0 and hi > lo else 1.0
+    subs = (1.0, 2.0, 5.0) if decades <= 2.5 else (1.0,)
+    ax.xaxis.set_major_locator(LogLocator(subs=subs, numticks=12))
+    ax.xaxis.set_major_formatter(FuncFormatter(
+        (lambda value, _pos: _duration_label(value)) if unit == "ms"
+        else (lambda value, _pos: f"{value:g}")))
     ax.xaxis.set_minor_formatter(NullFormatter())
+
+
+def _duration_label(ms: float) -> str:
+    if ms >= 3_600_000:
+        return f"{ms / 3_600_000:.3g} h"
+    if ms >= 60_000:
+        return f"{ms / 60_000:.3g} min"
+    if ms >= 1_000:
+        return f"{ms / 1_000:.3g} s"
+    return f"{ms:.3g} ms"
 
 
 def _cdf(ax: Any, values: np.ndarray, label: str) -> None:
@@ -50,8 +69,8 @@ def plot_latency_cdfs(results: Sequence[SimResult], slo: Slo | None, path: Path)
         (ax_ttft, "Time to first token", slo.ttft_s if slo else None),
         (ax_tpot, "Time per output token", slo.tpot_s if slo else None),
     ):
-        _log_axis(ax)
-        ax.set_xlabel("milliseconds (log scale)")
+        _log_axis(ax, unit="ms")
+        ax.set_xlabel("latency (log scale)")
         ax.set_ylabel("fraction of requests")
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
