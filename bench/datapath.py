@@ -19,6 +19,19 @@ to a peer process and back. Ops: ``put`` and ``get`` of one value per call; ``pu
     a second client with one connection shows the same sizes unstriped. Batches use
     ``put_many``/``get_many_into``. Put rows remove the keys between iterations (untimed), so
     each put reuses the backend's pre-touched buffers, as the daemon's arenas are pre-touched.
+``memcpy`` (the same-host limit)
+    One ``copy_bytes`` (the call the shared-memory client uses) between two pre-touched buffers
+    of this process: what a same-host get or put could at best cost.
+``shm``
+    :class:`kvstore.client.StoreClient` on its shared-memory data plane against a
+    ``kvtier daemon`` process (DRAM tier only): a get is one lease-channel round trip, one
+    memcpy out of the mapped arena and a release sent without waiting; a put is a reservation,
+    one memcpy into the arena and a commit. Batches lease all keys in one round trip. Its
+    ``limit_gbps`` is the ``memcpy`` figure.
+``tcp`` / ``tcp-daemon``
+    The daemon's TCP data plane: the same ``TcpClient`` as above, but against a
+    ``kvtier daemon`` process whose server sends from and receives into the DRAM arena through
+    the tiered cache (``variant`` ``daemon``; the standalone server is ``memory-backend``).
 ``redis``
     ``/usr/bin/redis-server`` started here on an ephemeral port (no persistence), driven over a raw
     RESP socket that sends with ``sendmsg`` and receives with ``recv_into`` into the caller's
@@ -26,13 +39,21 @@ to a peer process and back. Ops: ``put`` and ``get`` of one value per call; ``pu
     Python). SETs overwrite the same keys; batches are pipelined SETs / GETs.
 
 Each figure is ``value_bytes * values moved / sum(per-call seconds)`` in GB/s (10^9 bytes/s),
-after untimed warm-up calls; ``limit_gbps`` is the ``socket`` figure for the same op and size
-from the same run. Latency p50/p99 are per call (a whole batch for batch ops). Every get is
+after untimed warm-up calls; ``limit_gbps`` is the figure of the path's limit (``socket``, or
+``memcpy`` for ``shm``) for the same op and size from the same run. Latency p50/p99 are per call (a whole batch for batch ops). Every get is
 checked against the bytes put. The machine is shared and noisy: each measurement is split into
 rounds in which the paths take turns, so background load lands on all paths alike.
 
-Adding a path (shared memory, Mooncake): implement :class:`DataPath` and add a factory to
-``PATHS``; rows, ratios, the table and the JSON pick it up.
+``mooncake`` (optional)
+    The Mooncake store over loopback TCP (``../shared/peers/mooncake``): a master, a holder
+    process that owns the memory and a client that owns none, so every byte crosses Mooncake's
+    TCP transport. It runs in its own virtual environment, so it is measured by a helper
+    process (``bench/mooncake_peer.py``) after the interleaved rounds, with zero-copy
+    ``put_from``/``get_into`` on registered buffers at the same sizes; skipped, with the
+    reason, when it cannot be installed or started.
+
+Adding a path: implement :class:`DataPath` and add a factory to ``PATHS``; rows, ratios, the
+table and the JSON pick it up.
 """
 
 from __future__ import annotations
@@ -56,6 +77,7 @@ from typing import Any, Protocol
 import numpy as np
 import xxhash
 
+from kvstore.dataplane.arena import copy_bytes
 from kvstore.dataplane.transport.tcp import DEFAULT_STRIPE_THRESHOLD_BYTES, TcpClient
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -75,10 +97,13 @@ _SOCKET_REQUEST = struct.Struct("<4sQ4x")  # op b"PUT_"/b"GET_", size; 16 bytes
 class DataPath(Protocol):
     """One way of moving values to a peer process and back. Buffers are flat byte views; a
     batch's ``keys``/``srcs``/``dsts`` are parallel lists. Values are stored under the keys
-    given (repeated puts of one key either overwrite or follow ``after_put``)."""
+    given (repeated puts of one key either overwrite or follow ``after_put``).
+
+    ``limit`` names the path whose figure for the same op and size is this one's limit."""
 
     name: str
     connections: int
+    limit: str
 
     def put_many(self, keys: Sequence[bytes], srcs: Sequence[memoryview]) -> None: ...
 
@@ -144,6 +169,7 @@ class SocketPath:
 
     name = "socket"
     connections = 1
+    limit = "socket"
 
     def __init__(self) -> None:
         self._proc, port = _spawn_listening(
@@ -203,6 +229,7 @@ class TcpPath:
     """
 
     name = "tcp"
+    limit = "socket"
 
     def __init__(self, connections: int = TCP_CONNECTIONS, striped_only: bool = False) -> None:
         self.connections = connections
@@ -241,6 +268,7 @@ class RedisPath:
 
     name = "redis"
     connections = 1
+    limit = "socket"
 
     def __init__(self) -> None:
         self._dir = tempfile.mkdtemp(prefix="kvtier-bench-redis-")
@@ -300,6 +328,115 @@ class RedisPath:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
+class MemcpyPath:
+    """The same-host limit: ``copy_bytes`` between two pre-touched buffers of this process."""
+
+    name = "memcpy"
+    connections = 1
+    limit = "memcpy"
+
+    def __init__(self) -> None:
+        room = max(max(SIZES_BYTES), BATCH_KEYS * BATCH_MAX_VALUE_BYTES)
+        self._store = np.ones(room, dtype=np.uint8).data  # pre-touched by the fill
+
+    def put_many(self, keys: Sequence[bytes], srcs: Sequence[memoryview]) -> None:
+        pos = 0
+        for src in srcs:
+            copy_bytes(self._store[pos:pos + len(src)], src)
+            pos += len(src)
+
+    def get_many_into(self, keys: Sequence[bytes], dsts: Sequence[memoryview]) -> None:
+        pos = 0
+        for dst in dsts:
+            copy_bytes(dst, self._store[pos:pos + len(dst)])
+            pos += len(dst)
+
+    def after_put(self, keys: Sequence[bytes]) -> None:
+        pass
+
+    def covers(self, size_bytes: int) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+DAEMON_DRAM = "320MiB"
+"""Room for the largest value (64 MiB) or batch (32 x 1 MiB) several times over."""
+
+
+def spawn_daemon(node_id: str) -> tuple[subprocess.Popen[str], str]:
+    """A ``kvtier daemon`` child (DRAM only, no etcd, no metrics); returns it and its gRPC
+    address."""
+    from kvstore.node.daemon import READY_PREFIX
+
+    cmd = [sys.executable, "-m", "kvstore.cli.main", "daemon", "--set", f"node_id={node_id}",
+           "--set", f"dram.capacity_bytes={DAEMON_DRAM}", "--set", "log_level=WARNING",
+           "--set", f"server.max_value_bytes={2 * max(SIZES_BYTES)}",
+           "--set", "shutdown.drain_timeout_s=2"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
+                            cwd=REPO_ROOT)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith(READY_PREFIX):
+            return proc, json.loads(line[len(READY_PREFIX):])["grpc_address"]
+    proc.kill()
+    raise RuntimeError("kvtier daemon did not become ready")
+
+
+def stop_daemon(proc: subprocess.Popen[str]) -> None:
+    proc.terminate()  # SIGTERM: a graceful drain
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+class DaemonPath:
+    """:class:`StoreClient` against a ``kvtier daemon`` process, over shared memory or TCP."""
+
+    def __init__(self, plane: str) -> None:
+        from kvstore.client import DataPlane, StoreClient, StoreClientConfig
+
+        self._plane = DataPlane(plane)
+        self.name = self._plane.value
+        self.limit = "memcpy" if self._plane is DataPlane.SHM else "socket"
+        self.connections = 1 if self._plane is DataPlane.SHM else TCP_CONNECTIONS
+        self._proc, address = spawn_daemon(f"bench-{plane}")
+        self._client = StoreClient.connect(address, StoreClientConfig(
+            data_plane=self._plane, tcp_connections=TCP_CONNECTIONS, wait_for_ready=True))
+
+    def put_many(self, keys: Sequence[bytes], srcs: Sequence[memoryview]) -> None:
+        if len(keys) == 1:
+            self._client.put(keys[0], srcs[0])
+        else:
+            self._client.put_many(keys, srcs)
+
+    def get_many_into(self, keys: Sequence[bytes], dsts: Sequence[memoryview]) -> None:
+        if len(keys) == 1:
+            self._client.get_into(keys[0], dsts[0])
+        else:
+            self._client.get_many_into(keys, dsts)
+
+    def after_put(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self._client.remove(key)
+
+    def covers(self, size_bytes: int) -> bool:
+        return True
+
+    def close(self) -> None:
+        self._client.close()
+        stop_daemon(self._proc)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -322,11 +459,15 @@ def _wait_for_port(port: int, proc: subprocess.Popen[bytes]) -> socket.socket | 
 
 PATHS: dict[str, Callable[[], DataPath]] = {
     "socket": SocketPath,
+    "memcpy": MemcpyPath,
     "tcp": TcpPath,
     "tcp-1conn": lambda: TcpPath(connections=1, striped_only=True),
+    "tcp-daemon": lambda: DaemonPath("tcp"),
+    "shm": lambda: DaemonPath("shm"),
     "redis": RedisPath,
 }
-"""Every path the benchmark runs, limit first. Add new paths here; ``socket`` must stay."""
+"""Every path the benchmark runs, limits first. Add new paths here; ``socket`` must stay (and
+``memcpy`` wherever ``shm`` runs). The key is the row's ``variant``."""
 
 
 # --- measurement -----------------------------------------------------------------------------------
@@ -335,6 +476,9 @@ PATHS: dict[str, Callable[[], DataPath]] = {
 @dataclass(frozen=True, slots=True)
 class Row:
     path: str
+    variant: str
+    """Which implementation of ``path`` (the ``PATHS`` key: ``tcp-daemon`` is the daemon's TCP
+    data plane, ``tcp`` the standalone transport server)."""
     op: str
     value_bytes: int
     batch_keys: int
@@ -343,7 +487,8 @@ class Row:
     gbps: float
     """10^9 bytes per second over the timed calls."""
     limit_gbps: float
-    """The ``socket`` path's figure for the same op and size in this run."""
+    """The limit path's figure (``socket``; ``memcpy`` for ``shm``) for the same op and size
+    in this run."""
     ratio_to_limit: float
     p50_us: float
     """Per call: one value, or a whole batch of ``batch_keys`` values."""
@@ -392,6 +537,8 @@ def run(quick: bool, path_names: tuple[str, ...] = tuple(PATHS)) -> dict[str, An
     """Measure every path, op and size, the paths taking turns in rotating order per round."""
     if path_names[0] != "socket":
         raise ValueError("the socket path (the limit) must be measured, and first")
+    if "shm" in path_names and "memcpy" not in path_names:
+        raise ValueError("the shm path needs the memcpy path (its limit)")
     largest = max(SIZES_BYTES)
     rng = np.random.default_rng(0)
     src = rng.integers(0, 256, largest, dtype=np.uint8).data  # pre-touched by the fill
@@ -418,16 +565,17 @@ def run(quick: bool, path_names: tuple[str, ...] = tuple(PATHS)) -> dict[str, An
     finally:
         for path in paths.values():
             path.close()
+    limit_of = {name: path.limit for name, path in paths.items()}
     rows = []
     for (name, op, size), ts in times.items():
         batch = BATCH_KEYS if op.endswith("_batch") else 1
         gbps = size * batch * len(ts) / sum(ts) / 1e9
-        limit = times[("socket", op, size)]
+        limit = times[(limit_of[name], op, size)]
         limit_gbps = size * batch * len(limit) / sum(limit) / 1e9
         us = np.asarray(ts) * 1e6
-        rows.append(Row(paths[name].name, op, size, batch, paths[name].connections, len(ts),
-                        gbps, limit_gbps, gbps / limit_gbps, float(np.percentile(us, 50)),
-                        float(np.percentile(us, 99))))
+        rows.append(Row(paths[name].name, name, op, size, batch, paths[name].connections,
+                        len(ts), gbps, limit_gbps, gbps / limit_gbps,
+                        float(np.percentile(us, 50)), float(np.percentile(us, 99))))
     return {
         "benchmark": "datapath",
         "quick": quick,
@@ -435,7 +583,7 @@ def run(quick: bool, path_names: tuple[str, ...] = tuple(PATHS)) -> dict[str, An
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "python": platform.python_version()},
         "versions": {"numpy": np.__version__, "redis_server": _redis_version()},
-        "settings": {"tcp_connections": TCP_CONNECTIONS,
+        "settings": {"tcp_connections": TCP_CONNECTIONS, "daemon_dram": DAEMON_DRAM,
                      "stripe_threshold_bytes": DEFAULT_STRIPE_THRESHOLD_BYTES,
                      "batch_keys": BATCH_KEYS, "rounds": rounds},
         "rows": [asdict(r) for r in rows],
@@ -446,7 +594,8 @@ def git_sha() -> str:
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kvstore/dataplane/transport",
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kvstore/dataplane",
+                                "kvstore/node", "kvstore/client",
                                 "bench/datapath.py"], cwd=REPO_ROOT, capture_output=True,
                                text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
@@ -473,18 +622,19 @@ def print_table(result: dict[str, Any]) -> None:
 
     table = Table(title="data path between two processes on loopback (GB/s = 10^9 B/s; "
                         "limit = bare socket, same op and size, same run; µs per call)")
-    for col in ("op", "size", "path", "conns", "GB/s", "limit GB/s", "ratio", "p50 µs", "p99 µs"):
-        table.add_column(col, justify="left" if col in ("op", "path") else "right")
-    paths = ["socket", "tcp", "redis"]
+    for col in ("op", "size", "path", "variant", "conns", "GB/s", "limit GB/s", "ratio",
+                "p50 µs", "p99 µs"):
+        table.add_column(col, justify="left" if col in ("op", "path", "variant") else "right")
+    order = [*PATHS, "mooncake"]
     for row in sorted(result["rows"], key=lambda r: (
             OPS.index(r["op"]), r["value_bytes"],
-            paths.index(r["path"]) if r["path"] in paths else len(paths), r["connections"])):
+            order.index(r["variant"]) if r["variant"] in order else len(order))):
         op = row["op"] if row["batch_keys"] == 1 else f"{row['op']} ×{row['batch_keys']}"
-        table.add_row(op, _size_label(row["value_bytes"]), row["path"],
+        table.add_row(op, _size_label(row["value_bytes"]), row["path"], row["variant"],
                       str(row["connections"]), f"{row['gbps']:.2f}", f"{row['limit_gbps']:.2f}",
                       f"{row['ratio_to_limit']:.2f}", f"{row['p50_us']:.0f}",
                       f"{row['p99_us']:.0f}")
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 140)
     console.print(table)
     console.print(f"git {result['git_sha']}, {result['machine']['platform']}, "
                   f"{result['machine']['cpus']} CPUs, redis-server "

@@ -50,6 +50,7 @@ from kvstore.dataplane.transport.tcp import TcpClient
 from kvstore.errors import (
     CapacityError,
     ChunkBusy,
+    ChunkExists,
     ChunkNotFound,
     InvalidArgument,
     KvtierError,
@@ -330,6 +331,47 @@ class StoreClient:
                 log.debug("reading %s over TCP: %s", k.hex(), exc)
         return self._tcp_client().get_into(k, out)
 
+    def put_many(self, keys: Sequence[bytes], srcs: Sequence[Buffer]) -> list[bool]:
+        """Store several root chunks; ``False`` where the key was already stored. Other
+        refusals raise (after the values before them were stored)."""
+        if len(keys) != len(srcs):
+            raise InvalidArgument(f"{len(keys)} keys but {len(srcs)} values")
+        if self._arena is None:
+            return self._tcp_client().put_many([check_key(k) for k in keys],
+                                               [host_byte_view(s) for s in srcs])
+        stored: list[bool] = []
+        for key, src in zip(keys, srcs, strict=True):
+            try:
+                self.put(key, src)
+                stored.append(True)
+            except ChunkExists:
+                stored.append(False)
+        return stored
+
+    def get_many_into(self, keys: Sequence[bytes], dsts: Sequence[Buffer]) -> list[int | None]:
+        """Fill ``dsts[i]`` with chunk ``keys[i]``; None where it is not stored. Over shared
+        memory all of them are leased with one round trip when all are present."""
+        if len(keys) != len(dsts):
+            raise InvalidArgument(f"{len(keys)} keys but {len(dsts)} destinations")
+        checked: list[bytes] = [check_key(k) for k in keys]
+        outs = [host_byte_view(d, writable=True) for d in dsts]
+        if self._arena is not None and checked:
+            try:
+                return self._get_many_shm(checked, outs)
+            except ChunkNotFound:
+                pass  # some are missing: per key below, reporting the misses
+            except _FALLBACK_TO_TCP as exc:
+                log.debug("batch read over TCP: %s", exc)
+                return self._tcp_client().get_many_into(checked, outs)
+            got: list[int | None] = []
+            for key, out in zip(checked, outs, strict=True):
+                try:
+                    got.append(self.get_into(key, out))
+                except ChunkNotFound:
+                    got.append(None)
+            return got
+        return self._tcp_client().get_many_into(checked, outs)
+
     def get(self, key: bytes) -> bytearray:
         """The whole chunk in a new buffer. Raises ChunkNotFound."""
         k = check_key(key)
@@ -407,6 +449,25 @@ class StoreClient:
         finally:
             self._checkin(chan)
         return len(ranges)
+
+    def _get_many_shm(self, keys: list[bytes], outs: list[memoryview]) -> list[int | None]:
+        assert self._arena is not None
+        chan = self._checkout()
+        try:
+            lease_id, ranges = chan.call(ChannelOp.ACQUIRE_READ, keys=keys,
+                                         ttl_s=self._config.lease_ttl_s)
+            try:
+                for i, (_offset, size) in enumerate(ranges):
+                    if size != outs[i].nbytes:
+                        raise SizeMismatch(f"get_many_into {keys[i].hex()}", expected=size,
+                                           actual=outs[i].nbytes)
+                for i, (offset, size) in enumerate(ranges):
+                    copy_bytes(outs[i], self._arena.view(offset, size))
+            finally:
+                chan.send(ChannelOp.RELEASE, flags=FLAG_NO_REPLY, arg=lease_id)
+        finally:
+            self._checkin(chan)
+        return [size for _offset, size in ranges]
 
     def _put_shm(self, key: bytes, view: memoryview, parent: bytes | None) -> None:
         assert self._arena is not None
