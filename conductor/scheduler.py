@@ -453,6 +453,7 @@ class Scheduler:
         """
         if not isinstance(request, ScheduleRequest):
             raise InvalidArgument(f"expected a ScheduleRequest, got {type(request).__name__}")
+        _check_number("now_s", now_s, low=0.0, strict=False)
         cfg = self._config
         block = cfg.block_size_tokens
         if len(request.keys) > -(-request.input_tokens // block):
@@ -723,6 +724,8 @@ class Scheduler:
         when a planned prefix was evicted meanwhile). ``transfer_s`` and
         ``transferred_bytes`` describe the fetch, if one ran.
         """
+        _check_number("now_s", now_s, low=0.0, strict=False)
+        _check_number("prefill_s", prefill_s)
         tk = self._tickets.get(ticket)
         if tk is None:
             raise InvalidArgument(f"unknown ticket {ticket}")
@@ -753,6 +756,7 @@ class Scheduler:
         ``tpot_s`` with ``batch_size`` and ``context_tokens`` (the decode batch it
         ran in) calibrate the decode instance's speed.
         """
+        _check_number("now_s", now_s, low=0.0, strict=False)
         tk = self._tickets.pop(ticket, None)
         if tk is None:
             raise InvalidArgument(f"unknown ticket {ticket}")

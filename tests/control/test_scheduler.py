@@ -308,6 +308,16 @@ def test_bad_requests_and_unknown_models_raise() -> None:
         sched.add_prefill_instance(PrefillInstance("p0", "n9", MODEL))  # id taken
     with pytest.raises(InvalidArgument):
         sched.prefill_done(12345, 0.0, prefill_s=1.0)
+    for bad_now in (math.nan, math.inf, -1.0):  # a broken clock must not corrupt the queues
+        with pytest.raises(InvalidArgument):
+            sched.schedule(req("r", (), 10), bad_now)
+    ok = sched.schedule(req("r", (), 10), 0.0)
+    with pytest.raises(InvalidArgument):
+        sched.prefill_done(ok.ticket, math.nan, prefill_s=0.01)
+    with pytest.raises(InvalidArgument):
+        sched.prefill_done(ok.ticket, 0.01, prefill_s=0.0)
+    with pytest.raises(InvalidArgument):
+        sched.decode_done(ok.ticket, math.nan, output_tokens=5)
 
 
 @pytest.mark.parametrize("bad", [
