@@ -1,0 +1,327 @@
+"""Conductor benchmark: the global prefix index at scale, scheduling latency, policies on traces.
+
+``kvtier bench schedule [--trace PATH ...] [--json PATH] [--quick]`` (or
+``python -m bench.schedule``) runs three parts and prints a table for each:
+
+1. **Index at scale** (1M and 10M blocks; ``--quick``: 1M). Each size runs in a
+   fresh process (RSS deltas are only meaningful there). 8 nodes hold chains of
+   64 blocks; a quarter of the chains also sit on a second node. Reported
+   beside the limits measured in the same process: a bare ``dict`` of the same
+   number of 16-byte keys (what any dict-keyed index must pay in CPython), the
+   raw key bytes, and a bare loop of ``dict.get`` over the same 64 keys (the
+   probes a lookup cannot avoid).
+2. **Scheduling latency** with the index preloaded to 1M (and 10M) blocks: the
+   GLOBAL_CACHE policy replaying the Mooncake trace, wall-clock and CPU time
+   of each ``Scheduler.schedule`` call, decisions per second. The goal
+   (issue 4) is p99 < 2 ms at 1M blocks and >= 5,000 decisions/s; this is
+   in-process (the gRPC service comes with the store daemon).
+3. **Policies** on each trace (default: the Mooncake conversation trace and
+   both Azure traces), arrivals rescaled so the prefill instances would be
+   ``--load`` busy with no reuse at all: hit ratio, simulated TTFT and the
+   scheduler's estimate of it, scheduling latency; then variants: replication
+   hints, a balancing threshold of 2, and LOAD and GLOBAL_CACHE with TTFT and
+   TPOT targets (``--ttft-slo-s``, ``--tpot-slo-s``) to count rejections.
+
+No peer conductor is runnable here (Mooncake's conductor is not published);
+the policy table is the comparison, as in the Mooncake paper's Figure 8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from conductor.index import GlobalPrefixIndex
+from conductor.planner.workload import Workload, load_trace
+from conductor.replay import (
+    ClusterSpec,
+    ReplayResult,
+    default_engine_model,
+    offered_prefill_load,
+    replay,
+    scale_to_load,
+)
+from conductor.scheduler import Policy
+from kvstore.dataplane.tier import TierKind
+
+DEFAULT_TRACES = ("mooncake", "azure-code", "azure-conv")
+FULL_SIZES = (1_000_000, 10_000_000)
+QUICK_SIZES = (1_000_000,)
+NODES = 8
+CHAIN_BLOCKS = 64
+LOOKUPS = 20_000
+DEFAULT_LOAD = 0.85
+DEFAULT_TTFT_SLO_S = 5.0
+DEFAULT_TPOT_SLO_S = 0.05
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _chain_keys(chain: int) -> list[bytes]:
+    digest = xxhash.xxh3_128_digest
+    return [digest(b"bench-chain:%d:%d" % (chain, i)) for i in range(CHAIN_BLOCKS)]
+
+
+def _placements(size: int) -> Iterator[tuple[int, int, list[tuple[bytes, TierKind]]]]:
+    """(node, chain, entries): chain c on node c % NODES; every 4th chain also on the next node."""
+    tiers = (TierKind.DRAM, TierKind.DRAM, TierKind.NVME, TierKind.HBM)
+    for chain in range(size // CHAIN_BLOCKS):
+        keys = _chain_keys(chain)
+        entries = [(key, tiers[(chain + i // 16) % 4]) for i, key in enumerate(keys)]
+        yield chain % NODES, chain, entries
+        if chain % 4 == 0:
+            yield (chain + 1) % NODES, chain, entries[: CHAIN_BLOCKS // 2]
+
+
+def _pct(values: Sequence[float]) -> dict[str, float]:
+    arr = np.asarray(values, dtype=np.float64)
+    p50, p99 = np.percentile(arr, [50, 99])
+    return {"p50": float(p50), "p99": float(p99), "mean": float(arr.mean())}
+
+
+def index_worker(size: int) -> dict[str, Any]:
+    """Build an index of ``size`` blocks and measure it (run in a fresh process)."""
+    rss0 = _rss_bytes()
+    index = GlobalPrefixIndex()
+    started = time.perf_counter()
+    loaders = {n: index.begin_snapshot(f"node-{n}", 1, 0) for n in range(NODES)}
+    placements = 0
+    for node, _, entries in _placements(size):
+        loaders[node].add(entries)
+        placements += len(entries)
+    for loader in loaders.values():
+        assert loader.commit()
+    build_s = time.perf_counter() - started
+    rss1 = _rss_bytes()
+    keys_indexed = len(index)
+
+    rng = random.Random(7)
+    chains = size // CHAIN_BLOCKS
+    hit_ns: list[int] = []
+    miss_ns: list[int] = []
+    probes: list[int] = []
+    for _ in range(LOOKUPS):
+        chain = rng.randrange(chains)
+        keys = _chain_keys(chain)
+        t0 = time.perf_counter_ns()
+        m = index.match(keys)
+        hit_ns.append(time.perf_counter_ns() - t0)
+        probes.append(m.probes)
+        if m.best_length != CHAIN_BLOCKS:
+            raise AssertionError(f"chain {chain} matched {m.best_length} blocks")
+        miss = [b"miss" + keys[0][4:], *keys[1:]]
+        t0 = time.perf_counter_ns()
+        index.match(miss)
+        miss_ns.append(time.perf_counter_ns() - t0)
+    return {
+        "blocks": keys_indexed,
+        "placements": placements,
+        "nodes": NODES,
+        "build_s": build_s,
+        "build_blocks_per_s": placements / build_s,
+        "index_bytes_per_block": (rss1 - rss0) / keys_indexed,
+        "raw_key_bytes": 16,
+        "match64_hit_us": {k: v / 1000 for k, v in _pct(hit_ns).items()},
+        "match_miss_us": {k: v / 1000 for k, v in _pct(miss_ns).items()},
+        "probes_per_hit_lookup": float(np.mean(probes)),
+    }
+
+
+def plain_dict_worker(size: int) -> dict[str, Any]:
+    """The limit: a bare dict of ``size`` 16-byte keys to a small int, and 64 ``get``s on it."""
+    digest = xxhash.xxh3_128_digest
+    rss0 = _rss_bytes()
+    plain: dict[bytes, int] = {}
+    for chain in range(size // CHAIN_BLOCKS):
+        for i in range(CHAIN_BLOCKS):
+            plain[digest(b"plain:%d:%d" % (chain, i))] = 2
+    rss1 = _rss_bytes()
+    rng = random.Random(7)
+    get = plain.get
+    get_ns: list[int] = []
+    for _ in range(LOOKUPS):
+        chain = rng.randrange(size // CHAIN_BLOCKS)
+        keys = [digest(b"plain:%d:%d" % (chain, i)) for i in range(CHAIN_BLOCKS)]
+        t0 = time.perf_counter_ns()
+        for key in keys:
+            if get(key) is None:
+                break
+        get_ns.append(time.perf_counter_ns() - t0)
+    return {"plain_dict_bytes_per_block": (rss1 - rss0) / len(plain),
+            "dict_get64_us": {k: v / 1000 for k, v in _pct(get_ns).items()}}
+
+
+def index_scale(sizes: Sequence[int]) -> list[dict[str, Any]]:
+    """Each measurement in a fresh process: an RSS delta is only meaningful there."""
+    ctx = multiprocessing.get_context("spawn")
+    out = []
+    for size in sizes:
+        with ctx.Pool(1) as pool:
+            row = pool.apply(index_worker, (size,))
+        with ctx.Pool(1) as pool:
+            row.update(pool.apply(plain_dict_worker, (size,)))
+        out.append(row)
+    return out
+
+
+def scheduling_latency(workload: Workload, load: float,
+                       preloads: Sequence[int]) -> list[ReplayResult]:
+    cluster = ClusterSpec()
+    engine = default_engine_model(workload.block_tokens)
+    wl = scale_to_load(workload, engine.latency, cluster.prefill_instances, load)
+    return [replay(wl, Policy.GLOBAL_CACHE, cluster=cluster, preload_blocks=n) for n in preloads]
+
+
+def policies(workload: Workload, load: float, ttft_slo_s: float,
+             tpot_slo_s: float) -> dict[str, Any]:
+    cluster = ClusterSpec()
+    engine = default_engine_model(workload.block_tokens)
+    natural = offered_prefill_load(workload, engine.latency, cluster.prefill_instances)
+    wl = scale_to_load(workload, engine.latency, cluster.prefill_instances, load)
+    rows = [replay(wl, p, cluster=cluster).to_json() for p in Policy]
+    variants = []
+    if wl.block_ids is not None:
+        variants.append(replay(wl, Policy.GLOBAL_CACHE, cluster=cluster,
+                               hot_prefix_fetches=2).to_json() | {"variant": "hot_prefix_fetches=2"})
+        variants.append(replay(wl, Policy.GLOBAL_CACHE, cluster=cluster,
+                               kvcache_balancing_threshold=2.0).to_json()
+                        | {"variant": "kvcache_balancing_threshold=2"})
+    for p in (Policy.LOAD, Policy.GLOBAL_CACHE):
+        variants.append(replay(wl, p, cluster=cluster, ttft_slo_s=ttft_slo_s,
+                               tpot_slo_s=tpot_slo_s).to_json()
+                        | {"variant": f"SLO TTFT {ttft_slo_s:g} s, TPOT {tpot_slo_s * 1000:g} ms"})
+    return {"trace": workload.name, "requests": len(wl), "offered_load_at_trace_timing": natural,
+            "load": load, "rate_per_s": wl.rate_per_s, "engine": engine.label,
+            "cluster": cluster.__dict__, "rows": rows, "variants": variants}
+
+
+def _environment() -> dict[str, Any]:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             check=True, timeout=10, cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        sha = None
+    return {"git_sha": sha, "python": platform.python_version(), "machine": platform.machine(),
+            "cpus": os.cpu_count(), "platform": platform.platform(),
+            "load_average": os.getloadavg()}
+
+
+def run(traces: Sequence[str], *, quick: bool, limit: int | None, load: float,
+        ttft_slo_s: float, tpot_slo_s: float,
+        sizes: Sequence[int] | None = None) -> dict[str, Any]:
+    sizes = tuple(sizes) if sizes else (QUICK_SIZES if quick else FULL_SIZES)
+    if any(size < CHAIN_BLOCKS for size in sizes):
+        raise ValueError(f"index sizes must be at least {CHAIN_BLOCKS} blocks")
+    # Resolve every trace first: a bad --trace fails before the long index part.
+    workloads = [load_trace(t, count=limit) for t in traces]
+    engine = default_engine_model()
+    for wl in workloads:
+        scale_to_load(wl, engine.latency, ClusterSpec().prefill_instances, load)  # validates
+    with_ids = [wl for wl in workloads if wl.block_ids is not None]
+    mooncake = with_ids[0] if with_ids else load_trace("mooncake", count=limit)
+    result: dict[str, Any] = {"environment": _environment(), "quick": quick, "limit": limit}
+    result["index_scale"] = index_scale(sizes)
+    sched = scheduling_latency(mooncake, load, (0, *sizes))
+    result["scheduling"] = [r.to_json() for r in sched]
+    result["policies"] = [policies(wl, load, ttft_slo_s, tpot_slo_s) for wl in workloads]
+    return result
+
+
+def _us(d: dict[str, Any], key: str) -> str:
+    v = d.get(key)
+    return "-" if v is None else f"{v:.1f}"
+
+
+def format_result(result: dict[str, Any]) -> str:
+    env = result["environment"]
+    lines = [f"git {env['git_sha']}  python {env['python']}  cpus {env['cpus']}  "
+             f"load average {tuple(round(x, 1) for x in env['load_average'])}", "",
+             "1. Global prefix index (8 nodes, 64-block chains; limits measured in the same process)",
+             f"{'blocks':>11} {'B/block':>8} {'bare dict':>9} {'key':>4} {'build':>11} "
+             f"{'match64 p50/p99 us':>19} {'dict.get x64 p50':>17} {'miss p50':>9} {'probes':>7}"]
+    for row in result["index_scale"]:
+        lines.append(
+            f"{row['blocks']:>11,} {row['index_bytes_per_block']:>8.1f} "
+            f"{row['plain_dict_bytes_per_block']:>9.1f} {row['raw_key_bytes']:>4} "
+            f"{row['build_blocks_per_s'] / 1e6:>7.2f} M/s "
+            f"{row['match64_hit_us']['p50']:>9.1f}/{row['match64_hit_us']['p99']:<9.1f} "
+            f"{row['dict_get64_us']['p50']:>17.1f} {row['match_miss_us']['p50']:>9.2f} "
+            f"{row['probes_per_hit_lookup']:>7.1f}")
+    lines += ["", "2. Scheduling latency, GLOBAL_CACHE on a trace with prefix ids (in-process; "
+              "goal p99 < 2 ms at 1M blocks, >= 5,000 decisions/s)",
+              f"{'preloaded':>11} {'wall p50':>9} {'wall p99':>9} {'cpu p50':>8} {'cpu p99':>8} "
+              f"{'decisions/s':>12} {'requests':>9}"]
+    for row in result["scheduling"]:
+        w, c = row["schedule_latency_us"], row["schedule_cpu_us"]
+        lines.append(f"{row['preloaded_blocks']:>11,} {_us(w, 'p50'):>9} {_us(w, 'p99'):>9} "
+                     f"{_us(c, 'p50'):>8} {_us(c, 'p99'):>8} {row['decisions_per_s']:>12,.0f} "
+                     f"{row['requests']:>9,}")
+    for trace in result["policies"]:
+        lines += ["", f"3. Policies on {trace['trace']}: {trace['requests']:,} requests at "
+                  f"{trace['rate_per_s']:.2f}/s (no-reuse prefill load {trace['load']}; "
+                  f"{trace['offered_load_at_trace_timing']:.2f} at the trace's own timing); "
+                  f"{trace['engine']}",
+                  f"{'policy':>36} {'hit':>6} {'TTFT mean':>9} {'p50':>7} {'p99':>7} "
+                  f"{'est mean':>8} {'est err':>7} {'fetched':>8} {'rejected':>8} "
+                  f"{'sched p50/p99 us':>17} {'dec/s':>7}"]
+        for row in trace["rows"] + trace["variants"]:
+            name = row["policy"] + (f" ({row['variant']})" if "variant" in row else "")
+            t, e, s = row["ttft_s"], row["ttft_estimate_s"], row["schedule_latency_us"]
+            err = row["ttft_estimate_error"]
+            lines.append(
+                f"{name:>36} {row['hit_ratio']:>6.3f} {t['mean'] or 0:>9.3f} {t['p50'] or 0:>7.3f} "
+                f"{t['p99'] or 0:>7.2f} {e['mean'] or 0:>8.3f} "
+                f"{'-' if err is None else f'{err:.3f}':>7} {row['fetched_blocks']:>8,} "
+                f"{sum(row['rejected'].values()):>8} "
+                f"{_us(s, 'p50'):>8}/{_us(s, 'p99'):<8} {row['decisions_per_s']:>7,.0f}")
+    return "\n".join(lines)
+
+
+def main(json_path: Path | None = None, quick: bool = False,
+         traces: Sequence[str] | None = None, limit: int | None = None,
+         load: float = DEFAULT_LOAD, ttft_slo_s: float = DEFAULT_TTFT_SLO_S,
+         tpot_slo_s: float = DEFAULT_TPOT_SLO_S,
+         sizes: Sequence[int] | None = None) -> dict[str, Any]:
+    """Run, print the tables, write JSON. ``sizes`` overrides the index sizes (blocks)."""
+    if quick and limit is None:
+        limit = 2000
+    result = run(list(traces or DEFAULT_TRACES), quick=quick, limit=limit, load=load,
+                 ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s, sizes=sizes)
+    print(format_result(result))
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=2))
+        print(f"\nwrote {json_path}")
+    return result
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trace", action="append", help="mooncake, azure-code, azure-conv or a path")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--load", type=float, default=DEFAULT_LOAD)
+    parser.add_argument("--ttft-slo-s", type=float, default=DEFAULT_TTFT_SLO_S)
+    parser.add_argument("--tpot-slo-s", type=float, default=DEFAULT_TPOT_SLO_S)
+    parser.add_argument("--index-blocks", type=int, action="append")
+    args = parser.parse_args()
+    main(args.json, args.quick, args.trace, args.limit, args.load, args.ttft_slo_s,
+         args.tpot_slo_s, args.index_blocks)
+    sys.exit(0)
