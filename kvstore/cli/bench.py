@@ -48,6 +48,29 @@ def datapath(
 
 
 @app.command()
+def schedule(
+    trace: list[str] | None = typer.Option(
+        None, "--trace", help="Trace to replay (repeatable): a .jsonl/.csv path, or mooncake, "
+        "azure-code, azure-conv (default: all three)."),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write the results as JSON here."),
+    quick: bool = typer.Option(False, "--quick", help="Index at 1M blocks only; first 2,000 requests."),
+    limit: int | None = typer.Option(None, "--limit", help="Replay only the first N requests."),
+    load: float = typer.Option(0.85, "--load", help="Prefill busy fraction with no reuse (rescales arrivals)."),
+    index_blocks: list[int] | None = typer.Option(
+        None, "--index-blocks", help="Index sizes to measure, in blocks (repeatable)."),
+) -> None:
+    """Conductor: prefix index at 1M/10M blocks, scheduling latency, policies on traces."""
+    from bench import schedule as bench_schedule
+    from kvstore.errors import KvtierError
+
+    try:
+        bench_schedule.main(json_path, quick, trace, limit, load, sizes=index_blocks)
+    except (KvtierError, OSError, ValueError) as exc:  # bad flag value or unreadable trace
+        typer.echo(f"kvtier bench schedule: {exc}", err=True)
+        raise typer.Exit(2) from exc
+
+
+@app.command()
 def replay(
     trace: Path | None = typer.Option(
         None, "--trace", help="Mooncake JSONL trace [default: ../shared/data/traces/"
