@@ -470,6 +470,113 @@ PATHS: dict[str, Callable[[], DataPath]] = {
 ``memcpy`` wherever ``shm`` runs). The key is the row's ``variant``."""
 
 
+# --- the Mooncake peer (its own venv, measured by bench/mooncake_peer.py) ---------------------------
+
+MOONCAKE_PYTHON_ENV = "KVTIER_MOONCAKE_PYTHON"
+MOONCAKE_INSTALL_HINT = "bash ../shared/peers/mooncake/run_peer.sh installs it"
+
+
+def mooncake_python() -> str | None:
+    """The Python of Mooncake's venv: $KVTIER_MOONCAKE_PYTHON, else where run_peer.sh puts it."""
+    explicit = os.environ.get(MOONCAKE_PYTHON_ENV)
+    if explicit:
+        return explicit
+    work = os.environ.get("WORK") or os.environ.get("TMPDIR") or "/tmp"
+    candidate = Path(work) / "mooncake-peer" / "venv" / "bin" / "python"
+    return str(candidate) if candidate.exists() else None
+
+
+@dataclass(frozen=True, slots=True)
+class _ExternalPath:
+    """A path measured outside the interleaved rounds (its rows only need these fields)."""
+
+    name: str
+    connections: int
+    limit: str
+
+
+def _wait_port(port: int, proc: subprocess.Popen[Any], timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return True
+        except OSError:
+            time.sleep(0.1)
+    return False
+
+
+def run_mooncake(quick: bool) -> tuple[dict[tuple[str, int], list[float]], str]:
+    """Per-call seconds for each (op, size) from the Mooncake peer, or ({}, why it was skipped)."""
+    python = mooncake_python()
+    if python is None:
+        return {}, f"no Mooncake venv found ({MOONCAKE_INSTALL_HINT}, or set {MOONCAKE_PYTHON_ENV})"
+    check = subprocess.run([python, "-c", "import mooncake.store"], capture_output=True,
+                           text=True)
+    if check.returncode != 0:
+        return {}, f"mooncake does not import: {check.stderr.strip().splitlines()[-1:]}"
+    master_bin = Path(python).parent / "mooncake_master"
+    if not master_bin.exists():
+        return {}, f"{master_bin} is missing"
+    logs = Path(tempfile.mkdtemp(prefix="kvtier-bench-mooncake-"))
+    env = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1")
+    rpc_port, meta_port, metrics_port = _free_port(), _free_port(), _free_port()
+    procs: list[subprocess.Popen[Any]] = []
+    try:
+        with (logs / "master.log").open("w") as log:
+            master = subprocess.Popen(
+                [str(master_bin), "--rpc_address=127.0.0.1", f"--rpc_port={rpc_port}",
+                 "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+                 f"--http_metadata_server_port={meta_port}", "--metrics_host=127.0.0.1",
+                 f"--metrics_port={metrics_port}", "--logtostderr"],
+                stdout=log, stderr=subprocess.STDOUT, env=env)
+        procs.append(master)
+        if not (_wait_port(rpc_port, master) and _wait_port(meta_port, master)):
+            return {}, f"mooncake_master did not start (see {logs}/master.log)"
+        common = ["--master", f"127.0.0.1:{rpc_port}",
+                  "--metadata", f"http://127.0.0.1:{meta_port}/metadata"]
+        peer = str(REPO_ROOT / "bench" / "mooncake_peer.py")
+        with (logs / "holder.log").open("w") as log:
+            holder = subprocess.Popen([python, peer, "--role", "holder", *common,
+                                       "--segment-bytes", str(1 << 30)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=log, text=True, env=env)
+        procs.append(holder)
+        assert holder.stdout is not None
+        if holder.stdout.readline().strip() != "READY":
+            return {}, f"the Mooncake holder did not start (see {logs}/holder.log)"
+        calls = {}
+        for size in SIZES_BYTES:
+            for op in OPS:
+                batch = BATCH_KEYS if op.endswith("_batch") else 1
+                calls[f"{op}:{size}"] = calls_for(size, batch, quick)
+        plan = {"sizes": list(SIZES_BYTES), "ops": list(OPS), "calls": calls,
+                "warmup": 2, "batch_keys": BATCH_KEYS,
+                "batch_max_value_bytes": BATCH_MAX_VALUE_BYTES}
+        with (logs / "client.log").open("w") as log:
+            client = subprocess.run([python, peer, "--role", "client", *common,
+                                     "--local-bytes", str(256 << 20)],
+                                    input=json.dumps(plan) + "\n", stdout=subprocess.PIPE,
+                                    stderr=log, text=True, env=env, timeout=900)
+        if client.returncode != 0:
+            return {}, f"the Mooncake client failed (see {logs}/client.log)"
+        raw = json.loads(client.stdout.strip().splitlines()[-1])
+        return {(k.split(":")[0], int(k.split(":")[1])): v for k, v in raw.items()}, ""
+    finally:
+        for proc in reversed(procs):
+            if proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+
 # --- measurement -----------------------------------------------------------------------------------
 
 
@@ -533,8 +640,10 @@ def measure(path: DataPath, op: str, size_bytes: int, src: memoryview, dst: memo
     return times
 
 
-def run(quick: bool, path_names: tuple[str, ...] = tuple(PATHS)) -> dict[str, Any]:
-    """Measure every path, op and size, the paths taking turns in rotating order per round."""
+def run(quick: bool, path_names: tuple[str, ...] = tuple(PATHS), *,
+        mooncake: bool = False) -> dict[str, Any]:
+    """Measure every path, op and size, the paths taking turns in rotating order per round;
+    then, with ``mooncake``, the Mooncake peer (skipped, with the reason, when unavailable)."""
     if path_names[0] != "socket":
         raise ValueError("the socket path (the limit) must be measured, and first")
     if "shm" in path_names and "memcpy" not in path_names:
@@ -565,7 +674,19 @@ def run(quick: bool, path_names: tuple[str, ...] = tuple(PATHS)) -> dict[str, An
     finally:
         for path in paths.values():
             path.close()
-    limit_of = {name: path.limit for name, path in paths.items()}
+    skipped: dict[str, str] = {}
+    row_paths: dict[str, DataPath | _ExternalPath] = dict(paths)
+    if mooncake:
+        mc_times, reason = run_mooncake(quick)
+        if mc_times:
+            row_paths["mooncake"] = _ExternalPath("mooncake", 1, "socket")
+            for (op, size), ts in mc_times.items():
+                times[("mooncake", op, size)] = ts
+        else:
+            skipped["mooncake"] = reason
+            print(f"mooncake skipped: {reason}", file=sys.stderr)
+    paths = row_paths  # type: ignore[assignment]
+    limit_of = {name: path.limit for name, path in row_paths.items()}
     rows = []
     for (name, op, size), ts in times.items():
         batch = BATCH_KEYS if op.endswith("_batch") else 1
@@ -587,6 +708,7 @@ def run(quick: bool, path_names: tuple[str, ...] = tuple(PATHS)) -> dict[str, An
                      "stripe_threshold_bytes": DEFAULT_STRIPE_THRESHOLD_BYTES,
                      "batch_keys": BATCH_KEYS, "rounds": rounds},
         "rows": [asdict(r) for r in rows],
+        "skipped": skipped,
     }
 
 
@@ -643,10 +765,10 @@ def print_table(result: dict[str, Any]) -> None:
                   f"{_size_label(result['settings']['stripe_threshold_bytes'])}")
 
 
-def main(json_path: Path | None, quick: bool) -> None:
+def main(json_path: Path | None, quick: bool, mooncake: bool = True) -> None:
     """Run the benchmark, print its table, and write its JSON to ``json_path`` when given."""
     paths = tuple(p for p in PATHS if p != "redis" or Path(REDIS_BINARY).exists())
-    result = run(quick, paths)
+    result = run(quick, paths, mooncake=mooncake)
     print_table(result)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
