@@ -36,9 +36,10 @@ from __future__ import annotations
 
 import threading
 from bisect import bisect_left, insort
+from collections.abc import Iterator
 
 from kvstore.dataplane.compress import CodecKind
-from kvstore.dataplane.tier import ChunkKey
+from kvstore.dataplane.tier import ChunkInfo, ChunkKey, TierKind, TierStats, check_key
 from kvstore.errors import (
     CapacityError,
     ChunkBusy,
@@ -429,3 +430,39 @@ class ExtentTable:
             self._pending.clear()
             self._allocator.reset()
             return True
+
+
+class ExtentTableTier:
+    """The Tier methods that memory tiers (DRAM, HBM) answer from their :class:`ExtentTable` alone.
+
+    Subclasses set ``self._table`` and ``_KIND`` and implement the copies (put, get_into, ...).
+    """
+
+    _KIND: TierKind
+    _table: ExtentTable
+
+    @property
+    def kind(self) -> TierKind:
+        return self._KIND
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._table.allocator.capacity_bytes
+
+    def contains(self, key: bytes) -> bool:
+        return self._table.get(check_key(key)) is not None
+
+    def size_of(self, key: bytes) -> int | None:
+        extent = self._table.get(check_key(key))
+        return None if extent is None else extent.size_bytes
+
+    def remove(self, key: bytes) -> bool:
+        """Free the chunk (at once, or when a copy out of it in flight ends). False on a miss."""
+        return self._table.remove(check_key(key))
+
+    def chunks(self) -> Iterator[ChunkInfo]:
+        return iter([ChunkInfo(e.key, e.size_bytes, self._KIND) for e in self._table.snapshot()])
+
+    def stats(self) -> TierStats:
+        used, count, largest = self._table.usage()
+        return TierStats(self._KIND, self.capacity_bytes, used, count, largest)

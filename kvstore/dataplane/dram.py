@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 
-from kvstore.dataplane.allocator import Extent, ExtentAllocator, ExtentTable
+from kvstore.dataplane.allocator import Extent, ExtentAllocator, ExtentTable, ExtentTableTier
 from kvstore.dataplane.arena import PinMode, ShmArena, copy_bytes, host_byte_view
 from kvstore.dataplane.compress import Codec, CodecKind, CodecSpec, make_codec
-from kvstore.dataplane.tier import ChunkInfo, ChunkKey, TierKind, TierStats, check_key
+from kvstore.dataplane.tier import ChunkInfo, ChunkKey, TierKind, check_key
 from kvstore.errors import ChunkCorrupt, InvalidArgument, InvariantViolation, SizeMismatch
 
 log = logging.getLogger(__name__)
@@ -121,13 +120,15 @@ class DramSlot:
         return f"DramSlot({self._key.hex()}, {self._size_bytes} bytes, {self._state.value})"
 
 
-class DramTier:
+class DramTier(ExtentTableTier):
     """Chunks in pinned shared memory. See the module docstring.
 
     The constructor creates, reserves, pre-faults and (with a GPU) pins the arena;
     it raises ``CapacityError`` when ``/dev/shm`` lacks the room and
     ``TierUnavailable`` when POSIX shared memory is missing.
     """
+
+    _KIND = TierKind.DRAM
 
     def __init__(
         self,
@@ -161,14 +162,6 @@ class DramTier:
         )
 
     # --- identity -----------------------------------------------------------------------------
-
-    @property
-    def kind(self) -> TierKind:
-        return TierKind.DRAM
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._table.allocator.capacity_bytes
 
     @property
     def arena_name(self) -> str:
@@ -327,24 +320,6 @@ class DramTier:
         if extent is None:
             return None
         return ChunkLocation(extent.offset, extent.stored_bytes, extent.size_bytes, extent.codec)
-
-    def contains(self, key: bytes) -> bool:
-        return self._table.get(check_key(key)) is not None
-
-    def size_of(self, key: bytes) -> int | None:
-        extent = self._table.get(check_key(key))
-        return None if extent is None else extent.size_bytes
-
-    def remove(self, key: bytes) -> bool:
-        """Free the chunk (at once, or when a copy out of it in flight ends). False on a miss."""
-        return self._table.remove(check_key(key))
-
-    def chunks(self) -> Iterator[ChunkInfo]:
-        return iter([ChunkInfo(e.key, e.size_bytes, TierKind.DRAM) for e in self._table.snapshot()])
-
-    def stats(self) -> TierStats:
-        used, count, largest = self._table.usage()
-        return TierStats(TierKind.DRAM, self.capacity_bytes, used, count, largest)
 
     def close(self) -> None:
         """Forget every chunk, unpin, unmap and unlink the arena. Idempotent."""

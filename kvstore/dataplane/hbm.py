@@ -29,17 +29,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvstore.dataplane import cuda
-from kvstore.dataplane.allocator import ExtentAllocator, ExtentTable
+from kvstore.dataplane.allocator import ExtentAllocator, ExtentTable, ExtentTableTier
 from kvstore.dataplane.arena import buffer_address, host_byte_view
 from kvstore.dataplane.compress import CodecKind
-from kvstore.dataplane.tier import ChunkInfo, TierKind, TierStats, check_key
+from kvstore.dataplane.tier import ChunkInfo, TierKind, check_key
 from kvstore.errors import InvalidArgument, SizeMismatch, TierUnavailable
 
 log = logging.getLogger(__name__)
@@ -76,12 +75,14 @@ class _ThreadCopyState:
         self.staging_np: tuple[np.ndarray, ...] = tuple(t.numpy() for t in self.staging)
 
 
-class HbmTier:
+class HbmTier(ExtentTableTier):
     """Chunks in GPU memory. See the module docstring.
 
     The constructor imports torch and allocates ``capacity_bytes`` on the device;
     it raises ``TierUnavailable`` when no CUDA device exists or the memory does not fit.
     """
+
+    _KIND = TierKind.HBM
 
     def __init__(
         self,
@@ -128,14 +129,6 @@ class HbmTier:
     # --- identity -----------------------------------------------------------------------------
 
     @property
-    def kind(self) -> TierKind:
-        return TierKind.HBM
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._table.allocator.capacity_bytes
-
-    @property
     def device(self) -> Any:
         """The ``torch.device`` holding the buffer."""
         return self._device
@@ -180,24 +173,6 @@ class HbmTier:
         finally:
             self._table.release(extent)
         return extent.size_bytes
-
-    def contains(self, key: bytes) -> bool:
-        return self._table.get(check_key(key)) is not None
-
-    def size_of(self, key: bytes) -> int | None:
-        extent = self._table.get(check_key(key))
-        return None if extent is None else extent.size_bytes
-
-    def remove(self, key: bytes) -> bool:
-        """Free the chunk (at once, or when a copy out of it in flight ends). False on a miss."""
-        return self._table.remove(check_key(key))
-
-    def chunks(self) -> Iterator[ChunkInfo]:
-        return iter([ChunkInfo(e.key, e.size_bytes, TierKind.HBM) for e in self._table.snapshot()])
-
-    def stats(self) -> TierStats:
-        used, count, largest = self._table.usage()
-        return TierStats(TierKind.HBM, self.capacity_bytes, used, count, largest)
 
     def close(self) -> None:
         """Forget every chunk and drop the device buffer. Idempotent.
