@@ -16,29 +16,35 @@ Shape (why lookups stay flat as the index grows)
     ``_intern``), so a block costs its key object, one dict slot and nothing
     more; ``bench/schedule.py`` measures the bytes per block at 1M and 10M.
 
-Events, sequence numbers and epochs
+Events, sequence numbers and epochs (the daemon side is kvstore/node/events.py)
     Each daemon numbers its chunk events ``seq = 1, 2, 3...`` within an
-    ``epoch`` (a new epoch every time the daemon starts). Per node the index
-    keeps the epoch and the last sequence number applied:
+    ``epoch``, an opaque id (a str or an int) drawn anew at every daemon start
+    and compared only for equality. Per node the index keeps the epoch, the
+    epochs it has retired, and the last sequence number applied:
 
     * ``seq == last + 1``: applied. ``seq <= last``: a duplicate, ignored.
     * ``seq > last + 1``: a **gap** (events were lost). The event is dropped and
-      the node needs a REPLAY from ``last + 1``: feed the replayed events to
-      :meth:`apply_event` in order and the node is in sync again as soon as the
-      missing sequence number arrives. Events past the gap are dropped until
+      the node needs a REPLAY of what follows ``last``: feed the replayed events
+      to :meth:`apply_event` in order and the node is in sync again as soon as
+      the missing sequence number arrives. Events past the gap are dropped until
       then (applying them out of order could resurrect a removed chunk). A
-      daemon that cannot replay that far sends a snapshot instead.
-    * a **newer epoch** (the daemon restarted): the node's entries vanish from
-      lookups at once and it needs a SNAPSHOT; its events are dropped until one
-      is applied. An older epoch: stale, ignored.
-    * a node the index does not know (first contact, or removed earlier): needs
-      a SNAPSHOT. A fresh daemon sends an empty one.
+      daemon whose ring no longer holds them sends a snapshot instead.
+    * an **epoch not seen before** (the daemon restarted, or first contact):
+      what the index knew of the node leaves lookups at once and the node is
+      tracked again from an empty state at ``last = 0``. A new epoch replayed
+      from its first event rebuilds the node exactly (the daemon re-announces
+      what it recovered as STORED events), so an event with ``seq == 1`` is
+      simply applied; a later one is a gap (replay from the start, or snapshot).
+    * an epoch the node already retired: stale, ignored.
 
     :meth:`apply_snapshot` (or :meth:`begin_snapshot` and a
     :class:`SnapshotLoader`) replaces everything a node holds atomically: the
     new entries are written into a fresh slot that lookups cannot see, and one
     commit swaps the node onto it. A snapshot taken at ``seq = S`` sets the
-    node's last sequence number to ``S``.
+    node's last sequence number to ``S``. Applying an event is idempotent on
+    the state (STORED of a held key, REMOVED of an absent one change nothing),
+    so a snapshot that already reflects a few events after ``S`` is harmless:
+    the daemon does not take snapshots atomically with changes in flight.
 
 Node removal
     :meth:`remove_node` (a lease expired in etcd) takes the node out of every
@@ -66,6 +72,7 @@ import enum
 import heapq
 import itertools
 import threading
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -76,6 +83,7 @@ from kvstore.keys import BlockHasher
 __all__ = [
     "ChunkEvent",
     "ChunkEventKind",
+    "Epoch",
     "EventOutcome",
     "GlobalMatch",
     "GlobalPrefixIndex",
@@ -91,6 +99,16 @@ _CODE_TIER = (None, TierKind.HBM, TierKind.DRAM, TierKind.NVME)
 _SNAPSHOT_BATCH = 8192
 _INTERN_LIMIT = 1 << 16
 """Distinct placement codes shared before the intern table is reset (bounds its memory)."""
+_RETIRED_EPOCHS_KEPT = 64
+
+Epoch = str | int
+"""A daemon incarnation's id: opaque, compared only for equality."""
+
+
+def _check_epoch(epoch: object) -> None:
+    if isinstance(epoch, bool) or not (
+            (isinstance(epoch, int) and epoch >= 0) or (isinstance(epoch, str) and epoch)):
+        raise InvalidArgument(f"epoch must be a non-empty str or a non-negative int, got {epoch!r}")
 
 
 class ChunkEventKind(enum.Enum):
@@ -113,7 +131,7 @@ class ChunkEvent:
     """
 
     node_id: str
-    epoch: int
+    epoch: Epoch
     seq: int
     kind: ChunkEventKind
     key: bytes
@@ -123,10 +141,9 @@ class ChunkEvent:
     def __post_init__(self) -> None:
         if not isinstance(self.node_id, str) or not self.node_id:
             raise InvalidArgument(f"node_id must be a non-empty str, got {self.node_id!r}")
-        for name in ("epoch", "seq"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise InvalidArgument(f"{name} must be a non-negative int, got {value!r}")
+        _check_epoch(self.epoch)
+        if isinstance(self.seq, bool) or not isinstance(self.seq, int) or self.seq < 0:
+            raise InvalidArgument(f"seq must be a non-negative int, got {self.seq!r}")
         if self.seq == 0:
             raise InvalidArgument("event sequence numbers start at 1 (0 is 'before any event')")
         if not isinstance(self.kind, ChunkEventKind):
@@ -146,32 +163,38 @@ class EventOutcome(enum.Enum):
     DUPLICATE = "duplicate"
     """``seq`` was already applied: ignored."""
     STALE = "stale"
-    """From an older epoch of the node, or of a node that was removed: ignored."""
+    """From an epoch the node retired, or from a node that was removed: ignored."""
     GAP = "gap"
     """Events were missed: dropped, and the node now needs a REPLAY."""
     NEW_EPOCH = "new_epoch"
-    """The node restarted: its entries left lookups, and it needs a SNAPSHOT."""
+    """The node restarted: its old entries left lookups; it is tracked from empty again.
+    Applied when ``seq == 1``; otherwise the node needs a REPLAY from the start."""
     UNKNOWN_NODE = "unknown_node"
-    """No snapshot of this node yet: dropped, and it needs a SNAPSHOT."""
+    """First event of a node: tracked from empty. Applied when ``seq == 1``; otherwise
+    the node needs a REPLAY from the start (or a snapshot)."""
     AWAITING_RESYNC = "awaiting_resync"
     """The node already needs a resync and this event does not heal it: dropped."""
 
 
 class ResyncKind(enum.Enum):
     REPLAY = "replay"
-    """Send the events from ``from_seq`` on, in order (through ``apply_event``)."""
-    SNAPSHOT = "snapshot"
-    """Send a full snapshot of the node (through ``apply_snapshot``)."""
+    """Send the events from ``from_seq`` on, in order (through ``apply_event``); a daemon
+    that no longer holds them answers with a snapshot (through ``apply_snapshot``)."""
 
 
 @dataclass(frozen=True, slots=True)
 class ResyncNeed:
     node_id: str
     kind: ResyncKind
-    epoch: int
-    """The epoch the index expects the resync for (the newest one seen)."""
+    epoch: Epoch
+    """The epoch the index tracks the node in (the newest one seen)."""
     from_seq: int
-    """REPLAY: the first sequence number missing. SNAPSHOT: 1."""
+    """The first sequence number missing."""
+
+    @property
+    def after_seq(self) -> int:
+        """The last sequence number applied: what a daemon's ``Subscribe(from_seq=...)`` takes."""
+        return self.from_seq - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,7 +294,7 @@ class IndexStats:
 class _NodeState:
     __slots__ = ("blocks", "epoch", "last_seq", "node_id", "resync", "slot")
 
-    def __init__(self, node_id: str, slot: int, epoch: int, last_seq: int, blocks: int) -> None:
+    def __init__(self, node_id: str, slot: int, epoch: Epoch, last_seq: int, blocks: int) -> None:
         self.node_id = node_id
         self.slot = slot
         self.epoch = epoch
@@ -297,9 +320,8 @@ class GlobalPrefixIndex:
         self._next_slot = 0
         self._free_slots: list[int] = []
         self._retired: set[int] = set()
-        self._pending: dict[str, ResyncNeed] = {}
-        """Nodes seen (events, removal) but without a live slot: what they need."""
-        self._removed_epoch: dict[str, int] = {}
+        self._retired_epochs: dict[str, deque[Epoch]] = {}
+        """Per node, epochs it ran before (or ran when it was removed): their events are stale."""
         self._loader_gens = itertools.count(1)
         self._latest_loader: dict[str, int] = {}
         """Per node, the generation of the newest snapshot loader begun: only it may commit."""
@@ -397,8 +419,8 @@ class GlobalPrefixIndex:
     def needs_resync(self, node_id: str) -> ResyncNeed | None:
         """What ``node_id`` must send for the index to trust it again; None when in sync.
 
-        A node never heard of (no event, no snapshot) needs nothing yet: it joins
-        by sending a snapshot, an empty one when it starts empty.
+        A node never heard of needs nothing yet: it joins with its first events
+        (from seq 1) or a snapshot.
         """
         with self._lock:
             return self._need(node_id)
@@ -406,33 +428,37 @@ class GlobalPrefixIndex:
     def resync_needed(self) -> list[ResyncNeed]:
         """Every node that needs a resync, sorted by node id."""
         with self._lock:
-            ids = sorted(set(self._pending) | {n for n, st in self._nodes.items() if st.resync})
-            needs = [self._need(n) for n in ids]
+            needs = [self._need(n) for n in sorted(self._nodes)]
             return [n for n in needs if n is not None]
 
     def _need(self, node_id: str) -> ResyncNeed | None:
         st = self._nodes.get(node_id)
-        if st is not None and st.resync is not None:
-            from_seq = st.last_seq + 1 if st.resync is ResyncKind.REPLAY else 1
-            return ResyncNeed(node_id, st.resync, st.epoch, from_seq)
-        if st is None:
-            return self._pending.get(node_id)
-        return None
+        if st is None or st.resync is None:
+            return None
+        return ResyncNeed(node_id, st.resync, st.epoch, st.last_seq + 1)
 
     def remove_node(self, node_id: str) -> bool:
         """Take ``node_id`` out of every lookup now (its lease expired). False if unknown.
 
-        Later events of the same or an older epoch are STALE; the node comes back
-        only through a snapshot.
+        Later events of the epoch it ran are STALE; the node comes back through a
+        snapshot (of any epoch) or the events of a new epoch.
         """
         with self._lock:
-            self._pending.pop(node_id, None)
             st = self._nodes.pop(node_id, None)
             if st is None:
                 return False
-            self._removed_epoch[node_id] = st.epoch
+            self._retire_epoch(node_id, st.epoch)
             self._retire(st.slot)
             return True
+
+    def _retire_epoch(self, node_id: str, epoch: Epoch) -> None:
+        retired = self._retired_epochs.setdefault(node_id, deque(maxlen=_RETIRED_EPOCHS_KEPT))
+        if epoch not in retired:
+            retired.append(epoch)
+
+    def _is_retired(self, node_id: str, epoch: Epoch) -> bool:
+        retired = self._retired_epochs.get(node_id)
+        return retired is not None and epoch in retired
 
     # -- events ----------------------------------------------------------------
 
@@ -440,10 +466,7 @@ class GlobalPrefixIndex:
         """Apply one daemon event in sequence order; see the module docstring for the rules."""
         with self._lock:
             outcome = self._apply(event)
-            if outcome is EventOutcome.APPLIED:
-                self._events_applied += 1
-            else:
-                self._events_dropped += 1
+            self._count(outcome, event)
             return outcome
 
     def apply_events(self, events: Iterable[ChunkEvent]) -> list[EventOutcome]:
@@ -452,41 +475,42 @@ class GlobalPrefixIndex:
         with self._lock:
             for event in events:
                 outcome = self._apply(event)
-                if outcome is EventOutcome.APPLIED:
-                    self._events_applied += 1
-                else:
-                    self._events_dropped += 1
+                self._count(outcome, event)
                 out.append(outcome)
         return out
+
+    def _count(self, outcome: EventOutcome, event: ChunkEvent) -> None:
+        if outcome is EventOutcome.APPLIED or (
+                event.seq == 1 and outcome in (EventOutcome.NEW_EPOCH, EventOutcome.UNKNOWN_NODE)):
+            self._events_applied += 1
+        else:
+            self._events_dropped += 1
 
     def _apply(self, ev: ChunkEvent) -> EventOutcome:
         node_id = ev.node_id
         st = self._nodes.get(node_id)
-        if st is None:
-            removed = self._removed_epoch.get(node_id)
-            if removed is not None and ev.epoch <= removed:
+        if st is None or ev.epoch != st.epoch:
+            if self._is_retired(node_id, ev.epoch):
                 return EventOutcome.STALE
-            pending = self._pending.get(node_id)
-            if pending is not None and ev.epoch < pending.epoch:
-                return EventOutcome.STALE
-            self._pending[node_id] = ResyncNeed(node_id, ResyncKind.SNAPSHOT, ev.epoch, 1)
-            return EventOutcome.UNKNOWN_NODE
-        if ev.epoch < st.epoch:
-            return EventOutcome.STALE
-        if ev.epoch > st.epoch:
-            # The daemon restarted: what we knew of it is void. Leave lookups now.
-            del self._nodes[node_id]
-            self._retire(st.slot)
-            self._pending[node_id] = ResyncNeed(node_id, ResyncKind.SNAPSHOT, ev.epoch, 1)
-            return EventOutcome.NEW_EPOCH
+            # First contact, or the daemon restarted: what we knew of it is void. It leaves
+            # lookups now and is tracked from empty; its new epoch's events rebuild it.
+            outcome = EventOutcome.UNKNOWN_NODE if st is None else EventOutcome.NEW_EPOCH
+            if st is not None:
+                self._retire_epoch(node_id, st.epoch)
+                self._retire(st.slot)
+            st = self._start_node(node_id, ev.epoch)
+            if ev.seq != 1:
+                st.resync = ResyncKind.REPLAY
+                return outcome
+            st.last_seq = 1
+            self._set(ev.key, st, ev.kind, ev.tier)
+            return outcome
         if ev.seq <= st.last_seq:
             return EventOutcome.DUPLICATE
         if ev.seq > st.last_seq + 1:
             if st.resync is None:
                 st.resync = ResyncKind.REPLAY
                 return EventOutcome.GAP
-            return EventOutcome.AWAITING_RESYNC
-        if st.resync is ResyncKind.SNAPSHOT:
             return EventOutcome.AWAITING_RESYNC
         # In order: apply. A pending REPLAY is healed by the missing event itself.
         st.resync = None
@@ -516,6 +540,15 @@ class GlobalPrefixIndex:
             st.blocks += 1
         entries[key] = self._intern_code(code)
 
+    def _start_node(self, node_id: str, epoch: Epoch) -> _NodeState:
+        """Track ``node_id`` in ``epoch`` from an empty, live slot (last seq 0)."""
+        slot = self._alloc_slot()
+        st = _NodeState(node_id, slot, epoch, 0, 0)
+        self._nodes[node_id] = st
+        self._slot_node[slot] = node_id
+        self._live_mask |= 1 << (2 * slot)
+        return st
+
     def _intern_code(self, code: int) -> int:
         # Every distinct placement code is one int object shared by all keys with that
         # placement: codes above 256 are not cached by CPython, and 10M keys held by
@@ -530,34 +563,35 @@ class GlobalPrefixIndex:
 
     # -- snapshots -------------------------------------------------------------
 
-    def begin_snapshot(self, node_id: str, epoch: int, seq: int) -> SnapshotLoader:
+    def begin_snapshot(self, node_id: str, epoch: Epoch, seq: int) -> SnapshotLoader:
         """Start replacing everything ``node_id`` holds with a snapshot taken at ``seq``.
 
         Entries added to the loader are invisible to lookups until ``commit``. A
         newer ``begin_snapshot`` for the same node makes an older loader's commit
-        fail. Raises InvalidArgument for a bad id, epoch or seq, or an epoch older
-        than one already seen for the node.
+        fail. Raises InvalidArgument for a bad id, epoch or seq, or an epoch the
+        node already retired (the daemon restarted since).
         """
         if not isinstance(node_id, str) or not node_id:
             raise InvalidArgument(f"node_id must be a non-empty str, got {node_id!r}")
-        for name, value in (("epoch", epoch), ("seq", seq)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise InvalidArgument(f"{name} must be a non-negative int, got {value!r}")
+        _check_epoch(epoch)
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+            raise InvalidArgument(f"seq must be a non-negative int, got {seq!r}")
         with self._lock:
             st = self._nodes.get(node_id)
-            newest = st.epoch if st is not None else None
-            pending = self._pending.get(node_id)
-            if pending is not None:
-                newest = max(newest or 0, pending.epoch)
-            if newest is not None and epoch < newest:
-                raise InvalidArgument(
-                    f"snapshot of {node_id} is from epoch {epoch}, older than epoch {newest}")
+            if self._is_retired(node_id, epoch) and (st is None or st.epoch != epoch):
+                retired = self._retired_epochs[node_id]
+                if st is None and retired[-1] == epoch:
+                    # Removed (lease expired) while this epoch ran, and re-registered alive.
+                    retired.pop()
+                else:
+                    raise InvalidArgument(
+                        f"snapshot of {node_id} is from epoch {epoch!r}, which it already left")
             gen = next(self._loader_gens)
             self._latest_loader[node_id] = gen
             slot = self._alloc_slot()
             return SnapshotLoader(self, node_id, epoch, seq, slot, gen)
 
-    def apply_snapshot(self, node_id: str, epoch: int, seq: int,
+    def apply_snapshot(self, node_id: str, epoch: Epoch, seq: int,
                        entries: Iterable[tuple[bytes, TierKind]]) -> bool:
         """Replace everything ``node_id`` holds with ``entries`` (key, tier), atomically.
 
@@ -602,22 +636,19 @@ class GlobalPrefixIndex:
     def _commit(self, loader: SnapshotLoader) -> bool:
         with self._lock:
             st = self._nodes.get(loader.node_id)
-            pending = self._pending.get(loader.node_id)
-            newest = max(st.epoch if st is not None else -1,
-                         pending.epoch if pending is not None else -1)
             superseded = self._latest_loader.get(loader.node_id) != loader.gen
-            if superseded or loader.epoch < newest:
+            if superseded or self._is_retired(loader.node_id, loader.epoch):
                 self._retire(loader.slot)
                 return False
             new = _NodeState(loader.node_id, loader.slot, loader.epoch, loader.seq, loader.blocks)
             if st is not None:
                 self._retire(st.slot)
-                if st.epoch == loader.epoch and st.last_seq > loader.seq:
+                if st.epoch != loader.epoch:
+                    self._retire_epoch(loader.node_id, st.epoch)
+                elif st.last_seq > loader.seq:
                     # Events after the snapshot reached the old slot only: replay them.
                     new.resync = ResyncKind.REPLAY
             self._nodes[loader.node_id] = new
-            self._pending.pop(loader.node_id, None)
-            self._removed_epoch.pop(loader.node_id, None)
             self._slot_node[loader.slot] = loader.node_id
             self._live_mask |= 1 << (2 * loader.slot)
             return True
@@ -710,7 +741,7 @@ class SnapshotLoader:
     ``commit`` or ``abort``. Not thread-safe itself: one owner drives a loader.
     """
 
-    def __init__(self, index: GlobalPrefixIndex, node_id: str, epoch: int, seq: int,
+    def __init__(self, index: GlobalPrefixIndex, node_id: str, epoch: Epoch, seq: int,
                  slot: int, gen: int) -> None:
         self._index = index
         self.node_id = node_id
@@ -729,7 +760,7 @@ class SnapshotLoader:
 
     def commit(self) -> bool:
         """Make the snapshot the node's state. False (and nothing changes) when a newer
-        snapshot was begun for the node or a newer epoch of it was seen meanwhile."""
+        snapshot was begun for the node, or the node left this epoch meanwhile."""
         if self._closed:
             raise InvalidArgument("this snapshot loader was already committed or aborted")
         self._closed = True

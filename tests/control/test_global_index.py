@@ -156,39 +156,74 @@ def test_gap_asks_for_a_replay_and_the_missing_events_heal_it(index: GlobalPrefi
     assert index.holders(k(9)) == {"a": DRAM}
 
 
-def test_new_epoch_drops_the_node_at_once_until_a_snapshot(index: GlobalPrefixIndex) -> None:
+def test_new_epoch_drops_the_node_at_once_and_replays_from_its_first_event(
+        index: GlobalPrefixIndex) -> None:
     a, b = Daemon(index, "a"), Daemon(index, "b")
     a.join()
     b.join()
     a.store(chain(3))
     b.store(chain(1))
+    old = a.event(STORED, k(7))  # in flight when the daemon died
     a.restart()
-    assert a.send(STORED, k(0)) is EventOutcome.NEW_EPOCH
-    assert index.match(chain(3)).lengths == {"b": 1}
-    assert index.needs_resync("a") == ResyncNeed("a", ResyncKind.SNAPSHOT, 2, 1)
-    assert a.send(STORED, k(1)) is EventOutcome.UNKNOWN_NODE  # still waiting
-    stale = ChunkEvent("a", 1, 4, STORED, k(7), DRAM)
-    assert index.apply_event(stale) is EventOutcome.STALE
-    # The restarted daemon recovered blocks 0 and 1 from NVMe and reports them.
-    assert index.apply_snapshot("a", 2, a.seq, [(k(0), NVME), (k(1), NVME)])
+    # The new epoch starts by re-announcing what NVMe kept: seq 1 is applied at once.
+    assert a.send(STORED, k(0), NVME) is EventOutcome.NEW_EPOCH
+    assert index.match(chain(3)).lengths == {"a": 1, "b": 1}
+    assert index.match(chain(3)).tiers("a") == (NVME,)
     assert index.needs_resync("a") is None
+    assert index.apply_event(old) is EventOutcome.STALE  # the retired epoch
+    assert a.send(STORED, k(1), NVME) is EventOutcome.APPLIED
     assert index.match(chain(3)).lengths == {"a": 2, "b": 1}
-    assert index.match(chain(3)).tiers("a") == (NVME, NVME)
-    assert a.send(STORED, k(2)) is EventOutcome.APPLIED
+    assert index.node_blocks("a") == 2
+    with pytest.raises(InvalidArgument, match="already left"):
+        index.begin_snapshot("a", 1, 0)  # a snapshot of the retired epoch
+
+
+def test_new_epoch_seen_mid_stream_needs_a_replay_from_the_start(
+        index: GlobalPrefixIndex) -> None:
+    a = Daemon(index, "a")
+    a.join()
+    a.store(chain(3))
+    a.restart()
+    first = [a.event(STORED, k(0), NVME), a.event(STORED, k(1), NVME)]
+    third = a.event(STORED, k(2), DRAM)
+    assert index.apply_event(third) is EventOutcome.NEW_EPOCH
+    assert index.match(chain(3)).lengths == {}  # the old epoch's blocks left at once
+    need = index.needs_resync("a")
+    assert need == ResyncNeed("a", ResyncKind.REPLAY, 2, 1) and need.after_seq == 0
+    assert index.apply_events([*first, third]) == [EventOutcome.APPLIED] * 3
+    assert index.match(chain(3)).lengths == {"a": 3} and index.needs_resync("a") is None
+
+
+def test_epochs_are_opaque_ids(index: GlobalPrefixIndex) -> None:
+    """The daemon draws a random hex epoch at each start: only equality means anything."""
+    e1, e2 = "9f3a0c1d2b4e5f60", "0123456789abcdef"  # e2 < e1 as strings: no ordering used
+    assert index.apply_snapshot("a", e1, 5, [(k(0), DRAM)])
+    assert index.apply_event(ChunkEvent("a", e1, 6, STORED, k(1), DRAM)) is EventOutcome.APPLIED
+    assert index.apply_event(ChunkEvent("a", e2, 1, STORED, k(0), HBM)) is EventOutcome.NEW_EPOCH
+    assert index.apply_event(ChunkEvent("a", e1, 7, STORED, k(2), DRAM)) is EventOutcome.STALE
+    assert index.match(chain(3)).tiers("a") == (HBM,)
     with pytest.raises(InvalidArgument):
-        index.begin_snapshot("a", 1, 0)  # older than the epoch already seen
+        ChunkEvent("a", "", 1, STORED, k(0), DRAM)
 
 
-def test_unknown_node_needs_a_snapshot(index: GlobalPrefixIndex) -> None:
+def test_unknown_node_is_tracked_from_its_first_event(index: GlobalPrefixIndex) -> None:
     assert index.needs_resync("x") is None
-    ev = ChunkEvent("x", 3, 7, STORED, k(0), DRAM)
+    assert index.apply_event(ChunkEvent("x", 3, 1, STORED, k(0), DRAM)) is (
+        EventOutcome.UNKNOWN_NODE)
+    assert index.match(chain(2)).lengths == {"x": 1}
+    assert index.needs_resync("x") is None
+    # A node first heard of mid-stream needs its history: replay or snapshot.
+    ev = ChunkEvent("y", "e", 7, STORED, k(0), DRAM)
     assert index.apply_event(ev) is EventOutcome.UNKNOWN_NODE
-    assert index.resync_needed() == [ResyncNeed("x", ResyncKind.SNAPSHOT, 3, 1)]
-    assert index.apply_snapshot("x", 3, 7, [(k(0), DRAM)])
+    assert index.resync_needed() == [ResyncNeed("y", ResyncKind.REPLAY, "e", 1)]
+    assert index.match(chain(2)).lengths == {"x": 1}
+    assert index.apply_snapshot("y", "e", 7, [(k(0), DRAM)])
     assert index.apply_event(ev) is EventOutcome.DUPLICATE  # seq 7 is in the snapshot
-    assert index.apply_event(ChunkEvent("x", 3, 8, STORED, k(1), HBM)) is EventOutcome.APPLIED
-    assert index.match(chain(2)).lengths == {"x": 2}
+    assert index.apply_event(ChunkEvent("y", "e", 8, STORED, k(1), HBM)) is EventOutcome.APPLIED
+    assert index.match(chain(2)).lengths == {"x": 1, "y": 2}
     assert index.resync_needed() == []
+    stats = index.stats()
+    assert (stats.events_applied, stats.events_dropped) == (2, 2)
 
 
 def test_snapshot_is_invisible_until_commit_and_replaces_everything(
@@ -270,6 +305,7 @@ def test_removed_node_leaves_lookups_at_once_and_sweep_reclaims_it(
     assert index.match(chain(5)).lengths == {"b": 2}
     assert index.holders(k(3)) == {}
     assert a.send(STORED, k(6)) is EventOutcome.STALE  # same epoch: a dead lease's stragglers
+    assert index.needs_resync("a") is None
     stats = index.stats()
     assert stats.retired_slots == 1 and stats.keys == 5  # bits still there, invisible
     assert index.sweep(max_keys=2) > 0  # bounded step
@@ -282,10 +318,10 @@ def test_removed_node_leaves_lookups_at_once_and_sweep_reclaims_it(
     assert index.match(chain(5)).lengths == {"b": 2}
     c.store(chain(1))
     assert index.match(chain(5)).lengths == {"b": 2, "c": 1}
-    # "a" comes back (a new lease) through a snapshot.
-    a.restart()
+    # "a" was alive: it re-registers and sends a snapshot of the same epoch.
     a.join([(k(0), DRAM)])
     assert index.match(chain(5)).lengths == {"b": 2, "c": 1, "a": 1}
+    assert a.send(STORED, k(1)) is EventOutcome.APPLIED
 
 
 def test_lookup_cost_is_flat_in_index_size_and_node_count() -> None:
@@ -322,6 +358,7 @@ op_strategy = st.one_of(
     st.tuples(st.just("drop_node"), st.sampled_from(NODE_IDS), st.just(0), st.just(DRAM)),
     st.tuples(st.just("snapshot"), st.sampled_from(NODE_IDS), st.integers(0, 7), st.sampled_from(TIERS)),
     st.tuples(st.just("sweep"), st.just("a"), st.integers(1, 5), st.just(DRAM)),
+    st.tuples(st.just("restart"), st.sampled_from(NODE_IDS), st.integers(0, 7), st.sampled_from(TIERS)),
 )
 
 
@@ -357,6 +394,11 @@ def test_index_matches_a_naive_model(ops: list[tuple[str, str, int, TierKind]]) 
             d.restart()
             assert index.apply_snapshot(node, d.epoch, 0, entries)
             model[node] = dict(entries)
+        elif op == "restart":  # a new epoch whose first event re-announces one block
+            d.restart()
+            assert d.send(STORED, k(i), tier) in (EventOutcome.NEW_EPOCH,
+                                                   EventOutcome.UNKNOWN_NODE)
+            model[node] = {k(i): tier}
         elif node in model:
             kind = {"store": STORED, "remove": REMOVED, "move": MOVED}[op]
             assert d.send(kind, k(i), tier) is EventOutcome.APPLIED
