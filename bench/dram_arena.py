@@ -112,7 +112,7 @@ def _copy_ops(
     arena = tier._arena
     arena_np = [arena.array(i * chunk, chunk) for i in range(len(srcs))]
     arena_mv = [arena.view(i * chunk, chunk, readonly=False) for i in range(len(srcs))]
-    src_mv = [memoryview(s) for s in srcs]
+    src_mv = [memoryview(s.data) for s in srcs]
 
     def memcpy() -> int:
         for d, s in zip(dsts, srcs, strict=True):

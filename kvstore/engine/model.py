@@ -60,7 +60,7 @@ def build_reference_model(spec: ModelSpec | None = None, dtype: torch.dtype | No
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(spec.seed)
-        model = LlamaForCausalLM(config)
+        model: Any = LlamaForCausalLM(config)
     finally:
         torch.random.set_rng_state(generator_state)
     if dtype is not None:
@@ -74,5 +74,5 @@ def load_model(path: Path, device: str = "cpu", dtype: torch.dtype | None = None
 
     if not (path / "config.json").exists():
         raise ConfigError(f"{path} is not a model directory (no config.json)")
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, torch_dtype=dtype)
+    model: Any = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
     return model.to(device).eval()
