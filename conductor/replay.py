@@ -44,7 +44,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import xxhash
@@ -73,7 +73,6 @@ __all__ = [
     "ClusterSpec",
     "EngineModel",
     "ReplayResult",
-    "compare_policies",
     "default_engine_model",
     "offered_prefill_load",
     "replay",
@@ -534,14 +533,3 @@ def replay(workload: Workload, policy: Policy, *, cluster: ClusterSpec | None = 
                 "tpot_slo_s": tpot_slo_s,
                 "kvcache_balancing_threshold": kvcache_balancing_threshold,
                 "hot_prefix_fetches": hot_prefix_fetches})
-
-
-def compare_policies(workload: Workload, policies: Sequence[Policy] = tuple(Policy),
-                     **kwargs: object) -> list[ReplayResult]:
-    """:func:`replay` under each policy on the same workload and cluster."""
-    return [replay(workload, p, **kwargs) for p in policies]  # type: ignore[arg-type]
-
-
-def with_cluster(cluster: ClusterSpec, **changes: object) -> ClusterSpec:
-    """A copy of ``cluster`` with some fields changed."""
-    return replace(cluster, **changes)  # type: ignore[arg-type]
