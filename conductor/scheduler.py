@@ -476,7 +476,8 @@ class Scheduler:
         if cfg.ttft_slo_s is not None and ttft.total_s > cfg.ttft_slo_s:
             return self._reject(rid, RejectReason.TTFT_SLO,
                                 f"estimated TTFT {ttft.total_s:.3f} s > target {cfg.ttft_slo_s} s "
-                                f"on prefill instance {option.state.instance.instance_id} ({cfg.policy.value} policy)",
+                                f"on prefill instance {option.state.instance.instance_id} "
+                                f"({cfg.policy.value} policy)",
                                 option, None)
 
         out_tokens = self.output_tokens.value
