@@ -33,7 +33,7 @@ class DType(enum.Enum):
 
     @property
     def size_bytes(self) -> int:
-        return {DType.FP16: 2, DType.BF16: 2, DType.FP8: 1, DType.FP32: 4}[self]
+        return _DTYPE_BYTES[self]
 
     @classmethod
     def parse(cls, text: str) -> DType:
@@ -52,6 +52,9 @@ class DType(enum.Enum):
             return cls(key)
         except ValueError as exc:
             raise ConfigError(f"unknown dtype {text!r}; use fp16, bf16, fp8 or fp32") from exc
+
+
+_DTYPE_BYTES = {DType.FP16: 2, DType.BF16: 2, DType.FP8: 1, DType.FP32: 4}
 
 
 @dataclass(frozen=True)

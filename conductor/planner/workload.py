@@ -88,13 +88,21 @@ class Workload:
         return (len(self) - 1) / self.duration_s
 
     def at_rate(self, rate_per_s: float) -> Workload:
-        """The same requests with arrival times scaled so the mean rate is ``rate_per_s``."""
+        """The same requests with arrival times scaled so the mean rate is ``rate_per_s``.
+
+        A slice whose requests all arrive at once (no duration to scale) is spread evenly at that
+        rate instead, in its original order.
+        """
         if not rate_per_s > 0:
             raise InvalidArgument(f"rate must be positive, got {rate_per_s}")
-        scale = self.rate_per_s / rate_per_s
+        if len(self) >= 2 and self.duration_s <= 0:
+            arrivals = self.arrival_s[0] + np.arange(len(self)) / rate_per_s
+        else:
+            arrivals = self.arrival_s * (self.rate_per_s / rate_per_s) if len(self) >= 2 \
+                else self.arrival_s.copy()
         return Workload(
             self.name,
-            self.arrival_s * scale,
+            arrivals,
             self.prompt_tokens,
             self.output_tokens,
             self.block_ids,

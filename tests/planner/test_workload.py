@@ -81,3 +81,15 @@ def test_prefix_cache_lru_order_and_prefix_match() -> None:
     assert cache.match([4]) == 0
     assert cache.evicted_blocks == 2
     assert len(cache) == 3
+
+
+def test_at_rate_spreads_a_slice_that_arrives_all_at_once() -> None:
+    import numpy as np
+
+    from conductor.planner.workload import Workload
+
+    w = Workload("burst", np.zeros(4), np.full(4, 100), np.full(4, 10), None, 512)
+    spread = w.at_rate(2.0)
+    assert np.all(np.isfinite(spread.arrival_s))
+    assert spread.arrival_s.tolist() == [0.0, 0.5, 1.0, 1.5]
+    assert spread.rate_per_s == 2.0
