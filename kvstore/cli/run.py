@@ -175,6 +175,9 @@ def run(requests: int = typer.Option(16, help="How many trace requests to serve.
     console.print(f"prompt tokens {totals['prompt']}, reused {totals['reused']} ({hit:.1%}); "
                   f"time with reuse {totals['reuse_s']:.1f} s vs full prefill {totals['full_s']:.1f} s; "
                   f"outputs identical in {len(reqs) - totals['mismatch']}/{len(reqs)} requests")
+    persisted = cache.persist()
+    console.print(f"persisted {persisted / MiB:.0f} MiB of memory-tier chunks to NVMe "
+                  f"({data_dir / 'nvme'}); the next run recovers them")
     cache.close()
     if totals["mismatch"]:
         raise typer.Exit(code=1)

@@ -512,6 +512,26 @@ class TieredCache:
                     log.info("cannot reach the low watermark of %s: %s", kind.value, exc)
         return freed
 
+    def persist(self) -> int:
+        """Demote every chunk held in memory tiers down to the persistent tier (before a shutdown
+        whose restart should find them: a chunk left only in memory is lost, and with it every
+        persisted descendant, which ``recover`` would then drop as an orphan). Returns the bytes
+        moved. Where the persistent tier is full, its own eviction makes room as usual."""
+        persistent = [kind for kind, tier in self._tiers.items() if isinstance(tier, PersistentTier)]
+        if not persistent:
+            return 0
+        moved = 0
+        for kind in self._tiers:
+            if kind.order >= persistent[0].order:
+                break
+            used = self._index.usage(kind).used_bytes
+            if used:
+                try:
+                    moved += self.evict(kind, used)
+                except CapacityError as exc:  # pinned chunks stay; persist what can be
+                    log.warning("persist: %s keeps some chunks: %s", kind.value, exc)
+        return moved
+
     # -- recovery -----------------------------------------------------------------------------
 
     def recover(self) -> RecoveryReport:

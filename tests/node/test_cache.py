@@ -262,3 +262,22 @@ def test_every_online_policy_keeps_data_readable(nvme_dir: Path, policy: PolicyN
         assert_no_orphans(cache)
     finally:
         cache.close()
+
+
+def test_persist_then_recover_keeps_whole_chains(nvme_dir: Path) -> None:
+    cache = make_cache(nvme_dir, dram_bytes=4 * CHUNK)
+    keys = chain_keys(10)
+    cache.put_chain(keys, [chunk(i) for i in range(10)])
+    assert cache.lookup(keys).count(TierKind.DRAM) == 4
+    assert cache.persist() == 4 * CHUNK
+    assert cache.lookup(keys).count(TierKind.NVME) == 10
+    cache.close()
+
+    reopened = make_cache(nvme_dir, dram_bytes=4 * CHUNK)
+    try:
+        assert reopened.recover().recovered == 10
+        assert reopened.lookup(keys).length == 10
+        for i, k in enumerate(keys):
+            assert read(reopened, k) == chunk(i)
+    finally:
+        reopened.close()
