@@ -7,7 +7,8 @@ plane (:class:`DataPlane`):
   mapped and its lease channel reached. ``get_into`` = one ACQUIRE_READ round trip on the
   lease channel (~30 µs; the daemon pins the chunk in DRAM, promoting it from NVMe first) +
   one memcpy out of the mapped arena + a RELEASE sent without waiting for a reply. ``put`` =
-  RESERVE (an invisible slot) + one memcpy into the arena + COMMIT. Leases belong to the
+  RESERVE (an invisible slot) + one memcpy into the arena + COMMIT (values up to 64 KiB
+  travel inside one PUT request instead: one round trip). Leases belong to the
   channel connection: if this process dies, the daemon ends them (no half-written chunk
   becomes visible; nothing stays pinned). A chunk DRAM cannot take right now is read over
   TCP instead.
@@ -24,6 +25,10 @@ Ownership: ``put`` reads ``src`` and ``get_into`` writes ``dst`` only during the
 ``get_into`` of an unknown key raises ``ChunkNotFound`` (an explicit read); ``lookup``,
 ``exists`` and ``load_prefix`` report misses as counts. Thread safety: one client may be used
 from many threads (the lease channel and TCP connections are pooled).
+
+GPU buffers: ``put``/``get_into`` also take contiguous CUDA tensors. On the shared-memory plane
+the bytes are copied between the device and the arena directly (the client registers the mapped
+arena with CUDA, so the copy is DMA); over TCP they go through a pinned host bounce buffer.
 
 Ordering: a RELEASE travels after the get returns; a gRPC ``remove`` right behind a get waits
 for the releases this client sent (one ping per channel) so it never sees its own read lease.
@@ -44,7 +49,15 @@ import grpc
 
 from kvstore._proto.kvtier.v1 import store_pb2 as pb
 from kvstore._proto.kvtier.v1 import store_pb2_grpc as pb_grpc
-from kvstore.dataplane.arena import ArenaAccess, ShmArena, copy_bytes, host_byte_view
+from kvstore.dataplane import cuda
+from kvstore.dataplane.arena import (
+    ArenaAccess,
+    PinMode,
+    ShmArena,
+    copy_bytes,
+    host_byte_view,
+    is_cuda_tensor,
+)
 from kvstore.dataplane.tier import Buffer, TierKind, check_key
 from kvstore.dataplane.transport.tcp import TcpClient
 from kvstore.errors import (
@@ -63,6 +76,7 @@ from kvstore.node.protocol import (
     ERROR_METADATA_KEY,
     FLAG_NO_REPLY,
     FLAG_PREFIX,
+    INLINE_PUT_MAX_BYTES,
     RANGE,
     REPLY,
     REQUEST,
@@ -146,6 +160,14 @@ def translate_rpc_error(exc: grpc.RpcError, what: str) -> KvtierError:
     return TransportError(f"{what}: {getattr(code, 'name', code)}: {details}")
 
 
+def _device_bytes(tensor: Any) -> Any:
+    """A flat uint8 view of a contiguous CUDA tensor (no copy)."""
+    if not tensor.is_contiguous():
+        raise InvalidArgument("a GPU buffer must be contiguous")
+    torch = cuda.torch_module()
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
 # --- the lease channel ---------------------------------------------------------------------------
 
 
@@ -167,19 +189,28 @@ class LeaseChannel:
         """A RELEASE was sent without a reply and nothing has been answered since."""
 
     def send(self, op: ChannelOp, *, flags: int = 0, keys: Sequence[bytes] = (), arg: int = 0,
-             ttl_s: float = 0.0) -> None:
+             ttl_s: float = 0.0, payload: memoryview | None = None) -> None:
         body = pack_keys(list(keys)) if keys else b""
+        extra = 0 if payload is None else payload.nbytes
+        header = REQUEST.pack(op, flags, len(keys), len(body) + extra, arg, ttl_s) + body
         try:
-            self.sock.sendall(REQUEST.pack(op, flags, len(keys), len(body), arg, ttl_s) + body)
+            if payload is None:
+                self.sock.sendall(header)
+            else:
+                sent = self.sock.sendmsg([header, payload])
+                if sent < len(header) + extra:  # rare for a small payload: finish it
+                    rest = memoryview(header + bytes(payload))[sent:]
+                    self.sock.sendall(rest)
         except OSError as exc:
             raise PeerUnavailable(f"lease channel send failed: {exc}") from exc
         if flags & FLAG_NO_REPLY:
             self.unacknowledged = True
 
     def call(self, op: ChannelOp, *, flags: int = 0, keys: Sequence[bytes] = (), arg: int = 0,
-             ttl_s: float = 0.0) -> tuple[int, list[tuple[int, int]]]:
+             ttl_s: float = 0.0, payload: memoryview | None = None
+             ) -> tuple[int, list[tuple[int, int]]]:
         """Send a request and read its reply: (lease id, ranges). Raises the daemon's error."""
-        self.send(op, flags=flags, keys=keys, arg=arg, ttl_s=ttl_s)
+        self.send(op, flags=flags, keys=keys, arg=arg, ttl_s=ttl_s, payload=payload)
         self._recv_into(self._reply)
         status, count, detail_len, lease_id = REPLY.unpack(self._reply)
         self.unacknowledged = False
@@ -268,7 +299,10 @@ class StoreClient:
             reason = "the daemon serves no shared-memory arena or lease channel"
         else:
             try:
-                return ShmArena.attach(info.shm_arena, access=ArenaAccess.READ_WRITE)
+                # PinMode.AUTO registers the mapping with CUDA when a GPU exists, so copies
+                # between the arena and engine HBM run as DMA.
+                return ShmArena.attach(info.shm_arena, access=ArenaAccess.READ_WRITE,
+                                       pin=PinMode.AUTO)
             except KvtierError as exc:
                 reason = f"cannot map arena {info.shm_arena}: {exc}"
         if required:
@@ -306,6 +340,9 @@ class StoreClient:
         """
         k = check_key(key)
         p = check_key(parent) if parent is not None else None
+        if is_cuda_tensor(src):
+            self._put_from_device(k, src, p)
+            return
         view = host_byte_view(src)
         if self._arena is not None:
             self._put_shm(k, view, p)
@@ -323,6 +360,8 @@ class StoreClient:
         Raises ChunkNotFound, SizeMismatch (nothing copied), PeerUnavailable.
         """
         k = check_key(key)
+        if is_cuda_tensor(dst):
+            return self._get_into_device(k, dst)
         out = host_byte_view(dst, writable=True)
         if self._arena is not None:
             try:
@@ -372,6 +411,34 @@ class StoreClient:
             return got
         return self._tcp_client().get_many_into(checked, outs)
 
+    @contextlib.contextmanager
+    def read_view(self, key: bytes) -> Iterator[memoryview]:
+        """A read-only, zero-copy view of the chunk in the daemon's arena, valid inside the
+        ``with`` block (the chunk is leased meanwhile; its bytes cannot change or move).
+
+        Same host only (TierUnavailable over TCP). Raises ChunkNotFound, CapacityError (the
+        chunk lives in a slower tier and DRAM cannot take it now: use ``get_into``).
+        """
+        if self._arena is None:
+            raise TierUnavailable("zero-copy views need the shared-memory data plane")
+        k = check_key(key)
+        chan = self._checkout()
+        try:
+            lease_id, ranges = chan.call(ChannelOp.ACQUIRE_READ, keys=[k],
+                                         ttl_s=self._config.lease_ttl_s)
+        except BaseException:
+            self._checkin(chan)
+            raise
+        view = self._arena.view(ranges[0][0], ranges[0][1])
+        try:
+            yield view
+        finally:
+            view.release()
+            try:
+                chan.send(ChannelOp.RELEASE, flags=FLAG_NO_REPLY, arg=lease_id)
+            finally:
+                self._checkin(chan)
+
     def get(self, key: bytes) -> bytearray:
         """The whole chunk in a new buffer. Raises ChunkNotFound."""
         k = check_key(key)
@@ -409,6 +476,57 @@ class StoreClient:
                 break
             loaded += 1
         return loaded
+
+    # --- GPU buffers: through the (pinned) arena, or a host bounce buffer over TCP -----------
+
+    def _get_into_device(self, key: bytes, dst: Any) -> int:
+        torch = cuda.torch_module()
+        flat = _device_bytes(dst)
+        if self._arena is not None:
+            chan = self._checkout()
+            try:
+                lease_id, ranges = chan.call(ChannelOp.ACQUIRE_READ, keys=[key],
+                                             ttl_s=self._config.lease_ttl_s)
+                offset, size = ranges[0]
+                try:
+                    if size != flat.numel():
+                        raise SizeMismatch(f"get_into {key.hex()}", expected=size,
+                                           actual=flat.numel())
+                    host = torch.frombuffer(self._arena.view(offset, size, readonly=False),
+                                            dtype=torch.uint8)
+                    flat.copy_(host)  # host-to-device; DMA when the arena is pinned
+                finally:
+                    chan.send(ChannelOp.RELEASE, flags=FLAG_NO_REPLY, arg=lease_id)
+            finally:
+                self._checkin(chan)
+            return int(size)
+        bounce = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)
+        n = self._tcp_client().get_into(key, bounce.numpy())
+        flat.copy_(bounce)
+        return n
+
+    def _put_from_device(self, key: bytes, src: Any, parent: bytes | None) -> None:
+        torch = cuda.torch_module()
+        flat = _device_bytes(src)
+        size = int(flat.numel())
+        if self._arena is None or size == 0:
+            self.put(key, flat.cpu().numpy(), parent=parent)
+            return
+        chan = self._checkout()
+        try:
+            lease_id, ranges = chan.call(ChannelOp.RESERVE, keys=[key, parent or b""],
+                                         arg=size, ttl_s=self._config.lease_ttl_s)
+            try:
+                slot = torch.frombuffer(self._arena.view(ranges[0][0], size, readonly=False),
+                                        dtype=torch.uint8)
+                slot.copy_(flat)  # device-to-host, straight into the reserved slot
+            except BaseException:
+                with contextlib.suppress(KvtierError):
+                    chan.call(ChannelOp.ABORT, arg=lease_id)
+                raise
+            chan.call(ChannelOp.COMMIT, arg=lease_id)
+        finally:
+            self._checkin(chan)
 
     # --- the shared-memory plane ------------------------------------------------------------
 
@@ -474,6 +592,13 @@ class StoreClient:
         if view.nbytes == 0:
             raise InvalidArgument("cannot store an empty chunk")
         chan = self._checkout()
+        if view.nbytes <= INLINE_PUT_MAX_BYTES:  # one round trip beats reserve + commit
+            try:
+                chan.call(ChannelOp.PUT, keys=[key, parent or b""], arg=view.nbytes,
+                          payload=view)
+            finally:
+                self._checkin(chan)
+            return
         try:
             lease_id, ranges = chan.call(ChannelOp.RESERVE, keys=[key, parent or b""],
                                          arg=view.nbytes, ttl_s=self._config.lease_ttl_s)

@@ -356,6 +356,12 @@ class ShmLeases:
                                                   time.monotonic() + ttl_s, offset)
         return lease_id, offset
 
+    def put(self, key: bytes, value: bytes, *, parent: bytes | None = None) -> None:
+        """Store a small value that arrived with its request (no lease); as ``TieredCache.put``."""
+        self._cache.put(key, value, parent=parent)
+        with self._lock:
+            self.bytes_written += len(value)
+
     def commit(self, lease_id: int, *, owner: object | None = None) -> TierKind:
         """Publish a reserved chunk. Raises InvalidArgument for an unknown (aborted, expired,
         committed) lease or another owner's, and the cache's commit errors (the slot is then

@@ -17,7 +17,7 @@ The lease channel
     TTL in seconds), then the body: each key as one length byte and the key bytes. Reply: a
     16-byte header :data:`REPLY` (status, range count, detail length, lease id), then
     ``count`` ranges of :data:`RANGE` (arena offset, size), then the detail text (for an error:
-    ``"<ErrorClass>\\n<message>"``). Requests on one connection are served in order; a request
+    ``"<ErrorClass>\\n<message>"``). A PUT request's body carries the value after its keys. Requests on one connection are served in order; a request
     with :data:`FLAG_NO_REPLY` (only RELEASE) gets no reply, so a get costs one round trip.
 """
 
@@ -99,6 +99,9 @@ class ChannelOp(enum.IntEnum):
     ABORT = 5
     """argument = lease id."""
     PING = 6
+    PUT = 7
+    """keys = [key, parent (empty: none)], argument = value size; the value follows the keys
+    in the body. For small values: one round trip instead of RESERVE + COMMIT."""
 
 
 FLAG_PREFIX = 1
@@ -115,6 +118,8 @@ RANGE = struct.Struct("<QQ")
 """arena offset, size in bytes."""
 MAX_BODY_BYTES = 1 << 20
 MAX_KEYS = 4096
+INLINE_PUT_MAX_BYTES = 64 << 10
+"""Values up to this size travel inside a PUT request; larger ones are RESERVEd and copied."""
 
 
 def pack_keys(keys: list[bytes]) -> bytes:

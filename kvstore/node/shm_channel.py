@@ -173,9 +173,14 @@ class ShmChannelServer:
                 body = _recv_exact(sock, body_len) if body_len else b""
                 if body is None:
                     raise ProtocolError("lease channel request truncated")
+                value = b""
+                if op == ChannelOp.PUT:
+                    if arg > body_len:
+                        raise ProtocolError(f"PUT of {arg} bytes in a {body_len}-byte body")
+                    body, value = body[:body_len - arg], body[body_len - arg:]
                 keys = unpack_keys(body, nkeys)
                 self.requests += 1
-                reply = self._handle(conn, op, flags, keys, arg, ttl_s)
+                reply = self._handle(conn, op, flags, keys, arg, ttl_s, value)
                 if not flags & FLAG_NO_REPLY:
                     sock.sendall(reply)
         except ProtocolError as exc:
@@ -192,7 +197,7 @@ class ShmChannelServer:
             sock.close()
 
     def _handle(self, conn: _Connection, op: int, flags: int, keys: list[bytes], arg: int,
-                ttl_s: float) -> bytes:
+                ttl_s: float, value: bytes) -> bytes:
         ttl = ttl_s if ttl_s > 0 else self._lease_ttl_s
         try:
             if op == ChannelOp.ACQUIRE_READ:
@@ -217,6 +222,12 @@ class ShmChannelServer:
             if op == ChannelOp.ABORT:
                 self._leases.abort(arg, owner=conn)
                 return REPLY.pack(STATUS_OK, 0, 0, arg)
+            if op == ChannelOp.PUT:
+                self._refuse_when_draining()
+                if len(keys) != 2:
+                    raise ProtocolError(f"PUT carries [key, parent], got {len(keys)} keys")
+                self._leases.put(keys[0], value, parent=keys[1] or None)
+                return REPLY.pack(STATUS_OK, 0, 0, 0)
             if op == ChannelOp.PING:
                 return REPLY.pack(STATUS_OK, 0, 0, 0)
             raise ProtocolError(f"unknown lease channel op {op}")

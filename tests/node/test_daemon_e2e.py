@@ -376,3 +376,38 @@ def test_an_unreachable_daemon_is_peer_unavailable(tmp_path: Path) -> None:
         StoreClient.connect(f"127.0.0.1:{port}", StoreClientConfig(rpc_timeout_s=1.0))
     result = kvtier("stats", "--address", f"127.0.0.1:{port}")
     assert result.returncode == 1 and "PeerUnavailable" in result.stderr
+
+
+def test_health_checking_and_reflection_are_served(daemon: DaemonProcess) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.insecure_channel(daemon.grpc_address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "kvtier.v1.Store"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        reply = next(iter(stub.ServerReflectionInfo(iter([request]), timeout=10)))
+        names = {s.name for s in reply.list_services_response.service}
+        assert {"kvtier.v1.Store", "grpc.health.v1.Health"} <= names
+
+
+def test_a_zero_copy_view_holds_a_lease_until_the_block_ends(shm: StoreClient,
+                                                             tcp: StoreClient) -> None:
+    data = value(21, 200 * KiB)
+    shm.put(b"viewed", data)
+    with shm.read_view(b"viewed") as view:
+        assert view.readonly and view.nbytes == data.size
+        assert np.array_equal(np.frombuffer(view, np.uint8), data)
+        with pytest.raises(ChunkBusy):
+            tcp.remove(b"viewed")
+    assert shm.remove(b"viewed") == [b"viewed"]
+    with pytest.raises(ChunkNotFound), shm.read_view(b"viewed"):
+        pass
+    from kvstore.errors import TierUnavailable
+
+    with pytest.raises(TierUnavailable), tcp.read_view(b"viewed"):
+        pass

@@ -156,3 +156,32 @@ def test_kill_9_expires_the_key_and_a_restart_recovers_nvme_chunks(
             assert {e.key for e in replay if e.kind == 1} >= set(keys)  # recovery = STORED
     finally:
         node.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("persist", [True, False])
+def test_a_graceful_stop_persists_dram_chunks_only_when_configured(tmp_path: Path,
+                                                                    persist: bool) -> None:
+    node = DaemonProcess(tmp_path, "node-p",
+                         settings={"shutdown.persist_dram": str(persist).lower()})
+    keys = [b"p-%d" % i for i in range(3)]
+    try:
+        node.start()
+        with StoreClient.connect(node.grpc_address) as client:
+            for i, key in enumerate(keys):
+                client.put(key, value(i, 64 * KiB), parent=keys[i - 1] if i else None)
+            assert client.lookup(keys).tiers == (TierKind.DRAM,) * 3
+        node.terminate()
+        assert node.wait(30) == 0
+        node.start()
+        with StoreClient.connect(node.grpc_address) as client:
+            match = client.lookup(keys)
+            if not persist:
+                assert match.length == 0  # DRAM is memory: gone with the process
+                return
+            assert match.tiers == (TierKind.NVME,) * 3
+            out = np.empty(64 * KiB, np.uint8)
+            client.get_into(keys[2], out)
+            assert np.array_equal(out, value(2, 64 * KiB))
+    finally:
+        node.stop()
