@@ -10,11 +10,11 @@ PY=${PYTHON:-.venv/bin/python}
 mkdir -p "$OUT"
 "$PY" -m grpc_tools.protoc -I proto \
   --python_out="$OUT" --grpc_python_out="$OUT" --pyi_out="$OUT" \
-  proto/kvtier/v1/store.proto
+  proto/kvtier/v1/store.proto proto/kvtier/v1/conductor.proto
 # protoc writes absolute imports of the proto package ("from kvtier.v1 import ..."); the
 # package lives under kvstore._proto, so rewrite them.
 sed -i 's/^from kvtier\.v1 import /from kvstore._proto.kvtier.v1 import /' \
-  "$OUT/kvtier/v1/store_pb2_grpc.py"
+  "$OUT/kvtier/v1/store_pb2_grpc.py" "$OUT/kvtier/v1/conductor_pb2_grpc.py"
 for d in "$OUT" "$OUT/kvtier" "$OUT/kvtier/v1"; do
   [[ -f $d/__init__.py ]] || : >"$d/__init__.py"
 done
