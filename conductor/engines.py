@@ -1,0 +1,283 @@
+"""Engine instances in etcd: what a prefill or decode engine publishes, and how the conductor
+watches it.
+
+Key layout (see :class:`~conductor.membership.KeyLayout`)::
+
+    <prefix>engines/prefill/<instance_id>    EngineRecord JSON, attached to the engine's lease
+    <prefix>engines/decode/<instance_id>
+
+An engine registers like a store daemon does (a key under its own lease, so the key vanishes
+when the engine dies); real engines arrive in a later issue, and tests write records directly.
+Load (queued prefill tokens, running decode batch, KV in use) changes per request: engines
+send it to the conductor over gRPC (``ReportLoad``), not through etcd.
+
+Contracts
+    * A malformed value (bad JSON, unknown role, id that does not match its key) is logged and
+      skipped, never raised: one broken writer cannot take discovery down.
+    * :class:`EngineWatch` yields a snapshot first, then every change; when the etcd stream
+      breaks it re-lists and yields the difference (as ``watch_nodes`` does). Entering raises
+      MembershipError when etcd cannot be reached; running retries forever and logs.
+    * asyncio only; iterate a watch from one task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import json
+import logging
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import aetcd
+import grpc
+
+from conductor.membership import (
+    DEFAULT_LAYOUT,
+    DEFAULT_RPC_TIMEOUT_S,
+    KeyLayout,
+    _check_id,
+    _etcd,
+    parse_host_port,
+)
+from kvstore.errors import InvalidArgument, MembershipError
+from kvstore.keys import KVDtype, KVFingerprint
+
+log = logging.getLogger(__name__)
+
+__all__ = ["EngineChange", "EngineRecord", "EngineRole", "EngineWatch", "engines_prefix",
+           "put_engine_record"]
+
+_RETRY_INTERVAL_S = 0.5
+
+
+class EngineRole(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+def engines_prefix(layout: KeyLayout) -> str:
+    return f"{layout.prefix}engines/"
+
+
+def _fingerprint_to_dict(fp: KVFingerprint) -> dict[str, Any]:
+    return {"model": fp.model, "dtype": fp.dtype.value, "num_layers": fp.num_layers,
+            "num_kv_heads": fp.num_kv_heads, "head_dim": fp.head_dim,
+            "block_size_tokens": fp.block_size_tokens, "tp_rank": fp.tp_rank,
+            "tp_size": fp.tp_size}
+
+
+def _fingerprint_from_dict(doc: Any) -> KVFingerprint:
+    if not isinstance(doc, dict):
+        raise InvalidArgument("kv_fingerprint must be an object")
+    try:
+        return KVFingerprint(model=doc["model"], dtype=KVDtype(doc["dtype"]),
+                             num_layers=doc["num_layers"], num_kv_heads=doc["num_kv_heads"],
+                             head_dim=doc["head_dim"], block_size_tokens=doc["block_size_tokens"],
+                             tp_rank=doc.get("tp_rank", 0), tp_size=doc.get("tp_size", 1))
+    except KeyError as exc:
+        raise InvalidArgument(f"kv_fingerprint lacks field {exc.args[0]!r}") from exc
+    except ValueError as exc:  # KVDtype("fp7")
+        raise InvalidArgument(f"invalid kv_fingerprint: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class EngineRecord:
+    """One engine instance as published under ``engines/<role>/<instance_id>``.
+
+    ``node_id`` is the store daemon on the engine's host: its local KV cache. The conductor
+    schedules onto an instance only while that node is registered (alive). ``model`` is the
+    name requests use. ``kv_capacity_tokens`` is the decode KV room (required for decode
+    engines, ignored for prefill). ``kv_fingerprint`` lets the conductor hash token ids into
+    the same chained keys the engine stores (optional: without it, requests for this model
+    must carry keys). ``address`` is the engine's own endpoint, informational.
+    """
+
+    instance_id: str
+    role: EngineRole
+    model: str
+    node_id: str
+    kv_capacity_tokens: int = 0
+    address: str | None = None
+    kv_fingerprint: KVFingerprint | None = None
+
+    def __post_init__(self) -> None:
+        _check_id("instance_id", self.instance_id)
+        _check_id("node_id", self.node_id)
+        if not isinstance(self.role, EngineRole):
+            raise InvalidArgument(f"role must be an EngineRole, got {self.role!r}")
+        if not isinstance(self.model, str) or not self.model:
+            raise InvalidArgument(f"model must be a non-empty string, got {self.model!r}")
+        cap = self.kv_capacity_tokens
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+            raise InvalidArgument(f"kv_capacity_tokens must be an int >= 0, got {cap!r}")
+        if self.role is EngineRole.DECODE and cap == 0:
+            raise InvalidArgument(f"decode engine {self.instance_id} needs kv_capacity_tokens > 0")
+        if self.address is not None:
+            parse_host_port(self.address)
+        if self.kv_fingerprint is not None:
+            if not isinstance(self.kv_fingerprint, KVFingerprint):
+                raise InvalidArgument("kv_fingerprint must be a KVFingerprint or None")
+            if self.kv_fingerprint.model != self.model:
+                raise InvalidArgument(
+                    f"kv_fingerprint names model {self.kv_fingerprint.model!r}, the record "
+                    f"{self.model!r}")
+
+    def key(self, layout: KeyLayout = DEFAULT_LAYOUT) -> str:
+        return layout.engine_key(self.role.value, self.instance_id)
+
+    def to_json(self) -> bytes:
+        doc = {"schema": 1, "instance_id": self.instance_id, "role": self.role.value,
+               "model": self.model, "node_id": self.node_id,
+               "kv_capacity_tokens": self.kv_capacity_tokens, "address": self.address,
+               "kv_fingerprint": (None if self.kv_fingerprint is None
+                                  else _fingerprint_to_dict(self.kv_fingerprint))}
+        return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> EngineRecord:
+        """Parse and validate; InvalidArgument for anything malformed."""
+        try:
+            doc = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise InvalidArgument(f"engine record is not valid JSON: {exc}") from exc
+        if not isinstance(doc, dict):
+            raise InvalidArgument("engine record must be a JSON object")
+        try:
+            fp = doc.get("kv_fingerprint")
+            return cls(instance_id=doc["instance_id"], role=EngineRole(doc["role"]),
+                       model=doc["model"], node_id=doc["node_id"],
+                       kv_capacity_tokens=doc.get("kv_capacity_tokens", 0),
+                       address=doc.get("address"),
+                       kv_fingerprint=None if fp is None else _fingerprint_from_dict(fp))
+        except KeyError as exc:
+            raise InvalidArgument(f"engine record lacks field {exc.args[0]!r}") from exc
+        except ValueError as exc:  # EngineRole("x"); InvalidArgument is a ValueError too
+            raise InvalidArgument(f"invalid engine record: {exc}") from exc
+
+
+async def put_engine_record(client: aetcd.Client, record: EngineRecord, *,
+                            layout: KeyLayout = DEFAULT_LAYOUT, lease_id: int | None = None,
+                            rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S) -> None:
+    """Write ``record`` under its key (attached to ``lease_id`` when given). MembershipError."""
+    await _etcd(f"put engine {record.instance_id}",
+                client.put(record.key(layout).encode(), record.to_json(), lease=lease_id),
+                rpc_timeout_s)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineChange:
+    """One change: ``record`` is the new record, or None when the instance left."""
+
+    instance_id: str
+    record: EngineRecord | None
+
+
+def _decode(layout: KeyLayout, key: bytes, value: bytes) -> EngineRecord | None:
+    key_text = key.decode(errors="replace")
+    try:
+        record = EngineRecord.from_json(value)
+    except InvalidArgument as exc:
+        log.warning("ignoring malformed engine record at %s: %s", key_text, exc)
+        return None
+    if key_text != record.key(layout):
+        log.warning("ignoring engine record at %s: it belongs at %s", key_text, record.key(layout))
+        return None
+    return record
+
+
+class EngineWatch:
+    """Every engine now, then every change (see the module docstring).
+
+    ``async with EngineWatch(client, layout=...) as changes: async for change in changes``.
+    """
+
+    def __init__(self, client: aetcd.Client, *, layout: KeyLayout = DEFAULT_LAYOUT,
+                 rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
+                 retry_interval_s: float = _RETRY_INTERVAL_S) -> None:
+        """Record settings only; nothing talks to etcd until entered."""
+        self._client = client
+        self._layout = layout
+        self._prefix = engines_prefix(layout).encode()
+        self._rpc_timeout_s = rpc_timeout_s
+        self._retry_interval_s = retry_interval_s
+        self._known: dict[bytes, EngineRecord] = {}
+        self._events: AsyncGenerator[EngineChange, None] | None = None
+
+    async def __aenter__(self) -> EngineWatch:
+        if self._events is not None:
+            raise MembershipError("this engine watch was already started")
+        watch, pending = await self._open()
+        self._events = self._run(watch, pending)
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        if self._events is not None:
+            await self._events.aclose()
+
+    def __aiter__(self) -> EngineWatch:
+        return self
+
+    async def __anext__(self) -> EngineChange:
+        if self._events is None:
+            raise MembershipError("iterate an engine watch inside 'async with'")
+        return await anext(self._events)
+
+    async def _open(self) -> tuple[Any, list[EngineChange]]:
+        result = await _etcd("list engines", self._client.get_prefix(self._prefix),
+                             self._rpc_timeout_s)
+        current: dict[bytes, EngineRecord] = {}
+        for kv in result:
+            record = _decode(self._layout, kv.key, kv.value)
+            if record is not None:
+                current[bytes(kv.key)] = record
+        revision = int(result.header.revision)
+        watch = await _etcd("watch engines",
+                            self._client.watch_prefix(self._prefix, start_revision=revision + 1),
+                            self._rpc_timeout_s)
+        changes = [EngineChange(rec.instance_id, None) for key, rec in self._known.items()
+                   if key not in current]
+        changes += [EngineChange(rec.instance_id, rec) for key, rec in current.items()
+                    if self._known.get(key) != rec]
+        self._known = current
+        return watch, changes
+
+    def _apply(self, event: Any) -> EngineChange | None:
+        key = bytes(event.kv.key)
+        if event.kind == aetcd.EventKind.DELETE:
+            gone = self._known.pop(key, None)
+            return None if gone is None else EngineChange(gone.instance_id, None)
+        record = _decode(self._layout, event.kv.key, event.kv.value)
+        if record is None or self._known.get(key) == record:
+            return None
+        self._known[key] = record
+        return EngineChange(record.instance_id, record)
+
+    async def _run(self, watch: Any, pending: list[EngineChange]
+                   ) -> AsyncGenerator[EngineChange, None]:
+        while True:
+            try:
+                for change in pending:
+                    yield change
+                async for event in watch:
+                    applied = self._apply(event)
+                    if applied is not None:
+                        yield applied
+                log.warning("engine watch: stream ended; re-listing")
+            except (aetcd.ClientError, grpc.RpcError) as exc:
+                log.warning("engine watch: stream broken (%s); re-listing", exc)
+            finally:
+                with contextlib.suppress(aetcd.ClientError, grpc.RpcError, TimeoutError):
+                    async with asyncio.timeout(self._rpc_timeout_s):
+                        await watch.cancel()
+            while True:
+                try:
+                    watch, pending = await self._open()
+                    break
+                except MembershipError as exc:
+                    log.debug("engine watch: cannot re-list yet (%s); retrying", exc)
+                    await asyncio.sleep(self._retry_interval_s)
