@@ -8,6 +8,7 @@ import typer
 from kvstore import __version__
 from kvstore.cli import admin as admin_cli
 from kvstore.cli import bench as bench_cli
+from kvstore.cli import conductor as conductor_cli
 from kvstore.cli import daemon as daemon_cli
 from kvstore.cli import plan as plan_cli
 from kvstore.cli import run as run_cli
@@ -23,6 +24,7 @@ app.add_typer(bench_cli.app, name="bench")
 app.command(name="run")(run_cli.run)
 app.add_typer(plan_cli.app, name="plan")
 app.command(name="daemon")(daemon_cli.daemon)
+app.command(name="conductor")(conductor_cli.conductor)
 admin_cli.register(app)
 
 

@@ -1,0 +1,531 @@
+"""The conductor process: discovery, event subscriptions, leader election, serving.
+
+::
+
+    etcd nodes/      ──watch_nodes──► live nodes ──► one Subscribe task per daemon ──► index
+    etcd engines/    ──EngineWatch──► engine records ─┐
+                                                      ├─► scheduler instances (node alive only)
+    etcd conductor/leader ◄──Election──► leading? ────┴─► Schedule served (leader only)
+
+What the conductor believes, and when it changes
+    * A node is *live* while its key is in etcd AND its event stream is connected (from its
+      first snapshot on: a node that just joined is not placed on before it). A node whose key vanishes (lease expired, clean
+      exit) or whose event stream breaks (process killed: the TCP connection resets at once)
+      leaves the index at once (:meth:`GlobalPrefixIndex.remove_node`) and every engine on
+      it leaves the scheduler in the same event-loop step, so no decision made afterwards
+      names it. A node whose stream reconnects is rebuilt from a snapshot.
+    * Each daemon is followed from a **snapshot** first (``Snapshot`` RPC), then
+      ``Subscribe(from_seq=<snapshot seq>, epoch)``. On a gap or a new epoch the index says
+      what it needs (``needs_resync``) and the stream is re-opened from there; when the
+      daemon's ring no longer holds it the daemon answers ``EVENT_RESYNC`` and we take a
+      snapshot again. Starting from a snapshot costs one read per node join, and makes a
+      node that was removed and comes back with the same epoch (a partition) whole again.
+    * Every conductor, leader or not, follows every daemon, so a standby that takes over
+      has a current index at once (failover does not wait for a rebuild).
+    * Engines are schedulable while their record is in etcd and their ``node_id`` is live.
+
+Threading: everything runs on one asyncio event loop (the scheduler is not thread-safe).
+The constructor builds in-memory state only; :meth:`Conductor.start` talks to etcd, binds
+the gRPC port and starts the background tasks; :meth:`Conductor.stop` undoes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aetcd
+import grpc
+import xxhash
+
+from conductor.election import Election, LeaderRecord, LeaderView
+from conductor.engines import EngineRecord, EngineRole, EngineWatch
+from conductor.index import ChunkEvent, ChunkEventKind, EventOutcome, GlobalPrefixIndex
+from conductor.membership import (
+    DEFAULT_LAYOUT,
+    KeyLayout,
+    NodeEventKind,
+    NodeRecord,
+    etcd_client,
+    parse_host_port,
+    watch_nodes,
+)
+from conductor.replay import default_engine_model
+from conductor.scheduler import (
+    DecodeInstance,
+    Policy,
+    PrefillInstance,
+    Scheduler,
+    SchedulerConfig,
+)
+from kvstore._proto.kvtier.v1 import store_pb2 as store_pb
+from kvstore._proto.kvtier.v1 import store_pb2_grpc as store_grpc
+from kvstore.dataplane.tier import TierKind
+from kvstore.errors import InvalidArgument, KvtierError
+from kvstore.keys import BlockHasher, Namespace
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Conductor", "ConductorConfig", "default_conductor_id", "run_conductor"]
+
+_PB_TIER = {store_pb.TIER_HBM: TierKind.HBM, store_pb.TIER_DRAM: TierKind.DRAM,
+            store_pb.TIER_NVME: TierKind.NVME}
+_PB_EVENT = {store_pb.EVENT_STORED: ChunkEventKind.STORED,
+             store_pb.EVENT_REMOVED: ChunkEventKind.REMOVED,
+             store_pb.EVENT_MOVED: ChunkEventKind.MOVED}
+_HEALED = (EventOutcome.APPLIED, EventOutcome.DUPLICATE, EventOutcome.STALE)
+_RECONNECT_MIN_S = 0.1
+_RECONNECT_MAX_S = 1.0
+_SNAPSHOT_PAGE_ENTRIES = 8192
+_HASHERS_KEPT = 1024
+GRPC_MAX_MESSAGE_BYTES = 16 << 20
+
+
+def default_conductor_id() -> str:
+    """``<hostname>-<pid>``, reduced to the id alphabet."""
+    host = "".join(c if c.isalnum() or c in "._-" else "-" for c in socket.gethostname())
+    return f"{host or 'conductor'}-{os.getpid()}"[:128]
+
+
+@dataclass(frozen=True)
+class ConductorConfig:
+    """Everything one conductor process needs. Times in seconds."""
+
+    etcd_endpoint: str
+    conductor_id: str = field(default_factory=default_conductor_id)
+    listen: str = "127.0.0.1:0"
+    """``host:port`` to bind (port 0: any free port)."""
+    advertise_host: str | None = None
+    """Host published in etcd for clients (default: the listen host, or the hostname if 0.0.0.0)."""
+    layout: KeyLayout = DEFAULT_LAYOUT
+    policy: Policy = Policy.GLOBAL_CACHE
+    ttft_slo_s: float | None = None
+    tpot_slo_s: float | None = None
+    block_size_tokens: int = 512
+    election_ttl_s: int = 2
+    sweep_interval_s: float = 1.0
+    preload_blocks: int = 0
+    """Benchmark only: load this many synthetic blocks (keys no request will ever name) into
+    the index at start, through its snapshot path, under node ids ``preload-<i>``."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.policy, Policy):
+            raise InvalidArgument(f"policy must be a Policy, got {self.policy!r}")
+        host, port = _split_listen(self.listen)
+        del host, port
+        if isinstance(self.election_ttl_s, bool) or not isinstance(self.election_ttl_s, int) \
+                or self.election_ttl_s < 2:
+            raise InvalidArgument(f"election_ttl_s must be an int >= 2, got {self.election_ttl_s!r}")
+        if not self.sweep_interval_s > 0:
+            raise InvalidArgument(f"sweep_interval_s must be > 0, got {self.sweep_interval_s!r}")
+        if isinstance(self.preload_blocks, bool) or not isinstance(self.preload_blocks, int) \
+                or self.preload_blocks < 0:
+            raise InvalidArgument(f"preload_blocks must be an int >= 0, got {self.preload_blocks!r}")
+        LeaderRecord(self.conductor_id, "127.0.0.1:1")  # validates the id
+
+
+def _split_listen(listen: str) -> tuple[str, int]:
+    host, _, port_text = listen.rpartition(":")
+    if not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise InvalidArgument(f"listen must be 'host:port' (port 0: any), got {listen!r}")
+    return host, int(port_text)
+
+
+class _NodeFollower:
+    """One daemon's event stream into the index (a task), with its connection."""
+
+    __slots__ = ("connected", "record", "task")
+
+    def __init__(self, record: NodeRecord) -> None:
+        self.record = record
+        self.task: asyncio.Task[None] | None = None
+        self.connected = False
+
+
+class Conductor:
+    """One conductor process's state and background work. See the module docstring."""
+
+    def __init__(self, config: ConductorConfig) -> None:
+        """In-memory state only: no etcd, no sockets, no tasks until :meth:`start`."""
+        self.config = config
+        engine = default_engine_model(config.block_size_tokens)
+        self.engine_model = engine
+        self.index = GlobalPrefixIndex()
+        self.scheduler = Scheduler(self.index, engine.latency, SchedulerConfig(
+            policy=config.policy, block_size_tokens=engine.block_size_tokens,
+            block_size_bytes=engine.block_size_bytes, ttft_slo_s=config.ttft_slo_s,
+            tpot_slo_s=config.tpot_slo_s))
+        self.nodes: dict[str, _NodeFollower] = {}
+        """Nodes registered in etcd (live or not: see :meth:`live_nodes`)."""
+        self.engines: dict[str, EngineRecord] = {}
+        """Engine records in etcd, by instance id."""
+        self.engine_load: dict[str, tuple[int, int, int, float]] = {}
+        """Latest ReportLoad per instance: (queued prefill tokens, decode batch, KV tokens, at)."""
+        self._scheduled: dict[str, EngineRecord] = {}
+        """Engines the scheduler knows now (record present and node live)."""
+        self._hashers: dict[tuple[str, str], BlockHasher] = {}
+        self.election: Election | None = None
+        self.address: str | None = None
+        self._etcd: aetcd.Client | None = None
+        self._server: grpc.aio.Server | None = None
+        self._health: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._ready = asyncio.Event()
+        self._stopping = False
+        self.leader_changes = 0
+
+    # ------------------------------------------------------------------ views
+
+    def live_nodes(self) -> list[str]:
+        """Nodes a decision may name: registered, and their event stream connected."""
+        return sorted(n for n, f in self.nodes.items() if f.connected)
+
+    def scheduled_instances(self, role: EngineRole) -> list[str]:
+        return sorted(i for i, rec in self._scheduled.items() if rec.role is role)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.election is not None and self.election.is_leader
+
+    def leader(self) -> LeaderView | None:
+        return None if self.election is None else self.election.leader
+
+    def now_s(self) -> float:
+        return time.monotonic()
+
+    def hasher(self, model: str, tenant: str) -> BlockHasher:
+        """The key chain of ``model`` for ``tenant``; InvalidArgument when no engine of the
+        model published a KV fingerprint (then requests must carry keys)."""
+        cached = self._hashers.get((model, tenant))
+        if cached is not None:
+            return cached
+        fingerprint = next((rec.kv_fingerprint for rec in self.engines.values()
+                            if rec.model == model and rec.kv_fingerprint is not None), None)
+        if fingerprint is None:
+            known = sorted({rec.model for rec in self.engines.values()})
+            raise InvalidArgument(
+                f"cannot hash token ids for model {model!r}: no engine of it published a KV "
+                f"fingerprint (known models: {', '.join(known) or 'none'}); send chained keys")
+        if fingerprint.block_size_tokens != self.engine_model.block_size_tokens:
+            raise InvalidArgument(
+                f"model {model!r} uses blocks of {fingerprint.block_size_tokens} tokens; this "
+                f"conductor schedules blocks of {self.engine_model.block_size_tokens}")
+        hasher = BlockHasher(Namespace(fingerprint, tenant))
+        if len(self._hashers) >= _HASHERS_KEPT:
+            self._hashers.clear()
+        self._hashers[(model, tenant)] = hasher
+        return hasher
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> str:
+        """Connect to etcd, serve gRPC, campaign, follow nodes and engines. Returns the address.
+
+        Raises MembershipError when etcd cannot be reached, InvalidArgument when the listen
+        address cannot be bound.
+        """
+        from conductor.service import ConductorService, add_to_server
+
+        cfg = self.config
+        if cfg.preload_blocks:
+            self._preload(cfg.preload_blocks)
+        self._etcd = etcd_client(cfg.etcd_endpoint)
+        host, port = _split_listen(cfg.listen)
+        server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),
+        ])
+        self._health = add_to_server(ConductorService(self), server)
+        bound = server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise InvalidArgument(f"cannot bind the conductor's gRPC service on {cfg.listen}")
+        advertise = cfg.advertise_host or (socket.gethostname() if host in ("0.0.0.0", "::")
+                                           else host)
+        self.address = f"{advertise}:{bound}"
+        parse_host_port(self.address)
+        await server.start()
+        self._server = server
+        await self._set_health()
+        loop = asyncio.get_running_loop()
+        try:
+            node_watch = watch_nodes(self._etcd, layout=cfg.layout)
+            await node_watch.start()
+            engine_watch = EngineWatch(self._etcd, layout=cfg.layout)
+            await engine_watch.__aenter__()
+            self.election = Election(self._etcd, LeaderRecord(cfg.conductor_id, self.address),
+                                     ttl_s=cfg.election_ttl_s, layout=cfg.layout,
+                                     on_change=self._on_leadership)
+            await self.election.start()
+        except BaseException:
+            await self.stop()
+            raise
+        self._tasks = [
+            loop.create_task(self._follow_membership(node_watch), name="kvtier-conductor-nodes"),
+            loop.create_task(self._follow_engines(engine_watch), name="kvtier-conductor-engines"),
+            loop.create_task(self._sweep_loop(), name="kvtier-conductor-sweep"),
+        ]
+        return self.address
+
+    async def stop(self) -> None:
+        """Resign (the standby takes over at once), stop every task, stop serving. Idempotent."""
+        if self._stopping:
+            return
+        self._stopping = True
+        if self.election is not None:
+            await self.election.resign()
+        tasks = self._tasks + [f.task for f in self.nodes.values() if f.task is not None]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+        self._tasks = []
+        if self._server is not None:
+            await self._server.stop(grace=0.5)
+            self._server = None
+        if self._etcd is not None:
+            with contextlib.suppress(Exception):  # closing a client whose etcd is gone
+                await self._etcd.close()
+            self._etcd = None
+
+    # ------------------------------------------------------------------ leadership
+
+    def _on_leadership(self, leading: bool) -> None:
+        self.leader_changes += 1
+        log.info("conductor %s is now %s", self.config.conductor_id,
+                 "the leader" if leading else "a follower")
+        asyncio.get_running_loop().create_task(self._set_health())
+
+    async def _set_health(self) -> None:
+        from grpc_health.v1 import health_pb2
+
+        from conductor.service import SERVICE_NAME
+
+        if self._health is None:
+            return
+        serving = health_pb2.HealthCheckResponse.SERVING
+        await self._health.set("", serving)
+        await self._health.set(SERVICE_NAME, serving if self.is_leader
+                               else health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    # ------------------------------------------------------------------ membership
+
+    async def _follow_membership(self, events: Any) -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            stack.push_async_callback(events.close)
+            async for event in events:
+                node_id = event.node_id
+                if event.kind is NodeEventKind.LEFT:
+                    self._drop_node(node_id, "its etcd key is gone")
+                elif event.kind is NodeEventKind.JOINED or (
+                        event.kind is NodeEventKind.UPDATED
+                        and self.nodes[node_id].record.grpc_address != event.record.grpc_address):
+                    self._drop_node(node_id, "it re-registered")
+                    self._add_node(event.record)
+                else:
+                    self.nodes[node_id].record = event.record
+
+    def _add_node(self, record: NodeRecord) -> None:
+        follower = _NodeFollower(record)
+        self.nodes[record.node_id] = follower
+        follower.task = asyncio.get_running_loop().create_task(
+            self._follow_node(follower), name=f"kvtier-conductor-follow-{record.node_id}")
+        log.info("node %s joined (%s)", record.node_id, record.grpc_address)
+
+    def _drop_node(self, node_id: str, why: str) -> None:
+        follower = self.nodes.pop(node_id, None)
+        if follower is None:
+            return
+        if follower.task is not None:
+            follower.task.cancel()
+        self.index.remove_node(node_id)
+        self._sync_instances()
+        log.info("node %s left the index: %s", node_id, why)
+
+    def _set_connected(self, follower: _NodeFollower, connected: bool, why: str = "") -> None:
+        if follower.connected == connected:
+            return
+        follower.connected = connected
+        node_id = follower.record.node_id
+        if not connected:
+            # The process is dead or unreachable: nothing may name it from now on.
+            self.index.remove_node(node_id)
+            log.warning("node %s unreachable (%s): out of the index until it answers again",
+                        node_id, why)
+        self._sync_instances()
+
+    async def _follow_node(self, follower: _NodeFollower) -> None:
+        """Snapshot, then Subscribe; resync on gaps; reconnect with backoff; forever."""
+        record = follower.record
+        node_id = record.node_id
+        backoff_s = _RECONNECT_MIN_S
+        async with grpc.aio.insecure_channel(record.grpc_address, options=[
+                ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000)]) as channel:
+            stub = store_grpc.StoreStub(channel)  # type: ignore[no-untyped-call]
+            while True:
+                try:
+                    seq, epoch = await self._load_snapshot(stub, node_id)
+                    self._set_connected(follower, True)
+                    backoff_s = _RECONNECT_MIN_S
+                    after: int | None = seq
+                    while after is not None:
+                        after, epoch = await self._subscribe(stub, node_id, after, epoch)
+                    # The daemon ended the stream (stopping); its key leaves etcd shortly.
+                    self._set_connected(follower, False, "event stream ended")
+                except grpc.aio.AioRpcError as exc:
+                    self._set_connected(follower, False, f"{exc.code().name}: {exc.details()}")
+                except KvtierError as exc:  # a snapshot the index refused, a malformed stream
+                    log.warning("node %s: %s: %s", node_id, type(exc).__name__, exc)
+                    self._set_connected(follower, False, str(exc))
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(_RECONNECT_MAX_S, backoff_s * 2)
+
+    async def _load_snapshot(self, stub: Any, node_id: str) -> tuple[int, str]:
+        """Replace the node's index entries with a snapshot; (its seq, its epoch)."""
+        loader = None
+        try:
+            async for page in stub.Snapshot(
+                    store_pb.SnapshotRequest(page_entries=_SNAPSHOT_PAGE_ENTRIES)):
+                if loader is None:
+                    loader = self.index.begin_snapshot(node_id, page.epoch, int(page.seq))
+                entries = [(e.key, _PB_TIER[e.tier]) for e in page.entries if e.tier in _PB_TIER]
+                if entries:
+                    loader.add(entries)
+            if loader is None:
+                raise InvalidArgument(f"node {node_id} sent an empty snapshot stream")
+        except BaseException:
+            if loader is not None:
+                loader.abort()
+            raise
+        if not loader.commit():
+            log.info("snapshot of %s superseded; following from its seq anyway", node_id)
+        log.info("node %s: snapshot of %d blocks at seq %d (epoch %s)", node_id, loader.blocks,
+                 loader.seq, loader.epoch)
+        return loader.seq, str(loader.epoch)
+
+    async def _subscribe(self, stub: Any, node_id: str, after: int, epoch: str
+                         ) -> tuple[int | None, str]:
+        """Apply events after ``after`` until the stream ends or must be re-opened.
+
+        Returns where to re-open from, or None when the daemon ended the stream.
+        """
+        index = self.index
+        stream = stub.Subscribe(store_pb.SubscribeRequest(from_seq=after, epoch=epoch))
+        try:
+            async for ev in stream:
+                if ev.kind == store_pb.EVENT_RESYNC:
+                    log.info("node %s: the daemon no longer holds events after %d; snapshot",
+                             node_id, after)
+                    after, epoch = await self._load_snapshot(stub, node_id)
+                    return after, epoch
+                kind = _PB_EVENT.get(ev.kind)
+                if kind is None:
+                    log.warning("node %s sent an event of unknown kind %d; snapshot", node_id,
+                                ev.kind)
+                    return await self._load_snapshot(stub, node_id)
+                try:
+                    event = ChunkEvent(
+                        node_id, ev.epoch, int(ev.seq), kind, ev.key,
+                        _PB_TIER.get(ev.tier) if kind is not ChunkEventKind.REMOVED else None)
+                except InvalidArgument as exc:
+                    # Skipping it would leave a gap that replays the same event forever.
+                    log.warning("node %s sent a malformed event (%s); snapshot", node_id, exc)
+                    return await self._load_snapshot(stub, node_id)
+                outcome = index.apply_event(event)
+                if outcome in _HEALED:
+                    if outcome is EventOutcome.APPLIED:
+                        after, epoch = int(ev.seq), ev.epoch
+                    continue
+                need = index.needs_resync(node_id)
+                if need is None:  # a new epoch's seq 1 was applied
+                    after, epoch = int(ev.seq), ev.epoch
+                    continue
+                log.info("node %s: %s at seq %d; replay after %d", node_id, outcome.value,
+                         ev.seq, need.after_seq)
+                return need.after_seq, str(need.epoch)
+        finally:
+            stream.cancel()
+        return None, epoch
+
+    # ------------------------------------------------------------------ engines
+
+    async def _follow_engines(self, changes: EngineWatch) -> None:
+        try:
+            async for change in changes:
+                if change.record is None:
+                    self.engines.pop(change.instance_id, None)
+                    self.engine_load.pop(change.instance_id, None)
+                else:
+                    self.engines[change.instance_id] = change.record
+                self._hashers.clear()
+                self._sync_instances()
+        finally:
+            await changes.__aexit__(None, None, None)
+
+    def _sync_instances(self) -> None:
+        """Make the scheduler's instances = engine records whose node is live."""
+        live = {n for n, f in self.nodes.items() if f.connected}
+        wanted = {i: rec for i, rec in self.engines.items() if rec.node_id in live}
+        for instance_id, rec in list(self._scheduled.items()):
+            if wanted.get(instance_id) != rec:
+                self.scheduler.remove_instance(instance_id)
+                del self._scheduled[instance_id]
+        for instance_id, rec in wanted.items():
+            if instance_id in self._scheduled:
+                continue
+            try:
+                if rec.role is EngineRole.PREFILL:
+                    self.scheduler.add_prefill_instance(
+                        PrefillInstance(instance_id, rec.node_id, rec.model))
+                else:
+                    self.scheduler.add_decode_instance(DecodeInstance(
+                        instance_id, rec.node_id, rec.model, rec.kv_capacity_tokens))
+            except InvalidArgument as exc:  # the same id registered under both roles
+                log.warning("engine %s not schedulable: %s", instance_id, exc)
+                continue
+            self._scheduled[instance_id] = rec
+
+    # ------------------------------------------------------------------ upkeep
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.sweep_interval_s)
+            if self.index.stats().retired_slots:
+                self.index.sweep(max_keys=65536)
+
+    def _preload(self, blocks: int, nodes: int = 8) -> None:
+        """Benchmark only: synthetic blocks under ``preload-<i>`` (see ConductorConfig)."""
+        per_node = -(-blocks // nodes)
+        counter = itertools.count()
+        for n in range(nodes):
+            count = min(per_node, blocks - n * per_node)
+            if count <= 0:
+                break
+            entries: Iterable[tuple[bytes, TierKind]] = (
+                (xxhash.xxh3_128_digest(b"kvtier-preload:%d" % next(counter)), TierKind.DRAM)
+                for _ in range(count))
+            self.index.apply_snapshot(f"preload-{n}", "preload", 0, entries)
+        log.info("preloaded %d synthetic blocks on %d synthetic nodes", blocks, nodes)
+
+
+async def run_conductor(config: ConductorConfig, *, ready: Any = None) -> None:
+    """Run a conductor until cancelled; ``ready(address)`` is called once it serves."""
+    conductor = Conductor(config)
+    try:
+        address = await conductor.start()
+        if ready is not None:
+            ready(conductor, address)
+        await asyncio.Event().wait()
+    finally:
+        await conductor.stop()
+

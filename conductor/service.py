@@ -1,0 +1,275 @@
+"""The conductor's gRPC servicer (``kvtier.v1.Conductor``): protobuf in, domain calls, protobuf out.
+
+Validation happens here, before anything reaches the scheduler: a malformed request or an
+unknown model is INVALID_ARGUMENT with a message that names the field, and nothing is
+reserved. Errors travel as gRPC status codes with the kvtier class name in the trailing
+metadata ``kvtier-error`` (as the store daemon does). A follower answers Schedule and
+ReportCompletion with FAILED_PRECONDITION and the leader in the trailing metadata
+``kvtier-leader`` (``<conductor_id>@<host:port>``); see proto/kvtier/v1/conductor.proto.
+
+Everything runs on the conductor's event loop: handlers are coroutines that never block
+(the scheduler and index calls are pure CPU, tens of microseconds).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from conductor.engines import EngineRole
+from conductor.index import TierCounts
+from conductor.scheduler import Decision, RejectReason, ScheduleRequest
+from kvstore._proto.kvtier.v1 import conductor_pb2 as pb
+from kvstore._proto.kvtier.v1 import conductor_pb2_grpc as pb_grpc
+from kvstore.errors import InvalidArgument, KvtierError
+from kvstore.node.protocol import ERROR_METADATA_KEY, error_name, grpc_code_name
+
+if TYPE_CHECKING:
+    from conductor.server import Conductor
+
+__all__ = ["LEADER_METADATA_KEY", "SERVICE_NAME", "ConductorService", "add_to_server"]
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Conductor"].full_name
+LEADER_METADATA_KEY = "kvtier-leader"
+MAX_KEYS = 65536
+"""Most keys (blocks) one request may carry: 32M tokens at 512 per block."""
+MAX_KEY_BYTES = 64
+MAX_REQUEST_ID_CHARS = 256
+
+_REASON = {RejectReason.TTFT_SLO: pb.REJECT_TTFT_SLO, RejectReason.TPOT_SLO: pb.REJECT_TPOT_SLO,
+           RejectReason.DECODE_KV_FULL: pb.REJECT_DECODE_KV_FULL}
+
+_Req = TypeVar("_Req")
+_Rep = TypeVar("_Rep")
+Handler = Callable[[Any, Any, Any], Awaitable[Any]]
+
+
+class NotLeader(Exception):
+    """Internal: this conductor does not lead (answered FAILED_PRECONDITION)."""
+
+
+def _rpc(method: Handler) -> Handler:
+    """Turn kvtier errors into gRPC statuses (with the class name in trailing metadata)."""
+
+    @functools.wraps(method)
+    async def wrapper(self: ConductorService, request: Any, context: Any) -> Any:
+        try:
+            return await method(self, request, context)
+        except NotLeader as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc),
+                                trailing_metadata=self._leader_metadata())
+        except KvtierError as exc:
+            await context.abort(getattr(grpc.StatusCode, grpc_code_name(exc)), str(exc),
+                                trailing_metadata=((ERROR_METADATA_KEY, error_name(exc)),))
+
+    return wrapper
+
+
+def _tiers_pb(counts: TierCounts) -> pb.TierCounts:
+    return pb.TierCounts(hbm=counts.hbm, dram=counts.dram, nvme=counts.nvme)
+
+
+def _check_request_id(request_id: str) -> None:
+    if not request_id:
+        raise InvalidArgument("request_id must not be empty")
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidArgument(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
+
+
+class ConductorService(pb_grpc.ConductorServicer):
+    """The servicer; all state lives in the :class:`~conductor.server.Conductor`."""
+
+    def __init__(self, conductor: Conductor) -> None:
+        self._c = conductor
+
+    # ------------------------------------------------------------------ helpers
+
+    def _leader_metadata(self) -> tuple[tuple[str, str], ...]:
+        view = self._c.leader()
+        if view is None:
+            return ((ERROR_METADATA_KEY, "NotLeader"),)
+        return ((ERROR_METADATA_KEY, "NotLeader"),
+                (LEADER_METADATA_KEY, f"{view.record.conductor_id}@{view.record.address}"))
+
+    def _require_leader(self) -> None:
+        if self._c.is_leader:
+            return
+        view = self._c.leader()
+        where = (f"the leader is {view.record.conductor_id} at {view.record.address}"
+                 if view is not None else "no leader is elected right now; retry shortly")
+        raise NotLeader(f"conductor {self._c.config.conductor_id} is not the leader: {where}")
+
+    def _keys(self, model: str, tenant: str, keys: Any, token_ids: Any) -> tuple[bytes, ...]:
+        """The request's chained keys, given as keys or as token ids (never both)."""
+        if len(keys) and len(token_ids):
+            raise InvalidArgument("give either keys or token_ids, not both")
+        if len(token_ids):
+            if not model:
+                raise InvalidArgument("token_ids need a model (to find its key namespace)")
+            hasher = self._c.hasher(model, tenant)
+            if len(token_ids) > MAX_KEYS * hasher.block_size_tokens:
+                raise InvalidArgument(f"more than {MAX_KEYS} blocks of token ids")
+            return tuple(hasher.hash_blocks(list(token_ids)))
+        if len(keys) > MAX_KEYS:
+            raise InvalidArgument(f"{len(keys)} keys; at most {MAX_KEYS} per request")
+        out = tuple(keys)
+        for i, key in enumerate(out):
+            if not 1 <= len(key) <= MAX_KEY_BYTES:
+                raise InvalidArgument(
+                    f"keys[{i}] is {len(key)} bytes; chunk keys are 1 to {MAX_KEY_BYTES} bytes")
+        return out
+
+    # ------------------------------------------------------------------ RPCs
+
+    @_rpc
+    async def Schedule(self, request: pb.ScheduleRequest, context: Any) -> pb.ScheduleReply:
+        self._require_leader()
+        _check_request_id(request.request_id)
+        if not request.model:
+            raise InvalidArgument("model must not be empty")
+        if request.expected_output_tokens < 0:
+            raise InvalidArgument(
+                f"expected_output_tokens must be >= 0, got {request.expected_output_tokens}")
+        keys = self._keys(request.model, request.tenant, request.keys, request.token_ids)
+        input_tokens = int(request.input_tokens) or len(request.token_ids)
+        if input_tokens <= 0:
+            raise InvalidArgument("input_tokens must be > 0 (or give token_ids)")
+        if request.token_ids and input_tokens < len(request.token_ids):
+            raise InvalidArgument(
+                f"input_tokens {input_tokens} < the {len(request.token_ids)} token ids given")
+        c = self._c
+        decision = c.scheduler.schedule(
+            ScheduleRequest(request.request_id, request.model, keys, input_tokens), c.now_s())
+        return self._reply(decision, keys)
+
+    def _reply(self, d: Decision, keys: tuple[bytes, ...]) -> pb.ScheduleReply:
+        reply = pb.ScheduleReply(
+            request_id=d.request_id, accepted=d.accepted, message=d.message,
+            prefix_blocks=d.prefix_blocks, local_blocks=d.local_blocks,
+            local_tiers=_tiers_pb(d.local_tiers), ticket=d.ticket,
+            conductor_id=self._c.config.conductor_id)
+        if d.reason is not None:
+            reply.reason = _REASON[d.reason]
+        if d.ttft is not None:
+            reply.ttft_estimate_s = d.ttft.total_s
+            reply.queue_s = d.ttft.queue_s
+            reply.transfer_s = d.ttft.transfer_s
+            reply.prefill_s = d.ttft.prefill_s
+            reply.load_s = d.ttft.load_s
+        if d.tpot_s is not None:
+            reply.tpot_s = d.tpot_s
+        if d.prefill_instance is not None:
+            reply.prefill_instance = d.prefill_instance
+            reply.prefill_node = d.prefill_node or ""
+        if d.decode_instance is not None:
+            reply.decode_instance = d.decode_instance
+        if d.fetch is not None:
+            f = d.fetch
+            plan = reply.fetch
+            plan.src_node, plan.dst_node = f.src_node, f.dst_node
+            plan.first_block, plan.end_block, plan.size_bytes = f.first_block, f.end_block, \
+                f.size_bytes
+            # Which tiers the source reads from: counts over [first, end) of its run.
+            match = self._c.index.match(keys[:f.end_block])
+            upto_end = match.tier_counts(f.src_node, f.end_block)
+            before = match.tier_counts(f.src_node, f.first_block) if f.first_block else \
+                TierCounts()
+            plan.src_tiers.CopyFrom(pb.TierCounts(hbm=upto_end.hbm - before.hbm,
+                                                  dram=upto_end.dram - before.dram,
+                                                  nvme=upto_end.nvme - before.nvme))
+            node = self._c.nodes.get(f.src_node)
+            if node is not None:
+                plan.src_grpc_address = node.record.grpc_address
+                plan.src_tcp_address = node.record.tcp_address
+        if d.replicate is not None:
+            reply.replicate.src_node = d.replicate.src_node
+            reply.replicate.dst_nodes.extend(d.replicate.dst_nodes)
+            reply.replicate.blocks = d.replicate.blocks
+        return reply
+
+    @_rpc
+    async def Lookup(self, request: pb.ConductorLookupRequest, context: Any
+                     ) -> pb.ConductorLookupReply:
+        keys = self._keys(request.model, request.tenant, request.keys, request.token_ids)
+        match = self._c.index.match(keys)
+        reply = pb.ConductorLookupReply(blocks=len(keys), best_blocks=match.best_length)
+        for node_id, length in sorted(match.lengths.items()):
+            reply.nodes.append(pb.NodeMatch(node_id=node_id, blocks=length,
+                                            tiers=_tiers_pb(match.tier_counts(node_id))))
+        return reply
+
+    @_rpc
+    async def ReportLoad(self, request: pb.EngineLoad, context: Any) -> pb.ReportLoadReply:
+        if not request.instance_id:
+            raise InvalidArgument("instance_id must not be empty")
+        if (request.queued_prefill_tokens < 0 or request.running_decode_batch < 0
+                or request.kv_used_tokens < 0):
+            raise InvalidArgument("load figures must be >= 0")
+        c = self._c
+        known = request.instance_id in c.engines
+        if known:
+            c.engine_load[request.instance_id] = (
+                int(request.queued_prefill_tokens), int(request.running_decode_batch),
+                int(request.kv_used_tokens), c.now_s())
+        return pb.ReportLoadReply(known=known)
+
+    @_rpc
+    async def ReportCompletion(self, request: pb.CompletionReport, context: Any
+                               ) -> pb.ReportCompletionReply:
+        self._require_leader()
+        c = self._c
+        phase = request.WhichOneof("phase")
+        if phase is None:
+            raise InvalidArgument("a completion report needs prefill, decode or cancelled")
+        now_s = c.now_s()
+        if phase == "cancelled":
+            if not c.scheduler.cancel(request.ticket):
+                raise InvalidArgument(f"unknown ticket {request.ticket} (issued by another "
+                                      "leader, or already finished)")
+        elif phase == "prefill":
+            p = request.prefill
+            planned = p.computed_tokens == 0 and p.reused_tokens == 0
+            c.scheduler.prefill_done(
+                request.ticket, now_s, prefill_s=p.prefill_s,
+                computed_tokens=None if planned else int(p.computed_tokens),
+                reused_tokens=None if planned else int(p.reused_tokens),
+                transfer_s=p.transfer_s or None, transferred_bytes=int(p.transferred_bytes))
+        else:
+            dd = request.decode
+            if dd.output_tokens < 0:
+                raise InvalidArgument("output_tokens must be >= 0")
+            measured = dd.tpot_s > 0 and dd.batch_size > 0
+            c.scheduler.decode_done(
+                request.ticket, now_s, output_tokens=int(dd.output_tokens),
+                tpot_s=dd.tpot_s if measured else None,
+                batch_size=int(dd.batch_size) if measured else None,
+                context_tokens=int(dd.context_tokens) if measured else None)
+        return pb.ReportCompletionReply()
+
+    @_rpc
+    async def Leader(self, request: pb.LeaderRequest, context: Any) -> pb.LeaderReply:
+        c = self._c
+        view = c.leader()
+        return pb.LeaderReply(
+            leader_id=view.record.conductor_id if view else "",
+            leader_address=view.record.address if view else "",
+            is_leader=c.is_leader, conductor_id=c.config.conductor_id,
+            term=view.term if view else 0, indexed_blocks=len(c.index),
+            live_nodes=c.live_nodes(),
+            prefill_instances=c.scheduled_instances(EngineRole.PREFILL),
+            decode_instances=c.scheduled_instances(EngineRole.DECODE))
+
+
+def add_to_server(service: ConductorService, server: grpc.aio.Server) -> Any:
+    """Register the servicer, health checking and reflection; returns the health servicer."""
+    pb_grpc.add_ConductorServicer_to_server(service, server)  # type: ignore[no-untyped-call]
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    return health_servicer

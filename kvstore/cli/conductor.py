@@ -1,0 +1,81 @@
+"""``kvtier conductor``: run one conductor (leader or standby) until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+
+import typer
+
+from kvstore.errors import KvtierError
+
+READY_PREFIX = "KVTIER-CONDUCTOR-READY "
+
+
+def conductor(
+    etcd: str = typer.Option(..., "--etcd", help="etcd endpoint, http://host:port or host:port."),
+    listen: str = typer.Option("127.0.0.1:0", "--listen",
+                               help="host:port to serve gRPC on (port 0: any free port)."),
+    conductor_id: str | None = typer.Option(None, "--id",
+                                            help="This conductor's id (default: host-pid)."),
+    prefix: str = typer.Option("/kvtier/", "--prefix", help="etcd key prefix of the cluster."),
+    policy: str = typer.Option("global-cache", "--policy",
+                               help="random | load | local-cache | global-cache"),
+    ttft_slo_s: float | None = typer.Option(None, "--ttft-slo-s",
+                                            help="Reject requests whose TTFT estimate exceeds it."),
+    tpot_slo_s: float | None = typer.Option(None, "--tpot-slo-s",
+                                            help="Reject requests whose predicted TPOT exceeds it."),
+    block_size_tokens: int = typer.Option(512, "--block-size-tokens",
+                                          help="Tokens per KV block (must match the engines)."),
+    election_ttl_s: int = typer.Option(2, "--election-ttl-s",
+                                       help="Leader lease TTL: a dead leader is replaced "
+                                            "about this long after it dies."),
+    preload_blocks: int = typer.Option(0, "--preload-blocks", hidden=True,
+                                       help="Benchmark only: synthetic blocks in the index."),
+    log_level: str = typer.Option("INFO", "--log-level"),
+) -> None:
+    """Serve the conductor: discover daemons and engines through etcd, follow the daemons' chunk
+    events into the global prefix index, campaign for leadership, and (as leader) schedule.
+
+    Prints `KVTIER-CONDUCTOR-READY {json}` with its id and address once it serves.
+    """
+    from conductor.membership import KeyLayout
+    from conductor.scheduler import Policy
+    from conductor.server import Conductor, ConductorConfig, default_conductor_id
+
+    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = ConductorConfig(
+            etcd_endpoint=etcd, conductor_id=conductor_id or default_conductor_id(),
+            listen=listen, layout=KeyLayout(prefix), policy=Policy(policy),
+            ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s, block_size_tokens=block_size_tokens,
+            election_ttl_s=election_ttl_s, preload_blocks=preload_blocks)
+    except (KvtierError, ValueError) as exc:
+        typer.echo(f"kvtier conductor: {exc}", err=True)
+        raise typer.Exit(2) from exc
+
+    async def main() -> None:
+        node = Conductor(config)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        try:
+            address = await node.start()
+            typer.echo(READY_PREFIX + json.dumps(
+                {"conductor_id": config.conductor_id, "address": address,
+                 "indexed_blocks": len(node.index)}))
+            sys.stdout.flush()
+            await stop.wait()
+        finally:
+            await node.stop()
+
+    try:
+        asyncio.run(main())
+    except KvtierError as exc:
+        typer.echo(f"kvtier conductor: {type(exc).__name__}: {exc}", err=True)
+        raise typer.Exit(1) from exc
