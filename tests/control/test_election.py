@@ -1,0 +1,150 @@
+"""Leader election against a real etcd: one leader, handover on resign and on lease loss,
+no leadership without a confirmed lease; engine records and their watch.
+
+Every wait is bounded; nothing sleeps for a fixed time to make something happen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+import pytest
+
+from conductor.election import Election, LeaderRecord, read_leader
+from conductor.engines import EngineChange, EngineRecord, EngineRole, EngineWatch, put_engine_record
+from conductor.etcd import LocalEtcd
+from conductor.membership import KeyLayout, etcd_client
+from kvstore.errors import InvalidArgument
+from kvstore.keys import KVDtype, KVFingerprint
+
+TTL_S = 2
+
+
+def run(aio: asyncio.Runner, scenario: Coroutine[Any, Any, None], timeout_s: float = 30.0) -> None:
+    async def bounded() -> None:
+        async with asyncio.timeout(timeout_s):
+            await scenario
+
+    aio.run(bounded())
+
+
+async def wait_for(predicate: Any, timeout_s: float, what: str) -> float:
+    """Poll ``predicate()`` until true; return the seconds it took. Fails after ``timeout_s``."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"{what}: not within {timeout_s} s")
+        await asyncio.sleep(0.02)
+    return time.monotonic() - start
+
+
+def test_leader_record_validates_and_round_trips() -> None:
+    record = LeaderRecord("c-1", "127.0.0.1:5000")
+    assert LeaderRecord.from_json(record.to_json()) == record
+    with pytest.raises(InvalidArgument):
+        LeaderRecord("bad id/with slash", "127.0.0.1:5000")
+    with pytest.raises(InvalidArgument):
+        LeaderRecord("c-1", "no-port")
+    with pytest.raises(InvalidArgument, match="malformed"):
+        LeaderRecord.from_json(b"{not json")
+    with pytest.raises(InvalidArgument):
+        Election(None, record, ttl_s=1)  # type: ignore[arg-type]
+
+
+def test_one_leader_and_resign_hands_over_at_once(
+        aio: asyncio.Runner, etcd_server: LocalEtcd, etcd_layout: KeyLayout) -> None:
+    async def scenario() -> None:
+        async with etcd_client(etcd_server.client_url) as client:
+            first = Election(client, LeaderRecord("c-1", "127.0.0.1:1001"), ttl_s=TTL_S,
+                             layout=etcd_layout)
+            second = Election(client, LeaderRecord("c-2", "127.0.0.1:1002"), ttl_s=TTL_S,
+                              layout=etcd_layout)
+            await first.start()
+            await second.start()
+            try:
+                assert first.is_leader and not second.is_leader
+                leader = second.leader
+                assert leader is not None and leader.record.conductor_id == "c-1"
+                view = await read_leader(client, layout=etcd_layout)
+                assert view is not None and view.record.address == "127.0.0.1:1001"
+                assert view.term == first.term > 0
+                await first.resign()
+                # A revoked lease deletes the key at once: the standby wins at its next poll.
+                took_s = await wait_for(lambda: second.is_leader, 5.0, "standby takes over")
+                assert took_s < 1.5
+                assert not first.is_leader
+                view = await read_leader(client, layout=etcd_layout)
+                assert view is not None and view.record.conductor_id == "c-2"
+                assert view.term > first.term
+            finally:
+                await first.resign()
+                await second.resign()
+            assert await read_leader(client, layout=etcd_layout) is None
+
+    run(aio, scenario())
+
+
+def test_leadership_lapses_without_a_confirmed_lease_and_returns(
+        aio: asyncio.Runner, private_etcd: LocalEtcd) -> None:
+    """etcd frozen (SIGSTOP) for longer than the TTL: the leader must stop believing it leads
+    (someone else may have been elected), and lead again once etcd answers."""
+    layout = KeyLayout("/election-pause/")
+
+    async def scenario() -> None:
+        changes: list[bool] = []
+        async with etcd_client(private_etcd.client_url, rpc_timeout_s=1.0) as client:
+            election = Election(client, LeaderRecord("c-1", "127.0.0.1:1001"), ttl_s=TTL_S,
+                                layout=layout, on_change=changes.append)
+            await election.start()
+            try:
+                assert election.is_leader
+                private_etcd.pause()
+                try:
+                    lapse_s = await wait_for(lambda: not election.is_leader, TTL_S + 3.0,
+                                             "leadership lapses while etcd is frozen")
+                finally:
+                    private_etcd.resume()
+                assert lapse_s <= TTL_S + 0.5
+                await wait_for(lambda: election.is_leader, 10.0, "leads again after resume")
+                assert changes[:2] == [True, False] and changes[-1] is True
+            finally:
+                await election.resign()
+
+    run(aio, scenario(), timeout_s=40.0)
+
+
+def test_engine_records_round_trip_and_malformed_values_are_skipped(
+        aio: asyncio.Runner, etcd_server: LocalEtcd, etcd_layout: KeyLayout) -> None:
+    fp = KVFingerprint("m", KVDtype.FLOAT16, num_layers=2, num_kv_heads=2, head_dim=8,
+                       block_size_tokens=16)
+    prefill = EngineRecord("p-1", EngineRole.PREFILL, "m", "node-a", kv_fingerprint=fp)
+    decode = EngineRecord("d-1", EngineRole.DECODE, "m", "node-b", kv_capacity_tokens=1000,
+                          address="127.0.0.1:9")
+    assert EngineRecord.from_json(prefill.to_json()) == prefill
+    with pytest.raises(InvalidArgument, match="kv_capacity_tokens"):
+        EngineRecord("d-2", EngineRole.DECODE, "m", "node-b")
+    with pytest.raises(InvalidArgument, match="EngineRole"):
+        EngineRecord.from_json(b'{"instance_id":"x","role":"verify","model":"m","node_id":"n"}')
+
+    async def next_change(changes: EngineWatch) -> EngineChange:
+        async with asyncio.timeout(5.0):
+            return await anext(changes)
+
+    async def scenario() -> None:
+        async with etcd_client(etcd_server.client_url) as client:
+            await put_engine_record(client, prefill, layout=etcd_layout)
+            async with EngineWatch(client, layout=etcd_layout) as changes:
+                assert await next_change(changes) == EngineChange("p-1", prefill)
+                # Garbage, and a record under the wrong key: skipped, the watch goes on.
+                await client.put(etcd_layout.engine_key("decode", "junk").encode(), b"{")
+                await client.put(etcd_layout.engine_key("decode", "p-1").encode(),
+                                 prefill.to_json())
+                await put_engine_record(client, decode, layout=etcd_layout)
+                assert await next_change(changes) == EngineChange("d-1", decode)
+                await client.delete(decode.key(etcd_layout).encode())
+                assert await next_change(changes) == EngineChange("d-1", None)
+
+    run(aio, scenario())
