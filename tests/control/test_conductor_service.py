@@ -1,0 +1,408 @@
+"""The conductor service end to end: real etcd, store daemons and conductors in separate
+processes, a client in this one.
+
+Faults: a daemon SIGKILLed while requests are being scheduled, etcd stopped and started
+again, the leader SIGKILLed in the middle of a stream of requests, malformed requests.
+Every wait is bounded; nothing sleeps for a fixed time to make something happen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from conductor.client import ConductorClient
+from conductor.engines import EngineRecord, EngineRole, put_engine_record
+from conductor.etcd import LocalEtcd
+from conductor.membership import KeyLayout, etcd_client
+from conductor.service import LEADER_METADATA_KEY
+from kvstore._proto.kvtier.v1 import conductor_pb2 as pb
+from kvstore._proto.kvtier.v1 import conductor_pb2_grpc as pb_grpc
+from kvstore.client.store_client import StoreClient
+from kvstore.errors import InvalidArgument
+from kvstore.keys import BlockHasher, KVDtype, KVFingerprint, Namespace
+from tests.support.conductor import ConductorProcess
+from tests.support.daemon import DaemonProcess
+
+MODEL = "tiny-model"
+BLOCK_TOKENS = 512
+FINGERPRINT = KVFingerprint(MODEL, KVDtype.FLOAT16, num_layers=2, num_kv_heads=2, head_dim=8,
+                            block_size_tokens=BLOCK_TOKENS)
+HASHER = BlockHasher(Namespace(FINGERPRINT))
+CHUNK = b"k" * 4096
+
+
+def tokens(seed: int, blocks: int) -> list[int]:
+    return [(seed * 7919 + i) % 50_000 for i in range(blocks * BLOCK_TOKENS)]
+
+
+def run(aio: asyncio.Runner, scenario: Coroutine[Any, Any, None], timeout_s: float = 60.0) -> None:
+    async def bounded() -> None:
+        async with asyncio.timeout(timeout_s):
+            await scenario
+
+    aio.run(bounded())
+
+
+async def wait_until(check: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> float:
+    """Poll ``check`` until it returns True; the seconds it took. Fails after ``timeout_s``."""
+    start = time.monotonic()
+    while not await check():
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"{what}: not within {timeout_s} s")
+        await asyncio.sleep(0.05)
+    return time.monotonic() - start
+
+
+class Cluster:
+    """Daemons and conductors of one test, sharing one etcd and one key prefix."""
+
+    def __init__(self, work_dir: Path, etcd_url: str, layout: KeyLayout) -> None:
+        self.work_dir = work_dir
+        self.etcd_url = etcd_url
+        self.layout = layout
+        self.daemons: dict[str, DaemonProcess] = {}
+        self.conductors: dict[str, ConductorProcess] = {}
+
+    def daemon(self, node_id: str) -> DaemonProcess:
+        daemon = DaemonProcess(self.work_dir, node_id, etcd_endpoint=self.etcd_url,
+                               etcd_prefix=self.layout.prefix, nvme=False)
+        self.daemons[node_id] = daemon
+        daemon.start()
+        return daemon
+
+    def conductor(self, conductor_id: str, *extra: str) -> ConductorProcess:
+        conductor = ConductorProcess(self.work_dir, conductor_id, etcd_endpoint=self.etcd_url,
+                                     prefix=self.layout.prefix, extra_args=extra)
+        self.conductors[conductor_id] = conductor
+        conductor.start()
+        return conductor
+
+    def store_chain(self, node_id: str, token_ids: list[int]) -> list[bytes]:
+        """Put every full block of ``token_ids`` into ``node_id`` (chained parents)."""
+        keys = HASHER.hash_blocks(token_ids)
+        with StoreClient.connect(self.daemons[node_id].grpc_address) as store:
+            parent: bytes | None = None
+            for key in keys:
+                store.put(key, CHUNK, parent=parent)
+                parent = key
+        return list(keys)
+
+    async def engines(self, *records: EngineRecord) -> None:
+        async with etcd_client(self.etcd_url) as client:
+            for record in records:
+                await put_engine_record(client, record, layout=self.layout)
+
+    def client(self, **kwargs: Any) -> ConductorClient:
+        return ConductorClient(etcd_endpoint=self.etcd_url, layout=self.layout, **kwargs)
+
+    def close(self) -> None:
+        for process in [*self.conductors.values(), *self.daemons.values()]:
+            process.stop()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, etcd_server: LocalEtcd, etcd_layout: KeyLayout) -> Iterator[Cluster]:
+    c = Cluster(tmp_path, etcd_server.client_url, etcd_layout)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def prefill(instance_id: str, node_id: str) -> EngineRecord:
+    return EngineRecord(instance_id, EngineRole.PREFILL, MODEL, node_id,
+                        kv_fingerprint=FINGERPRINT)
+
+
+def decode(instance_id: str, node_id: str) -> EngineRecord:
+    return EngineRecord(instance_id, EngineRole.DECODE, MODEL, node_id,
+                        kv_capacity_tokens=50_000_000)
+
+
+async def ready(client: ConductorClient, *, nodes: set[str], prefill_ids: set[str],
+                timeout_s: float = 15.0) -> None:
+    async def check() -> bool:
+        info = await client.leader_info()
+        return set(info.live_nodes) >= nodes and set(info.prefill_instances) >= prefill_ids \
+            and len(info.decode_instances) > 0
+
+    await wait_until(check, timeout_s, f"leader sees nodes {nodes} and engines {prefill_ids}")
+
+
+def names(reply: pb.ScheduleReply) -> set[str]:
+    """Every node a decision sends work or reads to."""
+    out = {reply.prefill_node}
+    if reply.HasField("fetch"):
+        out |= {reply.fetch.src_node, reply.fetch.dst_node}
+    if reply.HasField("replicate"):
+        out |= {reply.replicate.src_node, *reply.replicate.dst_nodes}
+    return out
+
+
+# --------------------------------------------------------------------------- happy path + bad input
+
+
+def test_schedule_lookup_follower_and_malformed_requests(aio: asyncio.Runner,
+                                                         cluster: Cluster) -> None:
+    cluster.daemon("node-a")
+    cluster.daemon("node-b")
+    leader = cluster.conductor("c-1")
+    chain = tokens(1, 6)
+    keys_b = cluster.store_chain("node-b", chain)           # node-b holds 6 blocks
+    cluster.store_chain("node-a", chain[:2 * BLOCK_TOKENS])  # node-a holds the first 2
+
+    async def scenario() -> None:
+        await cluster.engines(prefill("p-a", "node-a"), decode("d-a", "node-a"))
+        async with cluster.client() as client:
+            await ready(client, nodes={"node-a", "node-b"}, prefill_ids={"p-a"})
+
+            async def indexed() -> bool:
+                return (await client.lookup(keys=keys_b)).best_blocks == 6
+
+            await wait_until(indexed, 10.0, "the chain is indexed")
+            by_keys = await client.lookup(keys=keys_b)
+            by_tokens = await client.lookup(token_ids=chain, model=MODEL)
+            assert by_keys == by_tokens
+            assert {(m.node_id, m.blocks, m.tiers.dram) for m in by_keys.nodes} == {
+                ("node-a", 2, 2), ("node-b", 6, 6)}
+
+            # The only prefill engine sits on node-a: reuse 2 blocks locally, fetch 4 from b.
+            reply = await client.schedule("r-1", MODEL, token_ids=[*chain, 1, 2, 3])
+            assert reply.accepted, reply.message
+            assert (reply.prefill_instance, reply.prefill_node, reply.decode_instance) == (
+                "p-a", "node-a", "d-a")
+            assert (reply.local_blocks, reply.prefix_blocks) == (2, 6)
+            assert (reply.fetch.src_node, reply.fetch.first_block, reply.fetch.end_block) == (
+                "node-b", 2, 6)
+            assert reply.fetch.src_tiers.dram == 4
+            assert reply.fetch.src_tcp_address == cluster.daemons["node-b"].addresses[
+                "tcp_address"]
+            assert reply.ticket > 0 and reply.conductor_id == "c-1"
+            await client.report_completion(pb.CompletionReport(
+                ticket=reply.ticket, prefill=pb.PrefillDone(prefill_s=0.05)))
+            await client.report_completion(pb.CompletionReport(
+                ticket=reply.ticket, decode=pb.DecodeDone(output_tokens=10)))
+            assert await client.report_load("p-a", queued_prefill_tokens=100)
+            assert not await client.report_load("nobody")
+
+            # Bad input: INVALID_ARGUMENT with a message naming the problem; nothing placed.
+            bad: list[tuple[dict[str, Any], str]] = [
+                ({"request_id": "", "model": MODEL, "keys": keys_b, "input_tokens": 9999},
+                 "request_id"),
+                ({"request_id": "x", "model": "no-such-model", "keys": keys_b,
+                  "input_tokens": 9999}, "no prefill instance serves model 'no-such-model'"),
+                ({"request_id": "x", "model": MODEL, "keys": keys_b, "token_ids": chain},
+                 "either keys or token_ids"),
+                ({"request_id": "x", "model": MODEL, "keys": [b"k" * 65], "input_tokens": 512},
+                 "1 to 64 bytes"),
+                ({"request_id": "x", "model": MODEL, "keys": keys_b}, "input_tokens must be > 0"),
+                ({"request_id": "x", "model": MODEL, "keys": keys_b, "input_tokens": 100},
+                 "6 block keys for 100 tokens"),
+                ({"request_id": "x", "model": "no-fp", "token_ids": chain},
+                 "no engine of it published a KV fingerprint"),
+            ]
+            for fields, message in bad:
+                with pytest.raises(InvalidArgument, match=message):
+                    await client.schedule(**fields)
+            with pytest.raises(InvalidArgument, match="unknown ticket"):
+                await client.report_completion(pb.CompletionReport(ticket=999_999, cancelled=True))
+
+            # A follower: answers Lookup, refuses Schedule naming the leader.
+            follower = cluster.conductor("c-2")
+            async with grpc.aio.insecure_channel(follower.address) as channel:
+                stub = pb_grpc.ConductorStub(channel)  # type: ignore[no-untyped-call]
+
+                async def follower_indexed() -> bool:
+                    reply = await stub.Lookup(pb.ConductorLookupRequest(keys=keys_b))
+                    return bool(reply.best_blocks == 6)
+
+                await wait_until(follower_indexed, 10.0, "the follower indexes the chain")
+                info = await stub.Leader(pb.LeaderRequest())
+                assert not info.is_leader and info.leader_id == "c-1"
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.Schedule(pb.ScheduleRequest(request_id="r", model=MODEL,
+                                                           keys=keys_b, input_tokens=4000))
+                assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert dict(refused.value.trailing_metadata())[LEADER_METADATA_KEY] == (
+                    f"c-1@{leader.address}")
+
+    run(aio, scenario())
+
+
+# --------------------------------------------------------------------------- a daemon dies
+
+
+def test_daemon_killed_while_scheduling_is_never_placed_on_again(aio: asyncio.Runner,
+                                                                  cluster: Cluster) -> None:
+    cluster.daemon("node-a")
+    victim = cluster.daemon("node-b")
+    cluster.conductor("c-1")
+    chains = [tokens(seed, 4) for seed in range(8)]
+    for chain in chains:
+        cluster.store_chain("node-b", chain)  # node-b holds everything: the fetch source
+
+    async def scenario() -> None:
+        await cluster.engines(prefill("p-a", "node-a"), prefill("p-b", "node-b"),
+                              decode("d-a", "node-a"), decode("d-b", "node-b"))
+        async with cluster.client() as client:
+            await ready(client, nodes={"node-a", "node-b"}, prefill_ids={"p-a", "p-b"})
+            seen_b = False
+            killed_at = None
+            removed_at = None
+            after_removal: list[pb.ScheduleReply] = []
+            for i in range(10_000):
+                reply = await client.schedule(f"r-{i}", MODEL,
+                                              token_ids=chains[i % len(chains)] + [7])
+                assert reply.accepted, reply.message
+                if removed_at is not None:
+                    after_removal.append(reply)
+                    if len(after_removal) >= 40:
+                        break
+                seen_b = seen_b or "node-b" in names(reply)
+                if killed_at is None and i >= 20 and seen_b:
+                    victim.kill()
+                    killed_at = time.monotonic()
+                if killed_at is not None and removed_at is None:
+                    info = await client.leader_info()
+                    if "node-b" not in info.live_nodes:
+                        removed_at = time.monotonic()
+                        assert set(info.prefill_instances) == {"p-a"}
+                        assert set(info.decode_instances) == {"d-a"}
+                assert killed_at is None or time.monotonic() - killed_at < 10.0, \
+                    "the dead daemon was not noticed within 10 s"
+            assert seen_b and killed_at is not None and removed_at is not None
+            # The broken event stream gives it away long before its lease (2 s) expires.
+            assert removed_at - killed_at < 2.0
+            for reply in after_removal:
+                assert names(reply) == {"node-a"}, reply
+                assert (reply.prefill_instance, reply.decode_instance) == ("p-a", "d-a")
+            lookup = await client.lookup(token_ids=chains[0], model=MODEL)
+            assert lookup.best_blocks == 0 and not lookup.nodes
+
+            # Its key expires too; the conductor keeps it out.
+            async def gone_from_etcd() -> bool:
+                async with etcd_client(cluster.etcd_url) as etcd:
+                    return await etcd.get(cluster.layout.node_key("node-b").encode()) is None
+
+            await wait_until(gone_from_etcd, 10.0, "node-b's lease expires")
+            info = await client.leader_info()
+            assert list(info.live_nodes) == ["node-a"]
+
+    run(aio, scenario(), timeout_s=90.0)
+
+
+# --------------------------------------------------------------------------- etcd restarts
+
+
+def test_etcd_restart_conductor_recovers_and_index_is_repaired(
+        aio: asyncio.Runner, tmp_path: Path, private_etcd: LocalEtcd) -> None:
+    layout = KeyLayout("/etcd-restart/")
+    cluster = Cluster(tmp_path, private_etcd.client_url, layout)
+    try:
+        cluster.daemon("node-a")
+        victim = cluster.daemon("node-b")
+        cluster.conductor("c-1")
+        before = cluster.store_chain("node-a", tokens(1, 3))
+        cluster.store_chain("node-b", tokens(2, 3))
+
+        async def scenario() -> None:
+            await cluster.engines(prefill("p-a", "node-a"), prefill("p-b", "node-b"),
+                                  decode("d-a", "node-a"))
+            async with cluster.client(failover_timeout_s=20.0) as client:
+                await ready(client, nodes={"node-a", "node-b"}, prefill_ids={"p-a", "p-b"})
+                address = (await client.leader_info()).leader_address
+                private_etcd.stop()
+                # While etcd is down: node-b dies and node-a stores more. Neither needs etcd
+                # to reach the index (events flow from the daemons; a dead stream is a dead node).
+                victim.kill()
+                during = cluster.store_chain("node-a", tokens(3, 2))
+                async with grpc.aio.insecure_channel(address) as channel:
+                    stub = pb_grpc.ConductorStub(channel)  # type: ignore[no-untyped-call]
+
+                    async def repaired() -> bool:
+                        a = await stub.Lookup(pb.ConductorLookupRequest(keys=during))
+                        b = await stub.Lookup(pb.ConductorLookupRequest(
+                            token_ids=tokens(2, 3), model=MODEL))
+                        return a.best_blocks == 2 and b.best_blocks == 0
+
+                    await wait_until(repaired, 10.0, "index follows the daemons without etcd")
+                private_etcd.start()
+                # The conductor serves again (its leadership is confirmed or re-won) and a
+                # daemon that joins after the restart is discovered through the new watch.
+                cluster.daemon("node-c")
+                await cluster.engines(prefill("p-c", "node-c"))
+                await ready(client, nodes={"node-a", "node-c"}, prefill_ids={"p-a", "p-c"},
+                            timeout_s=20.0)
+                after = cluster.store_chain("node-c", tokens(4, 2))
+
+                async def c_indexed() -> bool:
+                    return (await client.lookup(keys=after)).best_blocks == 2
+
+                await wait_until(c_indexed, 10.0, "node-c's blocks are indexed")
+                info = await client.leader_info()
+                assert "node-b" not in info.live_nodes and "p-b" not in info.prefill_instances
+                reply = await client.schedule("r-1", MODEL, keys=before, input_tokens=2000)
+                assert reply.accepted and reply.prefill_node == "node-a"
+                assert reply.local_blocks == 3
+
+        run(aio, scenario(), timeout_s=90.0)
+    finally:
+        cluster.close()
+
+
+# --------------------------------------------------------------------------- the leader dies
+
+
+def test_leader_killed_mid_stream_standby_takes_over(aio: asyncio.Runner,
+                                                     cluster: Cluster) -> None:
+    cluster.daemon("node-a")
+    first = cluster.conductor("c-1")
+    cluster.conductor("c-2")
+    chain = tokens(5, 4)
+    cluster.store_chain("node-a", chain)
+
+    async def scenario() -> None:
+        await cluster.engines(prefill("p-a", "node-a"), decode("d-a", "node-a"))
+        async with cluster.client(failover_timeout_s=15.0) as client:
+            await ready(client, nodes={"node-a"}, prefill_ids={"p-a"})
+            assert (await client.leader_info()).leader_id == "c-1"
+            replies: list[tuple[float, pb.ScheduleReply]] = []
+            killed_at = None
+            in_flight = 4  # a few concurrent callers, as engines would be
+
+            async def caller(worker: int) -> None:
+                for i in range(10_000):
+                    reply = await client.schedule(f"w{worker}-{i}", MODEL, token_ids=[*chain, 1])
+                    replies.append((time.monotonic(), reply))
+                    if killed_at is not None and reply.conductor_id == "c-2" and \
+                            sum(r.conductor_id == "c-2" for _, r in replies) >= 40:
+                        return
+
+            async def killer() -> None:
+                nonlocal killed_at
+                while len(replies) < 30:
+                    await asyncio.sleep(0.01)
+                first.kill()
+                killed_at = time.monotonic()
+
+            await asyncio.gather(killer(), *(caller(w) for w in range(in_flight)))
+            assert killed_at is not None
+            assert {r.conductor_id for _, r in replies} == {"c-1", "c-2"}
+            assert all(r.accepted for _, r in replies)
+            first_c2 = min(t for t, r in replies if r.conductor_id == "c-2")
+            gap_s = first_c2 - killed_at
+            # TTL 2 s + etcd's 0.5 s expiry tick + one poll; bound generously for 2 noisy cores.
+            assert gap_s < 6.0, f"failover took {gap_s:.2f} s"
+            # The standby followed the daemon all along: its first decisions reuse the prefix.
+            assert all(r.local_blocks == 4 for _, r in replies if r.conductor_id == "c-2")
+            assert client.failovers > 0
+            print(f"failover: first decision from the standby {gap_s:.2f} s after SIGKILL")
+
+    run(aio, scenario(), timeout_s=90.0)
