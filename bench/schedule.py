@@ -14,13 +14,21 @@
    GLOBAL_CACHE policy replaying the Mooncake trace, wall-clock and CPU time
    of each ``Scheduler.schedule`` call, decisions per second. The goal
    (issue 4) is p99 < 2 ms at 1M blocks and >= 5,000 decisions/s; this is
-   in-process (the gRPC service comes with the store daemon).
+   in-process; part 4 measures the same through the gRPC service.
 3. **Policies** on each trace (default: the Mooncake conversation trace and
    both Azure traces), arrivals rescaled so the prefill instances would be
    ``--load`` busy with no reuse at all: hit ratio, simulated TTFT and the
    scheduler's estimate of it, scheduling latency; then variants: replication
    hints, a balancing threshold of 2, and LOAD and GLOBAL_CACHE with TTFT and
    TPOT targets (``--ttft-slo-s``, ``--tpot-slo-s``) to count rejections.
+
+4. **Over gRPC**: a real ``kvtier conductor`` process with 1M blocks indexed (preloaded
+   synthetic blocks, plus the real blocks of the first trace requests stored in a real
+   daemon and learned from its events), 2 real daemons, etcd, 8 + 8 engine records; the
+   Mooncake trace's requests sent by one client process on one channel, first with one
+   call in flight (latency), then 64 (throughput). Beside each figure: an empty ``Lookup``
+   on the same channel, the cheapest call the service answers (the gRPC limit here).
+   ``python -m bench.schedule --grpc-only [--grpc-blocks N --grpc-requests N]`` runs only it.
 
 No peer conductor is runnable here (Mooncake's conductor is not published);
 the policy table is the comparison, as in the Mooncake paper's Figure 8.
@@ -29,6 +37,7 @@ the policy table is the comparison, as in the Mooncake paper's Figure 8.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import multiprocessing
 import os
@@ -211,6 +220,209 @@ def policies(workload: Workload, load: float, ttft_slo_s: float,
             "cluster": cluster.__dict__, "rows": rows, "variants": variants}
 
 
+# --------------------------------------------------------------------------- 4. over gRPC
+
+GRPC_NODES = 2
+GRPC_INSTANCES_PER_NODE = 4
+GRPC_CONCURRENCY = 64
+"""Calls in flight on one channel (FIELD-NOTES: ~2,000 in flight caused CANCELLED; 64 is safe)."""
+GRPC_MODEL = "trace-model"
+GRPC_BLOCKS = 1_000_000
+GRPC_REQUESTS = 20_000
+GRPC_QUICK_REQUESTS = 5_000
+GRPC_STORED_REQUESTS = 200
+"""The first requests' chains are stored in a real daemon, so decisions really hit its blocks."""
+
+
+def _spawn(cmd: list[str], ready_prefix: str, log_path: Path, timeout_s: float = 60.0
+           ) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    with log_path.open("a") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli.main", *cmd], env=env,
+                                stdout=subprocess.PIPE, stderr=log, text=True)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith(ready_prefix):
+            return proc, json.loads(line[len(ready_prefix):])
+    proc.kill()
+    raise RuntimeError(f"{cmd[0]} did not become ready; see {log_path}")
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _store_trace_chains(address: str, workload: Workload, requests: int) -> int:
+    """Put the first requests' blocks (1 KiB each, chained) into a daemon; blocks stored."""
+    from kvstore.client.store_client import StoreClient
+    from kvstore.node.trace import block_key
+
+    assert workload.block_ids is not None
+    seen: set[int] = set()
+    value = b"\0" * 1024
+    with StoreClient.connect(address) as store:
+        for ids in workload.block_ids[:requests]:
+            parent: bytes | None = None
+            for hash_id in ids:
+                key = block_key(hash_id)
+                if hash_id not in seen:
+                    seen.add(hash_id)
+                    store.put(key, value, parent=parent)
+                parent = key
+    return len(seen)
+
+
+async def _drive(address: str, etcd_url: str, prefix: str, workload: Workload, requests: int,
+                 concurrency: int) -> dict[str, Any]:
+    from conductor.client import ConductorClient
+    from conductor.engines import EngineRecord, EngineRole, put_engine_record
+    from conductor.membership import KeyLayout, etcd_client
+    from kvstore.node.trace import block_key
+
+    layout = KeyLayout(prefix)
+    async with etcd_client(etcd_url) as etcd:
+        for n in range(GRPC_NODES):
+            for i in range(GRPC_INSTANCES_PER_NODE):
+                await put_engine_record(etcd, EngineRecord(
+                    f"prefill-{n}-{i}", EngineRole.PREFILL, GRPC_MODEL, f"node-{n}"),
+                    layout=layout)
+                await put_engine_record(etcd, EngineRecord(
+                    f"decode-{n}-{i}", EngineRole.DECODE, GRPC_MODEL, f"node-{n}",
+                    kv_capacity_tokens=1 << 50), layout=layout)
+    assert workload.block_ids is not None
+    keys = [[block_key(h) for h in ids] for ids in workload.block_ids]
+    prompt = [int(t) for t in workload.prompt_tokens]
+    async with ConductorClient(address=address) as client:
+        deadline = time.monotonic() + 30.0
+        while True:  # discovery of nodes and engines is asynchronous
+            info = await client.leader_info()
+            if info.is_leader and len(info.prefill_instances) == GRPC_NODES * \
+                    GRPC_INSTANCES_PER_NODE and len(info.live_nodes) == GRPC_NODES:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"conductor not ready: {info}")
+            await asyncio.sleep(0.1)
+        indexed = int(info.indexed_blocks)
+        gate = [asyncio.Semaphore(concurrency)]
+        latencies: list[float] = []
+        outcome = {"accepted": 0, "rejected": 0, "reused_blocks": 0, "fetches": 0}
+
+        async def one(i: int) -> None:
+            j = i % len(keys)
+            async with gate[0]:
+                started = time.perf_counter()
+                reply = await client.schedule(f"r{i}", GRPC_MODEL, keys=keys[j],
+                                              input_tokens=prompt[j])
+                latencies.append(time.perf_counter() - started)
+            outcome["accepted" if reply.accepted else "rejected"] += 1
+            outcome["reused_blocks"] += reply.prefix_blocks
+            outcome["fetches"] += reply.HasField("fetch")
+
+        async def noop(i: int) -> None:  # the transport's own cost: an empty Lookup
+            async with gate[0]:
+                started = time.perf_counter()
+                await client.lookup(keys=())
+                latencies.append(time.perf_counter() - started)
+
+        results: dict[str, Any] = {"indexed_blocks": indexed}
+        # Latency with one call in flight (the time a caller waits when not queued behind
+        # 63 others), then throughput with `concurrency` in flight: by Little's law a
+        # latency at 64 in flight is ~64 / throughput, whatever the service costs.
+        for name, fn, count, width in (
+                ("noop_lookup_serial", noop, min(requests, 2_000), 1),
+                ("schedule_serial", one, min(requests, 2_000), 1),
+                ("noop_lookup", noop, min(requests, 10_000), concurrency),
+                ("schedule", one, requests, concurrency)):
+            gate[0] = asyncio.Semaphore(width)
+            await asyncio.gather(*(fn(i) for i in range(min(count, 300))))  # warm-up
+            latencies.clear()
+            for k in outcome:
+                outcome[k] = 0
+            started = time.perf_counter()
+            await asyncio.gather(*(fn(i) for i in range(count)))
+            wall_s = time.perf_counter() - started
+            results[name] = {"calls": count, "in_flight": width, "wall_s": wall_s,
+                             "calls_per_s": count / wall_s,
+                             "latency_us": _pct([x * 1e6 for x in latencies])}
+            if fn is one:
+                results[name].update(outcome)
+        return results
+
+
+def grpc_scheduling(workload: Workload, blocks: int, requests: int,
+                    concurrency: int = GRPC_CONCURRENCY) -> dict[str, Any]:
+    """Decisions/s and latency through a real conductor process (2 real daemons, etcd).
+
+    The conductor's index holds ``blocks`` synthetic blocks (``--preload-blocks``: loaded
+    through the index's snapshot path at start; keys no request names) plus the real blocks
+    of the first requests, stored in daemon node-0 and learned from its events.
+    """
+    import tempfile
+
+    from conductor.etcd import LocalEtcd
+
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-grpc-") as tmp:
+        work = Path(tmp)
+        procs: list[subprocess.Popen[str]] = []
+        prefix = "/bench-grpc/"
+        with LocalEtcd(work_dir=work / "etcd") as etcd:
+            try:
+                daemons = []
+                for n in range(GRPC_NODES):
+                    proc, addresses = _spawn(
+                        ["daemon", "--set", f"node_id=node-{n}", "--set",
+                         "dram.capacity_bytes=64MiB", "--set", f"etcd.endpoint={etcd.client_url}",
+                         "--set", f"etcd.prefix={prefix}", "--set", "etcd.ttl_s=2",
+                         "--set", "log_level=WARNING"],
+                        "KVTIER-DAEMON-READY ", work / f"node-{n}.log")
+                    procs.append(proc)
+                    daemons.append(addresses)
+                stored = _store_trace_chains(str(daemons[0]["grpc_address"]), workload,
+                                             GRPC_STORED_REQUESTS)
+                proc, ready = _spawn(
+                    ["conductor", "--etcd", etcd.client_url, "--prefix", prefix, "--id", "bench",
+                     "--preload-blocks", str(blocks), "--log-level", "WARNING"],
+                    "KVTIER-CONDUCTOR-READY ", work / "conductor.log", timeout_s=300.0)
+                procs.append(proc)
+                result = asyncio.run(_drive(str(ready["address"]), etcd.client_url, prefix,
+                                            workload, requests, concurrency))
+            finally:
+                for proc in reversed(procs):
+                    _stop(proc)
+    return {"preloaded_blocks": blocks, "daemon_blocks": stored, "concurrency": concurrency,
+            "nodes": GRPC_NODES, "prefill_instances": GRPC_NODES * GRPC_INSTANCES_PER_NODE,
+            "decode_instances": GRPC_NODES * GRPC_INSTANCES_PER_NODE, **result}
+
+
+def format_grpc(rows: Sequence[dict[str, Any]]) -> str:
+    lines = ["4. Scheduling over gRPC: a real conductor process, 2 real daemons, etcd; one client "
+             "process, one channel (goal p99 < 2 ms at 1M blocks, >= 5,000 decisions/s). The "
+             "limit is an empty Lookup on the same channel, measured the same way.",
+             f"{'indexed':>11} {'in flight':>9} {'decisions/s':>12} {'p50 us':>8} {'p99 us':>8} "
+             f"{'limit calls/s':>14} {'p50 us':>8} {'p99 us':>8} {'ratio':>6} {'accepted':>9}"]
+    for row in rows:
+        for sched, noop in (("schedule_serial", "noop_lookup_serial"), ("schedule", "noop_lookup")):
+            s, n = row[sched], row[noop]
+            lines.append(
+                f"{row['indexed_blocks']:>11,} {s['in_flight']:>9} {s['calls_per_s']:>12,.0f} "
+                f"{s['latency_us']['p50']:>8.0f} {s['latency_us']['p99']:>8.0f} "
+                f"{n['calls_per_s']:>14,.0f} {n['latency_us']['p50']:>8.0f} "
+                f"{n['latency_us']['p99']:>8.0f} {s['calls_per_s'] / n['calls_per_s']:>6.2f} "
+                f"{s['accepted']:>9,}")
+    return "\n".join(lines)
+
+
 def _environment() -> dict[str, Any]:
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -240,6 +452,8 @@ def run(traces: Sequence[str], *, quick: bool, limit: int | None, load: float,
     sched = scheduling_latency(mooncake, load, (0, *sizes))
     result["scheduling"] = [r.to_json() for r in sched]
     result["policies"] = [policies(wl, load, ttft_slo_s, tpot_slo_s) for wl in workloads]
+    result["grpc"] = [grpc_scheduling(mooncake, GRPC_BLOCKS,
+                                      GRPC_QUICK_REQUESTS if quick else GRPC_REQUESTS)]
     return result
 
 
@@ -290,6 +504,8 @@ def format_result(result: dict[str, Any]) -> str:
                 f"{'-' if err is None else f'{err:.3f}':>7} {row['fetched_blocks']:>8,} "
                 f"{sum(row['rejected'].values()):>8} "
                 f"{_us(s, 'p50'):>8}/{_us(s, 'p99'):<8} {row['decisions_per_s']:>7,.0f}")
+    if result.get("grpc"):
+        lines += ["", format_grpc(result["grpc"])]
     return "\n".join(lines)
 
 
@@ -321,7 +537,21 @@ if __name__ == "__main__":
     parser.add_argument("--ttft-slo-s", type=float, default=DEFAULT_TTFT_SLO_S)
     parser.add_argument("--tpot-slo-s", type=float, default=DEFAULT_TPOT_SLO_S)
     parser.add_argument("--index-blocks", type=int, action="append")
+    parser.add_argument("--grpc-only", action="store_true",
+                        help="Only part 4 (over gRPC), at --grpc-blocks, --grpc-requests")
+    parser.add_argument("--grpc-blocks", type=int, default=GRPC_BLOCKS)
+    parser.add_argument("--grpc-requests", type=int, default=GRPC_REQUESTS)
+    parser.add_argument("--grpc-concurrency", type=int, default=GRPC_CONCURRENCY)
     args = parser.parse_args()
+    if args.grpc_only:
+        wl = load_trace((args.trace or ["mooncake"])[0], count=args.limit)
+        grpc_result = {"environment": _environment(), "grpc": [grpc_scheduling(
+            wl, args.grpc_blocks, args.grpc_requests, args.grpc_concurrency)]}
+        print(format_grpc(grpc_result["grpc"]))
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(grpc_result, indent=2))
+        sys.exit(0)
     main(args.json, args.quick, args.trace, args.limit, args.load, args.ttft_slo_s,
          args.tpot_slo_s, args.index_blocks)
     sys.exit(0)
