@@ -283,8 +283,15 @@ def _store_trace_chains(address: str, workload: Workload, requests: int) -> int:
     return len(seen)
 
 
-async def _drive(address: str, etcd_url: str, prefix: str, workload: Workload, requests: int,
-                 concurrency: int) -> dict[str, Any]:
+def _process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _drive(address: str, server_pid: int, etcd_url: str, prefix: str, workload: Workload,
+                 requests: int, concurrency: int) -> dict[str, Any]:
     from conductor.client import ConductorClient
     from conductor.engines import EngineRecord, EngineRole, put_engine_record
     from conductor.membership import KeyLayout, etcd_client
@@ -349,12 +356,18 @@ async def _drive(address: str, etcd_url: str, prefix: str, workload: Workload, r
             latencies.clear()
             for k in outcome:
                 outcome[k] = 0
+            server_cpu_s = _process_cpu_s(server_pid)
+            client_cpu_s = time.process_time()
             started = time.perf_counter()
             await asyncio.gather(*(fn(i) for i in range(count)))
             wall_s = time.perf_counter() - started
             results[name] = {"calls": count, "in_flight": width, "wall_s": wall_s,
                              "calls_per_s": count / wall_s,
-                             "latency_us": _pct([x * 1e6 for x in latencies])}
+                             "latency_us": _pct([x * 1e6 for x in latencies]),
+                             "server_cpu_us_per_call":
+                                 (_process_cpu_s(server_pid) - server_cpu_s) / count * 1e6,
+                             "client_cpu_us_per_call":
+                                 (time.process_time() - client_cpu_s) / count * 1e6}
             if fn is one:
                 results[name].update(outcome)
         return results
@@ -395,8 +408,8 @@ def grpc_scheduling(workload: Workload, blocks: int, requests: int,
                      "--preload-blocks", str(blocks), "--log-level", "WARNING"],
                     "KVTIER-CONDUCTOR-READY ", work / "conductor.log", timeout_s=300.0)
                 procs.append(proc)
-                result = asyncio.run(_drive(str(ready["address"]), etcd.client_url, prefix,
-                                            workload, requests, concurrency))
+                result = asyncio.run(_drive(str(ready["address"]), proc.pid, etcd.client_url,
+                                            prefix, workload, requests, concurrency))
             finally:
                 for proc in reversed(procs):
                     _stop(proc)
@@ -408,17 +421,22 @@ def grpc_scheduling(workload: Workload, blocks: int, requests: int,
 def format_grpc(rows: Sequence[dict[str, Any]]) -> str:
     lines = ["4. Scheduling over gRPC: a real conductor process, 2 real daemons, etcd; one client "
              "process, one channel (goal p99 < 2 ms at 1M blocks, >= 5,000 decisions/s). The "
-             "limit is an empty Lookup on the same channel, measured the same way.",
+             "limit is an empty Lookup on the same channel, measured the same way. CPU: "
+             "microseconds of CPU per call in the conductor process / in the client process.",
              f"{'indexed':>11} {'in flight':>9} {'decisions/s':>12} {'p50 us':>8} {'p99 us':>8} "
-             f"{'limit calls/s':>14} {'p50 us':>8} {'p99 us':>8} {'ratio':>6} {'accepted':>9}"]
+             f"{'CPU srv/cli':>11} {'limit calls/s':>14} {'p50 us':>8} {'p99 us':>8} "
+             f"{'CPU srv/cli':>11} {'ratio':>6} {'accepted':>9}"]
     for row in rows:
         for sched, noop in (("schedule_serial", "noop_lookup_serial"), ("schedule", "noop_lookup")):
             s, n = row[sched], row[noop]
             lines.append(
                 f"{row['indexed_blocks']:>11,} {s['in_flight']:>9} {s['calls_per_s']:>12,.0f} "
                 f"{s['latency_us']['p50']:>8.0f} {s['latency_us']['p99']:>8.0f} "
+                f"{s['server_cpu_us_per_call']:>5.0f}/{s['client_cpu_us_per_call']:<5.0f} "
                 f"{n['calls_per_s']:>14,.0f} {n['latency_us']['p50']:>8.0f} "
-                f"{n['latency_us']['p99']:>8.0f} {s['calls_per_s'] / n['calls_per_s']:>6.2f} "
+                f"{n['latency_us']['p99']:>8.0f} "
+                f"{n['server_cpu_us_per_call']:>5.0f}/{n['client_cpu_us_per_call']:<5.0f} "
+                f"{s['calls_per_s'] / n['calls_per_s']:>6.2f} "
                 f"{s['accepted']:>9,}")
     return "\n".join(lines)
 

@@ -7,14 +7,15 @@ metadata ``kvtier-error`` (as the store daemon does). A follower answers Schedul
 ReportCompletion with FAILED_PRECONDITION and the leader in the trailing metadata
 ``kvtier-leader`` (``<conductor_id>@<host:port>``); see proto/kvtier/v1/conductor.proto.
 
-Everything runs on the conductor's event loop: handlers are coroutines that never block
-(the scheduler and index calls are pure CPU, tens of microseconds).
+Handlers run on gRPC's threaded server (see conductor/server.py for why not grpc.aio). The
+scheduler, the node table and the engine table are used under ``Conductor.lock``; the index
+is thread-safe by itself, so Lookup takes no conductor lock.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
@@ -46,7 +47,7 @@ _REASON = {RejectReason.TTFT_SLO: pb.REJECT_TTFT_SLO, RejectReason.TPOT_SLO: pb.
 
 _Req = TypeVar("_Req")
 _Rep = TypeVar("_Rep")
-Handler = Callable[[Any, Any, Any], Awaitable[Any]]
+Handler = Callable[[Any, Any, Any], Any]
 
 
 class NotLeader(Exception):
@@ -57,15 +58,15 @@ def _rpc(method: Handler) -> Handler:
     """Turn kvtier errors into gRPC statuses (with the class name in trailing metadata)."""
 
     @functools.wraps(method)
-    async def wrapper(self: ConductorService, request: Any, context: Any) -> Any:
+    def wrapper(self: ConductorService, request: Any, context: Any) -> Any:
         try:
-            return await method(self, request, context)
+            return method(self, request, context)
         except NotLeader as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc),
-                                trailing_metadata=self._leader_metadata())
+            context.set_trailing_metadata(self._leader_metadata())
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except KvtierError as exc:
-            await context.abort(getattr(grpc.StatusCode, grpc_code_name(exc)), str(exc),
-                                trailing_metadata=((ERROR_METADATA_KEY, error_name(exc)),))
+            context.set_trailing_metadata(((ERROR_METADATA_KEY, error_name(exc)),))
+            context.abort(getattr(grpc.StatusCode, grpc_code_name(exc)), str(exc))
 
     return wrapper
 
@@ -127,7 +128,7 @@ class ConductorService(pb_grpc.ConductorServicer):
     # ------------------------------------------------------------------ RPCs
 
     @_rpc
-    async def Schedule(self, request: pb.ScheduleRequest, context: Any) -> pb.ScheduleReply:
+    def Schedule(self, request: pb.ScheduleRequest, context: Any) -> pb.ScheduleReply:
         self._require_leader()
         _check_request_id(request.request_id)
         if not request.model:
@@ -143,9 +144,10 @@ class ConductorService(pb_grpc.ConductorServicer):
             raise InvalidArgument(
                 f"input_tokens {input_tokens} < the {len(request.token_ids)} token ids given")
         c = self._c
-        decision = c.scheduler.schedule(
-            ScheduleRequest(request.request_id, request.model, keys, input_tokens), c.now_s())
-        return self._reply(decision, keys)
+        schedule_request = ScheduleRequest(request.request_id, request.model, keys, input_tokens)
+        with c.lock:
+            decision = c.scheduler.schedule(schedule_request, c.now_s())
+            return self._reply(decision, keys)
 
     def _reply(self, d: Decision, keys: tuple[bytes, ...]) -> pb.ScheduleReply:
         reply = pb.ScheduleReply(
@@ -193,7 +195,7 @@ class ConductorService(pb_grpc.ConductorServicer):
         return reply
 
     @_rpc
-    async def Lookup(self, request: pb.ConductorLookupRequest, context: Any
+    def Lookup(self, request: pb.ConductorLookupRequest, context: Any
                      ) -> pb.ConductorLookupReply:
         keys = self._keys(request.model, request.tenant, request.keys, request.token_ids)
         match = self._c.index.match(keys)
@@ -204,29 +206,35 @@ class ConductorService(pb_grpc.ConductorServicer):
         return reply
 
     @_rpc
-    async def ReportLoad(self, request: pb.EngineLoad, context: Any) -> pb.ReportLoadReply:
+    def ReportLoad(self, request: pb.EngineLoad, context: Any) -> pb.ReportLoadReply:
         if not request.instance_id:
             raise InvalidArgument("instance_id must not be empty")
         if (request.queued_prefill_tokens < 0 or request.running_decode_batch < 0
                 or request.kv_used_tokens < 0):
             raise InvalidArgument("load figures must be >= 0")
         c = self._c
-        known = request.instance_id in c.engines
-        if known:
-            c.engine_load[request.instance_id] = (
-                int(request.queued_prefill_tokens), int(request.running_decode_batch),
-                int(request.kv_used_tokens), c.now_s())
+        with c.lock:
+            known = request.instance_id in c.engines
+            if known:
+                c.engine_load[request.instance_id] = (
+                    int(request.queued_prefill_tokens), int(request.running_decode_batch),
+                    int(request.kv_used_tokens), c.now_s())
         return pb.ReportLoadReply(known=known)
 
     @_rpc
-    async def ReportCompletion(self, request: pb.CompletionReport, context: Any
+    def ReportCompletion(self, request: pb.CompletionReport, context: Any
                                ) -> pb.ReportCompletionReply:
         self._require_leader()
         c = self._c
         phase = request.WhichOneof("phase")
         if phase is None:
             raise InvalidArgument("a completion report needs prefill, decode or cancelled")
-        now_s = c.now_s()
+        with c.lock:
+            self._complete(request, phase, c.now_s())
+        return pb.ReportCompletionReply()
+
+    def _complete(self, request: pb.CompletionReport, phase: str, now_s: float) -> None:
+        c = self._c
         if phase == "cancelled":
             if not c.scheduler.cancel(request.ticket):
                 raise InvalidArgument(f"unknown ticket {request.ticket} (issued by another "
@@ -249,26 +257,27 @@ class ConductorService(pb_grpc.ConductorServicer):
                 tpot_s=dd.tpot_s if measured else None,
                 batch_size=int(dd.batch_size) if measured else None,
                 context_tokens=int(dd.context_tokens) if measured else None)
-        return pb.ReportCompletionReply()
 
     @_rpc
-    async def Leader(self, request: pb.LeaderRequest, context: Any) -> pb.LeaderReply:
+    def Leader(self, request: pb.LeaderRequest, context: Any) -> pb.LeaderReply:
         c = self._c
         view = c.leader()
+        with c.lock:
+            live = c.live_nodes()
+            prefill = c.scheduled_instances(EngineRole.PREFILL)
+            decode = c.scheduled_instances(EngineRole.DECODE)
         return pb.LeaderReply(
             leader_id=view.record.conductor_id if view else "",
             leader_address=view.record.address if view else "",
             is_leader=c.is_leader, conductor_id=c.config.conductor_id,
             term=view.term if view else 0, indexed_blocks=len(c.index),
-            live_nodes=c.live_nodes(),
-            prefill_instances=c.scheduled_instances(EngineRole.PREFILL),
-            decode_instances=c.scheduled_instances(EngineRole.DECODE))
+            live_nodes=live, prefill_instances=prefill, decode_instances=decode)
 
 
-def add_to_server(service: ConductorService, server: grpc.aio.Server) -> Any:
+def add_to_server(service: ConductorService, server: grpc.Server) -> Any:
     """Register the servicer, health checking and reflection; returns the health servicer."""
     pb_grpc.add_ConductorServicer_to_server(service, server)  # type: ignore[no-untyped-call]
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -33,6 +33,7 @@ def conductor(
     election_ttl_s: int = typer.Option(2, "--election-ttl-s",
                                        help="Leader lease TTL: a dead leader is replaced "
                                             "about this long after it dies."),
+    rpc_workers: int = typer.Option(4, "--rpc-workers", help="Threads serving RPCs."),
     preload_blocks: int = typer.Option(0, "--preload-blocks", hidden=True,
                                        help="Benchmark only: synthetic blocks in the index."),
     log_level: str = typer.Option("INFO", "--log-level"),
@@ -53,7 +54,8 @@ def conductor(
             etcd_endpoint=etcd, conductor_id=conductor_id or default_conductor_id(),
             listen=listen, layout=KeyLayout(prefix), policy=Policy(policy),
             ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s, block_size_tokens=block_size_tokens,
-            election_ttl_s=election_ttl_s, preload_blocks=preload_blocks)
+            election_ttl_s=election_ttl_s, rpc_workers=rpc_workers,
+            preload_blocks=preload_blocks)
     except (KvtierError, ValueError) as exc:
         typer.echo(f"kvtier conductor: {exc}", err=True)
         raise typer.Exit(2) from exc
