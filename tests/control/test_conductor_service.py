@@ -99,6 +99,13 @@ class Cluster:
             for record in records:
                 await put_engine_record(client, record, layout=self.layout)
 
+    def key_gone(self, node_id: str) -> Callable[[], Awaitable[bool]]:
+        async def check() -> bool:
+            async with etcd_client(self.etcd_url) as etcd:
+                return await etcd.get(self.layout.node_key(node_id).encode()) is None
+
+        return check
+
     def client(self, **kwargs: Any) -> ConductorClient:
         return ConductorClient(etcd_endpoint=self.etcd_url, layout=self.layout, **kwargs)
 
@@ -287,11 +294,7 @@ def test_daemon_killed_while_scheduling_is_never_placed_on_again(aio: asyncio.Ru
             assert lookup.best_blocks == 0 and not lookup.nodes
 
             # Its key expires too; the conductor keeps it out.
-            async def gone_from_etcd() -> bool:
-                async with etcd_client(cluster.etcd_url) as etcd:
-                    return await etcd.get(cluster.layout.node_key("node-b").encode()) is None
-
-            await wait_until(gone_from_etcd, 10.0, "node-b's lease expires")
+            await wait_until(cluster.key_gone("node-b"), 10.0, "node-b's lease expires")
             info = await client.leader_info()
             assert list(info.live_nodes) == ["node-a"]
 
@@ -406,3 +409,39 @@ def test_leader_killed_mid_stream_standby_takes_over(aio: asyncio.Runner,
             print(f"failover: first decision from the standby {gap_s:.2f} s after SIGKILL")
 
     run(aio, scenario(), timeout_s=90.0)
+
+
+# --------------------------------------------------------------------------- a daemon restarts
+
+
+def test_daemon_restart_under_the_same_id_is_rebuilt_from_its_new_epoch(
+        aio: asyncio.Runner, cluster: Cluster) -> None:
+    victim = cluster.daemon("node-a")
+    cluster.conductor("c-1")
+    old = cluster.store_chain("node-a", tokens(1, 4))
+
+    async def scenario() -> None:
+        await cluster.engines(prefill("p-a", "node-a"), decode("d-a", "node-a"))
+        async with cluster.client() as client:
+            await ready(client, nodes={"node-a"}, prefill_ids={"p-a"})
+
+            async def blocks(keys: list[bytes]) -> int:
+                return int((await client.lookup(keys=keys)).best_blocks)
+
+            await wait_until(lambda: _eq(blocks(old), 4), 10.0, "old chain indexed")
+            victim.kill()  # DRAM only: the restarted daemon holds nothing of it
+            await wait_until(lambda: _eq(blocks(old), 0), 5.0, "dead node's blocks leave")
+            await wait_until(cluster.key_gone("node-a"), 10.0, "the dead daemon's lease expires")
+            cluster.daemon("node-a")  # same id, new process, new epoch
+            await ready(client, nodes={"node-a"}, prefill_ids={"p-a"}, timeout_s=20.0)
+            new = cluster.store_chain("node-a", tokens(2, 3))
+            await wait_until(lambda: _eq(blocks(new), 3), 10.0, "new epoch's blocks indexed")
+            assert await blocks(old) == 0
+            reply = await client.schedule("r-1", MODEL, keys=new, input_tokens=2000)
+            assert reply.accepted and reply.local_blocks == 3 and reply.prefill_node == "node-a"
+
+    run(aio, scenario(), timeout_s=60.0)
+
+
+async def _eq(value: Awaitable[int], expected: int) -> bool:
+    return await value == expected
