@@ -411,3 +411,68 @@ def test_a_zero_copy_view_holds_a_lease_until_the_block_ends(shm: StoreClient,
 
     with pytest.raises(TierUnavailable), tcp.read_view(b"viewed"):
         pass
+
+
+def test_grpc_shared_memory_lease_calls(daemon: DaemonProcess, shm: StoreClient) -> None:
+    import grpc
+
+    from kvstore._proto.kvtier.v1 import store_pb2 as pb
+    from kvstore.dataplane.arena import ArenaAccess, ShmArena
+
+    stub = shm.stub()
+    arena = ShmArena.attach(daemon.addresses["shm_arena"], access=ArenaAccess.READ_WRITE)
+    try:
+        data = value(31, 300 * KiB)
+        res = stub.Reserve(pb.ReserveRequest(key=b"grpc-lease", size_bytes=data.size, ttl_s=30))
+        arena.view(res.offset, data.size, readonly=False)[:] = data.tobytes()
+        assert not shm.exists(b"grpc-lease")
+        assert stub.Commit(pb.CommitRequest(lease_id=res.lease_id)).tier == pb.TIER_DRAM
+        acq = stub.AcquireRead(pb.AcquireReadRequest(keys=[b"grpc-lease", b"nope"],
+                                                     prefix=True))
+        assert len(acq.chunks) == 1 and acq.chunks[0].size_bytes == data.size
+        got = np.frombuffer(arena.view(acq.chunks[0].offset, data.size), np.uint8)
+        assert np.array_equal(got, data)
+        with pytest.raises(ChunkBusy):
+            shm.remove(b"grpc-lease")
+        assert stub.Release(pb.ReleaseRequest(lease_id=acq.lease_id)).released
+        assert not stub.Release(pb.ReleaseRequest(lease_id=acq.lease_id)).released
+        # An uncommitted reservation is aborted by the reaper after its TTL.
+        short = stub.Reserve(pb.ReserveRequest(key=b"grpc-expire", size_bytes=4096, ttl_s=0.2))
+        time.sleep(1.5)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Commit(pb.CommitRequest(lease_id=short.lease_id))
+        assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+        assert not shm.exists(b"grpc-expire")
+        aborted = stub.Reserve(pb.ReserveRequest(key=b"grpc-abort", size_bytes=4096))
+        assert stub.Abort(pb.AbortRequest(lease_id=aborted.lease_id)).aborted
+        assert not shm.exists(b"grpc-abort")
+    finally:
+        arena.close()
+
+
+def test_batch_calls(shm: StoreClient) -> None:
+    from kvstore._proto.kvtier.v1 import store_pb2 as pb
+
+    stub = shm.stub()
+    put = stub.BatchPut(pb.BatchPutRequest(items=[
+        pb.PutRequest(key=b"b0", value=b"zero"),
+        pb.PutRequest(key=b"b1", parent=b"b0", value=b"one"),
+        pb.PutRequest(key=b"b2", parent=b"missing", value=b"two"),
+        pb.PutRequest(key=b"b0", value=b"again")]))
+    assert [(i.ok, i.error) for i in put.items] == [
+        (True, ""), (True, ""), (False, "InvalidArgument"), (False, "ChunkExists")]
+    got = stub.BatchGet(pb.BatchGetRequest(keys=[b"b0", b"b1", b"b2"]))
+    assert [(i.found, i.value) for i in got.items] == [(True, b"zero"), (True, b"one"),
+                                                       (False, b"")]
+    looked = stub.BatchLookup(pb.BatchLookupRequest(items=[
+        pb.LookupRequest(keys=[b"b0", b"b1"]), pb.LookupRequest(keys=[b"zz", b"b1"])]))
+    assert [i.length for i in looked.items] == [2, 0]
+    assert dict(looked.items[0].per_tier) == {"dram": 2}
+    pins = stub.BatchPin(pb.BatchPinRequest(items=[pb.PinRequest(keys=[b"b1"])]))
+    with pytest.raises(ChunkBusy):
+        shm.remove(b"b0")
+    assert list(stub.BatchUnpin(pb.BatchUnpinRequest(
+        lease_ids=[pins.items[0].lease_id, 12345])).released) == [True, False]
+    removed = stub.BatchRemove(pb.BatchRemoveRequest(keys=[b"b0", b"b0"]))
+    assert [(r.found, list(r.removed)) for r in removed.items] == [
+        (True, [b"b1", b"b0"]), (False, [])]
