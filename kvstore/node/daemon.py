@@ -443,12 +443,9 @@ class StoreDaemon:
         if self._grpc is not None:
             await self._grpc.stop(timeout)
             self._grpc = None
-        if cfg.shutdown.persist_dram and TierKind.NVME in self.cache.tiers:
-            used = self.cache.index.usage(TierKind.DRAM).used_bytes
-            if used:
-                freed = await loop.run_in_executor(self.executor, self.cache.evict,
-                                                   TierKind.DRAM, used)
-                log.info("persisted %d bytes of DRAM chunks to NVMe", freed)
+        if cfg.shutdown.persist_dram:
+            moved = await loop.run_in_executor(self.executor, self.cache.persist)
+            log.info("persisted %d bytes of memory-tier chunks to NVMe", moved)
         await self._teardown()
         log.info("node %s drained", cfg.node_id)
 
