@@ -228,6 +228,7 @@ GRPC_CONCURRENCY = 64
 """Calls in flight on one channel (FIELD-NOTES: ~2,000 in flight caused CANCELLED; 64 is safe)."""
 GRPC_MODEL = "trace-model"
 GRPC_BLOCKS = 1_000_000
+"""Index size for ``--grpc-only`` (a full run uses the smallest of its index sizes)."""
 GRPC_REQUESTS = 20_000
 GRPC_QUICK_REQUESTS = 5_000
 GRPC_STORED_REQUESTS = 200
@@ -470,8 +471,11 @@ def run(traces: Sequence[str], *, quick: bool, limit: int | None, load: float,
     sched = scheduling_latency(mooncake, load, (0, *sizes))
     result["scheduling"] = [r.to_json() for r in sched]
     result["policies"] = [policies(wl, load, ttft_slo_s, tpot_slo_s) for wl in workloads]
-    result["grpc"] = [grpc_scheduling(mooncake, GRPC_BLOCKS,
-                                      GRPC_QUICK_REQUESTS if quick else GRPC_REQUESTS)]
+    # Over gRPC at the smallest index size asked for (1M by default: the goal's size); a
+    # --limit bounds the requests sent, as it bounds the replays.
+    requests = GRPC_QUICK_REQUESTS if quick else GRPC_REQUESTS
+    result["grpc"] = [grpc_scheduling(mooncake, min(sizes),
+                                      min(requests, limit) if limit else requests)]
     return result
 
 
