@@ -227,6 +227,8 @@ GRPC_INSTANCES_PER_NODE = 4
 GRPC_CONCURRENCY = 64
 """Calls in flight on one channel (FIELD-NOTES: ~2,000 in flight caused CANCELLED; 64 is safe)."""
 GRPC_MODEL = "trace-model"
+GRPC_BATCH = 16
+"""Requests per ScheduleBatch call in the batched variant."""
 GRPC_BLOCKS = 1_000_000
 """Index size for ``--grpc-only`` (a full run uses the smallest of its index sizes)."""
 GRPC_REQUESTS = 20_000
@@ -296,6 +298,7 @@ async def _drive(address: str, server_pid: int, etcd_url: str, prefix: str, work
     from conductor.client import ConductorClient
     from conductor.engines import EngineRecord, EngineRole, put_engine_record
     from conductor.membership import KeyLayout, etcd_client
+    from kvstore._proto.kvtier.v1 import conductor_pb2 as pb
     from kvstore.node.trace import block_key
 
     layout = KeyLayout(prefix)
@@ -337,6 +340,24 @@ async def _drive(address: str, server_pid: int, etcd_url: str, prefix: str, work
             outcome["reused_blocks"] += reply.prefix_blocks
             outcome["fetches"] += reply.HasField("fetch")
 
+        async def batch(i: int) -> None:
+            requests_ = []
+            for k in range(i * GRPC_BATCH, (i + 1) * GRPC_BATCH):
+                j = k % len(keys)
+                requests_.append(pb.ScheduleRequest(request_id=f"b{k}", model=GRPC_MODEL,
+                                                    keys=keys[j], input_tokens=prompt[j]))
+            async with gate[0]:
+                started = time.perf_counter()
+                items = await client.schedule_batch(requests_)
+                latencies.append(time.perf_counter() - started)
+            for item in items:
+                if item.error:
+                    raise RuntimeError(f"batch item failed: {item.error}: {item.detail}")
+                reply = item.reply
+                outcome["accepted" if reply.accepted else "rejected"] += 1
+                outcome["reused_blocks"] += reply.prefix_blocks
+                outcome["fetches"] += reply.HasField("fetch")
+
         async def noop(i: int) -> None:  # the transport's own cost: an empty Lookup
             async with gate[0]:
                 started = time.perf_counter()
@@ -347,13 +368,16 @@ async def _drive(address: str, server_pid: int, etcd_url: str, prefix: str, work
         # Latency with one call in flight (the time a caller waits when not queued behind
         # 63 others), then throughput with `concurrency` in flight: by Little's law a
         # latency at 64 in flight is ~64 / throughput, whatever the service costs.
-        for name, fn, count, width in (
-                ("noop_lookup_serial", noop, min(requests, 2_000), 1),
-                ("schedule_serial", one, min(requests, 2_000), 1),
-                ("noop_lookup", noop, min(requests, 10_000), concurrency),
-                ("schedule", one, requests, concurrency)):
+        # Batches: `concurrency` requests in flight as concurrency / GRPC_BATCH calls.
+        for name, fn, count, width, per_call in (
+                ("noop_lookup_serial", noop, min(requests, 2_000), 1, 1),
+                ("schedule_serial", one, min(requests, 2_000), 1, 1),
+                ("noop_lookup", noop, min(requests, 10_000), concurrency, 1),
+                ("schedule", one, requests, concurrency, 1),
+                ("schedule_batch", batch, max(1, requests // GRPC_BATCH),
+                 max(1, concurrency // GRPC_BATCH), GRPC_BATCH)):
             gate[0] = asyncio.Semaphore(width)
-            await asyncio.gather(*(fn(i) for i in range(min(count, 300))))  # warm-up
+            await asyncio.gather(*(fn(i) for i in range(min(count, 300 // per_call))))
             latencies.clear()
             for k in outcome:
                 outcome[k] = 0
@@ -362,14 +386,16 @@ async def _drive(address: str, server_pid: int, etcd_url: str, prefix: str, work
             started = time.perf_counter()
             await asyncio.gather(*(fn(i) for i in range(count)))
             wall_s = time.perf_counter() - started
-            results[name] = {"calls": count, "in_flight": width, "wall_s": wall_s,
-                             "calls_per_s": count / wall_s,
+            decisions = count * per_call
+            results[name] = {"calls": count, "requests_per_call": per_call,
+                             "in_flight": width * per_call, "wall_s": wall_s,
+                             "calls_per_s": decisions / wall_s,
                              "latency_us": _pct([x * 1e6 for x in latencies]),
                              "server_cpu_us_per_call":
-                                 (_process_cpu_s(server_pid) - server_cpu_s) / count * 1e6,
+                                 (_process_cpu_s(server_pid) - server_cpu_s) / decisions * 1e6,
                              "client_cpu_us_per_call":
-                                 (time.process_time() - client_cpu_s) / count * 1e6}
-            if fn is one:
+                                 (time.process_time() - client_cpu_s) / decisions * 1e6}
+            if fn is not noop:
                 results[name].update(outcome)
         return results
 
@@ -424,14 +450,17 @@ def format_grpc(rows: Sequence[dict[str, Any]]) -> str:
              "process, one channel (goal p99 < 2 ms at 1M blocks, >= 5,000 decisions/s). The "
              "limit is an empty Lookup on the same channel, measured the same way. CPU: "
              "microseconds of CPU per call in the conductor process / in the client process.",
-             f"{'indexed':>11} {'in flight':>9} {'decisions/s':>12} {'p50 us':>8} {'p99 us':>8} "
+             f"{'indexed':>11} {'in flight':>17} {'decisions/s':>12} {'p50 us':>8} {'p99 us':>8} "
              f"{'CPU srv/cli':>11} {'limit calls/s':>14} {'p50 us':>8} {'p99 us':>8} "
              f"{'CPU srv/cli':>11} {'ratio':>6} {'accepted':>9}"]
     for row in rows:
-        for sched, noop in (("schedule_serial", "noop_lookup_serial"), ("schedule", "noop_lookup")):
+        for sched, noop in (("schedule_serial", "noop_lookup_serial"), ("schedule", "noop_lookup"),
+                            ("schedule_batch", "noop_lookup")):
             s, n = row[sched], row[noop]
+            flight = f"{s['in_flight']}" + (f" ({s['requests_per_call']}/call)"
+                                            if s.get("requests_per_call", 1) > 1 else "")
             lines.append(
-                f"{row['indexed_blocks']:>11,} {s['in_flight']:>9} {s['calls_per_s']:>12,.0f} "
+                f"{row['indexed_blocks']:>11,} {flight:>17} {s['calls_per_s']:>12,.0f} "
                 f"{s['latency_us']['p50']:>8.0f} {s['latency_us']['p99']:>8.0f} "
                 f"{s['server_cpu_us_per_call']:>5.0f}/{s['client_cpu_us_per_call']:<5.0f} "
                 f"{n['calls_per_s']:>14,.0f} {n['latency_us']['p50']:>8.0f} "

@@ -110,6 +110,14 @@ class ConductorClient:
         reply: pb.ScheduleReply = await self.call("Schedule", request)
         return reply
 
+    async def schedule_batch(self, requests: Sequence[pb.ScheduleRequest]
+                             ) -> list[pb.ScheduleBatchItem]:
+        """Place several requests in one call, in order. Each item holds a reply, or the
+        kvtier error class and message of that item alone (``error``, ``detail``)."""
+        reply: pb.ScheduleBatchReply = await self.call(
+            "ScheduleBatch", pb.ScheduleBatchRequest(items=list(requests)))
+        return list(reply.items)
+
     async def lookup(self, *, keys: Sequence[bytes] = (), token_ids: Sequence[int] = (),
                      model: str = "", tenant: str = "") -> pb.ConductorLookupReply:
         reply: pb.ConductorLookupReply = await self.call("Lookup", pb.ConductorLookupRequest(

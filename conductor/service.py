@@ -40,6 +40,7 @@ LEADER_METADATA_KEY = "kvtier-leader"
 MAX_KEYS = 65536
 """Most keys (blocks) one request may carry: 32M tokens at 512 per block."""
 MAX_KEY_BYTES = 64
+MAX_BATCH = 1024
 MAX_REQUEST_ID_CHARS = 256
 
 _REASON = {RejectReason.TTFT_SLO: pb.REJECT_TTFT_SLO, RejectReason.TPOT_SLO: pb.REJECT_TPOT_SLO,
@@ -130,6 +131,25 @@ class ConductorService(pb_grpc.ConductorServicer):
     @_rpc
     def Schedule(self, request: pb.ScheduleRequest, context: Any) -> pb.ScheduleReply:
         self._require_leader()
+        return self._schedule(request)
+
+    @_rpc
+    def ScheduleBatch(self, request: pb.ScheduleBatchRequest, context: Any
+                      ) -> pb.ScheduleBatchReply:
+        self._require_leader()
+        if len(request.items) > MAX_BATCH:
+            raise InvalidArgument(f"{len(request.items)} requests; at most {MAX_BATCH} per batch")
+        reply = pb.ScheduleBatchReply()
+        for item in request.items:
+            out = reply.items.add()
+            try:
+                out.reply.CopyFrom(self._schedule(item))
+            except KvtierError as exc:  # this item only; the others are decided
+                out.error = error_name(exc)
+                out.detail = str(exc)
+        return reply
+
+    def _schedule(self, request: pb.ScheduleRequest) -> pb.ScheduleReply:
         _check_request_id(request.request_id)
         if not request.model:
             raise InvalidArgument("model must not be empty")

@@ -218,6 +218,15 @@ def test_schedule_lookup_follower_and_malformed_requests(aio: asyncio.Runner,
             for fields, message in bad:
                 with pytest.raises(InvalidArgument, match=message):
                     await client.schedule(**fields)
+            # A batch: each item is decided or refused on its own.
+            items = await client.schedule_batch([
+                pb.ScheduleRequest(request_id="b-1", model=MODEL, keys=keys_b, input_tokens=4000),
+                pb.ScheduleRequest(request_id="", model=MODEL, keys=keys_b, input_tokens=4000),
+                pb.ScheduleRequest(request_id="b-3", model="nope", keys=keys_b, input_tokens=4000),
+            ])
+            assert [i.error for i in items] == ["", "InvalidArgument", "InvalidArgument"]
+            assert items[0].reply.accepted and items[0].reply.prefix_blocks == 6
+            assert "request_id" in items[1].detail and "'nope'" in items[2].detail
             with pytest.raises(InvalidArgument, match="unknown ticket"):
                 await client.report_completion(pb.CompletionReport(ticket=999_999, cancelled=True))
 

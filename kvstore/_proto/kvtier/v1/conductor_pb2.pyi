@@ -120,6 +120,28 @@ class ScheduleReply(_message.Message):
     conductor_id: str
     def __init__(self, request_id: _Optional[str] = ..., accepted: _Optional[bool] = ..., reason: _Optional[_Union[RejectReason, str]] = ..., message: _Optional[str] = ..., prefill_instance: _Optional[str] = ..., prefill_node: _Optional[str] = ..., decode_instance: _Optional[str] = ..., prefix_blocks: _Optional[int] = ..., local_blocks: _Optional[int] = ..., local_tiers: _Optional[_Union[TierCounts, _Mapping]] = ..., fetch: _Optional[_Union[FetchPlan, _Mapping]] = ..., replicate: _Optional[_Union[ReplicationHint, _Mapping]] = ..., ttft_estimate_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., load_s: _Optional[float] = ..., tpot_s: _Optional[float] = ..., ticket: _Optional[int] = ..., conductor_id: _Optional[str] = ...) -> None: ...
 
+class ScheduleBatchRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[ScheduleRequest]
+    def __init__(self, items: _Optional[_Iterable[_Union[ScheduleRequest, _Mapping]]] = ...) -> None: ...
+
+class ScheduleBatchItem(_message.Message):
+    __slots__ = ("reply", "error", "detail")
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    reply: ScheduleReply
+    error: str
+    detail: str
+    def __init__(self, reply: _Optional[_Union[ScheduleReply, _Mapping]] = ..., error: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class ScheduleBatchReply(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[ScheduleBatchItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[ScheduleBatchItem, _Mapping]]] = ...) -> None: ...
+
 class ConductorLookupRequest(_message.Message):
     __slots__ = ("model", "tenant", "keys", "token_ids")
     MODEL_FIELD_NUMBER: _ClassVar[int]
