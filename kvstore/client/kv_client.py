@@ -1,0 +1,695 @@
+"""The engine-facing client: token prefixes in, KV tensors in the engine's own layout out.
+
+:class:`KVClient` sits on top of one :class:`~kvstore.client.store_client.StoreClient` (one
+daemon, shared-memory or TCP data plane) and speaks the engine's language: token ids, layers,
+torch tensors. It owns the namespace (model fingerprint + tenant) and the block size, so the
+engine never sees a chunk key.
+
+Chunks are per *block*, not per layer
+    One chunk is one block of ``block_tokens`` tokens for every layer (:class:`KVLayout`'s
+    ``[layer, k|v, kv_head, token, head_dim]``). Per-layer chunks would let the first layer's
+    bytes arrive before the last layer's, but they multiply keys (index entries, events, lease
+    round trips) by the number of layers, and they split a prefix into L chains the daemon can
+    evict independently. Measured on this machine (``bench/kv_client.py``, see
+    ``docs/vllm-connector.md``): per-layer chunks of a 4 MiB block move several times slower
+    through the daemon than whole-block chunks. So the layer pipeline lives on the engine's side
+    of the store: a save copies each layer out of the engine's buffers as soon as the engine is
+    done with it (:meth:`LayerwiseSave.save_layer`) and puts whole chunks once every layer is
+    in; a load fetches whole chunks, then scatters them into the engine's buffers one layer at
+    a time, so layer ``l``'s attention waits only for layer ``l`` (:meth:`LoadHandle.wait_for_layer`).
+
+Engine layouts (:class:`EngineKV`)
+    * :class:`ContiguousKV`: one sequence as ``[layers, 2, kv_heads, tokens, head_dim]``.
+    * :class:`PagedKV`: vLLM's paged cache, ``kv_caches[layer]`` of shape
+      ``[2, num_pages, page_tokens, kv_heads, head_dim]``, and the request's block table (page
+      ids of its logical pages, in order). ``page_tokens`` need not equal ``block_tokens``.
+    * :class:`ChunkKV`: kvtier's own chunk layout ``[n_blocks, *chunk_shape]`` (no reshuffle).
+    * :class:`HFCacheKV`: a transformers ``DynamicCache`` (a save source only).
+
+Failures are results, not exceptions
+    A load stops at the first block it cannot get (a miss, a chunk evicted since
+    :meth:`KVClient.lookup`, a corrupt chunk the daemon dropped, a daemon that died mid-load):
+    :class:`LoadResult` says how many leading blocks arrived and which ones failed, and the
+    engine recomputes those. KV after a failed block is useless (it depends on the missing
+    block), so a load result is always a prefix. A save reports the blocks it stored, the ones
+    that were already there and the ones it could not store. Bad arguments (wrong shapes,
+    layer out of range) still raise ``InvalidArgument`` at the call.
+
+Threading
+    ``lookup``, ``load`` and ``save`` may be called from any thread. Transfers and copies run on
+    the client's executor (``KVClientConfig.workers`` threads); handles are futures. The engine
+    must not write the destination of a load before :meth:`LoadHandle.wait_for_layer` (or
+    :meth:`LoadHandle.result`) returned for that layer, nor overwrite the source of a save's
+    layer before that layer's copy finished (:meth:`LayerwiseSave.finish` waits for all).
+
+Ownership
+    Handles copy into and out of the engine's tensors; the client keeps no reference to them
+    once the handle has completed. Staging buffers are the client's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from kvstore.client.store_client import DataPlane, StoreClient, StoreClientConfig
+from kvstore.dataplane.tier import TierKind
+from kvstore.engine.kvlayout import KVLayout
+from kvstore.errors import (
+    ChunkExists,
+    InvalidArgument,
+    KvtierError,
+    MembershipError,
+    SizeMismatch,
+)
+from kvstore.keys import BlockHasher, HashMode, KVDtype, KVFingerprint, Namespace, PrefixKey
+
+if TYPE_CHECKING:
+    import torch
+
+    from conductor.membership import KeyLayout, NodeRecord
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "ChunkKV",
+    "ContiguousKV",
+    "EngineKV",
+    "HFCacheKV",
+    "KVClient",
+    "KVClientConfig",
+    "LayerwiseSave",
+    "LoadHandle",
+    "LoadResult",
+    "PagedKV",
+    "PrefixMatch",
+    "SaveResult",
+    "namespace_for",
+]
+
+
+# --- engine layouts ------------------------------------------------------------------------------
+
+
+class EngineKV(Protocol):
+    """An engine's KV buffers, seen one layer and a range of logical blocks at a time.
+
+    ``blocks`` are indices of the request's logical blocks (block ``b`` holds tokens
+    ``[b * block_tokens, (b + 1) * block_tokens)``). ``chunks`` is ``[len(blocks), 2, kv_heads,
+    block_tokens, head_dim]``: layer ``layer`` of those blocks in kvtier's chunk layout.
+    Implementations copy; they never keep ``chunks``.
+    """
+
+    def gather_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
+        """Copy layer ``layer`` of ``blocks`` from the engine's buffers into ``chunks``."""
+        ...
+
+    def scatter_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
+        """Copy ``chunks`` into layer ``layer`` of ``blocks`` in the engine's buffers."""
+        ...
+
+
+def _check_dtype(what: str, tensor: torch.Tensor, layout: KVLayout) -> None:
+    if tensor.dtype != layout.dtype:
+        raise InvalidArgument(f"{what} has dtype {tensor.dtype}, the layout says {layout.dtype}")
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkKV:
+    """kvtier's own layout: ``tensor[i]`` is the chunk of logical block ``first_block + i``."""
+
+    tensor: torch.Tensor
+    layout: KVLayout
+    first_block: int = 0
+
+    def __post_init__(self) -> None:
+        if tuple(self.tensor.shape[1:]) != self.layout.chunk_shape or self.tensor.ndim != 6:
+            raise InvalidArgument(f"ChunkKV needs [n, *{self.layout.chunk_shape}], got "
+                                  f"{tuple(self.tensor.shape)}")
+        _check_dtype("ChunkKV", self.tensor, self.layout)
+
+    def _rows(self, blocks: range) -> slice:
+        lo = blocks.start - self.first_block
+        if lo < 0 or lo + len(blocks) > self.tensor.shape[0]:
+            raise InvalidArgument(f"blocks {blocks} outside ChunkKV rows from {self.first_block}")
+        return slice(lo, lo + len(blocks))
+
+    def gather_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
+        chunks.copy_(self.tensor[self._rows(blocks), layer])
+
+    def scatter_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
+        self.tensor[self._rows(blocks), layer].copy_(chunks)
+
+
+@dataclass(frozen=True, slots=True)
+class ContiguousKV:
+    """One sequence's KV as ``[layers, 2, kv_heads, tokens, head_dim]`` (token 0 = block 0)."""
+
+    tensor: torch.Tensor
+    layout: KVLayout
+
+    def __post_init__(self) -> None:
+        t, lay = self.tensor, self.layout
+        if (t.ndim != 5 or t.shape[0] != lay.num_layers or t.shape[1] != 2
+                or t.shape[2] != lay.num_kv_heads or t.shape[4] != lay.head_dim):
+            raise InvalidArgument(
+                f"ContiguousKV needs [{lay.num_layers}, 2, {lay.num_kv_heads}, tokens, "
+                f"{lay.head_dim}], got {tuple(t.shape)}")
+        _check_dtype("ContiguousKV", t, lay)
+
+    def _tokens(self, layer: int, blocks: range) -> torch.Tensor:
+        B = self.layout.block_tokens
+        start, stop = blocks.start * B, blocks.stop * B
+        if stop > self.tensor.shape[3]:
+            raise InvalidArgument(f"blocks {blocks} need {stop} tokens; the buffer has "
+                                  f"{self.tensor.shape[3]}")
+        # [2, H, n*B, D] -> [2, H, n, B, D] -> [n, 2, H, B, D]
+        view = self.tensor[layer, :, :, start:stop]
+        # view, never reshape: a scatter must write the engine's buffer, not a silent copy.
+        return view.view(2, self.layout.num_kv_heads, len(blocks), B,
+                         self.layout.head_dim).permute(2, 0, 1, 3, 4)
+
+    def gather_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
+        chunks.copy_(self._tokens(layer, blocks))
+
+    def scatter_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
+        self._tokens(layer, blocks).copy_(chunks)
+
+
+@dataclass(frozen=True, slots=True)
+class HFCacheKV:
+    """A transformers ``DynamicCache`` of one sequence (``layers[l].keys``: ``[1, H, T, D]``).
+
+    A save source only: a load cannot grow a ``DynamicCache`` in place (load into a
+    :class:`ContiguousKV` and hand its views to the cache instead)."""
+
+    cache: Any
+    layout: KVLayout
+
+    def gather_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
+        B = self.layout.block_tokens
+        start, stop = blocks.start * B, blocks.stop * B
+        lay = self.cache.layers[layer]
+        for kv, t in enumerate((lay.keys, lay.values)):
+            if t.shape[0] != 1 or t.shape[2] < stop:
+                raise InvalidArgument(f"cache layer {layer} has shape {tuple(t.shape)}; need "
+                                      f"batch 1 and >= {stop} tokens")
+            # [H, n*B, D] -> [n, H, B, D]
+            heads, dim = t.shape[1], t.shape[3]
+            chunks[:, kv].copy_(t[0, :, start:stop].view(heads, len(blocks), B, dim)
+                                .transpose(0, 1))
+
+    def scatter_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
+        raise InvalidArgument("HFCacheKV is a save source; load into ContiguousKV instead")
+
+
+class PagedKV:
+    """vLLM's paged KV cache: ``kv_caches[layer]`` is ``[2, num_pages, page_tokens, kv_heads,
+    head_dim]`` and ``block_table[i]`` the page holding the request's tokens
+    ``[i * page_tokens, (i + 1) * page_tokens)``.
+
+    The slot of every token is computed once here (``page * page_tokens + offset``), so a layer
+    copy is one ``index_select`` / ``index_copy_`` over the flattened pages, whatever the ratio
+    of ``page_tokens`` to ``block_tokens``.
+    """
+
+    __slots__ = ("_slots", "kv_caches", "layout", "page_tokens")
+
+    def __init__(self, kv_caches: Sequence[torch.Tensor], block_table: Sequence[int] | torch.Tensor,
+                 layout: KVLayout) -> None:
+        import torch
+
+        if len(kv_caches) != layout.num_layers:
+            raise InvalidArgument(f"{len(kv_caches)} layer caches for {layout.num_layers} layers")
+        first = kv_caches[0]
+        if (first.ndim != 5 or first.shape[0] != 2 or first.shape[3] != layout.num_kv_heads
+                or first.shape[4] != layout.head_dim):
+            raise InvalidArgument(
+                f"a paged layer cache is [2, pages, page_tokens, {layout.num_kv_heads}, "
+                f"{layout.head_dim}], got {tuple(first.shape)}")
+        for t in kv_caches:
+            if t.shape != first.shape or not t.is_contiguous():
+                raise InvalidArgument("every layer cache must be contiguous and of one shape")
+            _check_dtype("PagedKV", t, layout)
+        self.kv_caches = list(kv_caches)
+        self.layout = layout
+        self.page_tokens = int(first.shape[2])
+        table = torch.as_tensor(block_table, dtype=torch.long, device=first.device)
+        if table.ndim != 1 or (table.numel() and (int(table.min()) < 0
+                                                 or int(table.max()) >= first.shape[1])):
+            raise InvalidArgument("block_table must list page ids in [0, num_pages)")
+        offsets = torch.arange(self.page_tokens, device=first.device)
+        self._slots = (table[:, None] * self.page_tokens + offsets).reshape(-1)
+
+    def _slots_for(self, blocks: range) -> torch.Tensor:
+        B = self.layout.block_tokens
+        start, stop = blocks.start * B, blocks.stop * B
+        if stop > self._slots.numel():
+            raise InvalidArgument(f"blocks {blocks} need {stop} tokens; the block table maps "
+                                  f"{self._slots.numel()}")
+        return self._slots[start:stop]
+
+    def _flat(self, layer: int) -> torch.Tensor:
+        t = self.kv_caches[layer]
+        return t.view(2, t.shape[1] * t.shape[2], t.shape[3], t.shape[4])  # [2, slots, H, D]
+
+    def gather_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
+        picked = self._flat(layer).index_select(1, self._slots_for(blocks))  # [2, n*B, H, D]
+        lay = self.layout
+        chunks.copy_(picked.view(2, len(blocks), lay.block_tokens, lay.num_kv_heads,
+                                 lay.head_dim).permute(1, 0, 3, 2, 4))  # -> [n, 2, H, B, D]
+
+    def scatter_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
+        src = chunks.permute(1, 0, 3, 2, 4).reshape(2, -1, self.layout.num_kv_heads,
+                                                    self.layout.head_dim)  # [2, n*B, H, D]
+        self._flat(layer).index_copy_(1, self._slots_for(blocks), src)
+
+
+# --- results ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """What :meth:`KVClient.lookup` found: a hint, not a promise (chunks may go before a load)."""
+
+    blocks: int
+    """Leading full blocks of the tokens that the daemon holds."""
+    block_tokens: int
+    by_tier: dict[TierKind, int]
+    """How many of those blocks live in each tier."""
+    node_id: str
+
+    @property
+    def reusable_tokens(self) -> int:
+        return self.blocks * self.block_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """How a load ended. Blocks ``[first_block, first_block + loaded_blocks)`` hold valid KV in
+    every layer of the destination; ``failed_blocks`` were asked for and did not arrive."""
+
+    first_block: int
+    requested_blocks: int
+    loaded_blocks: int
+    failed_blocks: tuple[int, ...]
+    error: str | None
+    """Why the load stopped early (None: a plain miss, or nothing failed)."""
+    loaded_bytes: int
+    transfer_s: float
+    scatter_s: float
+
+    @property
+    def complete(self) -> bool:
+        return self.loaded_blocks == self.requested_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class SaveResult:
+    stored_blocks: tuple[int, ...]
+    existing_blocks: tuple[int, ...]
+    """Blocks the daemon already held (chunks are immutable; not an error)."""
+    failed_blocks: tuple[int, ...]
+    error: str | None
+    stored_bytes: int
+    gather_s: float
+    put_s: float
+
+
+# --- configuration ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class KVClientConfig:
+    data_plane: DataPlane = DataPlane.AUTO
+    """SHM when the daemon is on this host (AUTO), or force TCP (a remote node's path)."""
+    workers: int = 2
+    """Threads that run transfers and layer copies."""
+    load_batch_blocks: int = 32
+    """Blocks fetched per daemon call in a load (one lease round trip each on SHM)."""
+    rpc_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.data_plane, DataPlane):
+            raise InvalidArgument(f"data_plane must be a DataPlane, got {self.data_plane!r}")
+        if self.workers < 1 or self.load_batch_blocks < 1:
+            raise InvalidArgument("workers and load_batch_blocks must be >= 1")
+        if self.rpc_timeout_s <= 0:
+            raise InvalidArgument("rpc_timeout_s must be > 0")
+
+
+def namespace_for(layout: KVLayout, model_name: str, tenant: str = "", *, tp_rank: int = 0,
+                  tp_size: int = 1) -> Namespace:
+    """The namespace of a model's KV in ``layout`` (same model + layout + tenant = same keys)."""
+    fingerprint = KVFingerprint(
+        model=model_name, dtype=KVDtype.from_torch(layout.dtype), num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
+        block_size_tokens=layout.block_tokens, tp_rank=tp_rank, tp_size=tp_size)
+    return Namespace(fingerprint, tenant)
+
+
+# --- handles ------------------------------------------------------------------------------------
+
+
+class LoadHandle:
+    """A load in flight. ``transferred()`` waits until the chunks are fetched (and says how
+    many arrived); ``wait_for_layer(l)`` until layer ``l`` is in the destination;
+    ``result()`` until everything is done. All three are safe from any thread."""
+
+    def __init__(self, num_layers: int, first_block: int, requested_blocks: int) -> None:
+        self._layer_ready = [threading.Event() for _ in range(num_layers)]
+        self._fetched: cf.Future[int] = cf.Future()
+        self._done: cf.Future[LoadResult] = cf.Future()
+        self.first_block = first_block
+        self.requested_blocks = requested_blocks
+
+    def transferred(self, timeout_s: float | None = None) -> int:
+        """How many leading blocks arrived from the store (the count the result will carry)."""
+        return self._fetched.result(timeout_s)
+
+    def wait_for_layer(self, layer: int, timeout_s: float | None = None) -> None:
+        """Block until layer ``layer`` of every loaded block is in the destination."""
+        if not self._layer_ready[layer].wait(timeout_s):
+            raise TimeoutError(f"layer {layer} not loaded within {timeout_s} s")
+
+    def result(self, timeout_s: float | None = None) -> LoadResult:
+        return self._done.result(timeout_s)
+
+    def done(self) -> bool:
+        return self._done.done()
+
+    def _finish(self, result: LoadResult) -> None:
+        if not self._fetched.done():
+            self._fetched.set_result(result.loaded_blocks)
+        for event in self._layer_ready:
+            event.set()
+        self._done.set_result(result)
+
+
+class LayerwiseSave:
+    """A save fed layer by layer: ``save_layer(l)`` after the engine wrote layer ``l``'s KV of
+    the blocks being saved; ``finish()`` once every layer was given. Layer copies run on the
+    client's executor while the engine computes the next layer; the chunks are put when all
+    layers are in (a chunk is all layers of one block). Dropping a save unfinished stores
+    nothing."""
+
+    def __init__(self, client: KVClient, keys: list[PrefixKey], first_block: int,
+                 source: EngineKV) -> None:
+        self._client = client
+        self._keys = keys
+        self._first_block = first_block
+        self._source = source
+        layout = client.layout
+        n = len(keys) - first_block
+        self._blocks = range(first_block, len(keys))
+        self._staging = layout.empty_chunks(max(n, 0))
+        self._copies: list[cf.Future[None] | None] = [None] * layout.num_layers
+        self._gather_s = [0.0] * layout.num_layers
+        self._finished: cf.Future[SaveResult] | None = None
+
+    @property
+    def blocks(self) -> range:
+        return self._blocks
+
+    def save_layer(self, layer: int) -> cf.Future[None]:
+        """Copy layer ``layer`` out of the source in the background. Raises InvalidArgument
+        for a layer out of range or given twice."""
+        if not 0 <= layer < len(self._copies):
+            raise InvalidArgument(f"layer {layer} out of range [0, {len(self._copies)})")
+        if self._copies[layer] is not None or self._finished is not None:
+            raise InvalidArgument(f"layer {layer} was already saved (or the save is finished)")
+
+        def copy() -> None:
+            t0 = time.perf_counter()
+            if len(self._blocks):
+                self._source.gather_layer(layer, self._blocks, self._staging[:, layer])
+            self._gather_s[layer] = time.perf_counter() - t0
+
+        fut = self._client._pool.submit(copy)
+        self._copies[layer] = fut
+        return fut
+
+    def finish(self) -> cf.Future[SaveResult]:
+        """Put the chunks once every layer's copy is done; the future's SaveResult says which
+        blocks were stored. Raises InvalidArgument when a layer was never given."""
+        missing = [i for i, c in enumerate(self._copies) if c is None]
+        if missing:
+            raise InvalidArgument(f"layers {missing} were never saved")
+        if self._finished is None:
+            copies = [c for c in self._copies if c is not None]
+
+            def put() -> SaveResult:
+                for c in copies:
+                    c.result()  # a copy that raised (a bug or bad shapes) raises here
+                return self._client._put_chain(self._keys, self._first_block, self._staging,
+                                               sum(self._gather_s))
+
+            self._finished = self._client._pool.submit(put)
+        return self._finished
+
+
+# --- the client ---------------------------------------------------------------------------------
+
+
+class KVClient:
+    """KV of token prefixes between one kvtier daemon and an engine's tensors.
+
+    Build with :meth:`connect` (an explicit daemon address) or :meth:`from_etcd` (discover the
+    daemons in etcd and pick this host's, or a named node). See the module docstring for the
+    contracts. ``close()`` closes the store connection and the executor.
+    """
+
+    def __init__(self, store: StoreClient, layout: KVLayout, namespace: Namespace,
+                 config: KVClientConfig | None = None) -> None:
+        """Wrap an open StoreClient (the KVClient owns it from now on) and start the executor."""
+        if namespace.fingerprint.block_size_tokens != layout.block_tokens:
+            raise InvalidArgument("the namespace's block size differs from the layout's")
+        if (namespace.fingerprint.num_layers, namespace.fingerprint.num_kv_heads,
+                namespace.fingerprint.head_dim) != (layout.num_layers, layout.num_kv_heads,
+                                                    layout.head_dim):
+            raise InvalidArgument("the namespace's fingerprint does not match the layout")
+        self.store = store
+        self.layout = layout
+        self.namespace = namespace
+        self.config = config or KVClientConfig()
+        self.hasher = BlockHasher(namespace, mode=HashMode.XXH3_128)
+        self._pool = cf.ThreadPoolExecutor(self.config.workers, thread_name_prefix="kvclient")
+
+    # --- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def connect(cls, address: str, layout: KVLayout, namespace: Namespace,
+                config: KVClientConfig | None = None) -> KVClient:
+        """Connect to the daemon at ``host:port``. Raises PeerUnavailable."""
+        cfg = config or KVClientConfig()
+        store = StoreClient.connect(address, StoreClientConfig(data_plane=cfg.data_plane,
+                                                               rpc_timeout_s=cfg.rpc_timeout_s))
+        try:
+            return cls(store, layout, namespace, cfg)
+        except BaseException:
+            store.close()
+            raise
+
+    @classmethod
+    def from_etcd(cls, etcd_endpoint: str, layout: KVLayout, namespace: Namespace,
+                  config: KVClientConfig | None = None, *, node_id: str | None = None,
+                  key_layout: KeyLayout | None = None) -> KVClient:
+        """Find the daemons registered in etcd and connect to ``node_id``, or else to one on
+        this host (shared memory), or else to the first by id. Raises MembershipError (etcd
+        unreachable, no such node, no node at all), PeerUnavailable."""
+        nodes = discover_nodes(etcd_endpoint, key_layout)
+        record = choose_node(nodes, node_id)
+        return cls.connect(record.grpc_address, layout, namespace, config)
+
+    # --- keys and lookup ----------------------------------------------------------------------
+
+    def keys(self, token_ids: object) -> list[PrefixKey]:
+        """The chunk keys of the full blocks of ``token_ids``."""
+        return self.hasher.hash_blocks(token_ids)
+
+    def lookup(self, token_ids: object) -> PrefixMatch:
+        """How many leading full blocks of ``token_ids`` the daemon holds, and in which tiers.
+        A miss is ``blocks == 0``. Raises PeerUnavailable when the daemon is gone."""
+        keys = self.keys(token_ids)
+        if not keys:
+            return PrefixMatch(0, self.layout.block_tokens, {}, self.store.info.node_id)
+        found = self.store.lookup(keys)
+        return PrefixMatch(found.length, self.layout.block_tokens, found.by_tier(),
+                           self.store.info.node_id)
+
+    # --- load ---------------------------------------------------------------------------------
+
+    def load(self, token_ids: object, into: EngineKV, *, first_block: int = 0,
+             num_blocks: int | None = None,
+             on_blocks_fetched: Callable[[int], None] | None = None) -> LoadHandle:
+        """Load blocks ``[first_block, first_block + num_blocks)`` of ``token_ids`` (default: all
+        its full blocks) into ``into``; returns at once with a :class:`LoadHandle`.
+
+        Blocks before ``first_block`` must already be in the engine's buffers (a prefix the
+        engine holds itself). ``on_blocks_fetched(n)`` is called on the executor after each
+        batch with the running count of arrived blocks (progress; tests use it to fault
+        mid-load). Never raises for store failures: the result says what arrived.
+        """
+        keys = self.keys(token_ids)
+        total = len(keys) - first_block if num_blocks is None else num_blocks
+        if first_block < 0 or total < 0 or first_block + total > len(keys):
+            raise InvalidArgument(f"blocks [{first_block}, {first_block + total}) outside the "
+                                  f"{len(keys)} full blocks of the tokens")
+        handle = LoadHandle(self.layout.num_layers, first_block, total)
+        wanted = keys[first_block:first_block + total]
+        self._pool.submit(self._run_load, handle, wanted, into, on_blocks_fetched)
+        return handle
+
+    def _run_load(self, handle: LoadHandle, keys: list[PrefixKey], into: EngineKV,
+                  on_fetched: Callable[[int], None] | None) -> None:
+        try:
+            self._load(handle, keys, into, on_fetched)
+        except BaseException as exc:  # a bug: never leave the engine waiting on a layer
+            log.exception("load failed unexpectedly")
+            if not handle.done():
+                handle._finish(LoadResult(handle.first_block, len(keys), 0,
+                                          tuple(range(handle.first_block,
+                                                      handle.first_block + len(keys))),
+                                          f"{type(exc).__name__}: {exc}", 0, 0.0, 0.0))
+            raise
+
+    def _load(self, handle: LoadHandle, keys: list[PrefixKey], into: EngineKV,
+              on_fetched: Callable[[int], None] | None) -> None:
+        layout = self.layout
+        staging = layout.empty_chunks(len(keys))
+        t0 = time.perf_counter()
+        loaded, error = 0, None
+        batch = self.config.load_batch_blocks
+        while loaded < len(keys):
+            before, stop = loaded, min(loaded + batch, len(keys))
+            try:
+                got = self.store.load_prefix(keys[before:stop], list(staging[before:stop]))
+            except SizeMismatch as exc:  # a chunk of another layout under our key: a bug
+                error = f"{type(exc).__name__}: {exc}"
+                log.error("load stopped at block %d: %s", handle.first_block + loaded, error)
+                break
+            except KvtierError as exc:  # dead daemon, corrupt chunk, ...: recompute the rest
+                error = f"{type(exc).__name__}: {exc}"
+                log.warning("load stopped at block %d: %s", handle.first_block + loaded, error)
+                break
+            loaded += got
+            if on_fetched is not None:
+                on_fetched(loaded)
+            if got < stop - before:
+                break  # a miss: evicted since lookup, or never there
+        t1 = time.perf_counter()
+        handle._fetched.set_result(loaded)
+        blocks = range(handle.first_block, handle.first_block + loaded)
+        for layer in range(layout.num_layers):
+            if loaded:
+                into.scatter_layer(layer, blocks, staging[:loaded, layer])
+            handle._layer_ready[layer].set()
+        t2 = time.perf_counter()
+        failed = tuple(range(handle.first_block + loaded, handle.first_block + len(keys)))
+        handle._finish(LoadResult(handle.first_block, len(keys), loaded, failed, error,
+                                  loaded * layout.chunk_bytes, t1 - t0, t2 - t1))
+
+    # --- save ---------------------------------------------------------------------------------
+
+    def begin_save(self, token_ids: object, from_: EngineKV, *,
+                   first_block: int = 0) -> LayerwiseSave:
+        """Start a layer-by-layer save of the full blocks ``[first_block, ...)`` of
+        ``token_ids`` (blocks before it are assumed stored: the first saved chunk's parent)."""
+        keys = self.keys(token_ids)
+        if not 0 <= first_block <= len(keys):
+            raise InvalidArgument(f"first_block {first_block} outside [0, {len(keys)}]")
+        return LayerwiseSave(self, keys, first_block, from_)
+
+    def save(self, token_ids: object, from_: EngineKV, *,
+             first_block: int = 0) -> cf.Future[SaveResult]:
+        """Save every layer of the full blocks ``[first_block, ...)`` at once (a future)."""
+        saver = self.begin_save(token_ids, from_, first_block=first_block)
+        for layer in range(self.layout.num_layers):
+            saver.save_layer(layer)
+        return saver.finish()
+
+    def _put_chain(self, keys: list[PrefixKey], first_block: int, staging: torch.Tensor,
+                   gather_s: float) -> SaveResult:
+        t0 = time.perf_counter()
+        stored: list[int] = []
+        existing: list[int] = []
+        error = None
+        failed_from = len(keys)
+        for i in range(first_block, len(keys)):
+            parent = keys[i - 1] if i else None
+            try:
+                self.store.put(keys[i], staging[i - first_block], parent=parent)
+                stored.append(i)
+            except ChunkExists:
+                existing.append(i)
+            except KvtierError as exc:  # full, parent evicted, daemon gone: later blocks too
+                error = f"{type(exc).__name__}: {exc}"
+                log.warning("save stopped at block %d: %s", i, error)
+                failed_from = i
+                break
+        return SaveResult(tuple(stored), tuple(existing), tuple(range(failed_from, len(keys))),
+                          error, len(stored) * self.layout.chunk_bytes, gather_s,
+                          time.perf_counter() - t0)
+
+    # --- teardown -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for transfers in flight, then close the executor and the store connection."""
+        self._pool.shutdown(wait=True)
+        self.store.close()
+
+    def __enter__(self) -> KVClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+# --- discovery ----------------------------------------------------------------------------------
+
+
+def discover_nodes(etcd_endpoint: str, key_layout: KeyLayout | None = None
+                   ) -> dict[str, NodeRecord]:
+    """The daemons registered in etcd, by id. Runs the asyncio etcd client on a private thread
+    and loop, so it works from synchronous code and from inside a running event loop alike.
+    Raises MembershipError."""
+    from conductor.membership import DEFAULT_LAYOUT, etcd_client, list_nodes
+
+    layout = key_layout or DEFAULT_LAYOUT
+    out: cf.Future[dict[str, NodeRecord]] = cf.Future()
+
+    async def read() -> dict[str, NodeRecord]:
+        async with etcd_client(etcd_endpoint) as client:
+            return await list_nodes(client, layout=layout)
+
+    def run() -> None:
+        try:
+            out.set_result(asyncio.run(read()))
+        except BaseException as exc:  # handed to the caller below
+            out.set_exception(exc)
+
+    thread = threading.Thread(target=run, name="kvclient-etcd", daemon=True)
+    thread.start()
+    thread.join()
+    return out.result()
+
+
+def choose_node(nodes: dict[str, NodeRecord], node_id: str | None = None) -> NodeRecord:
+    """``node_id``'s record, else the first node on this host, else the first by id."""
+    if not nodes:
+        raise MembershipError("no store daemon is registered in etcd")
+    if node_id is not None:
+        if node_id not in nodes:
+            raise MembershipError(f"node {node_id!r} is not registered (known: {sorted(nodes)})")
+        return nodes[node_id]
+    here = socket.gethostname()
+    local = [r for r in nodes.values() if r.hostname == here]
+    return local[0] if local else next(iter(nodes.values()))
+
