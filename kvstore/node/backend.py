@@ -356,11 +356,12 @@ class ShmLeases:
                                                   time.monotonic() + ttl_s, offset)
         return lease_id, offset
 
-    def put(self, key: bytes, value: bytes, *, parent: bytes | None = None) -> None:
-        """Store a small value that arrived with its request (no lease); as ``TieredCache.put``."""
+    def put(self, key: bytes, value: bytes | memoryview, *, parent: bytes | None = None) -> None:
+        """Store a small value that arrived with its request (no lease); as ``TieredCache.put``.
+        ``value`` is read only during the call (the lease channel lends its receive buffer)."""
         self._cache.put(key, value, parent=parent)
         with self._lock:
-            self.bytes_written += len(value)
+            self.bytes_written += memoryview(value).nbytes
 
     def commit(self, lease_id: int, *, owner: object | None = None) -> TierKind:
         """Publish a reserved chunk. Raises InvalidArgument for an unknown (aborted, expired,
