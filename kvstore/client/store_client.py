@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import numpy as np
 
 from kvstore._proto.kvtier.v1 import store_pb2 as pb
 from kvstore._proto.kvtier.v1 import store_pb2_grpc as pb_grpc
@@ -92,6 +93,7 @@ GRPC_MAX_MESSAGE_BYTES = 64 << 20
 _PB_TIER = {pb.TIER_HBM: TierKind.HBM, pb.TIER_DRAM: TierKind.DRAM, pb.TIER_NVME: TierKind.NVME}
 TIER_TO_PB = {v: k for k, v in _PB_TIER.items()}
 _FALLBACK_TO_TCP = (CapacityError, ChunkBusy)
+_PAGE_BYTES = 4096
 
 
 class DataPlane(enum.Enum):
@@ -110,6 +112,12 @@ class StoreClientConfig:
     wait_for_ready: bool = False
     """``connect`` waits up to ``rpc_timeout_s`` for a daemon that is not listening yet,
     instead of failing at once with PeerUnavailable."""
+    populate_arena: bool = True
+    """On the shared-memory plane, fault the whole mapped arena into this process's page
+    tables at ``connect`` (one read per page: ~30 ms per 256 MiB here, plus 2 MiB of page
+    tables per GiB). Without it the first copy to or from each arena page costs a page fault:
+    measured 340 µs instead of 52 µs for a first 1 MiB copy, i.e. a cold client runs at a
+    sixth of memcpy until it has touched the whole arena."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.data_plane, DataPlane):
@@ -166,6 +174,17 @@ def _device_bytes(tensor: Any) -> Any:
         raise InvalidArgument("a GPU buffer must be contiguous")
     torch = cuda.torch_module()
     return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+def _populate(arena: ShmArena) -> None:
+    """Map every page of an attached arena into this process (reads only: the daemon's bytes
+    are untouched). A read fault on a shared tmpfs mapping installs a writable entry, so puts
+    profit too."""
+    pages = np.frombuffer(arena.view(0, arena.size_bytes), dtype=np.uint8)[::_PAGE_BYTES]
+    try:
+        int(pages.max())
+    finally:
+        del pages
 
 
 # --- the lease channel ---------------------------------------------------------------------------
@@ -281,7 +300,8 @@ class StoreClient:
                 raise translate_rpc_error(exc, f"Info from {address}") from exc
             arena = None
             if cfg.data_plane is not DataPlane.TCP:
-                arena = cls._attach_same_host(info, required=cfg.data_plane is DataPlane.SHM)
+                arena = cls._attach_same_host(info, required=cfg.data_plane is DataPlane.SHM,
+                                              populate=cfg.populate_arena)
             client = cls(address, info, channel, cfg, arena)
             if arena is not None:
                 client._checkin(client._checkout())  # the lease channel must answer too
@@ -291,7 +311,8 @@ class StoreClient:
             raise
 
     @staticmethod
-    def _attach_same_host(info: pb.NodeInfo, *, required: bool) -> ShmArena | None:
+    def _attach_same_host(info: pb.NodeInfo, *, required: bool,
+                          populate: bool) -> ShmArena | None:
         reason = ""
         if info.hostname != socket.gethostname() or info.boot_id != local_boot_id():
             reason = f"the daemon runs on {info.hostname}, not on this host"
@@ -301,10 +322,14 @@ class StoreClient:
             try:
                 # PinMode.AUTO registers the mapping with CUDA when a GPU exists, so copies
                 # between the arena and engine HBM run as DMA.
-                return ShmArena.attach(info.shm_arena, access=ArenaAccess.READ_WRITE,
-                                       pin=PinMode.AUTO)
+                arena = ShmArena.attach(info.shm_arena, access=ArenaAccess.READ_WRITE,
+                                        pin=PinMode.AUTO)
             except KvtierError as exc:
                 reason = f"cannot map arena {info.shm_arena}: {exc}"
+            else:
+                if populate:
+                    _populate(arena)
+                return arena
         if required:
             raise TierUnavailable(f"shared-memory data plane unavailable: {reason}")
         log.info("using the TCP data plane: %s", reason)
