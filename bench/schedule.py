@@ -596,9 +596,10 @@ if __name__ == "__main__":
     args = parser.parse_args()
     if args.grpc_only:
         wl = load_trace((args.trace or ["mooncake"])[0], count=args.limit)
-        grpc_result = {"environment": _environment(), "grpc": [grpc_scheduling(
-            wl, args.grpc_blocks, args.grpc_requests, args.grpc_concurrency)]}
-        print(format_grpc(grpc_result["grpc"]))
+        grpc_rows = [grpc_scheduling(wl, args.grpc_blocks, args.grpc_requests,
+                                     args.grpc_concurrency)]
+        grpc_result = {"environment": _environment(), "grpc": grpc_rows}
+        print(format_grpc(grpc_rows))
         if args.json is not None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(grpc_result, indent=2))

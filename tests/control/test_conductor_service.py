@@ -110,8 +110,10 @@ class Cluster:
         return ConductorClient(etcd_endpoint=self.etcd_url, layout=self.layout, **kwargs)
 
     def close(self) -> None:
-        for process in [*self.conductors.values(), *self.daemons.values()]:
-            process.stop()
+        for conductor in self.conductors.values():
+            conductor.stop()
+        for daemon in self.daemons.values():
+            daemon.stop()
 
 
 @pytest.fixture
@@ -342,7 +344,7 @@ def test_etcd_restart_conductor_recovers_and_index_is_repaired(
                         a = await stub.Lookup(pb.ConductorLookupRequest(keys=during))
                         b = await stub.Lookup(pb.ConductorLookupRequest(
                             token_ids=tokens(2, 3), model=MODEL))
-                        return a.best_blocks == 2 and b.best_blocks == 0
+                        return bool(a.best_blocks == 2 and b.best_blocks == 0)
 
                     await wait_until(repaired, 10.0, "index follows the daemons without etcd")
                 private_etcd.start()

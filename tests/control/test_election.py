@@ -51,7 +51,7 @@ def test_leader_record_validates_and_round_trips() -> None:
     with pytest.raises(InvalidArgument, match="malformed"):
         LeaderRecord.from_json(b"{not json")
     with pytest.raises(InvalidArgument):
-        Election(None, record, ttl_s=1)  # type: ignore[arg-type]
+        Election(None, record, ttl_s=1)
 
 
 def test_one_leader_and_resign_hands_over_at_once(
