@@ -91,6 +91,7 @@ __all__ = [
     "PagedKV",
     "PrefixMatch",
     "SaveResult",
+    "StagingPool",
     "namespace_for",
 ]
 
@@ -335,8 +336,12 @@ class KVClientConfig:
     load_batch_blocks: int = 32
     """Blocks fetched per daemon call in a load (one lease round trip each on SHM)."""
     rpc_timeout_s: float = 30.0
+    staging_pool_bytes: int = 256 << 20
+    """Chunk-layout staging buffers kept for reuse (pre-touched); more are made on demand."""
 
     def __post_init__(self) -> None:
+        if self.staging_pool_bytes < 0:
+            raise InvalidArgument("staging_pool_bytes must be >= 0")
         if not isinstance(self.data_plane, DataPlane):
             raise InvalidArgument(f"data_plane must be a DataPlane, got {self.data_plane!r}")
         if self.workers < 1 or self.load_batch_blocks < 1:
@@ -353,6 +358,44 @@ def namespace_for(layout: KVLayout, model_name: str, tenant: str = "", *, tp_ran
         num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
         block_size_tokens=layout.block_tokens, tp_rank=tp_rank, tp_size=tp_size)
     return Namespace(fingerprint, tenant)
+
+
+# --- staging buffers ----------------------------------------------------------------------------
+
+
+class StagingPool:
+    """Reusable chunk-layout buffers ``[n_blocks, *chunk_shape]`` for loads and saves.
+
+    Copying into freshly allocated memory pays its first touch (page faults: measured 0.4-11 GB/s
+    here, against ~20 GB/s into touched memory, FIELD-NOTES), so buffers are zeroed once when
+    made and reused afterwards. ``acquire`` hands out the smallest free buffer that fits (a view
+    of its first ``n_blocks`` rows) or makes one; ``release`` keeps it while the pool holds less
+    than ``max_bytes``. Thread-safe.
+    """
+
+    def __init__(self, layout: KVLayout, max_bytes: int) -> None:
+        self._layout = layout
+        self._max_bytes = max_bytes
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def acquire(self, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(view of ``n_blocks`` rows, the buffer to give back to :meth:`release`)."""
+        with self._lock:
+            fits = [b for b in self._free if b.shape[0] >= n_blocks]
+            if fits:
+                buf = min(fits, key=lambda b: int(b.shape[0]))
+                self._free.remove(buf)
+                return buf[:n_blocks], buf
+        buf = self._layout.empty_chunks(max(n_blocks, 1))
+        buf.zero_()  # first touch now, not inside the timed copy
+        return buf[:n_blocks], buf
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            held = sum(b.numel() * b.element_size() for b in self._free)
+            if held + buf.numel() * buf.element_size() <= self._max_bytes:
+                self._free.append(buf)
 
 
 # --- handles ------------------------------------------------------------------------------------
@@ -409,7 +452,7 @@ class LayerwiseSave:
         layout = client.layout
         n = len(keys) - first_block
         self._blocks = range(first_block, len(keys))
-        self._staging = layout.empty_chunks(max(n, 0))
+        self._staging, self._buffer = client._staging.acquire(max(n, 0))
         self._copies: list[cf.Future[None] | None] = [None] * layout.num_layers
         self._gather_s = [0.0] * layout.num_layers
         self._finished: cf.Future[SaveResult] | None = None
@@ -448,8 +491,11 @@ class LayerwiseSave:
             def put() -> SaveResult:
                 for c in copies:
                     c.result()  # a copy that raised (a bug or bad shapes) raises here
-                return self._client._put_chain(self._keys, self._first_block, self._staging,
-                                               sum(self._gather_s))
+                try:
+                    return self._client._put_chain(self._keys, self._first_block, self._staging,
+                                                   sum(self._gather_s))
+                finally:
+                    self._client._staging.release(self._buffer)
 
             self._finished = self._client._pool.submit(put)
         return self._finished
@@ -481,6 +527,7 @@ class KVClient:
         self.config = config or KVClientConfig()
         self.hasher = BlockHasher(namespace, mode=HashMode.XXH3_128)
         self._pool = cf.ThreadPoolExecutor(self.config.workers, thread_name_prefix="kvclient")
+        self._staging = StagingPool(layout, self.config.staging_pool_bytes)
 
     # --- construction -------------------------------------------------------------------------
 
@@ -562,8 +609,15 @@ class KVClient:
 
     def _load(self, handle: LoadHandle, keys: list[PrefixKey], into: EngineKV,
               on_fetched: Callable[[int], None] | None) -> None:
+        staging, buffer = self._staging.acquire(len(keys))
+        try:
+            self._fill(handle, keys, into, on_fetched, staging)
+        finally:
+            self._staging.release(buffer)
+
+    def _fill(self, handle: LoadHandle, keys: list[PrefixKey], into: EngineKV,
+              on_fetched: Callable[[int], None] | None, staging: torch.Tensor) -> None:
         layout = self.layout
-        staging = layout.empty_chunks(len(keys))
         t0 = time.perf_counter()
         loaded, error = 0, None
         batch = self.config.load_batch_blocks

@@ -1,0 +1,196 @@
+"""KVClient throughput for a realistic chunk, beside the daemon's own data path and memcpy.
+
+Run with ``.venv/bin/python -m bench.kv_client [--quick] [--json PATH]``.
+
+The KV layout is a Llama-3-8B-like model (32 layers, 8 KV heads, head dim 128, bf16) in blocks of
+32 tokens: one chunk (all layers of one block) is 4 MiB, one layer of one block 128 KiB. A
+``kvtier daemon`` child process (DRAM only) serves a client in this process over shared memory
+(``shm``) and over its TCP plane (``tcp``, what another node sees). Rows, each over ``N`` blocks
+moved per call, GB/s = bytes / seconds (10^9), median of the repetitions:
+
+``memcpy``          one torch ``copy_`` per 4 MiB chunk between pre-touched buffers (the limit)
+``store put/get``   :class:`StoreClient` ``put`` of a chain / ``load_prefix`` into chunk buffers:
+                    the daemon data path, no engine layout
+``client save``     :meth:`KVClient.save` from a contiguous ``[L, 2, H, T, D]`` engine buffer:
+                    the per-layer gather into chunk layout, then the puts
+``client load``     :meth:`KVClient.load` into such a buffer: fetch, then the per-layer scatter
+                    (``transfer``/``scatter``: the two phases alone, from the result's
+                    timings; ``save gather`` sums the layer copies, which run on two threads)
+``per-layer put/get`` the alternative design: one 128 KiB chunk per (block, layer), put one by one
+                    and fetched with one batch call per layer (``get_many_into``)
+
+The machine is shared and noisy (2 cores): compare ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from bench._meta import REPO_ROOT, run_header
+from kvstore.client.kv_client import ContiguousKV, KVClient, KVClientConfig, namespace_for
+from kvstore.client.store_client import DataPlane
+from kvstore.engine.kvlayout import KVLayout
+
+LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_tokens=32,
+                  dtype=torch.bfloat16)
+DAEMON_DRAM = "768MiB"
+
+
+def spawn_daemon() -> tuple[subprocess.Popen[str], str]:
+    from kvstore.node.daemon import READY_PREFIX
+
+    cmd = [sys.executable, "-m", "kvstore.cli.main", "daemon", "--set", "node_id=bench-kvclient",
+           "--set", f"dram.capacity_bytes={DAEMON_DRAM}", "--set", "log_level=WARNING",
+           "--set", "shutdown.drain_timeout_s=2"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
+                            cwd=REPO_ROOT)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith(READY_PREFIX):
+            return proc, json.loads(line[len(READY_PREFIX):])["grpc_address"]
+    proc.kill()
+    raise RuntimeError("kvtier daemon did not become ready")
+
+
+def gbps(n_bytes: int, seconds: float) -> float:
+    return n_bytes / seconds / 1e9
+
+
+def measure(plane: DataPlane, address: str, n_blocks: int, reps: int) -> dict[str, float]:
+    layout = LAYOUT
+    g = torch.Generator().manual_seed(0)
+    engine_kv = torch.randn((layout.num_layers, 2, layout.num_kv_heads,
+                             n_blocks * layout.block_tokens, layout.head_dim),
+                            generator=g).to(layout.dtype)
+    dst_kv = torch.zeros_like(engine_kv)
+    chunks = layout.empty_chunks(n_blocks)
+    chunks.copy_(torch.randn(chunks.shape, generator=g).to(layout.dtype))
+    out_chunks = torch.zeros_like(chunks)
+    layer_src = chunks.transpose(0, 1).contiguous()  # [L, n, 2, H, B, D]: one row per key
+    layer_dst = torch.zeros_like(layer_src)
+
+    cfg = KVClientConfig(data_plane=plane)
+    ns = namespace_for(layout, "bench-llama-8b", plane.value)
+    with KVClient.connect(address, layout, ns, cfg) as client:
+        return _rounds(client, n_blocks, reps, engine_kv, dst_kv, chunks, out_chunks, layer_src,
+                       layer_dst)
+
+
+def _rounds(client: KVClient, n_blocks: int, reps: int, engine_kv: torch.Tensor,
+            dst_kv: torch.Tensor, chunks: torch.Tensor, out_chunks: torch.Tensor,
+            layer_src: torch.Tensor, layer_dst: torch.Tensor) -> dict[str, float]:
+    layout = client.layout
+    n_bytes = n_blocks * layout.chunk_bytes
+    g = torch.Generator().manual_seed(1)
+    samples: dict[str, list[float]] = {}
+
+    def add(name: str, seconds: float) -> None:
+        samples.setdefault(name, []).append(gbps(n_bytes, seconds))
+
+    plane = client.store.data_plane
+    store = client.store
+    for rep in range(reps + 1):  # rep 0 warms up (and touches the staging pool), untimed
+        tokens = torch.randint(0, 100_000, (n_blocks * layout.block_tokens,), generator=g).tolist()
+        keys = client.keys(tokens)
+        # memcpy limit
+        t0 = time.perf_counter()
+        for i in range(n_blocks):
+            out_chunks[i].copy_(chunks[i])
+        t_memcpy = time.perf_counter() - t0
+        # store put / get of the raw chunks
+        t0 = time.perf_counter()
+        for i, key in enumerate(keys):
+            store.put(key, chunks[i], parent=keys[i - 1] if i else None)
+        t_put = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        got = store.load_prefix(keys, list(out_chunks))
+        t_get = time.perf_counter() - t0
+        assert got == n_blocks and torch.equal(out_chunks, chunks)
+        store.remove(keys[0])
+        # client save / load through the engine layout
+        t0 = time.perf_counter()
+        saved = client.save(tokens, ContiguousKV(engine_kv, layout)).result()
+        t_save = time.perf_counter() - t0
+        assert len(saved.stored_blocks) == n_blocks, saved
+        t0 = time.perf_counter()
+        loaded = client.load(tokens, ContiguousKV(dst_kv, layout)).result()
+        t_load = time.perf_counter() - t0
+        assert loaded.complete and torch.equal(dst_kv, engine_kv), loaded
+        store.remove(keys[0])
+        # per-layer chunks
+        tag = xxhash.xxh3_64_digest(f"{rep}-{plane.value}".encode())
+        layer_keys = [[tag + xxhash.xxh3_64_digest(k + bytes([layer])) for k in keys]
+                      for layer in range(layout.num_layers)]
+        t0 = time.perf_counter()
+        for layer in range(layout.num_layers):
+            for i, key in enumerate(layer_keys[layer]):
+                store.put(key, layer_src[layer, i])
+        t_lput = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for layer in range(layout.num_layers):
+            store.get_many_into(layer_keys[layer], list(layer_dst[layer]))
+        t_lget = time.perf_counter() - t0
+        assert torch.equal(layer_dst, layer_src)
+        store.evict(key_prefix=tag)
+        if rep == 0:
+            continue
+        add("memcpy", t_memcpy)
+        add("store put", t_put)
+        add("store get", t_get)
+        add("client save", t_save)
+        add("client load", t_load)
+        add("client load transfer", loaded.transfer_s)
+        add("client load scatter", loaded.scatter_s)
+        add("client save gather", saved.gather_s)
+        add("client save put", saved.put_s)
+        add("per-layer put", t_lput)
+        add("per-layer get", t_lget)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="8 blocks, 2 repetitions")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    n_blocks, reps = (8, 2) if args.quick else (32, 5)
+    torch.set_num_threads(1)
+    proc, address = spawn_daemon()
+    try:
+        results = {plane.value: measure(plane, address, n_blocks, reps)
+                   for plane in (DataPlane.SHM, DataPlane.TCP)}
+    finally:
+        proc.terminate()
+        proc.wait(20)
+    print(f"chunk {LAYOUT.chunk_bytes >> 20} MiB ({LAYOUT.num_layers} layers x "
+          f"{LAYOUT.chunk_bytes // LAYOUT.num_layers >> 10} KiB), {n_blocks} blocks per call, "
+          f"median of {reps}; GB/s (ratio to memcpy)")
+    rows = list(results["shm"])
+    print(f"| path | {' | '.join(results)} |")
+    print(f"|---|{'---|' * len(results)}")
+    for row in rows:
+        cells = [f"{r[row]:.2f} ({r[row] / r['memcpy']:.2f})" for r in results.values()]
+        print(f"| {row} | {' | '.join(cells)} |")
+    doc = {**run_header("kv_client", dists=("torch",)), "chunk_bytes": LAYOUT.chunk_bytes,
+           "blocks_per_call": n_blocks, "repetitions": reps, "gbps": results}
+    if args.json:
+        args.json.write_text(json.dumps(doc, indent=2))
+    return doc
+
+
+if __name__ == "__main__":
+    main()
