@@ -73,19 +73,27 @@ class TransportKind(enum.Enum):
 class Endpoint:
     """Where a data-plane server listens: advertised to clients through the control plane.
 
-    UCX endpoints created from worker addresses will need an opaque worker-address blob here as
-    well; it is added with the UCX transport, not guessed now.
+    A UCX server has no port: clients reach it through its opaque ``worker_address`` (exchanged
+    out of band, e.g. in the daemon's gRPC ``Info``), so for ``TransportKind.UCX`` the port is 0
+    and ``worker_address`` is required; TCP endpoints carry none.
     """
 
     kind: TransportKind
     host: str
     port: int
+    worker_address: bytes = b""
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, TransportKind):
             raise InvalidArgument(f"endpoint kind must be a TransportKind, not {self.kind!r}")
         if not self.host:
             raise InvalidArgument("endpoint host must not be empty")
+        if self.kind is TransportKind.UCX:
+            if self.port != 0 or not self.worker_address:
+                raise InvalidArgument("a UCX endpoint has port 0 and a non-empty worker_address")
+            return
+        if self.worker_address:
+            raise InvalidArgument("only UCX endpoints carry a worker_address")
         if not 0 < self.port < 65536:
             raise InvalidArgument(f"endpoint port must be 1..65535, got {self.port}")
 
