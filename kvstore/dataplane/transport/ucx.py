@@ -62,7 +62,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import Any, TypeGuard, cast
 
 from kvstore.dataplane.tier import MAX_KEY_BYTES, Buffer, check_key
 from kvstore.dataplane.transport.base import (
@@ -707,7 +707,7 @@ class UcxServer:
                 self._respond(t.client_id, t.seq, Kind.DONE,
                               TransportError(f"PUT transfer failed: {error}"))
         else:
-            lease.release()
+            cast(ReadLease, lease).release()
             if error is None:
                 self._stats.bytes_sent += t.size
 
