@@ -136,6 +136,16 @@ class CacheSection:
         _require(self.demote_interval_s > 0, "demote_interval_s must be > 0")
 
 
+class UcxMode(enum.Enum):
+    """Whether the daemon serves the UCX data plane (``ucxx``) beside TCP."""
+
+    AUTO = "auto"
+    """Serve it when ``ucxx`` imports here; otherwise log why and serve TCP only."""
+    REQUIRED = "required"
+    """Fail the start when ``ucxx`` is unavailable."""
+    DISABLED = "disabled"
+
+
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     """Listening addresses and limits of the control service and the data plane."""
@@ -159,6 +169,11 @@ class ServerConfig:
     reservation_ttl_s: float = 30.0
     """A gRPC Reserve (or a multi-part TCP put) not committed within this is aborted."""
     tcp_io_timeout_s: float = 30.0
+    ucx: UcxMode = UcxMode.AUTO
+    """The UCX data plane: its worker address is advertised in Info and the etcd record."""
+    ucx_io_timeout_s: float = 30.0
+    """UCX cannot detect a dead client (error handling is off): a transfer not done within
+    this is cut and its lease aborted or released."""
 
     def __post_init__(self) -> None:
         _require(bool(self.host), "host must not be empty")
@@ -170,7 +185,8 @@ class ServerConfig:
         _require(self.max_value_bytes >= MiB, "max_value_bytes must be >= 1 MiB")
         _require(1 <= self.rpc_workers <= 256, f"rpc_workers must be 1..256, got "
                  f"{self.rpc_workers}")
-        for name in ("shm_lease_ttl_s", "reservation_ttl_s", "tcp_io_timeout_s"):
+        for name in ("shm_lease_ttl_s", "reservation_ttl_s", "tcp_io_timeout_s",
+                     "ucx_io_timeout_s"):
             _require(getattr(self, name) > 0, f"{name} must be > 0")
 
 
