@@ -137,8 +137,8 @@ def _rounds(client: KVClient, n_blocks: int, reps: int, engine_kv: torch.Tensor,
                       for layer in range(layout.num_layers)]
         t0 = time.perf_counter()
         for layer in range(layout.num_layers):
-            for i, key in enumerate(layer_keys[layer]):
-                store.put(key, layer_src[layer, i])
+            for i, layer_key in enumerate(layer_keys[layer]):
+                store.put(layer_key, layer_src[layer, i])
         t_lput = time.perf_counter() - t0
         t0 = time.perf_counter()
         for layer in range(layout.num_layers):
