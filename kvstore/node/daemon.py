@@ -6,7 +6,9 @@ What :meth:`StoreDaemon.start` brings up, in order (the constructor only records
    HBM with a GPU) and the :class:`~kvstore.node.cache.TieredCache`, and **recover** what NVMe
    kept (each recovered chunk is a STORED event of the new epoch);
 2. the TCP data plane (:class:`~kvstore.dataplane.transport.tcp.TcpServer` over
-   :class:`~kvstore.node.backend.CacheLeaseBackend`), the same-host lease channel
+   :class:`~kvstore.node.backend.CacheLeaseBackend`), the UCX data plane over the same backend
+   when ``ucxx`` imports and ``server.ucx`` allows (its worker address goes into ``Info`` and
+   the etcd record), the same-host lease channel
    (:mod:`kvstore.node.shm_channel`), the gRPC service with health checking and reflection,
    and the metrics endpoint when enabled;
 3. background tasks: a reaper (expired same-host leases and pins, every 0.5 s) and a demoter
@@ -48,10 +50,11 @@ from kvstore.dataplane.arena import remove_stale_arenas
 from kvstore.dataplane.dram import DramTier
 from kvstore.dataplane.tier import Tier, TierKind
 from kvstore.dataplane.transport.tcp import TcpServer, TcpServerConfig
+from kvstore.dataplane.transport.ucx import UcxServer, UcxServerConfig, ucx_unavailable
 from kvstore.errors import ChunkBusy, ChunkNotFound, KvtierError, TierUnavailable
 from kvstore.node.backend import CacheLeaseBackend, ParentHints, ShmLeases
 from kvstore.node.cache import CacheConfig, ChunkChange, TieredCache
-from kvstore.node.config import DaemonConfig
+from kvstore.node.config import DaemonConfig, UcxMode
 from kvstore.node.events import EventLog
 from kvstore.node.index import IndexEntry
 from kvstore.node.metrics import DaemonMetrics, MetricsSnapshot
@@ -87,6 +90,8 @@ class DaemonAddresses:
     shm_arena: str
     shm_socket: str
     metrics_address: str
+    ucx_address: str = ""
+    """The UCX worker address, hex ("" when the daemon serves no UCX data plane)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -105,6 +110,7 @@ class StoreDaemon:
         self._backend: CacheLeaseBackend | None = None
         self._leases: ShmLeases | None = None
         self._tcp: TcpServer | None = None
+        self._ucx: UcxServer | None = None
         self._shm: ShmChannelServer | None = None
         self._grpc: grpc.aio.Server | None = None
         self._health: Any = None
@@ -181,6 +187,7 @@ class StoreDaemon:
                 reservation_ttl_s=cfg.server.reservation_ttl_s,
                 drain_timeout_s=cfg.shutdown.drain_timeout_s))
             tcp_endpoint = self._tcp.start()
+            ucx_address = self._start_ucx()
             shm_socket = ""
             if cfg.server.shm_channel:
                 self._shm = ShmChannelServer(self._leases, lease_ttl_s=cfg.server.shm_lease_ttl_s)
@@ -198,7 +205,7 @@ class StoreDaemon:
                 grpc_address=f"{host}:{grpc_port}",
                 tcp_address=f"{host}:{tcp_endpoint.port}",
                 shm_arena=self.backend.dram.arena_name, shm_socket=shm_socket,
-                metrics_address=metrics_address)
+                metrics_address=metrics_address, ucx_address=ucx_address.hex())
             self._tasks = [loop.create_task(self._reaper(), name="kvtier-reaper"),
                            loop.create_task(self._demoter(), name="kvtier-demoter")]
             if cfg.etcd.endpoint:
@@ -209,6 +216,24 @@ class StoreDaemon:
         log.info("node %s serving: gRPC %s, TCP %s, epoch %s", cfg.node_id,
                  self._addresses.grpc_address, self._addresses.tcp_address, self.events.epoch)
         return self._addresses
+
+    def _start_ucx(self) -> bytes:
+        """Serve the UCX data plane when the config and this machine allow; its worker address
+        (empty when not serving)."""
+        cfg = self.config.server
+        if cfg.ucx is UcxMode.DISABLED:
+            return b""
+        reason = ucx_unavailable()
+        if reason is not None:
+            if cfg.ucx is UcxMode.REQUIRED:
+                raise TierUnavailable(f"server.ucx is required but {reason}")
+            log.info("no UCX data plane: %s", reason)
+            return b""
+        self._ucx = UcxServer(self.backend, UcxServerConfig(
+            host=self._advertised_host(), max_value_bytes=cfg.max_value_bytes,
+            io_timeout_s=cfg.ucx_io_timeout_s,
+            drain_timeout_s=self.config.shutdown.drain_timeout_s))
+        return self._ucx.start().worker_address
 
     def _build_cache(self) -> TieredCache:
         cfg = self.config
@@ -281,7 +306,8 @@ class StoreDaemon:
             tier_capacity_bytes={kind: tier.capacity_bytes
                                  for kind, tier in self.cache.tiers.items()},
             started_at_unix_s=time.time(), version=__version__,
-            shm_arena=self.addresses.shm_arena)
+            shm_arena=self.addresses.shm_arena,
+            ucx_address=self.addresses.ucx_address or None)
         assert cfg.etcd.endpoint is not None
         self._etcd = etcd_client(cfg.etcd.endpoint)
         self._registration = register_node(self._etcd, record, ttl_s=cfg.etcd.ttl_s,
@@ -327,7 +353,7 @@ class StoreDaemon:
             inline_max_bytes=self.config.server.inline_max_bytes,
             max_value_bytes=self.config.server.max_value_bytes,
             tier_capacity_bytes={k.value: t.capacity_bytes for k, t in self.cache.tiers.items()},
-            draining=self.draining)
+            draining=self.draining, ucx_worker_address=bytes.fromhex(a.ucx_address))
 
     def list_entries(self, key_prefix: bytes, tier: TierKind | None, limit: int
                      ) -> tuple[list[IndexEntry], bool]:
@@ -439,6 +465,8 @@ class StoreDaemon:
             stops.append(loop.run_in_executor(self.executor, self._shm.close, timeout))
         if self._tcp is not None:
             stops.append(loop.run_in_executor(self.executor, self._tcp.close, timeout))
+        if self._ucx is not None:
+            stops.append(loop.run_in_executor(self.executor, self._ucx.close, timeout))
         await asyncio.gather(*stops)
         if self._grpc is not None:
             await self._grpc.stop(timeout)
@@ -477,6 +505,8 @@ class StoreDaemon:
             self._shm.close()
         if self._tcp is not None:
             self._tcp.close(0)
+        if self._ucx is not None:
+            self._ucx.close(0)
         if self._leases is not None:
             self._leases.close()
         self.metrics.close()
