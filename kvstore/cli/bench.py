@@ -117,3 +117,14 @@ def planner(
     from bench import planner as bench_planner
 
     bench_planner.main(json_path, quick)
+
+
+@app.command()
+def client(
+    quick: bool = typer.Option(False, "--quick", help="8 blocks per call, 2 repetitions."),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write the results as JSON here."),
+) -> None:
+    """KVClient load/save through a real daemon (shm and TCP) beside memcpy and the raw store path."""
+    from bench import kv_client as bench_kv_client
+
+    bench_kv_client.main((["--quick"] if quick else []) + (["--json", str(json_path)] if json_path else []))
