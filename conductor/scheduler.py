@@ -211,6 +211,9 @@ class ScheduleRequest:
     model: str
     keys: tuple[bytes, ...]
     input_tokens: int
+    expected_output_tokens: int | None = None
+    """The caller's expectation of the output length (None: the scheduler's moving average).
+    Sizes the decode KV reservation and the predicted decode end."""
 
     def __post_init__(self) -> None:
         _check_id("request_id", self.request_id)
@@ -223,6 +226,10 @@ class ScheduleRequest:
         if (isinstance(self.input_tokens, bool) or not isinstance(self.input_tokens, int)
                 or self.input_tokens <= 0):
             raise InvalidArgument(f"input_tokens must be a positive int, got {self.input_tokens!r}")
+        out = self.expected_output_tokens
+        if out is not None and (isinstance(out, bool) or not isinstance(out, int) or out <= 0):
+            raise InvalidArgument(
+                f"expected_output_tokens must be a positive int or None, got {out!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,7 +304,8 @@ class Decision:
 
 
 class _PrefillState:
-    __slots__ = ("busy_until_s", "instance", "outstanding", "pending_work_s")
+    __slots__ = ("anchored_at_s", "busy_until_s", "instance", "outstanding", "pending_work_s",
+                 "queued")
 
     def __init__(self, instance: PrefillInstance) -> None:
         self.instance = instance
@@ -306,10 +314,40 @@ class _PrefillState:
         self.outstanding = 0
         self.pending_work_s = 0.0
         """Estimated durations of the outstanding requests, summed."""
+        self.queued: dict[int, _Ticket] = {}
+        """Tickets given to this instance whose prefill has not been reported done."""
+        self.anchored_at_s = -math.inf
+        """When ``busy_until_s`` was last re-anchored on news from the engine (a completion or
+        a load report); an older load report is stale and ignored."""
+
+
+class _DecodeReport:
+    """The latest load report of a decode engine, and what the scheduler itself had placed
+    on that engine by then (tickets prefilled at or before ``at_s`` and outstanding when the
+    report came, plus any reported prefilled later with an earlier time)."""
+
+    __slots__ = ("at_s", "batch", "kv_tokens", "own_batch", "own_context_tokens", "own_kv_tokens")
+
+    def __init__(self, at_s: float, batch: int, kv_tokens: int) -> None:
+        self.at_s = at_s
+        self.batch = batch
+        self.kv_tokens = kv_tokens
+        self.own_batch = 0
+        self.own_context_tokens = 0
+        self.own_kv_tokens = 0
+
+    def count(self, tk: _Ticket, sign: int) -> None:
+        self.own_batch += sign
+        self.own_context_tokens += sign * (tk.new_tokens + tk.prior_tokens)
+        self.own_kv_tokens += sign * tk.kv_tokens
+
+    def covers(self, tk: _Ticket) -> bool:
+        """Whether the engine already held ``tk`` when it reported."""
+        return tk.prefilled_at_s is not None and tk.prefilled_at_s <= self.at_s
 
 
 class _DecodeState:
-    __slots__ = ("context_tokens", "ends", "instance", "kv_used_tokens")
+    __slots__ = ("context_tokens", "ends", "instance", "kv_used_tokens", "report", "tickets")
 
     def __init__(self, instance: DecodeInstance) -> None:
         self.instance = instance
@@ -317,15 +355,28 @@ class _DecodeState:
         """Predicted finish times of the requests assigned here, sorted."""
         self.context_tokens = 0
         self.kv_used_tokens = 0
+        """KV reserved by the outstanding requests assigned here (input + expected output)."""
+        self.tickets: dict[int, _Ticket] = {}
+        self.report: _DecodeReport | None = None
+
+    def unknown_kv_tokens(self) -> int:
+        """KV the engine reported in use beyond what our own tickets there reserve (requests
+        another leader placed, or a reservation too small): never negative."""
+        r = self.report
+        return 0 if r is None else max(0, r.kv_tokens - r.own_kv_tokens)
+
+    def kv_committed_tokens(self) -> int:
+        return self.kv_used_tokens + self.unknown_kv_tokens()
 
 
 class _Ticket:
-    __slots__ = ("decode_end_s", "decode_id", "fetch", "kv_tokens", "new_tokens", "prefill_id",
-                 "prefill_work_s", "prefilled", "prior_tokens", "request_id", "tpot_s")
+    __slots__ = ("decided_at_s", "decode_end_s", "decode_id", "fetch", "kv_tokens", "new_tokens",
+                 "prefill_id", "prefill_work_s", "prefilled", "prefilled_at_s", "prior_tokens",
+                 "request_id", "tpot_s")
 
     def __init__(self, request_id: str, prefill_id: str, decode_id: str, prefill_work_s: float,
                  new_tokens: int, prior_tokens: int, fetch: FetchPlan | None, decode_end_s: float,
-                 kv_tokens: int, tpot_s: float) -> None:
+                 kv_tokens: int, tpot_s: float, decided_at_s: float) -> None:
         self.request_id = request_id
         self.prefill_id = prefill_id
         self.decode_id = decode_id
@@ -337,6 +388,8 @@ class _Ticket:
         self.kv_tokens = kv_tokens
         self.tpot_s = tpot_s
         self.prefilled = False
+        self.decided_at_s = decided_at_s
+        self.prefilled_at_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -480,7 +533,8 @@ class Scheduler:
                                 f"({cfg.policy.value} policy)",
                                 option, None)
 
-        out_tokens = self.output_tokens.value
+        out_tokens = (float(request.expected_output_tokens) if request.expected_output_tokens
+                      else self.output_tokens.value)
         kv_tokens = request.input_tokens + math.ceil(out_tokens)
         arrival_s = now_s + ttft.total_s
         picked = self._choose_decode(decodes, request.input_tokens, kv_tokens, arrival_s)
@@ -511,9 +565,12 @@ class Scheduler:
         dstate.context_tokens += request.input_tokens
         dstate.kv_used_tokens += kv_tokens
         ticket = next(self._ticket_ids)
-        self._tickets[ticket] = _Ticket(rid, pst.instance.instance_id, dstate.instance.instance_id,
-                                        work_s, option.new_tokens, option.prior_tokens,
-                                        option.fetch, decode_end_s, kv_tokens, tpot_s)
+        tk = _Ticket(rid, pst.instance.instance_id, dstate.instance.instance_id, work_s,
+                     option.new_tokens, option.prior_tokens, option.fetch, decode_end_s,
+                     kv_tokens, tpot_s, now_s)
+        self._tickets[ticket] = tk
+        pst.queued[ticket] = tk
+        dstate.tickets[ticket] = tk
         hint = self._replication_hint(request, match, option, prefills, now_s)
         self.accepted += 1
         return Decision(
@@ -648,7 +705,7 @@ class Scheduler:
                        arrival_s: float) -> tuple[_DecodeState, float] | None:
         """The decode instance with the lowest predicted TPOT at ``arrival_s``, and that TPOT."""
         candidates = [d for d in decodes
-                      if d.kv_used_tokens + kv_tokens <= d.instance.kv_capacity_tokens]
+                      if d.kv_committed_tokens() + kv_tokens <= d.instance.kv_capacity_tokens]
         if not candidates:
             return None
         if self._config.policy is Policy.RANDOM:
@@ -668,11 +725,21 @@ class Scheduler:
         """Predicted time per output token on ``d`` at ``at_s`` with this request added.
 
         Requests predicted to have finished by ``at_s`` are left out; the context
-        of those still running is prorated from the current total.
+        of those still running is prorated from the current total. With a load report,
+        what the engine ran beyond our own requests on it when it reported (batch; KV in use
+        taken as context, which includes their generated tokens) is added. A shortfall (it
+        finished one of ours before we heard) is not subtracted: its decode completion
+        report arrives shortly and corrects that, while a report cannot tell a request that
+        finished before it from one that finished after.
         """
         active = len(d.ends)
         running = active - bisect.bisect_right(d.ends, at_s)
-        context = (d.context_tokens * running / active if active else 0.0) + input_tokens
+        context = d.context_tokens * running / active if active else 0.0
+        r = d.report
+        if r is not None:  # only what the engine has beyond ours: see report_load
+            running += max(0, r.batch - r.own_batch)
+            context += max(0, r.kv_tokens - r.own_context_tokens)
+        context += input_tokens
         batch = running + 1
         coeffs = self._decode_coeffs.get(batch)
         if coeffs is None:  # pure in the batch size: memoized (bounded by the largest batch)
@@ -733,6 +800,7 @@ class Scheduler:
         if tk.prefilled:
             raise InvalidArgument(f"ticket {ticket} already reported its prefill")
         tk.prefilled = True
+        tk.prefilled_at_s = now_s
         new = tk.new_tokens if computed_tokens is None else computed_tokens
         prior = tk.prior_tokens if reused_tokens is None else reused_tokens
         self.prefill_speed.observe(tk.prefill_id, prefill_s,
@@ -741,9 +809,12 @@ class Scheduler:
             self.links.observe(tk.fetch.src_node, tk.fetch.dst_node, transferred_bytes, transfer_s)
         st = self._prefill.get(tk.prefill_id)
         if st is not None:
+            st.queued.pop(ticket, None)
             self._finish_prefill_work(st, tk, now_s)
         d = self._decode.get(tk.decode_id)
         if d is not None:  # re-predict the decode finish from the real prefill end
+            if d.report is not None and d.report.covers(tk):  # a report from the future
+                d.report.count(tk, +1)
             new_end = now_s + self.output_tokens.value * tk.tpot_s
             self._remove_end(d, tk.decode_end_s)
             bisect.insort(d.ends, new_end)
@@ -766,7 +837,7 @@ class Scheduler:
         d = self._decode.get(tk.decode_id)
         if d is None:
             return
-        self._release_decode(d, tk)
+        self._release_decode(d, ticket, tk)
         if tpot_s is not None and batch_size is not None and context_tokens is not None:
             fixed_s, per_token_s = self._latency.decode_coeffs(batch_size)
             self.decode_speed.observe(tk.decode_id, tpot_s, fixed_s + per_token_s * context_tokens)
@@ -778,10 +849,11 @@ class Scheduler:
             return False
         st = self._prefill.get(tk.prefill_id)
         if st is not None and not tk.prefilled:
+            st.queued.pop(ticket, None)
             self._finish_prefill_work(st, tk, None)
         d = self._decode.get(tk.decode_id)
         if d is not None:
-            self._release_decode(d, tk)
+            self._release_decode(d, ticket, tk)
         return True
 
     @staticmethod
@@ -794,10 +866,15 @@ class Scheduler:
             st.pending_work_s = 0.0
         if now_s is not None:  # what is left starts now (FIFO), whatever was predicted
             st.busy_until_s = now_s + st.pending_work_s
+            st.anchored_at_s = max(st.anchored_at_s, now_s)
         else:  # cancelled while queued: the rest moves up by its estimate
             st.busy_until_s -= tk.prefill_work_s
 
-    def _release_decode(self, d: _DecodeState, tk: _Ticket) -> None:
+    def _release_decode(self, d: _DecodeState, ticket: int, tk: _Ticket) -> None:
+        # The report's own_* figures stay: if the engine still ran this request when it
+        # reported, it is in the reported batch, and leaving it counted in own_* keeps the
+        # difference (the requests we do not know of) right.
+        d.tickets.pop(ticket, None)
         self._remove_end(d, tk.decode_end_s)
         input_tokens = tk.new_tokens + tk.prior_tokens
         d.context_tokens -= input_tokens
@@ -812,6 +889,60 @@ class Scheduler:
         if i >= len(d.ends) or d.ends[i] != end_s:
             raise InvariantViolation(f"decode instance {d.instance.instance_id} lost a request")
         del d.ends[i]
+
+    # -- engine load reports ---------------------------------------------------------
+
+    def report_load(self, instance_id: str, now_s: float, *, queued_prefill_tokens: int = 0,
+                    running_decode_batch: int = 0, kv_used_tokens: int = 0) -> bool:
+        """An engine's own account of its load at ``now_s``; False for an unknown instance.
+
+        Prefill (``queued_prefill_tokens``: tokens waiting or being computed, i.e. the work
+        the engine has not done yet): the queue estimate is re-anchored on it, trusting the
+        report plus what was scheduled since: ``busy_until = now + calibrated time of the
+        reported tokens + estimated work of our requests decided after now``. Those decided
+        before the report are in the engine's figure (they reached it: a report races only
+        with requests in flight between us and the engine). A report older than the last
+        completion of the instance is stale and ignored (the completion is fresher news).
+        The reported tokens are priced as one prompt of that many new tokens on the
+        instance (``factor * latency.prefill_s``): linear in tokens for the usual models.
+
+        Decode (``running_decode_batch``, ``kv_used_tokens``): kept as the instance's latest
+        report with our own requests on the engine at that time (those prefilled by then);
+        the TPOT prediction adds what the engine runs beyond them (see ``_tpot_at``), and the
+        KV room check counts KV the engine uses beyond our reservations (a report never lowers
+        a reservation: running requests still grow). Requests another leader placed, or that
+        this scheduler lost track of, become visible this way.
+        """
+        _check_number("now_s", now_s, low=0.0, strict=False)
+        for name, value in (("queued_prefill_tokens", queued_prefill_tokens),
+                            ("running_decode_batch", running_decode_batch),
+                            ("kv_used_tokens", kv_used_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidArgument(f"{name} must be an int >= 0, got {value!r}")
+        st = self._prefill.get(instance_id)
+        if st is not None:
+            if now_s < st.anchored_at_s:
+                return True
+            queue_s = 0.0
+            if queued_prefill_tokens:
+                queue_s = self.prefill_speed.factor(instance_id) * self._latency.prefill_s(
+                    [queued_prefill_tokens], [0])
+            since_s = sum(tk.prefill_work_s for tk in st.queued.values()
+                          if tk.decided_at_s > now_s)
+            st.busy_until_s = now_s + queue_s + since_s
+            st.anchored_at_s = now_s
+            return True
+        d = self._decode.get(instance_id)
+        if d is None:
+            return False
+        if d.report is not None and now_s < d.report.at_s:
+            return True  # an older report overtaken by a newer one
+        report = _DecodeReport(now_s, running_decode_batch, kv_used_tokens)
+        for tk in d.tickets.values():
+            if report.covers(tk):
+                report.count(tk, +1)
+        d.report = report
+        return True
 
     # -- introspection -------------------------------------------------------------
 
