@@ -101,12 +101,13 @@ class ConductorClient:
 
     async def schedule(self, request_id: str, model: str, *, keys: Sequence[bytes] = (),
                        token_ids: Sequence[int] = (), tenant: str = "", input_tokens: int = 0,
-                       expected_output_tokens: int = 0) -> pb.ScheduleReply:
-        """Place a request; a rejection is a reply with ``accepted`` false (not an error)."""
+                       expected_output_tokens: int = 0, at_s: float = 0.0) -> pb.ScheduleReply:
+        """Place a request; a rejection is a reply with ``accepted`` false (not an error).
+        ``at_s``: the caller's clock, only for a conductor run with ``--clock client``."""
         request = pb.ScheduleRequest(request_id=request_id, model=model, tenant=tenant,
                                      keys=list(keys), token_ids=list(token_ids),
                                      input_tokens=input_tokens,
-                                     expected_output_tokens=expected_output_tokens)
+                                     expected_output_tokens=expected_output_tokens, at_s=at_s)
         reply: pb.ScheduleReply = await self.call("Schedule", request)
         return reply
 
@@ -125,10 +126,13 @@ class ConductorClient:
         return reply
 
     async def report_load(self, instance_id: str, *, queued_prefill_tokens: int = 0,
-                          running_decode_batch: int = 0, kv_used_tokens: int = 0) -> bool:
+                          running_decode_batch: int = 0, kv_used_tokens: int = 0,
+                          at_s: float = 0.0) -> bool:
+        """An engine's load (see ``EngineLoad`` in conductor.proto); False: unknown instance."""
         reply = await self.call("ReportLoad", pb.EngineLoad(
             instance_id=instance_id, queued_prefill_tokens=queued_prefill_tokens,
-            running_decode_batch=running_decode_batch, kv_used_tokens=kv_used_tokens))
+            running_decode_batch=running_decode_batch, kv_used_tokens=kv_used_tokens,
+            at_s=at_s))
         return bool(reply.known)
 
     async def report_completion(self, report: pb.CompletionReport) -> None:

@@ -145,11 +145,16 @@ class SchedulerConfig:
     """Expected output length before any request has finished (then a moving average)."""
     seed: int = 0
     """Seeds the RANDOM policy."""
+    report_prompt_tokens: int = 8192
+    """Queued prefill tokens in an engine's load report are priced as prompts of this many
+    tokens (``Q / n`` prompts of ``n``): a queue is many prompts, and pricing it as one long
+    prompt would charge attention quadratically over unrelated requests."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, Policy):
             raise InvalidArgument(f"policy must be a Policy, got {self.policy!r}")
-        for name in ("block_size_tokens", "block_size_bytes", "replication_fanout"):
+        for name in ("block_size_tokens", "block_size_bytes", "replication_fanout",
+                     "report_prompt_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidArgument(f"{name} must be a positive int, got {value!r}")
@@ -903,8 +908,8 @@ class Scheduler:
         before the report are in the engine's figure (they reached it: a report races only
         with requests in flight between us and the engine). A report older than the last
         completion of the instance is stale and ignored (the completion is fresher news).
-        The reported tokens are priced as one prompt of that many new tokens on the
-        instance (``factor * latency.prefill_s``): linear in tokens for the usual models.
+        The reported tokens are priced with the instance's calibrated speed as prompts of
+        ``config.report_prompt_tokens`` (or one prompt, when fewer are queued).
 
         Decode (``running_decode_batch``, ``kv_used_tokens``): kept as the instance's latest
         report with our own requests on the engine at that time (those prefilled by then);
@@ -925,8 +930,10 @@ class Scheduler:
                 return True
             queue_s = 0.0
             if queued_prefill_tokens:
-                queue_s = self.prefill_speed.factor(instance_id) * self._latency.prefill_s(
-                    [queued_prefill_tokens], [0])
+                prompt = min(queued_prefill_tokens, self._config.report_prompt_tokens)
+                queue_s = (self.prefill_speed.factor(instance_id)
+                           * self._latency.prefill_s([prompt], [0])
+                           * queued_prefill_tokens / prompt)
             since_s = sum(tk.prefill_work_s for tk in st.queued.values()
                           if tk.decided_at_s > now_s)
             st.busy_until_s = now_s + queue_s + since_s

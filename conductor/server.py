@@ -38,8 +38,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import itertools
 import logging
+import math
 import os
 import socket
 import threading
@@ -81,7 +83,7 @@ from kvstore.keys import BlockHasher, Namespace
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Conductor", "ConductorConfig", "default_conductor_id", "run_conductor"]
+__all__ = ["ClockMode", "Conductor", "ConductorConfig", "default_conductor_id", "run_conductor"]
 
 _PB_TIER = {store_pb.TIER_HBM: TierKind.HBM, store_pb.TIER_DRAM: TierKind.DRAM,
             store_pb.TIER_NVME: TierKind.NVME}
@@ -94,6 +96,17 @@ _RECONNECT_MAX_S = 1.0
 _SNAPSHOT_PAGE_ENTRIES = 8192
 _HASHERS_KEPT = 1024
 GRPC_MAX_MESSAGE_BYTES = 16 << 20
+
+
+class ClockMode(enum.Enum):
+    """Whose clock the scheduler runs on."""
+
+    WALL = "wall"
+    """The conductor's own monotonic clock (production)."""
+    CLIENT = "client"
+    """The ``at_s`` the caller puts in each Schedule, ReportLoad and ReportCompletion: trace
+    replay on a simulated clock (``kvtier bench schedule --real``). One driver only: the
+    scheduler trusts the times it is given."""
 
 
 def default_conductor_id() -> str:
@@ -124,10 +137,13 @@ class ConductorConfig:
     preload_blocks: int = 0
     """Benchmark only: load this many synthetic blocks (keys no request will ever name) into
     the index at start, through its snapshot path, under node ids ``preload-<i>``."""
+    clock: ClockMode = ClockMode.WALL
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, Policy):
             raise InvalidArgument(f"policy must be a Policy, got {self.policy!r}")
+        if not isinstance(self.clock, ClockMode):
+            raise InvalidArgument(f"clock must be a ClockMode, got {self.clock!r}")
         host, port = _split_listen(self.listen)
         del host, port
         if isinstance(self.election_ttl_s, bool) or not isinstance(self.election_ttl_s, int) \
@@ -214,8 +230,20 @@ class Conductor:
     def leader(self) -> LeaderView | None:
         return None if self.election is None else self.election.leader
 
-    def now_s(self) -> float:
-        return time.monotonic()
+    def now_s(self, at_s: float = 0.0) -> float:
+        """The scheduler's clock: monotonic seconds, or the caller's ``at_s`` when the
+        conductor runs on the client's clock. InvalidArgument for an ``at_s`` that does not
+        fit the mode (a non-zero time sent to a wall-clock conductor, or a negative or
+        non-finite one)."""
+        if self.config.clock is ClockMode.WALL:
+            if at_s:
+                raise InvalidArgument(
+                    f"at_s={at_s!r}: this conductor schedules on its own clock (start it with "
+                    "--clock client to replay on a caller's clock)")
+            return time.monotonic()
+        if not math.isfinite(at_s) or at_s < 0:
+            raise InvalidArgument(f"at_s must be a finite time >= 0, got {at_s!r}")
+        return at_s
 
     def hasher(self, model: str, tenant: str) -> BlockHasher:
         """The key chain of ``model`` for ``tenant``; InvalidArgument when no engine of the

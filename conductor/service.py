@@ -164,9 +164,11 @@ class ConductorService(pb_grpc.ConductorServicer):
             raise InvalidArgument(
                 f"input_tokens {input_tokens} < the {len(request.token_ids)} token ids given")
         c = self._c
-        schedule_request = ScheduleRequest(request.request_id, request.model, keys, input_tokens)
+        now_s = c.now_s(request.at_s)
+        schedule_request = ScheduleRequest(request.request_id, request.model, keys, input_tokens,
+                                           int(request.expected_output_tokens) or None)
         with c.lock:
-            decision = c.scheduler.schedule(schedule_request, c.now_s())
+            decision = c.scheduler.schedule(schedule_request, now_s)
             return self._reply(decision, keys)
 
     def _reply(self, d: Decision, keys: tuple[bytes, ...]) -> pb.ScheduleReply:
@@ -233,12 +235,20 @@ class ConductorService(pb_grpc.ConductorServicer):
                 or request.kv_used_tokens < 0):
             raise InvalidArgument("load figures must be >= 0")
         c = self._c
+        now_s = c.now_s(request.at_s)
         with c.lock:
             known = request.instance_id in c.engines
             if known:
                 c.engine_load[request.instance_id] = (
                     int(request.queued_prefill_tokens), int(request.running_decode_batch),
-                    int(request.kv_used_tokens), c.now_s())
+                    int(request.kv_used_tokens), now_s)
+                # Every conductor feeds its scheduler: a standby that takes over starts
+                # from the engines' own figures instead of empty queues.
+                c.scheduler.report_load(
+                    request.instance_id, now_s,
+                    queued_prefill_tokens=int(request.queued_prefill_tokens),
+                    running_decode_batch=int(request.running_decode_batch),
+                    kv_used_tokens=int(request.kv_used_tokens))
         return pb.ReportLoadReply(known=known)
 
     @_rpc
@@ -249,8 +259,9 @@ class ConductorService(pb_grpc.ConductorServicer):
         phase = request.WhichOneof("phase")
         if phase is None:
             raise InvalidArgument("a completion report needs prefill, decode or cancelled")
+        now_s = c.now_s(request.at_s)
         with c.lock:
-            self._complete(request, phase, c.now_s())
+            self._complete(request, phase, now_s)
         return pb.ReportCompletionReply()
 
     def _complete(self, request: pb.CompletionReport, phase: str, now_s: float) -> None:

@@ -36,6 +36,9 @@ def conductor(
     rpc_workers: int = typer.Option(4, "--rpc-workers", help="Threads serving RPCs."),
     preload_blocks: int = typer.Option(0, "--preload-blocks", hidden=True,
                                        help="Benchmark only: synthetic blocks in the index."),
+    clock: str = typer.Option("wall", "--clock",
+                              help="wall | client: schedule on the callers' at_s times "
+                                   "(trace replay on a simulated clock; one driver only)."),
     log_level: str = typer.Option("INFO", "--log-level"),
 ) -> None:
     """Serve the conductor: discover daemons and engines through etcd, follow the daemons' chunk
@@ -45,7 +48,7 @@ def conductor(
     """
     from conductor.membership import KeyLayout
     from conductor.scheduler import Policy
-    from conductor.server import Conductor, ConductorConfig, default_conductor_id
+    from conductor.server import ClockMode, Conductor, ConductorConfig, default_conductor_id
 
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -55,7 +58,7 @@ def conductor(
             listen=listen, layout=KeyLayout(prefix), policy=Policy(policy),
             ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s, block_size_tokens=block_size_tokens,
             election_ttl_s=election_ttl_s, rpc_workers=rpc_workers,
-            preload_blocks=preload_blocks)
+            preload_blocks=preload_blocks, clock=ClockMode(clock))
     except (KvtierError, ValueError) as exc:
         typer.echo(f"kvtier conductor: {exc}", err=True)
         raise typer.Exit(2) from exc

@@ -19,7 +19,7 @@ REJECT_TPOT_SLO: RejectReason
 REJECT_DECODE_KV_FULL: RejectReason
 
 class ScheduleRequest(_message.Message):
-    __slots__ = ("request_id", "model", "tenant", "keys", "token_ids", "input_tokens", "expected_output_tokens")
+    __slots__ = ("request_id", "model", "tenant", "keys", "token_ids", "input_tokens", "expected_output_tokens", "at_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class ScheduleRequest(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AT_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     tenant: str
@@ -34,7 +35,8 @@ class ScheduleRequest(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     input_tokens: int
     expected_output_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., tenant: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., token_ids: _Optional[_Iterable[int]] = ..., input_tokens: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ...) -> None: ...
+    at_s: float
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., tenant: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., token_ids: _Optional[_Iterable[int]] = ..., input_tokens: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., at_s: _Optional[float] = ...) -> None: ...
 
 class TierCounts(_message.Message):
     __slots__ = ("hbm", "dram", "nvme")
@@ -175,16 +177,18 @@ class ConductorLookupReply(_message.Message):
     def __init__(self, blocks: _Optional[int] = ..., best_blocks: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeMatch, _Mapping]]] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
-    __slots__ = ("instance_id", "queued_prefill_tokens", "running_decode_batch", "kv_used_tokens")
+    __slots__ = ("instance_id", "queued_prefill_tokens", "running_decode_batch", "kv_used_tokens", "at_s")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_DECODE_BATCH_FIELD_NUMBER: _ClassVar[int]
     KV_USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AT_S_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     queued_prefill_tokens: int
     running_decode_batch: int
     kv_used_tokens: int
-    def __init__(self, instance_id: _Optional[str] = ..., queued_prefill_tokens: _Optional[int] = ..., running_decode_batch: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ...) -> None: ...
+    at_s: float
+    def __init__(self, instance_id: _Optional[str] = ..., queued_prefill_tokens: _Optional[int] = ..., running_decode_batch: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., at_s: _Optional[float] = ...) -> None: ...
 
 class ReportLoadReply(_message.Message):
     __slots__ = ("known",)
@@ -193,16 +197,18 @@ class ReportLoadReply(_message.Message):
     def __init__(self, known: _Optional[bool] = ...) -> None: ...
 
 class CompletionReport(_message.Message):
-    __slots__ = ("ticket", "prefill", "decode", "cancelled")
+    __slots__ = ("ticket", "prefill", "decode", "cancelled", "at_s")
     TICKET_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    AT_S_FIELD_NUMBER: _ClassVar[int]
     ticket: int
     prefill: PrefillDone
     decode: DecodeDone
     cancelled: bool
-    def __init__(self, ticket: _Optional[int] = ..., prefill: _Optional[_Union[PrefillDone, _Mapping]] = ..., decode: _Optional[_Union[DecodeDone, _Mapping]] = ..., cancelled: _Optional[bool] = ...) -> None: ...
+    at_s: float
+    def __init__(self, ticket: _Optional[int] = ..., prefill: _Optional[_Union[PrefillDone, _Mapping]] = ..., decode: _Optional[_Union[DecodeDone, _Mapping]] = ..., cancelled: _Optional[bool] = ..., at_s: _Optional[float] = ...) -> None: ...
 
 class PrefillDone(_message.Message):
     __slots__ = ("prefill_s", "computed_tokens", "reused_tokens", "transfer_s", "transferred_bytes")
