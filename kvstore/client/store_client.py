@@ -12,12 +12,19 @@ plane (:class:`DataPlane`):
   channel connection: if this process dies, the daemon ends them (no half-written chunk
   becomes visible; nothing stays pinned). A chunk DRAM cannot take right now is read over
   TCP instead.
+* **UCX** when the daemon advertises a UCX worker address (``NodeInfo.ucx_worker_address``)
+  and ``ucxx`` imports here (:class:`~kvstore.dataplane.transport.ucx.UcxClient`: tag messages
+  received straight into ``dst``; RDMA where the hardware has it). UCX cannot see a dead peer
+  on its own, so waits are bounded and the daemon's gRPC health is asked every
+  ``ucx_liveness_interval_s`` while one lasts. A UCX failure (``TransportError``) falls back to
+  TCP for that call and keeps UCX off for ``ucx_retry_after_s``. Batches stay on TCP (its
+  pipelining suits many small values).
 * **TCP** otherwise: the framed TCP transport (:class:`~kvstore.dataplane.transport.tcp.TcpClient`,
   ``recv_into`` straight into ``dst``, striping large values over pooled connections). TCP
   frames carry no parent key, so a put with a parent goes inline over gRPC when it is small
   (one call) and otherwise announces the parent with ``SetParents`` first.
 
-``AUTO`` (the default) chooses SHM when possible. Every error is a
+``AUTO`` (the default) chooses SHM when possible, then UCX, then TCP. Every error is a
 :mod:`kvstore.errors` class: the daemon's own errors keep their class across the wire
 (``ChunkExists``, ``SizeMismatch``...); a dead or unreachable daemon is ``PeerUnavailable``.
 
@@ -41,6 +48,7 @@ import enum
 import logging
 import socket
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +69,7 @@ from kvstore.dataplane.arena import (
 )
 from kvstore.dataplane.tier import Buffer, TierKind, check_key
 from kvstore.dataplane.transport.tcp import TcpClient
+from kvstore.dataplane.transport.ucx import UcxClient, ucx_unavailable
 from kvstore.errors import (
     CapacityError,
     ChunkBusy,
@@ -99,6 +108,7 @@ _PAGE_BYTES = 4096
 class DataPlane(enum.Enum):
     AUTO = "auto"
     SHM = "shm"
+    UCX = "ucx"
     TCP = "tcp"
 
 
@@ -118,6 +128,12 @@ class StoreClientConfig:
     tables per GiB). Without it the first copy to or from each arena page costs a page fault:
     measured 340 µs instead of 52 µs for a first 1 MiB copy, i.e. a cold client runs at a
     sixth of memcpy until it has touched the whole arena."""
+    ucx_io_timeout_s: float = 30.0
+    """Longest a UCX transfer may wait (UCX does not detect a dead peer by itself)."""
+    ucx_liveness_interval_s: float = 0.5
+    """While a UCX call waits, the daemon's gRPC health is asked this often."""
+    ucx_retry_after_s: float = 30.0
+    """After a UCX failure, calls use TCP for this long before UCX is tried again."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.data_plane, DataPlane):
@@ -126,6 +142,10 @@ class StoreClientConfig:
             raise InvalidArgument("tcp_connections must be >= 1")
         if self.rpc_timeout_s <= 0 or self.lease_ttl_s < 0:
             raise InvalidArgument("rpc_timeout_s must be > 0 and lease_ttl_s >= 0")
+        if min(self.ucx_io_timeout_s, self.ucx_liveness_interval_s) <= 0 \
+                or self.ucx_retry_after_s < 0:
+            raise InvalidArgument("ucx_io_timeout_s and ucx_liveness_interval_s must be > 0, "
+                                  "ucx_retry_after_s >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,6 +294,10 @@ class StoreClient:
         self._config = config
         self._arena = arena
         self._plane = DataPlane.SHM if arena is not None else DataPlane.TCP
+        if arena is None and self._ucx_possible(info, config):
+            self._plane = DataPlane.UCX
+        self._ucx: UcxClient | None = None
+        self._ucx_bad_until = 0.0
         self._lock = threading.Lock()
         self._idle: list[LeaseChannel] = []
         self._all: list[LeaseChannel] = []
@@ -299,9 +323,12 @@ class StoreClient:
             except grpc.RpcError as exc:
                 raise translate_rpc_error(exc, f"Info from {address}") from exc
             arena = None
-            if cfg.data_plane is not DataPlane.TCP:
+            if cfg.data_plane in (DataPlane.AUTO, DataPlane.SHM):
                 arena = cls._attach_same_host(info, required=cfg.data_plane is DataPlane.SHM,
                                               populate=cfg.populate_arena)
+            if cfg.data_plane is DataPlane.UCX and not cls._ucx_possible(info, cfg):
+                reason = ucx_unavailable() or "the daemon serves no UCX data plane"
+                raise TierUnavailable(f"UCX data plane unavailable: {reason}")
             client = cls(address, info, channel, cfg, arena)
             if arena is not None:
                 client._checkin(client._checkout())  # the lease channel must answer too
@@ -309,6 +336,18 @@ class StoreClient:
         except BaseException:
             channel.close()
             raise
+
+    @staticmethod
+    def _ucx_possible(info: pb.NodeInfo, config: StoreClientConfig) -> bool:
+        if config.data_plane not in (DataPlane.AUTO, DataPlane.UCX):
+            return False
+        if not info.ucx_worker_address:
+            return False
+        reason = ucx_unavailable()
+        if reason is not None:
+            log.info("not using UCX: %s", reason)
+            return False
+        return True
 
     @staticmethod
     def _attach_same_host(info: pb.NodeInfo, *, required: bool,
@@ -344,7 +383,8 @@ class StoreClient:
 
     @property
     def data_plane(self) -> DataPlane:
-        """SHM or TCP: the plane this client moves bytes over."""
+        """SHM, UCX or TCP: the plane this client moves single values over (a UCX client
+        falls back to TCP per call while UCX is marked bad)."""
         return self._plane
 
     @property
@@ -377,7 +417,7 @@ class StoreClient:
             return
         if p is not None:
             self._call("SetParents", pb.SetParentsRequest(keys=[k], parents=[p]))
-        self._tcp_client().put(k, view)
+        self._remote_put(k, view)
 
     def get_into(self, key: bytes, dst: Buffer) -> int:
         """Fill ``dst`` (exactly the chunk's size) with the chunk; return its size.
@@ -393,7 +433,7 @@ class StoreClient:
                 return self._get_shm(k, out)
             except _FALLBACK_TO_TCP as exc:
                 log.debug("reading %s over TCP: %s", k.hex(), exc)
-        return self._tcp_client().get_into(k, out)
+        return self._remote_get_into(k, out)
 
     def put_many(self, keys: Sequence[bytes], srcs: Sequence[Buffer]) -> list[bool]:
         """Store several root chunks; ``False`` where the key was already stored. Other
@@ -526,7 +566,7 @@ class StoreClient:
                 self._checkin(chan)
             return int(size)
         bounce = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)
-        n = self._tcp_client().get_into(key, bounce.numpy())
+        n = self._remote_get_into(key, memoryview(bounce.numpy()))
         flat.copy_(bounce)
         return n
 
@@ -671,6 +711,58 @@ class StoreClient:
             for chan in pending:
                 self._checkin(chan)
 
+    # --- the UCX plane, with TCP as the fallback ---------------------------------------------
+
+    def _ucx_client(self) -> UcxClient | None:
+        """The UCX client, or None when this client does not use UCX or it is marked bad."""
+        if self._plane is not DataPlane.UCX or time.monotonic() < self._ucx_bad_until:
+            return None
+        with self._lock:
+            if self._ucx is None:
+                cfg = self._config
+                self._ucx = UcxClient(self._info.ucx_worker_address,
+                                      io_timeout_s=cfg.ucx_io_timeout_s,
+                                      liveness=self._daemon_alive,
+                                      liveness_interval_s=cfg.ucx_liveness_interval_s,
+                                      max_value_bytes=self._info.max_value_bytes or (1 << 30))
+            return self._ucx
+
+    def _ucx_failed(self, exc: TransportError) -> None:
+        log.warning("UCX transfer failed, using TCP for %g s: %s",
+                    self._config.ucx_retry_after_s, exc)
+        self._ucx_bad_until = time.monotonic() + self._config.ucx_retry_after_s
+
+    def _daemon_alive(self) -> bool:
+        """The control plane's view of the daemon: its gRPC health (asked during UCX waits)."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        timeout_s = max(0.2, self._config.ucx_liveness_interval_s)
+        try:
+            reply = health_pb2_grpc.HealthStub(self._channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+    def _remote_put(self, key: bytes, view: memoryview) -> None:
+        ucx = self._ucx_client()
+        if ucx is not None:
+            try:
+                ucx.put(key, view)
+                return
+            except TransportError as exc:  # PeerUnavailable, ProtocolError: not a refusal
+                self._ucx_failed(exc)
+        self._tcp_client().put(key, view)
+
+    def _remote_get_into(self, key: bytes, out: memoryview) -> int:
+        ucx = self._ucx_client()
+        if ucx is not None:
+            try:
+                return ucx.get_into(key, out)
+            except TransportError as exc:
+                self._ucx_failed(exc)
+        return self._tcp_client().get_into(key, out)
+
     def _tcp_client(self) -> TcpClient:
         with self._lock:
             if self._tcp is None:
@@ -786,10 +878,13 @@ class StoreClient:
             self._closed = True
             chans, self._all, self._idle = self._all, [], []
             tcp, self._tcp = self._tcp, None
+            ucx, self._ucx = self._ucx, None
         for chan in chans:
             chan.close()
         if tcp is not None:
             tcp.close()
+        if ucx is not None:
+            ucx.close()
         if self._arena is not None:
             self._arena.close()
         self._channel.close()
