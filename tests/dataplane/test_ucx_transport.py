@@ -19,6 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvstore._proto.kvtier.v1 import store_pb2 as pb
+from kvstore.client import store_client
+from kvstore.client.store_client import DataPlane, StoreClient, StoreClientConfig
 from kvstore.dataplane.transport.base import Transport, TransportKind, TransportServer
 from kvstore.dataplane.transport.memory_backend import MemoryBackend
 from kvstore.dataplane.transport.ucx import UcxClient, UcxServer, UcxServerConfig, ucx_unavailable
@@ -29,7 +32,9 @@ from kvstore.errors import (
     InvalidArgument,
     PeerUnavailable,
     SizeMismatch,
+    TierUnavailable,
 )
+from tests.support.daemon import DaemonProcess
 
 _REASON = ucx_unavailable()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"UCX transport: {_REASON}")
@@ -354,3 +359,102 @@ def test_close_refuses_new_requests_and_ends_leases() -> None:
         assert backend.remove(b"k")  # no lease left behind
     finally:
         c.close()
+
+
+# --- the daemon and StoreClient: advertising, automatic choice, fallback -------------------------
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    d = DaemonProcess(tmp_path_factory.mktemp("ucx"), "node-ucx", nvme=False,
+                      settings={"server.ucx": "required", "server.ucx_io_timeout_s": "2"})
+    d.start()
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the daemon look like it runs on another host (another boot id), so AUTO cannot
+    pick shared memory."""
+    monkeypatch.setattr(store_client, "local_boot_id", lambda: "another-host")
+
+
+def test_daemon_advertises_its_ucx_worker_address(daemon: DaemonProcess) -> None:
+    assert daemon.addresses["ucx_address"]
+    with StoreClient.connect(daemon.grpc_address) as c:
+        assert c.info.ucx_worker_address.hex() == daemon.addresses["ucx_address"]
+        assert c.data_plane is DataPlane.SHM  # same host: shared memory first
+
+
+def test_auto_picks_ucx_for_a_daemon_on_another_host(daemon: DaemonProcess, elsewhere: None,
+                                                     key: bytes) -> None:
+    with StoreClient.connect(daemon.grpc_address) as c:
+        assert c.data_plane is DataPlane.UCX
+        for i, size in enumerate((4 * KiB, 4 * MiB + 1)):
+            k = key[:60] + b"-%d" % i
+            c.put(k, payload(size, i))
+            out = bytearray(size)
+            assert c.get_into(k, out) == size and out == payload(size, i)
+        assert c._ucx is not None  # the bytes went over UCX, not the TCP fallback
+        assert c._tcp is None
+        with pytest.raises(ChunkNotFound):
+            c.get_into(b"ucx-never-stored", bytearray(8))
+        with pytest.raises(SizeMismatch):
+            c.get_into(key[:60] + b"-0", bytearray(8))
+
+
+def test_forced_planes_and_a_daemon_without_ucx(tmp_path: Path, elsewhere: None) -> None:
+    d = DaemonProcess(tmp_path, "node-no-ucx", nvme=False, settings={"server.ucx": "disabled"})
+    d.start()
+    try:
+        assert d.addresses["ucx_address"] == ""
+        with StoreClient.connect(d.grpc_address) as c:
+            assert c.data_plane is DataPlane.TCP
+        with pytest.raises(TierUnavailable, match="UCX"):
+            StoreClient.connect(d.grpc_address, StoreClientConfig(data_plane=DataPlane.UCX))
+    finally:
+        d.stop()
+
+
+def test_a_ucx_failure_falls_back_to_tcp_and_marks_ucx_bad(daemon: DaemonProcess,
+                                                           elsewhere: None, key: bytes) -> None:
+    dead = UcxServerProcess()  # a valid worker address whose process is gone
+    dead.proc.kill()
+    dead.proc.wait()
+    cfg = StoreClientConfig(ucx_io_timeout_s=1.0, ucx_retry_after_s=60)
+    with StoreClient.connect(daemon.grpc_address, cfg) as c:
+        assert c.data_plane is DataPlane.UCX
+        info = pb.NodeInfo()
+        info.CopyFrom(c.info)
+        info.ucx_worker_address = dead.address
+        c._info = info  # this client now dials a UCX peer that never answers
+        data = payload(2 * MiB, 9)
+        start = time.monotonic()
+        c.put(key, data)  # UCX times out, the same call succeeds over TCP
+        assert time.monotonic() - start < 10
+        assert c._tcp is not None
+        start = time.monotonic()
+        out = bytearray(len(data))
+        c.get_into(key, out)  # UCX is marked bad: straight to TCP
+        assert out == data and time.monotonic() - start < 1.0
+
+
+def test_dead_daemon_is_peer_unavailable_within_a_bounded_time(tmp_path: Path,
+                                                                elsewhere: None) -> None:
+    d = DaemonProcess(tmp_path, "node-ucx-dies", nvme=False,
+                      settings={"server.ucx": "required"})
+    d.start()
+    try:
+        cfg = StoreClientConfig(ucx_io_timeout_s=30, ucx_liveness_interval_s=0.2,
+                                rpc_timeout_s=2)
+        with StoreClient.connect(d.grpc_address, cfg) as c:
+            assert c.data_plane is DataPlane.UCX
+            c.put(b"before-death", payload(MiB, 1))
+            d.kill()
+            start = time.monotonic()
+            with pytest.raises(PeerUnavailable):
+                c.get_into(b"before-death", bytearray(MiB))
+            assert time.monotonic() - start < 5.0  # the liveness probe, not the 30 s timeout
+    finally:
+        d.stop()
