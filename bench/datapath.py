@@ -281,6 +281,53 @@ class TcpPath:
         _stop(self._proc)
 
 
+class UcxPath:
+    """kvtier's UCX transport (``ucxx``) against a standalone server process; on one host UCX
+    moves the bytes over shared memory / CMA, so it may beat the socket limit."""
+
+    name = "ucx"
+    limit = "socket"
+
+    def __init__(self) -> None:
+        from kvstore.dataplane.transport.ucx import UcxClient
+
+        self._proc, address_hex = _spawn_ucx_server()
+        self._client = UcxClient(bytes.fromhex(address_hex))
+        self.connections = self._client.config.lanes
+
+    def put_many(self, keys: Sequence[bytes], srcs: Sequence[memoryview]) -> None:
+        for key, src in zip(keys, srcs, strict=True):
+            self._client.put(key, src)
+
+    def get_many_into(self, keys: Sequence[bytes], dsts: Sequence[memoryview]) -> None:
+        for key, dst in zip(keys, dsts, strict=True):
+            self._client.get_into(key, dst)
+
+    def after_put(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self._client.remove(key)
+
+    def covers(self, size_bytes: int) -> bool:
+        return True
+
+    def close(self) -> None:
+        self._client.close()
+        _stop(self._proc)
+
+
+def _spawn_ucx_server() -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvstore.dataplane.transport.ucx", "--exit-on-stdin-eof",
+         "--max-value-bytes", str(2 * max(SIZES_BYTES))],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("UCX-LISTENING "):
+        proc.kill()
+        raise RuntimeError(f"UCX server did not start: {line!r}")
+    return proc, line.split()[1]
+
+
 class RedisPath:
     """redis-server on an ephemeral port, over raw RESP with zero-copy receives."""
 
@@ -439,22 +486,25 @@ class DaemonPath:
         from kvstore.client import DataPlane, StoreClient, StoreClientConfig
 
         self._plane = DataPlane(plane)
+        self._one_by_one = self._plane is DataPlane.UCX  # StoreClient batches go over TCP
         self.name = self._plane.value
         self.limit = "memcpy" if self._plane is DataPlane.SHM else "socket"
-        self.connections = 1 if self._plane is DataPlane.SHM else TCP_CONNECTIONS
+        self.connections = {DataPlane.SHM: 1, DataPlane.UCX: 2}.get(self._plane, TCP_CONNECTIONS)
         self._proc, address = spawn_daemon(f"bench-{plane}")
         self._client = StoreClient.connect(address, StoreClientConfig(
             data_plane=self._plane, tcp_connections=TCP_CONNECTIONS, wait_for_ready=True))
 
     def put_many(self, keys: Sequence[bytes], srcs: Sequence[memoryview]) -> None:
-        if len(keys) == 1:
-            self._client.put(keys[0], srcs[0])
+        if len(keys) == 1 or self._one_by_one:
+            for key, src in zip(keys, srcs, strict=True):
+                self._client.put(key, src)
         else:
             self._client.put_many(keys, srcs)
 
     def get_many_into(self, keys: Sequence[bytes], dsts: Sequence[memoryview]) -> None:
-        if len(keys) == 1:
-            self._client.get_into(keys[0], dsts[0])
+        if len(keys) == 1 or self._one_by_one:
+            for key, dst in zip(keys, dsts, strict=True):
+                self._client.get_into(key, dst)
         else:
             self._client.get_many_into(keys, dsts)
 
@@ -509,10 +559,14 @@ PATHS: dict[str, Callable[[], DataPath]] = {
     "tcp-1conn": lambda: TcpPath(connections=1, striped_only=True),
     "tcp-daemon": lambda: DaemonPath("tcp"),
     "shm": lambda: DaemonPath("shm"),
+    "ucx": UcxPath,
+    "ucx-daemon": lambda: DaemonPath("ucx"),
     "redis": RedisPath,
 }
 """Every path the benchmark runs, limits first. Add new paths here; ``socket`` must stay (and
-``memcpy`` wherever ``shm`` runs). The key is the row's ``variant``."""
+``memcpy`` wherever ``shm`` runs). The key is the row's ``variant``. The ``ucx`` paths run only
+where ``ucxx`` imports (``main`` drops them otherwise and says why)."""
+UCX_PATHS = ("ucx", "ucx-daemon")
 
 
 # --- the Mooncake peer (its own venv, measured by bench/mooncake_peer.py) ---------------------------
@@ -827,8 +881,16 @@ def print_table(result: dict[str, Any]) -> None:
 
 def main(json_path: Path | None, quick: bool, mooncake: bool = True) -> None:
     """Run the benchmark, print its table, and write its JSON to ``json_path`` when given."""
+    from kvstore.dataplane.transport.ucx import ucx_unavailable
+
     paths = tuple(p for p in PATHS if p != "redis" or Path(REDIS_BINARY).exists())
+    ucx_reason = ucx_unavailable()
+    if ucx_reason is not None:
+        paths = tuple(p for p in paths if p not in UCX_PATHS)
+        print(f"ucx skipped: {ucx_reason}", file=sys.stderr)
     result = run(quick, paths, mooncake=mooncake)
+    if ucx_reason is not None:
+        result["skipped"]["ucx"] = ucx_reason
     print_table(result)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)

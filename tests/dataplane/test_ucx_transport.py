@@ -458,3 +458,18 @@ def test_dead_daemon_is_peer_unavailable_within_a_bounded_time(tmp_path: Path,
             assert time.monotonic() - start < 5.0  # the liveness probe, not the 30 s timeout
     finally:
         d.stop()
+
+
+def test_datapath_benchmark_ucx_smoke(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench import datapath
+
+    monkeypatch.setattr(datapath, "SIZES_BYTES", (4 * KiB, 2 * MiB))
+    monkeypatch.setattr(datapath, "OPS", ("put", "get", "get_batch"))
+    monkeypatch.setattr(datapath, "calls_for", lambda size, batch, quick: 3)
+    result = datapath.run(quick=True, path_names=("socket", "ucx", "ucx-daemon"))
+    rows = {(r["variant"], r["op"], r["value_bytes"]): r for r in result["rows"]}
+    for variant in ("ucx", "ucx-daemon"):
+        for op in ("put", "get"):
+            row = rows[(variant, op, 2 * MiB)]
+            assert row["path"] == "ucx" and row["limit_gbps"] > 0 and row["gbps"] > 0
+        assert (variant, "get_batch", 4 * KiB) in rows
