@@ -30,6 +30,13 @@
    on the same channel, the cheapest call the service answers (the gRPC limit here).
    ``python -m bench.schedule --grpc-only [--grpc-blocks N --grpc-requests N]`` runs only it.
 
+5. **Through real processes** (``--real``; ``--real-only`` runs only it): each policy
+   replays the trace through a real conductor (``--clock client``), real daemons holding
+   every block (4 KiB each, LRU at ``node_capacity_blocks``) and etcd, with simulated
+   engines writing, fetching and reporting load (:mod:`conductor.live_replay`). Hit ratio,
+   TTFT and its estimate, rejections, Schedule RPC latency p50/p99 and decisions/s (one
+   in flight), and each decision checked against the daemons' contents.
+
 No peer conductor is runnable here (Mooncake's conductor is not published);
 the policy table is the comparison, as in the Mooncake paper's Figure 8.
 """
@@ -218,6 +225,62 @@ def policies(workload: Workload, load: float, ttft_slo_s: float,
     return {"trace": workload.name, "requests": len(wl), "offered_load_at_trace_timing": natural,
             "load": load, "rate_per_s": wl.rate_per_s, "engine": engine.label,
             "cluster": cluster.__dict__, "rows": rows, "variants": variants}
+
+
+# --------------------------------------------------------------------------- 5. real processes
+
+
+def live_policies(workload: Workload, load: float, ttft_slo_s: float | None = None,
+                  tpot_slo_s: float | None = None) -> dict[str, Any]:
+    """Every policy through real processes, plus the in-process replay of the same slice."""
+    from conductor.live_replay import run_live_replay
+
+    cluster = ClusterSpec()
+    engine = default_engine_model(workload.block_tokens)
+    wl = scale_to_load(workload, engine.latency, cluster.prefill_instances, load)
+    rows = []
+    for policy in Policy:
+        row = run_live_replay(wl, policy, cluster=cluster, ttft_slo_s=ttft_slo_s,
+                              tpot_slo_s=tpot_slo_s).to_json()
+        fast = replay(wl, policy, cluster=cluster, ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s)
+        row["in_process"] = {"hit_ratio": fast.hit_ratio, "ttft_s": fast.ttft_s,
+                             "rejected": fast.rejected}
+        rows.append(row)
+        print(f"  {workload.name} {policy.value}: {row['wall_s']:.1f} s", file=sys.stderr)
+    return {"trace": workload.name, "requests": len(wl), "load": load,
+            "rate_per_s": wl.rate_per_s, "engine": engine.label, "cluster": cluster.__dict__,
+            "ttft_slo_s": ttft_slo_s, "tpot_slo_s": tpot_slo_s, "rows": rows}
+
+
+def format_live(traces: Sequence[dict[str, Any]]) -> str:
+    lines = []
+    for trace in traces:
+        slo = (f"; SLO TTFT {trace['ttft_slo_s']:g} s, TPOT {trace['tpot_slo_s'] * 1000:g} ms"
+               if trace.get("ttft_slo_s") else "")
+        lines += ["", f"5. Through real processes: {trace['trace']}, {trace['requests']:,} "
+                  f"requests at {trace['rate_per_s']:.2f}/s (simulated clock){slo}; a real "
+                  "conductor, 8 real daemons (4 KiB blocks), etcd; Schedule RPCs one at a time",
+                  f"{'policy':>13} {'hit':>6} {'(in-proc)':>9} {'TTFT mean':>9} {'p50':>6} "
+                  f"{'p99':>6} {'(in-proc mean)':>14} {'est mean':>8} {'est err':>7} "
+                  f"{'fetched':>8} {'rejected':>8} {'RPC p50/p99 us':>15} {'dec/s':>6} "
+                  f"{'held/checked':>13} {'index=daemons':>14} {'wall s':>7}"]
+        for row in trace["rows"]:
+            t, e, s = row["ttft_s"], row["ttft_estimate_s"], row["schedule_latency_us"]
+            fast = row["in_process"]
+            c = row["consistency"]
+            err = row["ttft_estimate_error"]
+            held = c["checked"] - c["violations"]
+            lines.append(
+                f"{row['policy']:>13} {row['hit_ratio']:>6.3f} {fast['hit_ratio']:>9.3f} "
+                f"{t['mean'] or 0:>9.3f} {t['p50'] or 0:>6.3f} {t['p99'] or 0:>6.2f} "
+                f"{fast['ttft_s']['mean'] or 0:>14.3f} {e['mean'] or 0:>8.3f} "
+                f"{'-' if err is None else f'{err:.3f}':>7} {row['fetched_blocks']:>8,} "
+                f"{sum(row['rejected'].values()):>8} "
+                f"{_us(s, 'p50'):>7}/{_us(s, 'p99'):<7} {row['decisions_per_s']:>6,.0f} "
+                f"{held:>6}/{c['checked']:<6} "
+                f"{row['indexed_blocks'] == row['daemon_blocks']!s:>14} "
+                f"{row['wall_s']:>7.1f}")
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- 4. over gRPC
@@ -560,6 +623,21 @@ def format_result(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def main_real(json_path: Path | None, traces: Sequence[str] | None, limit: int | None,
+              load: float = DEFAULT_LOAD, ttft_slo_s: float | None = None,
+              tpot_slo_s: float | None = None) -> int:
+    """Part 5 alone: each trace, each policy, through real processes; print, write JSON."""
+    workloads = [load_trace(t, count=limit) for t in (traces or ("mooncake",))]
+    result = {"environment": _environment(), "limit": limit,
+              "live": [live_policies(wl, load, ttft_slo_s, tpot_slo_s) for wl in workloads]}
+    print(format_live(result["live"]))
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=2))
+        print(f"\nwrote {json_path}")
+    return 0
+
+
 def main(json_path: Path | None = None, quick: bool = False,
          traces: Sequence[str] | None = None, limit: int | None = None,
          load: float = DEFAULT_LOAD, ttft_slo_s: float = DEFAULT_TTFT_SLO_S,
@@ -593,7 +671,11 @@ if __name__ == "__main__":
     parser.add_argument("--grpc-blocks", type=int, default=GRPC_BLOCKS)
     parser.add_argument("--grpc-requests", type=int, default=GRPC_REQUESTS)
     parser.add_argument("--grpc-concurrency", type=int, default=GRPC_CONCURRENCY)
+    parser.add_argument("--real-only", action="store_true",
+                        help="Only part 5: each policy through real processes")
     args = parser.parse_args()
+    if args.real_only:
+        sys.exit(main_real(args.json, args.trace, args.limit, args.load))
     if args.grpc_only:
         wl = load_trace((args.trace or ["mooncake"])[0], count=args.limit)
         grpc_rows = [grpc_scheduling(wl, args.grpc_blocks, args.grpc_requests,

@@ -58,12 +58,18 @@ def schedule(
     load: float = typer.Option(0.85, "--load", help="Prefill busy fraction with no reuse (rescales arrivals)."),
     index_blocks: list[int] | None = typer.Option(
         None, "--index-blocks", help="Index sizes to measure, in blocks (repeatable)."),
+    real: bool = typer.Option(
+        False, "--real", help="Only replay each policy through a real conductor, real daemons "
+        "and etcd (simulated engines and clock; default trace: mooncake)."),
 ) -> None:
     """Conductor: prefix index at 1M/10M blocks, scheduling latency, policies on traces."""
     from bench import schedule as bench_schedule
     from kvstore.errors import KvtierError
 
     try:
+        if real:
+            bench_schedule.main_real(json_path, trace, limit, load)
+            return
         bench_schedule.main(json_path, quick, trace, limit, load, sizes=index_blocks)
     except (KvtierError, OSError, ValueError) as exc:  # bad flag value or unreadable trace
         typer.echo(f"kvtier bench schedule: {exc}", err=True)
