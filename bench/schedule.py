@@ -628,9 +628,9 @@ def main_real(json_path: Path | None, traces: Sequence[str] | None, limit: int |
               tpot_slo_s: float | None = None) -> int:
     """Part 5 alone: each trace, each policy, through real processes; print, write JSON."""
     workloads = [load_trace(t, count=limit) for t in (traces or ("mooncake",))]
-    result = {"environment": _environment(), "limit": limit,
-              "live": [live_policies(wl, load, ttft_slo_s, tpot_slo_s) for wl in workloads]}
-    print(format_live(result["live"]))
+    live = [live_policies(wl, load, ttft_slo_s, tpot_slo_s) for wl in workloads]
+    result = {"environment": _environment(), "limit": limit, "live": live}
+    print(format_live(live))
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(result, indent=2))
