@@ -382,10 +382,11 @@ class StagingPool:
     def acquire(self, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(view of ``n_blocks`` rows, the buffer to give back to :meth:`release`)."""
         with self._lock:
-            fits = [b for b in self._free if b.shape[0] >= n_blocks]
+            fits = [i for i, b in enumerate(self._free) if b.shape[0] >= n_blocks]
             if fits:
-                buf = min(fits, key=lambda b: int(b.shape[0]))
-                self._free.remove(buf)
+                # By index: list.remove(tensor) compares with ==, which is elementwise on
+                # tensors (RuntimeError as soon as the buffer is not the first one held).
+                buf = self._free.pop(min(fits, key=lambda i: int(self._free[i].shape[0])))
                 return buf[:n_blocks], buf
         buf = self._layout.empty_chunks(max(n_blocks, 1))
         buf.zero_()  # first touch now, not inside the timed copy
