@@ -1,0 +1,270 @@
+"""A local kvtier cluster as child processes: etcd, a conductor, two store daemons, one prefill
+and one decode worker.
+
+::
+
+    with LocalCluster(ClusterSpec(work_dir=Path(".kvtier-cluster"))) as cluster:
+        async with Gateway(etcd_endpoint=cluster.etcd_endpoint, prefix=cluster.spec.prefix,
+                           model_name=cluster.spec.model_name) as gateway:
+            result = await gateway.generate("r-1", token_ids, max_new_tokens=8)
+
+Layout: ``node-a`` (daemon) with the prefill worker ``prefill-0``, ``node-b`` with the decode
+worker ``decode-0``. Every process binds ephemeral ports on 127.0.0.1 and announces them on a
+ready line; its stderr goes to ``<work_dir>/logs/<name>.log``.
+
+**Shutdown.** :meth:`LocalCluster.stop` (also on ``__exit__``, so on an exception or Ctrl-C in
+the ``with`` body) stops in dependency order: workers, conductor, daemons (they drain: DRAM
+chunks persist to NVMe), etcd; each gets SIGTERM, then SIGKILL after ``stop_timeout_s``.
+Children run in their own session, so a Ctrl-C in the terminal reaches only the parent, which
+then stops them in that order; and under ``setpriv --pdeathsig TERM`` (when ``setpriv``
+exists), so a parent killed with SIGKILL does not leave them running.
+
+``start`` is the only method with side effects; the constructor records settings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+from kvstore.engine.model import ModelSpec
+from kvstore.errors import ConfigError, MembershipError, PeerUnavailable
+
+__all__ = ["ClusterSpec", "LocalCluster"]
+
+REPO = Path(__file__).resolve().parents[1]
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What to start. Sizes are per daemon."""
+
+    work_dir: Path
+    spec: ModelSpec = field(default_factory=ModelSpec)
+    block_tokens: int = 64
+    model_name: str = "ref-llama"
+    prefix: str = "/kvtier/"
+    dram_bytes: int = 64 * MiB
+    nvme_bytes: int = 256 * MiB
+    torch_threads: int = 1
+    start_timeout_s: float = 120.0
+    stop_timeout_s: float = 15.0
+    conductor_policy: str = "global-cache"
+    fresh: bool = True
+    """Start from empty etcd data and NVMe directories under ``work_dir`` (logs are kept)."""
+
+    def __post_init__(self) -> None:
+        if self.block_tokens <= 0 or self.torch_threads <= 0:
+            raise ConfigError("block_tokens and torch_threads must be positive")
+        if self.dram_bytes < MiB or self.nvme_bytes < 0:
+            raise ConfigError("dram_bytes must be >= 1 MiB and nvme_bytes >= 0")
+        if self.start_timeout_s <= 0 or self.stop_timeout_s <= 0:
+            raise ConfigError("timeouts must be positive")
+
+
+class _Child:
+    """One child process that prints ``<ready_prefix>{json}`` once it serves."""
+
+    def __init__(self, name: str, argv: list[str], ready_prefix: str, log_path: Path) -> None:
+        self.name = name
+        self.argv = argv
+        self.ready_prefix = ready_prefix
+        self.log_path = log_path
+        self.proc: subprocess.Popen[str] | None = None
+        self.ready: dict[str, object] = {}
+
+    def spawn(self) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        argv = self.argv
+        setpriv = shutil.which("setpriv")
+        if setpriv is not None:
+            argv = [setpriv, "--pdeathsig", "TERM", "--", *argv]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log: IO[str]
+        with self.log_path.open("a") as log:
+            self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                         stderr=log, text=True, start_new_session=True)
+
+    def wait_ready(self, deadline: float) -> dict[str, object]:
+        assert self.proc is not None and self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            if line.startswith(self.ready_prefix):
+                self.ready = json.loads(line[len(self.ready_prefix):])
+                return self.ready
+        raise PeerUnavailable(f"{self.name} did not become ready (exit code "
+                              f"{self.proc.poll()}); log {self.log_path}:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text().splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def terminate(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def wait_or_kill(self, timeout_s: float) -> int | None:
+        if self.proc is None:
+            return None
+        try:
+            code = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        return code
+
+
+class LocalCluster:
+    """See the module docstring."""
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self._etcd: object = None
+        self.children: dict[str, _Child] = {}
+        self.etcd_endpoint = ""
+        self.daemon_addresses: dict[str, str] = {}
+        self.startup_s = 0.0
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.spec.work_dir / "logs"
+
+    def _py(self, *args: str) -> list[str]:
+        return [sys.executable, *args]
+
+    def start(self) -> None:
+        """Start everything and wait until the conductor can schedule onto both workers."""
+        from conductor.etcd import LocalEtcd
+
+        spec = self.spec
+        t0 = time.monotonic()
+        deadline = t0 + spec.start_timeout_s
+        if spec.fresh:
+            for name in ("etcd", "node-a-nvme", "node-b-nvme"):
+                shutil.rmtree(spec.work_dir / name, ignore_errors=True)
+        spec.work_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            etcd = LocalEtcd(work_dir=spec.work_dir / "etcd", name="kvtier-cluster")
+            self._etcd = etcd
+            etcd.start()
+            self.etcd_endpoint = etcd.client_url
+            first = [self._conductor_child()] + [self._daemon_child(n) for n in ("node-a", "node-b")]
+            for child in first:
+                child.spawn()
+            for child in first:
+                child.wait_ready(deadline)
+            self.daemon_addresses = {n: str(self.children[n].ready["grpc_address"])
+                                     for n in ("node-a", "node-b")}
+            workers = [self._worker_child("prefill-0", "prefill", "node-a"),
+                       self._worker_child("decode-0", "decode", "node-b")]
+            for child in workers:
+                child.spawn()
+            for child in workers:
+                child.wait_ready(deadline)
+            asyncio.run(self._wait_schedulable(deadline))
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.monotonic() - t0
+
+    def _conductor_child(self) -> _Child:
+        from kvstore.cli.conductor import READY_PREFIX
+
+        child = _Child("conductor", self._py(
+            "-m", "kvstore.cli.main", "conductor", "--etcd", self.etcd_endpoint,
+            "--prefix", self.spec.prefix, "--id", "conductor-0",
+            "--block-size-tokens", str(self.spec.block_tokens),
+            "--policy", self.spec.conductor_policy), READY_PREFIX,
+            self.logs_dir / "conductor.log")
+        self.children["conductor"] = child
+        return child
+
+    def _daemon_child(self, node_id: str) -> _Child:
+        settings = {"node_id": node_id, "dram.capacity_bytes": str(self.spec.dram_bytes),
+                    "etcd.endpoint": self.etcd_endpoint, "etcd.prefix": self.spec.prefix,
+                    "etcd.ttl_s": "3", "shutdown.drain_timeout_s": "5"}
+        if self.spec.nvme_bytes:
+            settings |= {"nvme.directory": str(self.spec.work_dir / f"{node_id}-nvme"),
+                         "nvme.capacity_bytes": str(self.spec.nvme_bytes),
+                         "nvme.segment_bytes": str(min(16 * MiB, self.spec.nvme_bytes))}
+        argv = self._py("-m", "kvstore.cli.main", "daemon")
+        for key, value in settings.items():
+            argv += ["--set", f"{key}={value}"]
+        child = _Child(node_id, argv, "KVTIER-DAEMON-READY ", self.logs_dir / f"{node_id}.log")
+        self.children[node_id] = child
+        return child
+
+    def _worker_child(self, instance_id: str, role: str, node_id: str) -> _Child:
+        from kvstore.engine.worker import READY_PREFIX
+
+        spec = self.spec
+        child = _Child(instance_id, self._py(
+            "-m", "kvstore.engine.worker", "--role", role, "--instance-id", instance_id,
+            "--node-id", node_id, "--daemon", self.daemon_addresses[node_id],
+            "--etcd", self.etcd_endpoint, "--prefix", spec.prefix,
+            "--model-name", spec.model_name, "--spec-json", json.dumps(asdict(spec.spec)),
+            "--block-tokens", str(spec.block_tokens), "--threads", str(spec.torch_threads)),
+            READY_PREFIX, self.logs_dir / f"{instance_id}.log")
+        self.children[instance_id] = child
+        return child
+
+    async def _wait_schedulable(self, deadline: float) -> None:
+        from conductor.client import ConductorClient
+        from conductor.membership import KeyLayout
+
+        async with ConductorClient(etcd_endpoint=self.etcd_endpoint,
+                                   layout=KeyLayout(self.spec.prefix)) as client:
+            while True:
+                info = await client.leader_info()
+                if list(info.prefill_instances) == ["prefill-0"] and \
+                        list(info.decode_instances) == ["decode-0"]:
+                    return
+                if time.monotonic() > deadline:
+                    raise MembershipError(
+                        f"the conductor never saw both workers (prefill "
+                        f"{list(info.prefill_instances)}, decode {list(info.decode_instances)})")
+                await asyncio.sleep(0.1)
+
+    def stop(self) -> dict[str, int | None]:
+        """Stop everything (see the module docstring); returns each child's exit code."""
+        codes: dict[str, int | None] = {}
+        for group in (("prefill-0", "decode-0"), ("conductor",), ("node-a", "node-b")):
+            children = [self.children[n] for n in group if n in self.children]
+            for child in children:
+                child.terminate()
+            for child in children:
+                codes[child.name] = child.wait_or_kill(self.spec.stop_timeout_s)
+        self.children.clear()
+        if self._etcd is not None:
+            from conductor.etcd import LocalEtcd
+
+            assert isinstance(self._etcd, LocalEtcd)
+            self._etcd.close()
+            self._etcd = None
+        return codes
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

@@ -1,0 +1,660 @@
+"""Disaggregated prefill and decode workers: one process each, a plain-socket service each.
+
+A request's life (the gateway, :mod:`kvstore.engine.gateway`, drives it)::
+
+    gateway ──generate──► prefill worker                         decode worker
+                            load the cached prefix (KVClient,
+                            its node's daemon), compute the rest,
+                            save every full block (layer by layer)
+            ◄─first_token──┤
+                            ├──decode (token ids, first token, ──► load the full blocks through
+                            │   tail KV, where the blocks are)     kvtier (the prefill node's
+                            │                                       daemon), append the tail,
+                            │◄────────────────── done ─────────────┤ decode greedily
+            ◄──── done ─────┤
+
+**What moves through kvtier.** Every *full* block of the prompt: the prefill worker saves it
+into its node's daemon and the decode worker loads it from there (shared memory on one host,
+the TCP data plane across hosts). The last, partial block (fewer than ``block_tokens`` tokens)
+cannot be a chunk (a chunk key names a full block of tokens), so its KV travels inside the
+``decode`` frame, beside the first token; it is at most ``block_tokens - 1`` tokens of KV.
+A decode whose load comes back short (a chunk evicted between the save and the load, a
+daemon gone) recomputes from the first missing block, tail included: slower, never wrong.
+
+**Reuse.** The conductor's ``prefix_blocks`` says how much of the prompt is cached on the
+prefill node. The worker also asks its daemon itself just before loading (the conductor's
+index trails the daemon's events by a few milliseconds, so the request right after the one
+that stored a prefix may be scheduled before the conductor heard of it) and loads the longer
+of the two; a load that comes back short degrades to computing more. Both counts are reported.
+Fetch plans (blocks held by another node) are not followed yet: only the prefill node's own
+blocks are reused.
+
+**Wire format.** One frame = 8-byte header ``>II`` (JSON length, payload length), the JSON
+object, then the payload bytes (KV, little-endian in the model's dtype). One request per
+connection; the connection closes after ``done`` or ``error``. An ``error`` frame carries the
+kvtier error class name and a message; the gateway raises it again.
+
+**Threads.** Each worker runs one asyncio loop (sockets, conductor reports, etcd lease) and
+computes on one extra thread, one request at a time, in arrival order: the model is not shared
+across threads. Both register an :class:`~conductor.engines.EngineRecord` under an etcd lease
+(refreshed every TTL/3; the record vanishes with the process) and report load and completions
+to the conductor; a failed report is logged, never fails the request.
+
+Run one with ``python -m kvstore.engine.worker --role prefill ...`` (see :func:`main`); it
+prints ``KVTIER-WORKER-READY {json}`` once it serves. :mod:`kvstore.cluster` starts them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import contextlib
+import json
+import logging
+import signal
+import struct
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import aetcd
+import grpc
+
+from conductor.engines import EngineRecord, EngineRole
+from kvstore.engine.model import ModelSpec
+from kvstore.errors import (
+    InvalidArgument,
+    InvariantViolation,
+    KvtierError,
+    PeerUnavailable,
+    ProtocolError,
+)
+
+if TYPE_CHECKING:
+
+    from conductor.client import ConductorClient
+    from kvstore.client.kv_client import KVClient
+    from kvstore.engine.kvlayout import KVLayout
+
+log = logging.getLogger(__name__)
+
+__all__ = ["READY_PREFIX", "WorkerConfig", "read_frame", "serve", "write_frame"]
+
+READY_PREFIX = "KVTIER-WORKER-READY "
+_HEADER = struct.Struct(">II")
+MAX_HEADER_BYTES = 16 << 20
+MAX_PAYLOAD_BYTES = 1 << 30
+
+
+# --- frames -------------------------------------------------------------------------------------
+
+
+async def read_frame(reader: asyncio.StreamReader) -> tuple[dict[str, Any], bytes]:
+    """One frame; PeerUnavailable when the peer closed, ProtocolError when it is malformed."""
+    try:
+        head = await reader.readexactly(_HEADER.size)
+        json_len, payload_len = _HEADER.unpack(head)
+        if json_len > MAX_HEADER_BYTES or payload_len > MAX_PAYLOAD_BYTES:
+            raise ProtocolError(f"frame too large: {json_len} + {payload_len} bytes")
+        doc = json.loads(await reader.readexactly(json_len))
+        payload = await reader.readexactly(payload_len) if payload_len else b""
+    except asyncio.IncompleteReadError as exc:
+        raise PeerUnavailable("the peer closed the connection mid-frame") from exc
+    except (ConnectionError, OSError) as exc:
+        raise PeerUnavailable(f"connection lost: {exc}") from exc
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolError(f"frame header is not JSON: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise ProtocolError("frame header must be a JSON object")
+    return doc, payload
+
+
+async def write_frame(writer: asyncio.StreamWriter, doc: dict[str, Any],
+                      payload: bytes | memoryview = b"") -> None:
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    writer.write(_HEADER.pack(len(body), len(payload)))
+    writer.write(body)
+    if payload:
+        writer.write(payload)
+    try:
+        await writer.drain()
+    except (ConnectionError, OSError) as exc:
+        raise PeerUnavailable(f"connection lost: {exc}") from exc
+
+
+def error_frame(exc: BaseException) -> dict[str, Any]:
+    return {"event": "error", "error": type(exc).__name__, "message": str(exc)}
+
+
+# --- configuration ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """One worker process. ``daemon_address`` is the gRPC address of ``node_id``'s daemon."""
+
+    role: EngineRole
+    instance_id: str
+    node_id: str
+    daemon_address: str
+    etcd_endpoint: str
+    etcd_prefix: str = "/kvtier/"
+    model_name: str = "ref-llama"
+    spec: ModelSpec = field(default_factory=ModelSpec)
+    block_tokens: int = 64
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 0
+    torch_threads: int = 1
+    kv_capacity_tokens: int = 1_000_000
+    """Decode KV room announced to the conductor (decode role only)."""
+    lease_ttl_s: int = 5
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.role, EngineRole):
+            raise InvalidArgument(f"role must be an EngineRole, got {self.role!r}")
+        for name in ("block_tokens", "torch_threads", "kv_capacity_tokens", "lease_ttl_s"):
+            if getattr(self, name) <= 0:
+                raise InvalidArgument(f"WorkerConfig.{name} must be positive")
+        if not 0 <= self.listen_port < 65536:
+            raise InvalidArgument(f"listen_port out of range: {self.listen_port}")
+
+
+# --- the shared part ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _PrefillOutcome:
+    first_token: int
+    tail: bytes
+    tail_tokens: int
+    full_blocks: int
+    reused_tokens: int
+    computed_tokens: int
+    local_lookup_blocks: int
+    load_s: float
+    compute_s: float
+    save_s: float
+    loaded_bytes: int
+    stored_bytes: int
+    load_tiers: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class _DecodeOutcome:
+    tokens: list[int]
+    loaded_blocks: int
+    recomputed_tokens: int
+    loaded_bytes: int
+    load_s: float
+    decode_s: float
+    tpot_s: float
+
+
+class _Worker:
+    """Model, KV clients, conductor reports and the etcd record; subclasses serve requests."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        """Record settings; :meth:`start` loads the model and opens everything."""
+        self.config = config
+        self._model: Any = None
+        self._layout: KVLayout | None = None
+        self._clients: dict[tuple[str, str], KVClient] = {}
+        self._compute = cf.ThreadPoolExecutor(1, thread_name_prefix=f"{config.role.value}-compute")
+        self._conductor: ConductorClient | None = None
+        self._etcd: Any = None
+        self._lease: Any = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._server: asyncio.Server | None = None
+        self.address = ""
+        self._queued_tokens = 0
+        self._active = 0
+
+    @property
+    def model(self) -> Any:
+        return self._model
+
+    @property
+    def layout(self) -> KVLayout:
+        assert self._layout is not None, "start() first"
+        return self._layout
+
+    def kv_client(self, address: str, tenant: str) -> KVClient:
+        """One KVClient per (daemon, tenant), connected on first use (compute thread only)."""
+        from kvstore.client.kv_client import KVClient, namespace_for
+
+        client = self._clients.get((address, tenant))
+        if client is None:
+            client = KVClient.connect(address, self.layout,
+                                      namespace_for(self.layout, self.config.model_name, tenant))
+            self._clients[(address, tenant)] = client
+        return client
+
+    async def start(self) -> str:
+        import torch
+
+        from conductor.client import ConductorClient
+        from conductor.engines import put_engine_record
+        from conductor.membership import KeyLayout, etcd_client
+        from kvstore.client.kv_client import namespace_for
+        from kvstore.engine.kvlayout import KVLayout
+        from kvstore.engine.model import build_reference_model
+
+        cfg = self.config
+        torch.set_num_threads(cfg.torch_threads)
+        loop = asyncio.get_running_loop()
+        self._model = await loop.run_in_executor(self._compute, build_reference_model, cfg.spec)
+        self._layout = KVLayout.for_model(self._model, cfg.block_tokens)
+        self._server = await asyncio.start_server(self._serve, cfg.listen_host, cfg.listen_port)
+        host, port = self._server.sockets[0].getsockname()[:2]
+        self.address = f"{host}:{port}"
+        layout = KeyLayout(cfg.etcd_prefix)
+        self._conductor = ConductorClient(etcd_endpoint=cfg.etcd_endpoint, layout=layout)
+        self._etcd = etcd_client(cfg.etcd_endpoint)
+        self._lease = await self._etcd.lease(cfg.lease_ttl_s)
+        record = EngineRecord(
+            cfg.instance_id, cfg.role, cfg.model_name, cfg.node_id,
+            kv_capacity_tokens=cfg.kv_capacity_tokens if cfg.role is EngineRole.DECODE else 0,
+            address=self.address,
+            kv_fingerprint=namespace_for(self.layout, cfg.model_name).fingerprint)
+        await put_engine_record(self._etcd, record, layout=layout, lease_id=self._lease.id)
+        self._spawn(self._keepalive())
+        return self.address
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._lease is not None:
+            with contextlib.suppress(Exception):  # etcd may be gone first; the TTL then ends it
+                await asyncio.wait_for(self._lease.revoke(), 2.0)
+        if self._etcd is not None:
+            with contextlib.suppress(Exception):  # closing a client of a dead etcd
+                await self._etcd.close()
+        if self._conductor is not None:
+            await self._conductor.close()
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._close_clients)
+
+    def _close_clients(self) -> None:
+        self._compute.shutdown(wait=True)
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _keepalive(self) -> None:
+        period_s = self.config.lease_ttl_s / 3
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                await asyncio.wait_for(self._lease.refresh(), period_s)
+            except (aetcd.ClientError, grpc.RpcError, TimeoutError) as exc:
+                # etcd down: keep trying; the record lapses with the lease if it stays down
+                log.warning("engine lease refresh failed: %s", exc)
+
+    def _report(self, coro: Any) -> None:
+        """Send a report to the conductor in the background; failures are logged only."""
+        async def send() -> None:
+            try:
+                await coro
+            except KvtierError as exc:
+                log.warning("conductor report failed: %s", exc)
+        self._spawn(send())
+
+    def _report_load(self) -> None:
+        assert self._conductor is not None
+        if self.config.role is EngineRole.PREFILL:
+            call = self._conductor.report_load(self.config.instance_id,
+                                               queued_prefill_tokens=self._queued_tokens)
+        else:
+            call = self._conductor.report_load(self.config.instance_id,
+                                               running_decode_batch=self._active,
+                                               kv_used_tokens=self._queued_tokens)
+        self._report(call)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            doc, payload = await read_frame(reader)
+            await self.handle(doc, payload, writer)
+        except KvtierError as exc:
+            log.warning("request failed: %s: %s", type(exc).__name__, exc)
+            with contextlib.suppress(KvtierError):
+                await write_frame(writer, error_frame(exc))
+        except Exception as exc:  # a bug (torch, transformers): the caller must hear of it
+            log.exception("request failed with an unexpected error")
+            with contextlib.suppress(KvtierError):
+                await write_frame(writer, error_frame(InvariantViolation(
+                    f"worker {self.config.instance_id}: {type(exc).__name__}: {exc}")))
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError, OSError):
+                await writer.wait_closed()
+
+    async def handle(self, doc: dict[str, Any], payload: bytes,
+                     writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+
+def _field(doc: dict[str, Any], name: str, kind: type) -> Any:
+    value = doc.get(name)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise InvalidArgument(f"field {name!r} must be {kind.__name__}, got {value!r}")
+    return value
+
+
+def _token_ids(doc: dict[str, Any]) -> list[int]:
+    ids = _field(doc, "token_ids", list)
+    if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise InvalidArgument("token_ids must be a non-empty list of ints")
+    return list(ids)
+
+
+# --- prefill ------------------------------------------------------------------------------------
+
+
+class PrefillWorker(_Worker):
+    """Serves ``generate``: prefill with reuse, save, hand the request to the decode worker."""
+
+    async def handle(self, doc: dict[str, Any], payload: bytes,
+                     writer: asyncio.StreamWriter) -> None:
+        if doc.get("op") != "generate":
+            raise InvalidArgument(f"a prefill worker serves 'generate', not {doc.get('op')!r}")
+        token_ids = _token_ids(doc)
+        tenant = _field(doc, "tenant", str)
+        reuse = _field(doc, "reuse", bool)
+        planned = _field(doc, "prefix_blocks", int)
+        ticket = _field(doc, "ticket", int)
+        decode_address = _field(doc, "decode_address", str)
+        max_new_tokens = _field(doc, "max_new_tokens", int)
+        if max_new_tokens < 1:
+            raise InvalidArgument("max_new_tokens must be >= 1")
+        self._queued_tokens += len(token_ids)
+        self._report_load()
+        loop = asyncio.get_running_loop()
+        received = time.time()
+        try:
+            out = await loop.run_in_executor(self._compute, self._prefill, token_ids, tenant,
+                                             reuse, planned)
+        except KvtierError:
+            self._cancel(ticket)
+            raise
+        finally:
+            self._queued_tokens -= len(token_ids)
+            self._report_load()
+        from kvstore._proto.kvtier.v1 import conductor_pb2 as pb
+
+        assert self._conductor is not None
+        self._report(self._conductor.report_completion(pb.CompletionReport(
+            ticket=ticket, prefill=pb.PrefillDone(
+                prefill_s=out.compute_s, computed_tokens=out.computed_tokens,
+                reused_tokens=out.reused_tokens))))
+        stats = {k: v for k, v in asdict(out).items() if k not in ("tail", "first_token")}
+        await write_frame(writer, {"event": "first_token", "token": out.first_token,
+                                   "received_unix_s": received, "prefill": stats})
+        # Hand over to the decode worker and relay its answer.
+        try:
+            d_reader, d_writer = await asyncio.open_connection(
+                *decode_address.rsplit(":", 1))
+        except OSError as exc:
+            self._cancel(ticket)
+            raise PeerUnavailable(f"decode worker {decode_address}: {exc}") from exc
+        try:
+            await write_frame(d_writer, {
+                "op": "decode", "token_ids": token_ids, "tenant": tenant, "ticket": ticket,
+                "first_token": out.first_token, "max_new_tokens": max_new_tokens,
+                "kv_address": self.config.daemon_address, "full_blocks": out.full_blocks,
+                "tail_tokens": out.tail_tokens}, out.tail)
+            reply, _ = await read_frame(d_reader)
+        finally:
+            d_writer.close()
+        await write_frame(writer, reply)
+
+    def _cancel(self, ticket: int) -> None:
+        from kvstore._proto.kvtier.v1 import conductor_pb2 as pb
+
+        assert self._conductor is not None
+        self._report(self._conductor.report_completion(
+            pb.CompletionReport(ticket=ticket, cancelled=True)))
+
+    def _prefill(self, token_ids: list[int], tenant: str, reuse: bool,
+                 planned_blocks: int) -> _PrefillOutcome:
+        import torch
+        from transformers.cache_utils import DynamicCache
+
+        from kvstore.client.kv_client import ContiguousKV, HFCacheKV, LoadHandle
+        from kvstore.engine.remote import layered_cache
+
+        lay = self.layout
+        B = lay.block_tokens
+        full = len(token_ids) // B
+        reusable = min(full, (len(token_ids) - 1) // B) if reuse else 0
+        client = self.kv_client(self.config.daemon_address, tenant)
+        t0 = time.perf_counter()
+        local = 0
+        tiers: dict[str, int] = {}
+        if reusable:
+            match = client.lookup(token_ids[:reusable * B])
+            local = match.blocks
+            tiers = {k.value: v for k, v in match.by_tier.items()}
+        want = min(reusable, max(local, planned_blocks))
+        handle: LoadHandle | None = None
+        loaded = 0
+        cache: Any = DynamicCache()
+        if want:
+            buffer = torch.empty((lay.num_layers, 2, lay.num_kv_heads, want * B, lay.head_dim),
+                                 dtype=lay.dtype)
+            handle = client.load(token_ids[:want * B], ContiguousKV(buffer, lay))
+            loaded = handle.transferred()
+            if loaded:
+                cache = layered_cache(buffer, loaded * B, handle)
+        t1 = time.perf_counter()
+        saver = (client.begin_save(token_ids, HFCacheKV(cache, lay), first_block=loaded)
+                 if full > loaded else None)
+        hooks = []
+        for index, layer in enumerate(self.model.model.layers):
+            if loaded and handle is not None:
+                def wait(_m: Any, _a: Any, index: int = index) -> None:
+                    assert handle is not None
+                    handle.wait_for_layer(index)
+                hooks.append(layer.register_forward_pre_hook(wait))
+            if saver is not None:
+                def save(_m: Any, _a: Any, _o: Any, index: int = index) -> None:
+                    assert saver is not None
+                    saver.save_layer(index)
+                hooks.append(layer.register_forward_hook(save))
+        rest = torch.tensor([token_ids[loaded * B:]], dtype=torch.long)
+        try:
+            with torch.no_grad():
+                out = self.model(input_ids=rest, past_key_values=cache, use_cache=True)
+        finally:
+            for h in hooks:
+                h.remove()
+        t2 = time.perf_counter()
+        load = handle.result() if handle is not None else None
+        stored = 0
+        if saver is not None:
+            result = saver.finish().result()
+            stored = result.stored_bytes
+            if result.failed_blocks:
+                # The decode worker would find fewer blocks and recompute them: slower, not wrong.
+                log.warning("save failed for blocks %s: %s", result.failed_blocks, result.error)
+        t3 = time.perf_counter()
+        past = out.past_key_values
+        tail = torch.stack([torch.stack((past.layers[i].keys[0, :, full * B:],
+                                         past.layers[i].values[0, :, full * B:]))
+                            for i in range(lay.num_layers)]).contiguous()
+        return _PrefillOutcome(
+            first_token=int(torch.argmax(out.logits[0, -1])),
+            tail=tail.numpy().tobytes(), tail_tokens=len(token_ids) - full * B, full_blocks=full,
+            reused_tokens=loaded * B, computed_tokens=len(token_ids) - loaded * B,
+            local_lookup_blocks=local, load_s=t1 - t0, compute_s=t2 - t1, save_s=t3 - t2,
+            loaded_bytes=load.loaded_bytes if load is not None else 0, stored_bytes=stored,
+            load_tiers=tiers)
+
+
+# --- decode -------------------------------------------------------------------------------------
+
+
+class DecodeWorker(_Worker):
+    """Serves ``decode``: load the prompt's KV through kvtier, append the tail, decode greedily."""
+
+    async def handle(self, doc: dict[str, Any], payload: bytes,
+                     writer: asyncio.StreamWriter) -> None:
+        if doc.get("op") != "decode":
+            raise InvalidArgument(f"a decode worker serves 'decode', not {doc.get('op')!r}")
+        token_ids = _token_ids(doc)
+        args = (token_ids, _field(doc, "tenant", str), _field(doc, "kv_address", str),
+                _field(doc, "full_blocks", int), _field(doc, "first_token", int),
+                _field(doc, "tail_tokens", int), payload, _field(doc, "max_new_tokens", int))
+        ticket = _field(doc, "ticket", int)
+        B = self.layout.block_tokens
+        if args[3] != len(token_ids) // B or args[5] != len(token_ids) - args[3] * B:
+            raise InvalidArgument("full_blocks/tail_tokens do not match the prompt")
+        if len(payload) != args[5] * self.layout.bytes_per_token:
+            raise InvalidArgument(f"tail KV has {len(payload)} bytes, expected "
+                                  f"{args[5] * self.layout.bytes_per_token}")
+        self._active += 1
+        self._queued_tokens += len(token_ids)
+        self._report_load()
+        loop = asyncio.get_running_loop()
+        try:
+            out = await loop.run_in_executor(self._compute, self._decode, *args)
+        finally:
+            self._active -= 1
+            self._queued_tokens -= len(token_ids)
+            self._report_load()
+        from kvstore._proto.kvtier.v1 import conductor_pb2 as pb
+
+        assert self._conductor is not None
+        self._report(self._conductor.report_completion(pb.CompletionReport(
+            ticket=ticket, decode=pb.DecodeDone(
+                output_tokens=len(out.tokens), tpot_s=out.tpot_s, batch_size=1,
+                context_tokens=len(token_ids) + len(out.tokens)))))
+        await write_frame(writer, {"event": "done", "decode": asdict(out)})
+
+    def _decode(self, token_ids: list[int], tenant: str, kv_address: str, full_blocks: int,
+                first_token: int, tail_tokens: int, tail: bytes, max_new_tokens: int
+                ) -> _DecodeOutcome:
+        import torch
+
+        from kvstore.client.kv_client import ContiguousKV
+        from kvstore.engine.remote import layered_cache
+
+        lay = self.layout
+        B = lay.block_tokens
+        n = len(token_ids)
+        t0 = time.perf_counter()
+        buffer = torch.empty((lay.num_layers, 2, lay.num_kv_heads, n, lay.head_dim),
+                             dtype=lay.dtype)
+        loaded, loaded_bytes = 0, 0
+        if full_blocks:
+            result = self.kv_client(kv_address, tenant).load(
+                token_ids[:full_blocks * B], ContiguousKV(buffer, lay)).result()
+            loaded, loaded_bytes = result.loaded_blocks, result.loaded_bytes
+            if result.failed_blocks:
+                log.warning("decode load stopped at block %d (%s): recomputing",
+                            loaded, result.error)
+        recomputed = 0
+        if loaded == full_blocks:
+            if tail_tokens:
+                shape = (lay.num_layers, 2, lay.num_kv_heads, tail_tokens, lay.head_dim)
+                buffer[:, :, :, full_blocks * B:] = torch.frombuffer(
+                    bytearray(tail), dtype=lay.dtype).view(shape)
+            cache = layered_cache(buffer, n, None)
+        else:
+            from transformers.cache_utils import DynamicCache
+
+            cache = layered_cache(buffer, loaded * B, None) if loaded else DynamicCache()
+            recomputed = n - loaded * B
+            with torch.no_grad():
+                out = self.model(input_ids=torch.tensor([token_ids[loaded * B:]]),
+                                 past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+        t1 = time.perf_counter()
+        tokens = [first_token]
+        with torch.no_grad():
+            while len(tokens) < max_new_tokens:
+                out = self.model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache,
+                                 use_cache=True)
+                cache = out.past_key_values
+                tokens.append(int(torch.argmax(out.logits[0, -1])))
+        t2 = time.perf_counter()
+        steps = len(tokens) - 1
+        return _DecodeOutcome(tokens, loaded, recomputed, loaded_bytes, t1 - t0, t2 - t1,
+                              (t2 - t1) / steps if steps else 0.0)
+
+
+# --- process ------------------------------------------------------------------------------------
+
+
+async def serve(config: WorkerConfig, *, ready: Any = None) -> None:
+    """Run a worker until SIGTERM/SIGINT; ``ready(address)`` is called once it serves."""
+    worker: _Worker = (PrefillWorker(config) if config.role is EngineRole.PREFILL
+                       else DecodeWorker(config))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        address = await worker.start()
+        if ready is not None:
+            ready(address)
+        await stop.wait()
+    finally:
+        await worker.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvstore.engine.worker --role prefill|decode --instance-id ID --node-id N
+    --daemon HOST:PORT --etcd URL [--prefix P] [--model-name M] [--spec-json J]
+    [--block-tokens B] [--threads T] [--kv-capacity-tokens K]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="kvstore.engine.worker")
+    parser.add_argument("--role", required=True, choices=[r.value for r in EngineRole])
+    parser.add_argument("--instance-id", required=True)
+    parser.add_argument("--node-id", required=True)
+    parser.add_argument("--daemon", required=True, help="gRPC address of the node's daemon")
+    parser.add_argument("--etcd", required=True)
+    parser.add_argument("--prefix", default="/kvtier/")
+    parser.add_argument("--model-name", default="ref-llama")
+    parser.add_argument("--spec-json", default="{}", help="ModelSpec fields as JSON")
+    parser.add_argument("--block-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--kv-capacity-tokens", type=int, default=1_000_000)
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = WorkerConfig(
+            role=EngineRole(args.role), instance_id=args.instance_id, node_id=args.node_id,
+            daemon_address=args.daemon, etcd_endpoint=args.etcd, etcd_prefix=args.prefix,
+            model_name=args.model_name, spec=ModelSpec(**json.loads(args.spec_json)),
+            block_tokens=args.block_tokens, torch_threads=args.threads,
+            kv_capacity_tokens=args.kv_capacity_tokens)
+    except (KvtierError, TypeError, ValueError) as exc:
+        print(f"kvstore.engine.worker: {exc}", file=sys.stderr)
+        return 2
+
+    def ready(address: str) -> None:
+        print(READY_PREFIX + json.dumps({"instance_id": config.instance_id,
+                                         "role": config.role.value, "address": address}),
+              flush=True)
+
+    try:
+        asyncio.run(serve(config, ready=ready))
+    except KvtierError as exc:
+        print(f"kvstore.engine.worker: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""A local cluster of real processes (etcd, conductor, two daemons, a prefill and a decode
+worker) serving requests through the gateway: greedy outputs are identical with and without
+reuse and equal to an in-process reference, reused prefixes skip prefill, and the KV of the
+prompt reaches the decode worker through kvtier."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from conductor.etcd import find_etcd_binary  # noqa: E402
+from kvstore.cluster import ClusterSpec, LocalCluster  # noqa: E402
+from kvstore.engine.gateway import Gateway, GatewayResult  # noqa: E402
+from kvstore.engine.model import ModelSpec, build_reference_model  # noqa: E402
+from kvstore.engine.worker import read_frame, write_frame  # noqa: E402
+from kvstore.errors import InvalidArgument  # noqa: E402
+
+BLOCK = 16
+SPEC = ModelSpec(vocab_size=1000, hidden_size=128, intermediate_size=256, num_layers=2,
+                 num_attention_heads=4, num_kv_heads=2, head_dim=32, max_positions=1024, seed=7)
+NEW_TOKENS = 5
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    if find_etcd_binary() is None:
+        pytest.skip("etcd binary not found")
+    spec = ClusterSpec(work_dir=tmp_path_factory.mktemp("cluster"), spec=SPEC,
+                       block_tokens=BLOCK, dram_bytes=16 << 20, nvme_bytes=32 << 20)
+    with LocalCluster(spec) as c:
+        yield c
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, SPEC.vocab_size, (n,), generator=g).tolist()
+
+
+def reference(model: object, tokens: list[int]) -> list[int]:
+    """Greedy tokens from one full forward in this process (no kvtier anywhere)."""
+    out: list[int] = []
+    with torch.no_grad():
+        res = model(input_ids=torch.tensor([tokens]), use_cache=True)  # type: ignore[operator]
+        for _ in range(NEW_TOKENS):
+            out.append(int(torch.argmax(res.logits[0, -1])))
+            res = model(input_ids=torch.tensor([[out[-1]]]),  # type: ignore[operator]
+                        past_key_values=res.past_key_values, use_cache=True)
+    return out
+
+
+def serve(cluster: LocalCluster, prompts: list[list[int]], *, tenant: str, reuse: bool
+          ) -> list[GatewayResult]:
+    async def go() -> list[GatewayResult]:
+        async with Gateway(etcd_endpoint=cluster.etcd_endpoint, prefix=cluster.spec.prefix,
+                           model_name=cluster.spec.model_name) as gateway:
+            return [await gateway.generate(f"{tenant}-{i}", p, max_new_tokens=NEW_TOKENS,
+                                           tenant=tenant, reuse=reuse)
+                    for i, p in enumerate(prompts)]
+    return asyncio.run(go())
+
+
+def test_reuse_skips_prefill_and_outputs_are_identical(cluster: LocalCluster) -> None:
+    system = prompt(3 * BLOCK, seed=1)
+    # Prompts ending on and off block boundaries, sharing a 3-block prefix, plus one that
+    # continues the first (a conversation's next turn).
+    prompts = [system + prompt(2 * BLOCK + 5, seed=2), system + prompt(BLOCK, seed=3),
+               system + prompt(7, seed=4)]
+    prompts.append(prompts[0] + prompt(BLOCK + 3, seed=5))
+    plain = serve(cluster, prompts, tenant="plain", reuse=False)
+    reused = serve(cluster, prompts, tenant="reuse", reuse=True)
+
+    model = build_reference_model(SPEC)
+    for p, a, b in zip(prompts, plain, reused, strict=True):
+        assert a.accepted and b.accepted
+        assert a.tokens == b.tokens == reference(model, p)
+        assert a.prefill_instance == "prefill-0" and a.decode_instance == "decode-0"
+        # Every full block went through kvtier to the decode worker, in both modes.
+        assert a.decode["loaded_blocks"] == len(p) // BLOCK == b.decode["loaded_blocks"]
+        assert a.decode["recomputed_tokens"] == 0 == b.decode["recomputed_tokens"]
+        assert a.prefill["computed_tokens"] == len(p) and a.prefill["reused_tokens"] == 0
+
+    computed = [r.prefill["computed_tokens"] for r in reused]
+    assert computed[0] == len(prompts[0])
+    assert computed[1] == len(prompts[1]) - 3 * BLOCK
+    assert computed[2] == len(prompts[2]) - 3 * BLOCK
+    assert computed[3] == len(prompts[3]) - (len(prompts[0]) // BLOCK) * BLOCK
+    assert sum(computed) < sum(r.prefill["computed_tokens"] for r in plain) // 2
+    assert all(r.prefill["loaded_bytes"] > 0 for r in reused[1:])
+
+
+def test_worker_rejects_a_malformed_request(cluster: LocalCluster) -> None:
+    address = str(cluster.children["prefill-0"].ready["address"])
+
+    async def go() -> dict[str, object]:
+        host, port = address.rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            await write_frame(writer, {"op": "generate", "token_ids": []})
+            doc, _ = await read_frame(reader)
+            return doc
+        finally:
+            writer.close()
+
+    doc = asyncio.run(go())
+    assert doc["event"] == "error" and doc["error"] == InvalidArgument.__name__
+    assert "token_ids" in str(doc["message"])
+
+
+def test_cluster_stops_every_process(cluster: LocalCluster) -> None:
+    # Last in the module: stops the shared cluster (the fixture's own stop is then a no-op).
+    procs = [child.proc for child in cluster.children.values()]
+    codes = cluster.stop()
+    assert set(codes) == {"conductor", "node-a", "node-b", "prefill-0", "decode-0"}
+    assert all(p is not None and p.poll() is not None for p in procs)
+    assert all(code == 0 for code in codes.values()), codes
+    assert cluster.stop() == {}
