@@ -77,6 +77,7 @@ _REPO = Path(__file__).resolve().parents[1]
 _DAEMON_READY = "KVTIER-DAEMON-READY "
 _CONDUCTOR_READY = "KVTIER-CONDUCTOR-READY "
 _SYNC_TIMEOUT_S = 5.0
+_START_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -244,16 +245,19 @@ class LiveCluster:
             if proc.stdout is not None:
                 proc.stdout.close()
         self.procs = []
+        self.daemons = {}
         if self.etcd is not None:
             self.etcd.close()
             self.etcd = None
 
     def __enter__(self) -> LiveCluster:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
+        """Start (unless :meth:`start` already ran) and return self."""
+        if not self.procs:
+            try:
+                self.start()
+            except BaseException:
+                self.close()
+                raise
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -318,10 +322,21 @@ async def live_replay(workload: Workload, policy: Policy, *, cluster: ClusterSpe
                                      ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s,
                                      work_dir=Path(tmp))
     started = time.perf_counter()
-    with LiveCluster(work_dir, nodes=cluster.prefill_instances,
-                     capacity_blocks=cluster.node_capacity_blocks, policy=policy,
-                     block_value_bytes=live.block_value_bytes, ttft_slo_s=ttft_slo_s,
-                     tpot_slo_s=tpot_slo_s, start_timeout_s=live.start_timeout_s) as procs:
+    procs = LiveCluster(work_dir, nodes=cluster.prefill_instances,
+                        capacity_blocks=cluster.node_capacity_blocks, policy=policy,
+                        block_value_bytes=live.block_value_bytes, ttft_slo_s=ttft_slo_s,
+                        tpot_slo_s=tpot_slo_s, start_timeout_s=live.start_timeout_s)
+    for attempt in range(_START_ATTEMPTS):
+        try:
+            procs.start()
+            break
+        except KvtierError:
+            # On a loaded machine a daemon's first etcd connection can time out: start
+            # everything afresh (the processes of the failed attempt are stopped first).
+            procs.close()
+            if attempt + 1 == _START_ATTEMPTS:
+                raise
+    with procs:
         driver = _Driver(workload, policy, cluster, engine, live, procs)
         try:
             await driver.setup()
