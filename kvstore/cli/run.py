@@ -13,16 +13,22 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import typer
 from rich.console import Console
-from rich.progress import Progress
+from rich.progress import Progress, TaskID
 from rich.table import Table
 
 from kvstore.dataplane.tier import Tier, TierKind
+from kvstore.engine.model import ModelSpec
+
+if TYPE_CHECKING:
+    from kvstore.engine.gateway import Gateway, GatewayResult
 
 MiB = 1 << 20
 TRACE_BLOCK_TOKENS = 512
@@ -85,18 +91,10 @@ def build_tiers(data_dir: Path, *, dram_bytes: int, nvme_bytes: int, console: Co
     return tiers
 
 
-def run(requests: int = typer.Option(16, help="How many trace requests to serve."),
-        max_blocks: int = typer.Option(6, help="Skip trace requests longer than this many blocks."),
-        new_tokens: int = typer.Option(8, help="Greedy tokens decoded per request."),
-        dram_mib: int = typer.Option(24, help="DRAM tier size (small on purpose: forces demotion)."),
-        nvme_mib: int = typer.Option(512, help="NVMe tier size."),
-        data_dir: Path = typer.Option(Path(".kvtier-run"), help="Where the NVMe tier keeps its files."),
-        trace: Path = typer.Option(None, help="Mooncake-format trace (default: ../shared/data/traces/conversation_trace.jsonl)."),
-        fresh: bool = typer.Option(False, help="Start with an empty NVMe tier."),
-        policy: str = typer.Option("mq", help="Eviction policy."),
-        ) -> None:
-    """Serve a slice of a real trace through the tiered cache with a real transformer, checking
-    that reused prefixes give the same output as full prefill."""
+def run_local(*, requests: int, max_blocks: int, new_tokens: int, dram_mib: int, nvme_mib: int,
+              data_dir: Path, trace: Path, fresh: bool, policy: str) -> None:
+    """One process: serve a slice of a real trace through one node's tiered cache with a real
+    transformer, checking that reused prefixes give the same output as full prefill."""
     import torch
 
     from kvstore.engine.model import ModelSpec, build_reference_model
@@ -105,9 +103,6 @@ def run(requests: int = typer.Option(16, help="How many trace requests to serve.
 
     console = Console(width=160)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    trace = trace or default_trace()
-    if not trace.exists():
-        raise typer.BadParameter(f"trace {trace} not found", param_hint="--trace")
     if fresh and data_dir.exists():
         shutil.rmtree(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -181,3 +176,193 @@ def run(requests: int = typer.Option(16, help="How many trace requests to serve.
     cache.close()
     if totals["mismatch"]:
         raise typer.Exit(code=1)
+
+
+# --- the cluster mode (default) -----------------------------------------------------------------
+
+CLUSTER_BLOCK_TOKENS = 64
+"""Tokens per KV block in the cluster run: one trace block (512 tokens) becomes 64 tokens."""
+
+
+def cluster_model_spec() -> ModelSpec:
+    """A Llama-architecture model small enough that a few dozen requests, twice, fit in ~2
+    minutes on 2 shared cores (4 layers, hidden 256: ~4.6M parameters)."""
+    return ModelSpec(vocab_size=8_000, hidden_size=256, intermediate_size=688, num_layers=4,
+                     num_attention_heads=4, num_kv_heads=2, head_dim=64, max_positions=8_192)
+
+
+@dataclass(frozen=True, slots=True)
+class PassResult:
+    """One pass of the trace slice through the cluster (with or without reuse)."""
+
+    reuse: bool
+    results: list[GatewayResult]
+    wall_s: float
+
+    def ttft(self) -> list[float]:
+        return [r.ttft_s for r in self.results]
+
+    def tpot(self) -> list[float]:
+        return [r.decode.get("tpot_s", 0.0) for r in self.results if len(r.tokens) > 1]
+
+    def total(self, phase: str, name: str) -> int:
+        return sum(int(getattr(r, phase).get(name, 0)) for r in self.results)
+
+
+async def replay(gateway: Gateway, reqs: list[Request], *, new_tokens: int, tenant: str,
+                 reuse: bool, concurrency: int, on_done: Callable[[], None]) -> PassResult:
+    """Send ``reqs`` in trace order with at most ``concurrency`` in flight; results in order."""
+    import asyncio
+
+    limit = asyncio.Semaphore(concurrency)
+
+    async def one(i: int, req: Request) -> GatewayResult:
+        async with limit:
+            result = await gateway.generate(f"{tenant}-{i}", req.token_ids,
+                                            max_new_tokens=new_tokens, tenant=tenant,
+                                            reuse=reuse)
+        on_done()
+        return result
+
+    t0 = time.perf_counter()
+    tasks = []
+    for i, req in enumerate(reqs):
+        async with limit:  # admit in order: request i is sent before request i + 1
+            pass
+        tasks.append(asyncio.ensure_future(one(i, req)))
+        await asyncio.sleep(0)
+    results = await asyncio.gather(*tasks)
+    return PassResult(reuse, list(results), time.perf_counter() - t0)
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else 0.0
+
+
+def run_cluster(*, requests: int, max_blocks: int, new_tokens: int, trace: Path,
+                work_dir: Path, concurrency: int, threads: int) -> None:
+    """Bring up the local cluster, replay the slice without and with reuse, report, stop."""
+    import asyncio
+    import uuid
+
+    from kvstore.cli.admin import stats_doc
+    from kvstore.client.store_client import StoreClient
+    from kvstore.cluster import ClusterSpec, LocalCluster
+    from kvstore.engine import gateway as gateway_module
+
+    console = Console(width=160)
+    spec = cluster_model_spec()
+    reqs = synthesize_requests(trace, count=requests, max_blocks=max_blocks,
+                               block_tokens=CLUSTER_BLOCK_TOKENS, vocab_size=spec.vocab_size)
+    cspec = ClusterSpec(work_dir=work_dir, spec=spec, block_tokens=CLUSTER_BLOCK_TOKENS,
+                        dram_bytes=16 * MiB, nvme_bytes=128 * MiB, torch_threads=threads)
+    run_id = uuid.uuid4().hex[:6]
+    console.print(f"bringing up a local cluster in {work_dir}: etcd, conductor, daemons node-a "
+                  f"and node-b, prefill-0 on node-a, decode-0 on node-b ...")
+    passes: dict[bool, PassResult] = {}
+    with LocalCluster(cspec) as cluster:
+        console.print(f"cluster up in {cluster.startup_s:.1f} s (etcd {cluster.etcd_endpoint}; "
+                      f"logs in {cluster.logs_dir})")
+
+        async def drive(progress: Progress) -> None:
+            async with gateway_module.Gateway(etcd_endpoint=cluster.etcd_endpoint, prefix=cspec.prefix,
+                               model_name=cspec.model_name) as gateway:
+                for reuse in (False, True):
+                    label = "with reuse" if reuse else "without reuse (reference)"
+                    task = progress.add_task(label, total=len(reqs))
+
+                    def advance(task: TaskID = task) -> None:
+                        progress.advance(task)
+
+                    passes[reuse] = await replay(
+                        gateway, reqs, new_tokens=new_tokens,
+                        tenant=f"{'reuse' if reuse else 'plain'}-{run_id}", reuse=reuse,
+                        concurrency=concurrency, on_done=advance)
+
+        with Progress(console=console) as progress:
+            asyncio.run(drive(progress))
+        nodes = []
+        for address in cluster.daemon_addresses.values():
+            with StoreClient.connect(address) as store:
+                nodes.append(stats_doc(store.stats(), address))
+
+    plain, reused = passes[False], passes[True]
+    same = sum(a.tokens == b.tokens for a, b in zip(plain.results, reused.results, strict=True))
+    layout_chunk = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4 \
+        * CLUSTER_BLOCK_TOKENS
+    console.print(f"model: Llama-architecture, random weights (seed {spec.seed}), "
+                  f"{spec.num_layers} layers, hidden {spec.hidden_size}; block = "
+                  f"{CLUSTER_BLOCK_TOKENS} tokens = {layout_chunk / 1024:.0f} KiB of KV; "
+                  f"{len(reqs)} requests from {trace.name} (<= {max_blocks} trace blocks), "
+                  f"{new_tokens} tokens each, {concurrency} in flight")
+    table = Table(title="Disaggregated prefill/decode through kvtier")
+    for col in ("mode", "TTFT mean ms", "p50", "p99", "TPOT mean ms", "p99",
+                "prompt tokens", "prefill computed", "hit ratio", "KV loaded by prefill MiB",
+                "KV saved MiB", "KV to decode MiB", "wall s"):
+        table.add_column(col, justify="right")
+    for p in (plain, reused):
+        prompt = p.total("prefill", "computed_tokens") + p.total("prefill", "reused_tokens")
+        computed = p.total("prefill", "computed_tokens")
+        ttft, tpot = p.ttft(), p.tpot()
+        table.add_row("reuse" if p.reuse else "no reuse",
+                      f"{np.mean(ttft) * 1e3:.0f}", f"{_pct(ttft, 50) * 1e3:.0f}",
+                      f"{_pct(ttft, 99) * 1e3:.0f}",
+                      f"{np.mean(tpot) * 1e3:.1f}" if tpot else "-",
+                      f"{_pct(tpot, 99) * 1e3:.1f}" if tpot else "-",
+                      str(prompt), str(computed), f"{1 - computed / max(1, prompt):.1%}",
+                      f"{p.total('prefill', 'loaded_bytes') / MiB:.1f}",
+                      f"{p.total('prefill', 'stored_bytes') / MiB:.1f}",
+                      f"{p.total('decode', 'loaded_bytes') / MiB:.1f}", f"{p.wall_s:.1f}")
+    console.print(table)
+
+    tiers = Table(title="Bytes moved per tier (daemon counters, both passes)")
+    for col in ("node", "tier", "chunks", "used MiB", "puts", "hits", "MiB written",
+                "MiB read", "demotions", "promotions", "evictions"):
+        tiers.add_column(col, justify="right")
+    for node in nodes:
+        for t in node["tiers"]:
+            tiers.add_row(node["node_id"], t["tier"], str(t["chunks"]),
+                          f"{t['used_bytes'] / MiB:.1f}", str(t["puts"]), str(t["hits"]),
+                          f"{t['bytes_written'] / MiB:.1f}", f"{t['bytes_read'] / MiB:.1f}",
+                          str(t["demotions"]), str(t["promotions"]), str(t["evictions"]))
+    console.print(tiers)
+    speedup = float(np.mean(plain.ttft())) / max(1e-9, float(np.mean(reused.ttft())))
+    console.print(f"mean TTFT {np.mean(plain.ttft()) * 1e3:.0f} ms without reuse, "
+                  f"{np.mean(reused.ttft()) * 1e3:.0f} ms with reuse ({speedup:.2f}x); "
+                  f"outputs identical in {same}/{len(reqs)} requests; cluster stopped")
+    if same != len(reqs):
+        raise typer.Exit(code=1)
+
+
+def run(requests: int = typer.Option(32, help="How many trace requests to serve."),
+        max_blocks: int = typer.Option(8, help="Skip trace requests longer than this many blocks."),
+        new_tokens: int = typer.Option(8, help="Greedy tokens decoded per request."),
+        trace: Path = typer.Option(None, help="Mooncake-format trace (default: ../shared/data/traces/conversation_trace.jsonl)."),
+        local: bool = typer.Option(False, "--local", help="The single-process mode: one node's "
+                                   "tiers in this process, no cluster."),
+        work_dir: Path = typer.Option(Path(".kvtier-run/cluster"), help="Cluster: logs, etcd data "
+                                      "and NVMe files (emptied at start, logs kept)."),
+        concurrency: int = typer.Option(2, help="Cluster: requests in flight."),
+        threads: int = typer.Option(1, help="Cluster: torch threads per worker."),
+        dram_mib: int = typer.Option(24, help="--local: DRAM tier size (small on purpose: forces demotion)."),
+        nvme_mib: int = typer.Option(512, help="--local: NVMe tier size."),
+        data_dir: Path = typer.Option(Path(".kvtier-run"), help="--local: where the NVMe tier keeps its files."),
+        fresh: bool = typer.Option(False, help="--local: start with an empty NVMe tier."),
+        policy: str = typer.Option("mq", help="--local: eviction policy."),
+        ) -> None:
+    """Bring up a local cluster (etcd, conductor, two daemons, a prefill and a decode worker),
+    replay a slice of a real trace through the gateway without and with prefix reuse, print
+    TTFT, TPOT, hit ratio and bytes moved per tier, check the outputs are identical, and shut
+    everything down. ``--local``: the single-process mode instead."""
+    trace = trace or default_trace()
+    if not trace.exists():
+        raise typer.BadParameter(f"trace {trace} not found", param_hint="--trace")
+    if requests < 1 or new_tokens < 1 or concurrency < 1 or threads < 1:
+        raise typer.BadParameter("requests, new_tokens, concurrency and threads must be >= 1")
+    if local:
+        run_local(requests=requests, max_blocks=max_blocks, new_tokens=new_tokens,
+                  dram_mib=dram_mib, nvme_mib=nvme_mib, data_dir=data_dir, trace=trace,
+                  fresh=fresh, policy=policy)
+    else:
+        run_cluster(requests=requests, max_blocks=max_blocks, new_tokens=new_tokens,
+                    trace=trace, work_dir=work_dir, concurrency=concurrency, threads=threads)
