@@ -134,3 +134,17 @@ def client(
     from bench import kv_client as bench_kv_client
 
     bench_kv_client.main((["--quick"] if quick else []) + (["--json", str(json_path)] if json_path else []))
+
+
+@app.command()
+def e2e(
+    quick: bool = typer.Option(False, "--quick", help="16 trace requests, 4 sessions x 4 turns."),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write the results as JSON here."),
+    rate: float = typer.Option(3.0, "--rate", help="Mean arrivals per second."),
+) -> None:
+    """End to end on a local cluster: disaggregated prefill/decode without (c) and with (d)
+    kvtier reuse on the same arrival trace (TTFT, TPOT, prefill tokens, KV bytes, identical outputs)."""
+    from bench import e2e as bench_e2e
+
+    bench_e2e.main((["--quick"] if quick else []) + ["--rate", str(rate)]
+                   + (["--json", str(json_path)] if json_path else []))

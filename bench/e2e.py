@@ -1,0 +1,255 @@
+"""``kvtier bench e2e``: disaggregated prefill/decode without and with kvtier reuse, end to end.
+
+One local cluster (``kvstore.cluster.LocalCluster``: etcd, conductor, two daemons, a prefill and
+a decode worker, the small model of ``kvtier run``) serves the same arrival trace twice:
+
+* **(c) disaggregated, no reuse**: the prefill worker computes every prompt token; full blocks
+  still go to the decode worker through kvtier (that is the handoff);
+* **(d) disaggregated, kvtier reuse**: the prefill worker loads the cached prefix first.
+
+Each mode runs twice, in the order c d d c (the load of a shared machine drifts; the order
+cancels a linear drift), and every pass has its own tenant, so each starts from an empty cache;
+figures per mode are over both passes (byte totals too). Requests are sent open-loop at their arrival times (a request does not wait for the previous one), so TTFT
+includes queueing at the prefill worker. Two workloads:
+
+* ``trace``: the first N requests of the Mooncake conversation trace (<= ``max_blocks``
+  blocks), prompts synthesized so equal block ids are equal token blocks (as ``kvtier run``);
+  arrivals keep the trace's order and relative spacing, compressed to ``rate`` requests/s.
+  Its reuse is whatever the trace has in that window (about 30%).
+* ``sessions``: multi-turn chats: S sessions share a 2-block system prompt; turn t of a session
+  is its previous prompt, a 16-token answer and a new user message (40-100 tokens); turns of
+  different sessions interleave at ``rate`` requests/s. Reuse is high by construction.
+
+Not measured: (a) colocated serving with continuous batching and (b) colocated with chunked
+prefill. The reference workers compute one request at a time; an honest colocated baseline
+needs a batched decode loop over ragged KV on the reference model, which does not exist yet.
+
+Prints a table per workload and writes JSON (``--json``) with, per workload and mode: TTFT and
+TPOT p50/p99/mean, prefill tokens computed, KV bytes moved (loaded by prefill, saved, loaded by
+decode), transfer time (prefill load wait, decode load), queue wait, and per workload
+``outputs_identical`` and ``ttft_speedup_reuse_vs_no_reuse`` (mean TTFT (c) / (d)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from bench._meta import run_header
+from kvstore.cli.run import (
+    CLUSTER_BLOCK_TOKENS,
+    cluster_model_spec,
+    default_trace,
+    synthesize_requests,
+)
+from kvstore.engine.gateway import Gateway, GatewayResult
+
+MiB = 1 << 20
+MODES = ("c_disagg_no_reuse", "d_disagg_reuse")
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    at_s: float
+    token_ids: list[int]
+
+
+def trace_workload(count: int, max_blocks: int, rate: float, vocab_size: int) -> list[Arrival]:
+    reqs = synthesize_requests(default_trace(), count=count, max_blocks=max_blocks,
+                               block_tokens=CLUSTER_BLOCK_TOKENS, vocab_size=vocab_size)
+    stamps = np.array([r.timestamp_ms for r in reqs], dtype=float) / 1e3
+    stamps -= stamps[0]
+    span = stamps[-1] if len(stamps) > 1 and stamps[-1] > 0 else 1.0
+    target = (len(reqs) - 1) / rate  # compress (or stretch) to the asked mean rate
+    return [Arrival(float(t) * target / span, r.token_ids) for t, r in zip(stamps, reqs,
+                                                                              strict=True)]
+
+
+def sessions_workload(sessions: int, turns: int, rate: float, vocab_size: int,
+                      seed: int = 0) -> list[Arrival]:
+    rng = np.random.default_rng(seed)
+    system = rng.integers(0, vocab_size, 2 * CLUSTER_BLOCK_TOKENS).tolist()
+    history = [list(system) for _ in range(sessions)]
+    out: list[Arrival] = []
+    for turn in range(turns):
+        for s in range(sessions):
+            if turn:
+                history[s] += rng.integers(0, vocab_size, 16).tolist()  # the previous answer
+            history[s] += rng.integers(0, vocab_size, int(rng.integers(40, 101))).tolist()
+            out.append(Arrival(len(out) / rate, list(history[s])))
+    return out
+
+
+async def replay_arrivals(gateway: Gateway, arrivals: list[Arrival], *, tenant: str,
+                          reuse: bool, new_tokens: int, advance: Any) -> tuple[
+                              list[GatewayResult], float]:
+    t0 = time.perf_counter()
+
+    async def one(i: int, arrival: Arrival) -> GatewayResult:
+        delay = t0 + arrival.at_s - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        result = await gateway.generate(f"{tenant}-{i}", arrival.token_ids,
+                                        max_new_tokens=new_tokens, tenant=tenant, reuse=reuse)
+        advance()
+        return result
+
+    results = await asyncio.gather(*(one(i, a) for i, a in enumerate(arrivals)))
+    return list(results), time.perf_counter() - t0
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "p50": 0.0, "p99": 0.0}
+    return {"mean": float(np.mean(values)), "p50": float(np.percentile(values, 50)),
+            "p99": float(np.percentile(values, 99))}
+
+
+def summarize(results: list[GatewayResult], wall_s: float) -> dict[str, Any]:
+    def total(phase: str, name: str) -> float:
+        return float(sum(getattr(r, phase).get(name, 0) for r in results))
+
+    queue = [r.ttft_s - r.schedule_s - sum(r.prefill.get(k, 0.0)
+                                           for k in ("load_s", "compute_s", "save_s"))
+             for r in results]
+    prompt = total("prefill", "computed_tokens") + total("prefill", "reused_tokens")
+    return {
+        "requests": len(results), "wall_s": wall_s,
+        "ttft_s": _stats([r.ttft_s for r in results]),
+        "tpot_s": _stats([r.decode.get("tpot_s", 0.0) for r in results if len(r.tokens) > 1]),
+        "prompt_tokens": int(prompt),
+        "prefill_computed_tokens": int(total("prefill", "computed_tokens")),
+        "hit_ratio": total("prefill", "reused_tokens") / prompt if prompt else 0.0,
+        "kv_bytes_loaded_by_prefill": int(total("prefill", "loaded_bytes")),
+        "kv_bytes_saved_by_prefill": int(total("prefill", "stored_bytes")),
+        "kv_bytes_loaded_by_decode": int(total("decode", "loaded_bytes")),
+        "transfer_s": {"prefill_load_wait": total("prefill", "load_s"),
+                       "decode_load": total("decode", "load_s")},
+        "queue_wait_s": _stats(queue),
+        "prefill_compute_s": _stats([r.prefill.get("compute_s", 0.0) for r in results]),
+        "prefill_load_wait_s": _stats([r.prefill.get("load_s", 0.0) for r in results]),
+        "schedule_s": _stats([r.schedule_s for r in results]),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="kvtier bench e2e")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--rate", type=float, default=3.0, help="mean arrivals per second")
+    parser.add_argument("--new-tokens", type=int, default=8)
+    args = parser.parse_args(argv)
+    from kvstore.cluster import ClusterSpec, LocalCluster
+
+    console = Console(width=160)
+    spec = cluster_model_spec()
+    workloads = {
+        "trace": trace_workload(16 if args.quick else 48, 8, args.rate, spec.vocab_size),
+        "sessions": sessions_workload(4 if args.quick else 6, 4 if args.quick else 6, args.rate,
+                                      spec.vocab_size),
+    }
+    doc: dict[str, Any] = run_header("e2e", dists=("numpy", "torch", "transformers"))
+    doc.update({"model": {"num_layers": spec.num_layers, "hidden_size": spec.hidden_size,
+                          "vocab_size": spec.vocab_size, "seed": spec.seed},
+                "block_tokens": CLUSTER_BLOCK_TOKENS, "rate_per_s": args.rate,
+                "new_tokens": args.new_tokens, "modes_not_measured": [
+                    "a: colocated, continuous batching", "b: colocated, chunked prefill"],
+                "workloads": {}})
+    run_id = uuid.uuid4().hex[:6]
+    with tempfile.TemporaryDirectory(prefix="kvtier-e2e-") as tmp, \
+            LocalCluster(ClusterSpec(work_dir=Path(tmp), spec=spec,
+                                     block_tokens=CLUSTER_BLOCK_TOKENS, dram_bytes=32 * MiB,
+                                     nvme_bytes=128 * MiB)) as cluster:
+        console.print(f"cluster up in {cluster.startup_s:.1f} s")
+
+        async def drive(progress: Progress) -> None:
+            async with Gateway(etcd_endpoint=cluster.etcd_endpoint, prefix=cluster.spec.prefix,
+                               model_name=cluster.spec.model_name) as gateway:
+                for name, arrivals in workloads.items():
+                    results: dict[str, list[GatewayResult]] = {MODES[0]: [], MODES[1]: []}
+                    walls: dict[str, float] = {MODES[0]: 0.0, MODES[1]: 0.0}
+                    tokens: dict[str, list[list[int]]] = {}
+                    # c d d c: the load of this shared machine drifts; the order cancels a
+                    # linear drift. Every pass has its own tenant, so each starts cold.
+                    for index, mode in enumerate((*MODES, *reversed(MODES))):
+                        task = progress.add_task(f"{name} {mode} #{index}", total=len(arrivals))
+                        got, wall = await replay_arrivals(
+                            gateway, arrivals, tenant=f"{name}-{index}-{run_id}",
+                            reuse=mode == MODES[1], new_tokens=args.new_tokens,
+                            advance=lambda t=task: progress.advance(t))
+                        results[mode] += got
+                        walls[mode] += wall
+                        seen = [r.tokens for r in got]
+                        if tokens.setdefault(mode, seen) != seen:
+                            tokens[mode + "-differs"] = seen
+                    modes = {m: summarize(results[m], walls[m]) for m in MODES}
+                    c, d = (results[m] for m in MODES)
+                    doc["workloads"][name] = {
+                        "requests": len(arrivals), "passes_per_mode": 2, "modes": modes,
+                        "outputs_identical": tokens[MODES[0]] == tokens[MODES[1]]
+                        and len(tokens) == 2,
+                        "ttft_speedup_reuse_vs_no_reuse":
+                            modes[MODES[0]]["ttft_s"]["mean"]
+                            / max(1e-9, modes[MODES[1]]["ttft_s"]["mean"]),
+                        "ttft_speedup_median_per_request": float(np.median(
+                            [a.ttft_s / max(1e-9, b.ttft_s) for a, b in zip(c, d, strict=True)])),
+                    }
+
+        with Progress(console=console, transient=True) as progress:
+            asyncio.run(drive(progress))
+    doc["outputs_identical"] = all(w["outputs_identical"] for w in doc["workloads"].values())
+    doc["ttft_speedup_reuse_vs_no_reuse"] = {
+        name: w["ttft_speedup_reuse_vs_no_reuse"] for name, w in doc["workloads"].items()}
+    print_tables(console, doc)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        console.print(f"wrote {args.json}")
+    return doc
+
+
+def print_tables(console: Console, doc: dict[str, Any]) -> None:
+    for name, w in doc["workloads"].items():
+        table = Table(title=f"e2e, workload {name}: {w['requests']} requests at "
+                            f"{doc['rate_per_s']}/s, 2 passes per mode (c d d c); mean TTFT "
+                            f"{w['ttft_speedup_reuse_vs_no_reuse']:.2f}x lower with reuse "
+                            f"(median per request {w['ttft_speedup_median_per_request']:.2f}x); "
+                            f"outputs identical: {w['outputs_identical']}")
+        for col in ("mode", "TTFT mean/p50/p99 ms", "prefill compute mean ms",
+                    "TPOT p50/p99 ms", "hit ratio",
+                    "prefill computed", "KV MiB prefill load / save / decode load",
+                    "transfer s (prefill wait, decode load)", "queue wait mean/p99 ms"):
+            table.add_column(col, justify="right")
+        for mode, m in w["modes"].items():
+            t, p, q = m["ttft_s"], m["tpot_s"], m["queue_wait_s"]
+            table.add_row(
+                mode, f"{t['mean'] * 1e3:.0f} / {t['p50'] * 1e3:.0f} / {t['p99'] * 1e3:.0f}",
+                f"{m['prefill_compute_s']['mean'] * 1e3:.0f}",
+                f"{p['p50'] * 1e3:.1f} / {p['p99'] * 1e3:.1f}", f"{m['hit_ratio']:.1%}",
+                f"{m['prefill_computed_tokens']} / {m['prompt_tokens']}",
+                f"{m['kv_bytes_loaded_by_prefill'] / MiB:.1f} / "
+                f"{m['kv_bytes_saved_by_prefill'] / MiB:.1f} / "
+                f"{m['kv_bytes_loaded_by_decode'] / MiB:.1f}",
+                f"{m['transfer_s']['prefill_load_wait']:.2f}, "
+                f"{m['transfer_s']['decode_load']:.2f}",
+                f"{q['mean'] * 1e3:.0f} / {q['p99'] * 1e3:.0f}")
+        console.print(table)
+    console.print(f"git {doc['git_sha']}, {doc['machine']['cpus']} CPUs, load avg "
+                  f"{doc['machine']['load_avg_1m']:.1f}; not measured: "
+                  + "; ".join(doc["modes_not_measured"]))
+
+
+if __name__ == "__main__":
+    main()
