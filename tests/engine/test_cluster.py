@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -119,3 +120,19 @@ def test_cluster_stops_every_process(cluster: LocalCluster) -> None:
     assert all(p is not None and p.poll() is not None for p in procs)
     assert all(code == 0 for code in codes.values()), codes
     assert cluster.stop() == {}
+
+
+@pytest.mark.slow
+def test_kvtier_run_serves_a_trace_slice_through_the_cluster(tmp_path: Path) -> None:
+    # The whole `make run` path at a tiny size: its own cluster, both passes, identical
+    # outputs (exit code 0), the report, and no process left behind.
+    if find_etcd_binary() is None:
+        pytest.skip("etcd binary not found")
+    from tests.support.daemon import kvtier
+
+    out = kvtier("run", "--requests", "4", "--max-blocks", "3", "--new-tokens", "3",
+                 "--work-dir", str(tmp_path), timeout_s=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "outputs identical in 4/4 requests" in out.stdout
+    assert "Bytes moved per tier" in out.stdout and "node-a" in out.stdout
+    assert (tmp_path / "logs" / "prefill-0.log").exists()
