@@ -492,7 +492,9 @@ class DaemonPath:
         self.connections = {DataPlane.SHM: 1, DataPlane.UCX: 2}.get(self._plane, TCP_CONNECTIONS)
         self._proc, address = spawn_daemon(f"bench-{plane}")
         self._client = StoreClient.connect(address, StoreClientConfig(
-            data_plane=self._plane, tcp_connections=TCP_CONNECTIONS, wait_for_ready=True))
+            data_plane=self._plane, tcp_connections=TCP_CONNECTIONS, wait_for_ready=True,
+            ucx_min_bytes=0))  # measure UCX at every size (StoreClient's default sends < 1 MiB
+        # over TCP)
 
     def put_many(self, keys: Sequence[bytes], srcs: Sequence[memoryview]) -> None:
         if len(keys) == 1 or self._one_by_one:

@@ -133,7 +133,14 @@ def test_round_trip_returns_the_same_bytes(client: UcxClient, key: bytes,
     assert client.get_into(key, dst) == size_bytes
     assert dst == data
     assert client.get(key) == data
-    assert client.remove(key)
+
+    def removed() -> bool:  # the server ends the read lease when its send completes, which
+        try:                # may come a moment after the client has the bytes
+            return client.remove(key)
+        except ChunkBusy:
+            return False
+
+    wait_until(removed, timeout_s=5, what="the read lease to end")
 
 
 def test_numpy_and_torch_buffers_move_without_conversion(client: UcxClient, key: bytes) -> None:
@@ -305,12 +312,20 @@ def test_liveness_probe_reports_a_dead_server_before_the_io_timeout() -> None:
         srv.proc.wait()
 
 
+def _all_threads_stopped(pid: int) -> bool:
+    tasks = Path(f"/proc/{pid}/task")
+    states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in tasks.iterdir()]
+    return all(state == "T" for state in states)
+
+
 def test_frozen_server_times_out_as_peer_unavailable() -> None:
     srv = UcxServerProcess()
     try:
         with srv.client(io_timeout_s=1.0) as c:
             c.put(b"k", b"v")
             srv.proc.send_signal(signal.SIGSTOP)
+            # a group stop reaches each thread on its own; wait until the UCX thread is stopped
+            wait_until(lambda: _all_threads_stopped(srv.proc.pid), what="SIGSTOP to take hold")
             try:
                 with pytest.raises(PeerUnavailable, match="timed out"):
                     c.get(b"k")
@@ -389,7 +404,7 @@ def test_daemon_advertises_its_ucx_worker_address(daemon: DaemonProcess) -> None
 
 def test_auto_picks_ucx_for_a_daemon_on_another_host(daemon: DaemonProcess, elsewhere: None,
                                                      key: bytes) -> None:
-    with StoreClient.connect(daemon.grpc_address) as c:
+    with StoreClient.connect(daemon.grpc_address, StoreClientConfig(ucx_min_bytes=0)) as c:
         assert c.data_plane is DataPlane.UCX
         for i, size in enumerate((4 * KiB, 4 * MiB + 1)):
             k = key[:60] + b"-%d" % i
@@ -402,6 +417,19 @@ def test_auto_picks_ucx_for_a_daemon_on_another_host(daemon: DaemonProcess, else
             c.get_into(b"ucx-never-stored", bytearray(8))
         with pytest.raises(SizeMismatch):
             c.get_into(key[:60] + b"-0", bytearray(8))
+
+
+def test_values_below_ucx_min_bytes_go_over_tcp(daemon: DaemonProcess, elsewhere: None,
+                                                key: bytes) -> None:
+    with StoreClient.connect(daemon.grpc_address, StoreClientConfig(ucx_min_bytes=MiB)) as c:
+        assert c.data_plane is DataPlane.UCX
+        c.put(key, payload(4 * KiB, 5))
+        assert c._tcp is not None and c._ucx is None
+        out = bytearray(4 * KiB)
+        c.get_into(key, out)
+        assert out == payload(4 * KiB, 5) and c._ucx is None
+        c.put(key[:60] + b"-big", payload(MiB, 6))
+        assert c._ucx is not None
 
 
 def test_forced_planes_and_a_daemon_without_ucx(tmp_path: Path, elsewhere: None) -> None:
@@ -422,7 +450,7 @@ def test_a_ucx_failure_falls_back_to_tcp_and_marks_ucx_bad(daemon: DaemonProcess
     dead = UcxServerProcess()  # a valid worker address whose process is gone
     dead.proc.kill()
     dead.proc.wait()
-    cfg = StoreClientConfig(ucx_io_timeout_s=1.0, ucx_retry_after_s=60)
+    cfg = StoreClientConfig(ucx_io_timeout_s=1.0, ucx_retry_after_s=60, ucx_min_bytes=0)
     with StoreClient.connect(daemon.grpc_address, cfg) as c:
         assert c.data_plane is DataPlane.UCX
         info = pb.NodeInfo()
