@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 setup:
 	@bash scripts/setup.sh
 
-## run: set up, then run the main job (store a real model's KV cache in the tiers and load it back)
+## run: set up, then run the main job (a local cluster serving a slice of a real trace with KV reuse)
 run: setup
 	$(PY) -m kvstore.cli.main run
 
@@ -23,7 +23,8 @@ lint: setup
 
 bench-quick: setup
 	$(PY) -m kvstore.cli.main bench tiers --quick
-	$(PY) -m kvstore.cli.main bench hashing
+	$(PY) -m kvstore.cli.main bench hashing --quick
+	$(PY) -m kvstore.cli.main bench datapath --quick
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
