@@ -22,28 +22,24 @@ Contracts
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import enum
 import json
 import logging
-from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 import aetcd
-import grpc
 
 from conductor.membership import (
     DEFAULT_LAYOUT,
     DEFAULT_RPC_TIMEOUT_S,
     KeyLayout,
+    PrefixWatch,
     _check_id,
     _etcd,
     parse_host_port,
 )
-from kvstore.errors import InvalidArgument, MembershipError
+from kvstore.errors import InvalidArgument
 from kvstore.keys import KVDtype, KVFingerprint
 
 log = logging.getLogger(__name__)
@@ -189,43 +185,22 @@ def _decode(layout: KeyLayout, key: bytes, value: bytes) -> EngineRecord | None:
     return record
 
 
-class EngineWatch:
+class EngineWatch(PrefixWatch[EngineChange]):
     """Every engine now, then every change (see the module docstring).
 
     ``async with EngineWatch(client, layout=...) as changes: async for change in changes``.
     """
 
+    _what = "engine"
+
     def __init__(self, client: aetcd.Client, *, layout: KeyLayout = DEFAULT_LAYOUT,
                  rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
                  retry_interval_s: float = _RETRY_INTERVAL_S) -> None:
         """Record settings only; nothing talks to etcd until entered."""
-        self._client = client
-        self._layout = layout
+        super().__init__(client, layout=layout, rpc_timeout_s=rpc_timeout_s,
+                         retry_interval_s=retry_interval_s)
         self._prefix = engines_prefix(layout).encode()
-        self._rpc_timeout_s = rpc_timeout_s
-        self._retry_interval_s = retry_interval_s
         self._known: dict[bytes, EngineRecord] = {}
-        self._events: AsyncGenerator[EngineChange, None] | None = None
-
-    async def __aenter__(self) -> EngineWatch:
-        if self._events is not None:
-            raise MembershipError("this engine watch was already started")
-        watch, pending = await self._open()
-        self._events = self._run(watch, pending)
-        return self
-
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
-        if self._events is not None:
-            await self._events.aclose()
-
-    def __aiter__(self) -> EngineWatch:
-        return self
-
-    async def __anext__(self) -> EngineChange:
-        if self._events is None:
-            raise MembershipError("iterate an engine watch inside 'async with'")
-        return await anext(self._events)
 
     async def _open(self) -> tuple[Any, list[EngineChange]]:
         result = await _etcd("list engines", self._client.get_prefix(self._prefix),
@@ -246,38 +221,15 @@ class EngineWatch:
         self._known = current
         return watch, changes
 
-    def _apply(self, event: Any) -> EngineChange | None:
+    def _apply_event(self, event: Any) -> list[EngineChange]:
         key = bytes(event.kv.key)
         if event.kind == aetcd.EventKind.DELETE:
             gone = self._known.pop(key, None)
-            return None if gone is None else EngineChange(gone.instance_id, None)
+            return [] if gone is None else [EngineChange(gone.instance_id, None)]
         record = _decode(self._layout, event.kv.key, event.kv.value)
         if record is None or self._known.get(key) == record:
-            return None
+            return []
         self._known[key] = record
-        return EngineChange(record.instance_id, record)
+        return [EngineChange(record.instance_id, record)]
 
-    async def _run(self, watch: Any, pending: list[EngineChange]
-                   ) -> AsyncGenerator[EngineChange, None]:
-        while True:
-            try:
-                for change in pending:
-                    yield change
-                async for event in watch:
-                    applied = self._apply(event)
-                    if applied is not None:
-                        yield applied
-                log.warning("engine watch: stream ended; re-listing")
-            except (aetcd.ClientError, grpc.RpcError) as exc:
-                log.warning("engine watch: stream broken (%s); re-listing", exc)
-            finally:
-                with contextlib.suppress(aetcd.ClientError, grpc.RpcError, TimeoutError):
-                    async with asyncio.timeout(self._rpc_timeout_s):
-                        await watch.cancel()
-            while True:
-                try:
-                    watch, pending = await self._open()
-                    break
-                except MembershipError as exc:
-                    log.debug("engine watch: cannot re-list yet (%s); retrying", exc)
-                    await asyncio.sleep(self._retry_interval_s)
+

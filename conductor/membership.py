@@ -35,10 +35,10 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType, TracebackType
-from typing import Any, TypeVar
+from typing import Any, Generic, Self, TypeVar
 
 import aetcd
 import grpc
@@ -56,6 +56,8 @@ RECORD_SCHEMA = 1
 
 DEFAULT_RPC_TIMEOUT_S = 5.0
 _WATCH_RETRY_INTERVAL_S = 0.5
+
+EventT = TypeVar("EventT")
 _MAX_RETRY_INTERVAL_S = 0.5
 
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -413,20 +415,17 @@ def _apply(known: dict[str, _Member], layout: KeyLayout, event: aetcd.Event) -> 
     return list(_changes(old, new, revision))
 
 
-class NodeWatch:
-    """JOINED for every current node, then every later JOINED / UPDATED / LEFT, in order.
+class PrefixWatch(Generic[EventT]):
+    """The keys under one etcd prefix as a stream of events: the snapshot, then every change.
 
-    Use ``async with watch_nodes(client) as events: async for event in events: ...``.
-    Entering reads the snapshot and opens the etcd watch at the snapshot's revision + 1,
-    so no change between the read and the watch is lost, and changes made after entering
-    are reported even if iteration starts later. Entering raises MembershipError when
-    etcd cannot be reached. If the stream later breaks (etcd restarted, history
-    compacted) the watch re-lists, yields the difference against what it has reported
-    and watches again, retrying every ``retry_interval_s`` and logging: consumers see a
-    consistent sequence, though changes that cancel out while disconnected are not
-    replayed (a node that restarted shows as LEFT + JOINED). Leaving cancels the etcd
-    watch. Iterate from one task only.
+    Entering (``async with``) reads the snapshot and opens an etcd watch from just after its
+    revision; if the stream later breaks (etcd restarted, history compacted) the watch re-lists,
+    yields the difference against what it has reported and watches again, retrying every
+    ``retry_interval_s``. Subclasses say how to list (``_open``) and how to turn one etcd event
+    into theirs (``_apply_event``). Iterate from one task only.
     """
+
+    _what = "keys"
 
     def __init__(
         self,
@@ -443,13 +442,12 @@ class NodeWatch:
         self._layout = layout
         self._rpc_timeout_s = rpc_timeout_s
         self._retry_interval_s = retry_interval_s
-        self._known: dict[str, _Member] = {}
-        self._events: AsyncGenerator[NodeEvent, None] | None = None
+        self._events: AsyncGenerator[EventT, None] | None = None
 
     async def start(self) -> None:
         """Read the snapshot and open the watch. Raises MembershipError."""
         if self._events is not None:
-            raise MembershipError("this node watch was already started")
+            raise MembershipError(f"this {self._what} watch was already started")
         watch, pending = await self._open()
         self._events = self._run(watch, pending)
 
@@ -458,7 +456,7 @@ class NodeWatch:
         if self._events is not None:
             await self._events.aclose()
 
-    async def __aenter__(self) -> NodeWatch:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
@@ -470,13 +468,74 @@ class NodeWatch:
     ) -> None:
         await self.close()
 
-    def __aiter__(self) -> NodeWatch:
+    def __aiter__(self) -> Self:
         return self
 
-    async def __anext__(self) -> NodeEvent:
+    async def __anext__(self) -> EventT:
         if self._events is None:
-            raise MembershipError("iterate a node watch inside 'async with watch_nodes(...)'")
+            raise MembershipError(f"iterate a {self._what} watch inside 'async with'")
         return await anext(self._events)
+
+    async def _open(self) -> tuple[Any, list[EventT]]:
+        """Snapshot, then a watch from just after it; the events that bring us up to date."""
+        raise NotImplementedError
+
+    def _apply_event(self, event: Any) -> Iterable[EventT]:
+        """What one etcd watch event means to the consumer (often nothing)."""
+        raise NotImplementedError
+
+    async def _run(self, watch: Any, pending: list[EventT]) -> AsyncGenerator[EventT, None]:
+        while True:
+            try:
+                for item in pending:
+                    yield item
+                async for event in watch:
+                    for item in self._apply_event(event):
+                        yield item
+                log.warning("%s watch: stream ended; re-listing", self._what)
+            except (aetcd.ClientError, grpc.RpcError) as exc:
+                log.warning("%s watch: stream broken (%s); re-listing", self._what, exc)
+            finally:
+                with contextlib.suppress(aetcd.ClientError, grpc.RpcError, TimeoutError):
+                    async with asyncio.timeout(self._rpc_timeout_s):
+                        await watch.cancel()
+            while True:
+                try:
+                    watch, pending = await self._open()
+                    break
+                except MembershipError as exc:
+                    log.debug("%s watch: cannot re-list yet (%s); retrying", self._what, exc)
+                    await asyncio.sleep(self._retry_interval_s)
+
+
+class NodeWatch(PrefixWatch[NodeEvent]):
+    """JOINED for every current node, then every later JOINED / UPDATED / LEFT, in order.
+
+    Use ``async with watch_nodes(client) as events: async for event in events: ...``.
+    Entering reads the snapshot and opens the etcd watch at the snapshot's revision + 1,
+    so no change between the read and the watch is lost, and changes made after entering
+    are reported even if iteration starts later. Entering raises MembershipError when
+    etcd cannot be reached. If the stream later breaks (etcd restarted, history
+    compacted) the watch re-lists, yields the difference against what it has reported
+    and watches again, retrying every ``retry_interval_s`` and logging: consumers see a
+    consistent sequence, though changes that cancel out while disconnected are not
+    replayed (a node that restarted shows as LEFT + JOINED). Leaving cancels the etcd
+    watch. Iterate from one task only.
+    """
+
+    _what = "node"
+
+    def __init__(
+        self,
+        client: aetcd.Client,
+        *,
+        layout: KeyLayout = DEFAULT_LAYOUT,
+        rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
+        retry_interval_s: float = _WATCH_RETRY_INTERVAL_S,
+    ) -> None:
+        super().__init__(client, layout=layout, rpc_timeout_s=rpc_timeout_s,
+                         retry_interval_s=retry_interval_s)
+        self._known: dict[str, _Member] = {}
 
     async def _open(self) -> tuple[Any, list[NodeEvent]]:
         """Snapshot, then a watch from just after it; the events that bring us up to date."""
@@ -490,28 +549,8 @@ class NodeWatch:
         )
         return watch, _diff(self._known, current, revision)
 
-    async def _run(self, watch: Any, pending: list[NodeEvent]) -> AsyncGenerator[NodeEvent, None]:
-        while True:
-            try:
-                for node_event in pending:
-                    yield node_event
-                async for event in watch:
-                    for node_event in _apply(self._known, self._layout, event):
-                        yield node_event
-                log.warning("node watch: stream ended; re-listing")
-            except (aetcd.ClientError, grpc.RpcError) as exc:
-                log.warning("node watch: stream broken (%s); re-listing", exc)
-            finally:
-                with contextlib.suppress(aetcd.ClientError, grpc.RpcError, TimeoutError):
-                    async with asyncio.timeout(self._rpc_timeout_s):
-                        await watch.cancel()
-            while True:
-                try:
-                    watch, pending = await self._open()
-                    break
-                except MembershipError as exc:
-                    log.debug("node watch: cannot re-list yet (%s); retrying", exc)
-                    await asyncio.sleep(self._retry_interval_s)
+    def _apply_event(self, event: Any) -> Iterable[NodeEvent]:
+        return _apply(self._known, self._layout, event)
 
 
 def watch_nodes(
