@@ -12,9 +12,10 @@ setup:
 run: setup
 	$(PY) -m kvstore.cli.main run
 
-## test: set up, then run the whole suite (lint included)
+## test: set up, then run the whole suite (lint and type checks included)
 test: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy kvstore conductor bench
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: setup
