@@ -1,16 +1,25 @@
-"""``kvtier bench e2e``: disaggregated prefill/decode without and with kvtier reuse, end to end.
+"""``kvtier bench e2e``: colocated serving against disaggregated prefill/decode with and without
+kvtier reuse, end to end, on the same arrival trace, model and tokens.
 
-One local cluster (``kvstore.cluster.LocalCluster``: etcd, conductor, two daemons, a prefill and
-a decode worker, the small model of ``kvtier run``) serves the same arrival trace twice:
+Four modes serve the same requests at the same arrival times:
 
-* **(c) disaggregated, no reuse**: the prefill worker computes every prompt token; full blocks
-  still go to the decode worker through kvtier (that is the handoff);
+* **(a) colocated, continuous batching** and **(b) colocated, chunked prefill**
+  (``kvstore.engine.colocated``): one model instance in this process (``--colocated-threads``
+  torch threads, default 2: the two cores the two disaggregated workers use), no kvtier. (a)
+  prefills each arriving prompt whole, one per iteration, between batched decode steps; (b)
+  gives each iteration ``--token-budget`` tokens (running decodes plus prefill chunks).
+* **(c) disaggregated, no reuse**: one local cluster (``kvstore.cluster.LocalCluster``: etcd,
+  conductor, two daemons, a prefill and a decode worker, the small model of ``kvtier run``);
+  the prefill worker computes every prompt token; full blocks still go to the decode worker
+  through kvtier (that is the handoff);
 * **(d) disaggregated, kvtier reuse**: the prefill worker loads the cached prefix first.
 
-Each mode runs twice, in the order c d d c (the load of a shared machine drifts; the order
-cancels a linear drift), and every pass has its own tenant, so each starts from an empty cache;
-figures per mode are over both passes (byte totals too). Requests are sent open-loop at their arrival times (a request does not wait for the previous one), so TTFT
-includes queueing at the prefill worker. Two workloads:
+Each pair runs twice, in the order a b b a (before the cluster starts, so nothing else of this
+benchmark runs beside it) and c d d c (the load of a shared machine drifts; the order cancels a
+linear drift), and every disaggregated pass has its own tenant, so each starts from an empty
+cache; figures per mode are over both passes (byte totals too). Requests are sent open-loop at
+their arrival times (a request does not wait for the previous one), so TTFT includes queueing.
+Two workloads:
 
 * ``trace``: the first N requests of the Mooncake conversation trace (<= ``max_blocks``
   blocks), prompts synthesized so equal block ids are equal token blocks (as ``kvtier run``);
@@ -20,14 +29,13 @@ includes queueing at the prefill worker. Two workloads:
   is its previous prompt, a 16-token answer and a new user message (40-100 tokens); turns of
   different sessions interleave at ``rate`` requests/s. Reuse is high by construction.
 
-Not measured: (a) colocated serving with continuous batching and (b) colocated with chunked
-prefill. The reference workers compute one request at a time; an honest colocated baseline
-needs a batched decode loop over ragged KV on the reference model, which does not exist yet.
-
+Queue wait is arrival to the start of the request's prefill compute in every mode (in (c)/(d)
+it is TTFT minus the Schedule RPC and the prefill worker's load, compute and save).
 Prints a table per workload and writes JSON (``--json``) with, per workload and mode: TTFT and
 TPOT p50/p99/mean, prefill tokens computed, KV bytes moved (loaded by prefill, saved, loaded by
 decode), transfer time (prefill load wait, decode load), queue wait, and per workload
-``outputs_identical`` and ``ttft_speedup_reuse_vs_no_reuse`` (mean TTFT (c) / (d)).
+``outputs_identical`` (greedy tokens equal across all four modes and both passes of each) and
+``ttft_speedup_reuse_vs_no_reuse`` (mean TTFT (c) / (d)).
 """
 
 from __future__ import annotations
@@ -54,10 +62,19 @@ from kvstore.cli.run import (
     default_trace,
     synthesize_requests,
 )
+from kvstore.engine.colocated import (
+    ColocatedConfig,
+    ColocatedEngine,
+    ColocatedRequest,
+    ColocatedResult,
+    SchedulerMode,
+)
 from kvstore.engine.gateway import Gateway, GatewayResult
 
 MiB = 1 << 20
+COLOCATED_MODES = ("a_colocated_continuous", "b_colocated_chunked")
 MODES = ("c_disagg_no_reuse", "d_disagg_reuse")
+ALL_MODES = (*COLOCATED_MODES, *MODES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,14 +161,53 @@ def summarize(results: list[GatewayResult], wall_s: float) -> dict[str, Any]:
     }
 
 
+def summarize_colocated(results: list[ColocatedResult], wall_s: float) -> dict[str, Any]:
+    """The keys of :func:`summarize` for a colocated pass (no kvtier: nothing reused or moved)."""
+    prompt = sum(r.computed_tokens for r in results)
+    return {
+        "requests": len(results), "wall_s": wall_s,
+        "ttft_s": _stats([r.ttft_s for r in results]),
+        "tpot_s": _stats([r.tpot_s for r in results if len(r.tokens) > 1]),
+        "prompt_tokens": prompt, "prefill_computed_tokens": prompt, "hit_ratio": 0.0,
+        "kv_bytes_loaded_by_prefill": 0, "kv_bytes_saved_by_prefill": 0,
+        "kv_bytes_loaded_by_decode": 0,
+        "transfer_s": {"prefill_load_wait": 0.0, "decode_load": 0.0},
+        "queue_wait_s": _stats([r.queue_wait_s for r in results]),
+        "prefill_compute_s": _stats([r.prefill_compute_s for r in results]),
+        "prefill_load_wait_s": _stats([]),
+        "schedule_s": _stats([]),
+        "prefill_chunks": _stats([float(r.prefill_chunks) for r in results]),
+    }
+
+
+def run_colocated(model: Any, arrivals: list[Arrival], *, config: ColocatedConfig,
+                  new_tokens: int, advance: Any) -> tuple[list[ColocatedResult], float,
+                                                          dict[int, int]]:
+    """One open-loop pass of ``arrivals`` through a colocated engine; results, wall seconds and
+    decode steps per batch size."""
+    engine = ColocatedEngine(model, config)
+    requests = [ColocatedRequest(str(i), a.token_ids, a.at_s, new_tokens)
+                for i, a in enumerate(arrivals)]
+    t0 = time.perf_counter()
+    results = engine.serve(requests, on_done=lambda _r: advance())
+    return results, time.perf_counter() - t0, dict(engine.decode_batch_sizes)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="kvtier bench e2e")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--rate", type=float, default=3.0, help="mean arrivals per second")
     parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument("--token-budget", type=int, default=256,
+                        help="tokens per iteration of (b) chunked prefill")
+    parser.add_argument("--colocated-threads", type=int, default=2,
+                        help="torch threads of the colocated engine (a)/(b)")
     args = parser.parse_args(argv)
+    import torch
+
     from kvstore.cluster import ClusterSpec, LocalCluster
+    from kvstore.engine.model import build_reference_model
 
     console = Console(width=160)
     spec = cluster_model_spec()
@@ -164,10 +220,46 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     doc.update({"model": {"num_layers": spec.num_layers, "hidden_size": spec.hidden_size,
                           "vocab_size": spec.vocab_size, "seed": spec.seed},
                 "block_tokens": CLUSTER_BLOCK_TOKENS, "rate_per_s": args.rate,
-                "new_tokens": args.new_tokens, "modes_not_measured": [
-                    "a: colocated, continuous batching", "b: colocated, chunked prefill"],
-                "workloads": {}})
+                "new_tokens": args.new_tokens, "token_budget_b": args.token_budget,
+                "colocated_torch_threads": args.colocated_threads, "workloads": {}})
     run_id = uuid.uuid4().hex[:6]
+    colocated = {
+        COLOCATED_MODES[0]: ColocatedConfig(SchedulerMode.CONTINUOUS_BATCHING),
+        COLOCATED_MODES[1]: ColocatedConfig(SchedulerMode.CHUNKED_PREFILL,
+                                            token_budget=args.token_budget,
+                                            max_batch=min(64, args.token_budget - 1)),
+    }
+    # (a) and (b) first, in this process, before the cluster's processes exist.
+    coloc: dict[str, dict[str, Any]] = {}
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(args.colocated_threads)
+    try:
+        model = build_reference_model(spec)
+        with Progress(console=console, transient=True) as progress:
+            for name, arrivals in workloads.items():
+                # Untimed warm-up: every request at once through both schedulers. On this VM
+                # the first touch of fresh memory is erratic (FIELD-NOTES); without it the first
+                # passes' forwards took up to 1 s where warm ones take 20-40 ms.
+                burst = [Arrival(0.0, a.token_ids) for a in arrivals]
+                for mode in COLOCATED_MODES:
+                    run_colocated(model, burst, config=colocated[mode],
+                                  new_tokens=args.new_tokens, advance=lambda: None)
+                got: dict[str, Any] = {m: {"results": [], "wall_s": 0.0, "tokens": [],
+                                           "batches": {}} for m in COLOCATED_MODES}
+                for index, mode in enumerate((*COLOCATED_MODES, *reversed(COLOCATED_MODES))):
+                    task = progress.add_task(f"{name} {mode} #{index}", total=len(arrivals))
+                    results, wall, batches = run_colocated(
+                        model, arrivals, config=colocated[mode], new_tokens=args.new_tokens,
+                        advance=lambda t=task: progress.advance(t))
+                    entry = got[mode]
+                    entry["results"] += results
+                    entry["wall_s"] += wall
+                    entry["tokens"].append([r.tokens for r in results])
+                    for size, steps in batches.items():
+                        entry["batches"][size] = entry["batches"].get(size, 0) + steps
+                coloc[name] = got
+    finally:
+        torch.set_num_threads(threads_before)
     with tempfile.TemporaryDirectory(prefix="kvtier-e2e-") as tmp, \
             LocalCluster(ClusterSpec(work_dir=Path(tmp), spec=spec,
                                      block_tokens=CLUSTER_BLOCK_TOKENS, dram_bytes=32 * MiB,
@@ -194,12 +286,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         seen = [r.tokens for r in got]
                         if tokens.setdefault(mode, seen) != seen:
                             tokens[mode + "-differs"] = seen
-                    modes = {m: summarize(results[m], walls[m]) for m in MODES}
+                    modes = {m: summarize_colocated(coloc[name][m]["results"],
+                                                    coloc[name][m]["wall_s"])
+                             for m in COLOCATED_MODES}
+                    for m in COLOCATED_MODES:
+                        sizes = coloc[name][m]["batches"]
+                        steps = sum(sizes.values())
+                        modes[m]["decode_steps"] = steps
+                        modes[m]["decode_batch_mean"] = (
+                            sum(k * v for k, v in sizes.items()) / steps if steps else 0.0)
+                    modes.update({m: summarize(results[m], walls[m]) for m in MODES})
                     c, d = (results[m] for m in MODES)
+                    passes = [p for m in COLOCATED_MODES for p in coloc[name][m]["tokens"]]
+                    same_cd = tokens[MODES[0]] == tokens[MODES[1]] and len(tokens) == 2
                     doc["workloads"][name] = {
                         "requests": len(arrivals), "passes_per_mode": 2, "modes": modes,
-                        "outputs_identical": tokens[MODES[0]] == tokens[MODES[1]]
-                        and len(tokens) == 2,
+                        "outputs_identical": same_cd and all(p == tokens[MODES[0]]
+                                                             for p in passes),
+                        "outputs_identical_c_d": same_cd,
                         "ttft_speedup_reuse_vs_no_reuse":
                             modes[MODES[0]]["ttft_s"]["mean"]
                             / max(1e-9, modes[MODES[1]]["ttft_s"]["mean"]),
@@ -223,14 +327,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def print_tables(console: Console, doc: dict[str, Any]) -> None:
     for name, w in doc["workloads"].items():
         table = Table(title=f"e2e, workload {name}: {w['requests']} requests at "
-                            f"{doc['rate_per_s']}/s, 2 passes per mode (c d d c); mean TTFT "
+                            f"{doc['rate_per_s']}/s, 2 passes per mode (a b b a, c d d c); "
+                            f"mean TTFT "
                             f"{w['ttft_speedup_reuse_vs_no_reuse']:.2f}x lower with reuse "
                             f"(median per request {w['ttft_speedup_median_per_request']:.2f}x); "
                             f"outputs identical: {w['outputs_identical']}")
         for col in ("mode", "TTFT mean/p50/p99 ms", "prefill compute mean ms",
                     "TPOT p50/p99 ms", "hit ratio",
                     "prefill computed", "KV MiB prefill load / save / decode load",
-                    "transfer s (prefill wait, decode load)", "queue wait mean/p99 ms"):
+                    "transfer s (prefill wait, decode load)", "queue wait mean/p99 ms",
+                    "decode batch mean"):
             table.add_column(col, justify="right")
         for mode, m in w["modes"].items():
             t, p, q = m["ttft_s"], m["tpot_s"], m["queue_wait_s"]
@@ -244,11 +350,13 @@ def print_tables(console: Console, doc: dict[str, Any]) -> None:
                 f"{m['kv_bytes_loaded_by_decode'] / MiB:.1f}",
                 f"{m['transfer_s']['prefill_load_wait']:.2f}, "
                 f"{m['transfer_s']['decode_load']:.2f}",
-                f"{q['mean'] * 1e3:.0f} / {q['p99'] * 1e3:.0f}")
+                f"{q['mean'] * 1e3:.0f} / {q['p99'] * 1e3:.0f}",
+                f"{m['decode_batch_mean']:.2f}" if "decode_batch_mean" in m else "-")
         console.print(table)
     console.print(f"git {doc['git_sha']}, {doc['machine']['cpus']} CPUs, load avg "
-                  f"{doc['machine']['load_avg_1m']:.1f}; not measured: "
-                  + "; ".join(doc["modes_not_measured"]))
+                  f"{doc['machine']['load_avg_1m']:.1f}; (a)/(b) on "
+                  f"{doc['colocated_torch_threads']} torch threads in one process, (b) budget "
+                  f"{doc['token_budget_b']} tokens/iteration; (c)/(d) two workers of 1 thread")
 
 
 if __name__ == "__main__":
