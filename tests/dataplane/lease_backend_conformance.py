@@ -16,18 +16,15 @@ from __future__ import annotations
 
 import threading
 
-import numpy as np
 import pytest
 
 from kvstore.dataplane.transport.base import LeaseBackend
 from kvstore.errors import ChunkBusy, ChunkExists, ChunkNotFound, InvalidArgument
+from tests.support.common import payload
 
 MiB = 1 << 20
 
 
-def payload(size_bytes: int, seed: int) -> bytes:
-    """Deterministic, incompressible bytes."""
-    return np.random.default_rng(seed).integers(0, 256, size_bytes, dtype=np.uint8).tobytes()
 
 
 def write(backend: LeaseBackend, key: bytes, data: bytes) -> None:

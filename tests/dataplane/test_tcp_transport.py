@@ -54,21 +54,14 @@ from kvstore.errors import (
     TransportError,
 )
 from tests.dataplane.lease_backend_conformance import LeaseBackendConformance
+from tests.support.common import payload, wait_until
 
 KiB, MiB = 1 << 10, 1 << 20
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def payload(size_bytes: int, seed: int) -> bytes:
-    return np.random.default_rng(seed).integers(0, 256, size_bytes, dtype=np.uint8).tobytes()
 
 
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or predicate}")
-        time.sleep(0.02)
 
 
 # --- a server in its own process -------------------------------------------------------------------

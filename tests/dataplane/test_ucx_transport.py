@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +34,7 @@ from kvstore.errors import (
     SizeMismatch,
     TierUnavailable,
 )
+from tests.support.common import payload, wait_until
 from tests.support.daemon import DaemonProcess
 
 _REASON = ucx_unavailable()
@@ -43,16 +44,8 @@ KiB, MiB = 1 << 10, 1 << 20
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def payload(size_bytes: int, seed: int) -> bytes:
-    return np.random.default_rng(seed).integers(0, 256, size_bytes, dtype=np.uint8).tobytes()
 
 
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or predicate}")
-        time.sleep(0.05)
 
 
 class UcxServerProcess:

@@ -37,6 +37,7 @@ from kvstore.errors import (
     SizeMismatch,
     TierUnavailable,
 )
+from tests.support.common import payload
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -44,9 +45,6 @@ KiB = 1 << 10
 TierFactory = Callable[[int], Tier]
 
 
-def payload(size_bytes: int, seed: int) -> bytes:
-    """Deterministic, incompressible bytes (so compression cannot hide a wrong copy)."""
-    return np.random.default_rng(seed).integers(0, 256, size_bytes, dtype=np.uint8).tobytes()
 
 
 def read_back(tier: Tier, key: bytes) -> bytes:
