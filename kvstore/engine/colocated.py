@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["ColocatedConfig", "ColocatedEngine", "ColocatedRequest", "ColocatedResult",
-           "SchedulerMode", "reference_generate"]
+           "ForwardStats", "SchedulerMode", "reference_generate"]
 
 
 class SchedulerMode(Enum):
@@ -113,6 +113,32 @@ class ColocatedResult:
 
 
 @dataclass(slots=True)
+class ForwardStats:
+    """Where one :meth:`ColocatedEngine.serve` spent its forward time (seconds, wall clock).
+
+    Lets a benchmark tell a slow schedule from slow forwards: on a shared machine a
+    multi-threaded torch process slows down far more than its share when another process takes
+    a core (the OpenMP threads of every op wait for the descheduled one; docs/engines.md).
+    """
+
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_steps: int = 0
+    decode_s: float = 0.0
+    """Batched decode steps, padding and the copy back of the new K/V included."""
+    pad_s: float = 0.0
+    """Building the left-padded batch cache (part of ``decode_s``)."""
+
+    @property
+    def prefill_ms_per_token(self) -> float:
+        return self.prefill_s / self.prefill_tokens * 1e3 if self.prefill_tokens else 0.0
+
+    @property
+    def decode_ms_per_step(self) -> float:
+        return self.decode_s / self.decode_steps * 1e3 if self.decode_steps else 0.0
+
+
+@dataclass(slots=True)
 class _Sequence:
     request: ColocatedRequest
     cache: Any = None
@@ -138,6 +164,8 @@ class ColocatedEngine:
         self.config = config or ColocatedConfig()
         self.decode_batch_sizes: collections.Counter[int] = collections.Counter()
         """Decode steps per batch size in the last :meth:`serve` (how much batching happened)."""
+        self.forward_stats = ForwardStats()
+        """Forward time of the last :meth:`serve`."""
 
     # --- the loop ---------------------------------------------------------------------------
 
@@ -154,6 +182,7 @@ class ColocatedEngine:
         running: list[_Sequence] = []
         done: dict[str, ColocatedResult] = {}
         self.decode_batch_sizes.clear()
+        self.forward_stats = ForwardStats()
         t0 = time.perf_counter()
 
         def now() -> float:
@@ -226,12 +255,22 @@ class ColocatedEngine:
         seq.chunks += 1
         end = now()
         seq.prefill_compute_s += end - start
+        self.forward_stats.prefill_tokens += len(chunk)
+        self.forward_stats.prefill_s += end - start
         if seq.prefilled == len(prompt):
             seq.tokens.append(int(torch.argmax(out.logits[0, -1])))
             seq.first_token_s = end
 
     def _decode_step(self, seqs: list[_Sequence]) -> None:
         """One greedy token for each of ``seqs`` (each has >= 1 token and a full prompt cache)."""
+        start = time.perf_counter()
+        try:
+            self._decode_forward(seqs)
+        finally:
+            self.forward_stats.decode_steps += 1
+            self.forward_stats.decode_s += time.perf_counter() - start
+
+    def _decode_forward(self, seqs: list[_Sequence]) -> None:
         import torch
 
         self.decode_batch_sizes[len(seqs)] += 1
@@ -243,7 +282,9 @@ class ColocatedEngine:
             seq.cache = out.past_key_values
             seq.tokens.append(int(torch.argmax(out.logits[0, -1])))
             return
+        pad_start = time.perf_counter()
         padded, mask, positions = self._pad_batch(seqs)
+        self.forward_stats.pad_s += time.perf_counter() - pad_start
         with torch.no_grad():
             out = self.model(input_ids=torch.tensor([[s.tokens[-1]] for s in seqs],
                                                     dtype=torch.long),

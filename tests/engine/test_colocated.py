@@ -70,6 +70,13 @@ def test_outputs_equal_single_request_reference(model: object,
             assert res.prefill_chunks >= -(-len(req.token_ids) // config.token_budget)
         assert results[-1].prefill_chunks > 1
     assert config.max_batch >= max(engine.decode_batch_sizes)
+    # The forward accounting covers every prompt token and every decode step, and padding
+    # is only part of the decode time.
+    stats = engine.forward_stats
+    assert stats.prefill_tokens == sum(len(r.token_ids) for r in requests)
+    assert stats.decode_steps == sum(engine.decode_batch_sizes.values())
+    assert 0 < stats.pad_s < stats.decode_s
+    assert stats.prefill_s >= sum(r.prefill_compute_s for r in results) * 0.999
     for req, res in zip(requests, results, strict=True):
         assert res.computed_tokens == len(req.token_ids)
         assert 0 <= res.queue_wait_s <= res.ttft_s
