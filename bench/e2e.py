@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import tempfile
 import time
 import uuid
@@ -67,6 +68,7 @@ from kvstore.engine.colocated import (
     ColocatedEngine,
     ColocatedRequest,
     ColocatedResult,
+    ForwardStats,
     SchedulerMode,
 )
 from kvstore.engine.gateway import Gateway, GatewayResult
@@ -182,15 +184,16 @@ def summarize_colocated(results: list[ColocatedResult], wall_s: float) -> dict[s
 
 def run_colocated(model: Any, arrivals: list[Arrival], *, config: ColocatedConfig,
                   new_tokens: int, advance: Any) -> tuple[list[ColocatedResult], float,
-                                                          dict[int, int]]:
-    """One open-loop pass of ``arrivals`` through a colocated engine; results, wall seconds and
-    decode steps per batch size."""
+                                                          dict[int, int], ForwardStats]:
+    """One open-loop pass of ``arrivals`` through a colocated engine; results, wall seconds,
+    decode steps per batch size and where the forward time went."""
     engine = ColocatedEngine(model, config)
     requests = [ColocatedRequest(str(i), a.token_ids, a.at_s, new_tokens)
                 for i, a in enumerate(arrivals)]
     t0 = time.perf_counter()
     results = engine.serve(requests, on_done=lambda _r: advance())
-    return results, time.perf_counter() - t0, dict(engine.decode_batch_sizes)
+    return (results, time.perf_counter() - t0, dict(engine.decode_batch_sizes),
+            engine.forward_stats)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -245,13 +248,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     run_colocated(model, burst, config=colocated[mode],
                                   new_tokens=args.new_tokens, advance=lambda: None)
                 got: dict[str, Any] = {m: {"results": [], "wall_s": 0.0, "tokens": [],
-                                           "batches": {}} for m in COLOCATED_MODES}
+                                           "batches": {}, "forward": ForwardStats(),
+                                           "load_avg_1m": []} for m in COLOCATED_MODES}
                 for index, mode in enumerate((*COLOCATED_MODES, *reversed(COLOCATED_MODES))):
                     task = progress.add_task(f"{name} {mode} #{index}", total=len(arrivals))
-                    results, wall, batches = run_colocated(
+                    # A 2-thread torch process slows down far more than its share when another
+                    # process takes a core (docs/engines.md): record the load each pass met.
+                    load_1m = os.getloadavg()[0]
+                    results, wall, batches, fwd = run_colocated(
                         model, arrivals, config=colocated[mode], new_tokens=args.new_tokens,
                         advance=lambda t=task: progress.advance(t))
                     entry = got[mode]
+                    entry["load_avg_1m"].append(load_1m)
+                    total = entry["forward"]
+                    for key in ("prefill_tokens", "prefill_s", "decode_steps", "decode_s",
+                                "pad_s"):
+                        setattr(total, key, getattr(total, key) + getattr(fwd, key))
                     entry["results"] += results
                     entry["wall_s"] += wall
                     entry["tokens"].append([r.tokens for r in results])
@@ -295,6 +307,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         modes[m]["decode_steps"] = steps
                         modes[m]["decode_batch_mean"] = (
                             sum(k * v for k, v in sizes.items()) / steps if steps else 0.0)
+                        fwd = coloc[name][m]["forward"]
+                        modes[m]["forward"] = {
+                            "prefill_ms_per_token": fwd.prefill_ms_per_token,
+                            "decode_ms_per_step": fwd.decode_ms_per_step,
+                            "pad_s": fwd.pad_s, "prefill_s": fwd.prefill_s,
+                            "decode_s": fwd.decode_s}
+                        modes[m]["load_avg_1m_at_pass_start"] = coloc[name][m]["load_avg_1m"]
                     modes.update({m: summarize(results[m], walls[m]) for m in MODES})
                     c, d = (results[m] for m in MODES)
                     passes = [p for m in COLOCATED_MODES for p in coloc[name][m]["tokens"]]
@@ -336,7 +355,7 @@ def print_tables(console: Console, doc: dict[str, Any]) -> None:
                     "TPOT p50/p99 ms", "hit ratio",
                     "prefill computed", "KV MiB prefill load / save / decode load",
                     "transfer s (prefill wait, decode load)", "queue wait mean/p99 ms",
-                    "decode batch mean"):
+                    "decode batch mean", "fwd: prefill ms/token, decode ms/step"):
             table.add_column(col, justify="right")
         for mode, m in w["modes"].items():
             t, p, q = m["ttft_s"], m["tpot_s"], m["queue_wait_s"]
@@ -351,7 +370,9 @@ def print_tables(console: Console, doc: dict[str, Any]) -> None:
                 f"{m['transfer_s']['prefill_load_wait']:.2f}, "
                 f"{m['transfer_s']['decode_load']:.2f}",
                 f"{q['mean'] * 1e3:.0f} / {q['p99'] * 1e3:.0f}",
-                f"{m['decode_batch_mean']:.2f}" if "decode_batch_mean" in m else "-")
+                f"{m['decode_batch_mean']:.2f}" if "decode_batch_mean" in m else "-",
+                (f"{m['forward']['prefill_ms_per_token']:.2f}, "
+                 f"{m['forward']['decode_ms_per_step']:.1f}") if "forward" in m else "-")
         console.print(table)
     console.print(f"git {doc['git_sha']}, {doc['machine']['cpus']} CPUs, load avg "
                   f"{doc['machine']['load_avg_1m']:.1f}; (a)/(b) on "
