@@ -56,6 +56,7 @@ import struct
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import aetcd
@@ -142,6 +143,8 @@ class WorkerConfig:
     etcd_prefix: str = "/kvtier/"
     model_name: str = "ref-llama"
     spec: ModelSpec = field(default_factory=ModelSpec)
+    model_path: Path | None = None
+    """A local Hugging Face checkpoint directory to serve instead of the seeded reference model."""
     block_tokens: int = 64
     listen_host: str = "127.0.0.1"
     listen_port: int = 0
@@ -158,6 +161,16 @@ class WorkerConfig:
                 raise InvalidArgument(f"WorkerConfig.{name} must be positive")
         if not 0 <= self.listen_port < 65536:
             raise InvalidArgument(f"listen_port out of range: {self.listen_port}")
+
+
+def load_worker_model(cfg: WorkerConfig) -> Any:
+    """The model a worker serves: a real checkpoint when ``cfg.model_path`` is set, else the
+    reference Llama built from ``cfg.spec`` (random weights from its seed)."""
+    from kvstore.engine.model import build_reference_model, load_model
+
+    if cfg.model_path is not None:
+        return load_model(cfg.model_path)
+    return build_reference_model(cfg.spec)
 
 
 # --- the shared part ----------------------------------------------------------------------------
@@ -238,12 +251,10 @@ class _Worker:
         from conductor.membership import KeyLayout, etcd_client
         from kvstore.client.kv_client import namespace_for
         from kvstore.engine.kvlayout import KVLayout
-        from kvstore.engine.model import build_reference_model
-
         cfg = self.config
         torch.set_num_threads(cfg.torch_threads)
         loop = asyncio.get_running_loop()
-        self._model = await loop.run_in_executor(self._compute, build_reference_model, cfg.spec)
+        self._model = await loop.run_in_executor(self._compute, load_worker_model, cfg)
         self._layout = KVLayout.for_model(self._model, cfg.block_tokens)
         self._server = await asyncio.start_server(self._serve, cfg.listen_host, cfg.listen_port)
         host, port = self._server.sockets[0].getsockname()[:2]
@@ -628,6 +639,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix", default="/kvtier/")
     parser.add_argument("--model-name", default="ref-llama")
     parser.add_argument("--spec-json", default="{}", help="ModelSpec fields as JSON")
+    parser.add_argument("--model-path", type=Path, default=None,
+                        help="a local Hugging Face checkpoint (default: the seeded reference model)")
     parser.add_argument("--block-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--kv-capacity-tokens", type=int, default=1_000_000)
@@ -640,6 +653,7 @@ def main(argv: list[str] | None = None) -> int:
             role=EngineRole(args.role), instance_id=args.instance_id, node_id=args.node_id,
             daemon_address=args.daemon, etcd_endpoint=args.etcd, etcd_prefix=args.prefix,
             model_name=args.model_name, spec=ModelSpec(**json.loads(args.spec_json)),
+            model_path=args.model_path,
             block_tokens=args.block_tokens, torch_threads=args.threads,
             kv_capacity_tokens=args.kv_capacity_tokens)
     except (KvtierError, TypeError, ValueError) as exc:
