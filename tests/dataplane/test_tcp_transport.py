@@ -54,7 +54,7 @@ from kvstore.errors import (
     TransportError,
 )
 from tests.dataplane.lease_backend_conformance import LeaseBackendConformance
-from tests.support.common import payload, wait_until
+from tests.support.common import StdinServerProcess, payload, wait_until
 
 KiB, MiB = 1 << 10, 1 << 20
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -67,19 +67,12 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # --- a server in its own process -------------------------------------------------------------------
 
 
-class ServerProcess:
+class ServerProcess(StdinServerProcess):
     """``python -m kvstore.dataplane.transport`` on an ephemeral port, over a MemoryBackend."""
 
     def __init__(self, *flags: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvstore.dataplane.transport", "--exit-on-stdin-eof", *flags],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line.startswith("LISTENING"):
-            self.proc.kill()
-            raise RuntimeError(f"server did not start: {line!r}")
-        _, self.host, port = line.split()
+        super().__init__("kvstore.dataplane.transport", "LISTENING", *flags)
+        _, self.host, port = self.ready_line.split()
         self.port = int(port)
 
     def client(self, connections: int = 4, **options: object) -> TcpClient:
@@ -89,18 +82,6 @@ class ServerProcess:
         sock = socket.create_connection((self.host, self.port), timeout=10)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self) -> None:
-        if self.proc.stdin is not None and not self.proc.stdin.closed:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ from kvstore.errors import (
     SizeMismatch,
     TierUnavailable,
 )
-from tests.support.common import payload, wait_until
+from tests.support.common import StdinServerProcess, payload, wait_until
 from tests.support.daemon import DaemonProcess
 
 _REASON = ucx_unavailable()
@@ -44,39 +44,16 @@ KiB, MiB = 1 << 10, 1 << 20
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-
-
-
-
-class UcxServerProcess:
+class UcxServerProcess(StdinServerProcess):
     """``python -m kvstore.dataplane.transport.ucx`` over a MemoryBackend, in its own process."""
 
     def __init__(self, *flags: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvstore.dataplane.transport.ucx", "--exit-on-stdin-eof",
-             *flags], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line.startswith("UCX-LISTENING "):
-            self.proc.kill()
-            raise RuntimeError(f"UCX server did not start: {line!r}")
-        self.address_hex = line.split()[1]
+        super().__init__("kvstore.dataplane.transport.ucx", "UCX-LISTENING ", *flags)
+        self.address_hex = self.ready_line.split()[1]
         self.address = bytes.fromhex(self.address_hex)
 
     def client(self, **options: object) -> UcxClient:
         return UcxClient(self.address, **options)  # type: ignore[arg-type]
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self) -> None:
-        if self.proc.stdin is not None and not self.proc.stdin.closed:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
 
 
 @pytest.fixture(scope="module")
