@@ -14,13 +14,11 @@ It replays an open-loop arrival trace in real time and schedules iterations in o
   forward calls of the same iteration (the reference model is Hugging Face's, which has no
   fused ragged kernel); the budget, not the fusion, is what bounds an iteration's latency.
 
-**Batched decode over ragged KV.** Each sequence keeps its own one-sequence ``DynamicCache``.
-A decode step over ``n > 1`` sequences left-pads their caches to the longest one, passes a
-2-D attention mask that hides the padding and each sequence's own position id (its length),
-runs one forward of batch ``n``, and appends each sequence's new key/value (the last position)
-to its own cache. One sequence decodes on its cache directly. Greedy outputs equal those of a
-single-request reference token for token (``tests/engine/test_colocated.py``); the padded batch
-costs a copy of the running sequences' KV per step, which is small next to the model here.
+**Batched decode over ragged KV.** Each sequence keeps its own one-sequence ``DynamicCache``;
+a decode step over the running sequences is :func:`kvstore.engine.batching.batched_decode_step`
+(left-padded batch, 2-D mask, per-sequence positions; shared with the disaggregated decode
+worker). Greedy outputs equal those of a single-request reference token for token
+(``tests/engine/test_colocated.py``).
 
 Threading: an engine is used from one thread; :meth:`ColocatedEngine.serve` blocks until every
 request is done. The constructor only records the model and the configuration.
@@ -33,12 +31,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvstore.errors import ConfigError, InvalidArgument
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = ["ColocatedConfig", "ColocatedEngine", "ColocatedRequest", "ColocatedResult",
            "ForwardStats", "SchedulerMode", "reference_generate"]
@@ -271,56 +266,14 @@ class ColocatedEngine:
             self.forward_stats.decode_s += time.perf_counter() - start
 
     def _decode_forward(self, seqs: list[_Sequence]) -> None:
-        import torch
+        from kvstore.engine.batching import batched_decode_step
 
         self.decode_batch_sizes[len(seqs)] += 1
-        if len(seqs) == 1:
-            seq = seqs[0]
-            with torch.no_grad():
-                out = self.model(input_ids=torch.tensor([[seq.tokens[-1]]], dtype=torch.long),
-                                 past_key_values=seq.cache, use_cache=True, logits_to_keep=1)
-            seq.cache = out.past_key_values
-            seq.tokens.append(int(torch.argmax(out.logits[0, -1])))
-            return
-        pad_start = time.perf_counter()
-        padded, mask, positions = self._pad_batch(seqs)
-        self.forward_stats.pad_s += time.perf_counter() - pad_start
-        with torch.no_grad():
-            out = self.model(input_ids=torch.tensor([[s.tokens[-1]] for s in seqs],
-                                                    dtype=torch.long),
-                             attention_mask=mask, position_ids=positions,
-                             past_key_values=padded, use_cache=True, logits_to_keep=1)
-        nxt = torch.argmax(out.logits[:, -1], dim=-1).tolist()
-        for i, seq in enumerate(seqs):
-            for layer_idx, layer in enumerate(out.past_key_values.layers):
-                seq.cache.update(layer.keys[i: i + 1, :, -1:], layer.values[i: i + 1, :, -1:],
-                                 layer_idx)
-            seq.tokens.append(int(nxt[i]))
-
-    @staticmethod
-    def _pad_batch(seqs: list[_Sequence]) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        """Left-pad the sequences' caches to one batch cache; the mask hides the padding (and
-        covers the token being decoded), the position ids are each sequence's own length."""
-        import torch
-        from transformers.cache_utils import DynamicCache
-
-        lengths = [s.cache.get_seq_length() for s in seqs]
-        longest = max(lengths)
-        batch = DynamicCache()
-        for layer_idx, first in enumerate(seqs[0].cache.layers):
-            kv = []
-            for name in ("keys", "values"):
-                ref = getattr(first, name)
-                t = ref.new_zeros((len(seqs), ref.shape[1], longest, ref.shape[3]))
-                for i, (seq, n) in enumerate(zip(seqs, lengths, strict=True)):
-                    t[i, :, longest - n:] = getattr(seq.cache.layers[layer_idx], name)[0]
-                kv.append(t)
-            batch.update(kv[0], kv[1], layer_idx)
-        mask = torch.zeros((len(seqs), longest + 1), dtype=torch.long)
-        for i, n in enumerate(lengths):
-            mask[i, longest - n:] = 1
-        positions = torch.tensor([[n] for n in lengths], dtype=torch.long)
-        return batch, mask, positions
+        step = batched_decode_step(self.model, [s.cache for s in seqs],
+                                   [s.tokens[-1] for s in seqs])
+        self.forward_stats.pad_s += step.pad_s
+        for seq, token in zip(seqs, step.tokens, strict=True):
+            seq.tokens.append(token)
 
 
 def reference_generate(model: Any, token_ids: list[int], max_new_tokens: int) -> list[int]:
