@@ -63,10 +63,16 @@ class ClusterSpec:
     conductor_policy: str = "global-cache"
     fresh: bool = True
     """Start from empty etcd data and NVMe directories under ``work_dir`` (logs are kept)."""
+    device: str = "cpu"
+    """The workers' torch device (``cpu``, ``cuda``, ``cuda:N``, ``auto``); a worker refuses a
+    GPU this machine lacks, and :meth:`LocalCluster.start` then fails with its log."""
+    max_decode_batch: int = 64
+    """Most sequences per batched decode step of the decode worker."""
 
     def __post_init__(self) -> None:
-        if self.block_tokens <= 0 or self.torch_threads <= 0:
-            raise ConfigError("block_tokens and torch_threads must be positive")
+        if self.block_tokens <= 0 or self.torch_threads <= 0 or self.max_decode_batch <= 0:
+            raise ConfigError("block_tokens, torch_threads and max_decode_batch must be "
+                              "positive")
         if self.dram_bytes < MiB or self.nvme_bytes < 0:
             raise ConfigError("dram_bytes must be >= 1 MiB and nvme_bytes >= 0")
         if self.start_timeout_s <= 0 or self.stop_timeout_s <= 0:
@@ -221,7 +227,8 @@ class LocalCluster:
             "--node-id", node_id, "--daemon", self.daemon_addresses[node_id],
             "--etcd", self.etcd_endpoint, "--prefix", spec.prefix,
             "--model-name", spec.model_name, "--spec-json", json.dumps(asdict(spec.spec)),
-            "--block-tokens", str(spec.block_tokens), "--threads", str(spec.torch_threads)),
+            "--block-tokens", str(spec.block_tokens), "--threads", str(spec.torch_threads),
+            "--device", spec.device, "--max-decode-batch", str(spec.max_decode_batch)),
             READY_PREFIX, self.logs_dir / f"{instance_id}.log")
         self.children[instance_id] = child
         return child

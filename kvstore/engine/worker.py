@@ -35,10 +35,21 @@ connection; the connection closes after ``done`` or ``error``. An ``error`` fram
 kvtier error class name and a message; the gateway raises it again.
 
 **Threads.** Each worker runs one asyncio loop (sockets, conductor reports, etcd lease) and
-computes on one extra thread, one request at a time, in arrival order: the model is not shared
-across threads. Both register an :class:`~conductor.engines.EngineRecord` under an etcd lease
-(refreshed every TTL/3; the record vanishes with the process) and report load and completions
-to the conductor; a failed report is logged, never fails the request.
+computes on one extra thread: the model is not shared across threads. The prefill worker
+computes one request at a time, in arrival order. The decode worker runs continuous batching
+on its compute thread: a request's KV load starts as it arrives (on the KVClient's threads,
+overlapping the running batch), the request joins the running batch between two steps once
+its load is done, and every step is one batched forward over all running sequences with
+ragged KV (:func:`kvstore.engine.batching.batched_decode_step`, shared with the colocated
+engine); greedy outputs equal one-at-a-time decoding. Both register an
+:class:`~conductor.engines.EngineRecord` under an etcd lease (refreshed every TTL/3; the
+record vanishes with the process) and report load and completions to the conductor; a failed
+report is logged, never fails the request.
+
+**Device.** ``--device cpu`` (default), ``cuda``, ``cuda:N`` or ``auto``: the model, the KV
+buffers the loads fill and the saves read, and every input tensor live there; the KVClient
+copies between its host staging and those tensors layer by layer. A CUDA device this machine
+lacks is refused (:func:`resolve_device`, exit code 2), never replaced by the CPU.
 
 Run one with ``python -m kvstore.engine.worker --role prefill ...`` (see :func:`main`); it
 prints ``KVTIER-WORKER-READY {json}`` once it serves. :mod:`kvstore.cluster` starts them.
@@ -47,14 +58,19 @@ prints ``KVTIER-WORKER-READY {json}`` once it serves. :mod:`kvstore.cluster` sta
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures as cf
 import contextlib
+import functools
 import json
 import logging
+import queue
+import re
 import signal
 import struct
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -65,6 +81,7 @@ import grpc
 from conductor.engines import EngineRecord, EngineRole
 from kvstore.engine.model import ModelSpec
 from kvstore.errors import (
+    ConfigError,
     InvalidArgument,
     InvariantViolation,
     KvtierError,
@@ -75,7 +92,7 @@ from kvstore.errors import (
 if TYPE_CHECKING:
 
     from conductor.client import ConductorClient
-    from kvstore.client.kv_client import KVClient
+    from kvstore.client.kv_client import KVClient, LoadHandle
     from kvstore.engine.kvlayout import KVLayout
 
 log = logging.getLogger(__name__)
@@ -152,25 +169,64 @@ class WorkerConfig:
     kv_capacity_tokens: int = 1_000_000
     """Decode KV room announced to the conductor (decode role only)."""
     lease_ttl_s: int = 5
+    device: str = "cpu"
+    """Where the model, its KV and the layer-by-layer loads and saves live: ``cpu``, ``cuda``,
+    ``cuda:N`` or ``auto`` (cuda when this machine has one, else cpu); see :func:`resolve_device`."""
+    max_decode_batch: int = 64
+    """Most sequences in one batched decode step (decode role); later ones wait to join."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, EngineRole):
             raise InvalidArgument(f"role must be an EngineRole, got {self.role!r}")
-        for name in ("block_tokens", "torch_threads", "kv_capacity_tokens", "lease_ttl_s"):
+        for name in ("block_tokens", "torch_threads", "kv_capacity_tokens", "lease_ttl_s",
+                     "max_decode_batch"):
             if getattr(self, name) <= 0:
                 raise InvalidArgument(f"WorkerConfig.{name} must be positive")
         if not 0 <= self.listen_port < 65536:
             raise InvalidArgument(f"listen_port out of range: {self.listen_port}")
+        if not _DEVICE_RE.fullmatch(self.device):
+            raise InvalidArgument(f"device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
 
 
-def load_worker_model(cfg: WorkerConfig) -> Any:
-    """The model a worker serves: a real checkpoint when ``cfg.model_path`` is set, else the
-    reference Llama built from ``cfg.spec`` (random weights from its seed)."""
+_DEVICE_RE = re.compile(r"cpu|auto|cuda(:[0-9]+)?")
+
+
+def resolve_device(device: str) -> str:
+    """The torch device a worker runs on, checked against this machine.
+
+    ``auto`` is ``cuda`` when CUDA is available, else ``cpu``. An explicit ``cuda`` or
+    ``cuda:N`` on a machine without CUDA (or without device ``N``) raises ConfigError: a worker
+    never falls back to the CPU silently when it was asked for a GPU.
+    """
+    import torch
+
+    if not _DEVICE_RE.fullmatch(device):
+        raise ConfigError(f"device must be cpu, cuda, cuda:N or auto, got {device!r}")
+    if device == "cpu":
+        return device
+    available = torch.cuda.is_available()
+    if device == "auto":
+        return "cuda" if available else "cpu"
+    if not available:
+        raise ConfigError(f"device {device!r} asked for, but CUDA is not available on this "
+                          f"machine (torch {torch.__version__}, cuda build "
+                          f"{torch.version.cuda or 'none'}); use --device cpu")
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise ConfigError(f"device {device!r} asked for, but this machine has "
+                          f"{torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def load_worker_model(cfg: WorkerConfig, device: str = "cpu") -> Any:
+    """The model a worker serves, on ``device`` (already resolved): a real checkpoint when
+    ``cfg.model_path`` is set, else the reference Llama built from ``cfg.spec`` (random weights
+    from its seed)."""
     from kvstore.engine.model import build_reference_model, load_model
 
     if cfg.model_path is not None:
-        return load_model(cfg.model_path)
-    return build_reference_model(cfg.spec)
+        return load_model(cfg.model_path, device=device)
+    return build_reference_model(cfg.spec).to(device)
 
 
 # --- the shared part ----------------------------------------------------------------------------
@@ -200,8 +256,11 @@ class _DecodeOutcome:
     recomputed_tokens: int
     loaded_bytes: int
     load_s: float
+    """Arrival at this worker to joining the decode batch (KV load, tail, any recompute)."""
     decode_s: float
     tpot_s: float
+    batch_mean: float
+    """Mean decode batch size over this request's steps."""
 
 
 class _Worker:
@@ -222,6 +281,8 @@ class _Worker:
         self.address = ""
         self._queued_tokens = 0
         self._active = 0
+        self.device = "cpu"
+        """The resolved torch device (set by :meth:`start`)."""
 
     @property
     def model(self) -> Any:
@@ -252,9 +313,11 @@ class _Worker:
         from kvstore.client.kv_client import namespace_for
         from kvstore.engine.kvlayout import KVLayout
         cfg = self.config
+        self.device = resolve_device(cfg.device)
         torch.set_num_threads(cfg.torch_threads)
         loop = asyncio.get_running_loop()
-        self._model = await loop.run_in_executor(self._compute, load_worker_model, cfg)
+        self._model = await loop.run_in_executor(self._compute, load_worker_model, cfg,
+                                                 self.device)
         self._layout = KVLayout.for_model(self._model, cfg.block_tokens)
         self._server = await asyncio.start_server(self._serve, cfg.listen_host, cfg.listen_port)
         host, port = self._server.sockets[0].getsockname()[:2]
@@ -438,7 +501,7 @@ class PrefillWorker(_Worker):
         import torch
         from transformers.cache_utils import DynamicCache
 
-        from kvstore.client.kv_client import ContiguousKV, HFCacheKV, LoadHandle
+        from kvstore.client.kv_client import ContiguousKV, HFCacheKV
         from kvstore.engine.remote import layered_cache
 
         lay = self.layout
@@ -459,7 +522,7 @@ class PrefillWorker(_Worker):
         cache: Any = DynamicCache()
         if want:
             buffer = torch.empty((lay.num_layers, 2, lay.num_kv_heads, want * B, lay.head_dim),
-                                 dtype=lay.dtype)
+                                 dtype=lay.dtype, device=self.device)
             handle = client.load(token_ids[:want * B], ContiguousKV(buffer, lay))
             loaded = handle.transferred()
             if loaded:
@@ -479,7 +542,7 @@ class PrefillWorker(_Worker):
                     assert saver is not None
                     saver.save_layer(index)
                 hooks.append(layer.register_forward_hook(save))
-        rest = torch.tensor([token_ids[loaded * B:]], dtype=torch.long)
+        rest = torch.tensor([token_ids[loaded * B:]], dtype=torch.long, device=self.device)
         try:
             with torch.no_grad():
                 # Only the last position's logits are needed (the lm_head over every prompt token
@@ -502,10 +565,11 @@ class PrefillWorker(_Worker):
         past = out.past_key_values
         tail = torch.stack([torch.stack((past.layers[i].keys[0, :, full * B:],
                                          past.layers[i].values[0, :, full * B:]))
-                            for i in range(lay.num_layers)]).contiguous()
+                            for i in range(lay.num_layers)]).cpu().contiguous()
         return _PrefillOutcome(
             first_token=int(torch.argmax(out.logits[0, -1])),
-            tail=tail.numpy().tobytes(), tail_tokens=len(token_ids) - full * B, full_blocks=full,
+            # As bytes through a uint8 view: numpy has no bfloat16.
+            tail=tail.view(torch.uint8).numpy().tobytes(), tail_tokens=len(token_ids) - full * B, full_blocks=full,
             reused_tokens=loaded * B, computed_tokens=len(token_ids) - loaded * B,
             local_lookup_blocks=local, load_s=t1 - t0, compute_s=t2 - t1, save_s=t3 - t2,
             loaded_bytes=load.loaded_bytes if load is not None else 0, stored_bytes=stored,
@@ -516,29 +580,67 @@ class PrefillWorker(_Worker):
 
 
 class DecodeWorker(_Worker):
-    """Serves ``decode``: load the prompt's KV through kvtier, append the tail, decode greedily."""
+    """Serves ``decode``: load the prompt's KV through kvtier, append the tail, and decode
+    greedily with continuous batching.
+
+    Every request becomes a :class:`_DecodeJob` on the compute thread, which runs
+    :meth:`_decode_loop`: between two steps it starts the loads of new arrivals (on the
+    KVClient's executor, so they overlap the running batch's steps), moves every job whose load
+    finished into the running batch (at most ``max_decode_batch``; later ones wait), runs one
+    :func:`~kvstore.engine.batching.batched_decode_step` over the whole batch (ragged KV: each
+    sequence its own cache) and answers the jobs that reached ``max_new_tokens``. Outputs equal
+    one-request-at-a-time decoding token for token (tests/engine/test_cluster.py).
+    """
+
+    def __init__(self, config: WorkerConfig) -> None:
+        """Record settings; :meth:`start` also starts the decode loop on the compute thread."""
+        super().__init__(config)
+        self._inbox: queue.SimpleQueue[_DecodeJob | None] = queue.SimpleQueue()
+        self._loop_future: cf.Future[None] | None = None
+        self.decode_batch_sizes: collections.Counter[int] = collections.Counter()
+        """Decode steps per batch size since start (how much batching happened)."""
+
+    async def start(self) -> str:
+        address = await super().start()
+        self._loop_future = self._compute.submit(self._decode_loop)
+        self._loop_future.add_done_callback(_log_if_failed)
+        return address
+
+    async def stop(self) -> None:
+        self._inbox.put(None)  # the loop fails what is left and returns; the executor joins it
+        await super().stop()
 
     async def handle(self, doc: dict[str, Any], payload: bytes,
                      writer: asyncio.StreamWriter) -> None:
         if doc.get("op") != "decode":
             raise InvalidArgument(f"a decode worker serves 'decode', not {doc.get('op')!r}")
         token_ids = _token_ids(doc)
-        args = (token_ids, _field(doc, "tenant", str), _field(doc, "kv_address", str),
-                _field(doc, "full_blocks", int), _field(doc, "first_token", int),
-                _field(doc, "tail_tokens", int), payload, _field(doc, "max_new_tokens", int))
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[_DecodeOutcome] = loop.create_future()
+        job = _DecodeJob(
+            token_ids=token_ids, tenant=_field(doc, "tenant", str),
+            kv_address=_field(doc, "kv_address", str),
+            full_blocks=_field(doc, "full_blocks", int),
+            first_token=_field(doc, "first_token", int),
+            tail_tokens=_field(doc, "tail_tokens", int), tail=payload,
+            max_new_tokens=_field(doc, "max_new_tokens", int),
+            deliver=functools.partial(_deliver, loop, answer))
         ticket = _field(doc, "ticket", int)
         B = self.layout.block_tokens
-        if args[3] != len(token_ids) // B or args[5] != len(token_ids) - args[3] * B:
+        if job.full_blocks != len(token_ids) // B or \
+                job.tail_tokens != len(token_ids) - job.full_blocks * B:
             raise InvalidArgument("full_blocks/tail_tokens do not match the prompt")
-        if len(payload) != args[5] * self.layout.bytes_per_token:
+        if len(payload) != job.tail_tokens * self.layout.bytes_per_token:
             raise InvalidArgument(f"tail KV has {len(payload)} bytes, expected "
-                                  f"{args[5] * self.layout.bytes_per_token}")
+                                  f"{job.tail_tokens * self.layout.bytes_per_token}")
+        if job.max_new_tokens < 1:
+            raise InvalidArgument("max_new_tokens must be >= 1")
         self._active += 1
         self._queued_tokens += len(token_ids)
         self._report_load()
-        loop = asyncio.get_running_loop()
         try:
-            out = await loop.run_in_executor(self._compute, self._decode, *args)
+            self._inbox.put(job)
+            out = await answer
         finally:
             self._active -= 1
             self._queued_tokens -= len(token_ids)
@@ -548,60 +650,199 @@ class DecodeWorker(_Worker):
         assert self._conductor is not None
         self._report(self._conductor.report_completion(pb.CompletionReport(
             ticket=ticket, decode=pb.DecodeDone(
-                output_tokens=len(out.tokens), tpot_s=out.tpot_s, batch_size=1,
+                output_tokens=len(out.tokens), tpot_s=out.tpot_s,
+                batch_size=max(1, round(out.batch_mean)),
                 context_tokens=len(token_ids) + len(out.tokens)))))
         await write_frame(writer, {"event": "done", "decode": asdict(out)})
 
-    def _decode(self, token_ids: list[int], tenant: str, kv_address: str, full_blocks: int,
-                first_token: int, tail_tokens: int, tail: bytes, max_new_tokens: int
-                ) -> _DecodeOutcome:
+    # --- the compute thread -----------------------------------------------------------------
+
+    def _decode_loop(self) -> None:
+        """Continuous batching until the stop sentinel (see the class docstring)."""
+        loading: list[_DecodeJob] = []
+        running: list[_DecodeJob] = []
+        stopping = False
+        while not stopping:
+            # Arrivals: wait for one only when there is nothing else to do.
+            block = not loading and not running
+            while True:
+                try:
+                    job = self._inbox.get(block=block)
+                except queue.Empty:
+                    break
+                block = False
+                if job is None:
+                    stopping = True
+                    break
+                self._start_load(job, loading)
+            if stopping:
+                break
+            if loading and not running:
+                loading[0].wait_loaded()  # nothing to compute meanwhile
+            for job in [j for j in loading if j.load_done()]:
+                if len(running) >= self.config.max_decode_batch:
+                    break
+                loading.remove(job)
+                self._join(job, running)
+            if running:
+                self._step(running)
+        for job in loading + running:
+            job.deliver(None, PeerUnavailable("the decode worker is stopping"))
+
+    def _start_load(self, job: _DecodeJob, loading: list[_DecodeJob]) -> None:
+        """Allocate the job's KV buffer and start loading its full blocks (returns at once)."""
         import torch
 
         from kvstore.client.kv_client import ContiguousKV
+
+        lay = self.layout
+        job.submitted_s = time.perf_counter()
+        try:
+            job.buffer = torch.empty((lay.num_layers, 2, lay.num_kv_heads, len(job.token_ids),
+                                      lay.head_dim), dtype=lay.dtype, device=self.device)
+            if job.full_blocks:
+                job.handle = self.kv_client(job.kv_address, job.tenant).load(
+                    job.token_ids[:job.full_blocks * lay.block_tokens],
+                    ContiguousKV(job.buffer, lay))
+        except Exception as exc:  # daemon unreachable (PeerUnavailable) or a bug: this job only
+            job.deliver(None, exc)
+            return
+        loading.append(job)
+
+    def _join(self, job: _DecodeJob, running: list[_DecodeJob]) -> None:
+        """A loaded job: append the tail KV (or recompute from the first missing block) and
+        add it to the running batch (or answer it, when it wants one token)."""
+        import torch
+
         from kvstore.engine.remote import layered_cache
 
         lay = self.layout
         B = lay.block_tokens
-        n = len(token_ids)
-        t0 = time.perf_counter()
-        buffer = torch.empty((lay.num_layers, 2, lay.num_kv_heads, n, lay.head_dim),
-                             dtype=lay.dtype)
-        loaded, loaded_bytes = 0, 0
-        if full_blocks:
-            result = self.kv_client(kv_address, tenant).load(
-                token_ids[:full_blocks * B], ContiguousKV(buffer, lay)).result()
-            loaded, loaded_bytes = result.loaded_blocks, result.loaded_bytes
-            if result.failed_blocks:
-                log.warning("decode load stopped at block %d (%s): recomputing",
-                            loaded, result.error)
-        recomputed = 0
-        if loaded == full_blocks:
-            if tail_tokens:
-                shape = (lay.num_layers, 2, lay.num_kv_heads, tail_tokens, lay.head_dim)
-                buffer[:, :, :, full_blocks * B:] = torch.frombuffer(
-                    bytearray(tail), dtype=lay.dtype).view(shape)
-            cache = layered_cache(buffer, n, None)
-        else:
-            from transformers.cache_utils import DynamicCache
+        n = len(job.token_ids)
+        try:
+            if job.handle is not None:
+                result = job.handle.result()
+                job.loaded, job.loaded_bytes = result.loaded_blocks, result.loaded_bytes
+                if result.failed_blocks:
+                    log.warning("decode load stopped at block %d (%s): recomputing",
+                                job.loaded, result.error)
+            assert job.buffer is not None
+            if job.loaded == job.full_blocks:
+                if job.tail_tokens:
+                    shape = (lay.num_layers, 2, lay.num_kv_heads, job.tail_tokens, lay.head_dim)
+                    job.buffer[:, :, :, job.full_blocks * B:] = torch.frombuffer(
+                        bytearray(job.tail), dtype=lay.dtype).view(shape).to(self.device)
+                job.cache = layered_cache(job.buffer, n, None)
+            else:
+                from transformers.cache_utils import DynamicCache
 
-            cache = layered_cache(buffer, loaded * B, None) if loaded else DynamicCache()
-            recomputed = n - loaded * B
-            with torch.no_grad():
-                out = self.model(input_ids=torch.tensor([token_ids[loaded * B:]]),
-                                 past_key_values=cache, use_cache=True, logits_to_keep=1)
-            cache = out.past_key_values
-        t1 = time.perf_counter()
-        tokens = [first_token]
-        with torch.no_grad():
-            while len(tokens) < max_new_tokens:
-                out = self.model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache,
-                                 use_cache=True)
-                cache = out.past_key_values
-                tokens.append(int(torch.argmax(out.logits[0, -1])))
-        t2 = time.perf_counter()
-        steps = len(tokens) - 1
-        return _DecodeOutcome(tokens, loaded, recomputed, loaded_bytes, t1 - t0, t2 - t1,
-                              (t2 - t1) / steps if steps else 0.0)
+                cache = (layered_cache(job.buffer, job.loaded * B, None) if job.loaded
+                         else DynamicCache())
+                job.recomputed = n - job.loaded * B
+                with torch.no_grad():
+                    out = self.model(input_ids=torch.tensor([job.token_ids[job.loaded * B:]],
+                                                            device=self.device),
+                                     past_key_values=cache, use_cache=True, logits_to_keep=1)
+                job.cache = out.past_key_values
+        except Exception as exc:  # a bug (torch, transformers): this job only
+            job.deliver(None, exc)
+            return
+        job.buffer = None  # the cache holds views of what it needs
+        job.joined_s = time.perf_counter()
+        if job.max_new_tokens == 1:
+            job.deliver(job.outcome(job.joined_s), None)
+        else:
+            running.append(job)
+
+    def _step(self, running: list[_DecodeJob]) -> None:
+        """One token for every running job; answer the finished ones."""
+        from kvstore.engine.batching import batched_decode_step
+
+        batch = len(running)
+        try:
+            step = batched_decode_step(self.model, [j.cache for j in running],
+                                       [j.tokens[-1] for j in running])
+        except Exception as exc:  # a bug: every job of the batch hears of it
+            for job in running:
+                job.deliver(None, exc)
+            running.clear()
+            return
+        self.decode_batch_sizes[batch] += 1
+        now = time.perf_counter()
+        for job, token in zip(list(running), step.tokens, strict=True):
+            job.tokens.append(token)
+            job.batch_sum += batch
+            if len(job.tokens) >= job.max_new_tokens:
+                running.remove(job)
+                job.cache = None
+                job.deliver(job.outcome(now), None)
+
+
+@dataclass(eq=False, slots=True)
+class _DecodeJob:
+    """One decode request inside the worker; fields after ``deliver`` belong to the compute
+    thread."""
+
+    token_ids: list[int]
+    tenant: str
+    kv_address: str
+    full_blocks: int
+    first_token: int
+    tail_tokens: int
+    tail: bytes
+    max_new_tokens: int
+    deliver: Callable[[_DecodeOutcome | None, BaseException | None], None]
+    """Hands the outcome (or the error) to the request's event loop; thread-safe."""
+    submitted_s: float = 0.0
+    joined_s: float = 0.0
+    buffer: Any = None
+    handle: LoadHandle | None = None
+    cache: Any = None
+    tokens: list[int] = field(default_factory=list)
+    loaded: int = 0
+    loaded_bytes: int = 0
+    recomputed: int = 0
+    batch_sum: int = 0
+
+    def __post_init__(self) -> None:
+        self.tokens = [self.first_token]
+
+    def load_done(self) -> bool:
+        return self.handle is None or self.handle.done()
+
+    def wait_loaded(self) -> None:
+        if self.handle is not None:
+            self.handle.result()
+
+    def outcome(self, finish_s: float) -> _DecodeOutcome:
+        steps = len(self.tokens) - 1
+        decode_s = finish_s - self.joined_s
+        return _DecodeOutcome(
+            list(self.tokens), self.loaded, self.recomputed, self.loaded_bytes,
+            self.joined_s - self.submitted_s, decode_s, decode_s / steps if steps else 0.0,
+            self.batch_sum / steps if steps else 1.0)
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, answer: asyncio.Future[Any],
+             value: Any, exc: BaseException | None) -> None:
+    """Resolve ``answer`` on its loop from any thread (a no-op once it is resolved or the loop
+    is closed: the request's connection is gone then)."""
+    def resolve() -> None:
+        if answer.done():
+            return
+        if exc is not None:
+            answer.set_exception(exc)
+        else:
+            answer.set_result(value)
+    try:
+        loop.call_soon_threadsafe(resolve)
+    except RuntimeError:  # the loop is closed (shutdown): nobody waits for this answer
+        log.debug("decode answer dropped: the event loop is closed")
+
+
+def _log_if_failed(fut: cf.Future[None]) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.error("the decode loop died", exc_info=fut.exception())
 
 
 # --- process ------------------------------------------------------------------------------------
@@ -627,7 +868,11 @@ async def serve(config: WorkerConfig, *, ready: Any = None) -> None:
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvstore.engine.worker --role prefill|decode --instance-id ID --node-id N
     --daemon HOST:PORT --etcd URL [--prefix P] [--model-name M] [--spec-json J]
-    [--block-tokens B] [--threads T] [--kv-capacity-tokens K]``."""
+    [--block-tokens B] [--threads T] [--kv-capacity-tokens K] [--device cpu|cuda|cuda:N|auto]
+    [--max-decode-batch N]``.
+
+    Exit code 2 for a bad flag, a device this machine lacks included (``--device cuda``
+    without CUDA is refused before anything starts, never run on the CPU instead)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="kvstore.engine.worker")
@@ -644,6 +889,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--kv-capacity-tokens", type=int, default=1_000_000)
+    parser.add_argument("--device", default="cpu",
+                        help="cpu (default), cuda, cuda:N, or auto (cuda when available)")
+    parser.add_argument("--max-decode-batch", type=int, default=64,
+                        help="most sequences per batched decode step (decode role)")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
@@ -655,7 +904,9 @@ def main(argv: list[str] | None = None) -> int:
             model_name=args.model_name, spec=ModelSpec(**json.loads(args.spec_json)),
             model_path=args.model_path,
             block_tokens=args.block_tokens, torch_threads=args.threads,
-            kv_capacity_tokens=args.kv_capacity_tokens)
+            kv_capacity_tokens=args.kv_capacity_tokens, device=args.device,
+            max_decode_batch=args.max_decode_batch)
+        resolve_device(config.device)  # refuse a missing GPU here, before anything starts
     except (KvtierError, TypeError, ValueError) as exc:
         print(f"kvstore.engine.worker: {exc}", file=sys.stderr)
         return 2

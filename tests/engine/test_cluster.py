@@ -42,12 +42,12 @@ def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, SPEC.vocab_size, (n,), generator=g).tolist()
 
 
-def reference(model: object, tokens: list[int]) -> list[int]:
+def reference(model: object, tokens: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
     """Greedy tokens from one full forward in this process (no kvtier anywhere)."""
     out: list[int] = []
     with torch.no_grad():
         res = model(input_ids=torch.tensor([tokens]), use_cache=True)  # type: ignore[operator]
-        for _ in range(NEW_TOKENS):
+        for _ in range(new_tokens):
             out.append(int(torch.argmax(res.logits[0, -1])))
             res = model(input_ids=torch.tensor([[out[-1]]]),  # type: ignore[operator]
                         past_key_values=res.past_key_values, use_cache=True)
@@ -92,6 +92,36 @@ def test_reuse_skips_prefill_and_outputs_are_identical(cluster: LocalCluster) ->
     assert computed[3] == len(prompts[3]) - (len(prompts[0]) // BLOCK) * BLOCK
     assert sum(computed) < sum(r.prefill["computed_tokens"] for r in plain) // 2
     assert all(r.prefill["loaded_bytes"] > 0 for r in reused[1:])
+
+
+def test_concurrent_requests_share_decode_batches_with_identical_outputs(
+        cluster: LocalCluster) -> None:
+    # Requests sent at once: the prefill worker serves them one after another, the decode
+    # worker batches them (each joins the running batch between steps). Lengths on and off
+    # block boundaries, one shorter than a block (nothing to load), one wanting a single
+    # token (answered without a step), with and without reuse of a shared prefix.
+    shared = prompt(2 * BLOCK, seed=20)
+    cases = [(shared + prompt(BLOCK + 3, seed=21), 24), (prompt(7, seed=22), 24),
+             (shared + prompt(BLOCK, seed=23), 20), (prompt(3 * BLOCK + 9, seed=24), 24),
+             (shared + prompt(5, seed=25), 1), (prompt(50, seed=26), 22)]
+
+    async def go() -> list[GatewayResult]:
+        async with Gateway(etcd_endpoint=cluster.etcd_endpoint, prefix=cluster.spec.prefix,
+                           model_name=cluster.spec.model_name) as gateway:
+            return list(await asyncio.gather(*(
+                gateway.generate(f"batch-{i}", p, max_new_tokens=n, tenant="batch",
+                                 reuse=i % 2 == 0) for i, (p, n) in enumerate(cases))))
+
+    results = asyncio.run(go())
+    model = build_reference_model(SPEC)
+    for (p, n), r in zip(cases, results, strict=True):
+        assert r.accepted
+        assert r.tokens == reference(model, p, n), r.request_id
+        assert r.decode["loaded_blocks"] == len(p) // BLOCK
+        assert r.decode["recomputed_tokens"] == 0
+    # Batching happened: some decode steps ran several sequences at once.
+    assert max(r.decode["batch_mean"] for r in results) > 1.0
+    assert results[4].decode["batch_mean"] == 1.0 and len(results[4].tokens) == 1
 
 
 def test_worker_rejects_a_malformed_request(cluster: LocalCluster) -> None:
