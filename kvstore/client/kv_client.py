@@ -59,7 +59,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvstore.client.store_client import DataPlane, StoreClient, StoreClientConfig
+import grpc
+
+from kvstore.client.store_client import (
+    TIER_TO_PB,
+    DataPlane,
+    LookupResult,
+    StoreClient,
+    StoreClientConfig,
+    translate_rpc_error,
+)
 from kvstore.dataplane.tier import TierKind
 from kvstore.engine.kvlayout import KVLayout
 from kvstore.errors import (
@@ -67,6 +76,7 @@ from kvstore.errors import (
     InvalidArgument,
     KvtierError,
     MembershipError,
+    PeerUnavailable,
     SizeMismatch,
 )
 from kvstore.keys import BlockHasher, HashMode, KVDtype, KVFingerprint, Namespace, PrefixKey
@@ -78,7 +88,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_TIER_FROM_PB = {number: tier for tier, number in TIER_TO_PB.items()}
+
 __all__ = [
+    "BatchSave",
+    "BlockKeys",
     "ChunkKV",
     "ContiguousKV",
     "EngineKV",
@@ -87,9 +101,12 @@ __all__ = [
     "KVClientConfig",
     "LayerwiseSave",
     "LoadHandle",
+    "LoadRequest",
     "LoadResult",
     "PagedKV",
     "PrefixMatch",
+    "RemoteFetch",
+    "SaveRequest",
     "SaveResult",
     "StagingPool",
     "namespace_for",
@@ -306,6 +323,10 @@ class LoadResult:
     loaded_bytes: int
     transfer_s: float
     scatter_s: float
+    remote_blocks: int = 0
+    """How many of ``loaded_blocks`` came from another node's daemon (the last ones)."""
+    remote_node: str = ""
+    """That daemon's gRPC address ("" when nothing was asked of another node)."""
 
     @property
     def complete(self) -> bool:
@@ -324,6 +345,77 @@ class SaveResult:
     put_s: float
 
 
+# --- requests -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BlockKeys:
+    """Chunk keys an engine already has (e.g. from vLLM's block hashes through
+    :meth:`KVClient.keys_from_vllm`): pass one wherever a method takes ``token_ids`` to skip
+    hashing. ``keys[i]`` is the key of logical block ``i``."""
+
+    keys: tuple[PrefixKey, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.keys, tuple) or not all(isinstance(k, bytes) for k in self.keys):
+            raise InvalidArgument("BlockKeys.keys must be a tuple of bytes keys")
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteFetch:
+    """Blocks ``[first_block, end_block)`` of a request that another node's daemon holds: a
+    conductor ``FetchPlan`` in the client's terms (:meth:`from_plan`).
+
+    ``address`` is that daemon's gRPC ``host:port``; when empty, the client resolves
+    ``node_id`` through etcd (:meth:`KVClient.node_address`). ``first_block`` is a hint: the
+    remote part of a load starts wherever the local daemon's part stopped (the source holds the
+    whole chain up to ``end_block``, the conductor checked that), so blocks evicted locally
+    since the decision are fetched from the remote node too.
+    """
+
+    node_id: str
+    address: str
+    first_block: int
+    end_block: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.node_id, str) or not isinstance(self.address, str):
+            raise InvalidArgument("RemoteFetch.node_id and address must be str")
+        if not (self.node_id or self.address):
+            raise InvalidArgument("RemoteFetch needs an address or a node id")
+        if not 0 <= self.first_block <= self.end_block:
+            raise InvalidArgument(f"RemoteFetch blocks [{self.first_block}, {self.end_block}) "
+                                  f"are not a range")
+
+    @classmethod
+    def from_plan(cls, plan: Any, address: str = "") -> RemoteFetch:
+        """From a ``FetchPlan``: the conductor's reply (``kvtier.v1.FetchPlan``, which carries
+        ``src_grpc_address``) or ``conductor.scheduler.FetchPlan`` (node id only: give
+        ``address`` or let the client resolve it through etcd)."""
+        return cls(node_id=str(plan.src_node),
+                   address=address or str(getattr(plan, "src_grpc_address", "") or ""),
+                   first_block=int(plan.first_block), end_block=int(plan.end_block))
+
+
+@dataclass(frozen=True, slots=True)
+class LoadRequest:
+    """One request's part of :meth:`KVClient.load_many` (same meaning as ``load``'s arguments)."""
+
+    token_ids: object
+    into: EngineKV
+    first_block: int = 0
+    num_blocks: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SaveRequest:
+    """One request's part of :meth:`KVClient.begin_save_many` (as ``begin_save``'s arguments)."""
+
+    token_ids: object
+    from_: EngineKV
+    first_block: int = 0
+
+
 # --- configuration ------------------------------------------------------------------------------
 
 
@@ -338,10 +430,34 @@ class KVClientConfig:
     rpc_timeout_s: float = 30.0
     staging_pool_bytes: int = 256 << 20
     """Chunk-layout staging buffers kept for reuse (pre-touched); more are made on demand."""
+    hash_mode: HashMode = HashMode.XXH3_128
+    """How token blocks become chunk keys. ``SHA256_CBOR`` makes every key
+    ``namespace prefix (16 B) || vLLM's own block hash (32 B)``, so a vLLM connector maps
+    ``request.block_hashes`` to keys without rehashing (:meth:`KVClient.keys_from_vllm`)."""
+    vllm_hash_seed: str | None = None
+    """``SHA256_CBOR`` only (and required there): the vLLM processes' ``PYTHONHASHSEED``."""
+    batch_blocks: int = 256
+    """Blocks per daemon call in :meth:`KVClient.load_many` (all requests' blocks together)."""
+    remote_data_plane: DataPlane = DataPlane.AUTO
+    """Data plane to another node's daemon (:meth:`KVClient.load_from`): AUTO picks shared
+    memory when that daemon is in fact on this host, else UCX, else TCP."""
+    replicate_remote: bool = False
+    """Default of ``replicate`` in remote loads: put the blocks fetched from another node into
+    this client's own daemon afterwards (a replication step; the engine does not wait for it)."""
 
     def __post_init__(self) -> None:
         if self.staging_pool_bytes < 0:
             raise InvalidArgument("staging_pool_bytes must be >= 0")
+        if not isinstance(self.hash_mode, HashMode):
+            raise InvalidArgument(f"hash_mode must be a HashMode, got {self.hash_mode!r}")
+        if (self.hash_mode is HashMode.SHA256_CBOR) != (self.vllm_hash_seed is not None):
+            raise InvalidArgument("vllm_hash_seed is required with, and only with, "
+                                  "HashMode.SHA256_CBOR")
+        if not isinstance(self.remote_data_plane, DataPlane):
+            raise InvalidArgument(f"remote_data_plane must be a DataPlane, got "
+                                  f"{self.remote_data_plane!r}")
+        if self.batch_blocks < 1:
+            raise InvalidArgument("batch_blocks must be >= 1")
         if not isinstance(self.data_plane, DataPlane):
             raise InvalidArgument(f"data_plane must be a DataPlane, got {self.data_plane!r}")
         if self.workers < 1 or self.load_batch_blocks < 1:
@@ -411,6 +527,7 @@ class LoadHandle:
         self._layer_ready = [threading.Event() for _ in range(num_layers)]
         self._fetched: cf.Future[int] = cf.Future()
         self._done: cf.Future[LoadResult] = cf.Future()
+        self._replicated: cf.Future[SaveResult | None] = cf.Future()
         self.first_block = first_block
         self.requested_blocks = requested_blocks
 
@@ -429,12 +546,22 @@ class LoadHandle:
     def done(self) -> bool:
         return self._done.done()
 
+    def replication(self, timeout_s: float | None = None) -> SaveResult | None:
+        """After a remote load with ``replicate``: how putting the fetched blocks into the local
+        daemon went (waits for it). None when nothing was to be replicated."""
+        self._done.result(timeout_s)
+        return self._replicated.result(timeout_s)
+
     def _finish(self, result: LoadResult) -> None:
         if not self._fetched.done():
             self._fetched.set_result(result.loaded_blocks)
         for event in self._layer_ready:
             event.set()
         self._done.set_result(result)
+
+    def _finish_replication(self, result: SaveResult | None) -> None:
+        if not self._replicated.done():
+            self._replicated.set_result(result)
 
 
 class LayerwiseSave:
@@ -502,20 +629,97 @@ class LayerwiseSave:
         return self._finished
 
 
+class BatchSave:
+    """Layer-by-layer saves of several requests (one engine step) that share one staging
+    buffer, one copy task per layer and one flush.
+
+    ``save_layer(l)`` queues one task that copies layer ``l`` of every request's blocks out of
+    the engine's buffers; ``finish()`` puts every request's chunks in one task once all layers
+    are in, and its future gives one :class:`SaveResult` per request, in order. A refusal stops
+    that request's chain only (the others are still put). Same ownership rules as
+    :class:`LayerwiseSave`: after ``save_layer(l)``'s future, the engine may overwrite layer
+    ``l`` of the sources (vLLM's ``wait_for_save`` = every layer's copy future done)."""
+
+    def __init__(self, client: KVClient,
+                 parts: list[tuple[list[PrefixKey], int, EngineKV]]) -> None:
+        self._client = client
+        self._parts = parts
+        self._offsets: list[int] = []
+        total = 0
+        for keys, first, _source in parts:
+            self._offsets.append(total)
+            total += len(keys) - first
+        self._staging, self._buffer = client._staging.acquire(total)
+        self._copies: list[cf.Future[None] | None] = [None] * client.layout.num_layers
+        self._gather_s = [0.0] * client.layout.num_layers
+        self._finished: cf.Future[list[SaveResult]] | None = None
+
+    def save_layer(self, layer: int) -> cf.Future[None]:
+        """Copy layer ``layer`` of every request out of its source in the background. Raises
+        InvalidArgument for a layer out of range or given twice."""
+        if not 0 <= layer < len(self._copies):
+            raise InvalidArgument(f"layer {layer} out of range [0, {len(self._copies)})")
+        if self._copies[layer] is not None or self._finished is not None:
+            raise InvalidArgument(f"layer {layer} was already saved (or the save is finished)")
+
+        def copy() -> None:
+            t0 = time.perf_counter()
+            for (keys, first, source), off in zip(self._parts, self._offsets, strict=True):
+                n = len(keys) - first
+                if n:
+                    source.gather_layer(layer, range(first, len(keys)),
+                                        self._staging[off:off + n, layer])
+            self._gather_s[layer] = time.perf_counter() - t0
+
+        fut = self._client._pool.submit(copy)
+        self._copies[layer] = fut
+        return fut
+
+    def finish(self) -> cf.Future[list[SaveResult]]:
+        """Put every request's chunks once every layer's copy is done. Raises InvalidArgument
+        when a layer was never given."""
+        missing = [i for i, c in enumerate(self._copies) if c is None]
+        if missing:
+            raise InvalidArgument(f"layers {missing} were never saved")
+        if self._finished is None:
+            copies = [c for c in self._copies if c is not None]
+
+            def put() -> list[SaveResult]:
+                for c in copies:
+                    c.result()
+                gather_s = sum(self._gather_s)
+                try:
+                    return [self._client._put_chain(
+                        keys, first, self._staging[off:off + len(keys) - first], gather_s)
+                        for (keys, first, _s), off in zip(self._parts, self._offsets,
+                                                          strict=True)]
+                finally:
+                    self._client._staging.release(self._buffer)
+
+            self._finished = self._client._pool.submit(put)
+        return self._finished
+
+
 # --- the client ---------------------------------------------------------------------------------
 
 
 class KVClient:
-    """KV of token prefixes between one kvtier daemon and an engine's tensors.
+    """KV of token prefixes between kvtier daemons and an engine's tensors.
 
     Build with :meth:`connect` (an explicit daemon address) or :meth:`from_etcd` (discover the
-    daemons in etcd and pick this host's, or a named node). See the module docstring for the
-    contracts. ``close()`` closes the store connection and the executor.
+    daemons in etcd and pick this host's, or a named node). That daemon is the client's own
+    (``store``): lookups, loads and saves go there. :meth:`load_from` and ``load(...,
+    remote=...)`` also read from *another* node's daemon; the client keeps one
+    :class:`StoreClient` per remote address, opened on first use and closed with the client.
+    See the module docstring for the contracts. ``close()`` closes every store connection and
+    the executor.
     """
 
     def __init__(self, store: StoreClient, layout: KVLayout, namespace: Namespace,
-                 config: KVClientConfig | None = None) -> None:
-        """Wrap an open StoreClient (the KVClient owns it from now on) and start the executor."""
+                 config: KVClientConfig | None = None, *, etcd_endpoint: str | None = None,
+                 key_layout: KeyLayout | None = None) -> None:
+        """Wrap an open StoreClient (the KVClient owns it from now on) and start the executor.
+        ``etcd_endpoint``/``key_layout`` are only remembered, for :meth:`node_address`."""
         if namespace.fingerprint.block_size_tokens != layout.block_tokens:
             raise InvalidArgument("the namespace's block size differs from the layout's")
         if (namespace.fingerprint.num_layers, namespace.fingerprint.num_kv_heads,
@@ -526,7 +730,14 @@ class KVClient:
         self.layout = layout
         self.namespace = namespace
         self.config = config or KVClientConfig()
-        self.hasher = BlockHasher(namespace, mode=HashMode.XXH3_128)
+        self.hasher = BlockHasher(namespace, mode=self.config.hash_mode,
+                                  vllm_hash_seed=self.config.vllm_hash_seed)
+        self._etcd_endpoint = etcd_endpoint
+        self._key_layout = key_layout
+        self._remotes: dict[str, StoreClient] = {}
+        self._node_addresses: dict[str, str] = {}
+        self._remote_lock = threading.Lock()
+        self._closed = False
         self._pool = cf.ThreadPoolExecutor(self.config.workers, thread_name_prefix="kvclient")
         self._staging = StagingPool(layout, self.config.staging_pool_bytes)
 
@@ -534,13 +745,15 @@ class KVClient:
 
     @classmethod
     def connect(cls, address: str, layout: KVLayout, namespace: Namespace,
-                config: KVClientConfig | None = None) -> KVClient:
+                config: KVClientConfig | None = None, *, etcd_endpoint: str | None = None,
+                key_layout: KeyLayout | None = None) -> KVClient:
         """Connect to the daemon at ``host:port``. Raises PeerUnavailable."""
         cfg = config or KVClientConfig()
         store = StoreClient.connect(address, StoreClientConfig(data_plane=cfg.data_plane,
                                                                rpc_timeout_s=cfg.rpc_timeout_s))
         try:
-            return cls(store, layout, namespace, cfg)
+            return cls(store, layout, namespace, cfg, etcd_endpoint=etcd_endpoint,
+                       key_layout=key_layout)
         except BaseException:
             store.close()
             raise
@@ -554,102 +767,367 @@ class KVClient:
         unreachable, no such node, no node at all), PeerUnavailable."""
         nodes = discover_nodes(etcd_endpoint, key_layout)
         record = choose_node(nodes, node_id)
-        return cls.connect(record.grpc_address, layout, namespace, config)
+        client = cls.connect(record.grpc_address, layout, namespace, config,
+                             etcd_endpoint=etcd_endpoint, key_layout=key_layout)
+        client._node_addresses.update({n: r.grpc_address for n, r in nodes.items()})
+        return client
 
     # --- keys and lookup ----------------------------------------------------------------------
 
     def keys(self, token_ids: object) -> list[PrefixKey]:
-        """The chunk keys of the full blocks of ``token_ids``."""
+        """The chunk keys of the full blocks of ``token_ids`` (or the keys a :class:`BlockKeys`
+        carries, checked for this client's key length)."""
+        if isinstance(token_ids, BlockKeys):
+            size = self.hasher.key_size_bytes
+            if any(len(k) != size for k in token_ids.keys):
+                raise InvalidArgument(f"this client's keys are {size} bytes "
+                                      f"({self.hasher.mode.value})")
+            return list(token_ids.keys)
         return self.hasher.hash_blocks(token_ids)
 
-    def lookup(self, token_ids: object) -> PrefixMatch:
-        """How many leading full blocks of ``token_ids`` the daemon holds, and in which tiers.
-        A miss is ``blocks == 0``. Raises PeerUnavailable when the daemon is gone."""
+    def keys_from_vllm(self, block_hashes: Sequence[bytes]) -> BlockKeys:
+        """The keys of blocks whose vLLM ``sha256_cbor`` hashes the engine already computed
+        (``request.block_hashes``), without rehashing any token. Equal to ``keys(tokens)``
+        when vLLM ran with this client's ``vllm_hash_seed`` as ``PYTHONHASHSEED`` and
+        ``cache_salt == tenant``. Raises InvalidArgument outside ``HashMode.SHA256_CBOR``."""
+        return BlockKeys(tuple(self.hasher.key_from_vllm_hash(bytes(h)) for h in block_hashes))
+
+    def lookup(self, token_ids: object, *, address: str | None = None) -> PrefixMatch:
+        """How many leading full blocks of ``token_ids`` the daemon holds (the client's own, or
+        the one at ``address``), and in which tiers. A miss is ``blocks == 0``. Raises
+        PeerUnavailable when the daemon is gone."""
+        store = self.store if address is None else self._remote_store(address)
         keys = self.keys(token_ids)
         if not keys:
-            return PrefixMatch(0, self.layout.block_tokens, {}, self.store.info.node_id)
-        found = self.store.lookup(keys)
+            return PrefixMatch(0, self.layout.block_tokens, {}, store.info.node_id)
+        found = store.lookup(keys)
         return PrefixMatch(found.length, self.layout.block_tokens, found.by_tier(),
-                           self.store.info.node_id)
+                           store.info.node_id)
+
+    def lookup_many(self, token_lists: Sequence[object], *,
+                    address: str | None = None) -> list[PrefixMatch]:
+        """:meth:`lookup` of several requests in one daemon round trip (``BatchLookup``); one
+        match per request, in order. Raises PeerUnavailable."""
+        from kvstore._proto.kvtier.v1 import store_pb2 as pb
+
+        store = self.store if address is None else self._remote_store(address)
+        key_lists = [self.keys(t) for t in token_lists]
+        asked = [i for i, keys in enumerate(key_lists) if keys]
+        node_id = store.info.node_id
+        out = [PrefixMatch(0, self.layout.block_tokens, {}, node_id) for _ in key_lists]
+        if not asked:
+            return out
+        request = pb.BatchLookupRequest(items=[pb.LookupRequest(keys=key_lists[i])
+                                               for i in asked])
+        try:
+            reply = store.stub().BatchLookup(request, timeout=self.config.rpc_timeout_s)
+        except grpc.RpcError as exc:
+            raise translate_rpc_error(exc, "BatchLookup") from exc
+        for i, item in zip(asked, reply.items, strict=True):
+            found = LookupResult(item.length, tuple(_TIER_FROM_PB[t] for t in item.tiers))
+            out[i] = PrefixMatch(found.length, self.layout.block_tokens, found.by_tier(),
+                                 node_id)
+        return out
 
     # --- load ---------------------------------------------------------------------------------
 
     def load(self, token_ids: object, into: EngineKV, *, first_block: int = 0,
              num_blocks: int | None = None,
-             on_blocks_fetched: Callable[[int], None] | None = None) -> LoadHandle:
+             on_blocks_fetched: Callable[[int], None] | None = None,
+             remote: RemoteFetch | None = None, replicate: bool | None = None) -> LoadHandle:
         """Load blocks ``[first_block, first_block + num_blocks)`` of ``token_ids`` (default: all
         its full blocks) into ``into``; returns at once with a :class:`LoadHandle`.
 
         Blocks before ``first_block`` must already be in the engine's buffers (a prefix the
-        engine holds itself). ``on_blocks_fetched(n)`` is called on the executor after each
-        batch with the running count of arrived blocks (progress; tests use it to fault
-        mid-load). Never raises for store failures: the result says what arrived.
+        engine holds itself). With ``remote`` (a conductor fetch plan), the blocks the
+        client's own daemon does not have are fetched from that other node, from where the
+        local part stopped up to ``remote.end_block`` (``replicate``: then put them into the
+        own daemon, see :meth:`load_from`). ``on_blocks_fetched(n)`` is called on the
+        executor after each batch with the running count of arrived blocks (progress; tests
+        use it to fault mid-load). Never raises for store failures: the result says what
+        arrived.
         """
         keys = self.keys(token_ids)
+        total = self._check_range(keys, first_block, num_blocks)
+        handle = LoadHandle(self.layout.num_layers, first_block, total)
+        self._pool.submit(self._run_load, handle, keys, into, on_blocks_fetched, True, remote,
+                          self._replicate(replicate))
+        return handle
+
+    def load_from(self, address: str, token_ids: object, into: EngineKV, *,
+                  first_block: int = 0, num_blocks: int | None = None,
+                  replicate: bool | None = None,
+                  on_blocks_fetched: Callable[[int], None] | None = None) -> LoadHandle:
+        """Load blocks ``[first_block, first_block + num_blocks)`` of ``token_ids`` from the
+        daemon of *another node* at ``address`` (gRPC ``host:port``, e.g. a fetch plan's
+        ``src_grpc_address``; see :meth:`node_address` for a node id) into ``into``.
+
+        Same contract as :meth:`load`: returns at once; a dead or unreachable node, or blocks it
+        evicted, end the load early and the result names the failed blocks (recompute them).
+        The connection to that daemon is opened on first use and kept (shared memory when it
+        is in fact on this host, else UCX or TCP: ``KVClientConfig.remote_data_plane``).
+        ``replicate`` (default ``KVClientConfig.replicate_remote``): after the blocks are in
+        ``into``, put them into this client's own daemon too (their parent, block
+        ``first_block - 1``, must be there); :meth:`LoadHandle.replication` reports it.
+        """
+        keys = self.keys(token_ids)
+        total = self._check_range(keys, first_block, num_blocks)
+        handle = LoadHandle(self.layout.num_layers, first_block, total)
+        plan = RemoteFetch("", address, first_block, first_block + total)
+        self._pool.submit(self._run_load, handle, keys, into, on_blocks_fetched, False, plan,
+                          self._replicate(replicate))
+        return handle
+
+    def load_many(self, requests: Sequence[LoadRequest]) -> list[LoadHandle]:
+        """Load several requests' blocks (one engine step) from the own daemon: one handle per
+        request, in order, with per-request layer readiness; the blocks of all requests move
+        together in calls of up to ``KVClientConfig.batch_blocks`` (``get_many_into``: one
+        lease round trip per call on shared memory, one pipelined batch over TCP).
+
+        Layers are scattered layer-major (layer 0 of every request, then layer 1...), so a
+        step's ``wait_for_layer(0)`` on every handle returns first. Ask only for blocks a
+        :meth:`lookup_many` found: a miss inside a call makes the StoreClient read that call's
+        keys one by one. Per request, the result is a prefix as in :meth:`load`.
+        """
+        jobs: list[tuple[LoadHandle, list[PrefixKey], EngineKV]] = []
+        for req in requests:
+            keys = self.keys(req.token_ids)
+            total = self._check_range(keys, req.first_block, req.num_blocks)
+            handle = LoadHandle(self.layout.num_layers, req.first_block, total)
+            jobs.append((handle, keys[req.first_block:req.first_block + total], req.into))
+        if jobs:
+            self._pool.submit(self._run_load_many, jobs)
+        return [h for h, _k, _i in jobs]
+
+    def _replicate(self, replicate: bool | None) -> bool:
+        return self.config.replicate_remote if replicate is None else replicate
+
+    @staticmethod
+    def _check_range(keys: list[PrefixKey], first_block: int, num_blocks: int | None) -> int:
         total = len(keys) - first_block if num_blocks is None else num_blocks
         if first_block < 0 or total < 0 or first_block + total > len(keys):
             raise InvalidArgument(f"blocks [{first_block}, {first_block + total}) outside the "
                                   f"{len(keys)} full blocks of the tokens")
-        handle = LoadHandle(self.layout.num_layers, first_block, total)
-        wanted = keys[first_block:first_block + total]
-        self._pool.submit(self._run_load, handle, wanted, into, on_blocks_fetched)
-        return handle
+        return total
 
     def _run_load(self, handle: LoadHandle, keys: list[PrefixKey], into: EngineKV,
-                  on_fetched: Callable[[int], None] | None) -> None:
+                  on_fetched: Callable[[int], None] | None, use_local: bool,
+                  remote: RemoteFetch | None, replicate: bool) -> None:
         try:
-            self._load(handle, keys, into, on_fetched)
+            self._load(handle, keys, into, on_fetched, use_local, remote, replicate)
         except BaseException as exc:  # a bug: never leave the engine waiting on a layer
             log.exception("load failed unexpectedly")
-            if not handle.done():
-                handle._finish(LoadResult(handle.first_block, len(keys), 0,
-                                          tuple(range(handle.first_block,
-                                                      handle.first_block + len(keys))),
-                                          f"{type(exc).__name__}: {exc}", 0, 0.0, 0.0))
+            _fail_all(handle, f"{type(exc).__name__}: {exc}")
             raise
 
     def _load(self, handle: LoadHandle, keys: list[PrefixKey], into: EngineKV,
-              on_fetched: Callable[[int], None] | None) -> None:
-        staging, buffer = self._staging.acquire(len(keys))
+              on_fetched: Callable[[int], None] | None, use_local: bool,
+              remote: RemoteFetch | None, replicate: bool) -> None:
+        first, total = handle.first_block, handle.requested_blocks
+        wanted = keys[first:first + total]
+        staging, buffer = self._staging.acquire(total)
         try:
-            self._fill(handle, keys, into, on_fetched, staging)
+            t0 = time.perf_counter()
+            loaded, error = 0, None
+            if use_local:
+                loaded, error = self._fetch_prefix(self.store, wanted, staging, 0, total,
+                                                   on_fetched, first)
+            remote_from, address = loaded, ""
+            remote_stop = 0 if remote is None else min(total, remote.end_block - first)
+            if remote is not None and loaded < remote_stop:
+                loaded, error, address = self._fetch_remote(remote, wanted, staging, loaded,
+                                                            remote_stop, on_fetched, first)
+            t1 = time.perf_counter()
+            handle._fetched.set_result(loaded)
+            blocks = range(first, first + loaded)
+            for layer in range(self.layout.num_layers):
+                if loaded:
+                    into.scatter_layer(layer, blocks, staging[:loaded, layer])
+                handle._layer_ready[layer].set()
+            t2 = time.perf_counter()
+            failed = tuple(range(first + loaded, first + total))
+            why = _describe(error) if failed and error is not None else None
+            handle._finish(LoadResult(first, total, loaded, failed, why,
+                                      loaded * self.layout.chunk_bytes, t1 - t0, t2 - t1,
+                                      loaded - remote_from, address))
+            replicated = None
+            if replicate and loaded > remote_from:
+                # The staging rows are ours until released: put them after the engine has its
+                # KV, so replication never delays the forward pass.
+                replicated = self._put_chain(keys[:first + loaded], first + remote_from,
+                                             staging[remote_from:loaded], 0.0)
+            handle._finish_replication(replicated)
         finally:
             self._staging.release(buffer)
 
-    def _fill(self, handle: LoadHandle, keys: list[PrefixKey], into: EngineKV,
-              on_fetched: Callable[[int], None] | None, staging: torch.Tensor) -> None:
-        layout = self.layout
-        t0 = time.perf_counter()
-        loaded, error = 0, None
+    def _fetch_remote(self, remote: RemoteFetch, keys: list[PrefixKey], staging: torch.Tensor,
+                      start: int, stop: int, on_fetched: Callable[[int], None] | None,
+                      first_block: int) -> tuple[int, KvtierError | None, str]:
+        """Fetch ``keys[start:stop]`` from the plan's node: (blocks reached, error, address)."""
+        address = remote.address
+        try:
+            if not address:
+                address = self.node_address(remote.node_id)
+            store = self._remote_store(address)
+        except KvtierError as exc:  # not registered, unreachable: recompute
+            log.warning("remote load from %s failed: %s", address or remote.node_id,
+                        _describe(exc))
+            if remote.node_id:
+                self._forget_node(remote.node_id)
+            return start, exc, address
+        loaded, error = self._fetch_prefix(store, keys, staging, start, stop, on_fetched,
+                                           first_block)
+        if isinstance(error, PeerUnavailable):
+            self._drop_remote(address, store)  # reconnect next time (it may come back)
+            if remote.node_id:
+                self._forget_node(remote.node_id)
+        return loaded, error, address
+
+    def _fetch_prefix(self, store: StoreClient, keys: list[PrefixKey], staging: torch.Tensor,
+                      start: int, stop: int, on_fetched: Callable[[int], None] | None,
+                      first_block: int) -> tuple[int, KvtierError | None]:
+        """Fetch the longest held prefix of ``keys[start:stop]`` into the same staging rows, in
+        batches; return (index reached, the error that stopped it early or None)."""
+        loaded: int = start
+        error: KvtierError | None = None
         batch = self.config.load_batch_blocks
-        while loaded < len(keys):
-            before, stop = loaded, min(loaded + batch, len(keys))
+        while loaded < stop:
+            before, end = loaded, min(loaded + batch, stop)
             try:
-                got = self.store.load_prefix(keys[before:stop], list(staging[before:stop]))
+                got = store.load_prefix(keys[before:end], list(staging[before:end]))
             except SizeMismatch as exc:  # a chunk of another layout under our key: a bug
-                error = f"{type(exc).__name__}: {exc}"
-                log.error("load stopped at block %d: %s", handle.first_block + loaded, error)
+                error = exc
+                log.error("load from %s stopped at block %d: %s", store.address,
+                          first_block + loaded, _describe(exc))
                 break
             except KvtierError as exc:  # dead daemon, corrupt chunk, ...: recompute the rest
-                error = f"{type(exc).__name__}: {exc}"
-                log.warning("load stopped at block %d: %s", handle.first_block + loaded, error)
+                error = exc
+                log.warning("load from %s stopped at block %d: %s", store.address,
+                            first_block + loaded, _describe(exc))
                 break
             loaded += got
             if on_fetched is not None:
                 on_fetched(loaded)
-            if got < stop - before:
+            if got < end - before:
                 break  # a miss: evicted since lookup, or never there
-        t1 = time.perf_counter()
-        handle._fetched.set_result(loaded)
-        blocks = range(handle.first_block, handle.first_block + loaded)
-        for layer in range(layout.num_layers):
-            if loaded:
-                into.scatter_layer(layer, blocks, staging[:loaded, layer])
-            handle._layer_ready[layer].set()
-        t2 = time.perf_counter()
-        failed = tuple(range(handle.first_block + loaded, handle.first_block + len(keys)))
-        handle._finish(LoadResult(handle.first_block, len(keys), loaded, failed, error,
-                                  loaded * layout.chunk_bytes, t1 - t0, t2 - t1))
+        return loaded, error
+
+    def _run_load_many(self, jobs: list[tuple[LoadHandle, list[PrefixKey], EngineKV]]) -> None:
+        try:
+            self._load_many(jobs)
+        except BaseException as exc:  # a bug: never leave the engine waiting on a layer
+            log.exception("batch load failed unexpectedly")
+            for handle, _keys, _into in jobs:
+                _fail_all(handle, f"{type(exc).__name__}: {exc}")
+            raise
+
+    def _load_many(self, jobs: list[tuple[LoadHandle, list[PrefixKey], EngineKV]]) -> None:
+        total = sum(len(keys) for _h, keys, _i in jobs)
+        staging, buffer = self._staging.acquire(total)
+        try:
+            flat = [k for _h, keys, _i in jobs for k in keys]
+            got: list[int | None] = [None] * total
+            t0 = time.perf_counter()
+            pos, error, step = 0, None, self.config.batch_blocks
+            while pos < total:
+                end = min(pos + step, total)
+                try:
+                    got[pos:end] = self.store.get_many_into(flat[pos:end],
+                                                            list(staging[pos:end]))
+                except KvtierError as exc:  # dead daemon, size mismatch: the rest failed
+                    error = f"{type(exc).__name__}: {exc}"
+                    log.warning("batch load stopped at %d of %d blocks: %s", pos, total, error)
+                    break
+                pos = end
+            t1 = time.perf_counter()
+            loaded: list[int] = []
+            offset = 0
+            for handle, keys, _into in jobs:
+                n = 0
+                while n < len(keys) and got[offset + n] is not None:
+                    n += 1
+                loaded.append(n)
+                handle._fetched.set_result(n)
+                offset += len(keys)
+            for layer in range(self.layout.num_layers):
+                offset = 0
+                for (handle, keys, into), n in zip(jobs, loaded, strict=True):
+                    if n:
+                        into.scatter_layer(layer, range(handle.first_block,
+                                                        handle.first_block + n),
+                                           staging[offset:offset + n, layer])
+                    handle._layer_ready[layer].set()
+                    offset += len(keys)
+            t2 = time.perf_counter()
+            offset = 0
+            for (handle, keys, _into), n in zip(jobs, loaded, strict=True):
+                first = handle.first_block
+                failed = tuple(range(first + n, first + len(keys)))
+                # The batch error explains this request's stop only if it stopped where the
+                # fetch did (a plain miss before it is a miss).
+                why = error if failed and offset + n >= pos else None
+                handle._finish(LoadResult(first, len(keys), n, failed, why,
+                                          n * self.layout.chunk_bytes, t1 - t0, t2 - t1))
+                handle._finish_replication(None)
+                offset += len(keys)
+        finally:
+            self._staging.release(buffer)
+
+    # --- other nodes --------------------------------------------------------------------------
+
+    def node_address(self, node_id: str) -> str:
+        """The gRPC address of daemon ``node_id``, from etcd (cached; needs a client built by
+        :meth:`from_etcd` or given ``etcd_endpoint``). Raises MembershipError."""
+        with self._remote_lock:
+            address = self._node_addresses.get(node_id)
+        if address is not None:
+            return address
+        if self._etcd_endpoint is None:
+            raise MembershipError(f"node {node_id!r}: no address and no etcd endpoint to ask")
+        record = choose_node(discover_nodes(self._etcd_endpoint, self._key_layout), node_id)
+        with self._remote_lock:
+            self._node_addresses[node_id] = record.grpc_address
+        return record.grpc_address
+
+    def _forget_node(self, node_id: str) -> None:
+        with self._remote_lock:
+            self._node_addresses.pop(node_id, None)
+
+    def _remote_store(self, address: str) -> StoreClient:
+        """The StoreClient of the daemon at ``address`` (the own one if it is that address),
+        connected on first use. Raises PeerUnavailable, TierUnavailable."""
+        if address == self.store.address:
+            return self.store
+        with self._remote_lock:
+            if self._closed:
+                raise PeerUnavailable("the client is closed")
+            store = self._remotes.get(address)
+        if store is not None:
+            return store
+        cfg = self.config
+        store = StoreClient.connect(address, StoreClientConfig(
+            data_plane=cfg.remote_data_plane, rpc_timeout_s=cfg.rpc_timeout_s))
+        with self._remote_lock:
+            kept = None if self._closed else self._remotes.setdefault(address, store)
+        if kept is not store:  # closed meanwhile, or another thread connected first
+            store.close()
+            if kept is None:
+                raise PeerUnavailable("the client is closed")
+        return kept
+
+    def _drop_remote(self, address: str, store: StoreClient) -> None:
+        with self._remote_lock:
+            if self._remotes.get(address) is store:
+                del self._remotes[address]
+            else:
+                return
+        store.close()
+
+    @property
+    def remote_addresses(self) -> list[str]:
+        """Addresses of the other nodes' daemons this client holds a connection to."""
+        with self._remote_lock:
+            return sorted(self._remotes)
 
     # --- save ---------------------------------------------------------------------------------
 
@@ -666,6 +1144,25 @@ class KVClient:
              first_block: int = 0) -> cf.Future[SaveResult]:
         """Save every layer of the full blocks ``[first_block, ...)`` at once (a future)."""
         saver = self.begin_save(token_ids, from_, first_block=first_block)
+        for layer in range(self.layout.num_layers):
+            saver.save_layer(layer)
+        return saver.finish()
+
+    def begin_save_many(self, requests: Sequence[SaveRequest]) -> BatchSave:
+        """Start layer-by-layer saves of several requests (one engine step) that share one
+        staging buffer, one copy task per layer and one flush (:class:`BatchSave`)."""
+        parts: list[tuple[list[PrefixKey], int, EngineKV]] = []
+        for req in requests:
+            keys = self.keys(req.token_ids)
+            if not 0 <= req.first_block <= len(keys):
+                raise InvalidArgument(f"first_block {req.first_block} outside "
+                                      f"[0, {len(keys)}]")
+            parts.append((keys, req.first_block, req.from_))
+        return BatchSave(self, parts)
+
+    def save_many(self, requests: Sequence[SaveRequest]) -> cf.Future[list[SaveResult]]:
+        """Save every layer of several requests at once: one SaveResult per request."""
+        saver = self.begin_save_many(requests)
         for layer in range(self.layout.num_layers):
             saver.save_layer(layer)
         return saver.finish()
@@ -696,8 +1193,13 @@ class KVClient:
     # --- teardown -----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Wait for transfers in flight, then close the executor and the store connection."""
+        """Wait for transfers in flight, then close the executor and every store connection."""
         self._pool.shutdown(wait=True)
+        with self._remote_lock:
+            self._closed = True
+            remotes, self._remotes = list(self._remotes.values()), {}
+        for store in remotes:
+            store.close()
         self.store.close()
 
     def __enter__(self) -> KVClient:
@@ -705,6 +1207,20 @@ class KVClient:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _describe(exc: BaseException) -> str:
+    """``LoadResult.error``/``SaveResult.error`` text: the error class, then its message."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _fail_all(handle: LoadHandle, error: str) -> None:
+    """End a handle whose load hit a bug: every block failed, every layer released."""
+    if not handle.done():
+        first, n = handle.first_block, handle.requested_blocks
+        handle._finish(LoadResult(first, n, 0, tuple(range(first, first + n)), error, 0, 0.0,
+                                  0.0))
+    handle._finish_replication(None)
 
 
 # --- discovery ----------------------------------------------------------------------------------
