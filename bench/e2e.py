@@ -196,7 +196,8 @@ def run_colocated(model: Any, arrivals: list[Arrival], *, config: ColocatedConfi
             engine.forward_stats)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The benchmark's flags (``kvtier bench e2e`` passes its own through)."""
     parser = argparse.ArgumentParser(prog="kvtier bench e2e")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
@@ -207,6 +208,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--colocated-threads", type=int, default=2,
                         help="torch threads of the colocated engine (a)/(b)")
     args = parser.parse_args(argv)
+    if args.new_tokens < 1 or args.token_budget < 2 or args.colocated_threads < 1:
+        parser.error("--new-tokens and --colocated-threads must be >= 1, --token-budget >= 2")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
     import torch
 
     from kvstore.cluster import ClusterSpec, LocalCluster

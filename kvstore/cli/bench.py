@@ -141,10 +141,25 @@ def e2e(
     quick: bool = typer.Option(False, "--quick", help="16 trace requests, 4 sessions x 4 turns."),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the results as JSON here."),
     rate: float = typer.Option(3.0, "--rate", help="Mean arrivals per second."),
+    new_tokens: int = typer.Option(8, "--new-tokens", min=1, help="Tokens generated per request."),
+    token_budget: int = typer.Option(
+        256, "--token-budget", min=2, help="Tokens per iteration of (b) chunked prefill."),
+    colocated_threads: int = typer.Option(
+        2, "--colocated-threads", min=1, help="Torch threads of the colocated engine (a)/(b)."),
 ) -> None:
-    """End to end on a local cluster: disaggregated prefill/decode without (c) and with (d)
-    kvtier reuse on the same arrival trace (TTFT, TPOT, prefill tokens, KV bytes, identical outputs)."""
+    """End to end on a local cluster: (a)/(b) colocated serving beside disaggregated
+    prefill/decode without (c) and with (d) kvtier reuse on the same arrival trace (TTFT, TPOT,
+    prefill tokens, KV bytes, identical outputs)."""
     from bench import e2e as bench_e2e
 
-    bench_e2e.main((["--quick"] if quick else []) + ["--rate", str(rate)]
-                   + (["--json", str(json_path)] if json_path else []))
+    bench_e2e.main(e2e_argv(quick=quick, json_path=json_path, rate=rate, new_tokens=new_tokens,
+                            token_budget=token_budget, colocated_threads=colocated_threads))
+
+
+def e2e_argv(*, quick: bool, json_path: Path | None, rate: float, new_tokens: int,
+             token_budget: int, colocated_threads: int) -> list[str]:
+    """The argument list of ``bench/e2e.py`` for the ``kvtier bench e2e`` flags."""
+    return ((["--quick"] if quick else []) + ["--rate", str(rate), "--new-tokens", str(new_tokens),
+                                              "--token-budget", str(token_budget),
+                                              "--colocated-threads", str(colocated_threads)]
+            + (["--json", str(json_path)] if json_path else []))
