@@ -19,6 +19,10 @@ def conductor(
     etcd: str = typer.Option(..., "--etcd", help="etcd endpoint, http://host:port or host:port."),
     listen: str = typer.Option("127.0.0.1:0", "--listen",
                                help="host:port to serve gRPC on (port 0: any free port)."),
+    advertise_host: str | None = typer.Option(
+        None, "--advertise-host",
+        help="Host published in etcd for clients (default: the listen host, or the hostname "
+             "when listening on 0.0.0.0; in Kubernetes pass the pod IP)."),
     conductor_id: str | None = typer.Option(None, "--id",
                                             help="This conductor's id (default: host-pid)."),
     prefix: str = typer.Option("/kvtier/", "--prefix", help="etcd key prefix of the cluster."),
@@ -55,7 +59,8 @@ def conductor(
     try:
         config = ConductorConfig(
             etcd_endpoint=etcd, conductor_id=conductor_id or default_conductor_id(),
-            listen=listen, layout=KeyLayout(prefix), policy=Policy(policy),
+            listen=listen, advertise_host=advertise_host, layout=KeyLayout(prefix),
+            policy=Policy(policy),
             ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s, block_size_tokens=block_size_tokens,
             election_ttl_s=election_ttl_s, rpc_workers=rpc_workers,
             preload_blocks=preload_blocks, clock=ClockMode(clock))

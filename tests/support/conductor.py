@@ -20,19 +20,23 @@ READY_PREFIX = "KVTIER-CONDUCTOR-READY "
 
 class ConductorProcess:
     def __init__(self, work_dir: Path, conductor_id: str, *, etcd_endpoint: str, prefix: str,
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (),
+                 pythonpath_first: Path | None = None) -> None:
         self.work_dir = work_dir
         self.conductor_id = conductor_id
         self.log_path = work_dir / f"{conductor_id}.log"
         self.args = ["--etcd", etcd_endpoint, "--prefix", prefix, "--id", conductor_id,
                      *extra_args]
+        self.pythonpath_first = pythonpath_first
+        """A directory put before the repository on PYTHONPATH (e.g. a sitecustomize)."""
         self.proc: subprocess.Popen[str] | None = None
         self.address = ""
 
     def start(self, timeout_s: float = 60.0) -> str:
         cmd = [sys.executable, "-m", "kvstore.cli.main", "conductor", *self.args]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-        env["PYTHONPATH"] = str(REPO)
+        env["PYTHONPATH"] = str(REPO) if self.pythonpath_first is None else \
+            f"{self.pythonpath_first}{os.pathsep}{REPO}"
         self.work_dir.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("a") as log:
             self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,

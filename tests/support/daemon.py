@@ -26,7 +26,8 @@ class DaemonProcess:
 
     def __init__(self, work_dir: Path, node_id: str, *, dram_bytes: str = "32MiB",
                  nvme: bool = True, etcd_endpoint: str | None = None, etcd_prefix: str = "",
-                 settings: dict[str, str] | None = None) -> None:
+                 settings: dict[str, str] | None = None,
+                 pythonpath_first: Path | None = None) -> None:
         self.work_dir = work_dir
         self.node_id = node_id
         self.log_path = work_dir / f"{node_id}.log"
@@ -43,6 +44,8 @@ class DaemonProcess:
                 values["etcd.prefix"] = etcd_prefix
         values.update(settings or {})
         self.settings = values
+        self.pythonpath_first = pythonpath_first
+        """A directory put before the repository on PYTHONPATH (e.g. a sitecustomize)."""
         self.proc: subprocess.Popen[str] | None = None
         self.addresses: dict[str, Any] = {}
 
@@ -60,7 +63,8 @@ class DaemonProcess:
         for key, value in self.settings.items():
             cmd += ["--set", f"{key}={value}"]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-        env["PYTHONPATH"] = str(REPO)
+        env["PYTHONPATH"] = str(REPO) if self.pythonpath_first is None else \
+            f"{self.pythonpath_first}{os.pathsep}{REPO}"
         self.work_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("a")
         try:
