@@ -1,0 +1,177 @@
+"""KVClient's cross-request batch APIs against a real daemon process: lookup_many (one
+BatchLookup), load_many (one handle per request, one batched transfer), save_many/begin_save_many
+(one staging buffer and one flush), each checked against the single-request calls."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvstore.client.kv_client import (  # noqa: E402
+    ChunkKV,
+    ContiguousKV,
+    KVClient,
+    KVClientConfig,
+    LoadRequest,
+    PagedKV,
+    SaveRequest,
+    namespace_for,
+)
+from kvstore.client.store_client import DataPlane  # noqa: E402
+from kvstore.dataplane.tier import TierKind  # noqa: E402
+from kvstore.engine.kvlayout import KVLayout  # noqa: E402
+from kvstore.errors import InvalidArgument, PeerUnavailable  # noqa: E402
+from tests.support.daemon import DaemonProcess  # noqa: E402
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_tokens=16, dtype=torch.float16)
+B = LAYOUT.block_tokens
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    d = DaemonProcess(tmp_path_factory.mktemp("kv-batch"), "node-batch", dram_bytes="8MiB",
+                      nvme=False)
+    d.start()
+    yield d
+    d.stop()
+
+
+def client_for(daemon: DaemonProcess, tenant: str, plane: DataPlane = DataPlane.AUTO,
+               batch_blocks: int = 256) -> KVClient:
+    return KVClient.connect(daemon.grpc_address, LAYOUT, namespace_for(LAYOUT, "m", tenant),
+                            KVClientConfig(data_plane=plane, batch_blocks=batch_blocks))
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 50_000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def random_kv(n_tokens: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((LAYOUT.num_layers, 2, LAYOUT.num_kv_heads, n_tokens, LAYOUT.head_dim),
+                       generator=g).to(LAYOUT.dtype)
+
+
+@pytest.mark.parametrize("plane", [DataPlane.SHM, DataPlane.TCP])
+def test_save_many_lookup_many_load_many_match_single_calls(daemon: DaemonProcess,
+                                                            plane: DataPlane) -> None:
+    sizes = [4 * B, 2 * B + 5, 3 * B, B - 1, 5 * B]
+    kvs = [random_kv(n, seed=i) for i, n in enumerate(sizes)]
+    toks = [tokens(n, seed=100 + i) for i, n in enumerate(sizes)]
+    with client_for(daemon, f"batch-{plane.value}", plane, batch_blocks=5) as client:
+        # Request 2 already has block 0 stored: its save starts after it.
+        client.save(toks[2][:B], ContiguousKV(kvs[2][:, :, :, :B], LAYOUT)).result(30)
+        saver = client.begin_save_many(
+            [SaveRequest(t, ContiguousKV(kv, LAYOUT), first_block=1 if i == 2 else 0)
+             for i, (t, kv) in enumerate(zip(toks, kvs, strict=True))])
+        for layer in (1, 2, 0):  # any order, as layers finish
+            saver.save_layer(layer)
+        with pytest.raises(InvalidArgument):
+            saver.save_layer(0)
+        results = saver.finish().result(30)
+        assert [r.stored_blocks for r in results] == [(0, 1, 2, 3), (0, 1), (1, 2), (),
+                                                      (0, 1, 2, 3, 4)]
+        assert all(r.error is None and not r.failed_blocks for r in results)
+        again = client.save_many([SaveRequest(toks[1], ContiguousKV(kvs[1], LAYOUT))]).result(30)
+        assert again[0].existing_blocks == (0, 1) and again[0].stored_bytes == 0
+
+        # Evict request 4 from block 3 on: lookups and loads see the shorter prefix.
+        client.store.remove(client.keys(toks[4])[3])
+        unseen = tokens(2 * B, seed=999)
+        asked = [*toks, unseen, []]
+        many = client.lookup_many(asked)
+        assert [m.blocks for m in many] == [4, 2, 3, 0, 3, 0, 0]
+        assert many == [client.lookup(t) for t in asked]
+        assert many[0].by_tier == {TierKind.DRAM: 4} and many[0].node_id == "node-batch"
+
+        outs = [torch.zeros_like(kv) for kv in kvs]
+        requests = [LoadRequest(t, ContiguousKV(o, LAYOUT)) for t, o in zip(toks, outs,
+                                                                            strict=True)]
+        requests[1] = LoadRequest(toks[1], ContiguousKV(outs[1], LAYOUT), first_block=1)
+        handles = client.load_many(requests)
+        assert len(handles) == len(requests)
+        for layer in range(LAYOUT.num_layers):
+            for h in handles:
+                h.wait_for_layer(layer, timeout_s=30)
+        got = [h.result(30) for h in handles]
+        assert [r.loaded_blocks for r in got] == [4, 1, 3, 0, 3]
+        assert [r.failed_blocks for r in got] == [(), (), (), (), (3, 4)]
+        assert all(r.error is None for r in got)  # a miss is not an error
+        assert [h.transferred() for h in handles] == [4, 1, 3, 0, 3]
+        for i, (r, out, kv) in enumerate(zip(got, outs, kvs, strict=True)):
+            lo, hi = r.first_block * B, (r.first_block + r.loaded_blocks) * B
+            assert torch.equal(out[:, :, :, lo:hi], kv[:, :, :, lo:hi]), i
+            assert not out[:, :, :, :lo].any() and not out[:, :, :, hi:].any(), i
+        assert client.load_many([]) == []
+
+
+def test_load_many_into_mixed_layouts(daemon: DaemonProcess) -> None:
+    kv_a, kv_b = random_kv(3 * B, seed=7), random_kv(2 * B, seed=8)
+    t_a, t_b = tokens(3 * B, seed=7), tokens(2 * B, seed=8)
+    with client_for(daemon, "mixed") as client:
+        client.save_many([SaveRequest(t_a, ContiguousKV(kv_a, LAYOUT)),
+                          SaveRequest(t_b, ContiguousKV(kv_b, LAYOUT))]).result(30)
+        pages = [torch.zeros((2, 10, 8, LAYOUT.num_kv_heads, LAYOUT.head_dim),
+                             dtype=LAYOUT.dtype) for _ in range(LAYOUT.num_layers)]
+        table = [9, 2, 5, 0, 7, 1]  # 6 pages of 8 tokens = request A's 3 blocks
+        chunks = LAYOUT.empty_chunks(2)
+        h_a, h_b = client.load_many([LoadRequest(t_a, PagedKV(pages, table, LAYOUT)),
+                                     LoadRequest(t_b, ChunkKV(chunks, LAYOUT))])
+        assert h_a.result(30).complete and h_b.result(30).complete
+        for layer in range(LAYOUT.num_layers):
+            for t in range(3 * B):
+                page, off = table[t // 8], t % 8
+                assert torch.equal(pages[layer][:, page, off], kv_a[layer, :, :, t])
+        assert torch.equal(chunks[1, 2, 0], kv_b[2, 0, :, B:2 * B])  # block 1, layer 2, K
+
+
+def test_bad_requests_raise_at_the_call(daemon: DaemonProcess) -> None:
+    with client_for(daemon, "bad") as client:
+        kv = random_kv(2 * B, seed=9)
+        with pytest.raises(InvalidArgument):
+            client.load_many([LoadRequest(tokens(2 * B, 9), ContiguousKV(kv, LAYOUT),
+                                          num_blocks=3)])
+        with pytest.raises(InvalidArgument):
+            client.begin_save_many([SaveRequest(tokens(2 * B, 9), ContiguousKV(kv, LAYOUT),
+                                                first_block=3)])
+        with pytest.raises(InvalidArgument):
+            KVClientConfig(batch_blocks=0)
+
+
+def test_a_save_whose_parent_is_gone_fails_alone(daemon: DaemonProcess) -> None:
+    kv_a, kv_b = random_kv(2 * B, seed=10), random_kv(3 * B, seed=11)
+    t_a, t_b = tokens(2 * B, seed=10), tokens(3 * B, seed=11)
+    with client_for(daemon, "orphan") as client:
+        a, b = client.save_many([SaveRequest(t_a, ContiguousKV(kv_a, LAYOUT), first_block=1),
+                                 SaveRequest(t_b, ContiguousKV(kv_b, LAYOUT))]).result(30)
+        assert a.stored_blocks == () and a.failed_blocks == (1,) and "InvalidArgument" in \
+            str(a.error)
+        assert b.stored_blocks == (0, 1, 2) and b.error is None
+
+
+def test_load_many_after_the_daemon_died_fails_every_request(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path, "node-batch-gone", dram_bytes="4MiB", nvme=False)
+    d.start()
+    try:
+        kvs = [random_kv(2 * B, seed=s) for s in (12, 13)]
+        toks = [tokens(2 * B, seed=s) for s in (12, 13)]
+        with client_for(d, "gone") as client:
+            client.save_many([SaveRequest(t, ContiguousKV(kv, LAYOUT))
+                              for t, kv in zip(toks, kvs, strict=True)]).result(30)
+            d.kill()
+            handles = client.load_many([LoadRequest(t, ContiguousKV(torch.zeros_like(kv),
+                                                                    LAYOUT))
+                                        for t, kv in zip(toks, kvs, strict=True)])
+            for h in handles:
+                h.wait_for_layer(LAYOUT.num_layers - 1, timeout_s=30)  # never hangs
+                r = h.result(30)
+                assert r.loaded_blocks == 0 and r.failed_blocks == (0, 1)
+                assert r.error is not None and "PeerUnavailable" in r.error
+            with pytest.raises(PeerUnavailable):
+                client.lookup_many(toks)
+    finally:
+        d.stop()
