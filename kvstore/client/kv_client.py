@@ -528,12 +528,19 @@ class LoadHandle:
         self._fetched: cf.Future[int] = cf.Future()
         self._done: cf.Future[LoadResult] = cf.Future()
         self._replicated: cf.Future[SaveResult | None] = cf.Future()
+        self._remote_blocks = 0  # written before _fetched completes, read after
         self.first_block = first_block
         self.requested_blocks = requested_blocks
 
     def transferred(self, timeout_s: float | None = None) -> int:
         """How many leading blocks arrived from the store (the count the result will carry)."""
         return self._fetched.result(timeout_s)
+
+    def transferred_remote(self, timeout_s: float | None = None) -> int:
+        """How many of the :meth:`transferred` blocks (the last ones) came from another node:
+        the own daemon lacks them, so a save that follows should start before them."""
+        self._fetched.result(timeout_s)
+        return self._remote_blocks
 
     def wait_for_layer(self, layer: int, timeout_s: float | None = None) -> None:
         """Block until layer ``layer`` of every loaded block is in the destination."""
@@ -938,6 +945,7 @@ class KVClient:
                 loaded, error, address = self._fetch_remote(remote, wanted, staging, loaded,
                                                             remote_stop, on_fetched, first)
             t1 = time.perf_counter()
+            handle._remote_blocks = loaded - remote_from
             handle._fetched.set_result(loaded)
             blocks = range(first, first + loaded)
             for layer in range(self.layout.num_layers):

@@ -31,6 +31,7 @@ from kvstore.client.kv_client import (
     LayerwiseSave,
     LoadHandle,
     LoadResult,
+    RemoteFetch,
     SaveResult,
 )
 from kvstore.errors import InvalidArgument
@@ -103,8 +104,13 @@ class RemoteEngine:
         return list(self.model.model.layers)
 
     def prefill(self, token_ids: list[int], *, reuse: bool = True,
-                wait_for_save: bool = True) -> RemotePrefill:
-        """Prefill ``token_ids``; with ``reuse`` load the cached prefix and save the new blocks."""
+                wait_for_save: bool = True, remote: RemoteFetch | None = None) -> RemotePrefill:
+        """Prefill ``token_ids``; with ``reuse`` load the cached prefix and save the new blocks.
+
+        ``remote`` (a conductor fetch plan): blocks the own daemon lacks are loaded from that
+        other node up to ``remote.end_block``; the save then stores them in the own daemon too
+        (from the engine's cache, after the forward), so the next request finds them locally.
+        """
         import torch
         from transformers.cache_utils import DynamicCache
 
@@ -117,14 +123,18 @@ class RemoteEngine:
 
         t0 = time.perf_counter()
         matched = self.client.lookup(token_ids[:reusable * B]).blocks if reusable else 0
+        if remote is not None and reusable:
+            matched = max(matched, min(reusable, remote.end_block))
         handle: LoadHandle | None = None
-        loaded = 0
+        loaded = held_locally = 0
         if matched:
             buffer = torch.empty((self.layout.num_layers, 2, self.layout.num_kv_heads,
                                   matched * B, self.layout.head_dim), dtype=self.layout.dtype,
                                  device=device)
-            handle = self.client.load(token_ids[:matched * B], ContiguousKV(buffer, self.layout))
+            handle = self.client.load(token_ids[:matched * B], ContiguousKV(buffer, self.layout),
+                                      remote=remote, replicate=False)
             loaded = handle.transferred()
+            held_locally = loaded - handle.transferred_remote()
             if not self.layerwise:
                 handle.result()
             cache = layered_cache(buffer, loaded * B, handle) if loaded else DynamicCache()
@@ -133,9 +143,9 @@ class RemoteEngine:
         t1 = time.perf_counter()
 
         saver: LayerwiseSave | None = None
-        if reuse and full_blocks > loaded:
+        if reuse and full_blocks > held_locally:
             saver = self.client.begin_save(token_ids, HFCacheKV(cache, self.layout),
-                                           first_block=loaded)
+                                           first_block=held_locally)
         hooks = self._hooks(handle if loaded else None, saver if self.layerwise else None)
         rest = torch.tensor([token_ids[loaded * B:]], dtype=torch.long, device=device)
         try:
