@@ -4,7 +4,12 @@
 plane (:class:`DataPlane`):
 
 * **SHM**, when the daemon runs on this host (same hostname and boot id), its DRAM arena can be
-  mapped and its lease channel reached. ``get_into`` = one ACQUIRE_READ round trip on the
+  mapped and its lease channel reached. ``get_into`` of a chunk the daemon's **read index**
+  publishes (it is in DRAM, stored raw) is lease-free: a lookup in the mapped index, one memcpy
+  and a seqlock check, no round trip at all (:mod:`kvstore.dataplane.read_index`; Linux on
+  x86-64 only, ``StoreClientConfig.lease_free_reads``); the keys read are reported to the
+  daemon in batches afterwards (hits, recency). Otherwise (not published, moved during the
+  copy, or in NVMe) ``get_into`` = one ACQUIRE_READ round trip on the
   lease channel (~30 µs; the daemon pins the chunk in DRAM, promoting it from NVMe first) +
   one memcpy out of the mapped arena + a RELEASE sent without waiting for a reply. ``put`` =
   RESERVE (an invisible slot) + one memcpy into the arena + COMMIT (values up to 64 KiB
@@ -39,6 +44,8 @@ arena with CUDA, so the copy is DMA); over TCP they go through a pinned host bou
 
 Ordering: a RELEASE travels after the get returns; a gRPC ``remove`` right behind a get waits
 for the releases this client sent (one ping per channel) so it never sees its own read lease.
+Lease-free reads are reported late: :meth:`StoreClient.flush_reads` waits until the daemon has
+counted them (``stats`` does it first).
 """
 
 from __future__ import annotations
@@ -46,9 +53,12 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import os
+import select
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +77,7 @@ from kvstore.dataplane.arena import (
     host_byte_view,
     is_cuda_tensor,
 )
+from kvstore.dataplane.read_index import ReadIndexReader, ReadResult
 from kvstore.dataplane.tier import Buffer, TierKind, check_key
 from kvstore.dataplane.transport.tcp import TcpClient
 from kvstore.dataplane.transport.ucx import UcxClient, ucx_unavailable
@@ -87,6 +98,7 @@ from kvstore.node.protocol import (
     FLAG_NO_REPLY,
     FLAG_PREFIX,
     INLINE_PUT_MAX_BYTES,
+    MAX_KEYS,
     RANGE,
     REPLY,
     REQUEST,
@@ -138,6 +150,17 @@ class StoreClientConfig:
     """Smaller values go over TCP even when UCX is chosen: measured here (one host, CMA), a
     4-64 KiB value cost 120-250 µs over UCX against 55-115 µs over TCP, while from 4 MiB up
     UCX moved 1.2-2x what TCP did (docs/transport.md). 0: every value over UCX."""
+    lease_free_reads: bool = True
+    """On the shared-memory plane, copy chunks the daemon's read index publishes without a
+    lease round trip (Linux on x86-64 only; elsewhere, or when the daemon serves no index,
+    every read takes a lease)."""
+    lease_free_attempts: int = 4
+    """Copies of one chunk tried lease-free before the read takes a lease (each retry follows
+    a copy the daemon invalidated meanwhile: the chunk was evicted, moved or removed)."""
+    read_report_interval_s: float = 0.05
+    """Lease-free reads are reported to the daemon (hits, recency) at least this often..."""
+    read_report_batch: int = 1024
+    """...and as soon as this many are waiting."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.data_plane, DataPlane):
@@ -150,6 +173,27 @@ class StoreClientConfig:
                 or self.ucx_retry_after_s < 0 or self.ucx_min_bytes < 0:
             raise InvalidArgument("ucx_io_timeout_s and ucx_liveness_interval_s must be > 0, "
                                   "ucx_retry_after_s and ucx_min_bytes >= 0")
+        if self.lease_free_attempts < 1 or self.read_report_interval_s <= 0 \
+                or not 1 <= self.read_report_batch <= MAX_KEYS:
+            raise InvalidArgument(f"lease_free_attempts must be >= 1, read_report_interval_s "
+                                  f"> 0 and read_report_batch 1..{MAX_KEYS}")
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseFreeCounters:
+    """What this client's lease-free reads did (monotonic counts since connect)."""
+
+    active: bool
+    """Whether reads are tried lease-free now (False: off, unsupported, or the daemon died)."""
+    hits: int
+    """Chunks copied with no lease."""
+    misses: int
+    """Reads the index could not serve (not published: NVMe, compressed, unknown): leased."""
+    conflicts: int
+    """Reads that kept finding the chunk changed under the copy (or of the wrong size):
+    leased after ``lease_free_attempts`` tries."""
+    retries: int
+    """Copies thrown away because the daemon invalidated the slot meanwhile."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,6 +326,84 @@ class LeaseChannel:
         self.sock.close()
 
 
+class _ReadReporter:
+    """Reports the keys of lease-free reads to the daemon (READS, no reply) from a thread of its
+    own, every ``interval_s`` or as soon as ``batch`` are waiting, over a connection of its own.
+
+    Recording is one ``deque.append`` (thread-safe); the queue is bounded, so a reporter that
+    cannot keep up drops the oldest keys (recency and hit counts are approximate anyway). A
+    failed send (the daemon is gone) stops reporting; nothing else depends on it.
+    """
+
+    MAX_QUEUED = 1 << 16
+
+    def __init__(self, address: str, *, interval_s: float, batch: int) -> None:
+        """Record the settings; :meth:`start` opens the eventfd and starts the thread."""
+        self._address = address
+        self._interval_s = interval_s
+        self.batch = batch
+        self.queue: deque[bytes] = deque(maxlen=self.MAX_QUEUED)
+        self.wake_fd = -1
+        self._chan: LeaseChannel | None = None
+        self._send_lock = threading.Lock()
+        self._stopping = False
+        self._broken = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.wake_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self._thread = threading.Thread(target=self._run, name="kvtier-read-reports",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopping:
+            readable, _, _ = select.select([self.wake_fd], [], [], self._interval_s)
+            if readable:
+                with contextlib.suppress(BlockingIOError):
+                    os.eventfd_read(self.wake_fd)
+            self.flush()
+
+    def flush(self, *, wait: bool = False) -> None:
+        """Send what is queued; with ``wait``, return only once the daemon has processed it
+        (a PING after the reports on the same connection, which is served in order)."""
+        with self._send_lock:
+            if self._broken:
+                return
+            try:
+                while self.queue:
+                    keys = []
+                    with contextlib.suppress(IndexError):
+                        for _ in range(min(len(self.queue), MAX_KEYS)):
+                            keys.append(self.queue.popleft())
+                    if self._chan is None:
+                        self._chan = LeaseChannel(self._address)
+                    self._chan.send(ChannelOp.READS, flags=FLAG_NO_REPLY, keys=keys)
+                if wait and self._chan is not None:
+                    self._chan.call(ChannelOp.PING)
+            except PeerUnavailable as exc:
+                log.info("lease-free read reports stop: %s", exc)
+                self._broken = True
+
+    def close(self) -> None:
+        """Flush, stop the thread, close the connection. Idempotent."""
+        if self._stopping:
+            return
+        self._stopping = True
+        if self._thread is not None:
+            os.eventfd_write(self.wake_fd, 1)
+            self._thread.join(5.0)
+        self.flush()
+        with self._send_lock:
+            self._broken = True
+            if self._chan is not None:
+                self._chan.close()
+                self._chan = None
+        if self.wake_fd >= 0:
+            os.close(self.wake_fd)
+            self.wake_fd = -1
+
+
 # --- the client ----------------------------------------------------------------------------------
 
 
@@ -307,6 +429,9 @@ class StoreClient:
         self._all: list[LeaseChannel] = []
         self._tcp: TcpClient | None = None
         self._closed = False
+        self._reader: ReadIndexReader | None = None
+        self._reporter: _ReadReporter | None = None
+        self._lf_hits = self._lf_misses = self._lf_conflicts = 0
 
     @classmethod
     def connect(cls, address: str, config: StoreClientConfig | None = None) -> StoreClient:
@@ -336,10 +461,32 @@ class StoreClient:
             client = cls(address, info, channel, cfg, arena)
             if arena is not None:
                 client._checkin(client._checkout())  # the lease channel must answer too
+                client._attach_read_index()
             return client
         except BaseException:
             channel.close()
             raise
+
+    def _attach_read_index(self) -> None:
+        """Map the daemon's read index for lease-free reads, when it serves one and this client
+        wants them; otherwise every read takes a lease (logged once)."""
+        assert self._arena is not None
+        cfg, name = self._config, self._info.shm_read_index
+        if not cfg.lease_free_reads or not name:
+            return
+        try:
+            reader = ReadIndexReader.attach(name, self._arena, attempts=cfg.lease_free_attempts)
+        except KvtierError as exc:
+            log.info("same-host reads take leases: %s", exc)
+            return
+        reporter = _ReadReporter(self._info.shm_socket, interval_s=cfg.read_report_interval_s,
+                                 batch=cfg.read_report_batch)
+        try:
+            reporter.start()
+        except BaseException:
+            reader.close()
+            raise
+        self._reader, self._reporter = reader, reporter
 
     @staticmethod
     def _ucx_possible(info: pb.NodeInfo, config: StoreClientConfig) -> bool:
@@ -433,6 +580,8 @@ class StoreClient:
             return self._get_into_device(k, dst)
         out = host_byte_view(dst, writable=True)
         if self._arena is not None:
+            if self._reader is not None and self._read_lease_free(k, out) >= 0:
+                return out.nbytes
             try:
                 return self._get_shm(k, out)
             except _FALLBACK_TO_TCP as exc:
@@ -463,7 +612,27 @@ class StoreClient:
             raise InvalidArgument(f"{len(keys)} keys but {len(dsts)} destinations")
         checked: list[bytes] = [check_key(k) for k in keys]
         outs = [host_byte_view(d, writable=True) for d in dsts]
+        if self._arena is not None and checked and self._reader is not None:
+            # Lease-free where the index publishes them; the rest in one leased batch.
+            got_free = [self._read_lease_free(k, out)
+                        for k, out in zip(checked, outs, strict=True)]
+            rest = [i for i, n in enumerate(got_free) if n < 0]
+            if not rest:
+                return [out.nbytes for out in outs]
+            got_rest = self._get_many_leased([checked[i] for i in rest], [outs[i] for i in rest])
+            result: list[int | None] = [n if n >= 0 else None for n in got_free]
+            for i, n in zip(rest, got_rest, strict=True):
+                result[i] = n
+            return result
         if self._arena is not None and checked:
+            return self._get_many_leased(checked, outs)
+        return self._tcp_client().get_many_into(checked, outs)
+
+    def _get_many_leased(self, checked: list[bytes], outs: list[memoryview]
+                         ) -> list[int | None]:
+        """``get_many_into`` on the shared-memory plane with leases (one round trip when all are
+        present; per key otherwise, reporting the misses)."""
+        if checked:
             try:
                 return self._get_many_shm(checked, outs)
             except ChunkNotFound:
@@ -478,7 +647,7 @@ class StoreClient:
                 except ChunkNotFound:
                     got.append(None)
             return got
-        return self._tcp_client().get_many_into(checked, outs)
+        return []
 
     @contextlib.contextmanager
     def read_view(self, key: bytes) -> Iterator[memoryview]:
@@ -531,15 +700,26 @@ class StoreClient:
         checked: list[bytes] = [check_key(k) for k in keys]
         outs = [host_byte_view(d, writable=True) for d in dsts]
         if self._arena is not None:
+            done = 0
+            while done < len(checked) and self._reader is not None \
+                    and self._read_lease_free(checked[done], outs[done]) >= 0:
+                done += 1
+            if done == len(checked):
+                return done
             try:
-                return self._load_prefix_shm(checked, outs)
+                # The rest with one lease; a prefix of the remaining keys continues this one.
+                return done + self._load_prefix_shm(checked[done:], outs[done:])
             except _FALLBACK_TO_TCP as exc:
                 log.debug("prefix load over TCP: %s", exc)
+            checked, outs = checked[done:], outs[done:]
+            loaded_before = done
+        else:
+            loaded_before = 0
         n = self.lookup(checked).length
         if n == 0:
-            return 0
+            return loaded_before
         got = self._tcp_client().get_many_into(checked[:n], outs[:n])
-        loaded = 0
+        loaded = loaded_before
         for size in got:
             if size is None:
                 break
@@ -598,6 +778,46 @@ class StoreClient:
             self._checkin(chan)
 
     # --- the shared-memory plane ------------------------------------------------------------
+
+    def _read_lease_free(self, key: bytes, out: memoryview) -> int:
+        """One lease-free copy through the read index: the size, or a negative ReadResult (the
+        caller then takes a lease). A DEAD index is dropped for good."""
+        reader = self._reader
+        if reader is None:
+            return ReadResult.MISS.value
+        n = reader.read_into(key, out)
+        if n >= 0:
+            self._lf_hits += 1
+            reporter = self._reporter
+            if reporter is not None:
+                queue = reporter.queue
+                queue.append(key)
+                if len(queue) == reporter.batch:
+                    os.eventfd_write(reporter.wake_fd, 1)
+            return n
+        if n == ReadResult.MISS:
+            self._lf_misses += 1
+        elif n == ReadResult.CONFLICT:
+            self._lf_conflicts += 1
+        else:
+            log.warning("the daemon's read index is gone (the daemon died or stopped): "
+                        "reads take leases from now on")
+            self._reader = None
+        return n
+
+    def lease_free_counters(self) -> LeaseFreeCounters:
+        """What lease-free reads did so far (see :class:`LeaseFreeCounters`)."""
+        reader = self._reader
+        return LeaseFreeCounters(
+            active=reader is not None and not self._closed, hits=self._lf_hits,
+            misses=self._lf_misses, conflicts=self._lf_conflicts,
+            retries=0 if reader is None else reader.retries)
+
+    def flush_reads(self) -> None:
+        """Send the pending reports of lease-free reads and wait until the daemon counted them
+        (its hit counters and recency then include every read this client finished)."""
+        if self._reporter is not None:
+            self._reporter.flush(wait=True)
 
     def _get_shm(self, key: bytes, out: memoryview) -> int:
         assert self._arena is not None
@@ -820,6 +1040,8 @@ class StoreClient:
         return reply
 
     def stats(self) -> pb.StatsResponse:
+        """Per-tier figures of the daemon (after reporting this client's lease-free reads)."""
+        self.flush_reads()
         reply: pb.StatsResponse = self._call("Stats", pb.StatsRequest())
         return reply
 
@@ -885,6 +1107,12 @@ class StoreClient:
             chans, self._all, self._idle = self._all, [], []
             tcp, self._tcp = self._tcp, None
             ucx, self._ucx = self._ucx, None
+            reader, self._reader = self._reader, None
+            reporter, self._reporter = self._reporter, None
+        if reporter is not None:
+            reporter.close()
+        if reader is not None:
+            reader.close()
         for chan in chans:
             chan.close()
         if tcp is not None:

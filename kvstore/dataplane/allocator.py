@@ -37,6 +37,7 @@ from __future__ import annotations
 import threading
 from bisect import bisect_left, insort
 from collections.abc import Iterator
+from typing import Protocol
 
 from kvstore.dataplane.compress import CodecKind
 from kvstore.dataplane.tier import ChunkInfo, ChunkKey, TierKind, TierStats, check_key
@@ -267,6 +268,24 @@ class Extent:
         self.removed = False
 
 
+class ExtentPublisher(Protocol):
+    """Told where committed chunks lie, for readers outside the tier (the same-host read index,
+    :class:`~kvstore.dataplane.read_index.ReadIndex`).
+
+    :class:`ExtentTable` calls these under its lock. ``unpublish`` runs **before** the extent's
+    space can be reused (before ``free``, and before a removed extent's last reader releases it),
+    on every path that ends a committed chunk: remove, drop (corruption) and close. Only extents
+    stored raw (``CodecKind.NONE``) are published. The calls must be quick and must not call
+    back into the table; ``publish`` may decline (a full index) by returning False.
+    """
+
+    def publish(self, key: bytes, offset: int, size_bytes: int) -> bool: ...
+
+    def unpublish(self, key: bytes) -> bool: ...
+
+    def clear(self) -> None: ...
+
+
 class ExtentTable:
     """Thread-safe bookkeeping of a memory tier: allocator, committed chunks, pending writes.
 
@@ -280,9 +299,11 @@ class ExtentTable:
       last reader releases it, so a concurrent put can never overwrite bytes being read.
     """
 
-    def __init__(self, allocator: ExtentAllocator, *, where: str) -> None:
+    def __init__(self, allocator: ExtentAllocator, *, where: str,
+                 publisher: ExtentPublisher | None = None) -> None:
         self._allocator = allocator
         self._where = where
+        self._publisher = publisher
         self._lock = threading.Lock()
         self._committed: dict[ChunkKey, Extent] = {}
         self._pending: dict[ChunkKey, object] = {}
@@ -350,6 +371,8 @@ class ExtentTable:
             del self._pending[key]
             extent = Extent(key, offset, stored_bytes, size_bytes, codec)
             self._committed[key] = extent
+            if self._publisher is not None and codec is CodecKind.NONE:
+                self._publisher.publish(key, offset, size_bytes)
             return extent
 
     def abort_write(self, key: ChunkKey, token: object, offset: int) -> bool:
@@ -394,6 +417,8 @@ class ExtentTable:
             extent = self._committed.pop(key, None)
             if extent is None:
                 return False
+            if self._publisher is not None:
+                self._publisher.unpublish(key)  # before the space can be reused
             extent.removed = True
             if extent.readers == 0:
                 self._allocator.free(extent.offset)
@@ -404,6 +429,8 @@ class ExtentTable:
         with self._lock:
             if self._committed.get(extent.key) is extent:
                 del self._committed[extent.key]
+                if self._publisher is not None:
+                    self._publisher.unpublish(extent.key)
                 extent.removed = True
                 if extent.readers == 0 and not self._closed:
                     self._allocator.free(extent.offset)
@@ -426,6 +453,8 @@ class ExtentTable:
             if self._closed:
                 return False
             self._closed = True
+            if self._publisher is not None:
+                self._publisher.clear()
             self._committed.clear()
             self._pending.clear()
             self._allocator.reset()

@@ -25,6 +25,11 @@ module for ownership, errors and threading). What is specific here:
   it **decompresses into a new read-only buffer** (correct bytes, one allocation)
   rather than fail, and :meth:`is_zero_copy` tells which a key gets. A frame that
   fails to decode drops the chunk and raises ``ChunkCorrupt``.
+* **Read index** (``read_index_slots`` > 0, off by default). A second shared-memory segment,
+  :class:`~kvstore.dataplane.read_index.ReadIndex`, where every committed raw chunk is
+  published (key, offset, size) so same-host clients copy it with no lease at all. The extent
+  table unpublishes a chunk before its space can be reused. Where the index cannot be made
+  (not x86-64 Linux), the tier logs why and runs without one.
 """
 
 from __future__ import annotations
@@ -36,8 +41,15 @@ from dataclasses import dataclass
 from kvstore.dataplane.allocator import Extent, ExtentAllocator, ExtentTable, ExtentTableTier
 from kvstore.dataplane.arena import PinMode, ShmArena, copy_bytes, host_byte_view
 from kvstore.dataplane.compress import Codec, CodecKind, CodecSpec, make_codec
+from kvstore.dataplane.read_index import ReadIndex
 from kvstore.dataplane.tier import ChunkInfo, ChunkKey, TierKind, check_key
-from kvstore.errors import ChunkCorrupt, InvalidArgument, InvariantViolation, SizeMismatch
+from kvstore.errors import (
+    ChunkCorrupt,
+    InvalidArgument,
+    InvariantViolation,
+    SizeMismatch,
+    TierUnavailable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +135,10 @@ class DramSlot:
 class DramTier(ExtentTableTier):
     """Chunks in pinned shared memory. See the module docstring.
 
-    The constructor creates, reserves, pre-faults and (with a GPU) pins the arena;
-    it raises ``CapacityError`` when ``/dev/shm`` lacks the room and
-    ``TierUnavailable`` when POSIX shared memory is missing.
+    The constructor creates, reserves, pre-faults and (with a GPU) pins the arena, and with
+    ``read_index_slots`` > 0 creates the read index beside it (one more segment and one thread
+    that holds its liveness word); it raises ``CapacityError`` when ``/dev/shm`` lacks the room
+    and ``TierUnavailable`` when POSIX shared memory is missing.
     """
 
     _KIND = TierKind.DRAM
@@ -139,6 +152,7 @@ class DramTier(ExtentTableTier):
         pin: PinMode = PinMode.AUTO,
         arena_name: str | None = None,
         prefault: bool = True,
+        read_index_slots: int = 0,
     ) -> None:
         if not isinstance(capacity_bytes, int) or capacity_bytes < alignment_bytes:
             raise InvalidArgument(
@@ -151,7 +165,21 @@ class DramTier(ExtentTableTier):
         self._arena = ShmArena.create(
             allocator.capacity_bytes, name=arena_name, prefault=prefault, pin=pin
         )
-        self._table = ExtentTable(allocator, where=f"DRAM tier {self._arena.name}")
+        self._read_index: ReadIndex | None = None
+        if read_index_slots > 0:
+            try:
+                self._read_index = ReadIndex.create(
+                    read_index_slots, arena_name=self._arena.name,
+                    arena_bytes=self._arena.size_bytes,
+                    name=None if arena_name is None else f"{arena_name}.index")
+            except TierUnavailable as exc:
+                log.warning("DRAM tier without a read index (same-host reads take leases): %s",
+                            exc)
+            except BaseException:
+                self._arena.close()
+                raise
+        self._table = ExtentTable(allocator, where=f"DRAM tier {self._arena.name}",
+                                  publisher=self._read_index)
         log.info(
             "DRAM tier: %d bytes in %s, pre-fault %.3f s, pinned=%s, codec=%s",
             allocator.capacity_bytes,
@@ -167,6 +195,16 @@ class DramTier(ExtentTableTier):
     def arena_name(self) -> str:
         """The shared-memory name a same-host process passes to ``ShmArena.attach``."""
         return self._arena.name
+
+    @property
+    def read_index(self) -> ReadIndex | None:
+        """The read index publishing this tier's raw chunks (None when off)."""
+        return self._read_index
+
+    @property
+    def read_index_name(self) -> str:
+        """The read index's shared-memory name ("" when off)."""
+        return "" if self._read_index is None else self._read_index.name
 
     @property
     def pinned(self) -> bool:
@@ -322,8 +360,11 @@ class DramTier(ExtentTableTier):
         return ChunkLocation(extent.offset, extent.stored_bytes, extent.size_bytes, extent.codec)
 
     def close(self) -> None:
-        """Forget every chunk, unpin, unmap and unlink the arena. Idempotent."""
+        """Forget every chunk (unpublishing them), close the read index, unpin, unmap and unlink
+        the arena. Idempotent."""
         if self._table.close():
+            if self._read_index is not None:
+                self._read_index.close()
             self._arena.close()
 
     def __enter__(self) -> DramTier:

@@ -32,6 +32,13 @@ Zero-copy access (the store daemon)
     (promoting from NVMe into DRAM), so a reader may copy straight out of the tier's memory
     (``HostMemoryTier.view``/``locate``) until it ``unpin``s.
 
+Reads that bypass the cache
+    Same-host clients copy DRAM chunks the read index publishes without asking the daemon
+    (:mod:`kvstore.dataplane.read_index`). The tier unpublishes a chunk before its extent can be
+    reused, so such reads need no lease; the daemon reports them afterwards through
+    :meth:`TieredCache.record_reads`, which counts the hits and refreshes recency (late and
+    deduplicated per report: approximate).
+
 Change notifications
     An optional ``observer`` is called with a :class:`ChunkChange` after every chunk the cache
     stores, moves or removes (recovery included), in the thread that made the change. It must be
@@ -417,6 +424,27 @@ class TieredCache:
             raise
         self._count(kind, hits=1, bytes_read=n, seconds_reading=time.perf_counter() - start)
         return kind
+
+    def record_reads(self, keys: Sequence[bytes], kind: TierKind = TierKind.DRAM
+                     ) -> tuple[int, int]:
+        """Account reads that copied chunks out of tier ``kind`` without the cache (lease-free
+        same-host reads, reported after the fact): one hit per key still in ``kind``, and one
+        recency refresh per distinct key (a key read many times in one report is touched once).
+        Keys gone or moved meanwhile are skipped. Returns (hits, bytes read) counted."""
+        counts: dict[bytes, int] = {}
+        for key in keys:
+            counts[key] = counts.get(key, 0) + 1
+        hits = nbytes = 0
+        for key, n in counts.items():
+            entry = self._index.get(key)
+            if entry is None or entry.tier is not kind:
+                continue
+            self._index.touch(key)
+            hits += n
+            nbytes += n * entry.size_bytes
+        if hits:
+            self._count(kind, hits=hits, bytes_read=nbytes)
+        return hits, nbytes
 
     # -- pins for zero-copy readers -----------------------------------------------------------
 

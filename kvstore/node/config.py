@@ -82,10 +82,20 @@ class DramConfig:
     prefault: bool = True
     arena_name: str | None = None
     """None: ``kvtier-<pid>-<random>`` (lets a restart sweep the arenas of dead daemons)."""
+    read_index: bool = True
+    """Publish DRAM chunks in a shared-memory read index so same-host clients copy them with
+    no lease round trip (``docs/dram-arena.md``, "Lease-free reads"). Only where it is correct
+    (Linux on x86-64); elsewhere the daemon logs why and serves leases only."""
+    read_index_slots: int = 0
+    """Slots of the read index (a power of two >= 64); 0: enough for the arena full of 64 KiB
+    chunks. A chunk that finds the index full is still served, through a lease."""
 
     def __post_init__(self) -> None:
         _require(self.capacity_bytes >= 64 * KiB,
                  f"capacity_bytes must be >= 64 KiB, got {self.capacity_bytes}")
+        slots = self.read_index_slots
+        _require(slots == 0 or (slots >= 64 and slots & (slots - 1) == 0),
+                 f"read_index_slots must be 0 (auto) or a power of two >= 64, got {slots}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,9 +2,10 @@
 
 What :meth:`StoreDaemon.start` brings up, in order (the constructor only records the config):
 
-1. sweep shared-memory arenas left by dead daemons, build the tiers (DRAM arena, NVMe files,
-   HBM with a GPU) and the :class:`~kvstore.node.cache.TieredCache`, and **recover** what NVMe
-   kept (each recovered chunk is a STORED event of the new epoch);
+1. sweep shared-memory arenas left by dead daemons, build the tiers (DRAM arena with its read
+   index for lease-free same-host reads, NVMe files, HBM with a GPU) and the
+   :class:`~kvstore.node.cache.TieredCache`, and **recover** what NVMe kept (each recovered
+   chunk is a STORED event of the new epoch);
 2. the TCP data plane (:class:`~kvstore.dataplane.transport.tcp.TcpServer` over
    :class:`~kvstore.node.backend.CacheLeaseBackend`), the UCX data plane over the same backend
    when ``ucxx`` imports and ``server.ucx`` allows (its worker address goes into ``Info`` and
@@ -48,6 +49,7 @@ from kvstore._proto.kvtier.v1 import store_pb2 as pb
 from kvstore._proto.kvtier.v1 import store_pb2_grpc as pb_grpc
 from kvstore.dataplane.arena import remove_stale_arenas
 from kvstore.dataplane.dram import DramTier
+from kvstore.dataplane.read_index import slots_for
 from kvstore.dataplane.tier import Tier, TierKind
 from kvstore.dataplane.transport.tcp import TcpServer, TcpServerConfig
 from kvstore.dataplane.transport.ucx import UcxServer, UcxServerConfig, ucx_unavailable
@@ -106,6 +108,9 @@ class StoreDaemon:
         self.metrics = DaemonMetrics()
         self.draining = False
         self.started_monotonic = 0.0
+        self.lease_free_hits = 0
+        """Reads reported by same-host clients that copied through the read index."""
+        self.lease_free_bytes = 0
         self._cache: TieredCache | None = None
         self._backend: CacheLeaseBackend | None = None
         self._leases: ShmLeases | None = None
@@ -190,7 +195,8 @@ class StoreDaemon:
             ucx_address = self._start_ucx()
             shm_socket = ""
             if cfg.server.shm_channel:
-                self._shm = ShmChannelServer(self._leases, lease_ttl_s=cfg.server.shm_lease_ttl_s)
+                self._shm = ShmChannelServer(self._leases, lease_ttl_s=cfg.server.shm_lease_ttl_s,
+                                             on_reads=self._record_lease_free_reads)
                 shm_socket = self._shm.start()
             grpc_port = await self._start_grpc()
             metrics_address = ""
@@ -243,8 +249,12 @@ class StoreDaemon:
                 from kvstore.dataplane.hbm import HbmTier
 
                 tiers[TierKind.HBM] = HbmTier(cfg.hbm.capacity_bytes, device=cfg.hbm.device)
+            slots = 0
+            if cfg.dram.read_index and cfg.server.shm_channel:  # no channel: no same-host client
+                slots = cfg.dram.read_index_slots or slots_for(cfg.dram.capacity_bytes)
             tiers[TierKind.DRAM] = DramTier(cfg.dram.capacity_bytes, prefault=cfg.dram.prefault,
-                                            arena_name=cfg.dram.arena_name)
+                                            arena_name=cfg.dram.arena_name,
+                                            read_index_slots=slots)
             if cfg.nvme.directory is not None:
                 from kvstore.dataplane.nvme import NvmeTier, NvmeTierConfig
 
@@ -265,6 +275,12 @@ class StoreDaemon:
 
     def _observe(self, change: ChunkChange) -> None:
         self.events.record(change)
+
+    def _record_lease_free_reads(self, keys: list[bytes]) -> None:
+        """A same-host client's report of chunks it copied through the read index."""
+        hits, nbytes = self.cache.record_reads(keys)
+        self.lease_free_hits += hits
+        self.lease_free_bytes += nbytes
 
     async def _start_grpc(self) -> int:
         cfg = self.config
@@ -353,7 +369,8 @@ class StoreDaemon:
             inline_max_bytes=self.config.server.inline_max_bytes,
             max_value_bytes=self.config.server.max_value_bytes,
             tier_capacity_bytes={k.value: t.capacity_bytes for k, t in self.cache.tiers.items()},
-            draining=self.draining, ucx_worker_address=bytes.fromhex(a.ucx_address))
+            draining=self.draining, ucx_worker_address=bytes.fromhex(a.ucx_address),
+            shm_read_index=self.backend.dram.read_index_name if a.shm_socket else "")
 
     def list_entries(self, key_prefix: bytes, tier: TierKind | None, limit: int
                      ) -> tuple[list[IndexEntry], bool]:
@@ -426,7 +443,7 @@ class StoreDaemon:
         return MetricsSnapshot(
             tiers=self.cache.report(), misses=self.cache.misses,
             events_last_seq=self.events.last_seq, shm_leases_open=self.leases.open_count(),
-            shm_bytes=(self.leases.bytes_read, self.leases.bytes_written),
+            shm_bytes=(self.leases.bytes_read + self.lease_free_bytes, self.leases.bytes_written),
             tcp_bytes=(tcp.bytes_sent, tcp.bytes_received) if tcp else (0, 0),
             tcp_connections_open=tcp.connections_open if tcp else 0)
 

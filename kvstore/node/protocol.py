@@ -17,8 +17,11 @@ The lease channel
     TTL in seconds), then the body: each key as one length byte and the key bytes. Reply: a
     16-byte header :data:`REPLY` (status, range count, detail length, lease id), then
     ``count`` ranges of :data:`RANGE` (arena offset, size), then the detail text (for an error:
-    ``"<ErrorClass>\\n<message>"``). A PUT request's body carries the value after its keys. Requests on one connection are served in order; a request
-    with :data:`FLAG_NO_REPLY` (only RELEASE) gets no reply, so a get costs one round trip.
+    ``"<ErrorClass>\\n<message>"``). A PUT request's body carries the value after its keys.
+    Requests on one connection are served in order; a request with :data:`FLAG_NO_REPLY`
+    (RELEASE, READS) gets no reply, so a leased get costs one round trip. Gets of chunks the
+    read index publishes cost none (:mod:`kvstore.dataplane.read_index`): the client reports
+    them afterwards with READS.
 """
 
 from __future__ import annotations
@@ -102,6 +105,10 @@ class ChannelOp(enum.IntEnum):
     PUT = 7
     """keys = [key, parent (empty: none)], argument = value size; the value follows the keys
     in the body. For small values: one round trip instead of RESERVE + COMMIT."""
+    READS = 8
+    """keys a client copied lease-free through the read index (a key may repeat), reported
+    in batches, usually with FLAG_NO_REPLY: the daemon counts them as hits and refreshes
+    their recency for eviction."""
 
 
 FLAG_PREFIX = 1

@@ -13,6 +13,10 @@ chunk is there); bulk bytes never pass through here: the client copies them itse
 Draining: :meth:`ShmChannelServer.close` stops accepting, refuses new ACQUIRE/RESERVE
 (``TierUnavailable``), lets commits, aborts and releases through until no connection holds a
 lease or ``drain_timeout_s`` passes, then closes every connection (ending what is left).
+
+Lease-free reads: a client that copied chunks through the read index (no lease, no request)
+reports their keys afterwards in READS requests; the server hands them to ``on_reads`` (the
+daemon counts hits and refreshes recency). They never fail and never get a reply unless asked.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from kvstore.errors import KvtierError, ProtocolError, TierUnavailable, TransportError
 from kvstore.node.backend import ShmLeases
@@ -112,8 +117,12 @@ class ShmChannelServer:
     """Serves :class:`ShmLeases` on an abstract Unix socket. The constructor records only;
     :meth:`start` binds and starts the accept thread."""
 
-    def __init__(self, leases: ShmLeases, *, lease_ttl_s: float, name: str | None = None) -> None:
+    def __init__(self, leases: ShmLeases, *, lease_ttl_s: float, name: str | None = None,
+                 on_reads: Callable[[list[bytes]], None] | None = None) -> None:
+        """``on_reads`` receives the keys of each READS report (module docstring), on the
+        connection's thread."""
         self._leases = leases
+        self._on_reads = on_reads
         self._lease_ttl_s = lease_ttl_s
         self._name = name or f"kvtier-{os.getpid()}-{secrets.token_hex(6)}"
         self._listener: socket.socket | None = None
@@ -266,6 +275,10 @@ class ShmChannelServer:
                 if value is None:
                     raise ProtocolError("PUT without a value")
                 self._leases.put(keys[0], value, parent=keys[1] or None)
+                return REPLY.pack(STATUS_OK, 0, 0, 0)
+            if op == ChannelOp.READS:
+                if self._on_reads is not None and keys:
+                    self._on_reads(keys)
                 return REPLY.pack(STATUS_OK, 0, 0, 0)
             if op == ChannelOp.PING:
                 return REPLY.pack(STATUS_OK, 0, 0, 0)
