@@ -19,6 +19,13 @@ moved per call, GB/s = bytes / seconds (10^9), median of the repetitions:
 ``per-layer put/get`` the alternative design: one 128 KiB chunk per (block, layer), put one by one
                     and fetched with one batch call per layer (``get_many_into``)
 
+Then the cross-request batch rows: one engine step of ``--requests`` requests of
+``--blocks-per-request`` blocks, through ``lookup_many`` / ``load_many`` / ``save_many`` against
+as many single ``lookup`` / ``load`` / ``save`` calls (the loads and saves issued together and
+waited for together), in ms per step, for the 4 MiB chunks above and for 512 KiB chunks
+(``SMALL_LAYOUT``), beside a memcpy of the same bytes and one gRPC round trip (the floor of a
+lookup). ``--batch-only`` skips the first table.
+
 The machine is shared and noisy (2 cores): compare ratios within one run.
 """
 
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -37,7 +45,14 @@ import torch
 import xxhash
 
 from bench._meta import REPO_ROOT, run_header
-from kvstore.client.kv_client import ContiguousKV, KVClient, KVClientConfig, namespace_for
+from kvstore.client.kv_client import (
+    ContiguousKV,
+    KVClient,
+    KVClientConfig,
+    LoadRequest,
+    SaveRequest,
+    namespace_for,
+)
 from kvstore.client.store_client import DataPlane
 from kvstore.engine.kvlayout import KVLayout
 
@@ -162,20 +177,149 @@ def _rounds(client: KVClient, n_blocks: int, reps: int, engine_kv: torch.Tensor,
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
+def measure_batch(plane: DataPlane, address: str, layout: KVLayout, n_requests: int,
+                  m_blocks: int, reps: int) -> dict[str, float]:
+    """One engine step of ``n_requests`` requests of ``m_blocks`` blocks each, moved through the
+    cross-request batch APIs and through ``n_requests`` single calls (issued together, then
+    waited for together, as a connector's ``start_load_kv`` would). Milliseconds per step,
+    median of ``reps``; the single/batched order alternates between repetitions."""
+    g = torch.Generator().manual_seed(2)
+    n_tokens = m_blocks * layout.block_tokens
+    shape = (layout.num_layers, 2, layout.num_kv_heads, n_tokens, layout.head_dim)
+    sources = [torch.randn(shape, generator=g).to(layout.dtype) for _ in range(n_requests)]
+    dsts = [torch.zeros_like(t) for t in sources]
+    flat = layout.empty_chunks(n_requests * m_blocks)
+    flat_src = torch.randn(flat.shape, generator=g).to(layout.dtype)
+    samples: dict[str, list[float]] = {}
+
+    def add(name: str, seconds: float) -> None:
+        samples.setdefault(name, []).append(seconds * 1e3)
+
+    cfg = KVClientConfig(data_plane=plane)
+    ns = namespace_for(layout, f"bench-batch-{layout.num_layers}", plane.value)
+    with KVClient.connect(address, layout, ns, cfg) as client:
+        store = client.store
+        for rep in range(reps + 1):  # rep 0 warms up (staging pool, connections), untimed
+            toks = [torch.randint(0, 100_000, (n_tokens,), generator=g).tolist()
+                    for _ in range(n_requests)]
+            kvs = [ContiguousKV(t, layout) for t in sources]
+            outs = [ContiguousKV(t, layout) for t in dsts]
+            t0 = time.perf_counter()
+            flat.copy_(flat_src)
+            t_memcpy = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            store.refresh_info()  # one unary gRPC round trip: the floor of any lookup
+            t_rtt = time.perf_counter() - t0
+            timed: dict[str, float] = {}
+            for batched in ((False, True) if rep % 2 else (True, False)):
+                kind = "batched" if batched else "single"
+                t0 = time.perf_counter()
+                if batched:
+                    saved = client.save_many([SaveRequest(t, kv) for t, kv in
+                                              zip(toks, kvs, strict=True)]).result()
+                else:
+                    futures = [client.save(t, kv) for t, kv in zip(toks, kvs, strict=True)]
+                    saved = [f.result() for f in futures]
+                timed[f"save {kind}"] = time.perf_counter() - t0
+                assert all(len(r.stored_blocks) == m_blocks for r in saved), saved
+                t0 = time.perf_counter()
+                matches = (client.lookup_many(toks) if batched
+                           else [client.lookup(t) for t in toks])
+                timed[f"lookup {kind}"] = time.perf_counter() - t0
+                assert all(m.blocks == m_blocks for m in matches)
+                for d in dsts:
+                    d.zero_()
+                t0 = time.perf_counter()
+                if batched:
+                    handles = client.load_many([LoadRequest(t, o) for t, o in
+                                                zip(toks, outs, strict=True)])
+                else:
+                    handles = [client.load(t, o) for t, o in zip(toks, outs, strict=True)]
+                loaded = [h.result() for h in handles]
+                timed[f"load {kind}"] = time.perf_counter() - t0
+                assert all(r.complete for r in loaded), loaded
+                assert all(torch.equal(a, b) for a, b in zip(dsts, sources, strict=True))
+                for t in toks:
+                    store.remove(client.keys(t)[0])
+            if rep == 0:
+                continue
+            add("memcpy", t_memcpy)
+            add("grpc round trip", t_rtt)
+            for name, seconds in timed.items():
+                add(name, seconds)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def print_batch(results: dict[str, dict[str, float]], layout: KVLayout, n_requests: int,
+                m_blocks: int) -> None:
+    n_bytes = n_requests * m_blocks * layout.chunk_bytes
+    print(f"\n{n_requests} requests x {m_blocks} blocks of {layout.chunk_bytes >> 10} KiB "
+          f"({n_bytes >> 20} MiB per step); ms per step (GB/s, ratio to memcpy of the same "
+          f"bytes); speedup = single / batched")
+    print("| plane | op | N single calls | batched | speedup |")
+    print("|---|---|---|---|---|")
+    for plane, r in results.items():
+        print(f"| {plane} | memcpy (limit) | {r['memcpy']:.2f} ({gbps(n_bytes, r['memcpy'] / 1e3):.2f}) "
+              f"| | |")
+        print(f"| {plane} | lookup | {r['lookup single']:.2f} | {r['lookup batched']:.2f} "
+              f"(one gRPC round trip: {r['grpc round trip']:.2f}) | "
+              f"{r['lookup single'] / r['lookup batched']:.2f}x |")
+        for op in ("load", "save"):
+            cells = []
+            for kind in ("single", "batched"):
+                ms = r[f"{op} {kind}"]
+                rate = gbps(n_bytes, ms / 1e3)
+                cells.append(f"{ms:.2f} ({rate:.2f}, {r['memcpy'] / ms:.2f})")
+            print(f"| {plane} | {op} | {cells[0]} | {cells[1]} | "
+                  f"{r[f'{op} single'] / r[f'{op} batched']:.2f}x |")
+
+
+SMALL_LAYOUT = KVLayout(num_layers=16, num_kv_heads=8, head_dim=64, block_tokens=16,
+                        dtype=torch.bfloat16)
+"""A 1B-class model in 16-token blocks (vLLM's default): 512 KiB chunks, where per-call costs
+weigh more than with the 4 MiB chunks of ``LAYOUT``."""
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="8 blocks, 2 repetitions")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--requests", type=int, default=16,
+                        help="requests per engine step in the batch rows")
+    parser.add_argument("--blocks-per-request", type=int, default=4)
+    parser.add_argument("--batch-only", action="store_true",
+                        help="only the cross-request batch rows")
     args = parser.parse_args(argv)
     n_blocks, reps = (8, 2) if args.quick else (32, 5)
+    n_req, m_blocks = (4, 2) if args.quick else (args.requests, args.blocks_per_request)
+    planes = (DataPlane.SHM, DataPlane.TCP)
     torch.set_num_threads(1)
     proc, address = spawn_daemon()
     try:
-        results = {plane.value: measure(plane, address, n_blocks, reps)
-                   for plane in (DataPlane.SHM, DataPlane.TCP)}
+        results = {} if args.batch_only else {
+            plane.value: measure(plane, address, n_blocks, reps) for plane in planes}
+        batch = {f"{lay.chunk_bytes >> 10}KiB": {
+            plane.value: measure_batch(plane, address, lay, n_req, m_blocks, reps)
+            for plane in planes} for lay in (LAYOUT, SMALL_LAYOUT)}
     finally:
         proc.terminate()
         proc.wait(20)
+    load = os.getloadavg()
+    doc = {**run_header("kv_client", dists=("torch",)), "chunk_bytes": LAYOUT.chunk_bytes,
+           "blocks_per_call": n_blocks, "repetitions": reps, "gbps": results,
+           "batch": {"requests": n_req, "blocks_per_request": m_blocks, "ms_per_step": batch},
+           "loadavg": load}
+    if args.json:
+        args.json.write_text(json.dumps(doc, indent=2))
+    if results:
+        print_single(results, n_blocks, reps)
+    for lay in (LAYOUT, SMALL_LAYOUT):
+        print_batch(batch[f"{lay.chunk_bytes >> 10}KiB"], lay, n_req, m_blocks)
+    print(f"\nload average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    return doc
+
+
+def print_single(results: dict[str, dict[str, float]], n_blocks: int, reps: int) -> None:
     print(f"chunk {LAYOUT.chunk_bytes >> 20} MiB ({LAYOUT.num_layers} layers x "
           f"{LAYOUT.chunk_bytes // LAYOUT.num_layers >> 10} KiB), {n_blocks} blocks per call, "
           f"median of {reps}; GB/s (ratio to memcpy)")
@@ -185,11 +329,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for row in rows:
         cells = [f"{r[row]:.2f} ({r[row] / r['memcpy']:.2f})" for r in results.values()]
         print(f"| {row} | {' | '.join(cells)} |")
-    doc = {**run_header("kv_client", dists=("torch",)), "chunk_bytes": LAYOUT.chunk_bytes,
-           "blocks_per_call": n_blocks, "repetitions": reps, "gbps": results}
-    if args.json:
-        args.json.write_text(json.dumps(doc, indent=2))
-    return doc
 
 
 if __name__ == "__main__":

@@ -175,3 +175,18 @@ def test_load_many_after_the_daemon_died_fails_every_request(tmp_path: Path) -> 
                 client.lookup_many(toks)
     finally:
         d.stop()
+
+
+def test_split_even_keeps_order_and_covers_every_request() -> None:
+    from kvstore.client.kv_client import _split_even
+
+    assert _split_even([4] * 6, 2) == [[0, 1, 2], [3, 4, 5]]
+    assert _split_even([1, 9, 1, 1], 2) == [[0, 1], [2, 3]]
+    assert _split_even([5], 4) == [[0]]
+    assert _split_even([], 2) == []
+    assert _split_even([2, 2, 2], 1) == [[0, 1, 2]]
+    for sizes in ([3, 0, 7, 1, 1, 5], [0, 0, 0], list(range(10))):
+        for parts in (1, 2, 3, 8):
+            groups = _split_even(sizes, parts)
+            assert [i for g in groups for i in g] == list(range(len(sizes)))
+            assert len(groups) <= parts and all(groups)
