@@ -31,10 +31,16 @@ to a peer process and back. Ops: ``put`` and ``get`` of one value per call; ``pu
     here against ~10-20 GB/s from DRAM). It only tells how much of a gap is the cache.
 ``shm``
     :class:`kvstore.client.StoreClient` on its shared-memory data plane against a
-    ``kvtier daemon`` process (DRAM tier only): a get is one lease-channel round trip, one
-    memcpy out of the mapped arena and a release sent without waiting; a put is a reservation,
-    one memcpy into the arena and a commit. Batches lease all keys in one round trip. Its
-    ``limit_gbps`` is the ``memcpy`` figure.
+    ``kvtier daemon`` process (DRAM tier only): a get of a chunk the daemon's read index
+    publishes is lease-free (a lookup in the mapped index, one memcpy out of the mapped arena,
+    a seqlock check; no round trip; docs/dram-arena.md), otherwise one lease-channel round trip,
+    one memcpy and a release sent without waiting; a put is a reservation, one memcpy into the
+    arena and a commit (values up to 64 KiB: one PUT request carrying the value). Batches read
+    lease-free key by key, or lease all keys in one round trip. Its ``limit_gbps`` is the
+    ``memcpy`` figure.
+``shm-leased``
+    The same with ``StoreClientConfig(lease_free_reads=False)``: every get takes a lease (what
+    ``shm`` did before the read index), for comparison in one run.
 ``tcp`` / ``tcp-daemon``
     The daemon's TCP data plane: the same ``TcpClient`` as above, but against a
     ``kvtier daemon`` process whose server sends from and receives into the DRAM arena through
@@ -482,7 +488,7 @@ def stop_daemon(proc: subprocess.Popen[str]) -> None:
 class DaemonPath:
     """:class:`StoreClient` against a ``kvtier daemon`` process, over shared memory or TCP."""
 
-    def __init__(self, plane: str) -> None:
+    def __init__(self, plane: str, *, lease_free: bool = True) -> None:
         from kvstore.client import DataPlane, StoreClient, StoreClientConfig
 
         self._plane = DataPlane(plane)
@@ -493,7 +499,7 @@ class DaemonPath:
         self._proc, address = spawn_daemon(f"bench-{plane}")
         self._client = StoreClient.connect(address, StoreClientConfig(
             data_plane=self._plane, tcp_connections=TCP_CONNECTIONS, wait_for_ready=True,
-            ucx_min_bytes=0))  # measure UCX at every size (StoreClient's default sends < 1 MiB
+            ucx_min_bytes=0, lease_free_reads=lease_free))  # measure UCX at every size (StoreClient's default sends < 1 MiB
         # over TCP)
 
     def put_many(self, keys: Sequence[bytes], srcs: Sequence[memoryview]) -> None:
@@ -561,6 +567,7 @@ PATHS: dict[str, Callable[[], DataPath]] = {
     "tcp-1conn": lambda: TcpPath(connections=1, striped_only=True),
     "tcp-daemon": lambda: DaemonPath("tcp"),
     "shm": lambda: DaemonPath("shm"),
+    "shm-leased": lambda: DaemonPath("shm", lease_free=False),
     "ucx": UcxPath,
     "ucx-daemon": lambda: DaemonPath("ucx"),
     "redis": RedisPath,
@@ -762,7 +769,7 @@ def run(quick: bool, path_names: tuple[str, ...] = tuple(PATHS), *,
     then, with ``mooncake``, the Mooncake peer (skipped, with the reason, when unavailable)."""
     if path_names[0] != "socket":
         raise ValueError("the socket path (the limit) must be measured, and first")
-    if "shm" in path_names and "memcpy" not in path_names:
+    if any(n.startswith("shm") for n in path_names) and "memcpy" not in path_names:
         raise ValueError("the shm path needs the memcpy path (its limit)")
     largest = max(SIZES_BYTES)
     rng = np.random.default_rng(0)
