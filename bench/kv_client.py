@@ -24,7 +24,9 @@ Then the cross-request batch rows: one engine step of ``--requests`` requests of
 as many single ``lookup`` / ``load`` / ``save`` calls (the loads and saves issued together and
 waited for together), in ms per step, for the 4 MiB chunks above and for 512 KiB chunks
 (``SMALL_LAYOUT``), beside a memcpy of the same bytes and one gRPC round trip (the floor of a
-lookup). ``--batch-only`` skips the first table.
+lookup). The saves are layer by layer as in an engine step: layer ``l`` of every request is
+handed over (``save_layer``) before layer ``l + 1``, then the step's saves are finished.
+``--batch-only`` skips the first table.
 
 The machine is shared and noisy (2 cores): compare ratios within one run.
 """
@@ -214,12 +216,20 @@ def measure_batch(plane: DataPlane, address: str, layout: KVLayout, n_requests: 
             for batched in ((False, True) if rep % 2 else (True, False)):
                 kind = "batched" if batched else "single"
                 t0 = time.perf_counter()
+                # As in an engine step: every request's layer l is handed over after layer l
+                # ran for the whole batch, then the step's saves are finished.
                 if batched:
-                    saved = client.save_many([SaveRequest(t, kv) for t, kv in
-                                              zip(toks, kvs, strict=True)]).result()
+                    many = client.begin_save_many([SaveRequest(t, kv) for t, kv in
+                                                   zip(toks, kvs, strict=True)])
+                    for layer in range(layout.num_layers):
+                        many.save_layer(layer)
+                    saved = many.finish().result()
                 else:
-                    futures = [client.save(t, kv) for t, kv in zip(toks, kvs, strict=True)]
-                    saved = [f.result() for f in futures]
+                    savers = [client.begin_save(t, kv) for t, kv in zip(toks, kvs, strict=True)]
+                    for layer in range(layout.num_layers):
+                        for saver in savers:
+                            saver.save_layer(layer)
+                    saved = [f.result() for f in [saver.finish() for saver in savers]]
                 timed[f"save {kind}"] = time.perf_counter() - t0
                 assert all(len(r.stored_blocks) == m_blocks for r in saved), saved
                 t0 = time.perf_counter()

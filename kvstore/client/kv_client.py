@@ -652,12 +652,9 @@ class BatchSave:
                  parts: list[tuple[list[PrefixKey], int, EngineKV]]) -> None:
         self._client = client
         self._parts = parts
-        self._offsets: list[int] = []
-        total = 0
-        for keys, first, _source in parts:
-            self._offsets.append(total)
-            total += len(keys) - first
-        self._staging, self._buffer = client._staging.acquire(total)
+        # One pooled staging buffer per request (as in load_many: request-sized buffers are
+        # the ones the pool holds; one for the whole step was a fresh allocation each time).
+        self._held = [client._staging.acquire(len(keys) - first) for keys, first, _s in parts]
         self._copies: list[cf.Future[None] | None] = [None] * client.layout.num_layers
         self._gather_s = [0.0] * client.layout.num_layers
         self._finished: cf.Future[list[SaveResult]] | None = None
@@ -672,11 +669,10 @@ class BatchSave:
 
         def copy() -> None:
             t0 = time.perf_counter()
-            for (keys, first, source), off in zip(self._parts, self._offsets, strict=True):
-                n = len(keys) - first
-                if n:
-                    source.gather_layer(layer, range(first, len(keys)),
-                                        self._staging[off:off + n, layer])
+            for (keys, first, source), (view, _buf) in zip(self._parts, self._held,
+                                                            strict=True):
+                if len(keys) > first:
+                    source.gather_layer(layer, range(first, len(keys)), view[:, layer])
             self._gather_s[layer] = time.perf_counter() - t0
 
         fut = self._client._pool.submit(copy)
@@ -693,24 +689,22 @@ class BatchSave:
             copies = [c for c in self._copies if c is not None]
 
             def put(group: list[int]) -> list[SaveResult]:
-                for c in copies:  # queued before this task: running or done, never waiting
-                    c.result()
-                gather_s = sum(self._gather_s)
-                out = []
-                for i in group:
-                    keys, first, _source = self._parts[i]
-                    off = self._offsets[i]
-                    out.append(self._client._put_chain(
-                        keys, first, self._staging[off:off + len(keys) - first], gather_s))
-                return out
+                try:
+                    for c in copies:  # queued before this task: running or done, not waiting
+                        c.result()
+                    gather_s = sum(self._gather_s)
+                    return [self._client._put_chain(self._parts[i][0], self._parts[i][1],
+                                                    self._held[i][0], gather_s)
+                            for i in group]
+                finally:
+                    for i in group:
+                        self._client._staging.release(self._held[i][1])
 
-            # One flush per worker thread (requests split by blocks), as N single saves would
-            # run; the staging buffer goes back when the last one ended.
+            # One flush per worker thread (requests split by blocks), as N single saves run.
             groups = _split_even([len(k) - f for k, f, _s in self._parts],
                                  self._client.config.workers)
-            flushes = [self._client._pool.submit(put, g) for g in groups]
             self._finished = _gather_futures(
-                flushes, lambda: self._client._staging.release(self._buffer))
+                [self._client._pool.submit(put, g) for g in groups])
         return self._finished
 
 
@@ -1040,20 +1034,24 @@ class KVClient:
             raise
 
     def _load_many(self, jobs: list[tuple[LoadHandle, list[PrefixKey], EngineKV]]) -> None:
-        total = sum(len(keys) for _h, keys, _i in jobs)
-        staging, buffer = self._staging.acquire(total)
+        # One pooled staging buffer per request, not one for the step: the destinations of a
+        # batched read need not be contiguous, and per-request sizes reuse the buffers single
+        # calls left in the pool (one big buffer measured 4x slower: a fresh 128 MiB buffer
+        # per step, first-touched, when the pool was full of request-sized ones).
+        held = [self._staging.acquire(len(keys)) for _h, keys, _i in jobs]
         try:
             flat = [k for _h, keys, _i in jobs for k in keys]
+            rows = [row for view, _buf in held for row in view]
+            total = len(flat)
             got: list[int | None] = [None] * total
             t0 = time.perf_counter()
             pos, error, step = 0, None, self.config.batch_blocks
             while pos < total:
                 end = min(pos + step, total)
                 try:
-                    got[pos:end] = self.store.get_many_into(flat[pos:end],
-                                                            list(staging[pos:end]))
+                    got[pos:end] = self.store.get_many_into(flat[pos:end], rows[pos:end])
                 except KvtierError as exc:  # dead daemon, size mismatch: the rest failed
-                    error = f"{type(exc).__name__}: {exc}"
+                    error = _describe(exc)
                     log.warning("batch load stopped at %d of %d blocks: %s", pos, total, error)
                     break
                 pos = end
@@ -1068,14 +1066,13 @@ class KVClient:
                 handle._fetched.set_result(n)
                 offset += len(keys)
             for layer in range(self.layout.num_layers):
-                offset = 0
-                for (handle, keys, into), n in zip(jobs, loaded, strict=True):
+                for (handle, _keys, into), n, (view, _buf) in zip(jobs, loaded, held,
+                                                                  strict=True):
                     if n:
                         into.scatter_layer(layer, range(handle.first_block,
                                                         handle.first_block + n),
-                                           staging[offset:offset + n, layer])
+                                           view[:n, layer])
                     handle._layer_ready[layer].set()
-                    offset += len(keys)
             t2 = time.perf_counter()
             offset = 0
             for (handle, keys, _into), n in zip(jobs, loaded, strict=True):
@@ -1089,7 +1086,8 @@ class KVClient:
                 handle._finish_replication(None)
                 offset += len(keys)
         finally:
-            self._staging.release(buffer)
+            for _view, buf in held:
+                self._staging.release(buf)
 
     # --- other nodes --------------------------------------------------------------------------
 
@@ -1248,10 +1246,10 @@ def _split_even(sizes: Sequence[int], parts: int) -> list[list[int]]:
     return groups
 
 
-def _gather_futures(futures: list[cf.Future[list[SaveResult]]],
-                    on_done: Callable[[], None]) -> cf.Future[list[SaveResult]]:
+def _gather_futures(futures: list[cf.Future[list[SaveResult]]]
+                    ) -> cf.Future[list[SaveResult]]:
     """One future of the concatenated results of ``futures`` (in order), completed when the
-    last one is; ``on_done`` runs first. The first exception wins."""
+    last one is. The first exception (in order) wins."""
     out: cf.Future[list[SaveResult]] = cf.Future()
     left = [len(futures)]
     lock = threading.Lock()
@@ -1261,17 +1259,13 @@ def _gather_futures(futures: list[cf.Future[list[SaveResult]]],
             left[0] -= 1
             if left[0]:
                 return
-        try:
-            on_done()
-        finally:
-            errors = [f.exception() for f in futures if f.exception() is not None]
-            if errors:
-                out.set_exception(errors[0])
-            else:
-                out.set_result([r for f in futures for r in f.result()])
+        errors = [e for e in (f.exception() for f in futures) if e is not None]
+        if errors:
+            out.set_exception(errors[0])
+        else:
+            out.set_result([r for f in futures for r in f.result()])
 
     if not futures:
-        on_done()
         out.set_result([])
     for f in futures:
         f.add_done_callback(one_done)
