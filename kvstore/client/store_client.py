@@ -56,6 +56,7 @@ import logging
 import os
 import select
 import socket
+import struct
 import threading
 import time
 from collections import deque
@@ -98,6 +99,7 @@ from kvstore.node.protocol import (
     FLAG_NO_REPLY,
     FLAG_PREFIX,
     INLINE_PUT_MAX_BYTES,
+    MAX_BODY_BYTES,
     MAX_KEYS,
     RANGE,
     REPLY,
@@ -115,6 +117,9 @@ _PB_TIER = {pb.TIER_HBM: TierKind.HBM, pb.TIER_DRAM: TierKind.DRAM, pb.TIER_NVME
 TIER_TO_PB = {v: k for k, v in _PB_TIER.items()}
 _FALLBACK_TO_TCP = (CapacityError, ChunkBusy)
 _PAGE_BYTES = 4096
+_IOV_MAX = 1024
+_BATCH_MAX_KEYS = 512
+"""Keys per batched put request (the buffers of one request stay under IOV_MAX)."""
 
 
 class DataPlane(enum.Enum):
@@ -272,32 +277,36 @@ class LeaseChannel:
             self.sock.close()
             raise PeerUnavailable(f"cannot reach the lease channel {address}: {exc}") from exc
         self._reply = memoryview(bytearray(REPLY.size))
+        self.detail = b""
+        """The detail bytes of the last successful reply (PUT_MANY: one status per key)."""
         self.unacknowledged = False
         """A RELEASE was sent without a reply and nothing has been answered since."""
 
     def send(self, op: ChannelOp, *, flags: int = 0, keys: Sequence[bytes] = (), arg: int = 0,
-             ttl_s: float = 0.0, payload: memoryview | None = None) -> None:
+             ttl_s: float = 0.0, payload: memoryview | None = None,
+             payloads: Sequence[memoryview] = ()) -> None:
+        """Send one request; ``payload`` (or the buffers of ``payloads``, gathered by one
+        ``sendmsg`` without copying) follow the keys in the body."""
         body = pack_keys(list(keys)) if keys else b""
-        extra = 0 if payload is None else payload.nbytes
+        parts = [payload] if payload is not None else list(payloads)
+        extra = sum(p.nbytes for p in parts)
         header = REQUEST.pack(op, flags, len(keys), len(body) + extra, arg, ttl_s) + body
         try:
-            if payload is None:
+            if not parts:
                 self.sock.sendall(header)
             else:
-                sent = self.sock.sendmsg([header, payload])
-                if sent < len(header) + extra:  # rare for a small payload: finish it
-                    rest = memoryview(header + bytes(payload))[sent:]
-                    self.sock.sendall(rest)
+                _sendmsg_all(self.sock, [memoryview(header), *parts])
         except OSError as exc:
             raise PeerUnavailable(f"lease channel send failed: {exc}") from exc
         if flags & FLAG_NO_REPLY:
             self.unacknowledged = True
 
     def call(self, op: ChannelOp, *, flags: int = 0, keys: Sequence[bytes] = (), arg: int = 0,
-             ttl_s: float = 0.0, payload: memoryview | None = None
-             ) -> tuple[int, list[tuple[int, int]]]:
+             ttl_s: float = 0.0, payload: memoryview | None = None,
+             payloads: Sequence[memoryview] = ()) -> tuple[int, list[tuple[int, int]]]:
         """Send a request and read its reply: (lease id, ranges). Raises the daemon's error."""
-        self.send(op, flags=flags, keys=keys, arg=arg, ttl_s=ttl_s, payload=payload)
+        self.send(op, flags=flags, keys=keys, arg=arg, ttl_s=ttl_s, payload=payload,
+                  payloads=payloads)
         self._recv_into(self._reply)
         status, count, detail_len, lease_id = REPLY.unpack(self._reply)
         self.unacknowledged = False
@@ -309,6 +318,7 @@ class LeaseChannel:
                 .partition("\n")
             raise error_from_name(name, message)
         ranges = [RANGE.unpack_from(tail, i * RANGE.size) for i in range(count)]
+        self.detail = bytes(tail[count * RANGE.size:])
         return lease_id, ranges
 
     def _recv_into(self, view: memoryview) -> None:
@@ -324,6 +334,17 @@ class LeaseChannel:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def _sendmsg_all(sock: socket.socket, buffers: list[memoryview]) -> None:
+    """Send every buffer, in order, with as few ``sendmsg`` calls as the socket allows."""
+    while buffers:
+        sent = sock.sendmsg(buffers[:_IOV_MAX])
+        while buffers and sent >= buffers[0].nbytes:
+            sent -= buffers[0].nbytes
+            buffers.pop(0)
+        if sent:
+            buffers[0] = buffers[0][sent:]
 
 
 class _ReadReporter:
@@ -355,6 +376,11 @@ class _ReadReporter:
         self._thread = threading.Thread(target=self._run, name="kvtier-read-reports",
                                         daemon=True)
         self._thread.start()
+
+    def wake(self) -> None:
+        """Ask the thread to send now (a full batch is waiting)."""
+        if not self._stopping and self.wake_fd >= 0:
+            os.eventfd_write(self.wake_fd, 1)
 
     def _run(self) -> None:
         while not self._stopping:
@@ -596,14 +622,20 @@ class StoreClient:
         if self._arena is None:
             return self._tcp_client().put_many([check_key(k) for k in keys],
                                                [host_byte_view(s) for s in srcs])
-        stored: list[bool] = []
-        for key, src in zip(keys, srcs, strict=True):
-            try:
-                self.put(key, src)
-                stored.append(True)
-            except ChunkExists:
-                stored.append(False)
-        return stored
+        checked: list[bytes] = [check_key(k) for k in keys]
+        if any(is_cuda_tensor(s) for s in srcs):
+            stored: list[bool] = []
+            for key, src in zip(checked, srcs, strict=True):
+                try:
+                    self.put(key, src)
+                    stored.append(True)
+                except ChunkExists:
+                    stored.append(False)
+            return stored
+        views = [host_byte_view(s) for s in srcs]
+        if any(v.nbytes == 0 for v in views):
+            raise InvalidArgument("cannot store an empty chunk")
+        return self._put_many_shm(checked, views)
 
     def get_many_into(self, keys: Sequence[bytes], dsts: Sequence[Buffer]) -> list[int | None]:
         """Fill ``dsts[i]`` with chunk ``keys[i]``; None where it is not stored. Over shared
@@ -793,7 +825,7 @@ class StoreClient:
                 queue = reporter.queue
                 queue.append(key)
                 if len(queue) == reporter.batch:
-                    os.eventfd_write(reporter.wake_fd, 1)
+                    reporter.wake()
             return n
         if n == ReadResult.MISS:
             self._lf_misses += 1
@@ -901,6 +933,64 @@ class StoreClient:
             chan.call(ChannelOp.COMMIT, arg=lease_id)
         finally:
             self._checkin(chan)
+
+    def _put_many_shm(self, keys: list[bytes], views: list[memoryview]) -> list[bool]:
+        """Batched puts over the lease channel: runs of small values travel inside PUT_MANY
+        requests (one round trip per ~1 MiB), runs of large ones are reserved with one
+        RESERVE_MANY, copied, and published with one COMMIT_MANY."""
+        stored = [False] * len(keys)
+        chan = self._checkout()
+        try:
+            i = 0
+            while i < len(keys):
+                small = views[i].nbytes <= INLINE_PUT_MAX_BYTES
+                j, body = i, 0
+                while j < len(keys) and j - i < _BATCH_MAX_KEYS \
+                        and (views[j].nbytes <= INLINE_PUT_MAX_BYTES) == small:
+                    item = 9 + len(keys[j]) + (views[j].nbytes if small else 0)
+                    if small and j > i and body + item > MAX_BODY_BYTES - REQUEST.size:
+                        break
+                    body += item
+                    j += 1
+                if small:
+                    self._put_many_inline(chan, keys[i:j], views[i:j], stored, i)
+                else:
+                    self._put_many_reserved(chan, keys[i:j], views[i:j], stored, i)
+                i = j
+        finally:
+            self._checkin(chan)
+        return stored
+
+    def _put_many_inline(self, chan: LeaseChannel, keys: list[bytes], views: list[memoryview],
+                         stored: list[bool], at: int) -> None:
+        sizes = struct.pack(f"<{len(views)}Q", *(v.nbytes for v in views))
+        tail = len(sizes) + sum(v.nbytes for v in views)
+        chan.call(ChannelOp.PUT_MANY, keys=keys, arg=tail,
+                  payloads=[memoryview(sizes), *views])
+        for k, existed in enumerate(chan.detail):
+            stored[at + k] = not existed
+
+    def _put_many_reserved(self, chan: LeaseChannel, keys: list[bytes],
+                           views: list[memoryview], stored: list[bool], at: int) -> None:
+        assert self._arena is not None
+        sizes = struct.pack(f"<{len(views)}Q", *(v.nbytes for v in views))
+        _lease_id, ranges = chan.call(ChannelOp.RESERVE_MANY, keys=keys, arg=len(sizes),
+                                      ttl_s=self._config.lease_ttl_s, payload=memoryview(sizes))
+        lease_ids = [lease_id for _offset, lease_id in ranges if lease_id]
+        try:
+            for view, (offset, lease_id) in zip(views, ranges, strict=True):
+                if lease_id:
+                    copy_bytes(self._arena.view(offset, view.nbytes, readonly=False), view)
+        except BaseException:
+            with contextlib.suppress(KvtierError):  # the daemon aborts them on disconnect too
+                for lease_id in lease_ids:
+                    chan.call(ChannelOp.ABORT, arg=lease_id)
+            raise
+        if lease_ids:
+            ids = struct.pack(f"<{len(lease_ids)}Q", *lease_ids)
+            chan.call(ChannelOp.COMMIT_MANY, arg=len(ids), payload=memoryview(ids))
+        for k, (_offset, lease_id) in enumerate(ranges):
+            stored[at + k] = bool(lease_id)
 
     def _checkout(self) -> LeaseChannel:
         with self._lock:

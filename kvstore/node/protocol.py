@@ -109,6 +109,17 @@ class ChannelOp(enum.IntEnum):
     """keys a client copied lease-free through the read index (a key may repeat), reported
     in batches, usually with FLAG_NO_REPLY: the daemon counts them as hits and refreshes
     their recency for eviction."""
+    PUT_MANY = 9
+    """keys = root chunks; the body's tail (``argument`` bytes) is one u64 size per key, then
+    the values back to back. Stored in order; the reply's detail is one byte per key (0:
+    stored, 1: already stored). Another refusal is an error reply, after the earlier values
+    were stored."""
+    RESERVE_MANY = 10
+    """keys = root chunks; tail = one u64 size per key -> one RANGE per key as (arena offset,
+    lease id), lease id 0 where the key is already stored. All or nothing otherwise."""
+    COMMIT_MANY = 11
+    """no keys; tail = u64 lease ids -> every one is committed; the first failure (if any) is
+    the error reply."""
 
 
 FLAG_PREFIX = 1
@@ -123,6 +134,8 @@ REPLY = struct.Struct("<BxHIQ")
 """status, range count, detail bytes, lease id."""
 RANGE = struct.Struct("<QQ")
 """arena offset, size in bytes."""
+TAIL_OPS = frozenset({7, 9, 10, 11})
+"""Ops whose body ends with ``argument`` bytes that are not keys (values, sizes, lease ids)."""
 MAX_BODY_BYTES = 1 << 20
 MAX_KEYS = 4096
 INLINE_PUT_MAX_BYTES = 64 << 10

@@ -25,11 +25,12 @@ import logging
 import os
 import secrets
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
 
-from kvstore.errors import KvtierError, ProtocolError, TierUnavailable, TransportError
+from kvstore.errors import ChunkExists, KvtierError, ProtocolError, TierUnavailable, TransportError
 from kvstore.node.backend import ShmLeases
 from kvstore.node.protocol import (
     FLAG_NO_REPLY,
@@ -41,6 +42,7 @@ from kvstore.node.protocol import (
     REQUEST,
     STATUS_ERROR,
     STATUS_OK,
+    TAIL_OPS,
     ChannelOp,
     error_name,
     unpack_keys,
@@ -102,6 +104,13 @@ class _FrameReader:
                                     f"{self._end - self._start} of {need} bytes")
             self._end += n
         return True
+
+
+def _tail(value: memoryview | None, count: int, op: int) -> memoryview:
+    """The body tail of a batch op, which must hold at least ``count`` u64 values."""
+    if value is None or len(value) < 8 * count:
+        raise ProtocolError(f"op {op}: the body's tail is too short for {count} entries")
+    return value
 
 
 class _Connection:
@@ -220,9 +229,10 @@ class ShmChannelServer:
                     return
                 (op, flags, nkeys, body_len, arg, ttl_s), body = frame
                 value: memoryview | None = None
-                if op == ChannelOp.PUT:
+                if op in TAIL_OPS:
                     if arg > body_len:
-                        raise ProtocolError(f"PUT of {arg} bytes in a {body_len}-byte body")
+                        raise ProtocolError(f"op {op} tail of {arg} bytes in a {body_len}-byte "
+                                            "body")
                     body, value = body[:body_len - arg], body[body_len - arg:]
                 keys = unpack_keys(body, nkeys) if nkeys else []
                 self.requests += 1
@@ -276,6 +286,15 @@ class ShmChannelServer:
                     raise ProtocolError("PUT without a value")
                 self._leases.put(keys[0], value, parent=keys[1] or None)
                 return REPLY.pack(STATUS_OK, 0, 0, 0)
+            if op == ChannelOp.PUT_MANY:
+                self._refuse_when_draining()
+                return self._put_many(keys, _tail(value, len(keys), op))
+            if op == ChannelOp.RESERVE_MANY:
+                self._refuse_when_draining()
+                return self._reserve_many(conn, keys, _tail(value, len(keys), op), ttl)
+            if op == ChannelOp.COMMIT_MANY:
+                ids = _tail(value, arg // 8, op)
+                return self._commit_many(conn, struct.unpack_from(f"<{len(ids) // 8}Q", ids))
             if op == ChannelOp.READS:
                 if self._on_reads is not None and keys:
                     self._on_reads(keys)
@@ -288,6 +307,54 @@ class ShmChannelServer:
         except KvtierError as exc:
             detail = f"{error_name(exc)}\n{exc}".encode()
             return REPLY.pack(STATUS_ERROR, 0, len(detail), 0) + detail
+
+    def _put_many(self, keys: list[bytes], tail: memoryview) -> bytes:
+        sizes = struct.unpack_from(f"<{len(keys)}Q", tail)
+        pos = 8 * len(keys)
+        if pos + sum(sizes) != len(tail):
+            raise ProtocolError(f"PUT_MANY sizes add up to {sum(sizes)} bytes, the body holds "
+                                f"{len(tail) - pos}")
+        existed = bytearray(len(keys))
+        for i, (key, size) in enumerate(zip(keys, sizes, strict=True)):
+            try:
+                self._leases.put(key, tail[pos:pos + size])
+            except ChunkExists:
+                existed[i] = 1
+            pos += size
+        return REPLY.pack(STATUS_OK, 0, len(keys), 0) + bytes(existed)
+
+    def _reserve_many(self, conn: _Connection, keys: list[bytes], tail: memoryview,
+                      ttl_s: float) -> bytes:
+        if len(tail) != 8 * len(keys):
+            raise ProtocolError(f"RESERVE_MANY of {len(keys)} keys with {len(tail)} size bytes")
+        sizes = struct.unpack_from(f"<{len(keys)}Q", tail)
+        ranges: list[tuple[int, int]] = []
+        try:
+            for key, size in zip(keys, sizes, strict=True):
+                try:
+                    lease_id, offset = self._leases.reserve(key, size, ttl_s, owner=conn)
+                except ChunkExists:
+                    ranges.append((0, 0))
+                else:
+                    ranges.append((offset, lease_id))
+        except BaseException:
+            for _offset, lease_id in ranges:
+                if lease_id:
+                    self._leases.abort(lease_id, owner=conn)
+            raise
+        return REPLY.pack(STATUS_OK, len(ranges), 0, 0) + b"".join(
+            RANGE.pack(offset, lease_id) for offset, lease_id in ranges)
+
+    def _commit_many(self, conn: _Connection, lease_ids: tuple[int, ...]) -> bytes:
+        first: KvtierError | None = None
+        for lease_id in lease_ids:
+            try:
+                self._leases.commit(lease_id, owner=conn)
+            except KvtierError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
+        return REPLY.pack(STATUS_OK, 0, 0, 0)
 
     def _refuse_when_draining(self) -> None:
         if self._draining:
