@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from kvstore.dataplane.tier import MAX_KEY_BYTES
 from kvstore.errors import (
@@ -163,34 +163,55 @@ def pack_header(
     return buf
 
 
-def decode_header(buf: bytes | bytearray | memoryview, max_value_bytes: int) -> Header:
-    """Parse and validate a header. Raises ProtocolError for anything malformed or oversized."""
+def decode_header(buf: bytes | bytearray | memoryview, max_value_bytes: int, at: int = 0
+                  ) -> Header:
+    """Parse and validate the header at ``buf[at:at + HEADER_BYTES]``. Raises ProtocolError for
+    anything malformed or oversized.
+
+    Hot path (one call per frame on each side): one ``unpack_from`` and one combined test; the
+    diagnosis of a bad header is left to :func:`_header_error`, off the hot path.
+    """
+    fields = _UNPACK_FROM(buf, at)
     (magic, version, opcode, flags, status, key_len, reserved, request_id, transfer_id, offset,
-     length, total_size, payload_len) = HEADER.unpack_from(buf)
-    if magic != MAGIC:
-        raise ProtocolError(f"bad frame magic {bytes(magic)!r}")
-    if version != VERSION:
-        raise ProtocolError(f"unsupported frame version {version} (this side speaks {VERSION})")
+     length, total_size, payload_len) = fields
     op = _OPCODES.get(opcode)
-    if op is None:
-        raise ProtocolError(f"unknown opcode {opcode}")
     st = _STATUSES.get(status)
-    if st is None:
-        raise ProtocolError(f"unknown status {status}")
+    if (op is None or st is None or magic != MAGIC or version != VERSION
+            or flags & ~_ALL_FLAGS or reserved or key_len > MAX_KEY_BYTES
+            or total_size > max_value_bytes or offset + length > max_value_bytes
+            or (payload_len > max_value_bytes and payload_len > MAX_DETAIL_BYTES)):
+        raise _header_error(fields, max_value_bytes)
+    return _new_header(Header, (op, flags, st, key_len, request_id, transfer_id, offset, length,
+                                total_size, payload_len))
+
+
+_UNPACK_FROM = HEADER.unpack_from
+_new_header = tuple.__new__  # Header._make without its classmethod and iterable checks
+
+
+def _header_error(fields: tuple[Any, ...], max_value_bytes: int) -> ProtocolError:
+    """Why a header :func:`decode_header` refused is bad (the first reason found)."""
+    (magic, version, opcode, flags, status, key_len, reserved, _request_id, _transfer_id, offset,
+     length, total_size, payload_len) = fields
+    if magic != MAGIC:
+        return ProtocolError(f"bad frame magic {bytes(magic)!r}")
+    if version != VERSION:
+        return ProtocolError(f"unsupported frame version {version} (this side speaks {VERSION})")
+    if opcode not in _OPCODES:
+        return ProtocolError(f"unknown opcode {opcode}")
+    if status not in _STATUSES:
+        return ProtocolError(f"unknown status {status}")
     if flags & ~_ALL_FLAGS or reserved:
-        raise ProtocolError(f"unknown flags {flags:#x} or reserved bits {reserved:#x} set")
+        return ProtocolError(f"unknown flags {flags:#x} or reserved bits {reserved:#x} set")
     if key_len > MAX_KEY_BYTES:
-        raise ProtocolError(f"key of {key_len} bytes exceeds the {MAX_KEY_BYTES}-byte maximum")
-    limit = max(max_value_bytes, MAX_DETAIL_BYTES)
-    if payload_len > limit or total_size > max_value_bytes:
-        raise ProtocolError(
-            f"frame of {payload_len} payload bytes (value {total_size} bytes) exceeds the "
-            f"{max_value_bytes}-byte maximum")
-    if offset + length > max_value_bytes:
-        raise ProtocolError(f"range [{offset}, {offset + length}) exceeds the "
-                            f"{max_value_bytes}-byte maximum")
-    return Header(op, flags, st, key_len, request_id, transfer_id, offset, length, total_size,
-                  payload_len)
+        return ProtocolError(f"key of {key_len} bytes exceeds the {MAX_KEY_BYTES}-byte maximum")
+    if offset + length > max_value_bytes and total_size <= max_value_bytes and \
+            payload_len <= max(max_value_bytes, MAX_DETAIL_BYTES):
+        return ProtocolError(f"range [{offset}, {offset + length}) exceeds the "
+                             f"{max_value_bytes}-byte maximum")
+    return ProtocolError(
+        f"frame of {payload_len} payload bytes (value {total_size} bytes) exceeds the "
+        f"{max_value_bytes}-byte maximum")
 
 
 # --- status <-> error translation (the boundary between the wire and kvstore.errors) --------------
