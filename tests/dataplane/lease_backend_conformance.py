@@ -19,7 +19,7 @@ import threading
 import pytest
 
 from kvstore.dataplane.transport.base import LeaseBackend
-from kvstore.errors import ChunkBusy, ChunkExists, ChunkNotFound, InvalidArgument
+from kvstore.errors import ChunkBusy, ChunkExists, ChunkNotFound, InvalidArgument, SizeMismatch
 from tests.support.common import payload
 
 MiB = 1 << 20
@@ -139,6 +139,36 @@ class LeaseBackendConformance:
         second.release()
         assert backend.remove(b"k") is True
         assert not backend.exists(b"k")
+
+    @pytest.mark.parametrize("size_bytes", [1, 4096, 64 * 1024 + 3])
+    def test_read_into_copies_the_committed_bytes_and_leaves_no_pin(
+            self, backend: LeaseBackend, size_bytes: int) -> None:
+        data = payload(size_bytes, size_bytes + 1)
+        write(backend, b"k", data)
+        dst = bytearray(size_bytes)
+        assert backend.read_into(b"k", memoryview(dst)) == size_bytes
+        assert dst == data
+        assert backend.remove(b"k") is True  # nothing pinned it
+
+    def test_read_into_a_wrong_size_buffer_raises_size_mismatch_and_copies_nothing(
+            self, backend: LeaseBackend) -> None:
+        write(backend, b"k", b"abcdef")
+        for wrong in (5, 7):
+            dst = bytearray(b"\xee" * wrong)
+            with pytest.raises(SizeMismatch) as info:
+                backend.read_into(b"k", memoryview(dst))
+            assert (info.value.expected, info.value.actual) == (6, wrong)
+            assert dst == b"\xee" * wrong
+
+    def test_read_into_does_not_see_uncommitted_or_unknown_chunks(self, backend: LeaseBackend
+                                                                  ) -> None:
+        lease = backend.open_write(b"k", 3)
+        lease.buffer[:] = b"abc"
+        with pytest.raises(ChunkNotFound):
+            backend.read_into(b"k", memoryview(bytearray(3)))
+        lease.abort()
+        with pytest.raises(ChunkNotFound):
+            backend.read_into(b"nope", memoryview(bytearray(3)))
 
     def test_misses_are_not_errors(self, backend: LeaseBackend) -> None:
         assert backend.exists(b"nope") is False

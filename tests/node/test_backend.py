@@ -21,6 +21,7 @@ from kvstore.errors import (
     ChunkExists,
     ChunkNotFound,
     InvalidArgument,
+    SizeMismatch,
 )
 from kvstore.node.backend import CacheLeaseBackend, ParentHints, ShmLeases
 from kvstore.node.cache import ChunkChange, ChunkChangeKind, TieredCache
@@ -89,6 +90,46 @@ def test_read_falls_back_to_a_private_copy_when_dram_cannot_take_it(small: Tiere
     finally:
         lease.release()
         small.unpin(held)
+
+
+def _dram_counters(cache: TieredCache) -> tuple[int, int]:
+    report = next(r for r in cache.report() if r.kind is TierKind.DRAM)
+    return report.counters.hits, report.counters.bytes_read
+
+
+def test_read_into_counts_a_dram_hit_refreshes_recency_and_pins_nothing(small: TieredCache
+                                                                        ) -> None:
+    small.put(b"a", data(1))
+    small.put(b"b", data(2))
+    backend = CacheLeaseBackend(small)
+    before = small.entry(b"a")
+    hits, nbytes = _dram_counters(small)
+    dst = bytearray(CHUNK)
+    assert backend.read_into(b"a", memoryview(dst)) == CHUNK
+    assert dst == data(1)
+    after = small.entry(b"a")
+    assert before is not None and after is not None
+    assert after.access_count == before.access_count + 1
+    assert _dram_counters(small) == (hits + 1, nbytes + CHUNK)
+    assert after.pinned is False
+    assert small.remove(b"a") == [b"a"]  # no lease outlives the copy: never ChunkBusy
+
+
+def test_read_into_of_a_chunk_in_nvme_promotes_it(small: TieredCache) -> None:
+    for i in range(6):
+        small.put(b"k%d" % i, data(i), parent=b"k%d" % (i - 1) if i else None)
+    assert small.entry(b"k0").tier is TierKind.NVME  # type: ignore[union-attr]
+    backend = CacheLeaseBackend(small)
+    dst = bytearray(CHUNK)
+    assert backend.read_into(b"k0", memoryview(dst)) == CHUNK
+    assert dst == data(0)
+    assert small.entry(b"k0").tier is TierKind.DRAM  # type: ignore[union-attr]
+    wrong = bytearray(b"\xee" * 10)
+    with pytest.raises(SizeMismatch):
+        backend.read_into(b"k1", memoryview(wrong))
+    assert wrong == b"\xee" * 10
+    with pytest.raises(ChunkNotFound):
+        backend.read_into(b"missing", memoryview(dst))
 
 
 def test_tcp_put_takes_an_announced_parent(small: TieredCache) -> None:

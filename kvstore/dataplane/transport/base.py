@@ -12,6 +12,12 @@ Server side: the lease backend
     pins the chunk meanwhile (``remove`` of a leased chunk raises ``ChunkBusy``, eviction skips it).
     After ``release()`` the view must not be touched: its memory may be reused at once.
 
+    ``read_into(key, dst)`` copies a committed chunk into ``dst`` (exactly its size) under no
+    lease: for small values, where one copy costs less than pinning the chunk for the duration
+    of a send (the TCP server uses it for GETs up to ``copy_read_max_bytes``). It counts as a
+    read like ``open_read``. ``SizeMismatch`` (``expected`` = the stored size) leaves ``dst``
+    untouched.
+
     ``open_write(key, size_bytes)`` returns a :class:`WriteLease`: a writable ``memoryview`` of
     exactly ``size_bytes`` into the backend's own memory. The chunk is invisible (``exists`` is
     False, ``open_read`` raises ``ChunkNotFound``) until ``commit()``. ``abort()`` frees the space.
@@ -19,8 +25,8 @@ Server side: the lease backend
     transport aborts the lease whenever a transfer into it fails or its peer disconnects. While a
     write lease on a key is outstanding, a second ``open_write`` of that key raises ``ChunkBusy``.
 
-    Errors (per call, from :mod:`kvstore.errors`): ``ChunkNotFound`` (``open_read`` of an unknown
-    key), ``ChunkExists`` (``open_write`` of a committed key: chunks are immutable), ``ChunkBusy``
+    Errors (per call, from :mod:`kvstore.errors`): ``ChunkNotFound`` (``open_read`` or
+    ``read_into`` of an unknown key), ``SizeMismatch`` (``read_into`` with a wrong-size buffer), ``ChunkExists`` (``open_write`` of a committed key: chunks are immutable), ``ChunkBusy``
     (key leased or being written), ``CapacityError`` / ``DiskFull`` (no room), ``InvalidArgument``
     (malformed key or size), ``TierUnavailable`` (closed). A miss on ``exists`` / ``size_of`` /
     ``remove`` is not an error.
@@ -47,9 +53,11 @@ Client side: the transport
     client's connection count.
 
     Ordering: requests on one connection are served in order, but a client's pooled connections
-    are not ordered with each other. A server releases a read lease just after the last byte of
-    a get has left, so a ``remove`` issued right behind a get that used another connection (any
-    striped get) may still find the chunk leased and raise ``ChunkBusy`` for a moment.
+    are not ordered with each other. A server that sends a get from a read lease releases it
+    just after the last byte has left, so a ``remove`` issued right behind such a get that used
+    another connection (any striped get) may still find the chunk leased and raise
+    ``ChunkBusy`` for a moment. Small gets that the server copies out with ``read_into`` (TCP:
+    up to ``copy_read_max_bytes``) hold no lease after the copy.
 """
 
 from __future__ import annotations
@@ -146,6 +154,11 @@ class LeaseBackend(Protocol):
 
     def open_read(self, key: bytes) -> ReadLease:
         """Pin a committed chunk and return its view. Raises ChunkNotFound."""
+        ...
+
+    def read_into(self, key: bytes, dst: memoryview) -> int:
+        """Copy a committed chunk into ``dst`` (exactly its size); return its size. Raises
+        ChunkNotFound, SizeMismatch (``expected`` = the stored size; nothing copied)."""
         ...
 
     def open_write(self, key: bytes, size_bytes: int) -> WriteLease:

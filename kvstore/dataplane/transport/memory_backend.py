@@ -20,7 +20,14 @@ import threading
 from dataclasses import dataclass
 
 from kvstore.dataplane.tier import ChunkKey, check_key
-from kvstore.errors import CapacityError, ChunkBusy, ChunkExists, ChunkNotFound, InvalidArgument
+from kvstore.errors import (
+    CapacityError,
+    ChunkBusy,
+    ChunkExists,
+    ChunkNotFound,
+    InvalidArgument,
+    SizeMismatch,
+)
 
 
 @dataclass(slots=True)
@@ -129,6 +136,19 @@ class MemoryBackend:
             entry.pins += 1
             view = memoryview(entry.data).toreadonly()
         return MemoryReadLease(self, k, view)
+
+    def read_into(self, key: bytes, dst: memoryview) -> int:
+        k = check_key(key)
+        with self._lock:
+            entry = self._committed.get(k)
+            if entry is None:
+                raise ChunkNotFound(k, "memory backend")
+            size = len(entry.data)
+            if len(dst) != size:
+                raise SizeMismatch(f"read_into {k.hex()}", expected=size, actual=len(dst))
+            # Under the lock: a chunk is never freed (or recycled) while it is copied.
+            dst[:] = entry.data
+        return size
 
     def open_write(self, key: bytes, size_bytes: int) -> MemoryWriteLease:
         k = check_key(key)
