@@ -464,6 +464,112 @@ def test_requests_with_unexpected_payload_or_bad_key_are_refused_in_step(
         assert (reply.status, reply.request_id) == (Status.OK, 3)
 
 
+# --- the small-value paths (receive buffer, copied GETs, no poll per request) ---------------------
+
+
+@pytest.mark.parametrize(("copy_read_max_bytes", "leased"), [(4 * MiB, False), (0, True)])
+def test_a_copied_get_holds_no_read_lease_while_its_bytes_are_on_the_wire(
+        copy_read_max_bytes: int, leased: bool) -> None:
+    # Fixed 64 KiB socket buffers and a reader that stops reading: the server is stuck mid-send.
+    backend = MemoryBackend()
+    srv = TcpServer(backend, TcpServerConfig(socket_buffer_bytes=64 * KiB,
+                                             copy_read_max_bytes=copy_read_max_bytes))
+    ep = srv.start()
+    try:
+        size = 4 * MiB
+        data = payload(size, 11)
+        with TcpClient(ep.host, ep.port, 1) as client:
+            client.put(b"k", data)
+        with socket.create_connection((ep.host, ep.port), timeout=10) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * KiB)
+            send_frame(sock, Opcode.GET, b"k", request_id=1, total_size=size)
+            header = decode_header(recv_n(sock, HEADER_BYTES), 1 << 30)
+            assert (header.status, header.payload_len) == (Status.OK, size)
+            head = recv_n(sock, 100 * KiB)
+            if leased:  # the send is served from a pinned chunk until its last byte
+                assert backend.pins_of(b"k") == 1
+                with pytest.raises(ChunkBusy):
+                    backend.remove(b"k")
+            else:  # the server sends its own copy: the chunk is free at once
+                assert backend.pins_of(b"k") == 0
+                assert backend.remove(b"k") is True
+            assert head + recv_n(sock, size - 100 * KiB) == data
+    finally:
+        srv.close(drain_timeout_s=1)
+
+
+def test_requests_sent_back_to_back_are_parsed_out_of_one_receive(server: ServerProcess,
+                                                                 key: bytes) -> None:
+    frames = bytearray()
+    for request_id, opcode, k, body in [(1, Opcode.PING, b"", b""),
+                                        (2, Opcode.PUT, key, b"hello"),
+                                        (3, Opcode.GET, key, b""),
+                                        (4, Opcode.GET, b"missing", b""),
+                                        (5, Opcode.EXISTS, key, b"")]:
+        size = len(body) if opcode is Opcode.PUT else 5
+        frames += pack_header(bytearray(HEADER_BYTES), opcode, key_len=len(k),
+                              request_id=request_id, length=size if k else 0,
+                              total_size=size if k else 0, payload_len=len(body))
+        frames += k + body
+    with server.raw() as sock:
+        sock.sendall(frames)  # one write, no MORE flags: the server must not lose any
+        answers = [read_response(sock) for _ in range(5)]
+    assert [(h.request_id, h.status) for h, _ in answers] == [
+        (1, Status.OK), (2, Status.OK), (3, Status.OK), (4, Status.NOT_FOUND), (5, Status.OK)]
+    assert answers[2][1] == b"hello"
+    assert answers[4][0].total_size == 5
+
+
+def test_a_frame_arriving_a_few_bytes_at_a_time_is_served_whole(server: ServerProcess,
+                                                                 key: bytes) -> None:
+    data = payload(3000, 12)
+    frame = bytes(pack_header(bytearray(HEADER_BYTES), Opcode.PUT, key_len=len(key),
+                              request_id=7, length=len(data), total_size=len(data),
+                              payload_len=len(data))) + key + data
+    with server.raw() as sock:
+        for start in range(0, 200, 7):  # the header, the key and the payload's start in dribs
+            sock.sendall(frame[start:min(start + 7, 200)])
+            time.sleep(0.002)
+        sock.sendall(frame[200:])
+        reply, _ = read_response(sock)
+        assert (reply.request_id, reply.status) == (7, Status.OK)
+    with server.client(1) as client:
+        assert client.get(key) == data
+
+
+def test_a_frame_stalled_past_the_io_timeout_is_dropped_but_idle_connections_stay() -> None:
+    srv = ServerProcess("--io-timeout-s", "0.5")
+    try:
+        with srv.raw() as idle, srv.raw() as stalled:
+            send_frame(stalled, Opcode.PUT, b"stalled", request_id=1, length=1000,
+                       total_size=1000, payload_len=1000)
+            stalled.sendall(b"\x01" * 10)
+            assert_closed_by_peer(stalled)  # after ~0.5 s without a byte inside the frame
+            time.sleep(0.6)  # idle longer than the io timeout: not a stall
+            send_frame(idle, Opcode.PING, request_id=2)
+            reply, _ = read_response(idle)
+            assert (reply.request_id, reply.status) == (2, Status.OK)
+        with srv.client(1) as client:
+            client.put(b"stalled", b"now whole")  # the stalled write lease was aborted
+            assert client.get(b"stalled") == b"now whole"
+    finally:
+        srv.stop()
+
+
+def test_close_ends_idle_connections_without_waiting_for_the_drain_timeout(
+        local_server: TcpServer) -> None:
+    ep = local_server.endpoint
+    with TcpClient(ep.host, ep.port, 2) as client:
+        client.ping()  # leaves an idle pooled connection, its server thread blocked reading
+        assert local_server.stats().connections_open == 1
+        started = time.monotonic()
+        local_server.close(drain_timeout_s=30)
+        assert time.monotonic() - started < 5  # the idle read noticed the shutdown
+        assert local_server.stats().connections_open == 0
+        with pytest.raises(PeerUnavailable):
+            client.ping()
+
+
 # --- peers dying mid-transfer ---------------------------------------------------------------------------
 
 _PARTIAL_PUT = textwrap.dedent("""

@@ -3,13 +3,22 @@
 Wire format: :mod:`kvstore.dataplane.transport.frames`. Contracts: :mod:`.base`. Design notes and
 measured figures: ``docs/transport.md``.
 
-Zero intermediate copies
+Zero intermediate copies (for large values)
     Payloads are received with ``recv_into`` straight into their destination (the server's
     ``WriteLease.buffer``; the caller's ``dst`` on the client) and sent with one
-    ``sendmsg([header, key, view])`` from their source (the server's ``ReadLease.view``; the
-    caller's ``src``). No ``bytes`` object is built for a payload and nothing is joined. Header
-    buffers are preallocated per connection, so a small request allocates only its key.
+    ``sendmsg([header, view])`` from their source (the server's ``ReadLease.view``; the
+    caller's ``src``). No ``bytes`` object is built for a payload and nothing is joined.
     ``MSG_WAITALL`` lets the kernel fill a whole payload in one system call.
+
+Small values: two system calls per request on each side
+    Like a bare socket request/response. The client sends header and key with one ``send``
+    (a PUT: one ``sendmsg`` with the value) and receives a GET's answer with one
+    ``recvmsg_into([header, dst])``. The server reads through a per-connection receive
+    buffer, so one ``recv`` takes a small request whole (several, pipelined); the payload
+    bytes that came with it are copied into the lease, the rest is received straight into it.
+    A GET of at most ``copy_read_max_bytes`` is copied out of the backend
+    (``LeaseBackend.read_into``: no pin) behind the response header and sent with one
+    ``send``. Measurements: docs/transport.md, "Small values".
 
 Striping
     Values of at least ``stripe_threshold_bytes`` are split into one range per pooled connection
@@ -28,12 +37,13 @@ Threads, not asyncio
     connection. Connections are few and long-lived (a pool per engine), so thread count stays low.
 
 Timeouts and dead peers
-    Every socket carries ``SO_RCVTIMEO``/``SO_SNDTIMEO`` = ``io_timeout_s`` (set with
+    Every client socket carries ``SO_RCVTIMEO``/``SO_SNDTIMEO`` = ``io_timeout_s`` (set with
     ``setsockopt``, so the socket stays in blocking mode and a read costs one system call, not a
-    ``poll`` plus a read). A peer that stalls mid-frame, dies or resets raises ``PeerUnavailable``
-    on the client; on the server it ends the connection and aborts its write lease. An idle server
-    connection waits in ``poll`` without timeout, together with the server's wake-up pipe, so
-    shutdown reaches it at once.
+    ``poll`` plus a read). A server socket's receive timeout is a short tick
+    (``_IDLE_TICK_S``): an idle connection's read wakes at each tick to check for shutdown (no
+    ``poll`` per request), and a read inside a frame gives up after ``io_timeout_s`` without
+    progress. A peer that stalls mid-frame, dies or resets raises ``PeerUnavailable`` on the
+    client; on the server it ends the connection and aborts its write lease.
 """
 
 from __future__ import annotations
@@ -51,7 +61,7 @@ import struct
 import sys
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -61,8 +71,11 @@ from kvstore.dataplane.tier import MAX_KEY_BYTES, Buffer, ChunkKey, check_key
 from kvstore.dataplane.transport.base import Endpoint, LeaseBackend, TransportKind, WriteLease
 from kvstore.dataplane.transport.frames import (
     DEFAULT_MAX_VALUE_BYTES,
+    HEADER,
     HEADER_BYTES,
+    MAGIC,
     MAX_DETAIL_BYTES,
+    VERSION,
     Flags,
     Header,
     Opcode,
@@ -80,6 +93,7 @@ from kvstore.errors import (
     KvtierError,
     PeerUnavailable,
     ProtocolError,
+    SizeMismatch,
     TransportError,
 )
 
@@ -92,34 +106,50 @@ _DRAIN_CHUNK_BYTES = 256 * 1024
 _PIPELINE_WINDOW = 64
 _MORE = int(Flags.MORE)
 _ANY_SIZE = int(Flags.ANY_SIZE)
+_GET = int(Opcode.GET)
+_PUT = int(Opcode.PUT)
+_pack_request = HEADER.pack_into
+"""Positional ``HEADER.pack_into`` for the one-value hot paths (``pack_header``'s keywords and
+range check cost more than the packing; the callers pass values already checked)."""
 """Requests a batch sends before reading their responses (see ``pipelined``)."""
 _PIPELINE_LANE_BYTES = 4 * MiB
 """A batch is spread over another connection only when each gets at least this many bytes:
 below that, per-request Python work dominates, and more threads on either side only contend
 for the GIL (measured: 32 x 4 KiB takes longer on 2 or 4 connections than on 1)."""
 _T = TypeVar("_T")
+DEFAULT_COPY_READ_MAX_BYTES = 64 * 1024
+_MAX_COPY_READ_BYTES = 4 * MiB
+_RECV_BUFFER_BYTES = 64 * 1024 + HEADER_BYTES + MAX_KEY_BYTES
+"""A server connection's receive buffer: one ``recv`` brings a small request whole (header,
+key and, for a PUT of up to 64 KiB, its value), or several pipelined ones."""
+_IDLE_TICK_S = 0.2
+"""A server connection's ``SO_RCVTIMEO``: how often a blocked read looks up to check for
+shutdown (instead of a ``poll`` with a wake-up pipe before every request)."""
 
 
 # --- socket helpers --------------------------------------------------------------------------------
 
 
-def _set_io_timeout(sock: socket.socket, io_timeout_s: float) -> None:
-    """Kernel-level send/receive timeouts; the socket stays blocking (no extra poll per call)."""
-    sec = int(io_timeout_s)
-    usec = int((io_timeout_s - sec) * 1_000_000)
-    tv = struct.pack("ll", sec, usec)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+def _set_io_timeout(sock: socket.socket, io_timeout_s: float,
+                    recv_timeout_s: float | None = None) -> None:
+    """Kernel-level send/receive timeouts; the socket stays blocking (no extra poll per call).
+    ``recv_timeout_s``: another receive timeout (a server's idle tick)."""
+    for opt, seconds in ((socket.SO_SNDTIMEO, io_timeout_s),
+                         (socket.SO_RCVTIMEO, recv_timeout_s or io_timeout_s)):
+        sec = int(seconds)
+        usec = int((seconds - sec) * 1_000_000)
+        sock.setsockopt(socket.SOL_SOCKET, opt, struct.pack("ll", sec, usec))
 
 
-def _tune(sock: socket.socket, socket_buffer_bytes: int | None, io_timeout_s: float) -> None:
+def _tune(sock: socket.socket, socket_buffer_bytes: int | None, io_timeout_s: float,
+          recv_timeout_s: float | None = None) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if socket_buffer_bytes:
         # Setting these turns off Linux's buffer autotuning for this socket; see docs/transport.md
         # for why the default leaves them alone.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, socket_buffer_bytes)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, socket_buffer_bytes)
-    _set_io_timeout(sock, io_timeout_s)
+    _set_io_timeout(sock, io_timeout_s, recv_timeout_s)
 
 
 def _recv_exact(sock: socket.socket, view: memoryview, what: str) -> None:
@@ -221,16 +251,84 @@ class TcpClientConfig:
 class _ClientConnection:
     """One pooled socket. Used by one thread at a time; ``broken`` once out of step."""
 
-    __slots__ = ("_ids", "_max_value_bytes", "broken", "recv_hdr", "recv_view", "send_hdr", "sock")
+    __slots__ = ("_ids", "_max_value_bytes", "broken", "recv_hdr", "recv_view", "send_buf",
+                 "send_hdr", "send_view", "sock")
 
     def __init__(self, sock: socket.socket, max_value_bytes: int) -> None:
         self.sock = sock
         self.send_hdr = bytearray(HEADER_BYTES)
+        self.send_buf = bytearray(HEADER_BYTES + MAX_KEY_BYTES)
+        """Header and key of a one-value request, sent with one system call."""
+        self.send_view = memoryview(self.send_buf)
         self.recv_hdr = bytearray(HEADER_BYTES)
         self.recv_view = memoryview(self.recv_hdr)
         self.broken = False
         self._ids = itertools.count(1)
         self._max_value_bytes = max_value_bytes
+
+    def get_into(self, key: ChunkKey, view: memoryview) -> None:
+        """GET a value of known size into ``view``: header and key leave in one ``send``, and
+        one ``recvmsg_into([header, view])`` usually brings the whole answer (two system calls
+        per value, as a bare socket request/response). A refusal's detail message may land in
+        ``view`` (a failed get leaves ``dst`` unspecified); SIZE_MISMATCH and NOT_FOUND answers
+        carry none, so a wrong-size ``view`` is left untouched."""
+        size = len(view)
+        key_len = len(key)
+        request_id = next(self._ids)
+        end = HEADER_BYTES + key_len
+        _pack_request(self.send_buf, 0, MAGIC, VERSION, _GET, 0, 0, key_len, 0, request_id, 0, 0,
+                      size, size, 0)
+        self.send_buf[HEADER_BYTES:end] = key
+        sock = self.sock
+        try:
+            sent = sock.send(self.send_view[:end])
+            if sent != end:
+                sock.sendall(self.send_view[sent:end])
+            got = sock.recvmsg_into((self.recv_hdr, view))[0]
+        except (BlockingIOError, TimeoutError) as exc:
+            self.broken = True
+            raise PeerUnavailable("timed out on a GET") from exc
+        except OSError as exc:
+            self.broken = True
+            raise PeerUnavailable(f"connection failed on a GET: {exc}") from exc
+        if got < HEADER_BYTES:
+            if got == 0:
+                self.broken = True
+                raise PeerUnavailable("peer closed the connection before answering a GET")
+            self.recv_payload(self.recv_view[got:], "response header")
+            got = HEADER_BYTES
+        header = self._check_header(request_id)
+        in_view = got - HEADER_BYTES
+        if header.status is not Status.OK:
+            raise self._error(header, key, expected_size=size, received=view[:in_view])
+        if header.payload_len != size or header.offset != 0:
+            self.broken = True
+            raise ProtocolError(f"peer answered {header.payload_len} bytes at {header.offset} "
+                                f"to a {size}-byte GET")
+        if in_view < size:
+            self.recv_payload(view[in_view:], "GET payload")
+
+    def put(self, key: ChunkKey, view: memoryview) -> None:
+        """PUT a whole value: one ``sendmsg([header + key, value])``, one receive of the
+        answer."""
+        size = len(view)
+        key_len = len(key)
+        request_id = next(self._ids)
+        end = HEADER_BYTES + key_len
+        _pack_request(self.send_buf, 0, MAGIC, VERSION, _PUT, 0, 0, key_len, 0, request_id, 0, 0,
+                      size, size, size)
+        self.send_buf[HEADER_BYTES:end] = key
+        try:
+            _send_parts(self.sock, (self.send_view[:end], view), end + size, "PUT")
+        except PeerUnavailable as exc:
+            self.broken = True
+            rejection = self._rejection_after_failed_send(key)
+            if rejection is not None:
+                raise rejection from exc
+            raise
+        header = self._read_header(request_id)
+        if header.status is not Status.OK:
+            raise self._error(header, key, expected_size=size)
 
     def request(self, opcode: Opcode, key: bytes, *, flags: int = 0, transfer_id: int = 0,
                 offset: int = 0, length: int = 0, total_size: int = 0,
@@ -323,8 +421,16 @@ class _ClientConnection:
     def _read_header(self, request_id: int) -> Header:
         try:
             _recv_exact(self.sock, self.recv_view, "response header")
+        except PeerUnavailable:
+            self.broken = True
+            raise
+        return self._check_header(request_id)
+
+    def _check_header(self, request_id: int) -> Header:
+        """Decode ``recv_hdr`` and check that it answers ``request_id``."""
+        try:
             header = decode_header(self.recv_hdr, self._max_value_bytes)
-        except (PeerUnavailable, ProtocolError):
+        except ProtocolError:
             self.broken = True
             raise
         if header.request_id != request_id or header.key_len:
@@ -333,14 +439,22 @@ class _ClientConnection:
                                 f"{header.key_len}) where {request_id} was expected")
         return header
 
-    def _error(self, header: Header, key: bytes, *, expected_size: int = -1) -> KvtierError:
+    def _error(self, header: Header, key: bytes, *, expected_size: int = -1,
+               received: memoryview | None = None) -> KvtierError:
+        """The error of a refusal, after reading its detail message (``received``: the part of
+        it already read, into the caller's buffer)."""
         detail = ""
         if header.payload_len:
             if header.payload_len > MAX_DETAIL_BYTES:
                 self.broken = True
                 return ProtocolError(f"error detail of {header.payload_len} bytes")
             buf = bytearray(header.payload_len)
-            self.recv_payload(memoryview(buf), "error detail")
+            have = 0
+            if received is not None and len(received):
+                have = min(len(received), header.payload_len)
+                buf[:have] = received[:have]
+            if have < len(buf):
+                self.recv_payload(memoryview(buf)[have:], "error detail")
             detail = buf.decode("utf-8", "replace")
         exc = error_for_status(header, key, detail, expected_size=expected_size)
         if isinstance(exc, TransportError):
@@ -395,8 +509,12 @@ class TcpClient:
             max_value_bytes=max_value_bytes, connect_timeout_s=connect_timeout_s,
             io_timeout_s=io_timeout_s, socket_buffer_bytes=socket_buffer_bytes)
         self._lock = threading.Lock()
-        self._idle: list[_ClientConnection] = []
-        self._slots = threading.BoundedSemaphore(connections)
+        self._slot_freed = threading.Condition(self._lock)
+        self._idle: deque[_ClientConnection] = deque()
+        self._open = 0
+        """Connections checked out or idle (<= ``connections``); guarded by ``_lock``."""
+        self._waiting = 0
+        """Threads waiting in ``_checkout`` for a connection; guarded by ``_lock``."""
         self._executor: ThreadPoolExecutor | None = None
         self._closed = False
 
@@ -418,8 +536,14 @@ class TcpClient:
             raise InvalidArgument(f"value of {size} bytes exceeds max_value_bytes "
                                   f"{self._config.max_value_bytes}")
         if size < self._config.stripe_threshold_bytes or self._config.connections == 1:
-            with self._connection() as conn:
-                conn.request(Opcode.PUT, k, length=size, total_size=size, payload=view)
+            conn = self._checkout()  # not ``with self._connection()``: ~1 µs less per call
+            try:
+                conn.put(k, view)
+            except BaseException as exc:
+                _mark_if_out_of_step(conn, exc)
+                raise
+            finally:
+                self._checkin(conn)
             return
         self._put_striped(k, view)
 
@@ -428,10 +552,14 @@ class TcpClient:
         view = byte_view(dst, writable=True)
         size = len(view)
         if size < self._config.stripe_threshold_bytes or self._config.connections == 1:
-            with self._connection() as conn:
-                header = conn.request(Opcode.GET, k, length=size, total_size=size)
-                self._check_payload(header, size, 0)
-                conn.recv_payload(view, "GET payload")
+            conn = self._checkout()  # not ``with self._connection()``: ~1 µs less per call
+            try:
+                conn.get_into(k, view)
+            except BaseException as exc:
+                _mark_if_out_of_step(conn, exc)
+                raise
+            finally:
+                self._checkin(conn)
             return size
         self._get_ranges(k, view, 0, size)
         return size
@@ -519,8 +647,10 @@ class TcpClient:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            idle, self._idle = self._idle, []
+            idle, self._idle = list(self._idle), deque()
+            self._open -= len(idle)
             executor, self._executor = self._executor, None
+            self._slot_freed.notify_all()
         for conn in idle:
             conn.close()
         if executor is not None:
@@ -675,35 +805,77 @@ class TcpClient:
         return _Checkout(self)
 
     def _checkin(self, conn: _ClientConnection) -> None:
-        with self._lock:
-            keep = not conn.broken and not self._closed
-            if keep:
-                self._idle.append(conn)
-        if not keep:
+        """Return a checked-out connection (closing it when broken or the client is closed).
+
+        The fast path is one ``deque.append`` (atomic under the GIL): the lock is taken only
+        when a connection is dropped or a thread waits for one. Note the order: append, then
+        read ``_waiting``; ``_checkout`` counts itself in ``_waiting`` before it looks at the
+        idle deque, so a waiter either finds the connection or is notified."""
+        if conn.broken or self._closed:
             conn.close()
-        self._slots.release()
+            with self._lock:
+                self._open -= 1
+                self._slot_freed.notify()
+            return
+        self._idle.append(conn)
+        if self._waiting:
+            with self._lock:
+                self._slot_freed.notify()
+        if self._closed:  # close() ran between the check above and the append
+            self._drop_idle()
+
+    def _drop_idle(self) -> None:
+        with self._lock:
+            idle, self._idle = list(self._idle), deque()
+            self._open -= len(idle)
+            self._slot_freed.notify_all()
+        for conn in idle:
+            conn.close()
 
     def _checkout(self) -> _ClientConnection:
-        self._slots.acquire()
+        """A pooled connection: the most recently used idle one (one ``deque.pop``, no lock),
+        else a new one while fewer than ``connections`` are open, else wait for a checkin.
+        Raises PeerUnavailable (client closed, cannot connect)."""
+        if not self._closed:
+            try:
+                return self._idle.pop()
+            except IndexError:
+                pass
+        with self._lock:
+            self._waiting += 1
+            try:
+                while True:
+                    if self._closed:
+                        raise PeerUnavailable("client is closed")
+                    if self._idle:
+                        return self._idle.pop()
+                    if self._open < self._config.connections:
+                        self._open += 1
+                        break
+                    self._slot_freed.wait()
+            finally:
+                self._waiting -= 1
         try:
-            return self._open_or_reuse()
+            return self._connect()
         except BaseException:
-            self._slots.release()
+            with self._lock:
+                self._open -= 1
+                self._slot_freed.notify()
             raise
 
-    def _open_or_reuse(self) -> _ClientConnection:
-        with self._lock:
-            if self._closed:
-                raise PeerUnavailable("client is closed")
-            if self._idle:
-                return self._idle.pop()
+    def _connect(self) -> _ClientConnection:
         host, port = self._endpoint.host, self._endpoint.port
         try:
             sock = socket.create_connection((host, port), timeout=self._config.connect_timeout_s)
         except OSError as exc:
             raise PeerUnavailable(f"cannot connect to {host}:{port}: {exc}") from exc
-        sock.settimeout(None)
-        _tune(sock, self._config.socket_buffer_bytes, self._config.io_timeout_s)
+        try:
+            sock.settimeout(None)
+            _tune(sock, self._config.socket_buffer_bytes, self._config.io_timeout_s)
+        except OSError as exc:
+            sock.close()
+            raise PeerUnavailable(f"cannot configure the connection to {host}:{port}: {exc}"
+                                  ) from exc
         return _ClientConnection(sock, self._config.max_value_bytes)
 
     @staticmethod
@@ -727,10 +899,16 @@ class _Checkout:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: object) -> None:
-        if exc is not None and (not isinstance(exc, KvtierError)
-                                or isinstance(exc, TransportError)):
-            self._conn.broken = True  # out of step with the peer: never reuse
+        if exc is not None:
+            _mark_if_out_of_step(self._conn, exc)
         self._client._checkin(self._conn)
+
+
+def _mark_if_out_of_step(conn: _ClientConnection, exc: BaseException) -> None:
+    """A refusal leaves the connection in step; anything else (transport errors, bugs,
+    KeyboardInterrupt mid-transfer) may not: never reuse it."""
+    if not isinstance(exc, KvtierError) or isinstance(exc, TransportError):
+        conn.broken = True
 
 
 # --- server ----------------------------------------------------------------------------------------
@@ -758,6 +936,10 @@ class TcpServerConfig:
     drain_timeout_s: float = 5.0
     """Default time ``close`` gives in-flight transfers to finish."""
     backlog: int = 128
+    copy_read_max_bytes: int = DEFAULT_COPY_READ_MAX_BYTES
+    """GETs of at most this many bytes are copied out of the backend (``read_into``) into a
+    per-connection buffer and sent from there, instead of pinning the chunk under a read lease
+    for the send (see docs/transport.md, "Small values"). 0: always lease."""
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -776,6 +958,9 @@ class TcpServerConfig:
             raise InvalidArgument(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.backlog < 1:
             raise InvalidArgument(f"backlog must be >= 1, got {self.backlog}")
+        if not 0 <= self.copy_read_max_bytes <= _MAX_COPY_READ_BYTES:
+            raise InvalidArgument(f"copy_read_max_bytes must be 0..{_MAX_COPY_READ_BYTES}, "
+                                  f"got {self.copy_read_max_bytes}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -944,7 +1129,8 @@ class TcpServer:
                 log.warning("accept failed: %s", exc)
                 continue
             try:
-                _tune(sock, self._config.socket_buffer_bytes, self._config.io_timeout_s)
+                _tune(sock, self._config.socket_buffer_bytes, self._config.io_timeout_s,
+                      min(_IDLE_TICK_S, self._config.io_timeout_s))
             except OSError as exc:
                 log.warning("cannot configure connection from %s: %s", addr, exc)
                 sock.close()
@@ -1050,22 +1236,38 @@ class TcpServer:
 
 
 class _ServerConnection:
-    """One client connection, served by its own thread until EOF, error or shutdown."""
+    """One client connection, served by its own thread until EOF, error or shutdown.
+
+    Reads go through a receive buffer: one ``recv`` takes whatever the client has sent (a
+    small request whole, or several pipelined ones), and frames are parsed out of it; a
+    payload's first bytes are copied from it and the rest is received straight into the
+    destination. There is no ``poll`` per request: the socket's receive timeout is a short
+    tick (``_IDLE_TICK_S``) at which an idle read looks up for shutdown, and a read inside a
+    frame gives up only after ``io_timeout_s`` without progress.
+    """
 
     def __init__(self, server: TcpServer, conn_id: int, sock: socket.socket, peer: str) -> None:
         self.server = server
         self.conn_id = conn_id
         self.sock = sock
         self.peer = peer
-        self.hdr = bytearray(HEADER_BYTES)
-        self.hdr_view = memoryview(self.hdr)
-        self.key_buf = bytearray(MAX_KEY_BYTES)
-        self.key_view = memoryview(self.key_buf)
-        self.out = bytearray(HEADER_BYTES)
+        self.rbuf = bytearray(_RECV_BUFFER_BYTES)
+        self.rview = memoryview(self.rbuf)
+        self.rpos = 0
+        """First unparsed byte of ``rbuf``."""
+        self.rend = 0
+        """End of the bytes received into ``rbuf``."""
+        copy_max = server._config.copy_read_max_bytes
+        self.out = bytearray(HEADER_BYTES + copy_max)
+        """A response header, followed by a copied small value."""
+        self.out_view = memoryview(self.out)
         self.scratch: memoryview | None = None
         self.counts = [0] * _COUNTER_SLOTS
         self.thread = threading.Thread(target=self.serve, name=f"kvtier-tcp-conn-{conn_id}",
                                        daemon=True)
+        self._max_value_bytes = server._config.max_value_bytes
+        self._io_timeout_s = server._config.io_timeout_s
+        self._copy_read_max = copy_max
         self._handlers: dict[Opcode, Callable[[Header, ChunkKey], None]] = {
             Opcode.PING: self._ping,
             Opcode.PUT: self._put,
@@ -1084,24 +1286,22 @@ class _ServerConnection:
             self.sock.shutdown(socket.SHUT_RDWR)
 
     def serve(self) -> None:
-        server = self.server
-        poller = select.poll()
-        poller.register(self.sock, select.POLLIN)
-        poller.register(server._wake_r, select.POLLIN)
-        sock_fd = self.sock.fileno()
         header: Header | None = None
+        announced = False
         try:
             while True:
-                # After close() the wake-up pipe stays readable: requests already on the socket
-                # are still served (drained), and the loop ends once the socket has nothing more.
-                # A request flagged MORE announced the next one: read it without polling.
-                more = header is not None and header.flags & _MORE
-                if not more and not any(fd == sock_fd for fd, _ in poller.poll()):
-                    break
+                # After close(), requests already received or on the socket are still served
+                # (drained), and the loop ends once the socket has nothing more. A request
+                # flagged MORE announced the next one: it is read as part of a frame.
+                if self.rend - self.rpos < HEADER_BYTES:
+                    if announced:
+                        self._fill(HEADER_BYTES, "announced request")
+                    elif not self._fill_idle():
+                        break  # clean EOF between frames, or shutdown
                 header = None
-                if not self._read_header():
-                    break  # clean EOF between frames
-                header = decode_header(self.hdr, server._config.max_value_bytes)
+                header = decode_header(self.rbuf, self._max_value_bytes, self.rpos)
+                self.rpos += HEADER_BYTES
+                announced = bool(header.flags & _MORE)
                 self._serve_one(header)
         except PeerUnavailable as exc:
             log.info("connection %s ended mid-frame: %s", self.peer, exc)
@@ -1115,31 +1315,116 @@ class _ServerConnection:
         finally:
             with contextlib.suppress(OSError):
                 self.sock.close()
-            server._forget(self)
+            self.server._forget(self)
 
-    def _read_header(self) -> bool:
-        """Read one header; False on EOF before its first byte."""
-        try:
-            got = self.sock.recv_into(self.hdr_view, HEADER_BYTES, socket.MSG_WAITALL)
-        except (BlockingIOError, TimeoutError) as exc:
-            raise PeerUnavailable("timed out inside a frame header") from exc
-        except OSError as exc:
-            raise PeerUnavailable(f"connection failed: {exc}") from exc
-        if got == 0:
-            return False
-        if got < HEADER_BYTES:
-            _recv_exact(self.sock, self.hdr_view[got:], "frame header")
+    # --- the receive buffer -------------------------------------------------------------------
+
+    def _fill_idle(self) -> bool:
+        """Between frames: wait for the next request's first bytes, then for its whole header.
+        False on EOF before its first byte, or at shutdown when the socket has nothing more."""
+        if self.rpos == self.rend:
+            self.rpos = self.rend = 0
+            closing = self.server._closing
+            sock = self.sock
+            while True:
+                try:
+                    # After close(): only what is already there (a drain), never a wait.
+                    got = sock.recv_into(self.rview, _RECV_BUFFER_BYTES,
+                                         socket.MSG_DONTWAIT if closing.is_set() else 0)
+                except (BlockingIOError, TimeoutError):
+                    if closing.is_set():
+                        return False
+                    continue  # an idle tick: look up, wait again
+                except OSError as exc:
+                    raise PeerUnavailable(f"connection failed: {exc}") from exc
+                if got == 0:
+                    return False
+                self.rend = got
+                break
+        self._fill(HEADER_BYTES, "frame header")
         return True
+
+    def _fill(self, size_bytes: int, what: str) -> None:
+        """Have at least ``size_bytes`` (<= the buffer) unparsed bytes in ``rbuf``, receiving
+        as much as arrives. Raises PeerUnavailable on EOF, reset or an ``io_timeout_s`` stall."""
+        if self.rend - self.rpos >= size_bytes:
+            return
+        if self.rpos + size_bytes > _RECV_BUFFER_BYTES:  # compact: move the rest to the front
+            have = self.rend - self.rpos
+            self.rbuf[:have] = self.rview[self.rpos:self.rend]
+            self.rpos, self.rend = 0, have
+        stalled_since = 0.0
+        while self.rend - self.rpos < size_bytes:
+            try:
+                got = self.sock.recv_into(self.rview[self.rend:], _RECV_BUFFER_BYTES - self.rend)
+            except (BlockingIOError, TimeoutError) as exc:
+                stalled_since = self._stalled(stalled_since, what, exc)
+                continue
+            except OSError as exc:
+                raise PeerUnavailable(f"connection failed receiving {what}: {exc}") from exc
+            if got == 0:
+                raise PeerUnavailable(f"peer closed the connection inside {what}")
+            self.rend += got
+            stalled_since = 0.0
+
+    def _stalled(self, since: float, what: str, exc: BaseException) -> float:
+        """One receive tick passed without a byte inside a frame: return when the stall began,
+        or raise PeerUnavailable once it lasted ``io_timeout_s``."""
+        now = time.monotonic()
+        if not since:
+            return now - _IDLE_TICK_S
+        if now - since >= self._io_timeout_s:
+            raise PeerUnavailable(f"timed out receiving {what}") from exc
+        return since
+
+    def _recv_into(self, view: memoryview, what: str) -> None:
+        """Fill ``view``: first from the receive buffer, the rest straight from the socket."""
+        size = len(view)
+        have = min(self.rend - self.rpos, size)
+        if have:
+            view[:have] = self.rview[self.rpos:self.rpos + have]
+            self.rpos += have
+        pos = have
+        stalled_since = 0.0
+        while pos < size:
+            try:
+                got = self.sock.recv_into(view[pos:], size - pos, socket.MSG_WAITALL)
+            except (BlockingIOError, TimeoutError) as exc:
+                stalled_since = self._stalled(stalled_since, what, exc)
+                continue
+            except OSError as exc:
+                raise PeerUnavailable(f"connection failed receiving {what}: {exc}") from exc
+            if got == 0:
+                raise PeerUnavailable(f"peer closed the connection after {pos} of {size} "
+                                      f"bytes of {what}")
+            pos += got
+            stalled_since = 0.0
+
+    def _drain(self, size_bytes: int) -> None:
+        """Read and discard a refused payload so the connection stays in step."""
+        have = min(self.rend - self.rpos, size_bytes)
+        self.rpos += have
+        size_bytes -= have
+        if size_bytes and self.scratch is None:
+            self.scratch = memoryview(bytearray(_DRAIN_CHUNK_BYTES))
+        while size_bytes:
+            assert self.scratch is not None
+            n = min(size_bytes, _DRAIN_CHUNK_BYTES)
+            self._recv_into(self.scratch[:n], "refused payload")
+            size_bytes -= n
+
+    # --- dispatch -----------------------------------------------------------------------------
 
     def _serve_one(self, h: Header) -> None:
         if h.status is not Status.OK:
             raise ProtocolError(f"request with status {h.status.name}")
         key = b""
         if h.key_len:
-            _recv_exact(self.sock, self.key_view[:h.key_len], "key")
-            key = bytes(self.key_view[:h.key_len])
+            self._fill(h.key_len, "key")
+            key = bytes(self.rview[self.rpos:self.rpos + h.key_len])
+            self.rpos += h.key_len
         self.counts[h.opcode] += 1
-        if h.payload_len and h.opcode not in (Opcode.PUT, Opcode.PUT_PART):
+        if h.payload_len and h.opcode is not Opcode.PUT and h.opcode is not Opcode.PUT_PART:
             self._drain(h.payload_len)
             self._reply(h, Status.BAD_REQUEST, detail=f"{h.opcode.name} carries no payload")
             return
@@ -1155,8 +1440,10 @@ class _ServerConnection:
         except KvtierError as exc:
             if isinstance(exc, TransportError):
                 raise
-            # Raised by the backend before any payload moved (handlers drain first).
-            self._reply(h, status_for_error(exc), detail=str(exc))
+            # Raised by the backend before any payload moved (handlers drain first). A miss
+            # needs no words (and a GET's answer may land in the client's buffer).
+            self._reply(h, status_for_error(exc),
+                        detail="" if isinstance(exc, ChunkNotFound) else str(exc))
 
     # --- replies ------------------------------------------------------------------------------
 
@@ -1169,27 +1456,23 @@ class _ServerConnection:
         pack_header(self.out, h.opcode, flags=flags, status=status, request_id=h.request_id,
                     transfer_id=transfer_id, offset=offset, length=length,
                     total_size=total_size, payload_len=payload_len)
-        parts: list[Buffer] = [self.out] if payload is None else [self.out, payload]
-        _send_parts(self.sock, parts, HEADER_BYTES + payload_len, "response",
-                    socket.MSG_MORE if h.flags & _MORE else 0)
+        send_flags = socket.MSG_MORE if h.flags & _MORE else 0
+        if payload is None:
+            _send_parts(self.sock, (self.out_view[:HEADER_BYTES],), HEADER_BYTES, "response",
+                        send_flags)
+        else:
+            _send_parts(self.sock, (self.out_view[:HEADER_BYTES], payload),
+                        HEADER_BYTES + payload_len, "response", send_flags)
         self.counts[_BYTES_SENT] += payload_len
 
     def _reply_quietly(self, h: Header | None, status: Status, detail: str) -> None:
         """Best-effort last word before closing; the peer may already be gone."""
         if h is None:  # the header itself was refused: still echo its request id
-            (request_id,) = struct.unpack_from("<Q", self.hdr, 16)
+            at = self.rpos if self.rend - self.rpos >= HEADER_BYTES else 0
+            (request_id,) = struct.unpack_from("<Q", self.rbuf, at + 16)
             h = Header(Opcode.PING, 0, Status.OK, 0, request_id, 0, 0, 0, 0, 0)
         with contextlib.suppress(KvtierError):
             self._reply(h, status, detail=detail)
-
-    def _drain(self, size_bytes: int) -> None:
-        """Read and discard a refused payload so the connection stays in step."""
-        if self.scratch is None:
-            self.scratch = memoryview(bytearray(_DRAIN_CHUNK_BYTES))
-        while size_bytes:
-            n = min(size_bytes, _DRAIN_CHUNK_BYTES)
-            _recv_exact(self.sock, self.scratch[:n], "refused payload")
-            size_bytes -= n
 
     # --- opcodes ------------------------------------------------------------------------------
 
@@ -1209,7 +1492,7 @@ class _ServerConnection:
             self._reply(h, status_for_error(exc), detail=str(exc))
             return
         try:
-            _recv_exact(self.sock, lease.buffer, "PUT payload")
+            self._recv_into(lease.buffer, "PUT payload")
         except BaseException:
             lease.abort()  # the client vanished or stalled: never visible
             raise
@@ -1218,16 +1501,41 @@ class _ServerConnection:
         self._reply(h, total_size=h.total_size)
 
     def _get(self, h: Header, key: ChunkKey) -> None:
+        size = h.total_size
+        if size <= self._copy_read_max and not h.flags & _ANY_SIZE:
+            self._get_copy(h, key, size)
+            return
         lease = self.server._backend.open_read(key)
         try:
             size = lease.size_bytes
             if not h.flags & _ANY_SIZE and h.total_size != size:
-                self._reply(h, Status.SIZE_MISMATCH, total_size=size,
-                            detail=f"chunk is {size} bytes, the buffer {h.total_size}")
+                self._refuse_size(h, size)
                 return
             self._reply(h, length=size, total_size=size, payload=lease.view)
         finally:
             lease.release()  # also when the client vanished mid-send
+
+    def _get_copy(self, h: Header, key: ChunkKey, size: int) -> None:
+        """A small GET: copy the value behind the response header and send both at once. No
+        read lease outlives the call, so a ``remove`` right behind the get never finds the
+        chunk busy because of it."""
+        out = self.out_view
+        try:
+            self.server._backend.read_into(key, out[HEADER_BYTES:HEADER_BYTES + size])
+        except SizeMismatch as exc:
+            self._refuse_size(h, exc.expected)
+            return
+        end = HEADER_BYTES + size
+        _pack_request(self.out, 0, MAGIC, VERSION, _GET, 0, 0, 0, 0, h.request_id, 0, 0, size,
+                      size, size)
+        _send_parts(self.sock, (out[:end],), end, "GET response",
+                    socket.MSG_MORE if h.flags & _MORE else 0)
+        self.counts[_BYTES_SENT] += size
+
+    def _refuse_size(self, h: Header, stored_size: int) -> None:
+        """SIZE_MISMATCH carries no detail (``total_size`` says the stored size), so a client
+        receiving the answer of a GET straight into its buffer leaves that buffer untouched."""
+        self._reply(h, Status.SIZE_MISMATCH, total_size=stored_size)
 
     def _get_range(self, h: Header, key: ChunkKey) -> None:
         lease = self.server._backend.open_read(key)
@@ -1237,8 +1545,7 @@ class _ServerConnection:
             if h.flags & _ANY_SIZE:
                 length = max(0, min(length, size - offset))
             elif h.total_size != size:
-                self._reply(h, Status.SIZE_MISMATCH, total_size=size,
-                            detail=f"chunk is {size} bytes, the buffer {h.total_size}")
+                self._refuse_size(h, size)
                 return
             if offset + length > size:
                 self._reply(h, Status.BAD_REQUEST, total_size=size,
@@ -1280,8 +1587,7 @@ class _ServerConnection:
             return
         ok = False
         try:
-            _recv_exact(self.sock, claim.lease.buffer[h.offset:h.offset + h.length],
-                        "PUT_PART payload")
+            self._recv_into(claim.lease.buffer[h.offset:h.offset + h.length], "PUT_PART payload")
             ok = True
         finally:
             outcome = self.server._finish_part(claim, h.length, ok)
