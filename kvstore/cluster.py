@@ -9,7 +9,8 @@ and one decode worker.
             result = await gateway.generate("r-1", token_ids, max_new_tokens=8)
 
 Layout: ``node-a`` (daemon) with the prefill worker ``prefill-0``, ``node-b`` with the decode
-worker ``decode-0``. Every process binds ephemeral ports on 127.0.0.1 and announces them on a
+worker ``decode-0`` (``ClusterSpec.prefill_nodes`` adds prefill workers ``prefill-1``, ... on
+the nodes it names). Every process binds ephemeral ports on 127.0.0.1 and announces them on a
 ready line; its stderr goes to ``<work_dir>/logs/<name>.log``.
 
 **Shutdown.** :meth:`LocalCluster.stop` (also on ``__exit__``, so on an exception or Ctrl-C in
@@ -44,6 +45,7 @@ __all__ = ["ClusterSpec", "LocalCluster"]
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
+NODES = ("node-a", "node-b")
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,9 @@ class ClusterSpec:
     GPU this machine lacks, and :meth:`LocalCluster.start` then fails with its log."""
     max_decode_batch: int = 64
     """Most sequences per batched decode step of the decode worker."""
+    prefill_nodes: tuple[str, ...] = ("node-a",)
+    """One prefill worker per entry, ``prefill-<i>`` on that node (``node-a`` or ``node-b``):
+    two prefill workers on two nodes let the conductor plan fetches between them."""
 
     def __post_init__(self) -> None:
         if self.block_tokens <= 0 or self.torch_threads <= 0 or self.max_decode_batch <= 0:
@@ -77,6 +82,13 @@ class ClusterSpec:
             raise ConfigError("dram_bytes must be >= 1 MiB and nvme_bytes >= 0")
         if self.start_timeout_s <= 0 or self.stop_timeout_s <= 0:
             raise ConfigError("timeouts must be positive")
+        if not self.prefill_nodes or not set(self.prefill_nodes) <= set(NODES):
+            raise ConfigError(f"prefill_nodes must name nodes among {NODES}, got "
+                              f"{self.prefill_nodes!r}")
+
+    @property
+    def prefill_instances(self) -> list[str]:
+        return [f"prefill-{i}" for i in range(len(self.prefill_nodes))]
 
 
 class _Child:
@@ -172,15 +184,16 @@ class LocalCluster:
             self._etcd = etcd
             etcd.start()
             self.etcd_endpoint = etcd.client_url
-            first = [self._conductor_child()] + [self._daemon_child(n) for n in ("node-a", "node-b")]
+            first = [self._conductor_child()] + [self._daemon_child(n) for n in NODES]
             for child in first:
                 child.spawn()
             for child in first:
                 child.wait_ready(deadline)
             self.daemon_addresses = {n: str(self.children[n].ready["grpc_address"])
-                                     for n in ("node-a", "node-b")}
-            workers = [self._worker_child("prefill-0", "prefill", "node-a"),
-                       self._worker_child("decode-0", "decode", "node-b")]
+                                     for n in NODES}
+            workers = [self._worker_child(name, "prefill", node) for name, node in
+                       zip(spec.prefill_instances, spec.prefill_nodes, strict=True)]
+            workers.append(self._worker_child("decode-0", "decode", "node-b"))
             for child in workers:
                 child.spawn()
             for child in workers:
@@ -241,7 +254,7 @@ class LocalCluster:
                                    layout=KeyLayout(self.spec.prefix)) as client:
             while True:
                 info = await client.leader_info()
-                if list(info.prefill_instances) == ["prefill-0"] and \
+                if sorted(info.prefill_instances) == self.spec.prefill_instances and \
                         list(info.decode_instances) == ["decode-0"]:
                     return
                 if time.monotonic() > deadline:
@@ -253,7 +266,8 @@ class LocalCluster:
     def stop(self) -> dict[str, int | None]:
         """Stop everything (see the module docstring); returns each child's exit code."""
         codes: dict[str, int | None] = {}
-        for group in (("prefill-0", "decode-0"), ("conductor",), ("node-a", "node-b")):
+        workers = (*self.spec.prefill_instances, "decode-0")
+        for group in (workers, ("conductor",), NODES):
             children = [self.children[n] for n in group if n in self.children]
             for child in children:
                 child.terminate()

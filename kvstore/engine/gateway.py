@@ -7,7 +7,9 @@ For each request :meth:`Gateway.generate`
    decode instance, the reusable prefix and a ticket),
 2. finds both instances' addresses in their etcd :class:`~conductor.engines.EngineRecord`
    (listed once, listed again when a name is unknown),
-3. sends ``generate`` to the prefill worker (frames of :mod:`kvstore.engine.worker`) and reads
+3. sends ``generate`` to the prefill worker (frames of :mod:`kvstore.engine.worker`), with the
+   conductor's fetch plan when the decision has one (blocks ``[first_block, end_block)`` are
+   on another node: ``src_node`` and its daemon's ``src_address``), and reads
    ``first_token`` (TTFT is measured here, from before the Schedule call) and then ``done``
    (the decode worker's answer, relayed).
 
@@ -38,7 +40,7 @@ from kvstore.engine.worker import read_frame, write_frame
 from kvstore.errors import InvalidArgument, MembershipError, PeerUnavailable
 from kvstore.node.protocol import error_from_name
 
-__all__ = ["Gateway", "GatewayResult"]
+__all__ = ["Gateway", "GatewayResult", "fetch_plan_doc"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +59,8 @@ class GatewayResult:
     prefill_instance: str = ""
     decode_instance: str = ""
     conductor_prefix_blocks: int = 0
+    fetch: dict[str, Any] | None = None
+    """The conductor's fetch plan as sent to the prefill worker (None: nothing to fetch)."""
     prefill: dict[str, Any] = field(default_factory=dict)
     decode: dict[str, Any] = field(default_factory=dict)
 
@@ -143,6 +147,7 @@ class Gateway:
                                  schedule_s=t_sched)
         prefill_address = await self._address(reply.prefill_instance)
         decode_address = await self._address(reply.decode_instance)
+        fetch = fetch_plan_doc(reply)
         host, port = prefill_address.rsplit(":", 1)
         try:
             reader, writer = await asyncio.open_connection(host, int(port))
@@ -154,7 +159,7 @@ class Gateway:
                     "op": "generate", "request_id": request_id, "token_ids": token_ids,
                     "tenant": tenant, "reuse": reuse, "prefix_blocks": reply.prefix_blocks,
                     "ticket": reply.ticket, "decode_address": decode_address,
-                    "max_new_tokens": max_new_tokens})
+                    "max_new_tokens": max_new_tokens, "fetch": fetch})
                 first, _ = await read_frame(reader)
                 _raise_if_error(first)
                 ttft = time.perf_counter() - t0
@@ -168,8 +173,18 @@ class Gateway:
                              ttft_s=ttft, e2e_s=e2e, schedule_s=t_sched,
                              prefill_instance=reply.prefill_instance,
                              decode_instance=reply.decode_instance,
-                             conductor_prefix_blocks=reply.prefix_blocks,
+                             conductor_prefix_blocks=reply.prefix_blocks, fetch=fetch,
                              prefill=first.get("prefill", {}), decode=decode)
+
+
+def fetch_plan_doc(reply: Any) -> dict[str, Any] | None:
+    """The ``fetch`` field of a ``generate`` frame from a ScheduleReply: None when the decision
+    has no fetch plan, else the source node, its daemon's gRPC address and the block range."""
+    if not reply.HasField("fetch"):
+        return None
+    plan = reply.fetch
+    return {"src_node": plan.src_node, "src_address": plan.src_grpc_address,
+            "first_block": int(plan.first_block), "end_block": int(plan.end_block)}
 
 
 def _raise_if_error(doc: dict[str, Any]) -> None:

@@ -92,7 +92,7 @@ from kvstore.errors import (
 if TYPE_CHECKING:
 
     from conductor.client import ConductorClient
-    from kvstore.client.kv_client import KVClient, LoadHandle
+    from kvstore.client.kv_client import KVClient, LoadHandle, RemoteFetch
     from kvstore.engine.kvlayout import KVLayout
 
 log = logging.getLogger(__name__)
@@ -245,8 +245,16 @@ class _PrefillOutcome:
     compute_s: float
     save_s: float
     loaded_bytes: int
+    """Loaded from the own daemon and the fetch plan's node together."""
     stored_bytes: int
+    """Put into the own daemon: new blocks and fetched blocks replicated."""
     load_tiers: dict[str, int]
+    fetch_plan_blocks: int = 0
+    """Blocks the fetch plan offered beyond the own daemon's prefix (0: no plan)."""
+    fetched_blocks: int = 0
+    """Blocks that came from the plan's node."""
+    fetched_bytes: int = 0
+    fetch_node: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -448,13 +456,14 @@ class PrefillWorker(_Worker):
         max_new_tokens = _field(doc, "max_new_tokens", int)
         if max_new_tokens < 1:
             raise InvalidArgument("max_new_tokens must be >= 1")
+        fetch = _fetch_plan(doc)
         self._queued_tokens += len(token_ids)
         self._report_load()
         loop = asyncio.get_running_loop()
         received = time.time()
         try:
             out = await loop.run_in_executor(self._compute, self._prefill, token_ids, tenant,
-                                             reuse, planned)
+                                             reuse, planned, fetch)
         except KvtierError:
             self._cancel(ticket)
             raise
@@ -467,7 +476,9 @@ class PrefillWorker(_Worker):
         self._report(self._conductor.report_completion(pb.CompletionReport(
             ticket=ticket, prefill=pb.PrefillDone(
                 prefill_s=out.compute_s, computed_tokens=out.computed_tokens,
-                reused_tokens=out.reused_tokens))))
+                reused_tokens=out.reused_tokens,
+                transfer_s=out.load_s if out.fetched_blocks else 0.0,
+                transferred_bytes=out.fetched_bytes))))
         stats = {k: v for k, v in asdict(out).items() if k not in ("tail", "first_token")}
         await write_frame(writer, {"event": "first_token", "token": out.first_token,
                                    "received_unix_s": received, "prefill": stats})
@@ -497,7 +508,9 @@ class PrefillWorker(_Worker):
             pb.CompletionReport(ticket=ticket, cancelled=True)))
 
     def _prefill(self, token_ids: list[int], tenant: str, reuse: bool,
-                 planned_blocks: int) -> _PrefillOutcome:
+                 planned_blocks: int, fetch: RemoteFetch | None = None) -> _PrefillOutcome:
+        """Load the reusable prefix (own daemon, then ``fetch``'s node for the blocks it holds
+        beyond), compute the rest, save every full block the own daemon lacks."""
         import torch
         from transformers.cache_utils import DynamicCache
 
@@ -516,14 +529,20 @@ class PrefillWorker(_Worker):
             match = client.lookup(token_ids[:reusable * B])
             local = match.blocks
             tiers = {k.value: v for k, v in match.by_tier.items()}
-        want = min(reusable, max(local, planned_blocks))
+        fetch_end = min(reusable, fetch.end_block) if fetch is not None else 0
+        remote = fetch if fetch is not None and fetch_end > local else None
+        want = min(reusable, max(local, planned_blocks, fetch_end))
         handle: LoadHandle | None = None
         loaded = 0
         cache: Any = DynamicCache()
         if want:
             buffer = torch.empty((lay.num_layers, 2, lay.num_kv_heads, want * B, lay.head_dim),
                                  dtype=lay.dtype, device=self.device)
-            handle = client.load(token_ids[:want * B], ContiguousKV(buffer, lay))
+            # Blocks the own daemon lacks come from the plan's node, and are put into the own
+            # daemon afterwards (replicate): the saves below chain onto them, and the decode
+            # worker loads every full block from this node.
+            handle = client.load(token_ids[:want * B], ContiguousKV(buffer, lay),
+                                 remote=remote, replicate=remote is not None)
             loaded = handle.transferred()
             if loaded:
                 cache = layered_cache(buffer, loaded * B, handle)
@@ -555,9 +574,18 @@ class PrefillWorker(_Worker):
         t2 = time.perf_counter()
         load = handle.result() if handle is not None else None
         stored = 0
+        if handle is not None and remote is not None:
+            # The fetched blocks must be in the own daemon before the new blocks that chain
+            # onto them are put (a chunk's parent must be cached).
+            replicated = handle.replication()
+            if replicated is not None:
+                stored += replicated.stored_bytes
+                if replicated.failed_blocks:
+                    log.warning("replicating fetched blocks %s failed: %s",
+                                replicated.failed_blocks, replicated.error)
         if saver is not None:
             result = saver.finish().result()
-            stored = result.stored_bytes
+            stored += result.stored_bytes
             if result.failed_blocks:
                 # The decode worker would find fewer blocks and recompute them: slower, not wrong.
                 log.warning("save failed for blocks %s: %s", result.failed_blocks, result.error)
@@ -566,14 +594,34 @@ class PrefillWorker(_Worker):
         tail = torch.stack([torch.stack((past.layers[i].keys[0, :, full * B:],
                                          past.layers[i].values[0, :, full * B:]))
                             for i in range(lay.num_layers)]).cpu().contiguous()
+        fetched = load.remote_blocks if load is not None else 0
         return _PrefillOutcome(
             first_token=int(torch.argmax(out.logits[0, -1])),
             # As bytes through a uint8 view: numpy has no bfloat16.
-            tail=tail.view(torch.uint8).numpy().tobytes(), tail_tokens=len(token_ids) - full * B, full_blocks=full,
+            tail=tail.view(torch.uint8).numpy().tobytes(),
+            tail_tokens=len(token_ids) - full * B, full_blocks=full,
             reused_tokens=loaded * B, computed_tokens=len(token_ids) - loaded * B,
             local_lookup_blocks=local, load_s=t1 - t0, compute_s=t2 - t1, save_s=t3 - t2,
             loaded_bytes=load.loaded_bytes if load is not None else 0, stored_bytes=stored,
-            load_tiers=tiers)
+            load_tiers=tiers, fetch_plan_blocks=fetch_end - min(local, fetch_end),
+            fetched_blocks=fetched, fetched_bytes=fetched * lay.chunk_bytes,
+            fetch_node=fetch.node_id if fetch is not None else "")
+
+
+def _fetch_plan(doc: dict[str, Any]) -> RemoteFetch | None:
+    """The ``fetch`` field of a ``generate`` frame (see :func:`kvstore.engine.gateway.
+    fetch_plan_doc`): None, or another node's blocks as a :class:`RemoteFetch`."""
+    from kvstore.client.kv_client import RemoteFetch
+
+    plan = doc.get("fetch")
+    if plan is None:
+        return None
+    if not isinstance(plan, dict):
+        raise InvalidArgument(f"field 'fetch' must be an object or null, got {plan!r}")
+    return RemoteFetch(node_id=_field(plan, "src_node", str),
+                       address=_field(plan, "src_address", str),
+                       first_block=_field(plan, "first_block", int),
+                       end_block=_field(plan, "end_block", int))
 
 
 # --- decode -------------------------------------------------------------------------------------
