@@ -160,7 +160,19 @@ def summarize(results: list[GatewayResult], wall_s: float) -> dict[str, Any]:
         "prefill_compute_s": _stats([r.prefill.get("compute_s", 0.0) for r in results]),
         "prefill_load_wait_s": _stats([r.prefill.get("load_s", 0.0) for r in results]),
         "schedule_s": _stats([r.schedule_s for r in results]),
+        "decode_batch_mean": _decode_batch_mean(results),
     }
+
+
+def _decode_batch_mean(results: list[GatewayResult]) -> float:
+    """The decode worker's batch size, averaged over decode steps (1.0 from a worker that
+    does not report it: one request at a time); 0 when no request took a step."""
+    steps = [len(r.tokens) - 1 for r in results]
+    total = sum(steps)
+    if not total:
+        return 0.0
+    return sum(float(r.decode.get("batch_mean", 1.0)) * n
+               for r, n in zip(results, steps, strict=True)) / total
 
 
 def summarize_colocated(results: list[ColocatedResult], wall_s: float) -> dict[str, Any]:
