@@ -40,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,9 @@ from kvstore.client.kv_client import (
     ContiguousKV,
     KVClient,
     KVClientConfig,
+    LoadHandle,
     LoadRequest,
+    RemoteFetch,
     SaveRequest,
     namespace_for,
 )
@@ -63,10 +66,10 @@ LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_tokens=32,
 DAEMON_DRAM = "768MiB"
 
 
-def spawn_daemon() -> tuple[subprocess.Popen[str], str]:
+def spawn_daemon(node_id: str = "bench-kvclient") -> tuple[subprocess.Popen[str], str]:
     from kvstore.node.daemon import READY_PREFIX
 
-    cmd = [sys.executable, "-m", "kvstore.cli.main", "daemon", "--set", "node_id=bench-kvclient",
+    cmd = [sys.executable, "-m", "kvstore.cli.main", "daemon", "--set", f"node_id={node_id}",
            "--set", f"dram.capacity_bytes={DAEMON_DRAM}", "--set", "log_level=WARNING",
            "--set", "shutdown.drain_timeout_s=2"]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
@@ -284,6 +287,66 @@ def print_batch(results: dict[str, dict[str, float]], layout: KVLayout, n_reques
                   f"{r[f'{op} single'] / r[f'{op} batched']:.2f}x |")
 
 
+def measure_remote(own: str, other: str, n_blocks: int, reps: int) -> dict[str, float]:
+    """Loads of ``n_blocks`` 4 MiB blocks into an engine buffer, GB/s, median of ``reps``: from
+    the own daemon (shared memory), from another node's daemon over TCP (what another host
+    sees) and over shared memory (AUTO: it is in fact on this host), and a fetch plan whose
+    first half is local and second half remote (TCP)."""
+    layout = LAYOUT
+    n_tokens = n_blocks * layout.block_tokens
+    g = torch.Generator().manual_seed(3)
+    src = torch.randn((layout.num_layers, 2, layout.num_kv_heads, n_tokens, layout.head_dim),
+                      generator=g).to(layout.dtype)
+    dst = torch.zeros_like(src)
+    copy_dst = torch.zeros_like(src)
+    ns = namespace_for(layout, "bench-remote")
+    samples: dict[str, list[float]] = {}
+    n_bytes = n_blocks * layout.chunk_bytes
+    with KVClient.connect(other, layout, ns) as on_other, \
+            KVClient.connect(own, layout, ns, KVClientConfig(
+                remote_data_plane=DataPlane.TCP)) as tcp_engine, \
+            KVClient.connect(own, layout, ns) as shm_engine:
+        for rep in range(reps + 1):
+            toks = torch.randint(0, 100_000, (n_tokens,), generator=g).tolist()
+            assert len(on_other.save(toks, ContiguousKV(src, layout)).result().stored_blocks) \
+                == n_blocks
+            half = n_blocks // 2
+            tcp_engine.save(toks[:half * layout.block_tokens],
+                            ContiguousKV(src[:, :, :, :half * layout.block_tokens], layout)
+                            ).result()
+            t0 = time.perf_counter()
+            copy_dst.copy_(src)
+            timed = {"memcpy": time.perf_counter() - t0}
+            into = ContiguousKV(dst, layout)
+            plan = RemoteFetch("other", other, half, n_blocks)
+            runs: list[tuple[str, Callable[..., LoadHandle], tuple[Any, ...],
+                             dict[str, Any]]] = [
+                    ("own daemon (shm), first half", tcp_engine.load, (toks, into),
+                     {"num_blocks": half}),
+                    ("other node over tcp", tcp_engine.load_from, (other, toks, into), {}),
+                    ("other node over shm (same host)", shm_engine.load_from,
+                     (other, toks, into), {}),
+                    ("plan: half own + half other (tcp)", tcp_engine.load, (toks, into),
+                     {"remote": plan})]
+            for name, start, args, kwargs in runs:
+                dst.zero_()
+                t0 = time.perf_counter()
+                result = start(*args, **kwargs).result()
+                timed[name] = time.perf_counter() - t0
+                assert result.loaded_blocks in (half, n_blocks), (name, result)
+                assert torch.equal(dst[:, :, :, :result.loaded_blocks * layout.block_tokens],
+                                   src[:, :, :, :result.loaded_blocks * layout.block_tokens])
+            keys = on_other.keys(toks)
+            on_other.store.remove(keys[0])
+            tcp_engine.store.remove(keys[0])
+            if rep == 0:
+                continue
+            for name, seconds in timed.items():
+                moved = n_bytes // 2 if name.startswith("own") else n_bytes
+                samples.setdefault(name, []).append(gbps(moved, seconds))
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
 SMALL_LAYOUT = KVLayout(num_layers=16, num_kv_heads=8, head_dim=64, block_tokens=16,
                         dtype=torch.bfloat16)
 """A 1B-class model in 16-token blocks (vLLM's default): 512 KiB chunks, where per-call costs
@@ -297,10 +360,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--requests", type=int, default=16,
                         help="requests per engine step in the batch rows")
     parser.add_argument("--blocks-per-request", type=int, default=4)
+    parser.add_argument("--reps", type=int, default=None,
+                        help="repetitions (default 5; --quick: 2)")
     parser.add_argument("--batch-only", action="store_true",
-                        help="only the cross-request batch rows")
+                        help="only the cross-request batch rows (and the remote-load rows)")
     args = parser.parse_args(argv)
     n_blocks, reps = (8, 2) if args.quick else (32, 5)
+    reps = args.reps or reps
     n_req, m_blocks = (4, 2) if args.quick else (args.requests, args.blocks_per_request)
     planes = (DataPlane.SHM, DataPlane.TCP)
     torch.set_num_threads(1)
@@ -311,6 +377,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         batch = {f"{lay.chunk_bytes >> 10}KiB": {
             plane.value: measure_batch(plane, address, lay, n_req, m_blocks, reps)
             for plane in planes} for lay in (LAYOUT, SMALL_LAYOUT)}
+        other_proc, other_address = spawn_daemon("bench-kvclient-other")
+        try:
+            remote = measure_remote(address, other_address, n_blocks, reps)
+        finally:
+            other_proc.terminate()
+            other_proc.wait(20)
     finally:
         proc.terminate()
         proc.wait(20)
@@ -318,13 +390,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     doc = {**run_header("kv_client", dists=("torch",)), "chunk_bytes": LAYOUT.chunk_bytes,
            "blocks_per_call": n_blocks, "repetitions": reps, "gbps": results,
            "batch": {"requests": n_req, "blocks_per_request": m_blocks, "ms_per_step": batch},
-           "loadavg": load}
+           "remote_gbps": remote, "loadavg": load}
     if args.json:
         args.json.write_text(json.dumps(doc, indent=2))
     if results:
         print_single(results, n_blocks, reps)
     for lay in (LAYOUT, SMALL_LAYOUT):
         print_batch(batch[f"{lay.chunk_bytes >> 10}KiB"], lay, n_req, m_blocks)
+    print(f"\nloads from another node's daemon: {n_blocks} blocks of "
+          f"{LAYOUT.chunk_bytes >> 20} MiB into [L, 2, H, T, D], GB/s (ratio to memcpy)")
+    print("| source | GB/s |")
+    print("|---|---|")
+    for name, rate in remote.items():
+        print(f"| {name} | {rate:.2f} ({rate / remote['memcpy']:.2f}) |")
     print(f"\nload average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     return doc
 

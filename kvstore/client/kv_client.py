@@ -1,9 +1,20 @@
 """The engine-facing client: token prefixes in, KV tensors in the engine's own layout out.
 
-:class:`KVClient` sits on top of one :class:`~kvstore.client.store_client.StoreClient` (one
-daemon, shared-memory or TCP data plane) and speaks the engine's language: token ids, layers,
-torch tensors. It owns the namespace (model fingerprint + tenant) and the block size, so the
-engine never sees a chunk key.
+:class:`KVClient` sits on top of a :class:`~kvstore.client.store_client.StoreClient` of its own
+daemon (shared-memory or TCP data plane) and speaks the engine's language: token ids, layers,
+torch tensors. It owns the namespace (model fingerprint + tenant), the block size and the hash
+mode (``KVClientConfig.hash_mode``: xxh3, or vLLM's own ``sha256_cbor`` block hashes behind the
+namespace prefix), so the engine never sees a chunk key unless it has one already
+(:class:`BlockKeys`, e.g. from vLLM's block hashes).
+
+Three ways to move more than one request's prefix
+    * batch APIs for one engine step: :meth:`KVClient.lookup_many` (one round trip),
+      :meth:`KVClient.load_many` (one handle per request, batched transfers),
+      :meth:`KVClient.begin_save_many` (one staging set, one copy task per layer, one flush);
+    * loads from *another node's* daemon: :meth:`KVClient.load_from` (an address) and
+      ``load(..., remote=RemoteFetch)`` (a conductor fetch plan: the own daemon first, the
+      rest from that node), with one StoreClient per remote address kept by the client;
+    * optional replication of the fetched blocks into the own daemon (``replicate``).
 
 Chunks are per *block*, not per layer
     One chunk is one block of ``block_tokens`` tokens for every layer (:class:`KVLayout`'s
@@ -28,7 +39,8 @@ Engine layouts (:class:`EngineKV`)
 
 Failures are results, not exceptions
     A load stops at the first block it cannot get (a miss, a chunk evicted since
-    :meth:`KVClient.lookup`, a corrupt chunk the daemon dropped, a daemon that died mid-load):
+    :meth:`KVClient.lookup`, a corrupt chunk the daemon dropped, a daemon, own or remote, that
+    died mid-load or cannot be reached):
     :class:`LoadResult` says how many leading blocks arrived and which ones failed, and the
     engine recomputes those. KV after a failed block is useless (it depends on the missing
     block), so a load result is always a prefix. A save reports the blocks it stored, the ones
