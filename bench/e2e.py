@@ -219,6 +219,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="tokens per iteration of (b) chunked prefill")
     parser.add_argument("--colocated-threads", type=int, default=2,
                         help="torch threads of the colocated engine (a)/(b)")
+    parser.add_argument("--no-colocated", action="store_true",
+                        help="run only (c)/(d) (outputs_identical then compares those two)")
     args = parser.parse_args(argv)
     if args.new_tokens < 1 or args.token_budget < 2 or args.colocated_threads < 1:
         parser.error("--new-tokens and --colocated-threads must be >= 1, --token-budget >= 2")
@@ -253,24 +255,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                             max_batch=min(64, args.token_budget - 1)),
     }
     # (a) and (b) first, in this process, before the cluster's processes exist.
-    coloc: dict[str, dict[str, Any]] = {}
+    colocated_modes = () if args.no_colocated else COLOCATED_MODES
+    doc["colocated_modes"] = list(colocated_modes)
+    coloc: dict[str, dict[str, Any]] = {name: {} for name in workloads}
     threads_before = torch.get_num_threads()
     torch.set_num_threads(args.colocated_threads)
     try:
-        model = build_reference_model(spec)
+        model = build_reference_model(spec) if colocated_modes else None
         with Progress(console=console, transient=True) as progress:
             for name, arrivals in workloads.items():
+                if not colocated_modes:
+                    break
                 # Untimed warm-up: every request at once through both schedulers. On this VM
                 # the first touch of fresh memory is erratic (FIELD-NOTES); without it the first
                 # passes' forwards took up to 1 s where warm ones take 20-40 ms.
                 burst = [Arrival(0.0, a.token_ids) for a in arrivals]
-                for mode in COLOCATED_MODES:
+                for mode in colocated_modes:
                     run_colocated(model, burst, config=colocated[mode],
                                   new_tokens=args.new_tokens, advance=lambda: None)
                 got: dict[str, Any] = {m: {"results": [], "wall_s": 0.0, "tokens": [],
                                            "batches": {}, "forward": ForwardStats(),
-                                           "load_avg_1m": []} for m in COLOCATED_MODES}
-                for index, mode in enumerate((*COLOCATED_MODES, *reversed(COLOCATED_MODES))):
+                                           "load_avg_1m": []} for m in colocated_modes}
+                for index, mode in enumerate((*colocated_modes, *reversed(colocated_modes))):
                     task = progress.add_task(f"{name} {mode} #{index}", total=len(arrivals))
                     # A 2-thread torch process slows down far more than its share when another
                     # process takes a core (docs/engines.md): record the load each pass met.
@@ -320,8 +326,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             tokens[mode + "-differs"] = seen
                     modes = {m: summarize_colocated(coloc[name][m]["results"],
                                                     coloc[name][m]["wall_s"])
-                             for m in COLOCATED_MODES}
-                    for m in COLOCATED_MODES:
+                             for m in colocated_modes}
+                    for m in colocated_modes:
                         sizes = coloc[name][m]["batches"]
                         steps = sum(sizes.values())
                         modes[m]["decode_steps"] = steps
@@ -336,7 +342,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         modes[m]["load_avg_1m_at_pass_start"] = coloc[name][m]["load_avg_1m"]
                     modes.update({m: summarize(results[m], walls[m]) for m in MODES})
                     c, d = (results[m] for m in MODES)
-                    passes = [p for m in COLOCATED_MODES for p in coloc[name][m]["tokens"]]
+                    passes = [p for m in colocated_modes for p in coloc[name][m]["tokens"]]
                     same_cd = tokens[MODES[0]] == tokens[MODES[1]] and len(tokens) == 2
                     doc["workloads"][name] = {
                         "requests": len(arrivals), "passes_per_mode": 2, "modes": modes,

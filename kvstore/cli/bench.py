@@ -146,6 +146,8 @@ def e2e(
         256, "--token-budget", min=2, help="Tokens per iteration of (b) chunked prefill."),
     colocated_threads: int = typer.Option(
         2, "--colocated-threads", min=1, help="Torch threads of the colocated engine (a)/(b)."),
+    no_colocated: bool = typer.Option(
+        False, "--no-colocated", help="Run only (c)/(d) (minutes less on a busy machine)."),
 ) -> None:
     """End to end on a local cluster: (a)/(b) colocated serving beside disaggregated
     prefill/decode without (c) and with (d) kvtier reuse on the same arrival trace (TTFT, TPOT,
@@ -153,13 +155,15 @@ def e2e(
     from bench import e2e as bench_e2e
 
     bench_e2e.main(e2e_argv(quick=quick, json_path=json_path, rate=rate, new_tokens=new_tokens,
-                            token_budget=token_budget, colocated_threads=colocated_threads))
+                            token_budget=token_budget, colocated_threads=colocated_threads,
+                            no_colocated=no_colocated))
 
 
 def e2e_argv(*, quick: bool, json_path: Path | None, rate: float, new_tokens: int,
-             token_budget: int, colocated_threads: int) -> list[str]:
+             token_budget: int, colocated_threads: int, no_colocated: bool = False) -> list[str]:
     """The argument list of ``bench/e2e.py`` for the ``kvtier bench e2e`` flags."""
     return ((["--quick"] if quick else []) + ["--rate", str(rate), "--new-tokens", str(new_tokens),
                                               "--token-budget", str(token_budget),
                                               "--colocated-threads", str(colocated_threads)]
+            + (["--no-colocated"] if no_colocated else [])
             + (["--json", str(json_path)] if json_path else []))

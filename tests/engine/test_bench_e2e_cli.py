@@ -29,6 +29,8 @@ def test_flags_reach_the_benchmark(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
                          str(tmp_path / "e2e.json"))
     assert (args.quick, args.token_budget, args.colocated_threads) == (True, 128, 1)
     assert (args.rate, args.new_tokens, args.json) == (2.5, 4, tmp_path / "e2e.json")
+    assert not args.no_colocated
+    assert captured_args(monkeypatch, "--no-colocated").no_colocated
 
 
 def test_defaults_are_the_benchmarks_own(monkeypatch: pytest.MonkeyPatch) -> None:
