@@ -19,6 +19,7 @@ from kvstore.client.kv_client import (  # noqa: E402
     KVClient,
     KVClientConfig,
     RemoteFetch,
+    SaveRequest,
     namespace_for,
 )
 from kvstore.client.store_client import DataPlane  # noqa: E402
@@ -222,3 +223,61 @@ def test_node_ids_resolve_through_etcd(tmp_path: Path, etcd_server: LocalEtcd,
     finally:
         a.stop()
         b.stop()
+
+
+def test_own_daemon_dead_the_plan_still_loads_from_the_other_node(
+        tmp_path: Path, nodes: tuple[DaemonProcess, DaemonProcess]) -> None:
+    _a, b = nodes
+    own = DaemonProcess(tmp_path, "node-own", dram_bytes="4MiB", nvme=False)
+    own.start()
+    try:
+        kv, toks = random_kv(3 * B, seed=7), tokens(3 * B, seed=7)
+        with client(b, "own-dead") as on_b:
+            on_b.save(toks, ContiguousKV(kv, LAYOUT)).result(30)
+        with client(own, "own-dead") as engine:
+            own.kill()
+            out = torch.zeros_like(kv)
+            got = engine.load(toks, ContiguousKV(out, LAYOUT),
+                              remote=RemoteFetch("node-b", b.grpc_address, 0, 3)).result(30)
+            assert got.complete and got.remote_blocks == 3 and got.error is None
+            assert torch.equal(out, kv)
+    finally:
+        own.stop()
+
+
+def test_replication_without_the_parent_locally_fails_and_says_so(
+        nodes: tuple[DaemonProcess, DaemonProcess]) -> None:
+    a, b = nodes
+    kv, toks = random_kv(4 * B, seed=8), tokens(4 * B, seed=8)
+    with client(b, "repl-orphan") as on_b, client(a, "repl-orphan") as engine:
+        on_b.save(toks, ContiguousKV(kv, LAYOUT)).result(30)
+        # Blocks 0-1 are the engine's own (not in A): the fetched block 2 has no parent in A.
+        handle = engine.load_from(b.grpc_address, toks, ContiguousKV(torch.zeros_like(kv),
+                                                                     LAYOUT),
+                                  first_block=2, replicate=True)
+        assert handle.result(30).loaded_blocks == 2 and handle.transferred_remote() == 2
+        replicated = handle.replication(30)
+        assert replicated is not None and replicated.stored_blocks == ()
+        assert replicated.failed_blocks == (2, 3) and "InvalidArgument" in str(replicated.error)
+        assert engine.lookup(toks).blocks == 0
+
+
+def test_concurrent_remote_loads_share_one_connection(
+        nodes: tuple[DaemonProcess, DaemonProcess]) -> None:
+    a, b = nodes
+    kvs = [random_kv(2 * B, seed=20 + i) for i in range(6)]
+    toks = [tokens(2 * B, seed=20 + i) for i in range(6)]
+    with client(b, "shared-conn") as on_b:
+        on_b.save_many([SaveRequest(t, ContiguousKV(kv, LAYOUT))
+                        for t, kv in zip(toks, kvs, strict=True)]).result(30)
+    config = KVClientConfig(workers=4, remote_data_plane=DataPlane.TCP)
+    with KVClient.connect(a.grpc_address, LAYOUT, namespace_for(LAYOUT, "m", "shared-conn"),
+                          config) as engine:
+        outs = [torch.zeros_like(kv) for kv in kvs]
+        handles = [engine.load_from(b.grpc_address, t, ContiguousKV(o, LAYOUT))
+                   for t, o in zip(toks, outs, strict=True)]
+        assert all(h.result(30).complete for h in handles)
+        assert all(torch.equal(o, kv) for o, kv in zip(outs, kvs, strict=True))
+        assert engine.remote_addresses == [b.grpc_address]
+        assert [m.blocks for m in engine.lookup_many(toks, address=b.grpc_address)] == [2] * 6
+        assert [m.blocks for m in engine.lookup_many(toks)] == [0] * 6
