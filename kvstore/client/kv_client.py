@@ -411,12 +411,14 @@ class RemoteFetch:
 
 @dataclass(frozen=True, slots=True)
 class LoadRequest:
-    """One request's part of :meth:`KVClient.load_many` (same meaning as ``load``'s arguments)."""
+    """One request's part of :meth:`KVClient.load_many` (same meaning as ``load``'s arguments;
+    a request with a ``remote`` fetch plan is loaded on its own, as ``load(..., remote=)``)."""
 
     token_ids: object
     into: EngineKV
     first_block: int = 0
     num_blocks: int | None = None
+    remote: RemoteFetch | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -913,14 +915,23 @@ class KVClient:
         keys one by one. Per request, the result is a prefix as in :meth:`load`.
         """
         jobs: list[tuple[LoadHandle, list[PrefixKey], EngineKV]] = []
+        handles: list[LoadHandle] = []
+        remote: list[tuple[LoadHandle, list[PrefixKey], LoadRequest]] = []
         for req in requests:
             keys = self.keys(req.token_ids)
             total = self._check_range(keys, req.first_block, req.num_blocks)
             handle = LoadHandle(self.layout.num_layers, req.first_block, total)
-            jobs.append((handle, keys[req.first_block:req.first_block + total], req.into))
+            handles.append(handle)
+            if req.remote is not None:
+                remote.append((handle, keys, req))
+            else:
+                jobs.append((handle, keys[req.first_block:req.first_block + total], req.into))
         for group in _split_even([len(keys) for _h, keys, _i in jobs], self.config.workers):
             self._pool.submit(self._run_load_many, [jobs[i] for i in group])
-        return [h for h, _k, _i in jobs]
+        for handle, keys, req in remote:  # after the batch: local KV first
+            self._pool.submit(self._run_load, handle, keys, req.into, None, True, req.remote,
+                              self._replicate(None))
+        return handles
 
     def _replicate(self, replicate: bool | None) -> bool:
         return self.config.replicate_remote if replicate is None else replicate

@@ -18,6 +18,7 @@ from kvstore.client.kv_client import (  # noqa: E402
     ContiguousKV,
     KVClient,
     KVClientConfig,
+    LoadRequest,
     RemoteFetch,
     SaveRequest,
     namespace_for,
@@ -281,3 +282,26 @@ def test_concurrent_remote_loads_share_one_connection(
         assert engine.remote_addresses == [b.grpc_address]
         assert [m.blocks for m in engine.lookup_many(toks, address=b.grpc_address)] == [2] * 6
         assert [m.blocks for m in engine.lookup_many(toks)] == [0] * 6
+
+
+def test_load_many_mixes_local_requests_and_fetch_plans(
+        nodes: tuple[DaemonProcess, DaemonProcess]) -> None:
+    a, b = nodes
+    kvs = [random_kv(3 * B, seed=30 + i) for i in range(3)]
+    toks = [tokens(3 * B, seed=30 + i) for i in range(3)]
+    with client(b, "mixed-step") as on_b, client(a, "mixed-step") as engine:
+        engine.save(toks[0], ContiguousKV(kvs[0], LAYOUT)).result(30)  # local
+        on_b.save(toks[1], ContiguousKV(kvs[1], LAYOUT)).result(30)  # only on B
+        engine.save(toks[2][:B], ContiguousKV(kvs[2][:, :, :, :B], LAYOUT)).result(30)
+        on_b.save(toks[2], ContiguousKV(kvs[2], LAYOUT)).result(30)  # 1 local, 3 on B
+        outs = [torch.zeros_like(kv) for kv in kvs]
+        handles = engine.load_many([
+            LoadRequest(toks[0], ContiguousKV(outs[0], LAYOUT)),
+            LoadRequest(toks[1], ContiguousKV(outs[1], LAYOUT),
+                        remote=RemoteFetch("node-b", b.grpc_address, 0, 3)),
+            LoadRequest(toks[2], ContiguousKV(outs[2], LAYOUT),
+                        remote=RemoteFetch("node-b", b.grpc_address, 1, 3))])
+        got = [h.result(30) for h in handles]
+        assert [r.loaded_blocks for r in got] == [3, 3, 3]
+        assert [r.remote_blocks for r in got] == [0, 3, 2]
+        assert all(torch.equal(o, kv) for o, kv in zip(outs, kvs, strict=True))
