@@ -1250,23 +1250,16 @@ class KVClient:
 
 def _split_even(sizes: Sequence[int], parts: int) -> list[list[int]]:
     """Indices of ``sizes`` cut into at most ``parts`` contiguous non-empty groups of about
-    equal sum (in order; every index in exactly one group)."""
+    equal sum (in order; every index in exactly one group): each item goes to the share of the
+    total its midpoint falls in."""
     total = sum(sizes)
-    groups: list[list[int]] = []
-    current: list[int] = []
+    groups: dict[int, list[int]] = {}
     acc = 0
     for i, size in enumerate(sizes):
-        current.append(i)
+        share = min(parts - 1, (2 * acc + size) * parts // (2 * total)) if total else 0
+        groups.setdefault(share, []).append(i)
         acc += size
-        # Close the group once it reached its share of the total, leaving enough items for
-        # the groups still to come.
-        left_items = len(sizes) - i - 1
-        if len(groups) < parts - 1 and acc * parts >= total * (len(groups) + 1) and left_items:
-            groups.append(current)
-            current = []
-    if current:
-        groups.append(current)
-    return groups
+    return [groups[g] for g in sorted(groups)]
 
 
 def _gather_futures(futures: list[cf.Future[list[SaveResult]]]

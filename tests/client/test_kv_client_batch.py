@@ -182,6 +182,8 @@ def test_split_even_keeps_order_and_covers_every_request() -> None:
 
     assert _split_even([4] * 6, 2) == [[0, 1, 2], [3, 4, 5]]
     assert _split_even([1, 9, 1, 1], 2) == [[0, 1], [2, 3]]
+    assert _split_even([1, 1, 10], 2) == [[0, 1], [2]]
+    assert _split_even([0, 0, 4], 3) == [[0, 1], [2]]
     assert _split_even([5], 4) == [[0]]
     assert _split_even([], 2) == []
     assert _split_even([2, 2, 2], 1) == [[0, 1, 2]]
