@@ -284,6 +284,7 @@ class _Worker:
         self._conductor: ConductorClient | None = None
         self._etcd: Any = None
         self._lease: Any = None
+        self._record: EngineRecord | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._server: asyncio.Server | None = None
         self.address = ""
@@ -334,12 +335,12 @@ class _Worker:
         self._conductor = ConductorClient(etcd_endpoint=cfg.etcd_endpoint, layout=layout)
         self._etcd = etcd_client(cfg.etcd_endpoint)
         self._lease = await self._etcd.lease(cfg.lease_ttl_s)
-        record = EngineRecord(
+        self._record = EngineRecord(
             cfg.instance_id, cfg.role, cfg.model_name, cfg.node_id,
             kv_capacity_tokens=cfg.kv_capacity_tokens if cfg.role is EngineRole.DECODE else 0,
             address=self.address,
             kv_fingerprint=namespace_for(self.layout, cfg.model_name).fingerprint)
-        await put_engine_record(self._etcd, record, layout=layout, lease_id=self._lease.id)
+        await put_engine_record(self._etcd, self._record, layout=layout, lease_id=self._lease.id)
         self._spawn(self._keepalive())
         return self.address
 
@@ -371,14 +372,30 @@ class _Worker:
         task.add_done_callback(self._tasks.discard)
 
     async def _keepalive(self) -> None:
+        """Refresh the lease every TTL/3. When etcd says the lease is gone (it lapsed while
+        this process or etcd was stalled: the record was deleted with it), register again
+        under a new lease, so the conductor sees the worker again."""
         period_s = self.config.lease_ttl_s / 3
         while True:
             await asyncio.sleep(period_s)
             try:
-                await asyncio.wait_for(self._lease.refresh(), period_s)
-            except (aetcd.ClientError, grpc.RpcError, TimeoutError) as exc:
+                reply = await asyncio.wait_for(self._lease.refresh(), period_s)
+                if reply is not None and int(reply.TTL) <= 0:
+                    await self._register_again()
+            except (aetcd.ClientError, grpc.RpcError, TimeoutError, KvtierError) as exc:
                 # etcd down: keep trying; the record lapses with the lease if it stays down
                 log.warning("engine lease refresh failed: %s", exc)
+
+    async def _register_again(self) -> None:
+        from conductor.engines import put_engine_record
+        from conductor.membership import KeyLayout
+
+        log.warning("engine lease %s expired; registering %s again", self._lease.id,
+                    self.config.instance_id)
+        self._lease = await self._etcd.lease(self.config.lease_ttl_s)
+        assert self._record is not None
+        await put_engine_record(self._etcd, self._record,
+                                layout=KeyLayout(self.config.etcd_prefix), lease_id=self._lease.id)
 
     def _report(self, coro: Any) -> None:
         """Send a report to the conductor in the background; failures are logged only."""
@@ -672,7 +689,7 @@ class DecodeWorker(_Worker):
             first_token=_field(doc, "first_token", int),
             tail_tokens=_field(doc, "tail_tokens", int), tail=payload,
             max_new_tokens=_field(doc, "max_new_tokens", int),
-            deliver=functools.partial(_deliver, loop, answer))
+            deliver=functools.partial(_deliver, loop, answer), submitted_s=time.perf_counter())
         ticket = _field(doc, "ticket", int)
         B = self.layout.block_tokens
         if job.full_blocks != len(token_ids) // B or \
@@ -744,7 +761,6 @@ class DecodeWorker(_Worker):
         from kvstore.client.kv_client import ContiguousKV
 
         lay = self.layout
-        job.submitted_s = time.perf_counter()
         try:
             job.buffer = torch.empty((lay.num_layers, 2, lay.num_kv_heads, len(job.token_ids),
                                       lay.head_dim), dtype=lay.dtype, device=self.device)

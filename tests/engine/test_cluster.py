@@ -19,7 +19,8 @@ from kvstore.cluster import ClusterSpec, LocalCluster  # noqa: E402
 from kvstore.engine.gateway import Gateway, GatewayResult  # noqa: E402
 from kvstore.engine.model import ModelSpec, build_reference_model  # noqa: E402
 from kvstore.engine.worker import read_frame, write_frame  # noqa: E402
-from kvstore.errors import InvalidArgument  # noqa: E402
+from kvstore.errors import InvalidArgument, KvtierError  # noqa: E402
+from tests.support.common import wait_until  # noqa: E402
 
 BLOCK = 16
 SPEC = ModelSpec(vocab_size=1000, hidden_size=128, intermediate_size=256, num_layers=2,
@@ -124,6 +125,44 @@ def test_concurrent_requests_share_decode_batches_with_identical_outputs(
     assert results[4].decode["batch_mean"] == 1.0 and len(results[4].tokens) == 1
 
 
+def test_decode_worker_recomputes_kv_it_cannot_load_inside_a_batch(
+        cluster: LocalCluster) -> None:
+    # Decode frames sent straight to the decode worker, concurrently, naming a tenant whose
+    # blocks were never saved: every load comes back empty, so each request recomputes its
+    # prompt's KV before joining the batch (the tail bytes are then unused: zeros here).
+    model = build_reference_model(SPEC)
+    address = str(cluster.children["decode-0"].ready["address"])
+    prompts = [prompt(2 * BLOCK + 4, seed=40), prompt(BLOCK, seed=41), prompt(3 * BLOCK + 1, 42)]
+    refs = [reference(model, p, 12) for p in prompts]
+    per_token = 2 * SPEC.num_layers * SPEC.num_kv_heads * SPEC.head_dim * 4  # float32 KV
+
+    async def one(p: list[int], ref: list[int], i: int) -> dict[str, object]:
+        host, port = address.rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        full = len(p) // BLOCK
+        try:
+            await write_frame(writer, {
+                "op": "decode", "token_ids": p, "tenant": "never-saved", "ticket": 10_000 + i,
+                "first_token": ref[0], "max_new_tokens": len(ref),
+                "kv_address": cluster.daemon_addresses["node-a"], "full_blocks": full,
+                "tail_tokens": len(p) - full * BLOCK}, bytes((len(p) - full * BLOCK) * per_token))
+            doc, _ = await read_frame(reader)
+            return doc
+        finally:
+            writer.close()
+
+    async def go() -> list[dict[str, object]]:
+        return list(await asyncio.gather(*(one(p, r, i) for i, (p, r)
+                                           in enumerate(zip(prompts, refs, strict=True)))))
+
+    for p, ref, doc in zip(prompts, refs, asyncio.run(go()), strict=True):
+        assert doc["event"] == "done", doc
+        decode = doc["decode"]
+        assert isinstance(decode, dict)
+        assert decode["tokens"] == ref
+        assert decode["loaded_blocks"] == 0 and decode["recomputed_tokens"] == len(p)
+
+
 def test_worker_rejects_a_malformed_request(cluster: LocalCluster) -> None:
     address = str(cluster.children["prefill-0"].ready["address"])
 
@@ -140,6 +179,51 @@ def test_worker_rejects_a_malformed_request(cluster: LocalCluster) -> None:
     doc = asyncio.run(go())
     assert doc["event"] == "error" and doc["error"] == InvalidArgument.__name__
     assert "token_ids" in str(doc["message"])
+
+
+def test_worker_registers_again_after_its_lease_lapsed(cluster: LocalCluster) -> None:
+    # A stalled process or etcd can let the engine lease expire, which deletes the record the
+    # conductor schedules from. Revoking the lease does the same at once: the worker notices at
+    # its next refresh (etcd answers TTL 0) and registers again under a new lease.
+    from conductor.engines import EngineRecord, EngineRole
+    from conductor.membership import KeyLayout, etcd_client
+
+    key = KeyLayout(cluster.spec.prefix).engine_key(EngineRole.DECODE.value, "decode-0").encode()
+
+    async def revoke_and_wait() -> tuple[int, int]:
+        async with etcd_client(cluster.etcd_endpoint) as etcd:
+            async def lease_of_record() -> int:
+                got = await etcd.get(key)
+                if got is None:
+                    return 0
+                assert EngineRecord.from_json(got.value).instance_id == "decode-0"
+                return int(got.lease)
+
+            before = await lease_of_record()
+            await etcd.revoke_lease(before)
+            assert await lease_of_record() == 0  # the record went with its lease
+            deadline = asyncio.get_running_loop().time() + 20
+            while (after := await lease_of_record()) == 0:
+                assert asyncio.get_running_loop().time() < deadline, "the worker never came back"
+                await asyncio.sleep(0.1)
+            return before, after
+
+    before, after = asyncio.run(revoke_and_wait())
+    assert before and after and before != after
+    # The conductor schedules onto it again (its engine watch trails etcd by a moment).
+    p = prompt(BLOCK + 2, seed=50)
+    wait_until(lambda: _serves(cluster, p), timeout_s=20, what="a request served again")
+
+
+def _serves(cluster: LocalCluster, tokens: list[int]) -> bool:
+    try:
+        (result,) = serve(cluster, [tokens], tenant="relapsed", reuse=True)
+    except KvtierError:
+        return False
+    if not result.accepted:  # no decode instance known to the conductor yet
+        return False
+    assert result.tokens == reference(build_reference_model(SPEC), tokens)
+    return True
 
 
 def test_cluster_stops_every_process(cluster: LocalCluster) -> None:
