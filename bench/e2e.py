@@ -31,6 +31,11 @@ Two workloads:
 
 Queue wait is arrival to the start of the request's prefill compute in every mode (in (c)/(d)
 it is TTFT minus the Schedule RPC and the prefill worker's load, compute and save).
+TPOT in (c)/(d) is given twice: the decode worker's own (its decode steps only) and at the
+gateway (first token to last: the handoff, the decode worker's KV load and any wait for its
+compute thread included), which is what (a)/(b)'s TPOT measures too. Before the decode worker
+batched, a request that arrived while another was decoding waited for it, and only the gateway
+figure showed that wait.
 Prints a table per workload and writes JSON (``--json``) with, per workload and mode: TTFT and
 TPOT p50/p99/mean, prefill tokens computed, KV bytes moved (loaded by prefill, saved, loaded by
 decode), transfer time (prefill load wait, decode load), queue wait, and per workload
@@ -148,6 +153,11 @@ def summarize(results: list[GatewayResult], wall_s: float) -> dict[str, Any]:
         "requests": len(results), "wall_s": wall_s,
         "ttft_s": _stats([r.ttft_s for r in results]),
         "tpot_s": _stats([r.decode.get("tpot_s", 0.0) for r in results if len(r.tokens) > 1]),
+        # First token to last at the gateway, per output token: includes the handoff, the
+        # decode worker's KV load and any wait for its compute thread (the worker's own
+        # tpot_s counts only its decode steps).
+        "tpot_gateway_s": _stats([r.tpot_s for r in results if len(r.tokens) > 1]),
+        "e2e_s": _stats([r.e2e_s for r in results]),
         "prompt_tokens": int(prompt),
         "prefill_computed_tokens": int(total("prefill", "computed_tokens")),
         "hit_ratio": total("prefill", "reused_tokens") / prompt if prompt else 0.0,
@@ -182,6 +192,8 @@ def summarize_colocated(results: list[ColocatedResult], wall_s: float) -> dict[s
         "requests": len(results), "wall_s": wall_s,
         "ttft_s": _stats([r.ttft_s for r in results]),
         "tpot_s": _stats([r.tpot_s for r in results if len(r.tokens) > 1]),
+        "tpot_gateway_s": _stats([r.tpot_s for r in results if len(r.tokens) > 1]),
+        "e2e_s": _stats([r.finish_s - r.arrival_s for r in results]),
         "prompt_tokens": prompt, "prefill_computed_tokens": prompt, "hit_ratio": 0.0,
         "kv_bytes_loaded_by_prefill": 0, "kv_bytes_saved_by_prefill": 0,
         "kv_bytes_loaded_by_decode": 0,
@@ -378,17 +390,21 @@ def print_tables(console: Console, doc: dict[str, Any]) -> None:
                             f"(median per request {w['ttft_speedup_median_per_request']:.2f}x); "
                             f"outputs identical: {w['outputs_identical']}")
         for col in ("mode", "TTFT mean/p50/p99 ms", "prefill compute mean ms",
-                    "TPOT p50/p99 ms", "hit ratio",
+                    "TPOT p50/p99 ms", "TPOT at gateway p50/p99 ms", "e2e p50/p99 ms",
+                    "hit ratio",
                     "prefill computed", "KV MiB prefill load / save / decode load",
                     "transfer s (prefill wait, decode load)", "queue wait mean/p99 ms",
                     "decode batch mean", "fwd: prefill ms/token, decode ms/step"):
             table.add_column(col, justify="right")
         for mode, m in w["modes"].items():
             t, p, q = m["ttft_s"], m["tpot_s"], m["queue_wait_s"]
+            g, e = m["tpot_gateway_s"], m["e2e_s"]
             table.add_row(
                 mode, f"{t['mean'] * 1e3:.0f} / {t['p50'] * 1e3:.0f} / {t['p99'] * 1e3:.0f}",
                 f"{m['prefill_compute_s']['mean'] * 1e3:.0f}",
-                f"{p['p50'] * 1e3:.1f} / {p['p99'] * 1e3:.1f}", f"{m['hit_ratio']:.1%}",
+                f"{p['p50'] * 1e3:.1f} / {p['p99'] * 1e3:.1f}",
+                f"{g['p50'] * 1e3:.1f} / {g['p99'] * 1e3:.1f}",
+                f"{e['p50'] * 1e3:.0f} / {e['p99'] * 1e3:.0f}", f"{m['hit_ratio']:.1%}",
                 f"{m['prefill_computed_tokens']} / {m['prompt_tokens']}",
                 f"{m['kv_bytes_loaded_by_prefill'] / MiB:.1f} / "
                 f"{m['kv_bytes_saved_by_prefill'] / MiB:.1f} / "
