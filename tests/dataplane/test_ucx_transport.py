@@ -23,7 +23,7 @@ from kvstore._proto.kvtier.v1 import store_pb2 as pb
 from kvstore.client import store_client
 from kvstore.client.store_client import DataPlane, StoreClient, StoreClientConfig
 from kvstore.dataplane.transport.base import Transport, TransportKind, TransportServer
-from kvstore.dataplane.transport.memory_backend import MemoryBackend
+from kvstore.dataplane.transport.memory_backend import MemoryBackend, MemoryReadLease
 from kvstore.dataplane.transport.ucx import UcxClient, UcxServer, UcxServerConfig, ucx_unavailable
 from kvstore.errors import (
     ChunkBusy,
@@ -111,6 +111,41 @@ def test_round_trip_returns_the_same_bytes(client: UcxClient, key: bytes,
             return False
 
     wait_until(removed, timeout_s=5, what="the read lease to end")
+
+
+class _LeaseCountingBackend(MemoryBackend):
+    """The real memory backend, counting the read leases a server takes."""
+
+    read_leases = 0
+
+    def open_read(self, key: bytes) -> MemoryReadLease:
+        self.read_leases += 1
+        return super().open_read(key)
+
+
+def test_small_gets_come_inline_without_a_read_lease() -> None:
+    backend = _LeaseCountingBackend()
+    srv = UcxServer(backend, UcxServerConfig(io_timeout_s=5))
+    endpoint = srv.start()
+    c = UcxClient(endpoint.worker_address, io_timeout_s=5)
+    try:
+        for size in (1, 4 * KiB, 64 * KiB):  # inline: copied into the response, no lease
+            data = payload(size, size)
+            c.put(b"k%d" % size, data)
+            dst = bytearray(size)
+            assert c.get_into(b"k%d" % size, dst) == size
+            assert dst == data
+            assert c.remove(b"k%d" % size) is True
+        with pytest.raises(SizeMismatch):
+            c.put(b"small", b"abc")
+            c.get_into(b"small", bytearray(4))
+        assert backend.read_leases == 0
+        c.put(b"large", payload(64 * KiB + 1, 1))  # above INLINE_GET_BYTES: leased, 3 messages
+        assert c.get_into(b"large", bytearray(64 * KiB + 1)) == 64 * KiB + 1
+        assert backend.read_leases == 1
+    finally:
+        c.close()
+        srv.close(drain_timeout_s=0.5)
 
 
 def test_numpy_and_torch_buffers_move_without_conversion(client: UcxClient, key: bytes) -> None:

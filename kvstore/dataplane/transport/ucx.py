@@ -28,7 +28,11 @@ Messages (tags are 64 bits: ``kind << 60 | client_id << 28 | seq``)
     ``RESPONSE`` / ``DONE`` (server -> client): ``KVUX, status, flags, detail_len, seq, size``
     then a UTF-8 detail for errors. ``TO_SERVER`` / ``TO_CLIENT``: a value's bytes.
 
-    * GET: REQUEST(size of ``dst``) -> the server leases the chunk and answers RESPONSE(OK, size)
+    * GET of at most ``INLINE_GET_BYTES`` (64 KiB): REQUEST(size, INLINE) -> RESPONSE(OK, size,
+      INLINE) with the value behind the header, copied out of the backend (``read_into``, no
+      lease); the client copies it into ``dst``. Two messages instead of three.
+    * Larger GET: REQUEST(size of ``dst``) -> the server leases the chunk and answers
+      RESPONSE(OK, size)
       then sends the bytes from the lease view; the client posts its receive straight into
       ``dst`` (rendezvous: UCX moves the bytes only once the receive is posted, so there is no
       intermediate copy above 8 KiB). The server releases the read lease when the send
@@ -100,7 +104,11 @@ RESP = struct.Struct("<4sBBHIQ")
 DEFAULT_INLINE_PUT_BYTES = 64 * KiB
 _MAX_WORKER_ADDRESS_BYTES = 8 * KiB
 _MAX_DETAIL_BYTES = 1 * KiB
-_RESP_BUFFER_BYTES = RESP.size + _MAX_DETAIL_BYTES
+INLINE_GET_BYTES = 64 * KiB
+"""A GET of at most this many bytes is answered with one message: the RESPONSE carries the
+value (copied out of the backend with ``read_into``), instead of a RESPONSE and then the bytes
+from a read lease. Part of the protocol: the client's response buffer holds this much."""
+_RESP_BUFFER_BYTES = RESP.size + max(_MAX_DETAIL_BYTES, INLINE_GET_BYTES)
 _SEQ_MASK = (1 << 28) - 1
 _KIND_SHIFT = 60
 _KIND_MASK = 0xF << _KIND_SHIFT
@@ -109,6 +117,9 @@ _FLAG_READY = 1
 _FLAG_ANY_SIZE = 2
 """GET of a value whose size the client does not know (``get``)."""
 _FLAG_REMOVED = 4
+_FLAG_INLINE = 8
+"""GET request: the client takes the value inside the RESPONSE (``INLINE_GET_BYTES``);
+RESPONSE: the value follows the header."""
 _NO_SIZE = (1 << 64) - 1
 
 
@@ -450,6 +461,14 @@ class UcxClient:
             return out
 
     def _get(self, lane: _Lane, key: bytes, out: memoryview) -> int:
+        if out.nbytes <= INLINE_GET_BYTES:
+            _status, flags, size = lane.call(Op.GET, key, out.nbytes, flags=_FLAG_INLINE)
+            if not flags & _FLAG_INLINE or size != out.nbytes:
+                lane.broken = True
+                raise ProtocolError(f"UCX server answered a {out.nbytes}-byte inline GET with "
+                                    f"{size} bytes (flags {flags:#x})")
+            out[:] = memoryview(lane.resp)[RESP.size:RESP.size + size]
+            return size
         _status, _flags, size = lane.call(Op.GET, key, out.nbytes)
         if size != out.nbytes:
             lane.broken = True
@@ -764,6 +783,9 @@ class UcxServer:
             self._respond(client_id, seq, Kind.RESPONSE, exc)
 
     def _get(self, client_id: int, seq: int, key: bytes, flags: int, size: int) -> None:
+        if flags & _FLAG_INLINE and not flags & _FLAG_ANY_SIZE and size <= INLINE_GET_BYTES:
+            self._get_inline(client_id, seq, key, size)
+            return
         lease = self._backend.open_read(key)
         try:
             if not flags & _FLAG_ANY_SIZE and lease.size_bytes != size:
@@ -782,6 +804,23 @@ class UcxServer:
         self._transfers.append(_Transfer(client_id, seq, lease, send,
                                          time.monotonic() + self._config.io_timeout_s,
                                          lease.size_bytes))
+
+    def _get_inline(self, client_id: int, seq: int, key: bytes, size: int) -> None:
+        """One message for a small GET: the value copied behind the RESPONSE header (no lease
+        outlives the call). SizeMismatch / ChunkNotFound reach ``_handle``, which answers them
+        before any byte moved."""
+        ep = self._clients.get(client_id)
+        if ep is None:
+            return
+        buf = bytearray(RESP.size + size)
+        self._backend.read_into(key, memoryview(buf)[RESP.size:])
+        RESP.pack_into(buf, 0, MAGIC, int(Status.OK), _FLAG_INLINE, 0, seq, size)
+        assert self._w is not None
+        w = self._w
+        send = ep.tag_send(w.array(buf), tag=w.ucx.UCXXTag(_tag(Kind.RESPONSE, client_id, seq)))
+        self._stats.bytes_sent += size
+        if not send.completed:
+            self._sends.append((send, buf))  # keep the buffer alive until it has left
 
     def _put(self, client_id: int, seq: int, key: bytes, size: int, inline: memoryview) -> None:
         cfg = self._config
