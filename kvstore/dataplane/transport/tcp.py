@@ -915,6 +915,7 @@ def _mark_if_out_of_step(conn: _ClientConnection, exc: BaseException) -> None:
 
 # Per-connection counters: a flat list indexed by opcode value, then these slots. Each handler
 # thread updates its own list without a lock; stats() sums them.
+_OPCODE_VALUES = frozenset(int(op) for op in Opcode)
 _BYTES_RECEIVED = max(Opcode) + 1
 _BYTES_SENT = _BYTES_RECEIVED + 1
 _PROTOCOL_ERRORS = _BYTES_SENT + 1
@@ -1268,7 +1269,8 @@ class _ServerConnection:
         self._max_value_bytes = server._config.max_value_bytes
         self._io_timeout_s = server._config.io_timeout_s
         self._copy_read_max = copy_max
-        self._handlers: dict[Opcode, Callable[[Header, ChunkKey], None]] = {
+        self._backend = server._backend
+        by_opcode: dict[Opcode, Callable[[Header, ChunkKey], None]] = {
             Opcode.PING: self._ping,
             Opcode.PUT: self._put,
             Opcode.GET: self._get,
@@ -1279,6 +1281,11 @@ class _ServerConnection:
             Opcode.PUT_PART: self._put_part,
             Opcode.PUT_ABORT: self._put_abort,
         }
+        # A list indexed by the opcode's value: hashing an IntEnum member for a dict lookup
+        # runs Enum.__hash__ in Python, indexing a list with it does not.
+        self._handlers: list[Callable[[Header, ChunkKey], None] | None] = [
+            by_opcode.get(Opcode(i)) if i in _OPCODE_VALUES else None
+            for i in range(max(Opcode) + 1)]
 
     def cut(self) -> None:
         """Force the connection down (from another thread): blocked I/O fails at once."""
@@ -1435,8 +1442,10 @@ class _ServerConnection:
                 self._drain(h.payload_len)
                 self._reply(h, Status.BAD_REQUEST, detail=str(exc))
                 return
+        handler = self._handlers[h.opcode]
+        assert handler is not None  # decode_header accepts known opcodes only
         try:
-            self._handlers[h.opcode](h, ChunkKey(key))
+            handler(h, key)  # type: ignore[arg-type]  # checked above (ChunkKey is a NewType)
         except KvtierError as exc:
             if isinstance(exc, TransportError):
                 raise
@@ -1521,7 +1530,7 @@ class _ServerConnection:
         chunk busy because of it."""
         out = self.out_view
         try:
-            self.server._backend.read_into(key, out[HEADER_BYTES:HEADER_BYTES + size])
+            self._backend.read_into(key, out[HEADER_BYTES:HEADER_BYTES + size])
         except SizeMismatch as exc:
             self._refuse_size(h, exc.expected)
             return
