@@ -381,6 +381,27 @@ def test_close_refuses_new_requests_and_ends_leases() -> None:
         c.close()
 
 
+def test_silent_clients_are_forgotten_and_a_returning_one_says_hello_again() -> None:
+    srv = UcxServer(MemoryBackend(), UcxServerConfig(io_timeout_s=5, client_idle_ttl_s=0.5))
+    endpoint = srv.start()
+    returning = UcxClient(endpoint.worker_address, io_timeout_s=5)
+    gone = UcxClient(endpoint.worker_address, io_timeout_s=5)  # never heard from again
+    try:
+        returning.put(b"k", b"v")
+        gone.put(b"g", b"x")
+        assert srv.stats().clients == 2
+        # UCX cannot tell idle from dead: both endpoints are closed after the TTL
+        wait_until(lambda: srv.stats().clients == 0, timeout_s=10,
+                   what="silent clients to be forgotten")
+        assert srv.stats().clients_expired == 2
+        assert returning.get(b"k") == b"v"  # its lane introduced itself again first
+        assert srv.stats().clients == 1
+    finally:
+        returning.close()
+        gone.close()
+        srv.close(drain_timeout_s=0.5)
+
+
 # --- the daemon and StoreClient: advertising, automatic choice, fallback -------------------------
 
 

@@ -104,6 +104,7 @@ DEFAULT_STRIPE_THRESHOLD_BYTES = 8 * MiB
 _MIN_STRIPE_PART_BYTES = 1 * MiB
 _DRAIN_CHUNK_BYTES = 256 * 1024
 _PIPELINE_WINDOW = 64
+"""Requests a batch sends before reading their responses (see ``pipelined``)."""
 _MORE = int(Flags.MORE)
 _ANY_SIZE = int(Flags.ANY_SIZE)
 _GET = int(Opcode.GET)
@@ -111,7 +112,6 @@ _PUT = int(Opcode.PUT)
 _pack_request = HEADER.pack_into
 """Positional ``HEADER.pack_into`` for the one-value hot paths (``pack_header``'s keywords and
 range check cost more than the packing; the callers pass values already checked)."""
-"""Requests a batch sends before reading their responses (see ``pipelined``)."""
 _PIPELINE_LANE_BYTES = 4 * MiB
 """A batch is spread over another connection only when each gets at least this many bytes:
 below that, per-request Python work dominates, and more threads on either side only contend

@@ -44,6 +44,10 @@ Messages (tags are 64 bits: ``kind << 60 | client_id << 28 | seq``)
       server commits and answers DONE. A value is visible only after every byte arrived; a
       transfer that fails or does not finish within ``io_timeout_s`` aborts the lease.
     * SIZE (``exists`` / ``size_of``), REMOVE: one round trip. BYE on close (no answer).
+    * HELLO's answer carries the server's ``client_idle_ttl_s`` (ms, in ``size``): the server
+      closes the endpoint of a client silent that long (a dead client would otherwise keep
+      its endpoint forever: UCX cannot tell), and a client lane idle for half of it says HELLO
+      again before its next request.
 
 Threads
     The server runs one thread that owns its UCX worker (UCX workers are single-threaded here):
@@ -264,12 +268,23 @@ class _Lane:
         self.req = bytearray(REQ.size + MAX_KEY_BYTES + max(inline, len(self.worker.address)))
         self.resp = bytearray(_RESP_BUFFER_BYTES)
         self.req_arr_cache: dict[int, Any] = {}
+        self.idle_ttl_s = 0.0
+        """The server forgets a client idle this long (told in its HELLO answer; 0: never)."""
+        self.last_used = time.monotonic()
         try:
-            self.call(Op.HELLO, b"", len(self.worker.address),
-                      payload=memoryview(self.worker.address))
+            self.hello()
         except BaseException:
             self.close()
             raise
+
+    def hello(self) -> None:
+        """Introduce this lane (its worker address) to the server; learn the server's idle
+        TTL. Repeated before a lane idle for half that TTL is used again, so a server that
+        forgot it (and closed its endpoint) knows it again."""
+        _status, _flags, ttl_ms = self.call(Op.HELLO, b"", len(self.worker.address),
+                                            payload=memoryview(self.worker.address))
+        self.idle_ttl_s = ttl_ms / 1000
+        self.last_used = time.monotonic()
 
     # one request -> one response; the payload (HELLO address, inline PUT value) rides along
     def call(self, op: Op, key: bytes, size: int, *, flags: int = 0,
@@ -404,8 +419,11 @@ class UcxClient:
             if lane is None:
                 lane = _Lane(self._server_address, self._config, self._liveness)
             try:
+                if lane.idle_ttl_s and time.monotonic() - lane.last_used > lane.idle_ttl_s / 2:
+                    lane.hello()  # the server may have forgotten this lane meanwhile
                 yield lane
             finally:
+                lane.last_used = time.monotonic()
                 with self._lock:
                     keep = not lane.broken and not self._closed
                     if keep:
@@ -528,6 +546,11 @@ class UcxServerConfig:
     poll_interval_s: float = 0.05
     """Longest the loop sleeps in epoll before checking deadlines and shutdown."""
     drain_timeout_s: float = 5.0
+    client_idle_ttl_s: float = 300.0
+    """A client that sent nothing for this long (and has no transfer in flight) is forgotten
+    and its endpoint closed: UCX cannot tell an idle client from a dead one. Told to clients
+    in the HELLO answer; a client idle for half of it says HELLO again before its next
+    request. 0: never forget."""
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -541,6 +564,9 @@ class UcxServerConfig:
             raise InvalidArgument(f"inline_put_bytes must be 0..1 MiB, got {self.inline_put_bytes}")
         if not 1 <= self.request_slots <= 1024:
             raise InvalidArgument(f"request_slots must be 1..1024, got {self.request_slots}")
+        if not 0 <= self.client_idle_ttl_s <= 86400:
+            raise InvalidArgument(f"client_idle_ttl_s must be 0..86400, got "
+                                  f"{self.client_idle_ttl_s}")
 
 
 @dataclass(slots=True)
@@ -550,6 +576,7 @@ class UcxServerStats:
     clients: int = 0
     transfers_open: int = 0
     transfers_timed_out: int = 0
+    clients_expired: int = 0
 
 
 class _Transfer:
@@ -590,6 +617,8 @@ class UcxServer:
         # owned by the serving thread after start
         self._w: _Worker | None = None
         self._clients: dict[int, Any] = {}
+        self._last_seen: dict[int, float] = {}
+        self._next_sweep = 0.0
         self._slots: list[tuple[bytearray, Any]] = []
         self._transfers: list[_Transfer] = []
         self._sends: list[tuple[Any, bytearray]] = []
@@ -621,7 +650,7 @@ class UcxServer:
     def stats(self) -> UcxServerStats:
         s = self._stats
         return UcxServerStats(s.bytes_sent, s.bytes_received, len(self._clients),
-                              len(self._transfers), s.transfers_timed_out)
+                              len(self._transfers), s.transfers_timed_out, s.clients_expired)
 
     def close(self, drain_timeout_s: float | None = None) -> None:
         """Refuse new requests (SHUTTING_DOWN), let transfers in flight finish for up to
@@ -708,6 +737,20 @@ class UcxServer:
             self._transfers = still
         if self._sends:
             self._sends = [(r, b) for r, b in self._sends if not r.completed]
+        ttl = self._config.client_idle_ttl_s
+        if ttl and now >= self._next_sweep:
+            self._next_sweep = now + ttl / 4
+            self._forget_idle_clients(now, ttl)
+
+    def _forget_idle_clients(self, now: float, ttl_s: float) -> None:
+        """Close the endpoints of clients silent for ``ttl_s`` (dead ones included: UCX cannot
+        tell), unless a transfer of theirs is still in flight."""
+        busy = {t.client_id for t in self._transfers}
+        for client_id, seen in list(self._last_seen.items()):
+            if now - seen > ttl_s and client_id not in busy:
+                log.info("forgetting UCX client %08x, silent for %.0f s", client_id, now - seen)
+                self._drop_client(client_id)
+                self._stats.clients_expired += 1
 
     def _finish(self, t: _Transfer, error: str | None) -> None:
         lease = t.lease
@@ -731,6 +774,7 @@ class UcxServer:
                 self._stats.bytes_sent += t.size
 
     def _drop_client(self, client_id: int) -> None:
+        self._last_seen.pop(client_id, None)
         ep = self._clients.pop(client_id, None)
         if ep is None:
             return
@@ -752,13 +796,16 @@ class UcxServer:
             assert self._w is not None
             self._drop_client(client_id)
             self._clients[client_id] = self._w.endpoint_to(bytes(buf[body:body + size]))
-            self._respond(client_id, seq, Kind.RESPONSE, None)
+            self._last_seen[client_id] = time.monotonic()
+            self._respond(client_id, seq, Kind.RESPONSE, None,
+                          size=int(self._config.client_idle_ttl_s * 1000))
+            return
+        if op == Op.BYE:  # also from a client already forgotten for its silence
+            self._drop_client(client_id)
             return
         if client_id not in self._clients:
             raise ProtocolError(f"request from unknown UCX client {client_id:08x}")
-        if op == Op.BYE:
-            self._drop_client(client_id)
-            return
+        self._last_seen[client_id] = time.monotonic()
         if self._draining:
             self._respond(client_id, seq, Kind.RESPONSE, None, status=Status.SHUTTING_DOWN,
                           detail="the server is shutting down")
