@@ -1,114 +1,176 @@
-"""One batched greedy decode step over sequences with ragged KV caches.
+"""Continuous-batching decode over sequences with ragged KV: :class:`DecodeBatch`.
 
 Shared by the colocated engine (:mod:`kvstore.engine.colocated`) and the disaggregated decode
-worker (:mod:`kvstore.engine.worker`): both keep one one-sequence transformers ``DynamicCache``
-per sequence and advance every running sequence by one token per step with
-:func:`batched_decode_step`.
+worker (:mod:`kvstore.engine.worker`): both let sequences join the running batch between two
+steps, advance every member by one greedy token per step with one forward, and let finished
+ones leave.
 
 **How a ragged batch runs on a model without varlen attention.** Hugging Face's Llama has no
-ragged (varlen) attention kernel, so a step over ``n > 1`` sequences left-pads their caches to
-the longest one, passes a 2-D attention mask that hides the padding (and covers the token being
-decoded) and each sequence's own position id (its length), runs one forward of batch ``n`` and
-appends each sequence's new key/value (the last position) to its own cache. One sequence
-decodes on its cache directly. Greedy tokens equal those of a single-request reference token
-for token (``tests/engine/test_colocated.py``, ``tests/engine/test_batching.py``, and the
-decode worker through the gateway in ``tests/engine/test_cluster.py``).
+ragged (varlen) attention kernel, so the batch keeps one left-padded KV cache: row ``i`` holds
+member ``i``'s KV after ``pad_i`` zero columns. A step passes a 2-D attention mask that hides
+each row's padding (and covers the token being decoded) and each member's own position id
+(its length), and the model appends every member's new key/value at the same column, so the
+layout stays valid from step to step. Only a join or a leave rebuilds the padded cache (one
+copy of the members' KV); a lone unpadded member decodes with no mask at all, exactly as one
+request alone. Greedy tokens equal those of a single-request reference token for token
+(``tests/engine/test_batching.py``, ``tests/engine/test_colocated.py``, and the decode worker
+through the gateway in ``tests/engine/test_cluster.py``).
 
-**Cost.** The padded batch copies the running sequences' KV once per step (O(batch x context)
-bytes), and appending the new K/V to each sequence's cache is a ``torch.cat`` per sequence and
-layer. Measured on the bench model (docs/engines.md): padding is 5-7 ms of a ~20 ms step at
-batch ~2.5 and ~500-token contexts. A preallocated per-sequence KV buffer or a paged cache
-would remove the copies; not done.
+**Cost.** Measured on the bench model (6 layers, hidden 512; five sequences of 400-800 tokens,
+one torch thread, load ~2): five one-sequence steps 119 ms, a batched step that re-padded every
+member each step (this module's first version) 58 ms, of which the padding copy was 31 ms; a
+step on the kept padded cache 27 ms. transformers' ``DynamicCache`` still concatenates each
+layer's KV per step (a copy of the batch's KV); a preallocated cache would remove that too.
 
-Contract: ``caches[i]`` holds exactly the KV of every token of sequence ``i`` before its last
-token ``last_tokens[i]`` (whose KV is not in the cache yet). After the step each cache holds one
-more token (the KV of ``last_tokens[i]``), updated in place, and the returned token is the
-greedy next token. Caches live on the model's device. Not thread-safe: one model, one thread.
+Not thread-safe: one model, one thread.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
 
 from kvstore.errors import InvalidArgument, InvariantViolation
 
-if TYPE_CHECKING:
-    import torch
-
-__all__ = ["DecodeStep", "batched_decode_step", "pad_caches"]
+__all__ = ["DecodeBatch"]
 
 
-@dataclass(frozen=True, slots=True)
-class DecodeStep:
-    """What one step produced: the next token of each sequence, in order, and the seconds
-    spent building the padded batch cache (0 for a batch of one)."""
+class DecodeBatch:
+    """Sequences decoding together on one left-padded batch KV cache kept across steps.
 
-    tokens: list[int]
-    pad_s: float
-
-
-def batched_decode_step(model: Any, caches: Sequence[Any], last_tokens: Sequence[int]
-                        ) -> DecodeStep:
-    """One greedy token for each sequence (see the module docstring for the contract).
-
-    Raises InvalidArgument when ``caches`` and ``last_tokens`` differ in length or are empty.
+    ``join(key, cache)`` adds a sequence with its one-sequence cache (the KV of every token
+    before its last one); ``step({key: last token})`` runs one forward over every member and
+    returns each member's greedy next token; ``leave(key)`` drops a finished one. While the
+    members stay the same, every step appends one token at the same column for all of them, so
+    the padded layout stays valid and a step costs the forward alone; a join or a leave rebuilds
+    the batch cache once (one copy of the members' KV, timed in :attr:`pad_s`). The joined
+    cache belongs to the batch from then on (the batch may adopt its tensors).
     """
-    import torch
 
-    n = len(caches)
-    if n == 0 or n != len(last_tokens):
-        raise InvalidArgument(f"{n} caches for {len(last_tokens)} tokens (need >= 1, equal)")
-    device = caches[0].layers[0].keys.device
-    if n == 1:
+    def __init__(self, model: Any) -> None:
+        """Record the model; no cache exists until the first join."""
+        self.model = model
+        self._keys: list[Hashable] = []
+        self._pads: list[int] = []
+        """Left padding columns of each row of the batch cache."""
+        self._cache: Any = None
+        self._joining: dict[Hashable, Any] = {}
+        self._leaving: set[Hashable] = set()
+        self.pad_s = 0.0
+        """Seconds spent rebuilding the batch cache (joins and leaves), since construction."""
+
+    def __len__(self) -> int:
+        return len(self._keys) + len(self._joining) - len(self._leaving)
+
+    @property
+    def members(self) -> list[Hashable]:
+        """The members as of the next step (joined, not left)."""
+        return [k for k in self._keys if k not in self._leaving] + list(self._joining)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return (key in self._joining or key in self._keys) and key not in self._leaving
+
+    def join(self, key: Hashable, cache: Any) -> None:
+        """Add a sequence (its cache must be non-empty). InvalidArgument if ``key`` is a member."""
+        if key in self:
+            raise InvalidArgument(f"{key!r} is already in the batch")
+        if cache.get_seq_length() < 1:
+            raise InvalidArgument("a joining sequence needs at least one token of KV")
+        self._leaving.discard(key)
+        self._joining[key] = cache
+
+    def leave(self, key: Hashable) -> None:
+        """Drop a member; InvalidArgument if it is not one."""
+        if key not in self:
+            raise InvalidArgument(f"{key!r} is not in the batch")
+        if self._joining.pop(key, None) is None:
+            self._leaving.add(key)
+
+    def step(self, last_tokens: Mapping[Hashable, int]) -> dict[Hashable, int]:
+        """One greedy token for every member; ``last_tokens`` names each member's last token
+        exactly (InvalidArgument otherwise)."""
+        import torch
+
+        self._apply_changes()
+        if not self._keys or set(last_tokens) != set(self._keys) or \
+                len(last_tokens) != len(self._keys):
+            raise InvalidArgument("last_tokens must name every member of a non-empty batch")
+        device = self._cache.layers[0].keys.device
+        ids = torch.tensor([[last_tokens[k]] for k in self._keys], dtype=torch.long,
+                           device=device)
+        kwargs: dict[str, Any] = {}
+        if any(self._pads):  # only a single, unpadded row decodes without mask and positions
+            longest = self._cache.get_seq_length()
+            mask = torch.ones((len(self._keys), longest + 1), dtype=torch.long, device=device)
+            for i, pad in enumerate(self._pads):
+                mask[i, :pad] = 0
+            kwargs["attention_mask"] = mask
+            kwargs["position_ids"] = torch.tensor([[longest - pad] for pad in self._pads],
+                                                  dtype=torch.long, device=device)
         with torch.no_grad():
-            out = model(input_ids=torch.tensor([[last_tokens[0]]], dtype=torch.long,
-                                               device=device),
-                        past_key_values=caches[0], use_cache=True, logits_to_keep=1)
-        if out.past_key_values is not caches[0]:
-            # transformers updates a DynamicCache in place; callers rely on it.
+            out = self.model(input_ids=ids, past_key_values=self._cache, use_cache=True,
+                             logits_to_keep=1, **kwargs)
+        if out.past_key_values is not self._cache:
+            # transformers updates a DynamicCache in place; the batch relies on it.
             raise InvariantViolation("the model returned a new cache instead of updating it")
-        return DecodeStep([int(torch.argmax(out.logits[0, -1]))], 0.0)
-    pad_start = time.perf_counter()
-    padded, mask, positions = pad_caches(caches)
-    pad_s = time.perf_counter() - pad_start
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor([[t] for t in last_tokens], dtype=torch.long,
-                                           device=device),
-                    attention_mask=mask, position_ids=positions,
-                    past_key_values=padded, use_cache=True, logits_to_keep=1)
-    nxt = torch.argmax(out.logits[:, -1], dim=-1).tolist()
-    for i, cache in enumerate(caches):
-        for layer_idx, layer in enumerate(out.past_key_values.layers):
-            cache.update(layer.keys[i: i + 1, :, -1:], layer.values[i: i + 1, :, -1:],
-                         layer_idx)
-    return DecodeStep([int(t) for t in nxt], pad_s)
+        nxt = torch.argmax(out.logits[:, -1], dim=-1).tolist()
+        return {k: int(t) for k, t in zip(self._keys, nxt, strict=True)}
+
+    def _apply_changes(self) -> None:
+        """Rebuild the batch cache for the joins and leaves since the last step."""
+        if not self._joining and not self._leaving:
+            return
+        start = time.perf_counter()
+        rows: list[tuple[Hashable, Any, int]] = []  # key, cache holding the row, row index
+        for i, key in enumerate(self._keys):
+            if key not in self._leaving:
+                rows.append((key, self._cache, i))
+        rows += [(key, cache, 0) for key, cache in self._joining.items()]
+        self._joining.clear()
+        self._leaving.clear()
+        if not rows:
+            self._keys, self._pads, self._cache = [], [], None
+            self.pad_s += time.perf_counter() - start
+            return
+        if len(rows) == 1:
+            key, cache, row = rows[0]
+            if cache is self._cache:  # the last member of a batch: its row alone, unpadded
+                cache = _rows_cache(cache, [(row, self._pads[row])])
+            self._keys, self._pads, self._cache = [key], [0], cache  # a joiner's is adopted
+            self.pad_s += time.perf_counter() - start
+            return
+        spans = [(cache, row, self._pads[row] if cache is self._cache else 0)
+                 for _key, cache, row in rows]
+        lengths = [c.get_seq_length() - pad for c, _row, pad in spans]
+        longest = max(lengths)
+        self._cache = _padded_cache(spans, lengths, longest)
+        self._keys = [key for key, _c, _r in rows]
+        self._pads = [longest - n for n in lengths]
+        self.pad_s += time.perf_counter() - start
 
 
-def pad_caches(caches: Sequence[Any]) -> tuple[Any, torch.Tensor, torch.Tensor]:
-    """Left-pad one-sequence caches into one batch cache; returns it, the 2-D attention mask
-    (padding hidden, one more column for the token being decoded) and the position ids (each
-    sequence's own length)."""
-    import torch
+def _padded_cache(spans: Sequence[tuple[Any, int, int]], lengths: Sequence[int],
+                  longest: int) -> Any:
+    """A batch cache whose row ``i`` is row ``spans[i][1]`` of cache ``spans[i][0]`` without its
+    ``spans[i][2]`` leading padding columns, left-padded with zeros to ``longest``."""
     from transformers.cache_utils import DynamicCache
 
-    lengths = [c.get_seq_length() for c in caches]
-    longest = max(lengths)
-    device = caches[0].layers[0].keys.device
     batch = DynamicCache()
-    for layer_idx, first in enumerate(caches[0].layers):
+    first = spans[0][0]
+    for layer_idx in range(len(first.layers)):
         kv = []
         for name in ("keys", "values"):
-            ref = getattr(first, name)
-            t = ref.new_zeros((len(caches), ref.shape[1], longest, ref.shape[3]))
-            for i, (cache, n) in enumerate(zip(caches, lengths, strict=True)):
-                t[i, :, longest - n:] = getattr(cache.layers[layer_idx], name)[0]
+            ref = getattr(first.layers[layer_idx], name)
+            t = ref.new_zeros((len(spans), ref.shape[1], longest, ref.shape[3]))
+            for i, ((cache, row, pad), n) in enumerate(zip(spans, lengths, strict=True)):
+                t[i, :, longest - n:] = getattr(cache.layers[layer_idx], name)[row, :, pad:]
             kv.append(t)
         batch.update(kv[0], kv[1], layer_idx)
-    mask = torch.zeros((len(caches), longest + 1), dtype=torch.long, device=device)
-    for i, n in enumerate(lengths):
-        mask[i, longest - n:] = 1
-    positions = torch.tensor([[n] for n in lengths], dtype=torch.long, device=device)
-    return batch, mask, positions
+    return batch
+
+
+def _rows_cache(cache: Any, rows: Sequence[tuple[int, int]]) -> Any:
+    """A cache of the given (row, leading padding) rows of ``cache``, padding dropped."""
+    lengths = [cache.get_seq_length() - pad for _row, pad in rows]
+    return _padded_cache([(cache, row, pad) for row, pad in rows], lengths, max(lengths))

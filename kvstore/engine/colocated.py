@@ -14,10 +14,11 @@ It replays an open-loop arrival trace in real time and schedules iterations in o
   forward calls of the same iteration (the reference model is Hugging Face's, which has no
   fused ragged kernel); the budget, not the fusion, is what bounds an iteration's latency.
 
-**Batched decode over ragged KV.** Each sequence keeps its own one-sequence ``DynamicCache``;
-a decode step over the running sequences is :func:`kvstore.engine.batching.batched_decode_step`
-(left-padded batch, 2-D mask, per-sequence positions; shared with the disaggregated decode
-worker). Greedy outputs equal those of a single-request reference token for token
+**Batched decode over ragged KV.** Each sequence prefills into its own one-sequence
+``DynamicCache``; the running sequences decode in a :class:`kvstore.engine.batching.DecodeBatch`
+(one left-padded batch cache kept across steps, 2-D mask, per-sequence positions; shared with
+the disaggregated decode worker), which takes a sequence's cache when it starts decoding.
+Greedy outputs equal those of a single-request reference token for token
 (``tests/engine/test_colocated.py``).
 
 Threading: an engine is used from one thread; :meth:`ColocatedEngine.serve` blocks until every
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from kvstore.engine.batching import DecodeBatch
 from kvstore.errors import ConfigError, InvalidArgument
 
 __all__ = ["ColocatedConfig", "ColocatedEngine", "ColocatedRequest", "ColocatedResult",
@@ -120,9 +122,10 @@ class ForwardStats:
     prefill_s: float = 0.0
     decode_steps: int = 0
     decode_s: float = 0.0
-    """Batched decode steps, padding and the copy back of the new K/V included."""
+    """Batched decode steps, rebuilding the padded batch cache included."""
     pad_s: float = 0.0
-    """Building the left-padded batch cache (part of ``decode_s``)."""
+    """Rebuilding the left-padded batch cache when sequences join or leave (part of
+    ``decode_s``)."""
 
     @property
     def prefill_ms_per_token(self) -> float:
@@ -161,6 +164,7 @@ class ColocatedEngine:
         """Decode steps per batch size in the last :meth:`serve` (how much batching happened)."""
         self.forward_stats = ForwardStats()
         """Forward time of the last :meth:`serve`."""
+        self._batch: DecodeBatch | None = None
 
     # --- the loop ---------------------------------------------------------------------------
 
@@ -178,6 +182,7 @@ class ColocatedEngine:
         done: dict[str, ColocatedResult] = {}
         self.decode_batch_sizes.clear()
         self.forward_stats = ForwardStats()
+        self._batch = DecodeBatch(self.model)
         t0 = time.perf_counter()
 
         def now() -> float:
@@ -266,14 +271,21 @@ class ColocatedEngine:
             self.forward_stats.decode_s += time.perf_counter() - start
 
     def _decode_forward(self, seqs: list[_Sequence]) -> None:
-        from kvstore.engine.batching import batched_decode_step
-
+        batch = self._batch
+        assert batch is not None, "serve() makes the batch"
         self.decode_batch_sizes[len(seqs)] += 1
-        step = batched_decode_step(self.model, [s.cache for s in seqs],
-                                   [s.tokens[-1] for s in seqs])
-        self.forward_stats.pad_s += step.pad_s
-        for seq, token in zip(seqs, step.tokens, strict=True):
-            seq.tokens.append(token)
+        members = {s.request.request_id: s for s in seqs}
+        for key in batch.members:
+            if key not in members:
+                batch.leave(key)  # finished at the previous step
+        for key, seq in members.items():
+            if key not in batch:
+                batch.join(key, seq.cache)  # the batch owns its KV from now on
+        pad_before = batch.pad_s
+        nxt = batch.step({key: seq.tokens[-1] for key, seq in members.items()})
+        self.forward_stats.pad_s += batch.pad_s - pad_before
+        for key, seq in members.items():
+            seq.tokens.append(nxt[key])
 
 
 def reference_generate(model: Any, token_ids: list[int], max_new_tokens: int) -> list[int]:

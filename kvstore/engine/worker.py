@@ -40,7 +40,7 @@ computes one request at a time, in arrival order. The decode worker runs continu
 on its compute thread: a request's KV load starts as it arrives (on the KVClient's threads,
 overlapping the running batch), the request joins the running batch between two steps once
 its load is done, and every step is one batched forward over all running sequences with
-ragged KV (:func:`kvstore.engine.batching.batched_decode_step`, shared with the colocated
+ragged KV (:class:`kvstore.engine.batching.DecodeBatch`, shared with the colocated
 engine); greedy outputs equal one-at-a-time decoding. Both register an
 :class:`~conductor.engines.EngineRecord` under an etcd lease (refreshed every TTL/3; the
 record vanishes with the process) and report load and completions to the conductor; a failed
@@ -93,6 +93,7 @@ if TYPE_CHECKING:
 
     from conductor.client import ConductorClient
     from kvstore.client.kv_client import KVClient, LoadHandle, RemoteFetch
+    from kvstore.engine.batching import DecodeBatch
     from kvstore.engine.kvlayout import KVLayout
 
 log = logging.getLogger(__name__)
@@ -652,9 +653,10 @@ class DecodeWorker(_Worker):
     :meth:`_decode_loop`: between two steps it starts the loads of new arrivals (on the
     KVClient's executor, so they overlap the running batch's steps), moves every job whose load
     finished into the running batch (at most ``max_decode_batch``; later ones wait), runs one
-    :func:`~kvstore.engine.batching.batched_decode_step` over the whole batch (ragged KV: each
-    sequence its own cache) and answers the jobs that reached ``max_new_tokens``. Outputs equal
-    one-request-at-a-time decoding token for token (tests/engine/test_cluster.py).
+    :class:`~kvstore.engine.batching.DecodeBatch` step over the whole batch (ragged KV: one
+    left-padded batch cache, rebuilt only when a sequence joins or leaves) and answers the
+    jobs that reached ``max_new_tokens``. Outputs equal one-request-at-a-time decoding token
+    for token (tests/engine/test_cluster.py).
     """
 
     def __init__(self, config: WorkerConfig) -> None:
@@ -662,6 +664,8 @@ class DecodeWorker(_Worker):
         super().__init__(config)
         self._inbox: queue.SimpleQueue[_DecodeJob | None] = queue.SimpleQueue()
         self._loop_future: cf.Future[None] | None = None
+        self._batch: DecodeBatch | None = None
+        """The running sequences' batch (compute thread only)."""
         self.decode_batch_sizes: collections.Counter[int] = collections.Counter()
         """Decode steps per batch size since start (how much batching happened)."""
 
@@ -724,6 +728,9 @@ class DecodeWorker(_Worker):
 
     def _decode_loop(self) -> None:
         """Continuous batching until the stop sentinel (see the class docstring)."""
+        from kvstore.engine.batching import DecodeBatch
+
+        self._batch = DecodeBatch(self.model)
         loading: list[_DecodeJob] = []
         running: list[_DecodeJob] = []
         stopping = False
@@ -816,29 +823,33 @@ class DecodeWorker(_Worker):
         if job.max_new_tokens == 1:
             job.deliver(job.outcome(job.joined_s), None)
         else:
+            assert self._batch is not None
+            self._batch.join(job, job.cache)  # the batch owns the KV from now on
+            job.cache = None
             running.append(job)
 
     def _step(self, running: list[_DecodeJob]) -> None:
         """One token for every running job; answer the finished ones."""
-        from kvstore.engine.batching import batched_decode_step
+        from kvstore.engine.batching import DecodeBatch
 
-        batch = len(running)
+        assert self._batch is not None
+        size = len(running)
         try:
-            step = batched_decode_step(self.model, [j.cache for j in running],
-                                       [j.tokens[-1] for j in running])
+            nxt = self._batch.step({job: job.tokens[-1] for job in running})
         except Exception as exc:  # a bug: every job of the batch hears of it
             for job in running:
                 job.deliver(None, exc)
             running.clear()
+            self._batch = DecodeBatch(self.model)
             return
-        self.decode_batch_sizes[batch] += 1
+        self.decode_batch_sizes[size] += 1
         now = time.perf_counter()
-        for job, token in zip(list(running), step.tokens, strict=True):
-            job.tokens.append(token)
-            job.batch_sum += batch
+        for job in list(running):
+            job.tokens.append(nxt[job])
+            job.batch_sum += size
             if len(job.tokens) >= job.max_new_tokens:
                 running.remove(job)
-                job.cache = None
+                self._batch.leave(job)
                 job.deliver(job.outcome(now), None)
 
 
