@@ -3,17 +3,24 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup run test lint bench-quick clean
+.PHONY: setup native run test lint bench-quick clean
 
 setup:
 	@bash scripts/setup.sh
 
+## native: build the optional native fast path (native/fastpath.c; see native/README.md)
+native: native/build/libkvtier_fastpath.so
+
+native/build/libkvtier_fastpath.so: native/fastpath.c native/third_party/xxhash.h
+	@mkdir -p native/build
+	gcc -O2 -Wall -shared -fPIC -o $@ native/fastpath.c
+
 ## run: set up, then run the main job (a local cluster serving a slice of a real trace with KV reuse)
-run: setup
+run: setup native
 	$(PY) -m kvstore.cli.main run
 
 ## test: set up, then run the whole suite (lint and type checks included)
-test: setup
+test: setup native
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy kvstore conductor bench
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -36,6 +36,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvstore.dataplane import native
 from kvstore.dataplane.arena import copy_bytes
 from kvstore.dataplane.compress import CodecKind
 from kvstore.dataplane.dram import DramSlot, DramTier
@@ -47,6 +48,7 @@ from kvstore.errors import (
     InvalidArgument,
     InvariantViolation,
     SizeMismatch,
+    TierUnavailable,
 )
 from kvstore.node.cache import TieredCache
 from kvstore.node.index import Lease
@@ -187,6 +189,38 @@ class CacheLeaseBackend:
         self.dram: DramTier = dram
         self.parents = parents or ParentHints()
         self._read_ttl_s = read_ttl_s or cache.config.lease_ttl_s
+        self._native_lock = threading.Lock()
+        self._native_source: native.NativeReadSource | None = None
+        self.native_hits = 0
+        """Hits served by the TCP server's native loop (accounted through ``record_reads``)."""
+        self.native_bytes = 0
+
+    def native_serving(self) -> native.NativeServing | None:
+        """What the TCP server's native small-GET loop needs (``native/fastpath.c``): the
+        loaded library and this DRAM tier's arena and read index mapped for it; None when the
+        library is not loaded (or ``KVTIER_NATIVE=0``) or the tier publishes no read index.
+        The mappings are made once and kept for this backend's life."""
+        library = native.load()
+        index_name = self.dram.read_index_name
+        if library is None or not index_name:
+            return None
+        with self._native_lock:
+            if self._native_source is None:
+                try:
+                    self._native_source = native.NativeReadSource.attach(self.dram.arena_name,
+                                                                        index_name)
+                except (InvalidArgument, TierUnavailable) as exc:
+                    log.warning("native fast path off: %s", exc)
+                    return None
+            source = self._native_source
+        return native.NativeServing(library, source, self.record_native_reads)
+
+    def record_native_reads(self, keys: list[bytes]) -> None:
+        """Account chunks the native loop copied out of DRAM (one key per hit): hits and
+        recency, as for a same-host client's lease-free reads (``TieredCache.record_reads``)."""
+        hits, nbytes = self.cache.record_reads(keys)
+        self.native_hits += hits
+        self.native_bytes += nbytes
 
     def open_read(self, key: bytes) -> CacheReadLease:
         k = check_key(key)

@@ -20,6 +20,15 @@ Small values: two system calls per request on each side
     (``LeaseBackend.read_into``: no pin) behind the response header and sent with one
     ``send``. Measurements: docs/transport.md, "Small values".
 
+Native small-GET loop
+    When the native library is loaded (:mod:`kvstore.dataplane.native`) and the backend offers
+    ``native_serving()`` (the daemon's ``CacheLeaseBackend`` with a read index), each connection
+    thread runs ``kvt_serve`` from ``native/fastpath.c`` with the GIL released: it answers plain
+    small GETs of chunks published in the read index with the same bytes as ``_get_copy`` and
+    returns with the receive-buffer positions at any frame it does not serve, which Python then
+    serves with the code below before calling back. Keys it served are fed back to the backend
+    (hits, recency). Design: docs/transport.md, "The native small-GET loop".
+
 Striping
     Values of at least ``stripe_threshold_bytes`` are split into one range per pooled connection
     and moved in parallel threads (sockets release the GIL). Reads use ``GET_RANGE``; writes use
@@ -50,6 +59,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import errno
 import itertools
 import logging
 import os
@@ -67,6 +78,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from kvstore.dataplane import native
 from kvstore.dataplane.tier import MAX_KEY_BYTES, Buffer, ChunkKey, check_key
 from kvstore.dataplane.transport.base import Endpoint, LeaseBackend, TransportKind, WriteLease
 from kvstore.dataplane.transport.frames import (
@@ -941,6 +953,10 @@ class TcpServerConfig:
     """GETs of at most this many bytes are copied out of the backend (``read_into``) into a
     per-connection buffer and sent from there, instead of pinning the chunk under a read lease
     for the send (see docs/transport.md, "Small values"). 0: always lease."""
+    native_fast_path: bool = True
+    """Serve small GETs of chunks published in the backend's read index from the native loop
+    (``native/fastpath.c``) when the library is loaded and the backend offers
+    ``native_serving()`` (docs/transport.md, "The native small-GET loop"). False: Python only."""
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -1016,6 +1032,10 @@ class TcpServer:
         self._conn_ids = itertools.count(1)
         self._counts: Counter[str] = Counter()
         self._retired_counts = [0] * _COUNTER_SLOTS
+        self._native: native.NativeServing | None = None
+        self._native_cfg: ctypes.Array[ctypes.c_int64] | None = None
+        self._native_closing = ctypes.c_int32(0)
+        """Read by the C loop: nonzero once ``close`` began (receive only what is there)."""
 
     @property
     def config(self) -> TcpServerConfig:
@@ -1031,6 +1051,28 @@ class TcpServer:
             raise TransportError("server is not started")
         return self._endpoint
 
+    @property
+    def native_active(self) -> bool:
+        """True when connections run the native small-GET loop (set at ``start``)."""
+        return self._native is not None
+
+    def _setup_native(self) -> None:
+        """Use the native loop when the config allows it, the library loads and the backend
+        offers a read source (``native_serving()``, optional); otherwise stay in Python."""
+        cfg = self._config
+        if not cfg.native_fast_path or cfg.copy_read_max_bytes == 0:
+            return
+        offer = getattr(self._backend, "native_serving", None)
+        if offer is None:
+            return
+        serving = offer()
+        if serving is None:
+            return
+        self._native = serving
+        self._native_cfg = serving.source.config(copy_read_max_bytes=cfg.copy_read_max_bytes,
+                                                 max_value_bytes=cfg.max_value_bytes)
+        log.info("TCP server: native small-GET loop on (%s)", serving.library.path)
+
     def start(self) -> Endpoint:
         with self._lock:
             if self._closed or self._listener is not None:
@@ -1041,6 +1083,7 @@ class TcpServer:
             except OSError as exc:
                 raise TransportError(f"cannot listen on {cfg.host}:{cfg.port}: {exc}") from exc
             self._listener = listener
+            self._setup_native()
             host, port = listener.getsockname()[:2]
             self._endpoint = Endpoint(TransportKind.TCP, host, port)
             self._wake_r, self._wake_w = os.pipe()
@@ -1060,6 +1103,7 @@ class TcpServer:
             self._closed = True
             started = self._listener is not None
             self._closing.set()
+            self._native_closing.value = 1
         if not started:
             return
         os.write(self._wake_w, b"x")  # never read: stays readable for every poller
@@ -1100,7 +1144,7 @@ class TcpServer:
         with self._lock:
             totals = list(self._retired_counts)
             for handler in self._connections.values():
-                for i, n in enumerate(handler.counts):
+                for i, n in enumerate(handler.snapshot_counts()):
                     totals[i] += n
             return TcpServerStats(
                 requests={op.name: totals[op] for op in Opcode},
@@ -1166,7 +1210,7 @@ class TcpServer:
     def _forget(self, handler: _ServerConnection) -> None:
         with self._lock:
             if self._connections.pop(handler.conn_id, None) is not None:
-                for i, n in enumerate(handler.counts):
+                for i, n in enumerate(handler.snapshot_counts()):
                     self._retired_counts[i] += n
 
     def _begin_reservation(self, key: ChunkKey, lease: WriteLease) -> int:
@@ -1236,6 +1280,26 @@ class TcpServer:
         return True
 
 
+@dataclass(frozen=True, slots=True)
+class _NativeOutcome:
+    """What the connection loop does after a call into the native loop."""
+
+    announced: bool
+    """The last request served announced another (``Flags.MORE``)."""
+    again: bool
+    """Call the native loop again at once."""
+    eof: bool
+    """The peer closed the connection."""
+
+
+_NATIVE_SLOW = int(native.NativeReturn.SLOW)
+_NATIVE_IDLE = int(native.NativeReturn.IDLE)
+_NATIVE_EOF = int(native.NativeReturn.EOF)
+_NATIVE_RING = int(native.NativeReturn.RING)
+_NATIVE_RECV_ERROR = int(native.NativeReturn.RECV_ERROR)
+_NATIVE_SEND_ERROR = int(native.NativeReturn.SEND_ERROR)
+
+
 class _ServerConnection:
     """One client connection, served by its own thread until EOF, error or shutdown.
 
@@ -1286,6 +1350,22 @@ class _ServerConnection:
         self._handlers: list[Callable[[Header, ChunkKey], None] | None] = [
             by_opcode.get(Opcode(i)) if i in _OPCODE_VALUES else None
             for i in range(max(Opcode) + 1)]
+        self.native_loop: native.NativeLoop | None = None
+        """The C loop's state for this connection (None: Python only)."""
+        if server._native is not None and server._native_cfg is not None:
+            self.native_loop = native.NativeLoop(server._native, server._native_cfg,
+                                                 server._native_closing, sock.fileno(),
+                                                 self.rbuf, self.out)
+
+    def snapshot_counts(self) -> list[int]:
+        """This connection's counters, the native loop's included (live: the C loop updates
+        its own as it serves)."""
+        counts = list(self.counts)
+        loop = self.native_loop
+        if loop is not None:
+            counts[_GET] += loop.st[native.ST_GETS]
+            counts[_BYTES_SENT] += loop.st[native.ST_BYTES_SENT]
+        return counts
 
     def cut(self) -> None:
         """Force the connection down (from another thread): blocked I/O fails at once."""
@@ -1295,8 +1375,22 @@ class _ServerConnection:
     def serve(self) -> None:
         header: Header | None = None
         announced = False
+        loop = self.native_loop
         try:
             while True:
+                if loop is not None:
+                    # The C loop serves plain small GETs of published chunks and hands back
+                    # everything else with the buffer positions at that frame (module
+                    # docstring, "Native small-GET loop").
+                    header = None
+                    outcome = self._run_native(loop, announced)
+                    announced = outcome.announced
+                    if outcome.again:
+                        continue
+                    if outcome.eof:
+                        if self.rpos == self.rend:
+                            break
+                        raise PeerUnavailable("peer closed the connection inside a frame")
                 # After close(), requests already received or on the socket are still served
                 # (drained), and the loop ends once the socket has nothing more. A request
                 # flagged MORE announced the next one: it is read as part of a frame.
@@ -1320,9 +1414,48 @@ class _ServerConnection:
             log.exception("bug while serving %s; closing the connection", self.peer)
             self._reply_quietly(header, Status.INTERNAL, f"{type(exc).__name__}: {exc}")
         finally:
+            if loop is not None:
+                self._account_native_hits(loop)
             with contextlib.suppress(OSError):
                 self.sock.close()
             self.server._forget(self)
+
+    # --- the native loop ----------------------------------------------------------------------
+
+    def _run_native(self, loop: native.NativeLoop, announced: bool) -> _NativeOutcome:
+        """One call into the C loop (GIL released), then the hits it served are accounted.
+        Raises PeerUnavailable on a receive or send failure."""
+        rc, self.rpos, self.rend, last_flags = loop.serve(self.rpos, self.rend,
+                                                          _MORE if announced else 0)
+        announced = bool(last_flags & _MORE)
+        self._account_native_hits(loop)
+        if rc == _NATIVE_SLOW:
+            return _NativeOutcome(announced, again=False, eof=False)
+        if rc == _NATIVE_RING:
+            return _NativeOutcome(announced, again=True, eof=False)
+        if rc == _NATIVE_IDLE:
+            # Nothing pending and no request announced: wait in C again unless closing. A
+            # partial frame, or an announced one, is read by Python (stall timeout, drain).
+            again = (self.rpos == self.rend and not announced
+                     and not self.server._closing.is_set())
+            return _NativeOutcome(announced, again=again, eof=False)
+        if rc == _NATIVE_EOF:
+            return _NativeOutcome(announced, again=False, eof=True)
+        err = os.strerror(int(loop.st[native.ST_ERRNO]))
+        if rc == _NATIVE_RECV_ERROR:
+            raise PeerUnavailable(f"connection failed: {err}")
+        if rc == _NATIVE_SEND_ERROR:
+            if loop.st[native.ST_ERRNO] in (errno.EAGAIN, errno.EWOULDBLOCK):
+                raise PeerUnavailable("timed out sending GET response")
+            raise PeerUnavailable(f"connection failed sending GET response: {err}")
+        raise InvariantViolation(f"native loop refused its configuration (return code {rc})")
+
+    def _account_native_hits(self, loop: native.NativeLoop) -> None:
+        """Feed the keys the C loop served to the backend (hits, recency), as a same-host
+        client's lease-free reads are fed."""
+        if loop.st[native.ST_RING_COUNT]:
+            assert self.server._native is not None
+            self.server._native.record_hits(loop.take_hits())
 
     # --- the receive buffer -------------------------------------------------------------------
 

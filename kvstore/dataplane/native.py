@@ -1,0 +1,329 @@
+"""The optional native fast path (``native/fastpath.c``): loader, layout hand-over, and a small
+typed wrapper around the TCP server's small-GET loop.
+
+The library is an accelerator, never a requirement: :func:`load` returns None when it is not
+built, cannot be loaded, was built for another ABI, or ``KVTIER_NATIVE=0``; everything then runs
+in Python exactly as without it. Build it with ``make native`` (``scripts/setup.sh`` does it too):
+``gcc -O2 -shared -fPIC``, output ``native/build/libkvtier_fastpath.so`` (ignored by git).
+``KVTIER_NATIVE_LIB`` names another file. Design and measurements: ``native/README.md``,
+``docs/transport.md`` ("The native small-GET loop").
+
+``ctypes.CDLL`` functions release the GIL for the duration of each call, so a connection thread
+inside :meth:`NativeLoop.serve` lets every other thread of the daemon run.
+
+The read index's layout (slot size, field offsets, header size) is passed from
+:mod:`kvstore.dataplane.read_index` into the C code at start (:class:`NativeReadSource`), so the
+C side never hard-codes it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import functools
+import logging
+import os
+import shutil
+import subprocess
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvstore.dataplane import read_index as ri
+from kvstore.dataplane.arena import ArenaAccess, ShmArena, buffer_address
+from kvstore.dataplane.tier import MAX_KEY_BYTES
+from kvstore.errors import InvalidArgument, TierUnavailable
+
+log = logging.getLogger(__name__)
+
+ABI = 1
+"""Must equal ``KVT_ABI`` in fastpath.c (checked at load)."""
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SOURCE_PATH = REPO_ROOT / "native" / "fastpath.c"
+LIBRARY_PATH = REPO_ROOT / "native" / "build" / "libkvtier_fastpath.so"
+ENV_SWITCH = "KVTIER_NATIVE"
+ENV_LIBRARY = "KVTIER_NATIVE_LIB"
+
+RING_ENTRIES = 256
+"""Hit-ring entries per connection; the loop returns to Python when half are used."""
+RING_ENTRY_BYTES = 1 + MAX_KEY_BYTES + 7
+"""A key-length byte, the key, padding to 72 bytes."""
+COPY_ATTEMPTS = 4
+"""Seqlock copies tried before a hit is handed to Python (which then takes its own path)."""
+
+# cfg[] and st[] indexes: mirror the enums at the top of fastpath.c.
+(_CFG_ABI, _CFG_ARENA_ADDR, _CFG_ARENA_BYTES, _CFG_INDEX_ADDR, _CFG_INDEX_SLOTS,
+ _CFG_INDEX_HEADER_BYTES, _CFG_SLOT_BYTES, _CFG_SEQ_AT, _CFG_OFFSET_AT, _CFG_SIZE_AT,
+ _CFG_STATE_AT, _CFG_KLEN_AT, _CFG_KEY_AT, _CFG_STATE_LIVE, _CFG_STATE_EMPTY,
+ _CFG_MAX_KEY_BYTES, _CFG_FRAME_MAGIC, _CFG_FRAME_VERSION, _CFG_OP_GET, _CFG_FLAG_ANY_SIZE,
+ _CFG_FLAG_MORE, _CFG_COPY_READ_MAX, _CFG_MAX_VALUE_BYTES, _CFG_ATTEMPTS, _CFG_RING_ENTRIES,
+ _CFG_RING_ENTRY_BYTES, _CFG_COUNT) = range(27)
+(ST_RPOS, ST_REND, ST_LAST_FLAGS, ST_GETS, ST_BYTES_SENT, ST_RING_COUNT, ST_RETRIES,
+ ST_FALLBACKS, ST_ERRNO, ST_SENT, _ST_COUNT) = range(11)
+
+# The read index's slot layout, from its own struct definitions (read_index.py docstring):
+# seq at 0, then _BODY = offset (u64), size (u64), state (u8), key length (u8); key at KEY_AT.
+_SEQ_AT = 0
+_OFFSET_AT = _SEQ_AT + ri._SEQ.size
+_SIZE_AT = _OFFSET_AT + 8
+_STATE_AT = _SIZE_AT + 8
+_KLEN_AT = _STATE_AT + 1
+if ri._BODY.format not in ("<QQBB",) or ri._SLOT.size != _KLEN_AT + 1:  # pragma: no cover
+    raise ImportError("kvstore.dataplane.read_index changed its slot layout: update native.py")
+
+
+class NativeReturn(enum.IntEnum):
+    """Why :meth:`NativeLoop.serve` returned (``KVT_*`` in fastpath.c)."""
+
+    SLOW = 1
+    """A complete frame header at ``rpos`` that Python must serve."""
+    IDLE = 2
+    """The buffer needs bytes and none came within the receive tick (or the server closes)."""
+    EOF = 3
+    """The peer closed the connection."""
+    RING = 4
+    """The hit ring needs draining."""
+    RECV_ERROR = 5
+    SEND_ERROR = 6
+    BAD_CONFIG = 7
+
+
+class _Library:
+    """The loaded shared library with its function signatures declared."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        i64p = ctypes.POINTER(ctypes.c_int64)
+        u8p = ctypes.c_void_p
+        self.serve = lib.kvt_serve
+        self.serve.argtypes = [i64p, i64p, ctypes.c_int, u8p, ctypes.c_int64, u8p,
+                               ctypes.c_int64, u8p, ctypes.c_void_p]
+        self.serve.restype = ctypes.c_int
+        self.xxh3_64 = lib.kvt_xxh3_64
+        self.xxh3_64.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+        self.xxh3_64.restype = ctypes.c_uint64
+        self.index_read = lib.kvt_index_read
+        self.index_read.argtypes = [i64p, i64p, ctypes.c_char_p, ctypes.c_uint32,
+                                    ctypes.c_int64, u8p, ctypes.c_int64]
+        self.index_read.restype = ctypes.c_int64
+        lib.kvt_abi.restype = ctypes.c_int
+        self.abi = int(lib.kvt_abi())
+
+
+def enabled_by_env() -> bool:
+    """False when ``KVTIER_NATIVE=0`` (or ``false``/``off``/``no``)."""
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def library_path() -> Path:
+    override = os.environ.get(ENV_LIBRARY)
+    return Path(override) if override else LIBRARY_PATH
+
+
+_load_lock = threading.Lock()
+
+
+@functools.lru_cache(maxsize=4)
+def _load_path(path: str) -> _Library | None:
+    try:
+        lib = _Library(ctypes.CDLL(path), Path(path))
+    except (OSError, AttributeError) as exc:
+        log.info("native fast path unavailable (%s): %s", path, exc)
+        return None
+    if lib.abi != ABI:
+        log.warning("native library %s has ABI %d, this code needs %d: rebuild it (make native)",
+                    path, lib.abi, ABI)
+        return None
+    return lib
+
+
+def load() -> _Library | None:
+    """The native library, or None (not built, not loadable, another ABI, ``KVTIER_NATIVE=0``).
+    Checked on every call (cheap: the loaded library is cached per path)."""
+    if not enabled_by_env():
+        return None
+    path = library_path()
+    if not path.is_file():
+        return None
+    with _load_lock:
+        return _load_path(str(path))
+
+
+def build(output: Path | None = None, *, compiler: str | None = None) -> Path:
+    """Compile ``native/fastpath.c`` into ``output`` (default :data:`LIBRARY_PATH`) and return
+    it. Raises TierUnavailable when no C compiler is installed or the build fails."""
+    cc = compiler or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise TierUnavailable("no C compiler (gcc) to build the native fast path")
+    out = output or LIBRARY_PATH
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    cmd = [cc, "-O2", "-Wall", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE_PATH)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise TierUnavailable(f"building the native fast path failed: {done.stderr.strip()}")
+    os.replace(tmp, out)  # a process that loaded the old file keeps its mapping
+    return out
+
+
+# --- the read source: the daemon's arena and read index, mapped for the C loop ------------------
+
+
+class NativeReadSource:
+    """The daemon's DRAM arena and read index mapped (read-only) for the native loop, with the
+    index's layout. Holds its own views for its whole life, so the addresses handed to C stay
+    valid even after the tier closes its mappings (the tier clears the index before it closes:
+    every lookup then misses and Python answers).
+
+    Build with :meth:`attach`; :meth:`close` releases the mappings (only once no connection can
+    be inside the C loop: the owner calls it at shutdown, or never and lets the process end).
+    """
+
+    def __init__(self, arena: ShmArena, index: ShmArena, slots: int) -> None:
+        """Wrap two attached segments; use :meth:`attach`."""
+        self._arena = arena
+        self._index = index
+        self._arena_view = arena.view(0, arena.size_bytes)
+        self._index_view = index.view(0, index.size_bytes)
+        self.arena_address = buffer_address(self._arena_view)
+        self.arena_bytes = arena.size_bytes
+        self.index_address = buffer_address(self._index_view)
+        self.slots = slots
+
+    @classmethod
+    def attach(cls, arena_name: str, index_name: str) -> NativeReadSource:
+        """Map the arena and its read index by name. Raises InvalidArgument (no such segment,
+        or the index does not describe that arena), TierUnavailable (not supported here)."""
+        if not ri.lease_free_supported():
+            raise TierUnavailable("the read index's seqlock needs Linux on x86-64")
+        arena = ShmArena.attach(arena_name, access=ArenaAccess.READ_ONLY)
+        try:
+            index = ShmArena.attach(index_name, access=ArenaAccess.READ_ONLY)
+        except BaseException:
+            arena.close()
+            raise
+        try:
+            head = index.view(0, ri.HEADER_BYTES)
+            magic, version, slot_bytes, slots, arena_bytes, _state = ri._HEADER.unpack_from(head)
+            head.release()
+            if magic != ri.MAGIC or version != ri.VERSION or slot_bytes != ri.SLOT_BYTES \
+                    or slots < ri.MIN_SLOTS or slots & (slots - 1) \
+                    or index.size_bytes < ri.HEADER_BYTES + slots * ri.SLOT_BYTES \
+                    or arena_bytes != arena.size_bytes:
+                raise InvalidArgument(f"{index_name!r} is not a read index of {arena_name!r}")
+            return cls(arena, index, slots)
+        except BaseException:
+            index.close()
+            arena.close()
+            raise
+
+    def close(self) -> None:
+        """Release the views and unmap. Idempotent."""
+        for view in (self._arena_view, self._index_view):
+            view.release()
+        self._index.close()
+        self._arena.close()
+
+    def config(self, *, copy_read_max_bytes: int, max_value_bytes: int) -> ctypes.Array[
+            ctypes.c_int64]:
+        """The ``cfg[]`` array the C loop reads (fastpath.c)."""
+        # Imported here: the transport package imports this module.
+        from kvstore.dataplane.transport.frames import MAGIC, VERSION, Flags, Opcode
+
+        cfg = (ctypes.c_int64 * _CFG_COUNT)()
+        cfg[_CFG_ABI] = ABI
+        cfg[_CFG_ARENA_ADDR] = self.arena_address
+        cfg[_CFG_ARENA_BYTES] = self.arena_bytes
+        cfg[_CFG_INDEX_ADDR] = self.index_address
+        cfg[_CFG_INDEX_SLOTS] = self.slots
+        cfg[_CFG_INDEX_HEADER_BYTES] = ri.HEADER_BYTES
+        cfg[_CFG_SLOT_BYTES] = ri.SLOT_BYTES
+        cfg[_CFG_SEQ_AT] = _SEQ_AT
+        cfg[_CFG_OFFSET_AT] = _OFFSET_AT
+        cfg[_CFG_SIZE_AT] = _SIZE_AT
+        cfg[_CFG_STATE_AT] = _STATE_AT
+        cfg[_CFG_KLEN_AT] = _KLEN_AT
+        cfg[_CFG_KEY_AT] = ri.KEY_AT
+        cfg[_CFG_STATE_LIVE] = ri.SlotState.LIVE.value
+        cfg[_CFG_STATE_EMPTY] = ri.SlotState.EMPTY.value
+        cfg[_CFG_MAX_KEY_BYTES] = MAX_KEY_BYTES
+        cfg[_CFG_FRAME_MAGIC] = int.from_bytes(MAGIC, "little")
+        cfg[_CFG_FRAME_VERSION] = VERSION
+        cfg[_CFG_OP_GET] = int(Opcode.GET)
+        cfg[_CFG_FLAG_ANY_SIZE] = int(Flags.ANY_SIZE)
+        cfg[_CFG_FLAG_MORE] = int(Flags.MORE)
+        cfg[_CFG_COPY_READ_MAX] = copy_read_max_bytes
+        cfg[_CFG_MAX_VALUE_BYTES] = max_value_bytes
+        cfg[_CFG_ATTEMPTS] = COPY_ATTEMPTS
+        cfg[_CFG_RING_ENTRIES] = RING_ENTRIES
+        cfg[_CFG_RING_ENTRY_BYTES] = RING_ENTRY_BYTES
+        return cfg
+
+
+@dataclass(frozen=True, slots=True)
+class NativeServing:
+    """What a TCP server needs to run the native loop: the library, the mapped source, and the
+    callback that accounts hits served natively (keys, one per hit, in serving order)."""
+
+    library: _Library
+    source: NativeReadSource
+    record_hits: Callable[[list[bytes]], None]
+
+    def __post_init__(self) -> None:
+        if not callable(self.record_hits):
+            raise InvalidArgument("record_hits must be callable")
+
+
+class NativeLoop:
+    """One connection's state for the C loop: the ``st[]`` counters, the hit ring and the
+    buffers, pinned as ctypes addresses. Used by one thread (the connection's)."""
+
+    __slots__ = ("_cfg", "_closing", "_fd", "_lib", "_out", "_out_addr", "_rbuf", "_rbuf_addr",
+                 "_ring", "_ring_addr", "_serve", "st")
+
+    def __init__(self, serving: NativeServing, cfg: ctypes.Array[ctypes.c_int64],
+                 closing: ctypes.c_int32, fd: int, rbuf: bytearray, out: bytearray) -> None:
+        """``rbuf`` and ``out`` must not be resized while this loop lives (their addresses
+        are taken once)."""
+        self._lib = serving.library
+        self._serve = serving.library.serve
+        self._cfg = cfg
+        self._closing = closing
+        self._fd = fd
+        self._rbuf = (ctypes.c_uint8 * len(rbuf)).from_buffer(rbuf)
+        self._out = (ctypes.c_uint8 * len(out)).from_buffer(out)
+        self._ring = (ctypes.c_uint8 * (RING_ENTRIES * RING_ENTRY_BYTES))()
+        self._rbuf_addr = ctypes.addressof(self._rbuf)
+        self._out_addr = ctypes.addressof(self._out)
+        self._ring_addr = ctypes.addressof(self._ring)
+        self.st = (ctypes.c_int64 * _ST_COUNT)()
+
+    def serve(self, rpos: int, rend: int, last_flags: int) -> tuple[int, int, int, int]:
+        """Run the C loop from these buffer positions; return (NativeReturn value, rpos, rend,
+        last request flags). The GIL is released meanwhile."""
+        st = self.st
+        st[ST_RPOS] = rpos
+        st[ST_REND] = rend
+        st[ST_LAST_FLAGS] = last_flags
+        rc = self._serve(self._cfg, st, self._fd, self._rbuf_addr, len(self._rbuf),
+                         self._out_addr, len(self._out), self._ring_addr,
+                         ctypes.addressof(self._closing))
+        return rc, st[ST_RPOS], st[ST_REND], st[ST_LAST_FLAGS]
+
+    def take_hits(self) -> list[bytes]:
+        """The keys served since the last call (one per hit), emptying the ring."""
+        n = self.st[ST_RING_COUNT]
+        if not n:
+            return []
+        raw = bytes(self._ring)[:n * RING_ENTRY_BYTES]
+        self.st[ST_RING_COUNT] = 0
+        keys = []
+        for at in range(0, n * RING_ENTRY_BYTES, RING_ENTRY_BYTES):
+            keys.append(raw[at + 1:at + 1 + raw[at]])
+        return keys
+
+    def release(self) -> None:
+        """Drop the buffer exports (the bytearrays may be resized or freed afterwards)."""
+        self._rbuf = self._out = None  # type: ignore[assignment]

@@ -1,0 +1,278 @@
+/*
+ * kvtier native fast path: the TCP server's small-GET loop (docs/transport.md, "The native
+ * small-GET loop"; native/README.md).
+ *
+ * Plain C, no Python headers: loaded with ctypes.CDLL (which releases the GIL for each call) by
+ * kvstore/dataplane/native.py. Python stays the authority: this loop serves only GETs whose
+ * answer is a plain copy of a chunk published in the daemon's read index, and hands every other
+ * frame back (kvt_serve returns KVT_SLOW with the buffer positions at that frame's header).
+ *
+ * Two layouts meet here:
+ *   - the read index (kvstore/dataplane/read_index.py, owned elsewhere): its header size, slot
+ *     size and field offsets arrive in cfg[] from Python at start, never hard-coded here;
+ *   - the data-plane frame (kvstore/dataplane/transport/frames.py): the fixed 64-byte header
+ *     whose field offsets are below; magic, version, opcode and flag values arrive in cfg[].
+ *
+ * Memory ordering: the read index's seqlock protocol (read_index.py, "Memory ordering"; x86-64
+ * TSO). Loads of seq, the fields and the key are acquire loads; an acquire fence separates the
+ * copy from the second load of seq, so the compiler cannot sink a load of the copy below it.
+ */
+#define _GNU_SOURCE
+#define XXH_INLINE_ALL
+#include "third_party/xxhash.h"
+
+#include <errno.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+
+#define KVT_ABI 1
+
+/* cfg[] indexes (mirrored by kvstore/dataplane/native.py: _CFG_*). */
+enum {
+    CFG_ABI = 0,
+    CFG_ARENA_ADDR, CFG_ARENA_BYTES,
+    CFG_INDEX_ADDR, CFG_INDEX_SLOTS, CFG_INDEX_HEADER_BYTES, CFG_SLOT_BYTES,
+    CFG_SEQ_AT, CFG_OFFSET_AT, CFG_SIZE_AT, CFG_STATE_AT, CFG_KLEN_AT, CFG_KEY_AT,
+    CFG_STATE_LIVE, CFG_STATE_EMPTY, CFG_MAX_KEY_BYTES,
+    CFG_FRAME_MAGIC, CFG_FRAME_VERSION, CFG_OP_GET, CFG_FLAG_ANY_SIZE, CFG_FLAG_MORE,
+    CFG_COPY_READ_MAX, CFG_MAX_VALUE_BYTES, CFG_ATTEMPTS,
+    CFG_RING_ENTRIES, CFG_RING_ENTRY_BYTES,
+    CFG_COUNT
+};
+
+/* st[] indexes: per-connection state and counters (native.py: _ST_*). */
+enum {
+    ST_RPOS = 0,     /* in/out: first unparsed byte of rbuf */
+    ST_REND,         /* in/out: end of received bytes in rbuf */
+    ST_LAST_FLAGS,   /* in/out: flags of the last request served (MORE: the next is announced) */
+    ST_GETS,         /* counter: GETs answered here */
+    ST_BYTES_SENT,   /* counter: payload bytes sent by those answers */
+    ST_RING_COUNT,   /* hit-ring entries not yet drained by Python */
+    ST_RETRIES,      /* counter: copies retried because the slot changed */
+    ST_FALLBACKS,    /* counter: hits handed back to Python after the retries ran out */
+    ST_ERRNO,        /* errno of KVT_RECV_ERROR / KVT_SEND_ERROR */
+    ST_SENT,         /* bytes of the failed response that were sent (KVT_SEND_ERROR) */
+    ST_COUNT
+};
+
+/* Return codes (native.py: NativeReturn). */
+enum {
+    KVT_SLOW = 1,        /* a complete header at rpos that Python must serve */
+    KVT_IDLE = 2,        /* rbuf needs bytes and none came within the receive tick (or closing) */
+    KVT_EOF = 3,         /* the peer closed (rpos..rend may hold a partial frame) */
+    KVT_RING = 4,        /* the hit ring needs draining (half full, or before a blocking wait) */
+    KVT_RECV_ERROR = 5,  /* recv failed: st[ST_ERRNO] */
+    KVT_SEND_ERROR = 6,  /* send failed or timed out: st[ST_ERRNO] */
+    KVT_BAD_CONFIG = 7
+};
+
+/* The frame header (frames.py). */
+#define FRAME_BYTES 64
+#define F_MAGIC 0
+#define F_VERSION 4
+#define F_OPCODE 5
+#define F_FLAGS 6
+#define F_STATUS 8
+#define F_KEY_LEN 10
+#define F_RESERVED 12
+#define F_REQUEST_ID 16
+#define F_TRANSFER_ID 24
+#define F_OFFSET 32
+#define F_LENGTH 40
+#define F_TOTAL_SIZE 48
+#define F_PAYLOAD_LEN 56
+
+static inline uint16_t ld16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static inline uint32_t ld32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline uint64_t ld64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+static inline void st16(uint8_t *p, uint16_t v) { memcpy(p, &v, 2); }
+static inline void st32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+static inline void st64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
+
+static inline uint64_t aload64(const uint8_t *p) {
+    return __atomic_load_n((const uint64_t *)p, __ATOMIC_ACQUIRE);
+}
+static inline uint8_t aload8(const uint8_t *p) {
+    return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+}
+
+int kvt_abi(void) { return KVT_ABI; }
+
+uint64_t kvt_xxh3_64(const void *data, size_t len) { return XXH3_64bits(data, len); }
+
+/* Copy chunk `key` out of the arena into dst (room for cap bytes). Returns its size, -1 when
+ * not published (miss), -2 when its size does not fit `want` (want < 0: any size <= cap), -3
+ * when the slot kept changing (conflict). */
+static int64_t index_copy(const int64_t *cfg, int64_t *st, const uint8_t *key, uint32_t klen,
+                          int64_t want, uint8_t *dst, int64_t cap) {
+    const uint8_t *index = (const uint8_t *)(uintptr_t)cfg[CFG_INDEX_ADDR];
+    const uint8_t *arena = (const uint8_t *)(uintptr_t)cfg[CFG_ARENA_ADDR];
+    const uint64_t arena_bytes = (uint64_t)cfg[CFG_ARENA_BYTES];
+    const uint64_t slots = (uint64_t)cfg[CFG_INDEX_SLOTS], mask = slots - 1;
+    const int64_t hdr = cfg[CFG_INDEX_HEADER_BYTES], slot_bytes = cfg[CFG_SLOT_BYTES];
+    const int64_t seq_at = cfg[CFG_SEQ_AT], off_at = cfg[CFG_OFFSET_AT];
+    const int64_t size_at = cfg[CFG_SIZE_AT], state_at = cfg[CFG_STATE_AT];
+    const int64_t klen_at = cfg[CFG_KLEN_AT], key_at = cfg[CFG_KEY_AT];
+    const uint8_t live = (uint8_t)cfg[CFG_STATE_LIVE], empty = (uint8_t)cfg[CFG_STATE_EMPTY];
+    const uint64_t start = XXH3_64bits(key, klen) & mask;
+    for (int64_t attempt = 0; attempt < cfg[CFG_ATTEMPTS]; attempt++) {
+        uint64_t i = start;
+        int torn = 0;
+        for (uint64_t probe = 0; probe < slots; probe++, i = (i + 1) & mask) {
+            const uint8_t *slot = index + hdr + (int64_t)i * slot_bytes;
+            uint64_t seq = aload64(slot + seq_at);
+            if (seq & 1) { torn = 1; break; }
+            uint8_t state = aload8(slot + state_at);
+            if (state == empty) return -1;
+            if (state != live) continue;
+            if (aload8(slot + klen_at) != klen) continue;
+            uint8_t k[256];
+            for (uint32_t j = 0; j < klen; j++) k[j] = aload8(slot + key_at + j);
+            if (memcmp(k, key, klen) != 0) continue;
+            uint64_t offset = aload64(slot + off_at), size = aload64(slot + size_at);
+            if (aload64(slot + seq_at) != seq) { torn = 1; break; }
+            if ((want >= 0 && size != (uint64_t)want) || size > (uint64_t)cap
+                    || offset > arena_bytes || size > arena_bytes - offset)
+                return -2;
+            memcpy(dst, arena + offset, size);
+            __atomic_thread_fence(__ATOMIC_ACQUIRE);
+            if (aload64(slot + seq_at) != seq) { torn = 1; break; }
+            return (int64_t)size;
+        }
+        if (!torn) return -1;  /* a full circle without an empty slot */
+        st[ST_RETRIES]++;
+    }
+    return -3;
+}
+
+/* Exported for tests: the loop's lookup and copy alone. */
+int64_t kvt_index_read(const int64_t *cfg, int64_t *st, const uint8_t *key, uint32_t klen,
+                       int64_t want, uint8_t *dst, int64_t cap) {
+    if (cfg[CFG_ABI] != KVT_ABI || klen == 0 || klen > 255) return -1;
+    return index_copy(cfg, st, key, klen, want, dst, cap);
+}
+
+static int send_all(int fd, const uint8_t *buf, size_t n, int flags, int64_t *st) {
+    size_t sent = 0;
+    while (sent < n) {
+        ssize_t got = send(fd, buf + sent, n - sent, flags | MSG_NOSIGNAL);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            st[ST_ERRNO] = errno;
+            st[ST_SENT] = (int64_t)sent;
+            return -1;
+        }
+        sent += (size_t)got;
+    }
+    return 0;
+}
+
+/* Have at least `need` unparsed bytes at rpos (compacting when they would not fit). Returns 0,
+ * or a KVT_* code to return with. `may_block`: wait for the receive tick (else only what is
+ * there: KVT_RING when the ring holds hits to drain first). */
+static int fill(int fd, int64_t *st, uint8_t *rbuf, int64_t rbuf_bytes, int64_t need,
+                const volatile int32_t *closing) {
+    int64_t rpos = st[ST_RPOS], rend = st[ST_REND];
+    if (rend - rpos >= need) return 0;
+    if (rpos == rend) {
+        rpos = rend = 0;
+    } else if (rpos + need > rbuf_bytes) {
+        memmove(rbuf, rbuf + rpos, (size_t)(rend - rpos));
+        rend -= rpos;
+        rpos = 0;
+    }
+    st[ST_RPOS] = rpos;
+    st[ST_REND] = rend;
+    while (rend - rpos < need) {
+        int flags = 0;
+        if (*closing) {
+            flags = MSG_DONTWAIT;
+        } else if (st[ST_RING_COUNT] > 0) {
+            flags = MSG_DONTWAIT;  /* before waiting, let Python account the hits served */
+        }
+        ssize_t got = recv(fd, rbuf + rend, (size_t)(rbuf_bytes - rend), flags);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                if (!*closing && st[ST_RING_COUNT] > 0) return KVT_RING;
+                return KVT_IDLE;
+            }
+            st[ST_ERRNO] = errno;
+            return KVT_RECV_ERROR;
+        }
+        if (got == 0) return KVT_EOF;
+        rend += got;
+        st[ST_REND] = rend;
+    }
+    return 0;
+}
+
+/*
+ * Serve GETs from rbuf and the socket until something needs Python (return codes above).
+ * rbuf: the connection's receive buffer (rbuf_bytes); out: the send buffer (a frame header and
+ * up to cfg[CFG_COPY_READ_MAX] bytes); ring: cfg[CFG_RING_ENTRIES] entries of
+ * cfg[CFG_RING_ENTRY_BYTES] (a key-length byte, then the key) naming each key served;
+ * closing: nonzero once the server is shutting down (receive only what is there).
+ */
+int kvt_serve(const int64_t *cfg, int64_t *st, int fd, uint8_t *rbuf, int64_t rbuf_bytes,
+              uint8_t *out, int64_t out_bytes, uint8_t *ring,
+              const volatile int32_t *closing) {
+    if (cfg[CFG_ABI] != KVT_ABI || out_bytes < FRAME_BYTES + cfg[CFG_COPY_READ_MAX]
+            || cfg[CFG_RING_ENTRY_BYTES] < 1 + cfg[CFG_MAX_KEY_BYTES]
+            || rbuf_bytes < FRAME_BYTES + cfg[CFG_MAX_KEY_BYTES])
+        return KVT_BAD_CONFIG;
+    const uint32_t magic = (uint32_t)cfg[CFG_FRAME_MAGIC];
+    const uint8_t version = (uint8_t)cfg[CFG_FRAME_VERSION], op_get = (uint8_t)cfg[CFG_OP_GET];
+    const uint16_t any_size = (uint16_t)cfg[CFG_FLAG_ANY_SIZE];
+    const uint16_t more = (uint16_t)cfg[CFG_FLAG_MORE];
+    const uint64_t max_value = (uint64_t)cfg[CFG_MAX_VALUE_BYTES];
+    const int64_t copy_max = cfg[CFG_COPY_READ_MAX], max_key = cfg[CFG_MAX_KEY_BYTES];
+    const int64_t ring_entries = cfg[CFG_RING_ENTRIES], ring_stride = cfg[CFG_RING_ENTRY_BYTES];
+    for (;;) {
+        if (st[ST_RING_COUNT] * 2 >= ring_entries) return KVT_RING;
+        int rc = fill(fd, st, rbuf, rbuf_bytes, FRAME_BYTES, closing);
+        if (rc) return rc;
+        const uint8_t *h = rbuf + st[ST_RPOS];
+        const uint16_t flags = ld16(h + F_FLAGS), key_len = ld16(h + F_KEY_LEN);
+        const uint64_t offset = ld64(h + F_OFFSET), length = ld64(h + F_LENGTH);
+        const uint64_t total = ld64(h + F_TOTAL_SIZE);
+        if (ld32(h + F_MAGIC) != magic || h[F_VERSION] != version || h[F_OPCODE] != op_get
+                || (flags & ~(any_size | more)) || ld16(h + F_STATUS) || ld32(h + F_RESERVED)
+                || key_len < 1 || key_len > max_key || ld64(h + F_PAYLOAD_LEN)
+                || total > max_value || offset > max_value || length > max_value
+                || offset + length > max_value
+                || (!(flags & any_size) && (int64_t)total > copy_max))
+            return KVT_SLOW;  /* anything but a plain small GET, or a bad header: Python */
+        rc = fill(fd, st, rbuf, rbuf_bytes, FRAME_BYTES + key_len, closing);
+        if (rc) return rc;
+        h = rbuf + st[ST_RPOS];  /* fill may have compacted the buffer */
+        const uint8_t *key = h + FRAME_BYTES;
+        int64_t size = index_copy(cfg, st, key, key_len, (flags & any_size) ? -1 : (int64_t)total,
+                                  out + FRAME_BYTES, copy_max);
+        if (size < 0) {
+            if (size == -3) st[ST_FALLBACKS]++;
+            return KVT_SLOW;  /* miss, other size, or conflict: Python answers as today */
+        }
+        /* The answer pack_header makes for a GET (frames.py): status OK, no key. */
+        memset(out, 0, FRAME_BYTES);
+        st32(out + F_MAGIC, magic);
+        out[F_VERSION] = version;
+        out[F_OPCODE] = op_get;
+        st64(out + F_REQUEST_ID, ld64(h + F_REQUEST_ID));
+        st64(out + F_LENGTH, (uint64_t)size);
+        st64(out + F_TOTAL_SIZE, (uint64_t)size);
+        st64(out + F_PAYLOAD_LEN, (uint64_t)size);
+        uint8_t *entry = ring + st[ST_RING_COUNT] * ring_stride;
+        entry[0] = (uint8_t)key_len;
+        memcpy(entry + 1, key, key_len);
+        st[ST_RPOS] += FRAME_BYTES + key_len;
+        st[ST_LAST_FLAGS] = flags;
+        st[ST_RING_COUNT]++;
+        st[ST_GETS]++;
+        if (send_all(fd, out, (size_t)(FRAME_BYTES + size), (flags & more) ? MSG_MORE : 0, st))
+            return KVT_SEND_ERROR;
+        st[ST_BYTES_SENT] += size;
+    }
+}
