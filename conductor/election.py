@@ -221,6 +221,13 @@ class Election:
             raise MembershipError("refresh election lease: stream closed unanswered")
         if int(reply.TTL) <= 0:
             return False
+        if self._leading and time.monotonic() >= self._lease_confirmed_until:
+            # The answer came after leadership had lapsed (is_leader was already False):
+            # report the lapse before extending, so the owner never misses one; the next
+            # step finds the key still ours and leads again.
+            log.warning("conductor %s: leadership lapsed before the lease was confirmed",
+                        self._record.conductor_id)
+            self._set_leading(False)
         self._lease_confirmed_until = sent_at + int(reply.TTL)
         return True
 
