@@ -71,15 +71,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-import grpc
-
 from kvstore.client.store_client import (
-    TIER_TO_PB,
     DataPlane,
-    LookupResult,
     StoreClient,
     StoreClientConfig,
-    translate_rpc_error,
 )
 from kvstore.dataplane.tier import TierKind
 from kvstore.engine.kvlayout import KVLayout
@@ -100,7 +95,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_TIER_FROM_PB = {number: tier for tier, number in TIER_TO_PB.items()}
 
 __all__ = [
     "BatchSave",
@@ -830,24 +824,14 @@ class KVClient:
                     address: str | None = None) -> list[PrefixMatch]:
         """:meth:`lookup` of several requests in one daemon round trip (``BatchLookup``); one
         match per request, in order. Raises PeerUnavailable."""
-        from kvstore._proto.kvtier.v1 import store_pb2 as pb
-
         store = self.store if address is None else self._remote_store(address)
         key_lists = [self.keys(t) for t in token_lists]
         asked = [i for i, keys in enumerate(key_lists) if keys]
         node_id = store.info.node_id
         out = [PrefixMatch(0, self.layout.block_tokens, {}, node_id) for _ in key_lists]
-        if not asked:
-            return out
-        request = pb.BatchLookupRequest(items=[pb.LookupRequest(keys=key_lists[i])
-                                               for i in asked])
-        try:
-            reply = store.stub().BatchLookup(request, timeout=self.config.rpc_timeout_s)
-        except grpc.RpcError as exc:
-            raise translate_rpc_error(exc, "BatchLookup") from exc
-        for i, item in zip(asked, reply.items, strict=True):
-            found = LookupResult(item.length, tuple(_TIER_FROM_PB[t] for t in item.tiers))
-            out[i] = PrefixMatch(found.length, self.layout.block_tokens, found.by_tier(),
+        found = store.lookup_many([key_lists[i] for i in asked])
+        for i, result in zip(asked, found, strict=True):
+            out[i] = PrefixMatch(result.length, self.layout.block_tokens, result.by_tier(),
                                  node_id)
         return out
 

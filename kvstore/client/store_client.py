@@ -1093,6 +1093,15 @@ class StoreClient:
         reply = self._call("Lookup", pb.LookupRequest(keys=[check_key(k) for k in keys]))
         return LookupResult(reply.length, tuple(_PB_TIER[t] for t in reply.tiers))
 
+    def lookup_many(self, key_lists: Sequence[Sequence[bytes]]) -> list[LookupResult]:
+        """:meth:`lookup` of several key lists in one round trip (``BatchLookup``), in order."""
+        if not key_lists:
+            return []
+        reply = self._call("BatchLookup", pb.BatchLookupRequest(
+            items=[pb.LookupRequest(keys=[check_key(k) for k in keys]) for keys in key_lists]))
+        return [LookupResult(item.length, tuple(_PB_TIER[t] for t in item.tiers))
+                for item in reply.items]
+
     def sizes(self, keys: Sequence[bytes]) -> list[int | None]:
         """Each chunk's size, or None when the daemon does not hold it."""
         reply = self._call("Exists", pb.ExistsRequest(keys=[check_key(k) for k in keys]))
