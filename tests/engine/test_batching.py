@@ -10,11 +10,11 @@ pytest.importorskip("transformers")
 
 from kvstore.engine.batching import DecodeBatch  # noqa: E402
 from kvstore.engine.colocated import reference_generate  # noqa: E402
-from kvstore.engine.model import ModelSpec, build_reference_model  # noqa: E402
+from kvstore.engine.model import build_reference_model  # noqa: E402
 from kvstore.errors import InvalidArgument  # noqa: E402
+from tests.support.models import tiny_spec  # noqa: E402
 
-SPEC = ModelSpec(vocab_size=1000, hidden_size=128, intermediate_size=256, num_layers=2,
-                 num_attention_heads=4, num_kv_heads=2, head_dim=32, max_positions=1024, seed=5)
+SPEC = tiny_spec(seed=5)
 
 
 @pytest.fixture(scope="module")

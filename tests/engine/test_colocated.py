@@ -15,11 +15,11 @@ from kvstore.engine.colocated import (  # noqa: E402
     SchedulerMode,
     reference_generate,
 )
-from kvstore.engine.model import ModelSpec, build_reference_model  # noqa: E402
+from kvstore.engine.model import build_reference_model  # noqa: E402
 from kvstore.errors import ConfigError, InvalidArgument  # noqa: E402
+from tests.support.models import tiny_spec  # noqa: E402
 
-SPEC = ModelSpec(vocab_size=1000, hidden_size=128, intermediate_size=256, num_layers=2,
-                 num_attention_heads=4, num_kv_heads=2, head_dim=32, max_positions=1024, seed=3)
+SPEC = tiny_spec(seed=3)
 LENGTHS = (1, 7, 33, 64, 150, 301)
 NEW_TOKENS = 6
 

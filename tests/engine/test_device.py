@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 from conductor.engines import EngineRole  # noqa: E402
 from conductor.etcd import find_etcd_binary  # noqa: E402
 from kvstore.cluster import ClusterSpec, LocalCluster  # noqa: E402
-from kvstore.engine.model import ModelSpec, build_reference_model  # noqa: E402
+from kvstore.engine.model import build_reference_model  # noqa: E402
 from kvstore.engine.worker import (  # noqa: E402
     WorkerConfig,
     load_worker_model,
@@ -23,9 +23,9 @@ from kvstore.engine.worker import (  # noqa: E402
     resolve_device,
 )
 from kvstore.errors import ConfigError, InvalidArgument  # noqa: E402
+from tests.support.models import tiny_spec  # noqa: E402
 
-SPEC = ModelSpec(vocab_size=1000, hidden_size=128, intermediate_size=256, num_layers=2,
-                 num_attention_heads=4, num_kv_heads=2, head_dim=32, max_positions=1024, seed=7)
+SPEC = tiny_spec()
 BLOCK = 16
 CUDA = torch.cuda.is_available()
 no_cuda_here = pytest.mark.skipif(CUDA, reason="checks the refusal on a machine without CUDA")

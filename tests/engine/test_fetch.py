@@ -15,13 +15,13 @@ pytest.importorskip("transformers")
 from conductor.etcd import find_etcd_binary  # noqa: E402
 from kvstore.cluster import ClusterSpec, LocalCluster  # noqa: E402
 from kvstore.engine.gateway import Gateway, GatewayResult  # noqa: E402
-from kvstore.engine.model import ModelSpec, build_reference_model  # noqa: E402
+from kvstore.engine.model import build_reference_model  # noqa: E402
 from kvstore.engine.worker import _fetch_plan  # noqa: E402
 from kvstore.errors import InvalidArgument  # noqa: E402
+from tests.support.models import tiny_spec  # noqa: E402
 
 BLOCK = 16
-SPEC = ModelSpec(vocab_size=1000, hidden_size=128, intermediate_size=256, num_layers=2,
-                 num_attention_heads=4, num_kv_heads=2, head_dim=32, max_positions=1024, seed=7)
+SPEC = tiny_spec()
 NEW_TOKENS = 6
 NODE_OF = {"prefill-0": "node-a", "prefill-1": "node-b"}
 

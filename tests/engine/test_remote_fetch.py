@@ -21,13 +21,13 @@ from kvstore.client.kv_client import (  # noqa: E402
 )
 from kvstore.client.store_client import DataPlane  # noqa: E402
 from kvstore.engine.kvlayout import KVLayout  # noqa: E402
-from kvstore.engine.model import ModelSpec, build_reference_model  # noqa: E402
+from kvstore.engine.model import build_reference_model  # noqa: E402
 from kvstore.engine.remote import RemoteEngine, RemotePrefill  # noqa: E402
 from tests.support.daemon import DaemonProcess  # noqa: E402
+from tests.support.models import tiny_spec  # noqa: E402
 
 BLOCK = 16
-SPEC = ModelSpec(vocab_size=1000, hidden_size=128, intermediate_size=256, num_layers=2,
-                 num_attention_heads=4, num_kv_heads=2, head_dim=32, max_positions=1024, seed=7)
+SPEC = tiny_spec()
 DECODE_STEPS = 6
 
 

@@ -13,13 +13,13 @@ pytest.importorskip("transformers")
 from kvstore.dataplane.dram import DramTier  # noqa: E402
 from kvstore.dataplane.nvme import NvmeTier, NvmeTierConfig  # noqa: E402
 from kvstore.dataplane.tier import TierKind  # noqa: E402
-from kvstore.engine.model import ModelSpec, build_reference_model  # noqa: E402
+from kvstore.engine.model import build_reference_model  # noqa: E402
 from kvstore.engine.reuse import ReuseEngine  # noqa: E402
 from kvstore.node.cache import CacheConfig, TieredCache  # noqa: E402
+from tests.support.models import tiny_spec  # noqa: E402
 
 BLOCK = 16
-SPEC = ModelSpec(vocab_size=1000, hidden_size=128, intermediate_size=256, num_layers=2,
-                 num_attention_heads=4, num_kv_heads=2, head_dim=32, max_positions=1024, seed=7)
+SPEC = tiny_spec()
 MiB = 1 << 20
 
 
