@@ -27,7 +27,7 @@ from kvstore.client.store_client import DataPlane  # noqa: E402
 from kvstore.dataplane.tier import TierKind  # noqa: E402
 from kvstore.engine.kvlayout import KVLayout  # noqa: E402
 from kvstore.errors import InvalidArgument  # noqa: E402
-from tests.support.daemon import DaemonProcess  # noqa: E402
+from tests.support.daemon import DaemonProcess, running  # noqa: E402
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_tokens=16, dtype=torch.float16)
 B = LAYOUT.block_tokens
@@ -40,11 +40,8 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProc
     work = tmp_path_factory.mktemp("kv-remote")
     a = DaemonProcess(work, "node-a", dram_bytes="8MiB", nvme=False)
     b = DaemonProcess(work, "node-b", dram_bytes="8MiB", nvme=False)
-    a.start()
-    b.start()
-    yield a, b
-    a.stop()
-    b.stop()
+    with running(a, b):
+        yield a, b
 
 
 def client(daemon: DaemonProcess, tenant: str, *, remote_plane: DataPlane = DataPlane.TCP,

@@ -23,7 +23,7 @@ from kvstore.client.store_client import DataPlane  # noqa: E402
 from kvstore.engine.kvlayout import KVLayout  # noqa: E402
 from kvstore.engine.model import build_reference_model  # noqa: E402
 from kvstore.engine.remote import RemoteEngine, RemotePrefill  # noqa: E402
-from tests.support.daemon import DaemonProcess  # noqa: E402
+from tests.support.daemon import DaemonProcess, running  # noqa: E402
 from tests.support.models import tiny_spec  # noqa: E402
 
 BLOCK = 16
@@ -47,11 +47,8 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProc
     work = tmp_path_factory.mktemp("remote-fetch")
     a = DaemonProcess(work, "node-a", dram_bytes="16MiB", nvme=False)
     b = DaemonProcess(work, "node-b", dram_bytes="16MiB", nvme=False)
-    a.start()
-    b.start()
-    yield a, b
-    a.stop()
-    b.stop()
+    with running(a, b):
+        yield a, b
 
 
 def connect(address: str, layout: KVLayout, tenant: str, *, batch: int = 32) -> KVClient:

@@ -8,12 +8,14 @@ drains; swept by the next daemon after a ``kill -9``). Every daemon binds epheme
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -134,3 +136,18 @@ def kvtier(*args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess[s
     env = dict(os.environ, PYTHONPATH=str(REPO))
     return subprocess.run([sys.executable, "-m", "kvstore.cli.main", *args], cwd=REPO, env=env,
                           text=True, capture_output=True, timeout=timeout_s)
+
+
+@contextlib.contextmanager
+def running(*daemons: DaemonProcess) -> Iterator[tuple[DaemonProcess, ...]]:
+    """Start each daemon in turn; on exit (or when a later one fails to start) stop every one
+    that was started."""
+    started: list[DaemonProcess] = []
+    try:
+        for daemon in daemons:
+            daemon.start()
+            started.append(daemon)
+        yield daemons
+    finally:
+        for daemon in started:
+            daemon.stop()
