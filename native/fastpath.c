@@ -22,6 +22,7 @@
 #include "third_party/xxhash.h"
 
 #include <errno.h>
+#include <poll.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -38,7 +39,7 @@ enum {
     CFG_STATE_LIVE, CFG_STATE_EMPTY, CFG_MAX_KEY_BYTES,
     CFG_FRAME_MAGIC, CFG_FRAME_VERSION, CFG_OP_GET, CFG_FLAG_ANY_SIZE, CFG_FLAG_MORE,
     CFG_COPY_READ_MAX, CFG_MAX_VALUE_BYTES, CFG_ATTEMPTS,
-    CFG_RING_ENTRIES, CFG_RING_ENTRY_BYTES,
+    CFG_RING_ENTRIES, CFG_RING_ENTRY_BYTES, CFG_DRAIN_WAIT_MS,
     CFG_COUNT
 };
 
@@ -62,7 +63,7 @@ enum {
     KVT_SLOW = 1,        /* a complete header at rpos that Python must serve */
     KVT_IDLE = 2,        /* rbuf needs bytes and none came within the receive tick (or closing) */
     KVT_EOF = 3,         /* the peer closed (rpos..rend may hold a partial frame) */
-    KVT_RING = 4,        /* the hit ring needs draining (half full, or before a blocking wait) */
+    KVT_RING = 4,        /* the hit ring needs draining (half full, or the peer went quiet) */
     KVT_RECV_ERROR = 5,  /* recv failed: st[ST_ERRNO] */
     KVT_SEND_ERROR = 6,  /* send failed or timed out: st[ST_ERRNO] */
     KVT_BAD_CONFIG = 7
@@ -170,10 +171,11 @@ static int send_all(int fd, const uint8_t *buf, size_t n, int flags, int64_t *st
 }
 
 /* Have at least `need` unparsed bytes at rpos (compacting when they would not fit). Returns 0,
- * or a KVT_* code to return with. `may_block`: wait for the receive tick (else only what is
- * there: KVT_RING when the ring holds hits to drain first). */
+ * or a KVT_* code to return with. Waits for the socket's receive tick (SO_RCVTIMEO: KVT_IDLE),
+ * but while the hit ring holds keys, at most drain_wait_ms (KVT_RING: Python accounts them
+ * while the peer is quiet, so hits land within about that long of their answers). */
 static int fill(int fd, int64_t *st, uint8_t *rbuf, int64_t rbuf_bytes, int64_t need,
-                const volatile int32_t *closing) {
+                int drain_wait_ms, const volatile int32_t *closing) {
     int64_t rpos = st[ST_RPOS], rend = st[ST_REND];
     if (rend - rpos >= need) return 0;
     if (rpos == rend) {
@@ -190,15 +192,16 @@ static int fill(int fd, int64_t *st, uint8_t *rbuf, int64_t rbuf_bytes, int64_t 
         if (*closing) {
             flags = MSG_DONTWAIT;
         } else if (st[ST_RING_COUNT] > 0) {
-            flags = MSG_DONTWAIT;  /* before waiting, let Python account the hits served */
+            struct pollfd pfd = {.fd = fd, .events = POLLIN, .revents = 0};
+            int ready = poll(&pfd, 1, drain_wait_ms);
+            if (ready == 0) return KVT_RING;
+            if (ready < 0 && errno == EINTR) continue;
+            /* ready, or a poll error: the recv below reports what happened */
         }
         ssize_t got = recv(fd, rbuf + rend, (size_t)(rbuf_bytes - rend), flags);
         if (got < 0) {
             if (errno == EINTR) continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK) {
-                if (!*closing && st[ST_RING_COUNT] > 0) return KVT_RING;
-                return KVT_IDLE;
-            }
+            if (errno == EAGAIN || errno == EWOULDBLOCK) return KVT_IDLE;
             st[ST_ERRNO] = errno;
             return KVT_RECV_ERROR;
         }
@@ -230,9 +233,10 @@ int kvt_serve(const int64_t *cfg, int64_t *st, int fd, uint8_t *rbuf, int64_t rb
     const uint64_t max_value = (uint64_t)cfg[CFG_MAX_VALUE_BYTES];
     const int64_t copy_max = cfg[CFG_COPY_READ_MAX], max_key = cfg[CFG_MAX_KEY_BYTES];
     const int64_t ring_entries = cfg[CFG_RING_ENTRIES], ring_stride = cfg[CFG_RING_ENTRY_BYTES];
+    const int drain_wait_ms = (int)cfg[CFG_DRAIN_WAIT_MS];
     for (;;) {
         if (st[ST_RING_COUNT] * 2 >= ring_entries) return KVT_RING;
-        int rc = fill(fd, st, rbuf, rbuf_bytes, FRAME_BYTES, closing);
+        int rc = fill(fd, st, rbuf, rbuf_bytes, FRAME_BYTES, drain_wait_ms, closing);
         if (rc) return rc;
         const uint8_t *h = rbuf + st[ST_RPOS];
         const uint16_t flags = ld16(h + F_FLAGS), key_len = ld16(h + F_KEY_LEN);
@@ -245,7 +249,7 @@ int kvt_serve(const int64_t *cfg, int64_t *st, int fd, uint8_t *rbuf, int64_t rb
                 || offset + length > max_value
                 || (!(flags & any_size) && (int64_t)total > copy_max))
             return KVT_SLOW;  /* anything but a plain small GET, or a bad header: Python */
-        rc = fill(fd, st, rbuf, rbuf_bytes, FRAME_BYTES + key_len, closing);
+        rc = fill(fd, st, rbuf, rbuf_bytes, FRAME_BYTES + key_len, drain_wait_ms, closing);
         if (rc) return rc;
         h = rbuf + st[ST_RPOS];  /* fill may have compacted the buffer */
         const uint8_t *key = h + FRAME_BYTES;

@@ -51,6 +51,10 @@ RING_ENTRY_BYTES = 1 + MAX_KEY_BYTES + 7
 """A key-length byte, the key, padding to 72 bytes."""
 COPY_ATTEMPTS = 4
 """Seqlock copies tried before a hit is handed to Python (which then takes its own path)."""
+DRAIN_WAIT_MS = 1
+"""While its hit ring holds keys, the loop waits at most this long for the next request before
+returning so that Python accounts them (hits land within about this long of their answers;
+back-to-back requests pay one ``poll`` each instead of a return to Python)."""
 
 # cfg[] and st[] indexes: mirror the enums at the top of fastpath.c.
 (_CFG_ABI, _CFG_ARENA_ADDR, _CFG_ARENA_BYTES, _CFG_INDEX_ADDR, _CFG_INDEX_SLOTS,
@@ -58,7 +62,7 @@ COPY_ATTEMPTS = 4
  _CFG_STATE_AT, _CFG_KLEN_AT, _CFG_KEY_AT, _CFG_STATE_LIVE, _CFG_STATE_EMPTY,
  _CFG_MAX_KEY_BYTES, _CFG_FRAME_MAGIC, _CFG_FRAME_VERSION, _CFG_OP_GET, _CFG_FLAG_ANY_SIZE,
  _CFG_FLAG_MORE, _CFG_COPY_READ_MAX, _CFG_MAX_VALUE_BYTES, _CFG_ATTEMPTS, _CFG_RING_ENTRIES,
- _CFG_RING_ENTRY_BYTES, _CFG_COUNT) = range(27)
+ _CFG_RING_ENTRY_BYTES, _CFG_DRAIN_WAIT_MS, _CFG_COUNT) = range(28)
 (ST_RPOS, ST_REND, ST_LAST_FLAGS, ST_GETS, ST_BYTES_SENT, ST_RING_COUNT, ST_RETRIES,
  ST_FALLBACKS, ST_ERRNO, ST_SENT, _ST_COUNT) = range(11)
 
@@ -259,6 +263,7 @@ class NativeReadSource:
         cfg[_CFG_ATTEMPTS] = COPY_ATTEMPTS
         cfg[_CFG_RING_ENTRIES] = RING_ENTRIES
         cfg[_CFG_RING_ENTRY_BYTES] = RING_ENTRY_BYTES
+        cfg[_CFG_DRAIN_WAIT_MS] = DRAIN_WAIT_MS
         return cfg
 
 
@@ -278,7 +283,9 @@ class NativeServing:
 
 class NativeLoop:
     """One connection's state for the C loop: the ``st[]`` counters, the hit ring and the
-    buffers, pinned as ctypes addresses. Used by one thread (the connection's)."""
+    buffers, pinned as ctypes addresses (the bytearrays stay exported, hence unresizable, for
+    this object's life). Used by one thread (the connection's); other threads may read ``st``'s
+    counters (``TcpServer.stats``)."""
 
     __slots__ = ("_cfg", "_closing", "_fd", "_lib", "_out", "_out_addr", "_rbuf", "_rbuf_addr",
                  "_ring", "_ring_addr", "_serve", "st")
@@ -317,13 +324,9 @@ class NativeLoop:
         n = self.st[ST_RING_COUNT]
         if not n:
             return []
-        raw = bytes(self._ring)[:n * RING_ENTRY_BYTES]
+        raw = ctypes.string_at(self._ring_addr, n * RING_ENTRY_BYTES)
         self.st[ST_RING_COUNT] = 0
         keys = []
         for at in range(0, n * RING_ENTRY_BYTES, RING_ENTRY_BYTES):
             keys.append(raw[at + 1:at + 1 + raw[at]])
         return keys
-
-    def release(self) -> None:
-        """Drop the buffer exports (the bytearrays may be resized or freed afterwards)."""
-        self._rbuf = self._out = None  # type: ignore[assignment]

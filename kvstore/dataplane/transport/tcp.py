@@ -931,7 +931,8 @@ _OPCODE_VALUES = frozenset(int(op) for op in Opcode)
 _BYTES_RECEIVED = max(Opcode) + 1
 _BYTES_SENT = _BYTES_RECEIVED + 1
 _PROTOCOL_ERRORS = _BYTES_SENT + 1
-_COUNTER_SLOTS = _PROTOCOL_ERRORS + 1
+_NATIVE_GETS = _PROTOCOL_ERRORS + 1
+_COUNTER_SLOTS = _NATIVE_GETS + 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -992,6 +993,8 @@ class TcpServerStats:
     reservations_open: int
     reservations_expired: int
     protocol_errors: int
+    native_gets: int = 0
+    """GETs answered by the native loop (also counted in ``requests["GET"]``)."""
 
 
 @dataclass(slots=True)
@@ -1155,6 +1158,7 @@ class TcpServer:
                 reservations_open=len(self._reservations),
                 reservations_expired=self._counts["reservations_expired"],
                 protocol_errors=totals[_PROTOCOL_ERRORS],
+                native_gets=totals[_NATIVE_GETS],
             )
 
     # --- threads ------------------------------------------------------------------------------
@@ -1364,6 +1368,7 @@ class _ServerConnection:
         loop = self.native_loop
         if loop is not None:
             counts[_GET] += loop.st[native.ST_GETS]
+            counts[_NATIVE_GETS] += loop.st[native.ST_GETS]
             counts[_BYTES_SENT] += loop.st[native.ST_BYTES_SENT]
         return counts
 
