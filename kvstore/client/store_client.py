@@ -505,6 +505,9 @@ class StoreClient:
         except KvtierError as exc:
             log.info("same-host reads take leases: %s", exc)
             return
+        from kvstore.dataplane import native
+
+        reader.use_native(native.load())  # None (not built, KVTIER_NATIVE=0): Python copies
         reporter = _ReadReporter(self._info.shm_socket, interval_s=cfg.read_report_interval_s,
                                  batch=cfg.read_report_batch)
         try:

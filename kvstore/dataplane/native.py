@@ -172,6 +172,36 @@ def build(output: Path | None = None, *, compiler: str | None = None) -> Path:
     return out
 
 
+def index_read_config(*, arena_address: int, arena_bytes: int, index_address: int, slots: int,
+                      attempts: int) -> ctypes.Array[ctypes.c_int64]:
+    """A ``cfg[]`` with the read-index fields filled in: enough for ``kvt_index_read`` (the
+    lease-free client copy); the TCP loop adds its frame fields (:meth:`NativeReadSource.config`).
+    The addresses are of mappings the caller keeps alive while the config is in use."""
+    cfg = (ctypes.c_int64 * _CFG_COUNT)()
+    cfg[_CFG_ABI] = ABI
+    cfg[_CFG_ARENA_ADDR] = arena_address
+    cfg[_CFG_ARENA_BYTES] = arena_bytes
+    cfg[_CFG_INDEX_ADDR] = index_address
+    cfg[_CFG_INDEX_SLOTS] = slots
+    cfg[_CFG_INDEX_HEADER_BYTES] = ri.HEADER_BYTES
+    cfg[_CFG_SLOT_BYTES] = ri.SLOT_BYTES
+    cfg[_CFG_SEQ_AT] = _SEQ_AT
+    cfg[_CFG_OFFSET_AT] = _OFFSET_AT
+    cfg[_CFG_SIZE_AT] = _SIZE_AT
+    cfg[_CFG_STATE_AT] = _STATE_AT
+    cfg[_CFG_KLEN_AT] = _KLEN_AT
+    cfg[_CFG_KEY_AT] = ri.KEY_AT
+    cfg[_CFG_STATE_LIVE] = ri.SlotState.LIVE.value
+    cfg[_CFG_STATE_EMPTY] = ri.SlotState.EMPTY.value
+    cfg[_CFG_ATTEMPTS] = attempts
+    return cfg
+
+
+def new_state() -> ctypes.Array[ctypes.c_int64]:
+    """A zeroed ``st[]`` (counters such as ``st[ST_RETRIES]``)."""
+    return (ctypes.c_int64 * _ST_COUNT)()
+
+
 # --- the read source: the daemon's arena and read index, mapped for the C loop ------------------
 
 
@@ -236,22 +266,9 @@ class NativeReadSource:
         # Imported here: the transport package imports this module.
         from kvstore.dataplane.transport.frames import MAGIC, VERSION, Flags, Opcode
 
-        cfg = (ctypes.c_int64 * _CFG_COUNT)()
-        cfg[_CFG_ABI] = ABI
-        cfg[_CFG_ARENA_ADDR] = self.arena_address
-        cfg[_CFG_ARENA_BYTES] = self.arena_bytes
-        cfg[_CFG_INDEX_ADDR] = self.index_address
-        cfg[_CFG_INDEX_SLOTS] = self.slots
-        cfg[_CFG_INDEX_HEADER_BYTES] = ri.HEADER_BYTES
-        cfg[_CFG_SLOT_BYTES] = ri.SLOT_BYTES
-        cfg[_CFG_SEQ_AT] = _SEQ_AT
-        cfg[_CFG_OFFSET_AT] = _OFFSET_AT
-        cfg[_CFG_SIZE_AT] = _SIZE_AT
-        cfg[_CFG_STATE_AT] = _STATE_AT
-        cfg[_CFG_KLEN_AT] = _KLEN_AT
-        cfg[_CFG_KEY_AT] = ri.KEY_AT
-        cfg[_CFG_STATE_LIVE] = ri.SlotState.LIVE.value
-        cfg[_CFG_STATE_EMPTY] = ri.SlotState.EMPTY.value
+        cfg = index_read_config(arena_address=self.arena_address, arena_bytes=self.arena_bytes,
+                                index_address=self.index_address, slots=self.slots,
+                                attempts=COPY_ATTEMPTS)
         cfg[_CFG_MAX_KEY_BYTES] = MAX_KEY_BYTES
         cfg[_CFG_FRAME_MAGIC] = int.from_bytes(MAGIC, "little")
         cfg[_CFG_FRAME_VERSION] = VERSION
@@ -260,7 +277,6 @@ class NativeReadSource:
         cfg[_CFG_FLAG_MORE] = int(Flags.MORE)
         cfg[_CFG_COPY_READ_MAX] = copy_read_max_bytes
         cfg[_CFG_MAX_VALUE_BYTES] = max_value_bytes
-        cfg[_CFG_ATTEMPTS] = COPY_ATTEMPTS
         cfg[_CFG_RING_ENTRIES] = RING_ENTRIES
         cfg[_CFG_RING_ENTRY_BYTES] = RING_ENTRY_BYTES
         cfg[_CFG_DRAIN_WAIT_MS] = DRAIN_WAIT_MS

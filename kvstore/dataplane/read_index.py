@@ -60,7 +60,9 @@ import logging
 import platform
 import struct
 import threading
+import weakref
 from collections.abc import Callable
+from typing import Any
 
 import xxhash
 
@@ -445,10 +447,44 @@ class ReadIndexReader:
         self._slots = slots
         self._owner_word = owner_word
         self._attempts = attempts
-        self.retries = 0
-        """Copies rejected because the slot changed meanwhile (each was retried)."""
+        self._retries = 0
         self.before_copy: Callable[[], None] | None = None
-        """Test hook: called after a slot was found and validated, just before the copy."""
+        """Test hook: called after a slot was found and validated, just before the copy (the
+        copy then runs in Python even when the native library is loaded)."""
+        self._native: Any = None
+        self._native_cfg: Any = None
+        self._native_st: Any = None
+
+    def use_native(self, library: Any) -> None:
+        """Copy through the native library's ``kvt_index_read`` (``native/fastpath.c``: the
+        same probe, seqlock and bounds checks in C, GIL released) instead of Python; None goes
+        back to Python. The liveness check after each copy stays here (one load)."""
+        if library is None:
+            self._native = self._native_cfg = self._native_st = None
+            return
+        from kvstore.dataplane import native
+
+        self._native_cfg = native.index_read_config(
+            arena_address=buffer_address(self._arena), arena_bytes=self._arena_bytes,
+            index_address=buffer_address(self._buf), slots=self._slots,
+            attempts=self._attempts)
+        self._native_st = native.new_state()
+        self._native = library.index_read
+
+    @property
+    def native(self) -> bool:
+        """Whether copies go through the native library."""
+        return self._native is not None
+
+    @property
+    def retries(self) -> int:
+        """Copies rejected because the slot changed meanwhile (each was retried)."""
+        st = self._native_st
+        if st is None:
+            return self._retries
+        from kvstore.dataplane import native
+
+        return self._retries + int(st[native.ST_RETRIES])
 
     @classmethod
     def attach(cls, name: str, arena: ShmArena, *, attempts: int = 4) -> ReadIndexReader:
@@ -495,6 +531,15 @@ class ReadIndexReader:
 
         On CONFLICT or DEAD, ``out`` may hold garbage; on MISS it is untouched.
         """
+        fast, size = self._native, out.nbytes
+        if fast is not None and size and self.before_copy is None:
+            n = fast(self._native_cfg, self._native_st, key, len(key), size,
+                     ctypes.addressof(ctypes.c_char.from_buffer(out)), size)
+            if n >= 0:
+                if _OWNER.unpack_from(self._buf, OWNER_AT)[0] != self._owner_word:
+                    return _DEAD
+                return int(n)
+            return _MISS if n == -1 else _CONFLICT
         # The hot path of a same-host get: locals only, one unpack per slot, plain ints.
         buf, mask, arena = self._buf, self._mask, self._arena
         slot_of, seq_of, owner_of = _SLOT.unpack_from, _SEQ.unpack_from, _OWNER.unpack_from
@@ -531,14 +576,33 @@ class ReadIndexReader:
                 i = (i + 1) & mask
             else:
                 return _MISS  # a full circle without an empty slot (a torn probe)
-            self.retries += 1
+            self._retries += 1
         return _CONFLICT
 
     def close(self) -> None:
-        """Unmap the index (the arena stays the caller's). Idempotent."""
+        """Unmap the index (the arena stays the caller's). Idempotent.
+
+        With the native copier, another thread may be inside ``kvt_index_read`` right now,
+        reading through raw addresses that no Python buffer export protects: the views (which
+        keep both mappings alive, see :meth:`ShmArena.close`) are then released only when the
+        last reference to this reader goes, which such a thread still holds."""
+        if self._native is not None:
+            self._native = None
+            weakref.finalize(self, _release_views, self._buf, self._arena, self._segment)
+            return
         for view in (self._buf, self._arena):
             try:
                 view.release()
             except BufferError:  # a copy in another thread still holds a slice: it ends soon
                 log.debug("read index view still exported at close")
         self._segment.close()
+
+
+def _release_views(buf: memoryview, arena: memoryview, segment: ShmArena) -> None:
+    """A natively used reader's deferred close (:meth:`ReadIndexReader.close`)."""
+    for view in (buf, arena):
+        try:
+            view.release()
+        except BufferError:
+            log.debug("read index view still exported at close")
+    segment.close()

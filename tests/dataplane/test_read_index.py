@@ -34,6 +34,7 @@ from kvstore.dataplane.read_index import (
 )
 from kvstore.dataplane.tier import Tier
 from kvstore.errors import InvalidArgument, TierUnavailable
+from tests.support.native import built_library
 
 from .tier_conformance import HostMemoryTierConformance, KiB, MiB, TierFactory
 
@@ -82,9 +83,15 @@ class Pair:
         self.tier.close()
 
 
-@pytest.fixture
-def pair() -> Iterator[Pair]:
+@pytest.fixture(params=["python", "native"])
+def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
+    """Every reader test runs twice: copies in Python, and through the native library's
+    ``kvt_index_read`` (tests that set ``before_copy`` run in Python both times: the hook
+    needs the Python copy)."""
     p = Pair()
+    if request.param == "native":
+        p.reader.use_native(built_library())
+        assert p.reader.native
     yield p
     p.close()
 
@@ -294,7 +301,8 @@ def test_a_closed_index_serves_nothing(pair: Pair) -> None:
         ReadIndexReader.attach(pair.tier.read_index_name, pair.arena)
 
 
-def test_a_killed_owner_is_seen_by_the_next_read() -> None:
+@pytest.mark.parametrize("copier", ["python", "native"])
+def test_a_killed_owner_is_seen_by_the_next_read(copier: str) -> None:
     """``kill -9`` of the process owning the index: its segments stay mapped here, frozen, with
     the chunk still published; the next read must say DEAD, not return the bytes."""
     code = textwrap.dedent("""
@@ -315,6 +323,8 @@ def test_a_killed_owner_is_seen_by_the_next_read() -> None:
         arena_name, index_name = names
         arena = ShmArena.attach(arena_name)
         reader = ReadIndexReader.attach(index_name, arena)
+        if copier == "native":
+            reader.use_native(built_library())
         out = np.empty(4096, np.uint8)
         assert reader.read_into(b"k", memoryview(out)) == 4096 and (out == 7).all()
         proc.kill()
