@@ -22,6 +22,7 @@
 #include "third_party/xxhash.h"
 
 #include <errno.h>
+#include <immintrin.h>
 #include <poll.h>
 #include <stdint.h>
 #include <string.h>
@@ -103,6 +104,38 @@ int kvt_abi(void) { return KVT_ABI; }
 
 uint64_t kvt_xxh3_64(const void *data, size_t len) { return XXH3_64bits(data, len); }
 
+/* Copy out of the arena. glibc's memcpy (rep movsb on this class of CPU) runs at about half
+ * speed for 4 KiB - 1 MiB copies when the destination's offset within a page differs from the
+ * source's: arena chunks start on a page boundary, engine buffers rarely do (measured: 64 KiB
+ * 8.3-8.7 us at a 16-byte offset, 4.3 us with this loop, 3.2-4.7 us for glibc when aligned). */
+__attribute__((target("avx2")))
+static void copy_avx2(uint8_t *dst, const uint8_t *src, size_t n) {
+    size_t i = (32 - ((uintptr_t)dst & 31)) & 31;  /* align the stores */
+    if (i > n) i = n;
+    memcpy(dst, src, i);
+    for (; i + 128 <= n; i += 128) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(src + i));
+        __m256i b = _mm256_loadu_si256((const __m256i *)(src + i + 32));
+        __m256i c = _mm256_loadu_si256((const __m256i *)(src + i + 64));
+        __m256i d = _mm256_loadu_si256((const __m256i *)(src + i + 96));
+        _mm256_store_si256((__m256i *)(dst + i), a);
+        _mm256_store_si256((__m256i *)(dst + i + 32), b);
+        _mm256_store_si256((__m256i *)(dst + i + 64), c);
+        _mm256_store_si256((__m256i *)(dst + i + 96), d);
+    }
+    memcpy(dst + i, src + i, n - i);
+}
+
+static void copy_out(uint8_t *dst, const uint8_t *src, size_t n) {
+    static int avx2 = -1;
+    if (avx2 < 0) avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+    if (avx2 && n >= 4096 && n <= ((size_t)1 << 20)
+            && (((uintptr_t)dst ^ (uintptr_t)src) & 4095) != 0)
+        copy_avx2(dst, src, n);
+    else
+        memcpy(dst, src, n);
+}
+
 /* Copy chunk `key` out of the arena into dst (room for cap bytes). Returns its size, -1 when
  * not published (miss), -2 when its size does not fit `want` (want < 0: any size <= cap), -3
  * when the slot kept changing (conflict). */
@@ -137,7 +170,7 @@ static int64_t index_copy(const int64_t *cfg, int64_t *st, const uint8_t *key, u
             if ((want >= 0 && size != (uint64_t)want) || size > (uint64_t)cap
                     || offset > arena_bytes || size > arena_bytes - offset)
                 return -2;
-            memcpy(dst, arena + offset, size);
+            copy_out(dst, arena + offset, size);
             __atomic_thread_fence(__ATOMIC_ACQUIRE);
             if (aload64(slot + seq_at) != seq) { torn = 1; break; }
             return (int64_t)size;

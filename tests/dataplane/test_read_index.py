@@ -90,7 +90,7 @@ def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
     needs the Python copy)."""
     p = Pair()
     if request.param == "native":
-        p.reader.use_native(built_library())
+        p.reader.use_native(built_library(), min_copy_bytes=1)
         assert p.reader.native
     yield p
     p.close()
@@ -324,7 +324,7 @@ def test_a_killed_owner_is_seen_by_the_next_read(copier: str) -> None:
         arena = ShmArena.attach(arena_name)
         reader = ReadIndexReader.attach(index_name, arena)
         if copier == "native":
-            reader.use_native(built_library())
+            reader.use_native(built_library(), min_copy_bytes=1)
         out = np.empty(4096, np.uint8)
         assert reader.read_into(b"k", memoryview(out)) == 4096 and (out == 7).all()
         proc.kill()
@@ -385,3 +385,19 @@ class TestDramTierWithReadIndexConformance(HostMemoryTierConformance):
                     assert loc is not None
                     assert index.location(key) == (loc.offset, loc.size_bytes)
             tier.close()
+
+
+@pytest.mark.parametrize("size", [4 * KiB, 4 * KiB + 37, 64 * KiB, 100_003, 1 * MiB])
+def test_copies_land_whole_at_any_destination_offset(pair: Pair, size: int) -> None:
+    """The native copier takes a vector loop when the destination's page offset differs from
+    the arena's (``copy_out`` in fastpath.c): head, body and tail must all land, nothing past."""
+    value = pattern(size, size)
+    pair.tier.put(b"odd", value)
+    backing = np.full(size + 8 * KiB, 0xEE, dtype=np.uint8)
+    base = -backing.ctypes.data % 4096  # the first page-aligned byte of backing
+    for offset in (0, 1, 16, 31, 2048):
+        backing[:] = 0xEE
+        out = backing[base + offset:base + offset + size]
+        assert pair.reader.read_into(b"odd", memoryview(out).cast("B")) == size
+        assert np.array_equal(out, value), offset
+        assert (backing[:base + offset] == 0xEE).all() and (backing[base + offset + size:] == 0xEE).all()
