@@ -8,8 +8,12 @@ PYTEST_ARGS ?=
 setup:
 	@bash scripts/setup.sh
 
-## native: build the optional native fast path (native/fastpath.c; see native/README.md)
-native: native/build/libkvtier_fastpath.so
+## native: build the optional native fast path (native/fastpath.c; see native/README.md).
+## Without gcc it says so and carries on: everything then runs in Python.
+native:
+	@if command -v gcc >/dev/null 2>&1; then \
+	  $(MAKE) --no-print-directory native/build/libkvtier_fastpath.so; \
+	else echo "native: no gcc, the native fast path stays off (Python only)" >&2; fi
 
 native/build/libkvtier_fastpath.so: native/fastpath.c native/third_party/xxhash.h
 	@mkdir -p native/build

@@ -29,7 +29,7 @@
 #include <sys/socket.h>
 #include <sys/types.h>
 
-#define KVT_ABI 1
+#define KVT_ABI 2  /* native.py: ABI; bump with any cfg[]/st[]/signature change */
 
 /* cfg[] indexes (mirrored by kvstore/dataplane/native.py: _CFG_*). */
 enum {

@@ -37,8 +37,9 @@ from kvstore.errors import InvalidArgument, TierUnavailable
 
 log = logging.getLogger(__name__)
 
-ABI = 1
-"""Must equal ``KVT_ABI`` in fastpath.c (checked at load)."""
+ABI = 2
+"""Must equal ``KVT_ABI`` in fastpath.c (checked at load); bumped whenever ``cfg[]``/``st[]``
+or a signature changes."""
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SOURCE_PATH = REPO_ROOT / "native" / "fastpath.c"
 LIBRARY_PATH = REPO_ROOT / "native" / "build" / "libkvtier_fastpath.so"
@@ -143,12 +144,21 @@ def _load_path(path: str) -> _Library | None:
 
 
 def load() -> _Library | None:
-    """The native library, or None (not built, not loadable, another ABI, ``KVTIER_NATIVE=0``).
-    Checked on every call (cheap: the loaded library is cached per path)."""
+    """The native library, or None (not built, not loadable, another ABI, older than
+    ``native/fastpath.c`` in a source checkout, ``KVTIER_NATIVE=0``). Checked on every call
+    (cheap: the loaded library is cached per path)."""
     if not enabled_by_env():
         return None
     path = library_path()
     if not path.is_file():
+        return None
+    try:
+        stale = SOURCE_PATH.stat().st_mtime > path.stat().st_mtime
+    except FileNotFoundError:
+        stale = False  # no source next to it (an installed build)
+    if stale:
+        log.warning("native library %s is older than %s: rebuild it (make native); "
+                    "running in Python", path, SOURCE_PATH)
         return None
     with _load_lock:
         return _load_path(str(path))

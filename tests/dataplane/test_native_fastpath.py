@@ -10,14 +10,16 @@ built when missing; the tests skip, saying why, only when no C compiler exists.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import xxhash
@@ -127,7 +129,7 @@ def exchange(port: int, script: bytes, *, byte_by_byte: bool = False) -> bytes:
         else:
             sock.sendall(script)
         sock.shutdown(socket.SHUT_WR)
-        chunks = []
+        chunks: list[bytes] = []
         while True:
             got = sock.recv(1 << 20)
             if not got:
@@ -150,9 +152,9 @@ def both(stacks: tuple[Stack, Stack], script: bytes, **kw: bool) -> bytes:
     return got_fast
 
 
-def wait_for(predicate: object, timeout_s: float = 5.0) -> None:
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while not predicate():  # type: ignore[operator]
+    while not predicate():
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.01)
 
@@ -174,20 +176,20 @@ def test_c_lookup_reads_what_the_read_index_publishes(library: native._Library) 
             tier.put(key, value_of(key, 300))
         source = native.NativeReadSource.attach(tier.arena_name, tier.read_index_name)
         cfg = source.config(copy_read_max_bytes=64 * KiB, max_value_bytes=1 << 30)
-        st = (native.ctypes.c_int64 * 16)()
+        st = (ctypes.c_int64 * 16)()
         out = bytearray(64 * KiB)
-        dst = (native.ctypes.c_uint8 * len(out)).from_buffer(out)
+        dst = (ctypes.c_uint8 * len(out)).from_buffer(out)
         for key in keys:
-            n = library.index_read(cfg, st, key, len(key), 300, native.ctypes.addressof(dst),
+            n = library.index_read(cfg, st, key, len(key), 300, ctypes.addressof(dst),
                                    len(out))
             assert n == 300 and bytes(out[:300]) == value_of(key, 300)
             assert library.index_read(cfg, st, key, len(key), 299,
-                                      native.ctypes.addressof(dst), len(out)) == -2
-        assert library.index_read(cfg, st, b"absent", 6, -1, native.ctypes.addressof(dst),
+                                      ctypes.addressof(dst), len(out)) == -2
+        assert library.index_read(cfg, st, b"absent", 6, -1, ctypes.addressof(dst),
                                   len(out)) == -1
         tier.remove(keys[0])
         assert library.index_read(cfg, st, keys[0], len(keys[0]), -1,
-                                  native.ctypes.addressof(dst), len(out)) == -1
+                                  ctypes.addressof(dst), len(out)) == -1
         del dst
         source.close()
     finally:
@@ -203,6 +205,18 @@ def test_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch,
         assert not stack.server.native_active
     finally:
         stack.close()
+
+
+def test_a_library_older_than_its_source_is_not_loaded(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        library: native._Library) -> None:
+    copy = tmp_path / "old.so"
+    copy.write_bytes(library.path.read_bytes())
+    monkeypatch.setenv(native.ENV_LIBRARY, str(copy))
+    assert native.load() is not None
+    old = native.SOURCE_PATH.stat().st_mtime - 60
+    os.utime(copy, (old, old))
+    assert native.load() is None
 
 
 # --- same answers as the Python loop -------------------------------------------------------------
