@@ -30,9 +30,10 @@ from kvstore.dataplane.read_index import lease_free_supported
 from kvstore.dataplane.tier import TierKind
 from kvstore.dataplane.transport.frames import HEADER, MAGIC, VERSION, Flags, Opcode, pack_header
 from kvstore.dataplane.transport.tcp import TcpClient, TcpServer, TcpServerConfig
-from kvstore.errors import ChunkNotFound, TierUnavailable
+from kvstore.errors import ChunkNotFound
 from kvstore.node.backend import CacheLeaseBackend
 from kvstore.node.cache import TieredCache
+from tests.support.native import built_library
 
 KiB = 1 << 10
 
@@ -43,19 +44,7 @@ pytestmark = pytest.mark.skipif(not lease_free_supported(),
 @pytest.fixture(scope="module")
 def library() -> native._Library:
     """The native library, built when missing (skip only without a compiler)."""
-    if not native.enabled_by_env():
-        pytest.skip("KVTIER_NATIVE=0: the native loop is switched off in this run")
-    lib = native.load()
-    if lib is None:
-        try:
-            native.build()
-        except TierUnavailable as exc:
-            if "no C compiler" in str(exc):
-                pytest.skip(f"cannot build the native fast path: {exc}")
-            raise
-        native._load_path.cache_clear()
-        lib = native.load()
-    assert lib is not None, "the native library was built but does not load"
+    lib: native._Library = built_library()
     return lib
 
 

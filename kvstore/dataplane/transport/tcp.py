@@ -330,17 +330,7 @@ class _ClientConnection:
         _pack_request(self.send_buf, 0, MAGIC, VERSION, _PUT, 0, 0, key_len, 0, request_id, 0, 0,
                       size, size, size)
         self.send_buf[HEADER_BYTES:end] = key
-        try:
-            _send_parts(self.sock, (self.send_view[:end], view), end + size, "PUT")
-        except PeerUnavailable as exc:
-            self.broken = True
-            rejection = self._rejection_after_failed_send(key)
-            if rejection is not None:
-                raise rejection from exc
-            raise
-        header = self._read_header(request_id)
-        if header.status is not Status.OK:
-            raise self._error(header, key, expected_size=size)
+        self._exchange((self.send_view[:end], view), end + size, "PUT", key, request_id, size)
 
     def request(self, opcode: Opcode, key: bytes, *, flags: int = 0, transfer_id: int = 0,
                 offset: int = 0, length: int = 0, total_size: int = 0,
@@ -357,8 +347,14 @@ class _ClientConnection:
                     total_size=total_size, payload_len=payload_len)
         parts: list[Buffer] = [self.send_hdr, key] if payload is None else \
             [self.send_hdr, key, payload]
+        return self._exchange(parts, HEADER_BYTES + len(key) + payload_len, "request", key,
+                              request_id, total_size)
+
+    def _exchange(self, parts: Sequence[Buffer], total_bytes: int, what: str, key: bytes,
+                  request_id: int, expected_size: int) -> Header:
+        """Send one request's parts and read its response header; a non-OK status raises."""
         try:
-            _send_parts(self.sock, parts, HEADER_BYTES + len(key) + payload_len, "request")
+            _send_parts(self.sock, parts, total_bytes, what)
         except PeerUnavailable as exc:
             self.broken = True
             # The peer may have refused the frame and closed (oversized value): its answer
@@ -369,7 +365,7 @@ class _ClientConnection:
             raise
         header = self._read_header(request_id)
         if header.status is not Status.OK:
-            raise self._error(header, key, expected_size=total_size)
+            raise self._error(header, key, expected_size=expected_size)
         return header
 
     def pipelined(self, opcode: Opcode, keys: Sequence[ChunkKey], views: Sequence[memoryview]
