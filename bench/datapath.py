@@ -451,13 +451,14 @@ DAEMON_DRAM = "640MiB"
 """Room for a 256 MiB working set plus the largest value (64 MiB) or batch (32 x 4 MiB)."""
 
 
-def spawn_daemon(node_id: str) -> tuple[subprocess.Popen[str], str]:
+def spawn_daemon(node_id: str, dram_bytes: str = DAEMON_DRAM
+                 ) -> tuple[subprocess.Popen[str], str]:
     """A ``kvtier daemon`` child (DRAM only, no etcd, no metrics); returns it and its gRPC
-    address."""
+    address. The other benchmarks start theirs here too."""
     from kvstore.node.daemon import READY_PREFIX
 
     cmd = [sys.executable, "-m", "kvstore.cli.main", "daemon", "--set", f"node_id={node_id}",
-           "--set", f"dram.capacity_bytes={DAEMON_DRAM}", "--set", "log_level=WARNING",
+           "--set", f"dram.capacity_bytes={dram_bytes}", "--set", "log_level=WARNING",
            "--set", f"server.max_value_bytes={2 * max(SIZES_BYTES)}",
            "--set", "shutdown.drain_timeout_s=2"]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,

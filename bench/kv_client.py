@@ -38,7 +38,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -47,7 +46,8 @@ from typing import Any
 import torch
 import xxhash
 
-from bench._meta import REPO_ROOT, run_header
+from bench import datapath
+from bench._meta import run_header
 from kvstore.client.kv_client import (
     ContiguousKV,
     KVClient,
@@ -67,23 +67,7 @@ DAEMON_DRAM = "768MiB"
 
 
 def spawn_daemon(node_id: str = "bench-kvclient") -> tuple[subprocess.Popen[str], str]:
-    from kvstore.node.daemon import READY_PREFIX
-
-    cmd = [sys.executable, "-m", "kvstore.cli.main", "daemon", "--set", f"node_id={node_id}",
-           "--set", f"dram.capacity_bytes={DAEMON_DRAM}", "--set", "log_level=WARNING",
-           "--set", "shutdown.drain_timeout_s=2"]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
-                            cwd=REPO_ROOT)
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith(READY_PREFIX):
-            return proc, json.loads(line[len(READY_PREFIX):])["grpc_address"]
-    proc.kill()
-    raise RuntimeError("kvtier daemon did not become ready")
+    return datapath.spawn_daemon(node_id, DAEMON_DRAM)
 
 
 def gbps(n_bytes: int, seconds: float) -> float:
