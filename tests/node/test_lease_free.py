@@ -8,7 +8,6 @@ The table and the seqlock on their own are tested in ``tests/dataplane/test_read
 from __future__ import annotations
 
 import json
-import struct
 import subprocess
 import sys
 import textwrap
@@ -22,6 +21,7 @@ from kvstore.client import DataPlane, StoreClient, StoreClientConfig
 from kvstore.dataplane.read_index import lease_free_supported
 from kvstore.dataplane.tier import TierKind
 from kvstore.errors import PeerUnavailable
+from tests.support.common import check_versioned, versioned_size, versioned_value
 from tests.support.daemon import REPO, DaemonProcess
 
 pytestmark = pytest.mark.skipif(not lease_free_supported(),
@@ -30,7 +30,6 @@ pytestmark = pytest.mark.skipif(not lease_free_supported(),
 KiB, MiB = 1 << 10, 1 << 20
 STRESS_S = 3.0
 STRESS_KEYS = 48
-HEADER = struct.Struct("<QQ")
 
 
 def value(seed: int, size: int) -> np.ndarray:
@@ -176,27 +175,15 @@ def test_reported_reads_refresh_recency_for_eviction(tmp_path: Path) -> None:
 # --- stress: separate writer and reader processes ----------------------------------------------
 
 
-def stress_size(index: int) -> int:
-    return 64 * KiB if index % 2 else 192 * KiB
+stress_size, stress_value = versioned_size, versioned_value
 
 
 def stress_key(index: int) -> bytes:
     return b"stress-%03d" % index
 
 
-def stress_value(index: int, version: int) -> np.ndarray:
-    """Bytes derived from (key, version), with both in a header: a torn or foreign read shows."""
-    out = np.random.default_rng(index * 1_000_003 + version).integers(
-        0, 256, stress_size(index), dtype=np.uint8)
-    out[:HEADER.size] = np.frombuffer(HEADER.pack(index, version), dtype=np.uint8)
-    return out
-
-
 def stress_check(index: int, got: np.ndarray) -> None:
-    got_index, version = HEADER.unpack(got[:HEADER.size].tobytes())
-    if got_index != index or not np.array_equal(got, stress_value(index, version)):
-        raise AssertionError(f"{stress_key(index)!r}: torn or foreign bytes (header says "
-                             f"key {got_index} version {version})")
+    check_versioned(index, got, repr(stress_key(index)))
 
 
 _WRITER = """

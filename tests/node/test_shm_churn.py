@@ -9,7 +9,6 @@ more in another process) that verify every byte they get. Each value describes i
 
 from __future__ import annotations
 
-import struct
 import subprocess
 import sys
 import textwrap
@@ -21,35 +20,23 @@ import pytest
 
 from kvstore.client import DataPlane, StoreClient, StoreClientConfig
 from kvstore.errors import ChunkBusy, ChunkExists, ChunkNotFound, SizeMismatch
+from tests.support.common import check_versioned, versioned_size, versioned_value
 from tests.support.daemon import REPO, DaemonProcess
 
 KiB = 1 << 10
 KEYS = 48
-HEADER = struct.Struct("<QQ")
 CHURN_S = 3.0
 
 
-def size_of(index: int) -> int:
-    """64 KiB (a one-request PUT) or 192 KiB (RESERVE + COMMIT), by key."""
-    return 64 * KiB if index % 2 else 192 * KiB
+size_of, make_value = versioned_size, versioned_value
 
 
 def key_of(index: int) -> bytes:
     return b"churn-%03d" % index
 
 
-def make_value(index: int, version: int) -> np.ndarray:
-    out = np.random.default_rng(index * 1_000_003 + version).integers(
-        0, 256, size_of(index), dtype=np.uint8)
-    out[:HEADER.size] = np.frombuffer(HEADER.pack(index, version), dtype=np.uint8)
-    return out
-
-
 def check_value(index: int, got: np.ndarray) -> None:
-    got_index, version = HEADER.unpack(got[:HEADER.size].tobytes())
-    assert got_index == index, f"read {key_of(index)!r} and got chunk {got_index}'s bytes"
-    assert np.array_equal(got, make_value(index, version)), (
-        f"{key_of(index)!r} version {version}: the bytes are torn or from another chunk")
+    check_versioned(index, got, repr(key_of(index)))
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 import subprocess
 import sys
 import time
@@ -16,6 +17,33 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def payload(size_bytes: int, seed: int) -> bytes:
     """Deterministic, incompressible bytes (so compression cannot hide a wrong copy)."""
     return np.random.default_rng(seed).integers(0, 256, size_bytes, dtype=np.uint8).tobytes()
+
+
+VERSION_HEADER = struct.Struct("<QQ")
+"""(key index, version) at the front of a :func:`versioned_value`."""
+
+
+def versioned_size(index: int) -> int:
+    """64 KiB (a one-request same-host PUT) or 192 KiB (RESERVE + COMMIT), by key index."""
+    return (64 if index % 2 else 192) << 10
+
+
+def versioned_value(index: int, version: int) -> np.ndarray:
+    """Bytes derived from (key index, version), both also in a header: a torn read, or one
+    of another chunk or version, does not match :func:`check_versioned`."""
+    out = np.random.default_rng(index * 1_000_003 + version).integers(
+        0, 256, versioned_size(index), dtype=np.uint8)
+    out[:VERSION_HEADER.size] = np.frombuffer(VERSION_HEADER.pack(index, version),
+                                              dtype=np.uint8)
+    return out
+
+
+def check_versioned(index: int, got: np.ndarray, what: str) -> None:
+    """Raise AssertionError unless ``got`` is exactly some version of chunk ``index``."""
+    got_index, version = VERSION_HEADER.unpack(got[:VERSION_HEADER.size].tobytes())
+    if got_index != index or not np.array_equal(got, versioned_value(index, version)):
+        raise AssertionError(f"{what}: torn or foreign bytes (header says key {got_index} "
+                             f"version {version})")
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "",
