@@ -3,21 +3,17 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
+
 .PHONY: setup native run test lint bench-quick clean
 
 setup:
 	@bash scripts/setup.sh
 
-## native: build the optional native fast path (native/fastpath.c; see native/README.md).
-## Without gcc it says so and carries on: everything then runs in Python.
-native:
-	@if command -v gcc >/dev/null 2>&1; then \
-	  $(MAKE) --no-print-directory native/build/libkvtier_fastpath.so; \
-	else echo "native: no gcc, the native fast path stays off (Python only)" >&2; fi
-
-native/build/libkvtier_fastpath.so: native/fastpath.c native/third_party/xxhash.h
-	@mkdir -p native/build
-	gcc -O2 -Wall -shared -fPIC -o $@ native/fastpath.c
+## native: build the optional native fast path when missing or stale (native/fastpath.c,
+## native/pyfast.c; see native/README.md). Without gcc or Python.h it says so and carries on:
+## everything then runs in Python.
+native: setup
+	@$(PY) -m kvstore.dataplane.native
 
 ## run: set up, then run the main job (a local cluster serving a slice of a real trace with KV reuse)
 run: setup native

@@ -17,7 +17,9 @@
  * TSO). Loads of seq, the fields and the key are acquire loads; an acquire fence separates the
  * copy from the second load of seq, so the compiler cannot sink a load of the copy below it.
  */
+#ifndef _GNU_SOURCE
 #define _GNU_SOURCE
+#endif
 #define XXH_INLINE_ALL
 #include "third_party/xxhash.h"
 

@@ -43,15 +43,5 @@ if ! command -v gcc >/dev/null 2>&1 && [[ $(id -u) -eq 0 ]]; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends gcc libc6-dev >/dev/null || true
 fi
-if command -v gcc >/dev/null 2>&1; then
-  mkdir -p native/build
-  if [[ ! -f native/build/libkvtier_fastpath.so || native/fastpath.c -nt native/build/libkvtier_fastpath.so \
-        || native/third_party/xxhash.h -nt native/build/libkvtier_fastpath.so ]]; then
-    echo "setup: building native/build/libkvtier_fastpath.so"
-    gcc -O2 -Wall -shared -fPIC -o native/build/libkvtier_fastpath.so.tmp native/fastpath.c \
-      && mv native/build/libkvtier_fastpath.so.tmp native/build/libkvtier_fastpath.so \
-      || echo "setup: warning: native fast path build failed; running in Python only" >&2
-  fi
-else
-  echo "setup: warning: no gcc; the native fast path stays off (Python only)" >&2
-fi
+# Builds the library and the CPython extension when missing or older than their sources.
+"$VENV/bin/python" -m kvstore.dataplane.native

@@ -78,7 +78,7 @@ from kvstore.dataplane.arena import (
     host_byte_view,
     is_cuda_tensor,
 )
-from kvstore.dataplane.read_index import ReadIndexReader, ReadResult
+from kvstore.dataplane.read_index import NOT_TRIED, ReadIndexReader, ReadResult
 from kvstore.dataplane.tier import Buffer, TierKind, check_key
 from kvstore.dataplane.transport.tcp import TcpClient
 from kvstore.dataplane.transport.ucx import UcxClient, ucx_unavailable
@@ -507,7 +507,7 @@ class StoreClient:
             return
         from kvstore.dataplane import native
 
-        reader.use_native(native.load())  # None (not built, KVTIER_NATIVE=0): Python copies
+        reader.use_extension(native.load_extension())  # None (not built, KVTIER_NATIVE=0): Python
         reporter = _ReadReporter(self._info.shm_socket, interval_s=cfg.read_report_interval_s,
                                  batch=cfg.read_report_batch)
         try:
@@ -515,6 +515,7 @@ class StoreClient:
         except BaseException:
             reader.close()
             raise
+        reader.report_reads_to(reporter.queue, reporter.batch, reporter.wake)
         self._reader, self._reporter = reader, reporter
 
     @staticmethod
@@ -604,12 +605,23 @@ class StoreClient:
 
         Raises ChunkNotFound, SizeMismatch (nothing copied), PeerUnavailable.
         """
+        reader = self._reader
+        tried = False
+        if reader is not None:
+            fast = reader.fast_get  # the native read, with its accounting (read_index.py)
+            if fast is not None:
+                n = fast(key, dst)
+                if n >= 0:
+                    return n
+                if n == ReadResult.DEAD:
+                    self._drop_dead_reader()
+                tried = n != NOT_TRIED
         k = check_key(key)
         if is_cuda_tensor(dst):
             return self._get_into_device(k, dst)
         out = host_byte_view(dst, writable=True)
         if self._arena is not None:
-            if self._reader is not None and self._read_lease_free(k, out) >= 0:
+            if not tried and self._reader is not None and self._read_lease_free(k, out) >= 0:
                 return out.nbytes
             try:
                 return self._get_shm(k, out)
@@ -835,17 +847,27 @@ class StoreClient:
         elif n == ReadResult.CONFLICT:
             self._lf_conflicts += 1
         else:
+            self._drop_dead_reader()
+        return n
+
+    def _drop_dead_reader(self) -> None:
+        reader = self._reader
+        if reader is not None:
             log.warning("the daemon's read index is gone (the daemon died or stopped): "
                         "reads take leases from now on")
             self._reader = None
-        return n
+            hits, misses, conflicts = reader.native_counters()  # kept in the counters
+            self._lf_hits += hits
+            self._lf_misses += misses
+            self._lf_conflicts += conflicts
 
     def lease_free_counters(self) -> LeaseFreeCounters:
         """What lease-free reads did so far (see :class:`LeaseFreeCounters`)."""
         reader = self._reader
+        hits, misses, conflicts = (0, 0, 0) if reader is None else reader.native_counters()
         return LeaseFreeCounters(
-            active=reader is not None and not self._closed, hits=self._lf_hits,
-            misses=self._lf_misses, conflicts=self._lf_conflicts,
+            active=reader is not None and not self._closed, hits=self._lf_hits + hits,
+            misses=self._lf_misses + misses, conflicts=self._lf_conflicts + conflicts,
             retries=0 if reader is None else reader.retries)
 
     def flush_reads(self) -> None:

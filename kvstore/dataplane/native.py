@@ -1,5 +1,13 @@
-"""The optional native fast path (``native/fastpath.c``): loader, layout hand-over, and a small
-typed wrapper around the TCP server's small-GET loop.
+"""The optional native fast path: loaders, layout hand-over, and a small typed wrapper around
+the TCP server's small-GET loop.
+
+Two artifacts are built from ``native/``:
+
+* ``fastpath.c`` -> ``native/build/libkvtier_fastpath.so``, plain C loaded with ``ctypes``
+  (:func:`load`): the daemon's small-GET loop;
+* ``pyfast.c`` (which includes ``fastpath.c``) -> ``native/build/kvtier_native<EXT_SUFFIX>``, a
+  CPython extension module (:func:`load_extension`): the client's lease-free read and small TCP
+  GET, where a ctypes call alone would cost as much as the work.
 
 The library is an accelerator, never a requirement: :func:`load` returns None when it is not
 built, cannot be loaded, was built for another ABI, or ``KVTIER_NATIVE=0``; everything then runs
@@ -25,10 +33,12 @@ import logging
 import os
 import shutil
 import subprocess
+import sysconfig
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 from kvstore.dataplane import read_index as ri
 from kvstore.dataplane.arena import ArenaAccess, ShmArena, buffer_address
@@ -43,6 +53,13 @@ or a signature changes."""
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SOURCE_PATH = REPO_ROOT / "native" / "fastpath.c"
 LIBRARY_PATH = REPO_ROOT / "native" / "build" / "libkvtier_fastpath.so"
+EXTENSION_ABI = 1
+"""Must equal ``PYFAST_ABI`` in pyfast.c (checked at load)."""
+EXTENSION_SOURCE_PATH = REPO_ROOT / "native" / "pyfast.c"
+EXTENSION_NAME = "kvtier_native"
+EXTENSION_PATH = REPO_ROOT / "native" / "build" / (
+    EXTENSION_NAME + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
+_SOURCES = (SOURCE_PATH, EXTENSION_SOURCE_PATH, REPO_ROOT / "native" / "third_party" / "xxhash.h")
 ENV_SWITCH = "KVTIER_NATIVE"
 ENV_LIBRARY = "KVTIER_NATIVE_LIB"
 
@@ -152,11 +169,7 @@ def load() -> _Library | None:
     path = library_path()
     if not path.is_file():
         return None
-    try:
-        stale = SOURCE_PATH.stat().st_mtime > path.stat().st_mtime
-    except FileNotFoundError:
-        stale = False  # no source next to it (an installed build)
-    if stale:
+    if _stale(path, (SOURCE_PATH, _SOURCES[2])):
         log.warning("native library %s is older than %s: rebuild it (make native); "
                     "running in Python", path, SOURCE_PATH)
         return None
@@ -167,19 +180,81 @@ def load() -> _Library | None:
 def build(output: Path | None = None, *, compiler: str | None = None) -> Path:
     """Compile ``native/fastpath.c`` into ``output`` (default :data:`LIBRARY_PATH`) and return
     it. Raises TierUnavailable when no C compiler is installed or the build fails."""
+    return _compile([SOURCE_PATH], output or LIBRARY_PATH, compiler, "the native fast path")
+
+
+def build_extension(output: Path | None = None, *, compiler: str | None = None) -> Path:
+    """Compile ``native/pyfast.c`` into the extension module ``output`` (default
+    :data:`EXTENSION_PATH`). Raises TierUnavailable without a C compiler or ``Python.h``."""
+    include = sysconfig.get_paths()["include"]
+    if not (Path(include) / "Python.h").is_file():
+        raise TierUnavailable(f"no Python.h in {include} to build the native extension "
+                              f"(install the Python development headers)")
+    return _compile([EXTENSION_SOURCE_PATH], output or EXTENSION_PATH, compiler,
+                    "the native extension", [f"-I{include}"])
+
+
+def _compile(sources: list[Path], out: Path, compiler: str | None, what: str,
+             flags: list[str] | None = None) -> Path:
     cc = compiler or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
-        raise TierUnavailable("no C compiler (gcc) to build the native fast path")
-    out = output or LIBRARY_PATH
+        raise TierUnavailable(f"no C compiler (gcc) to build {what}")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    cmd = [cc, "-O2", "-Wall", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE_PATH)]
+    cmd = [cc, "-O2", "-Wall", "-shared", "-fPIC", *(flags or []), "-o", str(tmp),
+           *map(str, sources)]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         tmp.unlink(missing_ok=True)
-        raise TierUnavailable(f"building the native fast path failed: {done.stderr.strip()}")
+        raise TierUnavailable(f"building {what} failed: {done.stderr.strip()}")
     os.replace(tmp, out)  # a process that loaded the old file keeps its mapping
     return out
+
+
+def _stale(path: Path, sources: tuple[Path, ...]) -> bool:
+    """Whether a source next to ``path`` is newer (False for an installed build)."""
+    try:
+        built = path.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    return any(src.is_file() and src.stat().st_mtime > built for src in sources)
+
+
+def load_extension() -> ModuleType | None:
+    """The extension module (``native/pyfast.c``), or None (not built, not loadable, another
+    ABI, older than its sources, ``KVTIER_NATIVE=0``). Cached once loaded."""
+    if not enabled_by_env():
+        return None
+    path = EXTENSION_PATH
+    if not path.is_file():
+        return None
+    if _stale(path, _SOURCES):
+        log.warning("native extension %s is older than its sources: rebuild it (make native); "
+                    "running in Python", path)
+        return None
+    with _load_lock:
+        return _load_extension(str(path))
+
+
+@functools.lru_cache(maxsize=4)
+def _load_extension(path: str) -> ModuleType | None:
+    import importlib.machinery
+    import importlib.util
+
+    loader = importlib.machinery.ExtensionFileLoader(EXTENSION_NAME, path)
+    spec = importlib.util.spec_from_file_location(EXTENSION_NAME, path, loader=loader)
+    if spec is None:
+        return None
+    try:
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+    except (ImportError, OSError) as exc:
+        log.info("native extension unavailable (%s): %s", path, exc)
+        return None
+    if getattr(module, "ABI", None) != EXTENSION_ABI or getattr(module, "KVT_ABI", None) != ABI:
+        log.warning("native extension %s has another ABI: rebuild it (make native)", path)
+        return None
+    return module
 
 
 def index_read_config(*, arena_address: int, arena_bytes: int, index_address: int, slots: int,
@@ -356,3 +431,23 @@ class NativeLoop:
         for at in range(0, n * RING_ENTRY_BYTES, RING_ENTRY_BYTES):
             keys.append(raw[at + 1:at + 1 + raw[at]])
         return keys
+
+
+def ensure_built() -> list[str]:
+    """Build the library and the extension where missing or older than their sources; what
+    happened, one line each. A failed build is reported, not raised (both are optional)."""
+    said = []
+    for path, sources, make in ((LIBRARY_PATH, (SOURCE_PATH, _SOURCES[2]), build),
+                                (EXTENSION_PATH, _SOURCES, build_extension)):
+        if path.is_file() and not _stale(path, sources):
+            continue
+        try:
+            said.append(f"native: built {make().relative_to(REPO_ROOT)}")
+        except TierUnavailable as exc:
+            said.append(f"native: warning: {exc}; that part runs in Python")
+    return said
+
+
+if __name__ == "__main__":
+    for line in ensure_built():
+        print(line)

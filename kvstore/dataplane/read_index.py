@@ -62,6 +62,7 @@ import struct
 import threading
 import weakref
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import xxhash
@@ -135,6 +136,8 @@ class ReadResult(enum.IntEnum):
 
 
 _MISS, _CONFLICT, _DEAD = ReadResult.MISS.value, ReadResult.CONFLICT.value, ReadResult.DEAD.value
+NOT_TRIED = -4
+"""What a native read returns when it did not try (``ReadIndexReader.fast_get``)."""
 
 
 def lease_free_supported() -> bool:
@@ -432,12 +435,6 @@ class ReadIndex:
 # --- the reader ----------------------------------------------------------------------------------
 
 
-NATIVE_MIN_COPY_BYTES = 16 << 10
-"""Smaller chunks are copied in Python even with the native library: the ctypes call costs
-more than it saves there (4 KiB: 3.2 vs 3.0 µs per get; 64 KiB into a buffer at another page
-offset than the arena's: 6.8 vs 10.8 µs, ``native/fastpath.c`` ``copy_out``)."""
-
-
 class ReadIndexReader:
     """A client's side: copies published chunks out of a mapped arena without a round trip
     (module docstring). Build with :meth:`attach`."""
@@ -454,46 +451,71 @@ class ReadIndexReader:
         self._owner_word = owner_word
         self._attempts = attempts
         self._retries = 0
-        self.before_copy: Callable[[], None] | None = None
-        """Test hook: called after a slot was found and validated, just before the copy (the
-        copy then runs in Python even when the native library is loaded)."""
+        self._before_copy: Callable[[], None] | None = None
         self._native: Any = None
-        self._native_cfg: Any = None
-        self._native_st: Any = None
-        self._native_min_bytes = NATIVE_MIN_COPY_BYTES
+        self._holder: _Mappings | None = None
+        self.fast_get: Callable[[bytes, Any], int] | None = None
+        """The native ``get_into(key, dst)`` (:meth:`use_extension`: a read with its accounting,
+        for ``StoreClient``), or None. Returns the size, a negative :class:`ReadResult`, or
+        :data:`NOT_TRIED` (the key is not ``bytes`` or ``dst`` not a writable C-contiguous
+        buffer: the caller's own path decides)."""
 
-    def use_native(self, library: Any, *, min_copy_bytes: int = NATIVE_MIN_COPY_BYTES) -> None:
-        """Copy chunks of ``min_copy_bytes`` and more through the native library's
-        ``kvt_index_read`` (``native/fastpath.c``: the same probe, seqlock and bounds checks in
-        C, GIL released) instead of Python; None goes back to Python. The liveness check after
-        each copy stays here (one load)."""
-        self._native_min_bytes = max(1, min_copy_bytes)
-        if library is None:
-            self._native = self._native_cfg = self._native_st = None
+    @property
+    def before_copy(self) -> Callable[[], None] | None:
+        """Test hook: called after a slot was found and validated, just before the copy. While
+        one is set every read runs in Python (``fast_get`` is None)."""
+        return self._before_copy
+
+    @before_copy.setter
+    def before_copy(self, hook: Callable[[], None] | None) -> None:
+        self._before_copy = hook
+        self.fast_get = None if hook is not None or self._native is None \
+            else self._native.get_into
+
+    def use_extension(self, module: ModuleType | None) -> None:
+        """Read through the native extension's ``IndexReader`` (``native/pyfast.c``: the same
+        probe, seqlock, bounds and liveness checks in C, the GIL released for big copies, an
+        aligned-store copier for destinations at another page offset than the arena's) instead
+        of Python; None goes back to Python."""
+        if module is None:
+            self._drop_native()
             return
         from kvstore.dataplane import native
 
-        self._native_cfg = native.index_read_config(
+        cfg = native.index_read_config(
             arena_address=buffer_address(self._arena), arena_bytes=self._arena_bytes,
             index_address=buffer_address(self._buf), slots=self._slots,
             attempts=self._attempts)
-        self._native_st = native.new_state()
-        self._native = library.index_read
+        self._holder = _Mappings()
+        self._native = module.IndexReader(
+            bytes(cfg), buffer_address(self._buf) + OWNER_AT, self._owner_word, MAX_KEY_BYTES,
+            GIL_RELEASE_COPY_BYTES, self._holder)
+        self.before_copy = self._before_copy  # sets fast_get
+
+    def report_reads_to(self, queue: Any, batch: int, wake: Callable[[], None]) -> None:
+        """Where ``fast_get`` reports hits: ``queue.append(key)``, then ``wake()`` when
+        ``len(queue) == batch`` (``StoreClient``'s read reporter). Needs the extension."""
+        if self._native is not None:
+            self._native.set_report(queue, batch, wake)
 
     @property
     def native(self) -> bool:
-        """Whether copies go through the native library."""
+        """Whether reads go through the native extension."""
         return self._native is not None
+
+    def native_counters(self) -> tuple[int, int, int]:
+        """(hits, misses, conflicts) counted by ``fast_get`` (zeros without the extension)."""
+        if self._native is None:
+            return 0, 0, 0
+        hits, misses, conflicts, _retries = self._native.counters()
+        return int(hits), int(misses), int(conflicts)
 
     @property
     def retries(self) -> int:
         """Copies rejected because the slot changed meanwhile (each was retried)."""
-        st = self._native_st
-        if st is None:
+        if self._native is None:
             return self._retries
-        from kvstore.dataplane import native
-
-        return self._retries + int(st[native.ST_RETRIES])
+        return self._retries + int(self._native.counters()[3])
 
     @classmethod
     def attach(cls, name: str, arena: ShmArena, *, attempts: int = 4) -> ReadIndexReader:
@@ -540,15 +562,11 @@ class ReadIndexReader:
 
         On CONFLICT or DEAD, ``out`` may hold garbage; on MISS it is untouched.
         """
-        fast, size = self._native, out.nbytes
-        if fast is not None and size >= self._native_min_bytes and self.before_copy is None:
-            n = fast(self._native_cfg, self._native_st, key, len(key), size,
-                     ctypes.addressof(ctypes.c_char.from_buffer(out)), size)
-            if n >= 0:
-                if _OWNER.unpack_from(self._buf, OWNER_AT)[0] != self._owner_word:
-                    return _DEAD
+        fast = self._native
+        if fast is not None and self._before_copy is None:
+            n = fast.read_into(key, out)
+            if n != NOT_TRIED:
                 return int(n)
-            return _MISS if n == -1 else _CONFLICT
         # The hot path of a same-host get: locals only, one unpack per slot, plain ints.
         buf, mask, arena = self._buf, self._mask, self._arena
         slot_of, seq_of, owner_of = _SLOT.unpack_from, _SEQ.unpack_from, _OWNER.unpack_from
@@ -591,13 +609,14 @@ class ReadIndexReader:
     def close(self) -> None:
         """Unmap the index (the arena stays the caller's). Idempotent.
 
-        With the native copier, another thread may be inside ``kvt_index_read`` right now,
-        reading through raw addresses that no Python buffer export protects: the views (which
-        keep both mappings alive, see :meth:`ShmArena.close`) are then released only when the
-        last reference to this reader goes, which such a thread still holds."""
+        With the native extension, another thread may be inside a native read right now (it
+        holds the extension's reader, not this object): the views that keep both mappings alive
+        (see :meth:`ShmArena.close`) are then released only once that reader is gone."""
         if self._native is not None:
-            self._native = None
-            weakref.finalize(self, _release_views, self._buf, self._arena, self._segment)
+            self._native.close()  # later native reads miss
+            holder = self._holder
+            self._drop_native()
+            weakref.finalize(holder, _release_views, self._buf, self._arena, self._segment)
             return
         for view in (self._buf, self._arena):
             try:
@@ -605,6 +624,16 @@ class ReadIndexReader:
             except BufferError:  # a copy in another thread still holds a slice: it ends soon
                 log.debug("read index view still exported at close")
         self._segment.close()
+
+    def _drop_native(self) -> None:
+        self._native = self._holder = self.fast_get = None
+
+
+class _Mappings:
+    """Held by a native ``IndexReader`` for its whole life: when it goes, a finalizer set by
+    :meth:`ReadIndexReader.close` releases the views behind the reader's raw addresses."""
+
+    __slots__ = ("__weakref__",)
 
 
 def _release_views(buf: memoryview, arena: memoryview, segment: ShmArena) -> None:

@@ -34,7 +34,7 @@ from kvstore.dataplane.read_index import (
 )
 from kvstore.dataplane.tier import Tier
 from kvstore.errors import InvalidArgument, TierUnavailable
-from tests.support.native import built_library
+from tests.support.native import built_extension
 
 from .tier_conformance import HostMemoryTierConformance, KiB, MiB, TierFactory
 
@@ -85,12 +85,12 @@ class Pair:
 
 @pytest.fixture(params=["python", "native"])
 def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
-    """Every reader test runs twice: copies in Python, and through the native library's
-    ``kvt_index_read`` (tests that set ``before_copy`` run in Python both times: the hook
-    needs the Python copy)."""
+    """Every reader test runs twice: copies in Python, and through the native extension's
+    ``IndexReader`` (tests that set ``before_copy`` run in Python both times: the hook needs
+    the Python copy)."""
     p = Pair()
     if request.param == "native":
-        p.reader.use_native(built_library(), min_copy_bytes=1)
+        p.reader.use_extension(built_extension())
         assert p.reader.native
     yield p
     p.close()
@@ -324,7 +324,7 @@ def test_a_killed_owner_is_seen_by_the_next_read(copier: str) -> None:
         arena = ShmArena.attach(arena_name)
         reader = ReadIndexReader.attach(index_name, arena)
         if copier == "native":
-            reader.use_native(built_library(), min_copy_bytes=1)
+            reader.use_extension(built_extension())
         out = np.empty(4096, np.uint8)
         assert reader.read_into(b"k", memoryview(out)) == 4096 and (out == 7).all()
         proc.kill()

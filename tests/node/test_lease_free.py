@@ -18,11 +18,13 @@ import numpy as np
 import pytest
 
 from kvstore.client import DataPlane, StoreClient, StoreClientConfig
+from kvstore.dataplane import native
 from kvstore.dataplane.read_index import lease_free_supported
 from kvstore.dataplane.tier import TierKind
 from kvstore.errors import PeerUnavailable
 from tests.support.common import check_versioned, versioned_size, versioned_value
 from tests.support.daemon import REPO, DaemonProcess
+from tests.support.native import built_extension
 
 pytestmark = pytest.mark.skipif(not lease_free_supported(),
                                 reason="lease-free reads need Linux on x86-64")
@@ -41,8 +43,17 @@ def shm_client(daemon: DaemonProcess, **config: object) -> StoreClient:
                                StoreClientConfig(data_plane=DataPlane.SHM, **config))  # type: ignore[arg-type]
 
 
+@pytest.fixture(scope="module", params=["extension", "python"])
+def reads(request: pytest.FixtureRequest) -> str:
+    """Every client test runs with the native extension's reads (built when missing) and with
+    Python's (``KVTIER_NATIVE=0`` while the client connects), each against its own daemon."""
+    if request.param == "extension":
+        built_extension()
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+def daemon(tmp_path_factory: pytest.TempPathFactory, reads: str) -> Iterator[DaemonProcess]:
     d = DaemonProcess(tmp_path_factory.mktemp("daemon"), "node-lease-free", dram_bytes="16MiB")
     d.start()
     yield d
@@ -50,10 +61,15 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
 
 
 @pytest.fixture(scope="module")
-def client(daemon: DaemonProcess) -> Iterator[StoreClient]:
-    c = shm_client(daemon)
-    yield c
-    c.close()
+def client(daemon: DaemonProcess, reads: str) -> Iterator[StoreClient]:
+    with pytest.MonkeyPatch.context() as mp:
+        if reads == "python":
+            mp.setenv(native.ENV_SWITCH, "0")
+        c = shm_client(daemon)
+        reader = c._reader
+        assert reader is not None and reader.native == (reads == "extension")
+        yield c
+        c.close()
 
 
 def dram_hits(client: StoreClient) -> int:

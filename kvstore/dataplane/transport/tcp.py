@@ -113,6 +113,7 @@ log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 DEFAULT_STRIPE_THRESHOLD_BYTES = 8 * MiB
+DEFAULT_SPIN_US = 0
 _MIN_STRIPE_PART_BYTES = 1 * MiB
 _DRAIN_CHUNK_BYTES = 256 * 1024
 _PIPELINE_WINDOW = 64
@@ -244,6 +245,9 @@ class TcpClientConfig:
     connect_timeout_s: float = 5.0
     io_timeout_s: float = 30.0
     socket_buffer_bytes: int | None = None
+    spin_us: int = DEFAULT_SPIN_US
+    """How long a small GET polls for its answer before it sleeps (with the native extension;
+    docs/transport.md, "Waiting for an answer"). 0: sleep at once."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.connections <= 256:
@@ -255,6 +259,8 @@ class TcpClientConfig:
             raise InvalidArgument(f"max_value_bytes must be >= 1, got {self.max_value_bytes}")
         if self.connect_timeout_s <= 0 or self.io_timeout_s <= 0:
             raise InvalidArgument("timeouts must be > 0 seconds")
+        if not 0 <= self.spin_us <= 10_000:
+            raise InvalidArgument(f"spin_us must be 0..10000, got {self.spin_us}")
         if self.socket_buffer_bytes is not None and self.socket_buffer_bytes < 4096:
             raise InvalidArgument(f"socket_buffer_bytes must be >= 4096 or None, "
                                   f"got {self.socket_buffer_bytes}")
@@ -263,11 +269,22 @@ class TcpClientConfig:
 class _ClientConnection:
     """One pooled socket. Used by one thread at a time; ``broken`` once out of step."""
 
-    __slots__ = ("_ids", "_max_value_bytes", "broken", "recv_hdr", "recv_view", "send_buf",
-                 "send_hdr", "send_view", "sock")
+    __slots__ = ("_fast_get", "_fd", "_get_template", "_ids", "_max_value_bytes", "_spin_ns",
+                 "_timeout_ms", "broken", "recv_hdr", "recv_view", "send_buf", "send_hdr",
+                 "send_view", "sock")
 
-    def __init__(self, sock: socket.socket, max_value_bytes: int) -> None:
+    def __init__(self, sock: socket.socket, max_value_bytes: int, *,
+                 fast_get: Callable[..., int] | None = None, spin_ns: int = 0,
+                 timeout_ms: int = 30_000) -> None:
+        """``fast_get``: the native extension's ``tcp_get`` (``native/pyfast.c``), or None;
+        ``spin_ns``/``timeout_ms``: how long it polls before sleeping, and sleeps at most."""
         self.sock = sock
+        self._fd = sock.fileno()
+        self._fast_get = fast_get
+        self._spin_ns = spin_ns
+        self._timeout_ms = timeout_ms
+        self._get_template = bytearray(HEADER_BYTES)
+        _pack_request(self._get_template, 0, MAGIC, VERSION, _GET, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
         self.send_hdr = bytearray(HEADER_BYTES)
         self.send_buf = bytearray(HEADER_BYTES + MAX_KEY_BYTES)
         """Header and key of a one-value request, sent with one system call."""
@@ -285,18 +302,27 @@ class _ClientConnection:
         ``view`` (a failed get leaves ``dst`` unspecified); SIZE_MISMATCH and NOT_FOUND answers
         carry none, so a wrong-size ``view`` is left untouched."""
         size = len(view)
-        key_len = len(key)
         request_id = next(self._ids)
-        end = HEADER_BYTES + key_len
-        _pack_request(self.send_buf, 0, MAGIC, VERSION, _GET, 0, 0, key_len, 0, request_id, 0, 0,
-                      size, size, 0)
-        self.send_buf[HEADER_BYTES:end] = key
-        sock = self.sock
         try:
-            sent = sock.send(self.send_view[:end])
-            if sent != end:
-                sock.sendall(self.send_view[sent:end])
-            got = sock.recvmsg_into((self.recv_hdr, view))[0]
+            fast = self._fast_get
+            if fast is not None:
+                # Send, receive and check a plain OK answer in C (pyfast.c tcp_get); anything
+                # else comes back as -1 - (bytes received) and continues below.
+                got = fast(self._fd, request_id, key, view, self._get_template, self.recv_hdr,
+                           self._spin_ns, self._timeout_ms)
+                if got >= 0:
+                    return
+                got = -1 - got
+            else:
+                end = HEADER_BYTES + len(key)
+                _pack_request(self.send_buf, 0, MAGIC, VERSION, _GET, 0, 0, len(key), 0,
+                              request_id, 0, 0, size, size, 0)
+                self.send_buf[HEADER_BYTES:end] = key
+                sock = self.sock
+                sent = sock.send(self.send_view[:end])
+                if sent != end:
+                    sock.sendall(self.send_view[sent:end])
+                got = sock.recvmsg_into((self.recv_hdr, view))[0]
         except (BlockingIOError, TimeoutError) as exc:
             self.broken = True
             raise PeerUnavailable("timed out on a GET") from exc
@@ -510,12 +536,14 @@ class TcpClient:
                  stripe_threshold_bytes: int = DEFAULT_STRIPE_THRESHOLD_BYTES,
                  max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
                  connect_timeout_s: float = 5.0, io_timeout_s: float = 30.0,
-                 socket_buffer_bytes: int | None = None) -> None:
+                 socket_buffer_bytes: int | None = None,
+                 spin_us: int = DEFAULT_SPIN_US) -> None:
         self._endpoint = Endpoint(TransportKind.TCP, host, port)
         self._config = TcpClientConfig(
             connections=connections, stripe_threshold_bytes=stripe_threshold_bytes,
             max_value_bytes=max_value_bytes, connect_timeout_s=connect_timeout_s,
-            io_timeout_s=io_timeout_s, socket_buffer_bytes=socket_buffer_bytes)
+            io_timeout_s=io_timeout_s, socket_buffer_bytes=socket_buffer_bytes,
+            spin_us=spin_us)
         self._lock = threading.Lock()
         self._slot_freed = threading.Condition(self._lock)
         self._idle: deque[_ClientConnection] = deque()
@@ -884,7 +912,12 @@ class TcpClient:
             sock.close()
             raise PeerUnavailable(f"cannot configure the connection to {host}:{port}: {exc}"
                                   ) from exc
-        return _ClientConnection(sock, self._config.max_value_bytes)
+        ext = native.load_extension()
+        return _ClientConnection(
+            sock, self._config.max_value_bytes,
+            fast_get=None if ext is None else ext.tcp_get,
+            spin_ns=self._config.spin_us * 1000,
+            timeout_ms=max(1, round(self._config.io_timeout_s * 1000)))
 
     @staticmethod
     def _check_payload(header: Header, length: int, offset: int) -> None:
