@@ -267,9 +267,7 @@ class CacheLeaseBackend:
                 lease.release()
             return size
         self.cache.index.touch(k)
-        # The cache's own per-tier counters (no public single-hit call: ``record_reads``
-        # also snapshots the index entry, ~3 µs more per read).
-        self.cache._count(TierKind.DRAM, hits=1, bytes_read=size)
+        self.cache.count_hit(TierKind.DRAM, size)  # not record_reads: ~3 µs less per read
         return size
 
     def open_write(self, key: bytes, size_bytes: int) -> CacheWriteLease:

@@ -737,6 +737,12 @@ class TieredCache:
             self._observer(ChunkChange(kind, bytes(key), tier, size_bytes,
                                        None if parent is None else bytes(parent), from_tier))
 
+    def count_hit(self, kind: TierKind, size_bytes: int) -> None:
+        """Account one read of ``size_bytes`` that a caller copied out of tier ``kind`` itself
+        (a backend's copy-read), without :meth:`record_reads`' index lookup. Recency is the
+        caller's (``index.touch``)."""
+        self._count(kind, hits=1, bytes_read=size_bytes)
+
     def _count(self, kind: TierKind, **deltas: float) -> None:
         with self._counter_lock:
             c = self._counters[kind]
