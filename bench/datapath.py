@@ -45,6 +45,11 @@ to a peer process and back. Ops: ``put`` and ``get`` of one value per call; ``pu
     The daemon's TCP data plane: the same ``TcpClient`` as above, but against a
     ``kvtier daemon`` process whose server sends from and receives into the DRAM arena through
     the tiered cache (``variant`` ``daemon``; the standalone server is ``memory-backend``).
+``socket-spin`` (the limit of ``tcp-daemon-spin``) / ``tcp-daemon-spin``
+    The same pair and daemon path with a client that polls for its answer for ``SPIN_US``
+    before it sleeps (``StoreClientConfig.tcp_spin_us``; the native extension does it with the
+    GIL released). On this VM a sleeping receiver's wake-up costs ~10-30 µs, so this shows what
+    a spinning client buys for small values, each against a limit that spins alike.
 ``redis``
     ``/usr/bin/redis-server`` started here on an ephemeral port (no persistence), driven over a raw
     RESP socket that sends with ``sendmsg`` and receives with ``recv_into`` into the caller's
@@ -189,17 +194,35 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
 
 
 class SocketPath:
-    """The limit: bare sendmsg/recv_into over one connection to :func:`socket_peer`."""
+    """The limit: bare sendmsg/recv_into over one connection to :func:`socket_peer`.
 
-    name = "socket"
+    ``spin_us``: the client polls (non-blocking receives) this long before it sleeps in a
+    blocking receive, as ``tcp-daemon-spin`` does (``StoreClientConfig.tcp_spin_us``); the peer
+    sleeps as the daemon does. The limit of a client that does not sleep right away."""
+
     connections = 1
-    limit = "socket"
 
-    def __init__(self) -> None:
+    def __init__(self, spin_us: int = 0) -> None:
+        self.name = self.limit = "socket-spin" if spin_us else "socket"
+        self._spin_s = spin_us / 1e6
         self._proc, port = _spawn_listening(
             [sys.executable, "-m", "bench.datapath", "--socket-peer"], "LISTENING")
         self._sock = _connect(port)
         self._acks = memoryview(bytearray(BATCH_KEYS))
+
+    def _recv_spinning(self, view: memoryview) -> None:
+        pos, size = 0, len(view)
+        deadline = time.perf_counter() + self._spin_s
+        while pos < size and time.perf_counter() < deadline:
+            try:
+                got = self._sock.recv_into(view[pos:], size - pos, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                continue
+            if got == 0:
+                raise ConnectionError("peer closed")
+            pos += got
+        if pos < size:
+            _recv_exact(self._sock, view[pos:])
 
     def put_many(self, keys: Sequence[bytes], srcs: Sequence[memoryview]) -> None:
         parts: list[bytes | memoryview] = []
@@ -211,7 +234,10 @@ class SocketPath:
     def get_many_into(self, keys: Sequence[bytes], dsts: Sequence[memoryview]) -> None:
         self._sock.sendall(b"".join(_SOCKET_REQUEST.pack(b"GET_", len(d)) for d in dsts))
         for dst in dsts:
-            _recv_exact(self._sock, dst)
+            if self._spin_s:
+                self._recv_spinning(dst)
+            else:
+                _recv_exact(self._sock, dst)
 
     def after_put(self, keys: Sequence[bytes]) -> None:
         pass
@@ -489,18 +515,19 @@ def stop_daemon(proc: subprocess.Popen[str]) -> None:
 class DaemonPath:
     """:class:`StoreClient` against a ``kvtier daemon`` process, over shared memory or TCP."""
 
-    def __init__(self, plane: str, *, lease_free: bool = True) -> None:
+    def __init__(self, plane: str, *, lease_free: bool = True, tcp_spin_us: int = 0) -> None:
         from kvstore.client import DataPlane, StoreClient, StoreClientConfig
 
         self._plane = DataPlane(plane)
         self._one_by_one = self._plane is DataPlane.UCX  # StoreClient batches go over TCP
         self.name = self._plane.value
-        self.limit = "memcpy" if self._plane is DataPlane.SHM else "socket"
+        self.limit = "memcpy" if self._plane is DataPlane.SHM else \
+            "socket-spin" if tcp_spin_us else "socket"
         self.connections = {DataPlane.SHM: 1, DataPlane.UCX: 2}.get(self._plane, TCP_CONNECTIONS)
         self._proc, address = spawn_daemon(f"bench-{plane}")
         self._client = StoreClient.connect(address, StoreClientConfig(
             data_plane=self._plane, tcp_connections=TCP_CONNECTIONS, wait_for_ready=True,
-            ucx_min_bytes=0, lease_free_reads=lease_free))  # measure UCX at every size (StoreClient's default sends < 1 MiB
+            ucx_min_bytes=0, lease_free_reads=lease_free, tcp_spin_us=tcp_spin_us))  # measure UCX at every size (StoreClient's default sends < 1 MiB
         # over TCP)
 
     def put_many(self, keys: Sequence[bytes], srcs: Sequence[memoryview]) -> None:
@@ -567,6 +594,8 @@ PATHS: dict[str, Callable[[], DataPath]] = {
     "tcp": TcpPath,
     "tcp-1conn": lambda: TcpPath(connections=1, striped_only=True),
     "tcp-daemon": lambda: DaemonPath("tcp"),
+    "socket-spin": lambda: SocketPath(spin_us=SPIN_US),
+    "tcp-daemon-spin": lambda: DaemonPath("tcp", tcp_spin_us=SPIN_US),
     "shm": lambda: DaemonPath("shm"),
     "shm-leased": lambda: DaemonPath("shm", lease_free=False),
     "ucx": UcxPath,
@@ -577,6 +606,9 @@ PATHS: dict[str, Callable[[], DataPath]] = {
 ``memcpy`` wherever ``shm`` runs). The key is the row's ``variant``. The ``ucx`` paths run only
 where ``ucxx`` imports (``main`` drops them otherwise and says why)."""
 UCX_PATHS = ("ucx", "ucx-daemon")
+SPIN_US = 50
+"""How long ``socket-spin`` and ``tcp-daemon-spin`` poll before sleeping (a few of this
+machine's scheduler wake-ups, ~10-30 µs each)."""
 
 
 # --- the Mooncake peer (its own venv, measured by bench/mooncake_peer.py) ---------------------------
@@ -755,7 +787,7 @@ def measure(path: DataPath, op: str, size_bytes: int, src: memoryview, dst: memo
         elapsed = time.perf_counter() - t0
         if i >= warmup:
             times.append(elapsed)
-    if path.name not in ("socket", "memcpy"):  # the limits move bytes, they store nothing
+    if path.name not in ("socket", "socket-spin", "memcpy"):  # the limits move bytes, they store nothing
         want = xxhash.xxh3_64_digest(srcs[0])
         if any(xxhash.xxh3_64_digest(d) != want for d in dsts):
             raise RuntimeError(f"{path.name} {op} of {size_bytes} bytes returned other bytes")
@@ -772,6 +804,8 @@ def run(quick: bool, path_names: tuple[str, ...] = tuple(PATHS), *,
         raise ValueError("the socket path (the limit) must be measured, and first")
     if any(n.startswith("shm") for n in path_names) and "memcpy" not in path_names:
         raise ValueError("the shm path needs the memcpy path (its limit)")
+    if "tcp-daemon-spin" in path_names and "socket-spin" not in path_names:
+        raise ValueError("the tcp-daemon-spin path needs the socket-spin path (its limit)")
     largest = max(SIZES_BYTES)
     rng = np.random.default_rng(0)
     src = rng.integers(0, 256, largest, dtype=np.uint8).data  # pre-touched by the fill
@@ -867,7 +901,8 @@ def print_table(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(title="data path between two processes on loopback (GB/s = 10^9 B/s; "
-                        "limit = bare socket, same op and size, same run; µs per call)")
+                        "limit = the path's limit (socket, socket-spin or memcpy), same op and size, "
+                        "same run; µs per call)")
     for col in ("op", "size", "path", "variant", "conns", "GB/s", "limit GB/s", "ratio",
                 "p50 µs", "p99 µs"):
         table.add_column(col, justify="left" if col in ("op", "path", "variant") else "right")

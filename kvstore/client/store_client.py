@@ -155,6 +155,10 @@ class StoreClientConfig:
     """Smaller values go over TCP even when UCX is chosen: measured here (one host, CMA), a
     4-64 KiB value cost 120-250 µs over UCX against 55-115 µs over TCP, while from 4 MiB up
     UCX moved 1.2-2x what TCP did (docs/transport.md). 0: every value over UCX."""
+    tcp_spin_us: int = 0
+    """How long a small TCP get polls for its answer before its thread sleeps (needs the
+    native extension; ``TcpClientConfig.spin_us``). Trades a core's time while waiting for one
+    scheduler wake-up less per get (docs/transport.md, "Waiting for an answer")."""
     lease_free_reads: bool = True
     """On the shared-memory plane, copy chunks the daemon's read index publishes without a
     lease round trip (Linux on x86-64 only; elsewhere, or when the daemon serves no index,
@@ -172,6 +176,8 @@ class StoreClientConfig:
             raise InvalidArgument(f"data_plane must be a DataPlane, got {self.data_plane!r}")
         if self.tcp_connections < 1:
             raise InvalidArgument("tcp_connections must be >= 1")
+        if not 0 <= self.tcp_spin_us <= 10_000:
+            raise InvalidArgument(f"tcp_spin_us must be 0..10000, got {self.tcp_spin_us}")
         if self.rpc_timeout_s <= 0 or self.lease_ttl_s < 0:
             raise InvalidArgument("rpc_timeout_s must be > 0 and lease_ttl_s >= 0")
         if min(self.ucx_io_timeout_s, self.ucx_liveness_interval_s) <= 0 \
@@ -1108,7 +1114,8 @@ class StoreClient:
         with self._lock:
             if self._tcp is None:
                 host, _, port = self._info.tcp_address.rpartition(":")
-                self._tcp = TcpClient(host, int(port), connections=self._config.tcp_connections)
+                self._tcp = TcpClient(host, int(port), connections=self._config.tcp_connections,
+                                      spin_us=self._config.tcp_spin_us)
             return self._tcp
 
     # --- metadata ---------------------------------------------------------------------------

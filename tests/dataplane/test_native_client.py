@@ -292,3 +292,25 @@ def test_index_reader_counts_and_reports_reads(ext: ModuleType) -> None:
     finally:
         pair.close()
     assert fast(b"hot", out) == -1  # a closed reader misses, its mappings stay valid
+
+
+def test_spin_settings_validate_and_a_spinning_client_gets_the_same_bytes(
+        ext: ModuleType, server: Stack) -> None:
+    from kvstore.client import StoreClientConfig
+    from kvstore.dataplane.transport.tcp import TcpClientConfig
+    from kvstore.errors import InvalidArgument
+
+    for bad in (-1, 10_001):
+        with pytest.raises(InvalidArgument):
+            TcpClientConfig(spin_us=bad)
+        with pytest.raises(InvalidArgument):
+            StoreClientConfig(tcp_spin_us=bad)
+    client = TcpClient("127.0.0.1", server.port, connections=1, spin_us=200)
+    try:
+        for key, size in [(b"b", 4 * KiB), (b"c", 64 * KiB), (b"e", 1 << 20)]:
+            out = bytearray(size)
+            assert client.get_into(key, out) == size and out == value_of(key, size)
+        with pytest.raises(ChunkNotFound):
+            client.get_into(b"nope", bytearray(3))
+    finally:
+        client.close()
