@@ -226,8 +226,9 @@ static int64_t now_ns(void) {
 }
 
 /* Wait until fd is ready for `events`: spin (a non-blocking check and a yield of the CPU to any
- * runnable thread) until spin_until_ns, then sleep in poll up to timeout_ms. 0, or -1 with
- * errno (ETIMEDOUT). */
+ * runnable thread) until spin_until_ns, then sleep in poll up to timeout_ms. With
+ * timeout_ms < 0 (a blocking fd with kernel timeouts) return once the spin is over: the caller
+ * then sleeps in a blocking call. 0, or -1 with errno (ETIMEDOUT). */
 static int wait_fd(int fd, short events, int64_t spin_until_ns, int timeout_ms) {
     struct pollfd pfd = {.fd = fd, .events = events, .revents = 0};
     while (spin_until_ns && now_ns() < spin_until_ns) {
@@ -236,6 +237,7 @@ static int wait_fd(int fd, short events, int64_t spin_until_ns, int timeout_ms) 
         if (ready < 0 && errno != EINTR) return -1;
         sched_yield();
     }
+    if (timeout_ms < 0) return 0;
     for (;;) {
         int ready = poll(&pfd, 1, timeout_ms);
         if (ready > 0) return 0;
@@ -250,8 +252,10 @@ static int wait_fd(int fd, short events, int64_t spin_until_ns, int timeout_ms) 
 /*
  * tcp_get(fd, request_id, key, dst, template, header, spin_ns, timeout_ms) -> int
  *
- * One GET of exactly len(dst) bytes on a connected, non-blocking stream socket (a Python socket
- * with a timeout). `template` is a 64-byte GET request header with magic, version and opcode set
+ * One GET of exactly len(dst) bytes on a connected stream socket. timeout_ms >= 0: how long to
+ * sleep in poll for progress (any fd); timeout_ms < 0: the fd is blocking with kernel timeouts
+ * (SO_RCVTIMEO / SO_SNDTIMEO, as TcpClient's), so after any spin it sleeps in the receive itself
+ * (two system calls per get, as a bare socket pair). `template` is a 64-byte GET request header with magic, version and opcode set
  * (frames.py packs it); this fills in the key length, request id and sizes. The answer's header
  * lands in `header` (64 bytes), its payload in `dst`.
  *
@@ -309,10 +313,13 @@ static PyObject *py_tcp_get(PyObject *mod, PyObject *const *args, Py_ssize_t nar
 
     Py_BEGIN_ALLOW_THREADS
     const int64_t spin_until = spin_ns > 0 ? now_ns() + spin_ns : 0;
+    const int blocking = timeout_ms < 0;
     while (sent < req_len) {
-        ssize_t n = send(fd, req + sent, req_len - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
+        ssize_t n = send(fd, req + sent, req_len - sent,
+                         MSG_NOSIGNAL | (blocking ? 0 : MSG_DONTWAIT));
         if (n >= 0) { sent += (size_t)n; continue; }
         if (errno == EINTR) continue;
+        if (blocking && (errno == EAGAIN || errno == EWOULDBLOCK)) { err = ETIMEDOUT; break; }
         if ((errno != EAGAIN && errno != EWOULDBLOCK)
                 || wait_fd(fd, POLLOUT, 0, timeout_ms) < 0) { err = errno; break; }
     }
@@ -326,7 +333,8 @@ static PyObject *py_tcp_get(PyObject *mod, PyObject *const *args, Py_ssize_t nar
             iov[iovcnt++] = (struct iovec){out + (got - FRAME_BYTES), want - got};
         }
         struct msghdr msg = {.msg_iov = iov, .msg_iovlen = (size_t)iovcnt};
-        ssize_t n = recvmsg(fd, &msg, MSG_DONTWAIT);
+        const int sleep_here = blocking && (!spin_until || now_ns() >= spin_until);
+        ssize_t n = recvmsg(fd, &msg, sleep_here ? 0 : MSG_DONTWAIT);
         if (n > 0) {
             size_t before = got;
             got += (size_t)n;
@@ -345,6 +353,7 @@ static PyObject *py_tcp_get(PyObject *mod, PyObject *const *args, Py_ssize_t nar
         }
         if (n == 0) break;  /* EOF: the caller's path reports it */
         if (errno == EINTR) continue;
+        if (sleep_here && (errno == EAGAIN || errno == EWOULDBLOCK)) { err = ETIMEDOUT; break; }
         if ((errno != EAGAIN && errno != EWOULDBLOCK)
                 || wait_fd(fd, POLLIN, spin_until, timeout_ms) < 0) { err = errno; break; }
     }

@@ -622,6 +622,11 @@ class StoreClient:
                 if n == ReadResult.DEAD:
                     self._drop_dead_reader()
                 tried = n != NOT_TRIED
+        elif self._plane is DataPlane.TCP and not is_cuda_tensor(dst):
+            # The TCP plane's common case, straight to the transport (which checks the key and
+            # the buffer itself): ~1.5 µs less per small get than the general path below.
+            tcp = self._tcp
+            return (tcp if tcp is not None else self._tcp_client()).get_into(key, dst)
         k = check_key(key)
         if is_cuda_tensor(dst):
             return self._get_into_device(k, dst)

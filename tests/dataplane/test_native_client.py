@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -212,6 +213,18 @@ def test_a_silent_peer_times_out(ext: ModuleType) -> None:
         t0 = time.monotonic()
         with pytest.raises(TimeoutError):
             call(ext, sock, b"key", memoryview(bytearray(10)), spin_ns=1_000_000, timeout_ms=200)
+        assert time.monotonic() - t0 >= 0.15
+
+
+@pytest.mark.parametrize("spin_ns", [0, 1_000_000])
+def test_a_blocking_socket_times_out_by_its_kernel_timeout(ext: ModuleType, spin_ns: int) -> None:
+    """timeout_ms=-1 (TcpClient's sockets): after any spin the receive itself sleeps, and the
+    socket's SO_RCVTIMEO ends it."""
+    with scripted_peer(lambda conn, rid, key: None) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 200_000))
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            call(ext, sock, b"key", memoryview(bytearray(10)), spin_ns=spin_ns, timeout_ms=-1)
         assert time.monotonic() - t0 >= 0.15
 
 

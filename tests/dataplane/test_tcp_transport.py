@@ -715,6 +715,8 @@ def test_frozen_server_times_out_as_peer_unavailable() -> None:
                 started = time.monotonic()
                 with pytest.raises(PeerUnavailable, match="timed out"):
                     client.get(b"k")
+                with pytest.raises(PeerUnavailable, match="timed out"):
+                    client.get_into(b"k", bytearray(1))  # the native tcp_get when built
                 assert time.monotonic() - started < 10
             finally:
                 srv.proc.send_signal(signal.SIGCONT)

@@ -275,9 +275,10 @@ class _ClientConnection:
 
     def __init__(self, sock: socket.socket, max_value_bytes: int, *,
                  fast_get: Callable[..., int] | None = None, spin_ns: int = 0,
-                 timeout_ms: int = 30_000) -> None:
+                 timeout_ms: int = -1) -> None:
         """``fast_get``: the native extension's ``tcp_get`` (``native/pyfast.c``), or None;
-        ``spin_ns``/``timeout_ms``: how long it polls before sleeping, and sleeps at most."""
+        ``spin_ns``: how long it polls before sleeping; ``timeout_ms``: how long it sleeps at
+        most, or -1 for a blocking socket with kernel timeouts (the pool's)."""
         self.sock = sock
         self._fd = sock.fileno()
         self._fast_get = fast_get
@@ -917,7 +918,7 @@ class TcpClient:
             sock, self._config.max_value_bytes,
             fast_get=None if ext is None else ext.tcp_get,
             spin_ns=self._config.spin_us * 1000,
-            timeout_ms=max(1, round(self._config.io_timeout_s * 1000)))
+            timeout_ms=-1)  # blocking with kernel timeouts (_tune): sleep in the receive
 
     @staticmethod
     def _check_payload(header: Header, length: int, offset: int) -> None:
