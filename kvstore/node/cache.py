@@ -434,14 +434,7 @@ class TieredCache:
         counts: dict[bytes, int] = {}
         for key in keys:
             counts[key] = counts.get(key, 0) + 1
-        hits = nbytes = 0
-        for key, n in counts.items():
-            entry = self._index.get(key)
-            if entry is None or entry.tier is not kind:
-                continue
-            self._index.touch(key)
-            hits += n
-            nbytes += n * entry.size_bytes
+        hits, nbytes = self._index.touch_held_in(counts, kind)
         if hits:
             self._count(kind, hits=hits, bytes_read=nbytes)
         return hits, nbytes

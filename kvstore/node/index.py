@@ -354,6 +354,23 @@ class CacheIndex:
             self._hit(node, self._clock())
             return True
 
+    def touch_held_in(self, counts: Mapping[bytes, int], tier: TierKind) -> tuple[int, int]:
+        """Record reads that copied chunks out of ``tier`` (``counts[key]`` reads of each):
+        one hit per key that ``tier`` still holds (others are skipped), under one lock and one
+        clock read. Returns (reads counted, bytes read)."""
+        hits = nbytes = 0
+        entries = self._entries
+        with self._lock:
+            now = self._clock()
+            for key, n in counts.items():
+                node = entries.get(key)
+                if node is None or node.tier is not tier:
+                    continue
+                self._hit(node, now)
+                hits += n
+                nbytes += n * node.size_bytes
+        return hits, nbytes
+
     def access_prefix(self, keys: Sequence[bytes]) -> int:
         """Record a hit on the longest cached prefix of ``keys``; return its length.
 

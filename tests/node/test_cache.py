@@ -281,3 +281,26 @@ def test_persist_then_recover_keeps_whole_chains(nvme_dir: Path) -> None:
             assert read(reopened, k) == chunk(i)
     finally:
         reopened.close()
+
+
+def test_record_reads_counts_reads_of_chunks_still_in_the_tier(cache: TieredCache) -> None:
+    """Lease-free reads reported after the fact: a hit per read of a key still in DRAM, one
+    recency refresh per distinct key; keys moved to NVMe or gone are skipped."""
+    for i in range(4):
+        cache.put(key(i), chunk(i))
+    cache.evict(TierKind.DRAM, CHUNK)  # LRU: key(0) goes down to NVMe
+    assert cache.entry(key(0)).tier is TierKind.NVME  # type: ignore[union-attr]
+    before = {k: cache.entry(k) for k in (key(1), key(2), key(3))}
+    hits_before = {r.kind: r.counters for r in cache.report()}[TierKind.DRAM].hits
+    got = cache.record_reads([key(1), key(1), key(2), key(0), b"never-stored", key(1)])
+    assert got == (4, 4 * CHUNK)
+    dram = {r.kind: r.counters for r in cache.report()}[TierKind.DRAM]
+    assert dram.hits - hits_before == 4 and dram.bytes_read >= 4 * CHUNK
+    after = {k: cache.entry(k) for k in before}
+    for k in (key(1), key(2)):
+        assert after[k].access_count == before[k].access_count + 1  # type: ignore[union-attr]
+        assert after[k].last_access_s >= before[k].last_access_s  # type: ignore[union-attr]
+    assert after[key(3)] == before[key(3)]
+    # Recency: key(1) and key(2) were refreshed, so key(3) is now the oldest in DRAM.
+    cache.evict(TierKind.DRAM, CHUNK)
+    assert cache.entry(key(3)).tier is TierKind.NVME  # type: ignore[union-attr]
