@@ -5,6 +5,12 @@ remove *after* it returned; the parent kills it at an arbitrary moment, reopens 
 directory and checks: every acknowledged put is there with the right bytes, every
 acknowledged remove is gone, and nothing else appears except the few operations that were
 in flight (which, if present, must also read back correctly).
+
+The acknowledgements are collected by :func:`_lines_until_killed`, which reads the pipe
+only through its file object: a ``readline`` pulls whole chunks of the pipe into that
+object's buffer, and ``Popen.communicate(timeout=...)`` reads the raw descriptor, so
+acknowledgements already buffered would be dropped and an acknowledged remove would look
+like a lost put (``docs/nvme-tier.md``, "Testing crash recovery").
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ from kvstore.dataplane.segments import (
     decode_record_header,
 )
 from kvstore.errors import ChunkNotFound
-from tests.dataplane.tier_conformance import KiB, MiB, payload, read_back
+from tests.dataplane.tier_conformance import KiB, MiB, read_back
+from tests.support.common import payload
 
 
 def open_tier(directory: Path, **overrides: object) -> NvmeTier:
@@ -42,6 +49,40 @@ def chunk_for(key: str, max_bytes: int = 300 * KiB) -> bytes:
     """The bytes stored under ``key`` (the writer process computes the same)."""
     crc = zlib.crc32(key.encode())
     return payload(1 + crc % max_bytes, seed=crc)
+
+
+def _lines_until_killed(proc: subprocess.Popen[str], lines_before_kill: int) -> list[str]:
+    """Read ``proc``'s stdout until ``lines_before_kill`` lines arrived, SIGKILL it, and return
+    every line it wrote (stripped, empty ones left out), the unread ones included.
+
+    The rest is read through ``proc.stdout`` after the process is gone, never with
+    ``communicate(timeout=...)``: that reads the descriptor itself and would miss the lines
+    ``readline`` had already buffered.
+    """
+    assert proc.stdout is not None
+    lines: list[str] = []
+    while len(lines) < lines_before_kill:
+        line = proc.stdout.readline()
+        assert line, f"writer process died on its own after {lines}"
+        lines.append(line.strip())
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    lines += [ln.strip() for ln in proc.stdout.read().splitlines() if ln.strip()]
+    proc.stdout.close()
+    return lines
+
+
+def test_lines_written_before_the_kill_are_all_collected() -> None:
+    """Regression (session 3): acknowledgements that ``readline`` had buffered were dropped.
+
+    The child writes every line in one ``write`` before the parent reads, so the parent's
+    first ``readline`` buffers all of them: each one must still come back.
+    """
+    burst = "".join(f"put k-{i}\n" for i in range(50))
+    child = f"import sys, time; sys.stdout.write({burst!r}); sys.stdout.flush(); time.sleep(600)"
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+    assert _lines_until_killed(proc, 1) == [f"put k-{i}" for i in range(50)]
+    assert proc.returncode == -signal.SIGKILL
 
 
 WRITER = textwrap.dedent("""
@@ -95,17 +136,9 @@ def test_sigkill_mid_stream_loses_nothing_acknowledged(tmp_path: Path, threads: 
     proc = subprocess.Popen([sys.executable, "-c", WRITER, str(directory), str(threads), mode,
                              str(max_bytes)],
                             stdout=subprocess.PIPE, text=True, cwd=repo_root)
-    assert proc.stdout is not None
-    lines = [proc.stdout.readline().strip()]
-    assert lines == ["ready"], "writer process failed to start"
-    while len(lines) <= acks_before_kill:
-        line = proc.stdout.readline()
-        assert line, "writer process died on its own"
-        lines.append(line.strip())
-    os.kill(proc.pid, signal.SIGKILL)
-    rest, _ = proc.communicate(timeout=30)  # acks written before the kill are still in the pipe
+    lines = _lines_until_killed(proc, 1 + acks_before_kill)
+    assert lines[0] == "ready", "writer process failed to start"
     assert proc.returncode == -signal.SIGKILL
-    lines += [ln.strip() for ln in rest.splitlines() if ln.strip()]
 
     put_acked = {ln.split()[1] for ln in lines if ln.startswith("put ")}
     rm_acked = {ln.split()[1] for ln in lines if ln.startswith("rm ")}
@@ -123,7 +156,8 @@ def test_sigkill_mid_stream_loses_nothing_acknowledged(tmp_path: Path, threads: 
     for attempt in range(2):  # reopening twice finds the same thing
         with open_tier(directory) as tier:
             present = {info.key.decode() for info in tier.chunks()}
-            assert must_have <= present, f"acknowledged puts lost: {sorted(must_have - present)}"
+            assert must_have <= present, (f"acknowledged puts lost: {sorted(must_have - present)}"
+                                          f" ({tier.recovery}; acknowledged: {lines})")
             assert not (present & rm_acked), f"removed chunks came back: {present & rm_acked}"
             unexpected = present - put_acked
             assert unexpected <= in_flight_puts, f"chunks never put appeared: {unexpected}"
