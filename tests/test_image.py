@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -70,3 +71,34 @@ def test_daemon_and_conductor_serve_without_torch(
         daemon.stop()
     for log in (daemon.log_path, conductor.log_path):
         assert "ModuleNotFoundError" not in log.read_text()
+
+
+def test_the_image_builds_the_native_fast_path_where_the_code_looks(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch
+                                                                     ) -> None:
+    """The Dockerfile's native stage, run here: its commands build both shared objects, and
+    ``KVTIER_NATIVE_DIR`` as the runtime stage sets it finds and loads them."""
+    import re
+    import shutil
+    import subprocess
+
+    from kvstore.dataplane import native
+
+    if shutil.which("gcc") is None:
+        pytest.skip("no gcc here to run the image's native stage")
+    repo = Path(__file__).resolve().parents[1]
+    dockerfile = (repo / "Dockerfile").read_text()
+    stage = dockerfile.split("AS native", 1)[1].split("\nFROM ", 1)[0]
+    run = re.search(r"COPY native \./native\nRUN (.*)", stage, re.S)
+    assert run is not None, "the native stage's build step moved: update this test"
+    shutil.copytree(repo / "native", tmp_path / "native",
+                    ignore=shutil.ignore_patterns("build"))
+    script = run.group(1).replace("\\\n", " ").replace("python ", f"{sys.executable} ")
+    done = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    env_dir = re.search(r"^ENV KVTIER_NATIVE_DIR=(\S+)$", dockerfile, re.M)
+    copied = re.search(r"^COPY --from=native /src/out (\S+)$", dockerfile, re.M)
+    assert env_dir and copied and env_dir.group(1) == copied.group(1)
+    monkeypatch.setenv(native.ENV_DIR, str(tmp_path / "out"))
+    assert native.load() is not None
+    assert native.load_extension() is not None

@@ -13,7 +13,8 @@ The library is an accelerator, never a requirement: :func:`load` returns None wh
 built, cannot be loaded, was built for another ABI, or ``KVTIER_NATIVE=0``; everything then runs
 in Python exactly as without it. Build it with ``make native`` (``scripts/setup.sh`` does it too):
 ``gcc -O2 -shared -fPIC``, output ``native/build/libkvtier_fastpath.so`` (ignored by git).
-``KVTIER_NATIVE_LIB`` names another file. Design and measurements: ``native/README.md``,
+``KVTIER_NATIVE_DIR`` names another directory holding both builds (an installed package, the
+image: ``Dockerfile``). Design and measurements: ``native/README.md``,
 ``docs/transport.md`` ("The native small-GET loop").
 
 ``ctypes.CDLL`` functions release the GIL for the duration of each call, so a connection thread
@@ -61,7 +62,7 @@ EXTENSION_PATH = REPO_ROOT / "native" / "build" / (
     EXTENSION_NAME + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
 _SOURCES = (SOURCE_PATH, EXTENSION_SOURCE_PATH, REPO_ROOT / "native" / "third_party" / "xxhash.h")
 ENV_SWITCH = "KVTIER_NATIVE"
-ENV_LIBRARY = "KVTIER_NATIVE_LIB"
+ENV_DIR = "KVTIER_NATIVE_DIR"
 
 RING_ENTRIES = 256
 """Hit-ring entries per connection; the loop returns to Python when half are used."""
@@ -139,8 +140,15 @@ def enabled_by_env() -> bool:
 
 
 def library_path() -> Path:
-    override = os.environ.get(ENV_LIBRARY)
-    return Path(override) if override else LIBRARY_PATH
+    """Where :func:`load` looks: ``$KVTIER_NATIVE_DIR``, else the checkout's ``native/build``."""
+    override = os.environ.get(ENV_DIR)
+    return Path(override) / LIBRARY_PATH.name if override else LIBRARY_PATH
+
+
+def extension_path() -> Path:
+    """Where :func:`load_extension` looks (as :func:`library_path`)."""
+    override = os.environ.get(ENV_DIR)
+    return Path(override) / EXTENSION_PATH.name if override else EXTENSION_PATH
 
 
 _load_lock = threading.Lock()
@@ -225,7 +233,7 @@ def load_extension() -> ModuleType | None:
     ABI, older than its sources, ``KVTIER_NATIVE=0``). Cached once loaded."""
     if not enabled_by_env():
         return None
-    path = EXTENSION_PATH
+    path = extension_path()
     if not path.is_file():
         return None
     if _stale(path, _SOURCES):

@@ -199,13 +199,31 @@ def test_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch,
 def test_a_library_older_than_its_source_is_not_loaded(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
         library: native._Library) -> None:
-    copy = tmp_path / "old.so"
+    copy = tmp_path / native.LIBRARY_PATH.name
     copy.write_bytes(library.path.read_bytes())
-    monkeypatch.setenv(native.ENV_LIBRARY, str(copy))
+    monkeypatch.setenv(native.ENV_DIR, str(tmp_path))
     assert native.load() is not None
     old = native.SOURCE_PATH.stat().st_mtime - 60
     os.utime(copy, (old, old))
     assert native.load() is None
+
+
+def test_both_builds_load_from_another_directory(monkeypatch: pytest.MonkeyPatch,
+                                                 tmp_path: Path,
+                                                 library: native._Library) -> None:
+    """``KVTIER_NATIVE_DIR`` (an installed package, the image) holds both builds."""
+    from tests.support.native import built_extension
+
+    ext_source = native.extension_path()
+    built_extension()
+    monkeypatch.setenv(native.ENV_DIR, str(tmp_path))
+    assert native.load() is None and native.load_extension() is None  # nothing there yet
+    (tmp_path / native.LIBRARY_PATH.name).write_bytes(library.path.read_bytes())
+    (tmp_path / native.EXTENSION_PATH.name).write_bytes(ext_source.read_bytes())
+    lib = native.load()
+    assert lib is not None and lib.path == tmp_path / native.LIBRARY_PATH.name
+    ext = native.load_extension()
+    assert ext is not None and ext.__file__ == str(tmp_path / native.EXTENSION_PATH.name)
 
 
 # --- same answers as the Python loop -------------------------------------------------------------
