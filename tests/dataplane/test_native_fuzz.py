@@ -426,15 +426,17 @@ def _first_difference(a: bytes, b: bytes) -> str:
 
 @st.composite
 def pipelined_bursts(draw: st.DrawFn) -> list[bytes]:
-    """About 1,200-2,500 small pipelined GETs (hits and misses, MORE on all but the last, in
-    the last tenth perhaps a near miss) in pieces that cut frames anywhere: more than the
-    64 KiB receive buffer, so both loops compact it with a frame straddling its end
-    (fastpath.c fill, tcp.py _fill). Composed from one drawn seed (thousands of draws would
-    make hypothesis slow)."""
+    """About 1,200-2,500 small pipelined GETs (hits and misses, MORE on all but the last, half
+    the time a near miss last) in pieces that cut frames anywhere: more than the 64 KiB
+    receive buffer, so both loops compact it with a frame straddling its end (fastpath.c
+    fill, tcp.py _fill). Composed from one drawn seed (thousands of draws would make
+    hypothesis slow). The near miss comes last on purpose: a server that closes on a bad
+    frame with requests still unread resets the connection, and the kernel then drops
+    whatever answers it had not yet sent, which would make the comparison flaky."""
     rng = random.Random(draw(st.integers(0, 1 << 32)))
     more = int(Flags.MORE)
     count = rng.randint(1200, 2500)
-    odd_at = rng.randint(count * 9 // 10, count - 1) if rng.random() < 0.5 else -1
+    odd_at = count - 1 if rng.random() < 0.5 else -1
     frames = []
     for i in range(count):
         key = rng.choice([b"tiny", b"k" * 64, b"absent", b"tiny"])
