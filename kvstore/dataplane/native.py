@@ -48,7 +48,7 @@ from kvstore.errors import InvalidArgument, TierUnavailable
 
 log = logging.getLogger(__name__)
 
-ABI = 2
+ABI = 3
 """Must equal ``KVT_ABI`` in fastpath.c (checked at load); bumped whenever ``cfg[]``/``st[]``
 or a signature changes."""
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -81,9 +81,9 @@ back-to-back requests pay one ``poll`` each instead of a return to Python)."""
  _CFG_STATE_AT, _CFG_KLEN_AT, _CFG_KEY_AT, _CFG_STATE_LIVE, _CFG_STATE_EMPTY,
  _CFG_MAX_KEY_BYTES, _CFG_FRAME_MAGIC, _CFG_FRAME_VERSION, _CFG_OP_GET, _CFG_FLAG_ANY_SIZE,
  _CFG_FLAG_MORE, _CFG_COPY_READ_MAX, _CFG_MAX_VALUE_BYTES, _CFG_ATTEMPTS, _CFG_RING_ENTRIES,
- _CFG_RING_ENTRY_BYTES, _CFG_DRAIN_WAIT_MS, _CFG_COUNT) = range(28)
+ _CFG_RING_ENTRY_BYTES, _CFG_DRAIN_WAIT_MS, _CFG_RECV_TICK_US, _CFG_COUNT) = range(29)
 (ST_RPOS, ST_REND, ST_LAST_FLAGS, ST_GETS, ST_BYTES_SENT, ST_RING_COUNT, ST_RETRIES,
- ST_FALLBACKS, ST_ERRNO, ST_SENT, _ST_COUNT) = range(11)
+ ST_FALLBACKS, ST_ERRNO, ST_SENT, ST_SHORT_TICK, _ST_COUNT) = range(12)
 
 # The read index's slot layout, from its own struct definitions (read_index.py docstring):
 # seq at 0, then _BODY = offset (u64), size (u64), state (u8), key length (u8); key at KEY_AT.
@@ -353,9 +353,10 @@ class NativeReadSource:
         self._index.close()
         self._arena.close()
 
-    def config(self, *, copy_read_max_bytes: int, max_value_bytes: int) -> ctypes.Array[
-            ctypes.c_int64]:
-        """The ``cfg[]`` array the C loop reads (fastpath.c)."""
+    def config(self, *, copy_read_max_bytes: int, max_value_bytes: int,
+               recv_tick_s: float = 0.2) -> ctypes.Array[ctypes.c_int64]:
+        """The ``cfg[]`` array the C loop reads (fastpath.c). ``recv_tick_s``: the receive
+        timeout the server gives its connections (the loop restores it before returning)."""
         # Imported here: the transport package imports this module.
         from kvstore.dataplane.transport.frames import MAGIC, VERSION, Flags, Opcode
 
@@ -373,6 +374,7 @@ class NativeReadSource:
         cfg[_CFG_RING_ENTRIES] = RING_ENTRIES
         cfg[_CFG_RING_ENTRY_BYTES] = RING_ENTRY_BYTES
         cfg[_CFG_DRAIN_WAIT_MS] = DRAIN_WAIT_MS
+        cfg[_CFG_RECV_TICK_US] = max(1, round(recv_tick_s * 1e6))
         return cfg
 
 

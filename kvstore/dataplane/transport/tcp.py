@@ -1068,6 +1068,9 @@ class TcpServer:
         self._native: native.NativeServing | None = None
         self._native_cfg: ctypes.Array[ctypes.c_int64] | None = None
         self._native_closing = ctypes.c_int32(0)
+        self._recv_tick_s = min(_IDLE_TICK_S, self._config.io_timeout_s)
+        """Every connection's receive timeout (the native loop shortens it while it holds hits
+        and restores it before it returns)."""
         """Read by the C loop: nonzero once ``close`` began (receive only what is there)."""
 
     @property
@@ -1102,8 +1105,9 @@ class TcpServer:
         if serving is None:
             return
         self._native = serving
-        self._native_cfg = serving.source.config(copy_read_max_bytes=cfg.copy_read_max_bytes,
-                                                 max_value_bytes=cfg.max_value_bytes)
+        self._native_cfg = serving.source.config(
+            copy_read_max_bytes=cfg.copy_read_max_bytes, max_value_bytes=cfg.max_value_bytes,
+            recv_tick_s=self._recv_tick_s)
         log.info("TCP server: native small-GET loop on (%s)", serving.library.path)
 
     def start(self) -> Endpoint:
@@ -1209,7 +1213,7 @@ class TcpServer:
                 continue
             try:
                 _tune(sock, self._config.socket_buffer_bytes, self._config.io_timeout_s,
-                      min(_IDLE_TICK_S, self._config.io_timeout_s))
+                      self._recv_tick_s)
             except OSError as exc:
                 log.warning("cannot configure connection from %s: %s", addr, exc)
                 sock.close()
