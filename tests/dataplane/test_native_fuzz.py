@@ -272,7 +272,13 @@ def exchange_in_pieces(port: int, pieces: Sequence[bytes]) -> bytes:
     buffers once answers are large), and a server that closes early just ends the sending."""
     received: list[bytes] = []
     failure: list[BaseException] = []
-    with socket.create_connection(("127.0.0.1", port), timeout=15) as sock:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # A receive buffer that holds every answer of a stream (up to net.core.rmem_max): a
+        # server closing on a bad frame with requests unread resets the connection, and the
+        # kernel drops the answers it had not yet sent, so none may wait for window space.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        sock.settimeout(15)
+        sock.connect(("127.0.0.1", port))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
         def read() -> None:
