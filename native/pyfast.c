@@ -63,6 +63,7 @@ static int reader_init(IndexReader *self, PyObject *args, PyObject *kwds) {
     unsigned int owner_word;
     long long max_key, gil_release;
     PyObject *keepalive;
+    self->closed = 1;  /* until this succeeds: a failed (re-)init never reads */
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*KILLO", kwlist, &cfg, &owner_address,
                                      &owner_word, &max_key, &gil_release, &keepalive))
         return -1;
@@ -274,6 +275,7 @@ static PyObject *py_tcp_get(PyObject *mod, PyObject *const *args, Py_ssize_t nar
     int fd = _PyLong_AsInt(args[0]);
     unsigned long long request_id = PyLong_AsUnsignedLongLong(args[1]);
     long long spin_ns = PyLong_AsLongLong(args[6]);
+    if (spin_ns > 10000000LL) spin_ns = 10000000LL;  /* at most 10 ms (TcpClientConfig's cap) */
     int timeout_ms = _PyLong_AsInt(args[7]);
     if (PyErr_Occurred()) return NULL;
     if (!PyBytes_Check(args[2]) || PyBytes_GET_SIZE(args[2]) < 1

@@ -426,7 +426,7 @@ def host_byte_view(buf: Any, *, writable: bool = False) -> memoryview:
         raise InvalidArgument(f"{type(buf).__name__} does not expose a byte buffer") from exc
     if writable and view.readonly:
         raise InvalidArgument(f"destination {type(buf).__name__} is read-only")
-    if view.ndim == 1 and view.format == "B":  # bytes, bytearray, mmap: the fast path
+    if view.ndim == 1 and view.format == "B" and view.c_contiguous:  # bytes, bytearray, mmap
         return view
     if not view.c_contiguous:
         if writable:

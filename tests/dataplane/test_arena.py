@@ -180,6 +180,15 @@ def test_host_byte_view_flattens_without_copying() -> None:
     assert arr[0, 0] == 1.0
 
 
+def test_host_byte_view_refuses_a_strided_byte_destination_and_copies_a_strided_source(
+        ) -> None:
+    strided = memoryview(bytearray(range(16)))[::2]  # 1-D, format B, not contiguous
+    with pytest.raises(InvalidArgument):
+        host_byte_view(strided, writable=True)
+    src = host_byte_view(strided)
+    assert src.c_contiguous and bytes(src) == bytes(range(0, 16, 2))
+
+
 def test_host_byte_view_handles_torch_dtypes_without_numpy_equivalents() -> None:
     torch = pytest.importorskip("torch")
     t = torch.arange(8, dtype=torch.bfloat16)
