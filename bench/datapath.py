@@ -149,11 +149,30 @@ class DataPath(Protocol):
     def close(self) -> None: ...
 
 
+_SERVER_CPUS: set[int] | None = None
+"""While :func:`run` pins (``pin_cpus``): the CPUs every server process runs on; the measuring
+process and the Mooncake client run on the others."""
+
+
+def _as_server() -> None:
+    """``preexec_fn`` of every server process: pin it (all its threads) to the server CPUs."""
+    if _SERVER_CPUS is not None:
+        os.sched_setaffinity(0, _SERVER_CPUS)
+
+
+def _split_cpus() -> tuple[set[int], set[int]] | None:
+    """(client CPUs, server CPUs): the first allowed CPU, and the rest; None with one CPU."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    return {cpus[0]}, set(cpus[1:])
+
+
 def _spawn_listening(cmd: list[str], ready_prefix: str, timeout_s: float = 30.0
                      ) -> tuple[subprocess.Popen[str], int]:
     """Start a peer process that prints ``<ready_prefix> ... <port>``; return it and the port."""
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            cwd=REPO_ROOT)
+                            cwd=REPO_ROOT, preexec_fn=_as_server)
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -351,7 +370,8 @@ def _spawn_ucx_server() -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvstore.dataplane.transport.ucx", "--exit-on-stdin-eof",
          "--max-value-bytes", str(2 * max(SIZES_BYTES))],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT,
+        preexec_fn=_as_server)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line.startswith("UCX-LISTENING "):
@@ -376,7 +396,7 @@ class RedisPath:
                 [REDIS_BINARY, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                  "--appendonly", "no", "--protected-mode", "no", "--dir", self._dir,
                  "--proto-max-bulk-len", str(2 * max(SIZES_BYTES))],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_as_server)
             sock = _wait_for_port(port, proc)
             if sock is not None:
                 self._proc, self._sock = proc, sock
@@ -488,7 +508,7 @@ def spawn_daemon(node_id: str, dram_bytes: str = DAEMON_DRAM
            "--set", f"server.max_value_bytes={2 * max(SIZES_BYTES)}",
            "--set", "shutdown.drain_timeout_s=2"]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
-                            cwd=REPO_ROOT)
+                            cwd=REPO_ROOT, preexec_fn=_as_server)
     assert proc.stdout is not None
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -672,7 +692,7 @@ def run_mooncake(quick: bool) -> tuple[dict[tuple[str, int], list[float]], str]:
                  "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
                  f"--http_metadata_server_port={meta_port}", "--metrics_host=127.0.0.1",
                  f"--metrics_port={metrics_port}", "--logtostderr"],
-                stdout=log, stderr=subprocess.STDOUT, env=env)
+                stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_as_server)
         procs.append(master)
         if not (_wait_port(rpc_port, master) and _wait_port(meta_port, master)):
             return {}, f"mooncake_master did not start (see {logs}/master.log)"
@@ -683,7 +703,7 @@ def run_mooncake(quick: bool) -> tuple[dict[tuple[str, int], list[float]], str]:
             holder = subprocess.Popen([python, peer, "--role", "holder", *common,
                                        "--segment-bytes", str(1 << 30)],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=log, text=True, env=env)
+                                      stderr=log, text=True, env=env, preexec_fn=_as_server)
         procs.append(holder)
         assert holder.stdout is not None
         if holder.stdout.readline().strip() != "READY":
@@ -797,9 +817,32 @@ def measure(path: DataPath, op: str, size_bytes: int, src: memoryview, dst: memo
 
 
 def run(quick: bool, path_names: tuple[str, ...] = tuple(PATHS), *,
-        mooncake: bool = False) -> dict[str, Any]:
+        mooncake: bool = False, pin_cpus: bool = True) -> dict[str, Any]:
     """Measure every path, op and size, the paths taking turns in rotating order per round;
-    then, with ``mooncake``, the Mooncake peer (skipped, with the reason, when unavailable)."""
+    then, with ``mooncake``, the Mooncake peer (skipped, with the reason, when unavailable).
+
+    ``pin_cpus`` (with two CPUs or more): this process (every client) runs on one CPU and every
+    server process on the others. Unpinned, the scheduler sometimes puts a client and its
+    server on one CPU (a round trip is two context switches) and sometimes on two (two
+    cross-CPU wake-ups, 3-4x slower for small values on this VM), and keeps each placement for
+    minutes: paths measured in the same round differed by 3x for no reason of their own."""
+    global _SERVER_CPUS
+    split = _split_cpus() if pin_cpus else None
+    before = os.sched_getaffinity(0)
+    if split is not None:
+        os.sched_setaffinity(0, split[0])
+        _SERVER_CPUS = split[1]
+    try:
+        result = _run(quick, path_names, mooncake=mooncake)
+    finally:
+        _SERVER_CPUS = None
+        os.sched_setaffinity(0, before)
+    result["settings"]["cpu_pinning"] = None if split is None else {
+        "client": sorted(split[0]), "servers": sorted(split[1])}
+    return result
+
+
+def _run(quick: bool, path_names: tuple[str, ...], *, mooncake: bool) -> dict[str, Any]:
     if path_names[0] != "socket":
         raise ValueError("the socket path (the limit) must be measured, and first")
     if any(n.startswith("shm") for n in path_names) and "memcpy" not in path_names:
