@@ -267,8 +267,9 @@ def _load_extension(path: str) -> ModuleType | None:
 
 def index_read_config(*, arena_address: int, arena_bytes: int, index_address: int, slots: int,
                       attempts: int) -> ctypes.Array[ctypes.c_int64]:
-    """A ``cfg[]`` with the read-index fields filled in: enough for ``kvt_index_read`` (the
-    lease-free client copy); the TCP loop adds its frame fields (:meth:`NativeReadSource.config`).
+    """A ``cfg[]`` with the read-index fields filled in: enough for the extension's
+    ``IndexReader`` (the lease-free client read) and ``kvt_index_read``; the TCP loop adds its
+    frame fields (:meth:`NativeReadSource.config`).
     The addresses are of mappings the caller keeps alive while the config is in use."""
     cfg = (ctypes.c_int64 * _CFG_COUNT)()
     cfg[_CFG_ABI] = ABI
@@ -288,11 +289,6 @@ def index_read_config(*, arena_address: int, arena_bytes: int, index_address: in
     cfg[_CFG_STATE_EMPTY] = ri.SlotState.EMPTY.value
     cfg[_CFG_ATTEMPTS] = attempts
     return cfg
-
-
-def new_state() -> ctypes.Array[ctypes.c_int64]:
-    """A zeroed ``st[]`` (counters such as ``st[ST_RETRIES]``)."""
-    return (ctypes.c_int64 * _ST_COUNT)()
 
 
 # --- the read source: the daemon's arena and read index, mapped for the C loop ------------------
