@@ -1,4 +1,4 @@
-"""A free-extent allocator for one contiguous arena (pinned DRAM or HBM).
+"""The free-extent allocator of every tier: a DRAM or HBM arena, or one NVMe segment file.
 
 Policy: **address-ordered best fit with immediate coalescing**, every extent aligned.
 
@@ -26,10 +26,22 @@ Data structures (``n`` = number of free extents, ``m`` = number of live blocks):
   int avoids a tuple per extent: an operation allocates no container objects;
 * ``_allocated``: offset -> rounded size of each live block.
 
+Beyond ``allocate``/``free`` (all the memory tiers need, and their put path calls per chunk,
+so those two stay free of extra calls and containers), the NVMe tier
+(:mod:`kvstore.dataplane.nvme`, one allocator per segment file) uses:
+
+* :meth:`ExtentAllocator.claim`: reserve an exact range. Recovery claims each segment's
+  header block and every record the scan found, so the free extents are exactly the gaps
+  between them;
+* :meth:`ExtentAllocator.allocate_run` / :meth:`ExtentAllocator.free_run`: the same as
+  ``allocate``/``free`` that also report the free extent ("run") involved, because the NVMe
+  writer stamps a FREE header over the rest of that run so the next scan can hop over it.
+
 The allocator is **not** thread-safe. :class:`ExtentTable` (below) wraps it with the
-lock and the key index both memory tiers share.
-Misuse (freeing an unknown offset, double free) is a bug in the caller and raises
-:class:`~kvstore.errors.InvariantViolation`.
+lock and the key index both memory tiers share; the NVMe tier guards its allocators with
+its own lock.
+Misuse (freeing an unknown offset, double free, claiming space that is not free) is a bug
+in the caller and raises :class:`~kvstore.errors.InvariantViolation`.
 """
 
 from __future__ import annotations
@@ -174,6 +186,54 @@ class ExtentAllocator:
         self._used_bytes += need
         return offset
 
+    def allocate_run(self, size_bytes: int) -> tuple[int, int]:
+        """:meth:`allocate`, also returning the size of the free extent the block was cut from.
+
+        Returns ``(offset, run_bytes)``: ``run_bytes - size`` (the rounded size) stay free
+        right after the block. Same errors as :meth:`allocate`.
+        """
+        if size_bytes < 1:
+            raise InvalidArgument(f"allocation size must be >= 1 byte, got {size_bytes}")
+        by_size = self._by_size
+        idx = bisect_left(by_size, align_up(size_bytes, self._alignment_bytes) << _OFFSET_BITS)
+        run_bytes = by_size[idx] >> _OFFSET_BITS if idx < len(by_size) else 0
+        return self.allocate(size_bytes), run_bytes  # allocate takes exactly that extent
+
+    def claim(self, offset: int, size_bytes: int) -> int:
+        """Reserve exactly ``[offset, offset + size)`` (size rounded up to the alignment) as a
+        block, as if :meth:`allocate` had placed it there; return the rounded size.
+
+        For rebuilding a layout found elsewhere: the NVMe tier's recovery claims what its scan
+        found on disk. The block is freed like any other (:meth:`free`).
+
+        Raises ``InvalidArgument`` for a size < 1 or an unaligned offset, and
+        ``InvariantViolation`` when any part of the range is not free (inside a block, or
+        outside the capacity). Cost: O(1) when the range lies in the free extent that ends
+        the capacity or starts at ``offset`` (claims in address order on a fresh allocator,
+        as recovery makes them), O(free extents) otherwise.
+        """
+        align = self._alignment_bytes
+        if size_bytes < 1:
+            raise InvalidArgument(f"claim size must be >= 1 byte, got {size_bytes}")
+        if offset < 0 or offset % align:
+            raise InvalidArgument(f"claim offset {offset} is not a multiple of {align}")
+        need = align_up(size_bytes, align)
+        end = offset + need
+        start = self._free_extent_holding(offset)
+        extent_end = -1 if start is None else start + self._free_by_start[start]
+        if start is None or end > extent_end:
+            raise InvariantViolation(
+                f"claim of ({offset}, {need}), which is not free space of the "
+                f"{self._capacity_bytes}-byte range")
+        self._remove_free(start, extent_end - start)
+        if offset > start:
+            self._insert_free(start, offset - start)
+        if extent_end > end:
+            self._insert_free(end, extent_end - end)
+        self._allocated[offset] = need
+        self._used_bytes += need
+        return need
+
     def free(self, offset: int) -> int:
         """Release the block at ``offset`` and merge it with free neighbours; return its size.
 
@@ -195,6 +255,18 @@ class ExtentAllocator:
         self._insert_free(start, end - start)
         return size
 
+    def free_run(self, offset: int) -> tuple[int, int]:
+        """:meth:`free`, returning the free extent ``(start, size_bytes)`` that now holds the
+        block (merged with its free neighbours). Same errors as :meth:`free`."""
+        size = self._allocated.get(offset)
+        if size is None:
+            raise InvariantViolation(f"free of offset {offset}, which is not an allocated block")
+        start = self._free_by_end.get(offset, offset)
+        end = offset + size
+        end += self._free_by_start.get(end, 0)
+        self.free(offset)
+        return start, end - start
+
     def reset(self) -> None:
         """Forget every block: the whole arena is one free extent again."""
         self._allocated.clear()
@@ -209,6 +281,18 @@ class ExtentAllocator:
         self._free_by_start[offset] = size
         self._free_by_end[offset + size] = offset
         insort(self._by_size, size << _OFFSET_BITS | offset)
+
+    def _free_extent_holding(self, offset: int) -> int | None:
+        """The start of the free extent that contains ``offset``, or None."""
+        tail = self._free_by_end.get(self._capacity_bytes)
+        if tail is not None and tail <= offset:
+            return tail if offset < self._capacity_bytes else None
+        if offset in self._free_by_start:
+            return offset
+        for start, size in self._free_by_start.items():
+            if start <= offset < start + size:
+                return start
+        return None
 
     def _remove_free(self, offset: int, size: int) -> None:
         del self._free_by_start[offset]

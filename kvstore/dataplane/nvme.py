@@ -9,8 +9,8 @@ Space
     sizes. Segment files are created on demand, about ``segment_bytes`` each (a whole
     number of the records that triggered them, so uniform chunks leave no tail waste; the
     last one smaller to fit the budget), preallocated (:class:`Preallocation`), and never
-    shrink. Inside them a free-extent allocator
-    (:class:`~kvstore.dataplane.extents.SegmentSpace`: best fit, coalescing) places each
+    shrink. Inside each one the tiers' free-extent allocator
+    (:class:`~kvstore.dataplane.allocator.ExtentAllocator`: best fit, coalescing) places each
     record; ``remove`` frees its extent at once. A chunk costs its size rounded up to
     4 KiB plus one 4 KiB header block.
 
@@ -77,6 +77,7 @@ from pathlib import Path
 
 import xxhash
 
+from kvstore.dataplane.allocator import ExtentAllocator
 from kvstore.dataplane.arena import copy_bytes, host_byte_view
 from kvstore.dataplane.directio import (
     ALIGN_BYTES,
@@ -91,7 +92,6 @@ from kvstore.dataplane.directio import (
     probe_io_mode,
     pwritev_all,
 )
-from kvstore.dataplane.extents import SegmentSpace
 from kvstore.dataplane.segments import (
     HEADER_BYTES,
     RecordHeader,
@@ -267,12 +267,13 @@ class _Segment:
     __slots__ = ("fd", "id", "path", "size_bytes", "space")
 
     def __init__(self, seg_id: int, path: Path, fd: int, size_bytes: int,
-                 space: SegmentSpace) -> None:
+                 space: ExtentAllocator) -> None:
         self.id = seg_id
         self.path = path
         self.fd = fd
         self.size_bytes = size_bytes
         self.space = space
+        """Allocated and free extents of the file; the segment header is a claimed block."""
 
 
 class _State(enum.Enum):
@@ -649,7 +650,7 @@ class NvmeTier:
         rec.free_when_idle = False
         segment = rec.segment
         if segment is not None and segment in self._segments:
-            segment.space.free(rec.offset, rec.extent_bytes)
+            segment.space.free(rec.offset)
             rec.segment = None
 
     def _pool_get(self) -> ThreadPoolExecutor:
@@ -693,9 +694,8 @@ class NvmeTier:
             self._check_open()
             for segment in self._segments:
                 if segment.space.largest_free_bytes >= extent_bytes:
-                    got = segment.space.allocate(extent_bytes)
-                    assert got is not None
-                    return segment, got[0], got[1]
+                    offset, run_bytes = segment.space.allocate_run(extent_bytes)
+                    return segment, offset, run_bytes
             unallocated = self._budget_bytes - self._segment_bytes_total
             if extent_bytes + HEADER_BYTES > unallocated:
                 stats = self._stats_locked()
@@ -716,9 +716,8 @@ class NvmeTier:
             raise
         with self._lock:
             self._segments.append(segment)
-            got = segment.space.allocate(extent_bytes)
-            assert got is not None
-            return segment, got[0], got[1]
+            offset, run_bytes = segment.space.allocate_run(extent_bytes)
+            return segment, offset, run_bytes
 
     def _new_segment_bytes(self, extent_bytes: int) -> int:
         """Size of a segment created for a record of ``extent_bytes``.
@@ -864,7 +863,7 @@ class NvmeTier:
         segment = rec.segment
         assert segment is not None
         with self._lock:
-            start, run = segment.space.free(rec.offset, rec.extent_bytes)
+            start, run = segment.space.free_run(rec.offset)
             seq = self._take_seq_locked()
         free_len = start + run - rec.offset
         try:
@@ -873,26 +872,12 @@ class NvmeTier:
         except OSError as exc:
             with self._lock:
                 # Take exactly this extent back out of the free space.
-                self._reclaim_locked(segment, rec.offset, rec.extent_bytes)
+                segment.space.claim(rec.offset, rec.extent_bytes)
                 self._quarantined_bytes += rec.extent_bytes
             log.error("NVMe tier %s: could not clear the failed record at %s+%d (%s); its "
                       "%d bytes are quarantined until the tier is reopened", self._dir,
                       segment.path.name, rec.offset, exc, rec.extent_bytes)
         rec.segment = None
-
-    def _reclaim_locked(self, segment: _Segment, offset: int, size_bytes: int) -> None:
-        """Re-allocate exactly ``[offset, offset + size_bytes)`` (known to be free)."""
-        runs = segment.space.free_extents()
-        others = []
-        for run_start, run_len in runs:
-            if run_start <= offset and offset + size_bytes <= run_start + run_len:
-                if run_start < offset:
-                    others.append((run_start, offset - run_start))
-                if offset + size_bytes < run_start + run_len:
-                    others.append((offset + size_bytes, run_start + run_len - offset - size_bytes))
-            else:
-                others.append((run_start, run_len))
-        segment.space = SegmentSpace(segment.size_bytes, others)
 
     def _discard(self, rec: _Record) -> None:
         """A put wrote its record but could not make it durable: clear and free it."""
@@ -971,8 +956,7 @@ class NvmeTier:
             raise _os_error(exc, f"creating segment {final.name} of {size_bytes} bytes") from exc
         log.info("NVMe tier %s: created segment %s (%d bytes, %s)", self._dir, final.name,
                  size_bytes, self._config.preallocation.value)
-        space = SegmentSpace(size_bytes, [(HEADER_BYTES, size_bytes - HEADER_BYTES)])
-        return _Segment(seg_id, final, fd, size_bytes, space)
+        return _Segment(seg_id, final, fd, size_bytes, _segment_space(size_bytes))
 
     def _preallocate(self, fd: int, start: int, end: int) -> None:
         """Reserve ``[start, end)`` of a segment file per the configured Preallocation."""
@@ -1207,7 +1191,7 @@ class NvmeTier:
                           rec.key.hex(), problem)
                 del records[rec.key]
 
-        # Rebuild each segment's free space from the records kept; repair unclean gaps.
+        # Claim the records kept in each segment's space (the rest is free); repair unclean gaps.
         by_segment: dict[int, list[_Record]] = {}
         for rec in records.values():
             assert rec.segment is not None
@@ -1215,10 +1199,10 @@ class NvmeTier:
         repaired = 0
         for segment, scan, header_ok in scans:
             kept = sorted(by_segment.get(segment.id, []), key=lambda r: r.offset)
-            gaps = _gaps(segment.size_bytes, [(r.offset, r.extent_bytes) for r in kept])
+            for rec in kept:  # in address order: each claim finds its free extent in O(1)
+                segment.space.claim(rec.offset, rec.extent_bytes)
             clean = {(g.offset, g.size_bytes) for g in scan.gaps if g.clean}
-            dirty = [(o, n) for o, n in gaps if (o, n) not in clean]
-            segment.space = SegmentSpace(segment.size_bytes, gaps)
+            dirty = [gap for gap in segment.space.free_extents() if gap not in clean]
             repaired += len(dirty)
             if dirty or not header_ok or scan.file_bytes < segment.size_bytes:
                 self._repair_segment(segment, scan, header_ok, dirty)
@@ -1293,8 +1277,7 @@ class NvmeTier:
         except BaseException:
             os.close(fd)
             raise
-        placeholder = SegmentSpace(size, [])
-        return _Segment(seg_id, path, fd, size, placeholder), scan, header_ok
+        return _Segment(seg_id, path, fd, size, _segment_space(size)), scan, header_ok
 
     def _repair_segment(self, segment: _Segment, scan: SegmentScan, header_ok: bool,
                         dirty: list[tuple[int, int]]) -> None:
@@ -1322,17 +1305,11 @@ class NvmeTier:
             raise _os_error(exc, f"repairing segment {segment.path.name}") from exc
 
 
-def _gaps(total_bytes: int, used: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Free runs of ``[HEADER_BYTES, total_bytes)`` around the sorted ``used`` extents."""
-    gaps = []
-    pos = HEADER_BYTES
-    for offset, size in used:
-        if offset > pos:
-            gaps.append((pos, offset - pos))
-        pos = offset + size
-    if total_bytes > pos:
-        gaps.append((pos, total_bytes - pos))
-    return gaps
+def _segment_space(size_bytes: int) -> ExtentAllocator:
+    """The space of a segment file with nothing stored: all free but its header block."""
+    space = ExtentAllocator(size_bytes, ALIGN_BYTES)
+    space.claim(0, HEADER_BYTES)
+    return space
 
 
 def _os_error(exc: OSError, what: str) -> KvtierError:

@@ -1,11 +1,14 @@
-"""ExtentAllocator: exact behaviour, and a hypothesis state machine against a naive page-map model."""
+"""ExtentAllocator and the ExtentTable on it: exact behaviour, and hypothesis tests against a naive
+page-map model, for both uses: memory arenas (allocate/free) and NVMe segments (a layout
+rebuilt with ``claim``, ``allocate_run``/``free_run`` reporting the free run).
+"""
 
 from __future__ import annotations
 
 import random
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -121,6 +124,71 @@ def test_fragmentation_metric() -> None:
         a.allocate(2 * U)
 
 
+def test_claim_reserves_an_exact_range_and_frees_like_a_block() -> None:
+    a = ExtentAllocator(16 * U, U)
+    assert a.claim(0, 1) == U  # rounded up like allocate
+    assert a.claim(5 * U, 2 * U) == 2 * U  # in the middle of the free tail
+    assert a.free_extents() == [(U, 4 * U), (7 * U, 9 * U)]
+    assert a.claim(U, 4 * U) == 4 * U  # a whole free extent, by its start
+    assert a.claim(10 * U, 6 * U) == 6 * U  # the end of the tail
+    assert a.free_extents() == [(7 * U, 3 * U)]
+    assert a.used_bytes == 13 * U and a.block_count == 4
+    a.check_invariants()
+    assert a.free(5 * U) == 2 * U
+    assert a.free_extents() == [(5 * U, 5 * U)]
+    a.check_invariants()
+
+
+def test_claim_outside_free_space_is_a_bug() -> None:
+    a = ExtentAllocator(8 * U, U)
+    a.allocate(2 * U)  # [0, 2U)
+    a.claim(4 * U, U)  # [4U, 5U); free: [2U, 4U) and [5U, 8U)
+    for offset, size in [(U, U), (0, U), (3 * U, 2 * U), (4 * U, U), (7 * U, 2 * U),
+                         (8 * U, U), (9 * U, U)]:
+        with pytest.raises(InvariantViolation):
+            a.claim(offset, size)
+    with pytest.raises(InvalidArgument):
+        a.claim(2 * U + 1, U)  # unaligned
+    with pytest.raises(InvalidArgument):
+        a.claim(2 * U, 0)
+    assert a.free_extents() == [(2 * U, 2 * U), (5 * U, 3 * U)]
+    a.check_invariants()
+
+
+def test_allocate_run_reports_the_extent_the_block_was_cut_from() -> None:
+    a = ExtentAllocator(64 * U, U)
+    for offset, size in [(0, U), (5 * U, 5 * U), (12 * U, 8 * U), (22 * U, 8 * U),
+                         (38 * U, 26 * U)]:
+        a.claim(offset, size)
+    # Free: 4 units @1U, 2 @10U, 2 @20U, 8 @30U.
+    assert a.allocate_run(2 * U) == (10 * U, 2 * U)
+    assert a.allocate_run(2 * U - 100) == (20 * U, 2 * U)  # rounded like allocate
+    assert a.allocate_run(3 * U) == (1 * U, 4 * U)  # leaves (4U, 1U)
+    assert a.allocate_run(1 * U) == (4 * U, 1 * U)
+    assert a.allocate_run(5 * U) == (30 * U, 8 * U)
+    assert a.free_extents() == [(35 * U, 3 * U)]
+    with pytest.raises(CapacityError):
+        a.allocate_run(4 * U)
+    with pytest.raises(InvalidArgument):
+        a.allocate_run(0)
+    a.check_invariants()
+
+
+def test_free_run_reports_the_merged_extent() -> None:
+    a = ExtentAllocator(16 * U, U)
+    a.claim(0, U)  # a segment header
+    offsets = [a.allocate(3 * U) for _ in range(5)]
+    assert offsets == [U, 4 * U, 7 * U, 10 * U, 13 * U]
+    assert a.free_run(4 * U) == (4 * U, 3 * U)
+    assert a.free_run(10 * U) == (10 * U, 3 * U)
+    assert a.free_run(7 * U) == (4 * U, 9 * U)  # merged with both neighbours
+    assert a.free_run(13 * U) == (4 * U, 12 * U)
+    assert a.free_extents() == [(4 * U, 12 * U)]
+    with pytest.raises(InvariantViolation):
+        a.free_run(13 * U)  # double free
+    a.check_invariants()
+
+
 def test_reset_restores_one_extent() -> None:
     a = ExtentAllocator(8 * U, U)
     carve(a, [1, 2, 3])
@@ -155,8 +223,9 @@ class AllocatorVsPageMap(RuleBasedStateMachine):
         self.owner: list[int | None] = [None] * units  # block start unit per unit
         self.live: dict[int, int] = {}  # offset -> units
 
-    def model_best_fit(self, need: int) -> int | None:
-        runs: list[tuple[int, int]] = []  # (length, start)
+    def model_runs(self) -> list[tuple[int, int]]:
+        """Free runs as ``(length, start)`` units."""
+        runs: list[tuple[int, int]] = []
         start = None
         for i, o in enumerate([*self.owner, "end"]):
             if o is None and start is None:
@@ -164,8 +233,25 @@ class AllocatorVsPageMap(RuleBasedStateMachine):
             elif o is not None and start is not None:
                 runs.append((i - start, start))
                 start = None
-        fitting = [r for r in runs if r[0] >= need]
-        return min(fitting)[1] if fitting else None
+        return runs
+
+    def model_best_fit(self, need: int) -> tuple[int, int] | None:
+        """``(start, run length)`` of the smallest run that fits, lowest start first."""
+        fitting = [r for r in self.model_runs() if r[0] >= need]
+        return None if not fitting else (min(fitting)[1], min(fitting)[0])
+
+    def take(self, start: int, need: int) -> None:
+        for i in range(start, start + need):
+            assert self.owner[i] is None  # no overlap
+            self.owner[i] = start
+        self.live[start * self.unit] = need
+
+    def release(self, offset: int) -> int:
+        need = self.live.pop(offset)
+        start = offset // self.unit
+        for i in range(start, start + need):
+            self.owner[i] = None
+        return need
 
     @rule(size=st.integers(1, 20 * 4096))
     def allocate(self, size: int) -> None:
@@ -176,21 +262,48 @@ class AllocatorVsPageMap(RuleBasedStateMachine):
                 self.alloc.allocate(size)
             return
         offset = self.alloc.allocate(size)
-        assert offset == expected * self.unit, (offset, expected)
-        for i in range(expected, expected + need):
-            assert self.owner[i] is None  # no overlap
-            self.owner[i] = expected
-        self.live[offset] = need
+        assert offset == expected[0] * self.unit, (offset, expected)
+        self.take(expected[0], need)
+
+    @rule(size=st.integers(1, 20 * 4096))
+    def allocate_run(self, size: int) -> None:
+        need = -(-size // self.unit)
+        expected = self.model_best_fit(need)
+        if expected is None:
+            with pytest.raises(CapacityError):
+                self.alloc.allocate_run(size)
+            return
+        start, run = expected
+        assert self.alloc.allocate_run(size) == (start * self.unit, run * self.unit)
+        self.take(start, need)
+
+    @rule(start=st.integers(0, 70), units=st.integers(1, 8), size_cut=st.integers(0, 255))
+    def claim(self, start: int, units: int, size_cut: int) -> None:
+        size = units * self.unit - size_cut % self.unit  # rounded up to ``units``
+        free = start + units <= len(self.owner) and all(
+            o is None for o in self.owner[start:start + units])
+        if not free:
+            with pytest.raises(InvariantViolation):
+                self.alloc.claim(start * self.unit, size)
+            return
+        assert self.alloc.claim(start * self.unit, size) == units * self.unit
+        self.take(start, units)
 
     @precondition(lambda self: bool(self.live))
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
         offset = data.draw(st.sampled_from(sorted(self.live)))
-        need = self.live.pop(offset)
+        need = self.release(offset)
         assert self.alloc.free(offset) == need * self.unit
-        start = offset // self.unit
-        for i in range(start, start + need):
-            self.owner[i] = None
+
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data())
+    def free_run(self, data: st.DataObject) -> None:
+        offset = data.draw(st.sampled_from(sorted(self.live)))
+        self.release(offset)
+        unit = offset // self.unit
+        length, start = next((n, s) for n, s in self.model_runs() if s <= unit < s + n)
+        assert self.alloc.free_run(offset) == (start * self.unit, length * self.unit)
 
     @invariant()
     def accounting_is_exact(self) -> None:
@@ -208,6 +321,89 @@ AllocatorVsPageMap.TestCase.settings = settings(
     max_examples=150, stateful_step_count=60, deadline=None
 )
 TestAllocatorVsPageMap = AllocatorVsPageMap.TestCase
+
+
+# --- the NVMe use: one allocator per segment file, rebuilt from a recovered layout --------------
+
+
+@settings(max_examples=150, deadline=None)
+@given(layout=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 6)), max_size=12),
+       shuffled=st.randoms(use_true_random=False))
+def test_a_layout_claimed_back_has_exactly_its_gaps_free(
+        layout: list[tuple[int, int]], shuffled: random.Random) -> None:
+    """Recovery claims the header block and each record a scan found (in address order, or any
+    other); the free extents are then exactly the gaps between them, all coalesced."""
+    records, pos = [], 1  # unit 0: the segment header
+    for gap, units in layout:
+        pos += gap
+        records.append((pos, units))
+        pos += units
+    pages = pos + 2
+    for order in (records, shuffled.sample(records, len(records))):
+        a = ExtentAllocator(pages * U, U)
+        a.claim(0, U)
+        for start, units in order:
+            assert a.claim(start * U, units * U) == units * U
+        used = [False] * pages
+        used[0] = True
+        for start, units in records:
+            used[start:start + units] = [True] * units
+        gaps, run_start = [], None
+        for p in range(pages + 1):
+            if p < pages and not used[p]:
+                run_start = p if run_start is None else run_start
+            elif run_start is not None:
+                gaps.append((run_start * U, (p - run_start) * U))
+                run_start = None
+        assert a.free_extents() == gaps
+        assert a.used_bytes == used.count(True) * U and a.block_count == len(records) + 1
+        a.check_invariants()
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 12), st.integers(0, 1000)),
+                max_size=60))
+def test_segment_space_agrees_with_a_page_map(ops: list[tuple[bool, int, int]]) -> None:
+    """The NVMe writer's calls on a fresh segment (header claimed): ``allocate_run`` where it
+    fits (the tier checks ``largest_free_bytes`` first), ``free_run`` on a failed write and
+    ``free`` on a remove, against the page-map model."""
+    pages = 48
+    space = ExtentAllocator(pages * U, U)
+    space.claim(0, U)
+    used = [True] + [False] * (pages - 1)  # page 0: the segment header
+    live: list[tuple[int, int]] = []
+
+    def runs() -> list[tuple[int, int]]:
+        found, start = [], None
+        for p in range(pages + 1):
+            free = p < pages and not used[p]
+            if free and start is None:
+                start = p
+            elif not free and start is not None:
+                found.append((p - start, start))
+                start = None
+        return found
+
+    for is_alloc, npages, pick in ops:
+        if is_alloc or not live:
+            fits = sorted(r for r in runs() if r[0] >= npages)
+            assert (space.largest_free_bytes >= npages * U) == bool(fits)
+            if not fits:
+                continue
+            run_pages, first = fits[0]
+            assert space.allocate_run(npages * U) == (first * U, run_pages * U)
+            used[first:first + npages] = [True] * npages
+            live.append((first, npages))
+        else:
+            first, npages = live.pop(pick % len(live))
+            used[first:first + npages] = [False] * npages
+            if pick % 2:
+                merged = next((n, s) for n, s in runs() if s <= first < s + n)
+                assert space.free_run(first * U) == (merged[1] * U, merged[0] * U)
+            else:
+                assert space.free(first * U) == npages * U
+        space.check_invariants()
+        assert space.free_bytes == used.count(False) * U
 
 
 # --- ExtentTable ----------------------------------------------------------------------------------

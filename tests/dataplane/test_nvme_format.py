@@ -1,4 +1,7 @@
-"""Pure logic under the NVMe tier: the segment free-space allocator, record headers, the scan.
+"""Pure logic under the NVMe tier: record headers, the scan, direct I/O helpers.
+
+(The free space of a segment is the tiers' ``ExtentAllocator``, tested with its NVMe use in
+``test_allocator.py``.)
 
 The scan runs here over an in-memory "file" (a bytearray read through the same ``read_at``
 callable the tier passes it), so chains with holes and garbage can be built byte by byte.
@@ -9,8 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from kvstore.dataplane.directio import (
     ALIGN_BYTES,
@@ -21,7 +22,6 @@ from kvstore.dataplane.directio import (
     probe_io_mode,
     pwritev_all,
 )
-from kvstore.dataplane.extents import SegmentSpace
 from kvstore.dataplane.segments import (
     HEADER_BYTES,
     HeaderCheck,
@@ -33,89 +33,9 @@ from kvstore.dataplane.segments import (
     record_extent_bytes,
     scan_segment,
 )
-from kvstore.errors import InvalidArgument, InvariantViolation
+from kvstore.errors import InvalidArgument
 
 A = ALIGN_BYTES
-
-# --- SegmentSpace -----------------------------------------------------------------------------
-
-
-def test_best_fit_takes_the_smallest_run_that_fits_lowest_offset_first() -> None:
-    space = SegmentSpace(64 * A, [(1 * A, 4 * A), (10 * A, 2 * A), (20 * A, 2 * A),
-                                  (30 * A, 8 * A)])
-    assert space.allocate(2 * A) == (10 * A, 2 * A)
-    assert space.allocate(2 * A) == (20 * A, 2 * A)
-    assert space.allocate(3 * A) == (1 * A, 4 * A)  # leaves (4A, 1A)
-    assert space.allocate(1 * A) == (4 * A, 1 * A)
-    assert space.allocate(5 * A) == (30 * A, 8 * A)
-    assert space.free_extents() == [(35 * A, 3 * A)]
-    assert space.allocate(30 * A) is None
-
-
-def test_free_merges_with_both_neighbours() -> None:
-    space = SegmentSpace(16 * A, [(A, 15 * A)])
-    offsets = [space.allocate(3 * A)[0] for _ in range(5)]  # type: ignore[index]
-    assert offsets == [A, 4 * A, 7 * A, 10 * A, 13 * A]
-    assert space.free(4 * A, 3 * A) == (4 * A, 3 * A)
-    assert space.free(10 * A, 3 * A) == (10 * A, 3 * A)
-    assert space.free(7 * A, 3 * A) == (4 * A, 9 * A)
-    assert space.free_extents() == [(4 * A, 9 * A)]
-    space.check_invariants()
-
-
-def test_double_free_is_a_bug() -> None:
-    space = SegmentSpace(16 * A, [(A, 15 * A)])
-    space.allocate(2 * A)
-    space.free(A, 2 * A)
-    with pytest.raises(InvariantViolation):
-        space.free(A, 2 * A)
-
-
-def test_unaligned_requests_are_rejected() -> None:
-    space = SegmentSpace(16 * A, [(A, 15 * A)])
-    with pytest.raises(InvalidArgument):
-        space.allocate(100)
-    with pytest.raises(InvariantViolation):
-        space.free(A + 1, A)
-
-
-@settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.booleans(), st.integers(1, 12), st.integers(0, 1000)),
-                max_size=60))
-def test_space_agrees_with_a_page_map(ops: list[tuple[bool, int, int]]) -> None:
-    pages = 48
-    space = SegmentSpace(pages * A, [(A, (pages - 1) * A)])
-    used = [True] + [False] * (pages - 1)  # page 0: the segment header
-    live: list[tuple[int, int]] = []
-    for is_alloc, npages, pick in ops:
-        if is_alloc or not live:
-            got = space.allocate(npages * A)
-            # Model: the smallest free run of >= npages, lowest start among equals.
-            runs, start = [], None
-            for p in range(pages + 1):
-                free = p < pages and not used[p]
-                if free and start is None:
-                    start = p
-                elif not free and start is not None:
-                    runs.append((p - start, start))
-                    start = None
-            fits = sorted(r for r in runs if r[0] >= npages)
-            if not fits:
-                assert got is None
-                continue
-            run_pages, first = fits[0]
-            assert got == (first * A, run_pages * A)
-            for p in range(first, first + npages):
-                used[p] = True
-            live.append((first, npages))
-        else:
-            first, npages = live.pop(pick % len(live))
-            space.free(first * A, npages * A)
-            for p in range(first, first + npages):
-                used[p] = False
-        space.check_invariants()
-        assert space.free_bytes == used.count(False) * A
-
 
 # --- headers ----------------------------------------------------------------------------------
 
