@@ -38,9 +38,10 @@ import enum
 import logging
 from dataclasses import dataclass
 
-from kvstore.dataplane.allocator import Extent, ExtentAllocator, ExtentTable, ExtentTableTier
+from kvstore.dataplane.allocator import ExtentAllocator
 from kvstore.dataplane.arena import PinMode, ShmArena, copy_bytes, host_byte_view
 from kvstore.dataplane.compress import Codec, CodecKind, CodecSpec, make_codec
+from kvstore.dataplane.extent_table import Extent, ExtentTable, ExtentTableTier
 from kvstore.dataplane.read_index import ReadIndex
 from kvstore.dataplane.tier import ChunkInfo, ChunkKey, TierKind, check_key
 from kvstore.errors import (

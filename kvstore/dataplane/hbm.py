@@ -35,9 +35,10 @@ from typing import Any
 import numpy as np
 
 from kvstore.dataplane import cuda
-from kvstore.dataplane.allocator import ExtentAllocator, ExtentTable, ExtentTableTier
+from kvstore.dataplane.allocator import ExtentAllocator
 from kvstore.dataplane.arena import buffer_address, host_byte_view
 from kvstore.dataplane.compress import CodecKind
+from kvstore.dataplane.extent_table import ExtentTable, ExtentTableTier
 from kvstore.dataplane.tier import ChunkInfo, TierKind, check_key
 from kvstore.errors import InvalidArgument, SizeMismatch, TierUnavailable
 

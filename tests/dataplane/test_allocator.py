@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvstore.dataplane.allocator import ExtentAllocator, ExtentTable, align_up
+from kvstore.dataplane.allocator import ExtentAllocator, align_up
 from kvstore.dataplane.compress import CodecKind
+from kvstore.dataplane.extent_table import ExtentTable
 from kvstore.dataplane.tier import ChunkKey
 from kvstore.errors import (
     CapacityError,
