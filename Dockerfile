@@ -29,6 +29,7 @@ ENV KVTIER_NATIVE_DIR=/opt/kvtier/native
 COPY pyproject.toml README.md ./
 COPY kvstore ./kvstore
 COPY conductor ./conductor
+COPY planner ./planner
 COPY bench ./bench
 RUN pip install --no-cache-dir ".${EXTRAS:+[$EXTRAS]}" && kvtier version
 ENTRYPOINT []

@@ -22,12 +22,12 @@ run: setup native
 ## test: set up, then run the whole suite (lint and type checks included)
 test: setup native
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy kvstore conductor bench
+	$(VENV)/bin/mypy kvstore conductor planner bench
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy kvstore conductor
+	$(VENV)/bin/mypy kvstore conductor planner
 
 bench-quick: setup
 	$(PY) -m kvstore.cli.main bench tiers --quick

@@ -251,7 +251,7 @@ def model_kv_chunks(quick: bool) -> dict[str, list[bytes]]:
     """KV chunks (256-token blocks) of the random-weight reference Llama, as fp16 and bf16."""
     import torch
 
-    from kvstore.engine.kvlayout import KVLayout
+    from kvstore.client.kvlayout import KVLayout
     from kvstore.engine.model import build_reference_model
 
     model = build_reference_model()

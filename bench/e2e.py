@@ -8,7 +8,7 @@ Four modes serve the same requests at the same arrival times:
   torch threads, default 2: the two cores the two disaggregated workers use), no kvtier. (a)
   prefills each arriving prompt whole, one per iteration, between batched decode steps; (b)
   gives each iteration ``--token-budget`` tokens (running decodes plus prefill chunks).
-* **(c) disaggregated, no reuse**: one local cluster (``kvstore.cluster.LocalCluster``: etcd,
+* **(c) disaggregated, no reuse**: one local cluster (``kvstore.cluster.local.LocalCluster``: etcd,
   conductor, two daemons, a prefill and a decode worker, the small model of ``kvtier run``);
   the prefill worker computes every prompt token; full blocks still go to the decode worker
   through kvtier (that is the handoff);
@@ -62,7 +62,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from bench._meta import run_header
-from kvstore.cli.run import (
+from kvstore.cluster.serving import (
     CLUSTER_BLOCK_TOKENS,
     cluster_model_spec,
     default_trace,
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     import torch
 
-    from kvstore.cluster import ClusterSpec, LocalCluster
+    from kvstore.cluster.local import ClusterSpec, LocalCluster
     from kvstore.engine.model import build_reference_model
 
     console = Console(width=160)

@@ -58,8 +58,8 @@ from kvstore.client.kv_client import (
     SaveRequest,
     namespace_for,
 )
+from kvstore.client.kvlayout import KVLayout
 from kvstore.client.store_client import DataPlane
-from kvstore.engine.kvlayout import KVLayout
 
 LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_tokens=32,
                   dtype=torch.bfloat16)

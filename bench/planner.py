@@ -30,13 +30,13 @@ from typing import Any
 import numpy as np
 
 from bench._meta import run_header
-from conductor.planner.goodput import find_goodput
-from conductor.planner.hardware import gpu_by_name, link_by_name
-from conductor.planner.latency import build_latency_provider
-from conductor.planner.metrics import Slo
-from conductor.planner.models import model_by_name
-from conductor.planner.search import SearchSpace, enumerate_deployments, search
-from conductor.planner.sim import (
+from conductor.perf.hardware import gpu_by_name, link_by_name
+from conductor.perf.latency import build_latency_provider
+from conductor.perf.models import model_by_name
+from planner.goodput import find_goodput
+from planner.metrics import Slo
+from planner.search import SearchSpace, enumerate_deployments, search
+from planner.sim import (
     Architecture,
     ClusterSpec,
     Deployment,
@@ -44,7 +44,7 @@ from conductor.planner.sim import (
     PrefixCacheSpec,
     simulate,
 )
-from conductor.planner.workload import load_trace, synthetic
+from planner.workload import load_trace, synthetic
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PAPER = {

@@ -36,7 +36,7 @@ from kvstore.dataplane.tier import TierKind
 from kvstore.errors import CapacityError, ConfigError, InvalidArgument
 from kvstore.node.index import CacheIndex, TierBudget
 from kvstore.node.policies import BeladyPolicy, FutureAccesses, PolicyName, make_policy
-from kvstore.node.trace import BLOCK_TOKENS, TraceRequest, block_key, default_trace_path, load_trace
+from planner.trace import BLOCK_TOKENS, TraceRequest, block_key, default_trace_path, load_trace
 
 TIER = TierKind.DRAM
 PIN_TTL_S = 60.0

@@ -33,7 +33,7 @@
 5. **Through real processes** (``--real``; ``--real-only`` runs only it): each policy
    replays the trace through a real conductor (``--clock client``), real daemons holding
    every block (4 KiB each, LRU at ``node_capacity_blocks``) and etcd, with simulated
-   engines writing, fetching and reporting load (:mod:`conductor.live_replay`). Hit ratio,
+   engines writing, fetching and reporting load (:mod:`planner.live_replay`). Hit ratio,
    TTFT and its estimate, rejections, Schedule RPC latency p50/p99 and decisions/s (one
    in flight), and each decision checked against the daemons' contents.
 
@@ -61,8 +61,9 @@ import numpy as np
 import xxhash
 
 from conductor.index import GlobalPrefixIndex
-from conductor.planner.workload import Workload, load_trace
-from conductor.replay import (
+from conductor.scheduler import Policy
+from kvstore.dataplane.tier import TierKind
+from planner.replay import (
     ClusterSpec,
     ReplayResult,
     default_engine_model,
@@ -70,8 +71,7 @@ from conductor.replay import (
     replay,
     scale_to_load,
 )
-from conductor.scheduler import Policy
-from kvstore.dataplane.tier import TierKind
+from planner.workload import Workload, load_trace
 
 DEFAULT_TRACES = ("mooncake", "azure-code", "azure-conv")
 FULL_SIZES = (1_000_000, 10_000_000)
@@ -233,7 +233,7 @@ def policies(workload: Workload, load: float, ttft_slo_s: float,
 def live_policies(workload: Workload, load: float, ttft_slo_s: float | None = None,
                   tpot_slo_s: float | None = None) -> dict[str, Any]:
     """Every policy through real processes, plus the in-process replay of the same slice."""
-    from conductor.live_replay import run_live_replay
+    from planner.live_replay import run_live_replay
 
     cluster = ClusterSpec()
     engine = default_engine_model(workload.block_tokens)
@@ -332,7 +332,7 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 def _store_trace_chains(address: str, workload: Workload, requests: int) -> int:
     """Put the first requests' blocks (1 KiB each, chained) into a daemon; blocks stored."""
     from kvstore.client.store_client import StoreClient
-    from kvstore.node.trace import block_key
+    from planner.trace import block_key
 
     assert workload.block_ids is not None
     seen: set[int] = set()
@@ -358,11 +358,11 @@ def _process_cpu_s(pid: int) -> float:
 
 async def _drive(address: str, server_pid: int, etcd_url: str, prefix: str, workload: Workload,
                  requests: int, concurrency: int) -> dict[str, Any]:
-    from conductor.client import ConductorClient
-    from conductor.engines import EngineRecord, EngineRole, put_engine_record
-    from conductor.membership import KeyLayout, etcd_client
     from kvstore._proto.kvtier.v1 import conductor_pb2 as pb
-    from kvstore.node.trace import block_key
+    from kvstore.client.conductor_client import ConductorClient
+    from kvstore.membership.engines import EngineRecord, EngineRole, put_engine_record
+    from kvstore.membership.etcd import KeyLayout, etcd_client
+    from planner.trace import block_key
 
     layout = KeyLayout(prefix)
     async with etcd_client(etcd_url) as etcd:
@@ -473,7 +473,7 @@ def grpc_scheduling(workload: Workload, blocks: int, requests: int,
     """
     import tempfile
 
-    from conductor.etcd import LocalEtcd
+    from kvstore.membership.launcher import LocalEtcd
 
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-grpc-") as tmp:
         work = Path(tmp)

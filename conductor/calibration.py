@@ -1,6 +1,6 @@
 """Moving-average estimators the scheduler's cost model is calibrated with.
 
-The scheduler starts from a latency model (:mod:`conductor.planner.latency`)
+The scheduler starts from a latency model (:mod:`conductor.perf.latency`)
 and nominal link bandwidths, then corrects both from what it measures:
 
 * :class:`SpeedCalibration` -- per instance, a correction factor over a

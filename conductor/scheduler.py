@@ -10,7 +10,7 @@ prefill instance the scheduler estimates the time to first token
   re-anchored at every completion report (``queue drains at now + remaining
   work``), so one late request delays the estimate of those behind it once.
 * ``T_prefill``: ``factor(instance) * latency_model.prefill_s(uncached,
-  reused)``: the latency model of :mod:`conductor.planner.latency`, corrected
+  reused)``: the latency model of :mod:`conductor.perf.latency`, corrected
   per instance by a moving average of measured/modelled times
   (:class:`~conductor.calibration.SpeedCalibration`).
 * ``T_load``: reading the reused blocks of the instance's own node into the
@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 
 from conductor.calibration import LinkCalibration, MeanEstimate, SpeedCalibration
 from conductor.index import GlobalMatch, GlobalPrefixIndex, TierCounts
-from conductor.planner.latency import LatencyModel
+from conductor.perf.latency import LatencyModel
 from kvstore.errors import InvalidArgument, InvariantViolation
 
 __all__ = [

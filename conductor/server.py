@@ -55,19 +55,8 @@ import aetcd
 import grpc
 import xxhash
 
-from conductor.election import Election, LeaderRecord, LeaderView
-from conductor.engines import EngineRecord, EngineRole, EngineWatch
 from conductor.index import ChunkEvent, ChunkEventKind, EventOutcome, GlobalPrefixIndex
-from conductor.membership import (
-    DEFAULT_LAYOUT,
-    KeyLayout,
-    NodeEventKind,
-    NodeRecord,
-    etcd_client,
-    parse_host_port,
-    watch_nodes,
-)
-from conductor.replay import default_engine_model
+from conductor.perf.engine_model import default_engine_model
 from conductor.scheduler import (
     DecodeInstance,
     Policy,
@@ -80,13 +69,20 @@ from kvstore._proto.kvtier.v1 import store_pb2_grpc as store_grpc
 from kvstore.dataplane.tier import TierKind
 from kvstore.errors import InvalidArgument, KvtierError
 from kvstore.keys import BlockHasher, Namespace
+from kvstore.membership.election import Election, LeaderRecord, LeaderView
+from kvstore.membership.engines import EngineRecord, EngineRole, EngineWatch
+from kvstore.membership.etcd import DEFAULT_LAYOUT, KeyLayout, etcd_client, parse_host_port
+from kvstore.membership.nodes import NodeEventKind, NodeRecord, watch_nodes
+from kvstore.wire import PB_TO_TIER
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ClockMode", "Conductor", "ConductorConfig", "default_conductor_id", "run_conductor"]
+__all__ = ["READY_PREFIX", "ClockMode", "Conductor", "ConductorConfig", "default_conductor_id",
+           "run_conductor"]
 
-_PB_TIER = {store_pb.TIER_HBM: TierKind.HBM, store_pb.TIER_DRAM: TierKind.DRAM,
-            store_pb.TIER_NVME: TierKind.NVME}
+READY_PREFIX = "KVTIER-CONDUCTOR-READY "
+"""``kvtier conductor`` prints this, then its address as JSON, once it serves."""
+
 _PB_EVENT = {store_pb.EVENT_STORED: ChunkEventKind.STORED,
              store_pb.EVENT_REMOVED: ChunkEventKind.REMOVED,
              store_pb.EVENT_MOVED: ChunkEventKind.MOVED}
@@ -451,7 +447,7 @@ class Conductor:
                     store_pb.SnapshotRequest(page_entries=_SNAPSHOT_PAGE_ENTRIES)):
                 if loader is None:
                     loader = self.index.begin_snapshot(node_id, page.epoch, int(page.seq))
-                entries = [(e.key, _PB_TIER[e.tier]) for e in page.entries if e.tier in _PB_TIER]
+                entries = [(e.key, PB_TO_TIER[e.tier]) for e in page.entries if e.tier in PB_TO_TIER]
                 if entries:
                     loader.add(entries)
             if loader is None:
@@ -489,7 +485,7 @@ class Conductor:
                 try:
                     event = ChunkEvent(
                         node_id, ev.epoch, int(ev.seq), kind, ev.key,
-                        _PB_TIER.get(ev.tier) if kind is not ChunkEventKind.REMOVED else None)
+                        PB_TO_TIER.get(ev.tier) if kind is not ChunkEventKind.REMOVED else None)
                 except InvalidArgument as exc:
                     # Skipping it would leave a gap that replays the same event forever.
                     log.warning("node %s sent a malformed event (%s); snapshot", node_id, exc)

@@ -22,21 +22,20 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from conductor.engines import EngineRole
 from conductor.index import TierCounts
 from conductor.scheduler import Decision, RejectReason, ScheduleRequest
 from kvstore._proto.kvtier.v1 import conductor_pb2 as pb
 from kvstore._proto.kvtier.v1 import conductor_pb2_grpc as pb_grpc
 from kvstore.errors import InvalidArgument, KvtierError
-from kvstore.node.protocol import ERROR_METADATA_KEY, error_name, grpc_code_name
+from kvstore.membership.engines import EngineRole
+from kvstore.wire import ERROR_METADATA_KEY, LEADER_METADATA_KEY, error_name, grpc_code_name
 
 if TYPE_CHECKING:
     from conductor.server import Conductor
 
-__all__ = ["LEADER_METADATA_KEY", "SERVICE_NAME", "ConductorService", "add_to_server"]
+__all__ = ["SERVICE_NAME", "ConductorService", "add_to_server"]
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Conductor"].full_name
-LEADER_METADATA_KEY = "kvtier-leader"
 MAX_KEYS = 65536
 """Most keys (blocks) one request may carry: 32M tokens at 512 per block."""
 MAX_KEY_BYTES = 64

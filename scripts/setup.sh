@@ -32,7 +32,7 @@ if [[ ! -f $STAMP || $(cat "$STAMP") != "$want" ]]; then
   "$VENV/bin/pip" install -q "torch==2.13.0"
   # The ucx extra (ucxx-cu12, ~320 MB, imports without a GPU) so CI runs the UCX data-plane
   # tests instead of skipping them; measured ~5 s here from a warm package index.
-  "$VENV/bin/pip" install -q -e ".[dev,model,ucx]"
+  "$VENV/bin/pip" install -q -e ".[dev,model,ucx,planner]"
   echo "$want" >"$STAMP"
 fi
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conductor.etcd import LocalEtcd
-from conductor.membership import KeyLayout
 from kvstore.client import DataPlane, StoreClient, StoreClientConfig
+from kvstore.membership.etcd import KeyLayout
+from kvstore.membership.launcher import LocalEtcd
 from tests.support.conductor import ConductorProcess
 from tests.support.daemon import DaemonProcess, kvtier
 

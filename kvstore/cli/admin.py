@@ -96,7 +96,7 @@ def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
 
 
 def entry_doc(entry: Any) -> dict[str, Any]:
-    from kvstore.node.service import PB_TO_TIER
+    from kvstore.wire import PB_TO_TIER
 
     return {"key": entry.key.hex(), "parent": entry.parent.hex() or None,
             "tier": PB_TO_TIER[entry.tier].value, "size_bytes": entry.size_bytes,
@@ -105,28 +105,9 @@ def entry_doc(entry: Any) -> dict[str, Any]:
             "age_s": round(entry.age_s, 3), "idle_s": round(entry.idle_s, 3)}
 
 
-def stats_doc(reply: Any, address: str) -> dict[str, Any]:
-    from kvstore.node.service import PB_TO_TIER
-
-    hits = sum(t.hits for t in reply.tiers)
-    lookups = hits + reply.misses
-    return {
-        "node_id": reply.node_id, "address": address, "epoch": reply.epoch,
-        "uptime_s": round(reply.uptime_s, 3), "misses": reply.misses, "hits": hits,
-        "hit_ratio": hits / lookups if lookups else None, "last_seq": reply.last_seq,
-        "shm_leases_open": reply.shm_leases_open,
-        "tcp_connections_open": reply.tcp_connections_open,
-        "tiers": [{
-            "tier": PB_TO_TIER[t.tier].value, "capacity_bytes": t.capacity_bytes,
-            "used_bytes": t.used_bytes, "chunks": t.chunks, "hits": t.hits, "puts": t.puts,
-            "evictions": t.drops, "demotions": t.demotions_out, "promotions": t.promotions_in,
-            "corrupt": t.corrupt, "bytes_read": t.bytes_read, "bytes_written": t.bytes_written,
-        } for t in reply.tiers],
-    }
-
-
 async def _list_nodes(endpoint: str, prefix: str) -> dict[str, Any]:
-    from conductor.membership import KeyLayout, etcd_client, list_nodes
+    from kvstore.membership.etcd import KeyLayout, etcd_client
+    from kvstore.membership.nodes import list_nodes
 
     async with etcd_client(endpoint) as client:
         return await list_nodes(client, layout=KeyLayout(prefix))
@@ -174,6 +155,8 @@ def stats(
         targets += [r.grpc_address for r in _nodes_from_etcd("stats", etcd, prefix).values()]
     if not targets:
         raise typer.BadParameter("give --address or --etcd", param_hint="--address")
+    from kvstore.wire import stats_doc
+
     doc = []
     for target in targets:
         with _client("stats", target) as client:

@@ -96,7 +96,7 @@ def replay(
 
     from bench import replay as bench_replay
     from kvstore.errors import KvtierError
-    from kvstore.node.trace import default_trace_path
+    from planner.trace import default_trace_path
 
     path = trace or default_trace_path()
     if path is None:

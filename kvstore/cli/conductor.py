@@ -12,8 +12,6 @@ import typer
 
 from kvstore.errors import KvtierError
 
-READY_PREFIX = "KVTIER-CONDUCTOR-READY "
-
 
 def conductor(
     etcd: str = typer.Option(..., "--etcd", help="etcd endpoint, http://host:port or host:port."),
@@ -50,9 +48,15 @@ def conductor(
 
     Prints `KVTIER-CONDUCTOR-READY {json}` with its id and address once it serves.
     """
-    from conductor.membership import KeyLayout
     from conductor.scheduler import Policy
-    from conductor.server import ClockMode, Conductor, ConductorConfig, default_conductor_id
+    from conductor.server import (
+        READY_PREFIX,
+        ClockMode,
+        Conductor,
+        ConductorConfig,
+        default_conductor_id,
+    )
+    from kvstore.membership.etcd import KeyLayout
 
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

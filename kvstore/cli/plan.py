@@ -17,10 +17,10 @@ import typer
 from kvstore.errors import KvtierError
 
 if TYPE_CHECKING:
-    from conductor.planner.hardware import GpuSpec
-    from conductor.planner.latency import LatencyProvider
-    from conductor.planner.models import DType, ModelSpec
-    from conductor.planner.sim import ClusterSpec
+    from conductor.perf.hardware import GpuSpec
+    from conductor.perf.latency import LatencyProvider
+    from conductor.perf.models import DType, ModelSpec
+    from planner.sim import ClusterSpec
 
 app = typer.Typer(
     help="Plan a deployment: KV sizes, a cluster simulation, a search for the best layout.",
@@ -66,7 +66,7 @@ def _emit(doc: dict[str, Any]) -> None:
 
 
 def _model(name: str, config: Path | None, params_b: float | None) -> ModelSpec:
-    from conductor.planner.models import load_model
+    from conductor.perf.models import load_model
 
     return load_model(name, config, params=params_b * 1e9 if params_b is not None else None)
 
@@ -74,8 +74,8 @@ def _model(name: str, config: Path | None, params_b: float | None) -> ModelSpec:
 def _cluster(
     model: ModelSpec, gpu: GpuSpec, latency: str, data_dir: Path | None, kv: DType, weights: DType
 ) -> ClusterSpec:
-    from conductor.planner.latency import build_latency_provider
-    from conductor.planner.sim import ClusterSpec
+    from conductor.perf.latency import build_latency_provider
+    from planner.sim import ClusterSpec
 
     provider: LatencyProvider = build_latency_provider(
         latency, model, gpu, data=data_dir, weight_dtype=weights, kv_dtype=kv
@@ -103,10 +103,10 @@ def kv_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON"),
 ) -> None:
     """KV bytes per token and per prompt, transfer time per interconnect, and whether pipelining hides it."""
-    from conductor.planner.hardware import LINKS, gpu_by_name, link_by_name
-    from conductor.planner.kv import min_tp_that_fits, plan_kv
-    from conductor.planner.latency import build_latency_provider
-    from conductor.planner.models import DType
+    from conductor.perf.hardware import LINKS, gpu_by_name, link_by_name
+    from conductor.perf.latency import build_latency_provider
+    from conductor.perf.models import DType
+    from planner.kv import min_tp_that_fits, plan_kv
 
     try:
         spec = _model(model, config, params_b)
@@ -177,8 +177,8 @@ def _deployment(
     cache_tokens: int | None,
     cache_bandwidth_gbs: float | None,
 ) -> Any:
-    from conductor.planner.hardware import link_by_name
-    from conductor.planner.sim import Architecture, Deployment, InstanceGroup, PrefixCacheSpec
+    from conductor.perf.hardware import link_by_name
+    from planner.sim import Architecture, Deployment, InstanceGroup, PrefixCacheSpec
 
     the_link = link_by_name(link, bandwidth_gbs)
     cache = None
@@ -263,12 +263,12 @@ def simulate_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON"),
 ) -> None:
     """Replay a trace on one deployment: TTFT/TPOT percentiles, SLO attainment, bytes, memory, energy."""
-    from conductor.planner.goodput import find_goodput
-    from conductor.planner.hardware import gpu_by_name
-    from conductor.planner.metrics import Slo
-    from conductor.planner.models import DType
-    from conductor.planner.sim import simulate
-    from conductor.planner.workload import load_trace
+    from conductor.perf.hardware import gpu_by_name
+    from conductor.perf.models import DType
+    from planner.goodput import find_goodput
+    from planner.metrics import Slo
+    from planner.sim import simulate
+    from planner.workload import load_trace
 
     try:
         spec = _model(model, config, params_b)
@@ -329,7 +329,7 @@ def simulate_command(
     except KvtierError as exc:
         raise _fail(exc) from exc
     if out is not None:
-        from conductor.planner.plots import plot_goodput_curves, plot_latency_cdfs
+        from planner.plots import plot_goodput_curves, plot_latency_cdfs
 
         out.mkdir(parents=True, exist_ok=True)
         files = [str(plot_latency_cdfs([result], slo, out / "latency_cdf.png"))]
@@ -424,11 +424,11 @@ def search_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON"),
 ) -> None:
     """Search Np:Nd and per-phase TP/PP for the best goodput per GPU, and say whether to disaggregate."""
-    from conductor.planner.hardware import gpu_by_name, link_by_name
-    from conductor.planner.metrics import Slo
-    from conductor.planner.models import DType
-    from conductor.planner.search import SearchSpace, search
-    from conductor.planner.workload import load_trace
+    from conductor.perf.hardware import gpu_by_name, link_by_name
+    from conductor.perf.models import DType
+    from planner.metrics import Slo
+    from planner.search import SearchSpace, search
+    from planner.workload import load_trace
 
     try:
         spec = _model(model, config, params_b)
@@ -472,7 +472,7 @@ def search_command(
         ],
     }
     if out is not None:
-        from conductor.planner.plots import plot_goodput_curves, plot_search
+        from planner.plots import plot_goodput_curves, plot_search
 
         out.mkdir(parents=True, exist_ok=True)
         best = [

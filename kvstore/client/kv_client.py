@@ -71,13 +71,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvstore.client.kvlayout import KVLayout
 from kvstore.client.store_client import (
     DataPlane,
     StoreClient,
     StoreClientConfig,
 )
 from kvstore.dataplane.tier import TierKind
-from kvstore.engine.kvlayout import KVLayout
 from kvstore.errors import (
     ChunkExists,
     InvalidArgument,
@@ -91,7 +91,8 @@ from kvstore.keys import BlockHasher, HashMode, KVDtype, KVFingerprint, Namespac
 if TYPE_CHECKING:
     import torch
 
-    from conductor.membership import KeyLayout, NodeRecord
+    from kvstore.membership.etcd import KeyLayout
+    from kvstore.membership.nodes import NodeRecord
 
 log = logging.getLogger(__name__)
 
@@ -1294,7 +1295,8 @@ def discover_nodes(etcd_endpoint: str, key_layout: KeyLayout | None = None
     """The daemons registered in etcd, by id. Runs the asyncio etcd client on a private thread
     and loop, so it works from synchronous code and from inside a running event loop alike.
     Raises MembershipError."""
-    from conductor.membership import DEFAULT_LAYOUT, etcd_client, list_nodes
+    from kvstore.membership.etcd import DEFAULT_LAYOUT, etcd_client
+    from kvstore.membership.nodes import list_nodes
 
     layout = key_layout or DEFAULT_LAYOUT
     out: cf.Future[dict[str, NodeRecord]] = cf.Future()

@@ -80,6 +80,19 @@ from kvstore.dataplane.arena import (
 )
 from kvstore.dataplane.read_index import NOT_TRIED, ReadIndexReader, ReadResult
 from kvstore.dataplane.tier import Buffer, TierKind, check_key
+from kvstore.dataplane.transport.shm_frames import (
+    FLAG_NO_REPLY,
+    FLAG_PREFIX,
+    INLINE_PUT_MAX_BYTES,
+    MAX_BODY_BYTES,
+    MAX_KEYS,
+    RANGE,
+    REPLY,
+    REQUEST,
+    STATUS_OK,
+    ChannelOp,
+    pack_keys,
+)
 from kvstore.dataplane.transport.tcp import TcpClient
 from kvstore.dataplane.transport.ucx import UcxClient, ucx_unavailable
 from kvstore.errors import (
@@ -94,27 +107,11 @@ from kvstore.errors import (
     TierUnavailable,
     TransportError,
 )
-from kvstore.node.protocol import (
-    ERROR_METADATA_KEY,
-    FLAG_NO_REPLY,
-    FLAG_PREFIX,
-    INLINE_PUT_MAX_BYTES,
-    MAX_BODY_BYTES,
-    MAX_KEYS,
-    RANGE,
-    REPLY,
-    REQUEST,
-    STATUS_OK,
-    ChannelOp,
-    error_from_name,
-    pack_keys,
-)
+from kvstore.wire import ERROR_METADATA_KEY, PB_TO_TIER, TIER_TO_PB, error_from_name
 
 log = logging.getLogger(__name__)
 
 GRPC_MAX_MESSAGE_BYTES = 64 << 20
-_PB_TIER = {pb.TIER_HBM: TierKind.HBM, pb.TIER_DRAM: TierKind.DRAM, pb.TIER_NVME: TierKind.NVME}
-TIER_TO_PB = {v: k for k, v in _PB_TIER.items()}
 _FALLBACK_TO_TCP = (CapacityError, ChunkBusy)
 _PAGE_BYTES = 4096
 _IOV_MAX = 1024
@@ -270,7 +267,7 @@ def _populate(arena: ShmArena) -> None:
 
 
 class LeaseChannel:
-    """One connection to a daemon's lease channel (:mod:`kvstore.node.protocol`), used by one
+    """One connection to a daemon's lease channel (:mod:`kvstore.dataplane.transport.shm_frames`), used by one
     thread at a time. :class:`StoreClient` pools these; tools and tests may use one directly."""
 
     def __init__(self, address: str) -> None:
@@ -1128,7 +1125,7 @@ class StoreClient:
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
         """The longest cached prefix of ``keys`` and the tier of each block (not a hit)."""
         reply = self._call("Lookup", pb.LookupRequest(keys=[check_key(k) for k in keys]))
-        return LookupResult(reply.length, tuple(_PB_TIER[t] for t in reply.tiers))
+        return LookupResult(reply.length, tuple(PB_TO_TIER[t] for t in reply.tiers))
 
     def lookup_many(self, key_lists: Sequence[Sequence[bytes]]) -> list[LookupResult]:
         """:meth:`lookup` of several key lists in one round trip (``BatchLookup``), in order."""
@@ -1136,7 +1133,7 @@ class StoreClient:
             return []
         reply = self._call("BatchLookup", pb.BatchLookupRequest(
             items=[pb.LookupRequest(keys=[check_key(k) for k in keys]) for keys in key_lists]))
-        return [LookupResult(item.length, tuple(_PB_TIER[t] for t in item.tiers))
+        return [LookupResult(item.length, tuple(PB_TO_TIER[t] for t in item.tiers))
                 for item in reply.items]
 
     def sizes(self, keys: Sequence[bytes]) -> list[int | None]:

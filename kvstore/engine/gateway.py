@@ -5,7 +5,7 @@ For each request :meth:`Gateway.generate`
 1. calls the conductor's ``Schedule`` with the token ids (the conductor hashes them into the
    chained keys with the KV fingerprint the workers published, and answers a prefill and a
    decode instance, the reusable prefix and a ticket),
-2. finds both instances' addresses in their etcd :class:`~conductor.engines.EngineRecord`
+2. finds both instances' addresses in their etcd :class:`~kvstore.membership.engines.EngineRecord`
    (listed once, listed again when a name is unknown),
 3. sends ``generate`` to the prefill worker (frames of :mod:`kvstore.engine.worker`), with the
    conductor's fetch plan when the decision has one (blocks ``[first_block, end_block)`` are
@@ -15,7 +15,7 @@ For each request :meth:`Gateway.generate`
 
 A conductor rejection is an answer (:attr:`GatewayResult.accepted` false, with the reason), not
 an exception. A worker's ``error`` frame is raised again as the kvtier error it names
-(:func:`~kvstore.node.protocol.error_from_name`); a worker that is unreachable or closes the
+(:func:`~kvstore.dataplane.transport.shm_frames.error_from_name`); a worker that is unreachable or closes the
 connection mid-request raises PeerUnavailable.
 
 asyncio only; one gateway may serve any number of concurrent requests from one event loop.
@@ -33,12 +33,12 @@ from typing import Any
 import aetcd
 import grpc
 
-from conductor.client import ConductorClient
-from conductor.engines import EngineRecord, engines_prefix
-from conductor.membership import KeyLayout, etcd_client
+from kvstore.client.conductor_client import ConductorClient
 from kvstore.engine.worker import read_frame, write_frame
 from kvstore.errors import InvalidArgument, MembershipError, PeerUnavailable
-from kvstore.node.protocol import error_from_name
+from kvstore.membership.engines import EngineRecord, engines_prefix
+from kvstore.membership.etcd import KeyLayout, etcd_client
+from kvstore.wire import error_from_name
 
 __all__ = ["Gateway", "GatewayResult", "fetch_plan_doc"]
 

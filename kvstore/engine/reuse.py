@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvstore.engine.kvlayout import KVLayout
+from kvstore.client.kvlayout import KVLayout
 from kvstore.errors import InvalidArgument
 from kvstore.keys import BlockHasher, HashMode, KVDtype, KVFingerprint, Namespace
 from kvstore.node.cache import TieredCache

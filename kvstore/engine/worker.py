@@ -42,7 +42,7 @@ overlapping the running batch), the request joins the running batch between two 
 its load is done, and every step is one batched forward over all running sequences with
 ragged KV (:class:`kvstore.engine.batching.DecodeBatch`, shared with the colocated
 engine); greedy outputs equal one-at-a-time decoding. Both register an
-:class:`~conductor.engines.EngineRecord` under an etcd lease (refreshed every TTL/3; the
+:class:`~kvstore.membership.engines.EngineRecord` under an etcd lease (refreshed every TTL/3; the
 record vanishes with the process) and report load and completions to the conductor; a failed
 report is logged, never fails the request.
 
@@ -52,7 +52,7 @@ copies between its host staging and those tensors layer by layer. A CUDA device 
 lacks is refused (:func:`resolve_device`, exit code 2), never replaced by the CPU.
 
 Run one with ``python -m kvstore.engine.worker --role prefill ...`` (see :func:`main`); it
-prints ``KVTIER-WORKER-READY {json}`` once it serves. :mod:`kvstore.cluster` starts them.
+prints ``KVTIER-WORKER-READY {json}`` once it serves. :mod:`kvstore.cluster.local` starts them.
 """
 
 from __future__ import annotations
@@ -78,7 +78,6 @@ from typing import TYPE_CHECKING, Any
 import aetcd
 import grpc
 
-from conductor.engines import EngineRecord, EngineRole
 from kvstore.engine.model import ModelSpec
 from kvstore.errors import (
     ConfigError,
@@ -88,13 +87,14 @@ from kvstore.errors import (
     PeerUnavailable,
     ProtocolError,
 )
+from kvstore.membership.engines import EngineRecord, EngineRole
 
 if TYPE_CHECKING:
 
-    from conductor.client import ConductorClient
+    from kvstore.client.conductor_client import ConductorClient
     from kvstore.client.kv_client import KVClient, LoadHandle, RemoteFetch
+    from kvstore.client.kvlayout import KVLayout
     from kvstore.engine.batching import DecodeBatch
-    from kvstore.engine.kvlayout import KVLayout
 
 log = logging.getLogger(__name__)
 
@@ -317,11 +317,11 @@ class _Worker:
     async def start(self) -> str:
         import torch
 
-        from conductor.client import ConductorClient
-        from conductor.engines import put_engine_record
-        from conductor.membership import KeyLayout, etcd_client
+        from kvstore.client.conductor_client import ConductorClient
         from kvstore.client.kv_client import namespace_for
-        from kvstore.engine.kvlayout import KVLayout
+        from kvstore.client.kvlayout import KVLayout
+        from kvstore.membership.engines import put_engine_record
+        from kvstore.membership.etcd import KeyLayout, etcd_client
         cfg = self.config
         self.device = resolve_device(cfg.device)
         torch.set_num_threads(cfg.torch_threads)
@@ -388,8 +388,8 @@ class _Worker:
                 log.warning("engine lease refresh failed: %s", exc)
 
     async def _register_again(self) -> None:
-        from conductor.engines import put_engine_record
-        from conductor.membership import KeyLayout
+        from kvstore.membership.engines import put_engine_record
+        from kvstore.membership.etcd import KeyLayout
 
         log.warning("engine lease %s expired; registering %s again", self._lease.id,
                     self.config.instance_id)

@@ -60,8 +60,9 @@ from kvstore.node.config import DaemonConfig, UcxMode
 from kvstore.node.events import EventLog
 from kvstore.node.index import IndexEntry
 from kvstore.node.metrics import DaemonMetrics, MetricsSnapshot
-from kvstore.node.service import SERVICE_NAME, TIER_TO_PB, StoreService
+from kvstore.node.service import SERVICE_NAME, StoreService
 from kvstore.node.shm_channel import ShmChannelServer
+from kvstore.wire import TIER_TO_PB
 
 log = logging.getLogger(__name__)
 
@@ -313,7 +314,8 @@ class StoreDaemon:
         return cfg.host
 
     async def _register(self) -> None:
-        from conductor.membership import KeyLayout, NodeRecord, etcd_client, register_node
+        from kvstore.membership.etcd import KeyLayout, etcd_client
+        from kvstore.membership.nodes import NodeRecord, register_node
 
         cfg = self.config
         record = NodeRecord(

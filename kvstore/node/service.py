@@ -2,7 +2,7 @@
 
 Runs on ``grpc.aio``. Cache operations that may block (copies, evictions to NVMe, promotions)
 run in the daemon's thread pool; index-only calls (lookup, exists, stats) run in the event loop.
-Every kvtier error becomes a gRPC status (:data:`kvstore.node.protocol.GRPC_CODE_NAMES`) with
+Every kvtier error becomes a gRPC status (:data:`kvstore.dataplane.transport.shm_frames.GRPC_CODE_NAMES`) with
 the error's class name in the trailing metadata ``kvtier-error``; every call is timed into
 ``kvtier_rpc_seconds``. While the daemon drains, calls that would start new work (puts,
 reservations, reads) fail with UNAVAILABLE; commits, releases and metadata calls still work.
@@ -30,7 +30,7 @@ from kvstore.errors import (
 )
 from kvstore.node.events import ChunkEvent, EventKind, Resync
 from kvstore.node.index import IndexEntry, Lease
-from kvstore.node.protocol import ERROR_METADATA_KEY, error_name, grpc_code_name
+from kvstore.wire import ERROR_METADATA_KEY, PB_TO_TIER, TIER_TO_PB, error_name, grpc_code_name
 
 if TYPE_CHECKING:
     from kvstore.node.daemon import StoreDaemon
@@ -43,8 +43,6 @@ DEFAULT_SNAPSHOT_PAGE = 4096
 SUBSCRIBE_POLL_S = 0.5
 """How often an idle Subscribe stream checks whether the daemon is stopping."""
 
-TIER_TO_PB = {TierKind.HBM: pb.TIER_HBM, TierKind.DRAM: pb.TIER_DRAM, TierKind.NVME: pb.TIER_NVME}
-PB_TO_TIER: dict[int, TierKind] = {int(v): k for k, v in TIER_TO_PB.items()}
 EVENT_TO_PB = {EventKind.STORED: pb.EVENT_STORED, EventKind.REMOVED: pb.EVENT_REMOVED,
                EventKind.MOVED: pb.EVENT_MOVED}
 

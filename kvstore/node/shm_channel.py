@@ -1,6 +1,6 @@
 """The lease channel: same-host clients lease arena ranges over a Unix socket.
 
-Frames: :mod:`kvstore.node.protocol`. Leases: :class:`~kvstore.node.backend.ShmLeases`, owned by
+Frames: :mod:`kvstore.dataplane.transport.shm_frames`. Leases: :class:`~kvstore.node.backend.ShmLeases`, owned by
 the connection that took them: when it closes (the client exited, crashed, or was killed), every
 read lease it held is released and every reservation it did not commit is aborted, so a
 half-written chunk never becomes visible and a dead reader pins nothing. A TTL
@@ -30,9 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvstore.errors import ChunkExists, KvtierError, ProtocolError, TierUnavailable, TransportError
-from kvstore.node.backend import ShmLeases
-from kvstore.node.protocol import (
+from kvstore.dataplane.transport.shm_frames import (
     FLAG_NO_REPLY,
     FLAG_PREFIX,
     MAX_BODY_BYTES,
@@ -44,9 +42,11 @@ from kvstore.node.protocol import (
     STATUS_OK,
     TAIL_OPS,
     ChannelOp,
-    error_name,
     unpack_keys,
 )
+from kvstore.errors import ChunkExists, KvtierError, ProtocolError, TierUnavailable, TransportError
+from kvstore.node.backend import ShmLeases
+from kvstore.wire import error_name
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from kvstore.client.kv_client import (  # noqa: E402
     SaveRequest,
     namespace_for,
 )
+from kvstore.client.kvlayout import KVLayout  # noqa: E402
 from kvstore.client.store_client import DataPlane  # noqa: E402
 from kvstore.dataplane.tier import TierKind  # noqa: E402
-from kvstore.engine.kvlayout import KVLayout  # noqa: E402
 from kvstore.errors import InvalidArgument, PeerUnavailable  # noqa: E402
 from tests.support.daemon import DaemonProcess  # noqa: E402
 

@@ -21,8 +21,8 @@ from kvstore.client.kv_client import (  # noqa: E402
     KVClientConfig,
     namespace_for,
 )
+from kvstore.client.kvlayout import KVLayout  # noqa: E402
 from kvstore.client.store_client import DataPlane  # noqa: E402
-from kvstore.engine.kvlayout import KVLayout  # noqa: E402
 from kvstore.errors import InvalidArgument  # noqa: E402
 from kvstore.keys import HashMode  # noqa: E402
 from tests.support.daemon import DaemonProcess  # noqa: E402

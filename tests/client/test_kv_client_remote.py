@@ -10,8 +10,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conductor.etcd import LocalEtcd  # noqa: E402
-from conductor.membership import KeyLayout  # noqa: E402
 from conductor.scheduler import FetchPlan  # noqa: E402
 from kvstore._proto.kvtier.v1 import conductor_pb2  # noqa: E402
 from kvstore.client.kv_client import (  # noqa: E402
@@ -23,10 +21,12 @@ from kvstore.client.kv_client import (  # noqa: E402
     SaveRequest,
     namespace_for,
 )
+from kvstore.client.kvlayout import KVLayout  # noqa: E402
 from kvstore.client.store_client import DataPlane  # noqa: E402
 from kvstore.dataplane.tier import TierKind  # noqa: E402
-from kvstore.engine.kvlayout import KVLayout  # noqa: E402
 from kvstore.errors import InvalidArgument  # noqa: E402
+from kvstore.membership.etcd import KeyLayout  # noqa: E402
+from kvstore.membership.launcher import LocalEtcd  # noqa: E402
 from tests.support.daemon import DaemonProcess, running  # noqa: E402
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_tokens=16, dtype=torch.float16)

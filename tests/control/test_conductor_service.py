@@ -17,16 +17,16 @@ from typing import Any
 import grpc
 import pytest
 
-from conductor.client import ConductorClient
-from conductor.engines import EngineRecord, EngineRole, put_engine_record
-from conductor.etcd import LocalEtcd
-from conductor.membership import KeyLayout, etcd_client
-from conductor.service import LEADER_METADATA_KEY
 from kvstore._proto.kvtier.v1 import conductor_pb2 as pb
 from kvstore._proto.kvtier.v1 import conductor_pb2_grpc as pb_grpc
+from kvstore.client.conductor_client import ConductorClient
 from kvstore.client.store_client import StoreClient
 from kvstore.errors import InvalidArgument
 from kvstore.keys import BlockHasher, KVDtype, KVFingerprint, Namespace
+from kvstore.membership.engines import EngineRecord, EngineRole, put_engine_record
+from kvstore.membership.etcd import KeyLayout, etcd_client
+from kvstore.membership.launcher import LocalEtcd
+from kvstore.wire import LEADER_METADATA_KEY
 from tests.support.conductor import ConductorProcess
 from tests.support.daemon import DaemonProcess
 

@@ -14,7 +14,7 @@ import pytest
 
 from conductor.calibration import LinkCalibration, MeanEstimate, SpeedCalibration
 from conductor.index import GlobalPrefixIndex, TierCounts
-from conductor.planner.latency import DistServeFit
+from conductor.perf.latency import DistServeFit
 from conductor.scheduler import (
     DecodeInstance,
     FetchPlan,

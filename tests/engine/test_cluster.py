@@ -14,12 +14,12 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from conductor.etcd import find_etcd_binary  # noqa: E402
-from kvstore.cluster import ClusterSpec, LocalCluster  # noqa: E402
+from kvstore.cluster.local import ClusterSpec, LocalCluster  # noqa: E402
 from kvstore.engine.gateway import Gateway, GatewayResult  # noqa: E402
 from kvstore.engine.model import build_reference_model  # noqa: E402
 from kvstore.engine.worker import read_frame, write_frame  # noqa: E402
 from kvstore.errors import InvalidArgument, KvtierError  # noqa: E402
+from kvstore.membership.launcher import find_etcd_binary  # noqa: E402
 from tests.support.common import wait_until  # noqa: E402
 from tests.support.models import tiny_spec  # noqa: E402
 
@@ -185,8 +185,8 @@ def test_worker_registers_again_after_its_lease_lapsed(cluster: LocalCluster) ->
     # A stalled process or etcd can let the engine lease expire, which deletes the record the
     # conductor schedules from. Revoking the lease does the same at once: the worker notices at
     # its next refresh (etcd answers TTL 0) and registers again under a new lease.
-    from conductor.engines import EngineRecord, EngineRole
-    from conductor.membership import KeyLayout, etcd_client
+    from kvstore.membership.engines import EngineRecord, EngineRole
+    from kvstore.membership.etcd import KeyLayout, etcd_client
 
     key = KeyLayout(cluster.spec.prefix).engine_key(EngineRole.DECODE.value, "decode-0").encode()
 

@@ -12,9 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from conductor.engines import EngineRole  # noqa: E402
-from conductor.etcd import find_etcd_binary  # noqa: E402
-from kvstore.cluster import ClusterSpec, LocalCluster  # noqa: E402
+from kvstore.cluster.local import ClusterSpec, LocalCluster  # noqa: E402
 from kvstore.engine.model import build_reference_model  # noqa: E402
 from kvstore.engine.worker import (  # noqa: E402
     WorkerConfig,
@@ -23,6 +21,8 @@ from kvstore.engine.worker import (  # noqa: E402
     resolve_device,
 )
 from kvstore.errors import ConfigError, InvalidArgument  # noqa: E402
+from kvstore.membership.engines import EngineRole  # noqa: E402
+from kvstore.membership.launcher import find_etcd_binary  # noqa: E402
 from tests.support.models import tiny_spec  # noqa: E402
 
 SPEC = tiny_spec()

@@ -19,8 +19,8 @@ from kvstore.client.kv_client import (  # noqa: E402
     RemoteFetch,
     namespace_for,
 )
+from kvstore.client.kvlayout import KVLayout  # noqa: E402
 from kvstore.client.store_client import DataPlane  # noqa: E402
-from kvstore.engine.kvlayout import KVLayout  # noqa: E402
 from kvstore.engine.model import build_reference_model  # noqa: E402
 from kvstore.engine.remote import RemoteEngine, RemotePrefill  # noqa: E402
 from tests.support.daemon import DaemonProcess, running  # noqa: E402

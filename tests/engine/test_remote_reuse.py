@@ -13,9 +13,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from kvstore.client.kv_client import KVClient, KVClientConfig, namespace_for  # noqa: E402
+from kvstore.client.kvlayout import KVLayout  # noqa: E402
 from kvstore.client.store_client import DataPlane  # noqa: E402
 from kvstore.dataplane.tier import TierKind  # noqa: E402
-from kvstore.engine.kvlayout import KVLayout  # noqa: E402
 from kvstore.engine.model import build_reference_model  # noqa: E402
 from kvstore.engine.remote import RemoteEngine, RemotePrefill  # noqa: E402
 from tests.support.daemon import DaemonProcess  # noqa: E402

@@ -204,7 +204,7 @@ def test_a_writer_killed_mid_put_leaves_nothing_visible(daemon: DaemonProcess,
         import os, signal
         from kvstore.client.store_client import LeaseChannel, StoreClient
         from kvstore.dataplane.arena import ArenaAccess, ShmArena
-        from kvstore.node.protocol import ChannelOp
+        from kvstore.dataplane.transport.shm_frames import ChannelOp
         c = StoreClient.connect({daemon.grpc_address!r})
         chan = LeaseChannel(c.info.shm_socket)
         lease, ranges = chan.call(ChannelOp.RESERVE, keys=[b"half-written", b""], arg=1 << 20)
@@ -230,7 +230,7 @@ def test_a_reader_killed_mid_get_releases_its_pin(daemon: DaemonProcess,
     proc_code = textwrap.dedent(f"""
         import os, signal, sys
         from kvstore.client.store_client import LeaseChannel, StoreClient
-        from kvstore.node.protocol import ChannelOp
+        from kvstore.dataplane.transport.shm_frames import ChannelOp
         c = StoreClient.connect({daemon.grpc_address!r})
         chan = LeaseChannel(c.info.shm_socket)
         chan.call(ChannelOp.ACQUIRE_READ, keys=[b"read-then-die"])

@@ -14,10 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conductor.etcd import LocalEtcd
-from conductor.membership import KeyLayout, NodeRecord, etcd_client, list_nodes
 from kvstore.client import DataPlane, StoreClient, StoreClientConfig
 from kvstore.dataplane.tier import TierKind
+from kvstore.membership.etcd import KeyLayout, etcd_client
+from kvstore.membership.launcher import LocalEtcd
+from kvstore.membership.nodes import NodeRecord, list_nodes
 from tests.support.daemon import DaemonProcess, kvtier, run_python
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -72,7 +73,8 @@ def test_two_nodes_register_serve_a_cross_node_copy_and_drain(
         # Another process finds both nodes in etcd and copies the chunk from A to B over TCP.
         run_python(textwrap.dedent(f"""
             import asyncio, numpy as np
-            from conductor.membership import KeyLayout, etcd_client, list_nodes
+            from kvstore.membership.etcd import KeyLayout, etcd_client
+            from kvstore.membership.nodes import list_nodes
             from kvstore.client import DataPlane, StoreClient, StoreClientConfig
             async def find():
                 async with etcd_client({etcd_server.client_url!r}) as c:

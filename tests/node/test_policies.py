@@ -27,7 +27,7 @@ from kvstore.node.policies import (
     S3FIFOPolicy,
     make_policy,
 )
-from kvstore.node.trace import BLOCK_TOKENS, TraceRequest
+from planner.trace import BLOCK_TOKENS, TraceRequest
 
 DRAM = TierKind.DRAM
 

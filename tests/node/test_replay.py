@@ -14,13 +14,7 @@ from bench.replay import TraceHalf, gap_closed, replay, seen_before_hits, split_
 from kvstore.cli.main import app
 from kvstore.errors import InvalidArgument
 from kvstore.node.policies import PolicyName
-from kvstore.node.trace import (
-    BLOCK_TOKENS,
-    TraceRequest,
-    block_key,
-    default_trace_path,
-    load_trace,
-)
+from planner.trace import BLOCK_TOKENS, TraceRequest, block_key, default_trace_path, load_trace
 
 TRACE = default_trace_path()
 needs_trace = pytest.mark.skipif(TRACE is None, reason="the Mooncake trace is not checked out")

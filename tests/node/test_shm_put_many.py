@@ -12,8 +12,8 @@ import pytest
 
 from kvstore.client import DataPlane, StoreClient, StoreClientConfig
 from kvstore.client.store_client import LeaseChannel
+from kvstore.dataplane.transport.shm_frames import ChannelOp
 from kvstore.errors import InvalidArgument, PeerUnavailable
-from kvstore.node.protocol import ChannelOp
 from tests.support.common import wait_until
 from tests.support.daemon import DaemonProcess
 

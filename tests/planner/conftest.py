@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from conductor.planner.data import data_dir
-from conductor.planner.hardware import gpu_by_name
-from conductor.planner.latency import build_latency_provider
-from conductor.planner.models import model_by_name
-from conductor.planner.sim import ClusterSpec
+from conductor.perf.data import data_dir
+from conductor.perf.hardware import gpu_by_name
+from conductor.perf.latency import build_latency_provider
+from conductor.perf.models import model_by_name
 from kvstore.errors import ConfigError
+from planner.sim import ClusterSpec
 
 
 @pytest.fixture(scope="session")

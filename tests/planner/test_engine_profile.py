@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from conductor.planner.latency import PROFILE_SCHEMA, TableLatency
+from conductor.perf.latency import PROFILE_SCHEMA, TableLatency
 from kvstore.cli.main import app
 from kvstore.engine.model import ModelSpec
 from kvstore.engine.profile import measure_profile

@@ -7,12 +7,12 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from conductor.planner.hardware import GB, GIB, gpu_by_name, link_by_name
-from conductor.planner.kv import exposed_transfer_s, plan_kv
-from conductor.planner.latency import ConstantLatency
-from conductor.planner.models import DType, load_model, model_by_name
+from conductor.perf.hardware import GB, GIB, gpu_by_name, link_by_name
+from conductor.perf.latency import ConstantLatency
+from conductor.perf.models import DType, load_model, model_by_name
 from kvstore.cli.main import app
 from kvstore.errors import ConfigError
+from planner.kv import exposed_transfer_s, plan_kv
 
 
 def test_llama3_70b_fp16_known_case_exact() -> None:

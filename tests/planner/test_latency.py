@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from conductor.planner.hardware import gpu_by_name
-from conductor.planner.latency import (
+from conductor.perf.hardware import gpu_by_name
+from conductor.perf.latency import (
     PROFILE_SCHEMA,
     DistServeFit,
     LatencyModel,
@@ -15,7 +15,7 @@ from conductor.planner.latency import (
     TableLatency,
     build_latency_provider,
 )
-from conductor.planner.models import model_by_name
+from conductor.perf.models import model_by_name
 from kvstore.errors import ConfigError
 
 

@@ -7,12 +7,12 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from conductor.planner.hardware import link_by_name
-from conductor.planner.metrics import Slo
-from conductor.planner.search import Decision, SearchSpace, enumerate_deployments, search
-from conductor.planner.sim import Architecture, ClusterSpec
-from conductor.planner.workload import synthetic
+from conductor.perf.hardware import link_by_name
 from kvstore.cli.main import app
+from planner.metrics import Slo
+from planner.search import Decision, SearchSpace, enumerate_deployments, search
+from planner.sim import Architecture, ClusterSpec
+from planner.workload import synthetic
 
 SLO = Slo(0.25, 0.1)
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conductor.planner.goodput import find_goodput
-from conductor.planner.hardware import gpu_by_name, link_by_name
-from conductor.planner.latency import DistServeFit, LatencyProvider, build_latency_provider
-from conductor.planner.metrics import Slo
-from conductor.planner.models import model_by_name
-from conductor.planner.sim import (
+from conductor.perf.hardware import gpu_by_name, link_by_name
+from conductor.perf.latency import DistServeFit, LatencyProvider, build_latency_provider
+from conductor.perf.models import model_by_name
+from kvstore.errors import ConfigError, InvalidArgument
+from planner.goodput import find_goodput
+from planner.metrics import Slo
+from planner.sim import (
     Architecture,
     ClusterSpec,
     Deployment,
@@ -18,8 +19,7 @@ from conductor.planner.sim import (
     PrefixCacheSpec,
     simulate,
 )
-from conductor.planner.workload import Workload, synthetic
-from kvstore.errors import ConfigError, InvalidArgument
+from planner.workload import Workload, synthetic
 
 SLO = Slo(0.25, 0.1)
 

@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from conductor.planner.prefix_cache import PrefixCache
-from conductor.planner.workload import load_azure, load_mooncake, load_trace, synthetic
 from kvstore.errors import ConfigError
+from planner.prefix_cache import PrefixCache
+from planner.workload import load_azure, load_mooncake, load_trace, synthetic
 
 
 def test_mooncake_trace_from_shared_data(shared_data) -> None:
@@ -86,7 +86,7 @@ def test_prefix_cache_lru_order_and_prefix_match() -> None:
 def test_at_rate_spreads_a_slice_that_arrives_all_at_once() -> None:
     import numpy as np
 
-    from conductor.planner.workload import Workload
+    from planner.workload import Workload
 
     w = Workload("burst", np.zeros(4), np.full(4, 100), np.full(4, 10), None, 512)
     spread = w.at_rate(2.0)

@@ -1,13 +1,13 @@
 """pytest fixtures for a real etcd server (loaded by ``tests/conftest.py`` as a plugin).
 
-* ``etcd_server`` (session): one shared :class:`~conductor.etcd.LocalEtcd` on ephemeral
+* ``etcd_server`` (session): one shared :class:`~kvstore.membership.launcher.LocalEtcd` on ephemeral
   ports in a temporary directory. Tests must not stop, restart or pause it.
 * ``private_etcd`` (function): a server of the test's own, for fault tests (restart,
   pause, kill). Costs about a second to start.
 * ``aio`` (session): one ``asyncio.Runner`` for every test that talks to etcd. gRPC's
   asyncio layer binds to the event loop it first runs on; a fresh ``asyncio.run`` per
   test leaves it calling into closed loops ("Event loop is closed" errors in the log).
-* ``etcd_layout`` (function): a :class:`~conductor.membership.KeyLayout` with a prefix
+* ``etcd_layout`` (function): a :class:`~kvstore.membership.etcd.KeyLayout` with a prefix
   unique to the test, so tests sharing ``etcd_server`` never see each other's keys.
   Keys are not deleted afterwards: leased keys expire, the rest dies with the server.
 
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from conductor.etcd import LocalEtcd, find_etcd_binary
-from conductor.membership import KeyLayout
+from kvstore.membership.etcd import KeyLayout
+from kvstore.membership.launcher import LocalEtcd, find_etcd_binary
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 

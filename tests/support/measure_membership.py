@@ -20,13 +20,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from conductor.etcd import LocalEtcd
-from conductor.membership import (
-    KeyLayout,
+from kvstore.membership.etcd import KeyLayout, etcd_client
+from kvstore.membership.launcher import LocalEtcd
+from kvstore.membership.nodes import (
     NodeEventKind,
     NodeWatch,
     RegistrationState,
-    etcd_client,
     list_nodes,
     register_node,
     watch_nodes,

@@ -11,9 +11,10 @@ import asyncio
 import sys
 import time
 
-from conductor.membership import KeyLayout, NodeRecord, etcd_client, register_node
 from kvstore.dataplane.tier import TierKind
 from kvstore.errors import MembershipError
+from kvstore.membership.etcd import KeyLayout, etcd_client
+from kvstore.membership.nodes import NodeRecord, register_node
 
 
 def sample_record(node_id: str) -> NodeRecord:

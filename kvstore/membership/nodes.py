@@ -1,21 +1,15 @@
 """Node membership in etcd: store daemons register under a lease, everyone else discovers them.
 
-Key layout (under a configurable prefix, ``/kvtier/`` by default; see :class:`KeyLayout`)::
-
-    /kvtier/nodes/<node_id>                    NodeRecord as JSON, attached to the daemon's lease
-    /kvtier/engines/<role>/<instance_id>       engine instances (later)
-    /kvtier/conductor/leader                   conductor leader election (later)
-
-A store daemon holds ``async with register_node(client, record, ttl_s=...)`` for its
+Each daemon's :class:`NodeRecord` lives under ``/kvtier/nodes/<node_id>`` (the layout is in
+:mod:`kvstore.membership.etcd`), attached to the daemon's lease. A store daemon holds ``async with register_node(client, record, ttl_s=...)`` for its
 lifetime (:class:`Registration`). The key exists while the daemon's lease is alive: it
 vanishes ``ttl_s`` seconds after the daemon dies (or at once when the daemon exits cleanly
 and revokes the lease). :func:`list_nodes` reads the current members;
 :func:`watch_nodes` yields a snapshot followed by every later change.
 
 Contracts
-    * Every etcd or gRPC failure surfaces as :class:`~kvstore.errors.MembershipError`,
-      chained to the library error (``raise ... from exc``). Every etcd call has a deadline,
-      so a paused or partitioned etcd makes calls fail, never hang.
+    * Every etcd failure is a :class:`~kvstore.errors.MembershipError` with a deadline, as
+      everywhere in :mod:`kvstore.membership`.
     * Starting is strict, running is forgiving: :meth:`Registration.start` and the first
       snapshot of :func:`watch_nodes` raise when etcd cannot be reached or the node id is
       taken; after that both retry forever in the background and log what happens.
@@ -29,109 +23,36 @@ Contracts
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import json
 import logging
-import re
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType, TracebackType
-from typing import Any, Generic, Self, TypeVar
+from typing import Any
 
 import aetcd
-import grpc
 
 from kvstore.dataplane.tier import TierKind
 from kvstore.errors import InvalidArgument, InvariantViolation, MembershipError
+from kvstore.membership.etcd import (
+    DEFAULT_LAYOUT,
+    DEFAULT_RPC_TIMEOUT_S,
+    WATCH_RETRY_INTERVAL_S,
+    KeyLayout,
+    PrefixWatch,
+    check_id,
+    etcd_call,
+    parse_host_port,
+)
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-DEFAULT_PREFIX = "/kvtier/"
 RECORD_SCHEMA = 1
 """Version of the NodeRecord JSON layout. Readers ignore fields they do not know."""
 
-DEFAULT_RPC_TIMEOUT_S = 5.0
-_WATCH_RETRY_INTERVAL_S = 0.5
-
-EventT = TypeVar("EventT")
-_MAX_RETRY_INTERVAL_S = 0.5
-
-_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-
-
-def _check_id(what: str, value: str) -> str:
-    if not isinstance(value, str) or _ID_RE.fullmatch(value) is None:
-        raise InvalidArgument(
-            f"{what} must be 1-128 characters of [A-Za-z0-9._-] starting with a letter or "
-            f"digit, got {value!r}"
-        )
-    return value
-
-
-def parse_host_port(address: str) -> tuple[str, int]:
-    """Split ``host:port`` (``[v6]:port`` for IPv6) into host and port. Raises InvalidArgument."""
-    if not isinstance(address, str):
-        raise InvalidArgument(f"address must be a 'host:port' string, got {type(address).__name__}")
-    host, sep, port_text = address.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not sep or not host or not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
-        raise InvalidArgument(f"address must be 'host:port' with port 1-65535, got {address!r}")
-    return host, int(port_text)
-
-
-# --------------------------------------------------------------------------- key layout
-
-
-@dataclass(frozen=True, slots=True)
-class KeyLayout:
-    """Where kvtier keeps its keys in etcd. ``prefix`` starts and ends with ``/``.
-
-    Give each cluster (and each test) its own prefix to share one etcd safely.
-    """
-
-    prefix: str = DEFAULT_PREFIX
-
-    def __post_init__(self) -> None:
-        if (
-            not isinstance(self.prefix, str)
-            or not self.prefix.startswith("/")
-            or not self.prefix.endswith("/")
-            or "//" in self.prefix
-        ):
-            raise InvalidArgument(
-                f"etcd key prefix must start and end with '/' and contain no '//', "
-                f"got {self.prefix!r}"
-            )
-
-    @property
-    def nodes_prefix(self) -> str:
-        return f"{self.prefix}nodes/"
-
-    def node_key(self, node_id: str) -> str:
-        return f"{self.nodes_prefix}{_check_id('node_id', node_id)}"
-
-    def node_id_of(self, key: str) -> str | None:
-        """The node id a ``nodes/`` key names, or None when the key is not a node key."""
-        if not key.startswith(self.nodes_prefix):
-            return None
-        node_id = key[len(self.nodes_prefix) :]
-        return node_id if _ID_RE.fullmatch(node_id) else None
-
-    def engine_key(self, role: str, instance_id: str) -> str:
-        return f"{self.prefix}engines/{_check_id('role', role)}/{_check_id('instance_id', instance_id)}"
-
-    @property
-    def conductor_leader_key(self) -> str:
-        return f"{self.prefix}conductor/leader"
-
-
-DEFAULT_LAYOUT = KeyLayout()
-
+MAX_RETRY_INTERVAL_S = 0.5
 
 # --------------------------------------------------------------------------- records
 
@@ -157,7 +78,7 @@ class NodeRecord:
     ucx_address: str | None = None
 
     def __post_init__(self) -> None:
-        _check_id("node_id", self.node_id)
+        check_id("node_id", self.node_id)
         parse_host_port(self.grpc_address)
         parse_host_port(self.tcp_address)
         if not isinstance(self.hostname, str) or not self.hostname:
@@ -263,50 +184,6 @@ class NodeEvent:
         return self.record.node_id
 
 
-# --------------------------------------------------------------------------- etcd plumbing
-
-
-def etcd_client(endpoint: str, *, rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S) -> aetcd.Client:
-    """An ``aetcd.Client`` for ``http://host:port`` or ``host:port``; it connects lazily.
-
-    Every RPC gets a ``rpc_timeout_s`` deadline, and gRPC's reconnect backoff is capped
-    at one second so a restarted etcd is found again quickly (the default grows to two
-    minutes). Use it as ``async with etcd_client(url) as client``.
-    """
-    if rpc_timeout_s <= 0:
-        raise InvalidArgument(f"rpc_timeout_s must be positive, got {rpc_timeout_s}")
-    address = endpoint.removeprefix("http://")
-    if endpoint.startswith("https://"):
-        raise InvalidArgument("TLS etcd endpoints are not supported yet")
-    host, port = parse_host_port(address.rstrip("/"))
-    return aetcd.Client(
-        host=host,
-        port=port,
-        timeout=rpc_timeout_s,
-        options={
-            "grpc.initial_reconnect_backoff_ms": 100,
-            "grpc.min_reconnect_backoff_ms": 100,
-            "grpc.max_reconnect_backoff_ms": 1000,
-        },
-    )
-
-
-async def _etcd(what: str, call: Awaitable[T], timeout_s: float) -> T:
-    """Await one etcd call with a deadline, translating failures into MembershipError.
-
-    ``asyncio.timeout``, not ``asyncio.wait_for``: on Python 3.11 ``wait_for`` swallows a
-    cancellation that arrives as the call completes, which once left a keepalive task
-    running after ``close()`` had cancelled it.
-    """
-    try:
-        async with asyncio.timeout(timeout_s):
-            return await call
-    except TimeoutError as exc:
-        raise MembershipError(f"{what}: etcd did not answer within {timeout_s:.1f} s") from exc
-    except (aetcd.ClientError, grpc.RpcError) as exc:
-        raise MembershipError(f"{what}: {exc}") from exc
-
-
 def _decode_node(layout: KeyLayout, key: bytes, value: bytes) -> NodeRecord | None:
     """The record stored under ``key``, or None (logged) when key or value is malformed."""
     key_text = key.decode(errors="replace")
@@ -342,7 +219,7 @@ async def _snapshot(
     client: aetcd.Client, layout: KeyLayout, rpc_timeout_s: float
 ) -> tuple[dict[str, _Member], int]:
     """Every valid node under the prefix, sorted by id, and the revision of the read."""
-    result = await _etcd(
+    result = await etcd_call(
         "list nodes", client.get_prefix(layout.nodes_prefix.encode()), rpc_timeout_s
     )
     members: dict[str, _Member] = {}
@@ -415,99 +292,6 @@ def _apply(known: dict[str, _Member], layout: KeyLayout, event: aetcd.Event) -> 
     return list(_changes(old, new, revision))
 
 
-class PrefixWatch(Generic[EventT]):
-    """The keys under one etcd prefix as a stream of events: the snapshot, then every change.
-
-    Entering (``async with``) reads the snapshot and opens an etcd watch from just after its
-    revision; if the stream later breaks (etcd restarted, history compacted) the watch re-lists,
-    yields the difference against what it has reported and watches again, retrying every
-    ``retry_interval_s``. Subclasses say how to list (``_open``) and how to turn one etcd event
-    into theirs (``_apply_event``). Iterate from one task only.
-    """
-
-    _what = "keys"
-
-    def __init__(
-        self,
-        client: aetcd.Client,
-        *,
-        layout: KeyLayout = DEFAULT_LAYOUT,
-        rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
-        retry_interval_s: float = _WATCH_RETRY_INTERVAL_S,
-    ) -> None:
-        """Record settings only; nothing talks to etcd until entered (:meth:`start`)."""
-        if rpc_timeout_s <= 0 or retry_interval_s <= 0:
-            raise InvalidArgument("rpc_timeout_s and retry_interval_s must be positive")
-        self._client = client
-        self._layout = layout
-        self._rpc_timeout_s = rpc_timeout_s
-        self._retry_interval_s = retry_interval_s
-        self._events: AsyncGenerator[EventT, None] | None = None
-
-    async def start(self) -> None:
-        """Read the snapshot and open the watch. Raises MembershipError."""
-        if self._events is not None:
-            raise MembershipError(f"this {self._what} watch was already started")
-        watch, pending = await self._open()
-        self._events = self._run(watch, pending)
-
-    async def close(self) -> None:
-        """Cancel the etcd watch. Idempotent."""
-        if self._events is not None:
-            await self._events.aclose()
-
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
-
-    def __aiter__(self) -> Self:
-        return self
-
-    async def __anext__(self) -> EventT:
-        if self._events is None:
-            raise MembershipError(f"iterate a {self._what} watch inside 'async with'")
-        return await anext(self._events)
-
-    async def _open(self) -> tuple[Any, list[EventT]]:
-        """Snapshot, then a watch from just after it; the events that bring us up to date."""
-        raise NotImplementedError
-
-    def _apply_event(self, event: Any) -> Iterable[EventT]:
-        """What one etcd watch event means to the consumer (often nothing)."""
-        raise NotImplementedError
-
-    async def _run(self, watch: Any, pending: list[EventT]) -> AsyncGenerator[EventT, None]:
-        while True:
-            try:
-                for item in pending:
-                    yield item
-                async for event in watch:
-                    for item in self._apply_event(event):
-                        yield item
-                log.warning("%s watch: stream ended; re-listing", self._what)
-            except (aetcd.ClientError, grpc.RpcError) as exc:
-                log.warning("%s watch: stream broken (%s); re-listing", self._what, exc)
-            finally:
-                with contextlib.suppress(aetcd.ClientError, grpc.RpcError, TimeoutError):
-                    async with asyncio.timeout(self._rpc_timeout_s):
-                        await watch.cancel()
-            while True:
-                try:
-                    watch, pending = await self._open()
-                    break
-                except MembershipError as exc:
-                    log.debug("%s watch: cannot re-list yet (%s); retrying", self._what, exc)
-                    await asyncio.sleep(self._retry_interval_s)
-
-
 class NodeWatch(PrefixWatch[NodeEvent]):
     """JOINED for every current node, then every later JOINED / UPDATED / LEFT, in order.
 
@@ -531,7 +315,7 @@ class NodeWatch(PrefixWatch[NodeEvent]):
         *,
         layout: KeyLayout = DEFAULT_LAYOUT,
         rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
-        retry_interval_s: float = _WATCH_RETRY_INTERVAL_S,
+        retry_interval_s: float = WATCH_RETRY_INTERVAL_S,
     ) -> None:
         super().__init__(client, layout=layout, rpc_timeout_s=rpc_timeout_s,
                          retry_interval_s=retry_interval_s)
@@ -540,7 +324,7 @@ class NodeWatch(PrefixWatch[NodeEvent]):
     async def _open(self) -> tuple[Any, list[NodeEvent]]:
         """Snapshot, then a watch from just after it; the events that bring us up to date."""
         current, revision = await _snapshot(self._client, self._layout, self._rpc_timeout_s)
-        watch = await _etcd(
+        watch = await etcd_call(
             "watch nodes",
             self._client.watch_prefix(
                 self._layout.nodes_prefix.encode(), start_revision=revision + 1
@@ -558,7 +342,7 @@ def watch_nodes(
     *,
     layout: KeyLayout = DEFAULT_LAYOUT,
     rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
-    retry_interval_s: float = _WATCH_RETRY_INTERVAL_S,
+    retry_interval_s: float = WATCH_RETRY_INTERVAL_S,
 ) -> NodeWatch:
     """A :class:`NodeWatch` to enter with ``async with`` (see its docstring)."""
     return NodeWatch(
@@ -636,7 +420,7 @@ class Registration:
         self._key = layout.node_key(record.node_id)
         self._on_state_change = on_state_change
         self._keepalive_interval_s = ttl_s / 3
-        self._retry_interval_s = min(self._keepalive_interval_s, _MAX_RETRY_INTERVAL_S)
+        self._retry_interval_s = min(self._keepalive_interval_s, MAX_RETRY_INTERVAL_S)
         self._rpc_timeout_s = (
             rpc_timeout_s if rpc_timeout_s is not None else self._keepalive_interval_s
         )
@@ -771,7 +555,7 @@ class Registration:
 
     async def _grant(self) -> None:
         sent_at = time.monotonic()
-        lease = await _etcd("grant lease", self._client.lease(self._ttl_s), self._rpc_timeout_s)
+        lease = await etcd_call("grant lease", self._client.lease(self._ttl_s), self._rpc_timeout_s)
         self._lease = _Lease(int(lease.id), sent_at + int(lease.ttl))
         self._leases_granted += 1
 
@@ -786,7 +570,7 @@ class Registration:
         client = self._client
         key = self._key.encode()
         self._dirty = False
-        succeeded, responses = await _etcd(
+        succeeded, responses = await etcd_call(
             f"register node {self._record.node_id!r}",
             client.transaction(
                 compare=[client.transactions.version(key) == 0],
@@ -824,7 +608,7 @@ class Registration:
         key = self._key.encode()
         self._dirty = False
         try:
-            succeeded, _ = await _etcd(
+            succeeded, _ = await etcd_call(
                 f"update node {self._record.node_id!r}",
                 client.transaction(
                     compare=[client.transactions.create(key) == lease.create_revision],
@@ -847,7 +631,7 @@ class Registration:
         if lease is None:
             return
         try:
-            await _etcd(
+            await etcd_call(
                 "revoke lease", self._client.revoke_lease(lease.lease_id), self._rpc_timeout_s
             )
         except MembershipError as exc:
@@ -863,7 +647,7 @@ class Registration:
         """Refresh the lease; False when etcd says it no longer exists."""
         assert self._lease is not None
         sent_at = time.monotonic()
-        reply = await _etcd(
+        reply = await etcd_call(
             "refresh lease", self._client.refresh_lease(self._lease.lease_id), self._rpc_timeout_s
         )
         if reply is None:  # the stream closed without an answer: unknown, not expired
@@ -963,3 +747,4 @@ def register_node(
         on_state_change=on_state_change,
         rpc_timeout_s=rpc_timeout_s,
     )
+

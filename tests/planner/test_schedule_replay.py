@@ -9,20 +9,14 @@ import pytest
 from typer.testing import CliRunner
 
 from conductor.index import GlobalPrefixIndex
-from conductor.planner.data import DEFAULT_DATA_DIR
-from conductor.planner.workload import Workload, load_trace
-from conductor.replay import (
-    ClusterSpec,
-    SimNode,
-    _Clock,
-    default_engine_model,
-    replay,
-    scale_to_load,
-)
+from conductor.perf.data import DEFAULT_DATA_DIR
+from conductor.perf.engine_model import default_engine_model
 from conductor.scheduler import Policy
 from kvstore.cli.main import app
 from kvstore.dataplane.tier import TierKind
 from kvstore.errors import InvalidArgument
+from planner.replay import ClusterSpec, SimNode, _Clock, replay, scale_to_load
+from planner.workload import Workload, load_trace
 
 TRACES = DEFAULT_DATA_DIR / "traces"
 needs_traces = pytest.mark.skipif(not (TRACES / "conversation_trace.jsonl").is_file(),

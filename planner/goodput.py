@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from conductor.planner.metrics import SimResult, Slo
-from conductor.planner.sim import ClusterSpec, Deployment, simulate
-from conductor.planner.workload import Workload
 from kvstore.errors import InvalidArgument
+from planner.metrics import SimResult, Slo
+from planner.sim import ClusterSpec, Deployment, simulate
+from planner.workload import Workload
 
 
 @dataclass(frozen=True)

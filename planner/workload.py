@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from conductor.planner.data import data_file
+from conductor.perf.data import data_file
 from kvstore.errors import ConfigError, InvalidArgument
 
 MOONCAKE_BLOCK_TOKENS = 512

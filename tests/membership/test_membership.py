@@ -21,23 +21,21 @@ from typing import Any
 import aetcd
 import pytest
 
-from conductor.etcd import LocalEtcd, _pick_free_ports
-from conductor.membership import (
-    KeyLayout,
+from kvstore.dataplane.tier import TierKind
+from kvstore.errors import InvalidArgument, MembershipError
+from kvstore.membership.etcd import KeyLayout, etcd_call, etcd_client
+from kvstore.membership.launcher import LocalEtcd, _pick_free_ports
+from kvstore.membership.nodes import (
     NodeEvent,
     NodeEventKind,
     NodeRecord,
     RegistrationState,
     _diff,
-    _etcd,
     _Member,
-    etcd_client,
     list_nodes,
     register_node,
     watch_nodes,
 )
-from kvstore.dataplane.tier import TierKind
-from kvstore.errors import InvalidArgument, MembershipError
 from tests.support.registrant import sample_record
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -179,7 +177,7 @@ def test_etcd_call_never_swallows_a_cancellation() -> None:
 
     async def scenario() -> str:
         reply: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        call = asyncio.create_task(_etcd("refresh lease", reply, timeout_s=5.0))
+        call = asyncio.create_task(etcd_call("refresh lease", reply, timeout_s=5.0))
         await asyncio.sleep(0)  # the call is now waiting for its reply
         reply.set_result(1)
         call.cancel()
@@ -196,13 +194,13 @@ def test_etcd_call_translates_timeouts_and_client_errors() -> None:
     async def scenario() -> None:
         never: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         with pytest.raises(MembershipError, match="did not answer within"):
-            await _etcd("get", never, timeout_s=0.01)
+            await etcd_call("get", never, timeout_s=0.01)
 
         async def failing() -> int:
             raise aetcd.ConnectionFailedError("connection refused")
 
         with pytest.raises(MembershipError, match="get: connection refused") as info:
-            await _etcd("get", failing(), timeout_s=1.0)
+            await etcd_call("get", failing(), timeout_s=1.0)
         assert isinstance(info.value.__cause__, aetcd.ConnectionFailedError)
 
     asyncio.run(scenario())
@@ -300,7 +298,7 @@ def test_malformed_values_are_logged_and_skipped(
     etcd_layout: KeyLayout,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="conductor.membership")
+    caplog.set_level(logging.WARNING, logger="kvstore.membership")
 
     async def scenario() -> None:
         async with etcd_client(etcd_server.client_url) as client:

@@ -1,7 +1,7 @@
 """Trace replay through a REAL conductor process and REAL store daemons, on a simulated clock.
 
 ``kvtier bench schedule --real`` (``bench/schedule.py``) and
-``tests/control/test_live_replay.py`` run this; :mod:`conductor.replay` is the fast
+``tests/control/test_live_replay.py`` run this; :mod:`planner.replay` is the fast
 in-process mode (same engines, same latency model, simulated node caches).
 
 What is real
@@ -21,7 +21,7 @@ What is real
       their load changed) and ``ReportCompletion`` (prefill and decode timings).
 
 What is simulated
-    Time, engine compute and links (as in :mod:`conductor.replay`: the planner's roofline
+    Time, engine compute and links (as in :mod:`planner.replay`: the planner's roofline
     times a hidden per-instance speed factor and log-normal noise; links carry
     ``link_efficiency`` of the nominal bandwidth, one transfer at a time per source).
     The conductor runs on the driver's clock (``at_s`` in every call), so its estimates and
@@ -65,10 +65,11 @@ from typing import Any
 
 import numpy as np
 
-from conductor.planner.workload import Workload
-from conductor.replay import ClusterSpec, EngineModel, _keys_of, _percentiles, default_engine_model
+from conductor.perf.engine_model import EngineModel, default_engine_model
 from conductor.scheduler import Policy
 from kvstore.errors import CapacityError, ChunkExists, InvalidArgument, KvtierError
+from planner.replay import ClusterSpec, _keys_of, _percentiles
+from planner.workload import Workload
 
 __all__ = ["LiveCluster", "LiveReplayResult", "LiveSpec", "live_replay", "run_live_replay"]
 
@@ -200,7 +201,7 @@ class LiveCluster:
         return proc
 
     def start(self) -> None:
-        from conductor.etcd import LocalEtcd
+        from kvstore.membership.launcher import LocalEtcd
 
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.etcd = LocalEtcd(work_dir=self.work_dir / "etcd")
@@ -402,10 +403,10 @@ class _Driver:
     # ------------------------------------------------------------------ setup
 
     async def setup(self) -> None:
-        from conductor.client import ConductorClient
-        from conductor.engines import EngineRecord, EngineRole, put_engine_record
-        from conductor.membership import KeyLayout, etcd_client
+        from kvstore.client.conductor_client import ConductorClient
         from kvstore.client.store_client import StoreClient
+        from kvstore.membership.engines import EngineRecord, EngineRole, put_engine_record
+        from kvstore.membership.etcd import KeyLayout, etcd_client
 
         cluster, procs = self.cluster, self.procs
         layout = KeyLayout(procs.prefix)

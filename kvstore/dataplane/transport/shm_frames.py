@@ -1,10 +1,6 @@
-"""Wire details shared by the daemon and its clients: error names and the lease channel frames.
+"""The same-host lease channel's frames, shared by the daemon and its clients.
 
-Errors cross process boundaries by *class name*: the gRPC service puts the name of the kvtier
-error class in the trailing metadata key :data:`ERROR_METADATA_KEY` (and picks the gRPC status
-code from :data:`GRPC_CODE_NAMES`), the lease channel puts it in its error reply; the client
-rebuilds the same class with :func:`error_from_name`. An unknown name becomes a plain
-:class:`~kvstore.errors.KvtierError`.
+Errors in its replies travel by class name, as on every kvtier wire (:mod:`kvstore.wire`).
 
 The lease channel
     A Unix stream socket in the abstract namespace (``@kvtier-...``, so nothing is left on disk
@@ -30,62 +26,6 @@ import enum
 import struct
 
 from kvstore import errors
-from kvstore.errors import KvtierError
-
-ERROR_METADATA_KEY = "kvtier-error"
-
-_ERROR_CLASSES: dict[str, type[KvtierError]] = {
-    name: cls for name, cls in vars(errors).items()
-    if isinstance(cls, type) and issubclass(cls, KvtierError)
-}
-
-GRPC_CODE_NAMES: dict[type[KvtierError], str] = {
-    errors.SizeMismatch: "INVALID_ARGUMENT",
-    errors.InvalidArgument: "INVALID_ARGUMENT",
-    errors.ConfigError: "INVALID_ARGUMENT",
-    errors.ChunkNotFound: "NOT_FOUND",
-    errors.ChunkExists: "ALREADY_EXISTS",
-    errors.ChunkBusy: "ABORTED",
-    errors.DiskFull: "RESOURCE_EXHAUSTED",
-    errors.CapacityError: "RESOURCE_EXHAUSTED",
-    errors.ChunkCorrupt: "DATA_LOSS",
-    errors.TierUnavailable: "UNAVAILABLE",
-    errors.PeerUnavailable: "UNAVAILABLE",
-    errors.TransportError: "UNAVAILABLE",
-    errors.MembershipError: "UNAVAILABLE",
-    errors.StorageError: "INTERNAL",
-    errors.InvariantViolation: "INTERNAL",
-}
-"""gRPC status code name per error class (the most specific class listed first wins)."""
-
-
-def grpc_code_name(exc: KvtierError) -> str:
-    for cls in type(exc).__mro__:
-        if cls in GRPC_CODE_NAMES:
-            return GRPC_CODE_NAMES[cls]
-    return "UNKNOWN"
-
-
-def error_name(exc: KvtierError) -> str:
-    """The name that travels: the most derived kvtier class of ``exc``."""
-    for cls in type(exc).__mro__:
-        if cls.__name__ in _ERROR_CLASSES and _ERROR_CLASSES[cls.__name__] is cls:
-            return cls.__name__
-    return "KvtierError"
-
-
-def error_from_name(name: str, message: str) -> KvtierError:
-    """Rebuild an error from its class name and message (constructors are bypassed: some take
-    structured arguments the message already spells out)."""
-    cls = _ERROR_CLASSES.get(name, KvtierError)
-    exc = cls.__new__(cls)
-    Exception.__init__(exc, message)
-    if isinstance(exc, errors.SizeMismatch):
-        exc.expected = exc.actual = -1
-    if isinstance(exc, errors.ChunkNotFound):
-        exc.key = b""
-    return exc
-
 
 # --- the lease channel ---------------------------------------------------------------------------
 

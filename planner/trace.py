@@ -24,7 +24,7 @@ from kvstore.errors import InvalidArgument
 BLOCK_TOKENS = 512
 """Tokens per hashed block in the Mooncake traces."""
 
-_REPO_ROOT = Path(__file__).resolve().parents[2]
+_REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = _REPO_ROOT.parent / "shared" / "data" / "traces" / "conversation_trace.jsonl"
 """``../shared/data/traces/conversation_trace.jsonl`` next to the repository root."""
 

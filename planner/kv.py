@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from conductor.planner.hardware import GIB, GpuSpec, Link
-from conductor.planner.latency import LatencyModel
-from conductor.planner.models import DType, ModelSpec
+from conductor.perf.hardware import GIB, GpuSpec, Link
+from conductor.perf.latency import LatencyModel
+from conductor.perf.models import DType, ModelSpec
 from kvstore.errors import InvalidArgument
 
 

@@ -7,10 +7,11 @@ streams. Every decision is checked against the daemons at the moment it is made.
 
 from __future__ import annotations
 
-from conductor.live_replay import run_live_replay
-from conductor.planner.workload import load_trace
-from conductor.replay import ClusterSpec, default_engine_model, scale_to_load
+from conductor.perf.engine_model import default_engine_model
 from conductor.scheduler import Policy
+from planner.live_replay import run_live_replay
+from planner.replay import ClusterSpec, scale_to_load
+from planner.workload import load_trace
 from tests.control.test_schedule_replay import needs_traces
 from tests.support.etcd import require_etcd
 

@@ -44,14 +44,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from conductor.planner.hardware import LINKS, GpuSpec, Link
-from conductor.planner.kv import exposed_transfer_s
-from conductor.planner.latency import LatencyModel, LatencyProvider
-from conductor.planner.metrics import SimResult
-from conductor.planner.models import DType, ModelSpec
-from conductor.planner.prefix_cache import PrefixCache
-from conductor.planner.workload import Workload
+from conductor.perf.hardware import LINKS, GpuSpec, Link
+from conductor.perf.latency import LatencyModel, LatencyProvider
+from conductor.perf.models import DType, ModelSpec
 from kvstore.errors import ConfigError, InvalidArgument, InvariantViolation
+from planner.kv import exposed_transfer_s
+from planner.metrics import SimResult
+from planner.prefix_cache import PrefixCache
+from planner.workload import Workload
 
 
 class Architecture(enum.Enum):

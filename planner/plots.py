@@ -8,13 +8,20 @@ from typing import Any
 
 import numpy as np
 
-from conductor.planner.goodput import Goodput
-from conductor.planner.metrics import SimResult, Slo
-from conductor.planner.search import Candidate
+from kvstore.errors import ConfigError
+from planner.goodput import Goodput
+from planner.metrics import SimResult, Slo
+from planner.search import Candidate
 
 
 def _pyplot() -> Any:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ConfigError(
+            "plots need matplotlib, which the daemon/conductor install leaves out: "
+            "pip install 'kvtier[planner]'"
+        ) from exc
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt

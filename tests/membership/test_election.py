@@ -13,12 +13,18 @@ from typing import Any
 
 import pytest
 
-from conductor.election import Election, LeaderRecord, read_leader
-from conductor.engines import EngineChange, EngineRecord, EngineRole, EngineWatch, put_engine_record
-from conductor.etcd import LocalEtcd
-from conductor.membership import KeyLayout, etcd_client
 from kvstore.errors import InvalidArgument
 from kvstore.keys import KVDtype, KVFingerprint
+from kvstore.membership.election import Election, LeaderRecord, read_leader
+from kvstore.membership.engines import (
+    EngineChange,
+    EngineRecord,
+    EngineRole,
+    EngineWatch,
+    put_engine_record,
+)
+from kvstore.membership.etcd import KeyLayout, etcd_client
+from kvstore.membership.launcher import LocalEtcd
 
 TTL_S = 2
 

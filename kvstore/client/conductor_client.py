@@ -32,16 +32,20 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
-import aetcd
 import grpc
 
-from conductor.election import read_leader
-from conductor.membership import DEFAULT_LAYOUT, KeyLayout, etcd_client, parse_host_port
-from conductor.service import LEADER_METADATA_KEY
 from kvstore._proto.kvtier.v1 import conductor_pb2 as pb
 from kvstore._proto.kvtier.v1 import conductor_pb2_grpc as pb_grpc
 from kvstore.errors import InvalidArgument, KvtierError, MembershipError
-from kvstore.node.protocol import ERROR_METADATA_KEY, error_from_name
+from kvstore.membership.election import read_leader
+from kvstore.membership.etcd import (
+    DEFAULT_LAYOUT,
+    EtcdClient,
+    KeyLayout,
+    etcd_client,
+    parse_host_port,
+)
+from kvstore.wire import ERROR_METADATA_KEY, LEADER_METADATA_KEY, error_from_name
 
 __all__ = ["ConductorClient"]
 
@@ -73,7 +77,7 @@ class ConductorClient:
         self._layout = layout
         self._failover_timeout_s = failover_timeout_s
         self._rpc_timeout_s = rpc_timeout_s
-        self._etcd: aetcd.Client | None = None
+        self._etcd: EtcdClient | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, pb_grpc.ConductorStub] = {}
         self._leader: str | None = address

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from conductor.etcd import LocalEtcd
-from conductor.membership import etcd_client
 from kvstore.errors import InvalidArgument, MembershipError
+from kvstore.membership.etcd import etcd_client
+from kvstore.membership.launcher import LocalEtcd
 from tests.support.etcd import require_etcd
 
 

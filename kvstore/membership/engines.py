@@ -1,7 +1,7 @@
 """Engine instances in etcd: what a prefill or decode engine publishes, and how the conductor
 watches it.
 
-Key layout (see :class:`~conductor.membership.KeyLayout`)::
+Key layout (see :class:`~kvstore.membership.etcd.KeyLayout`)::
 
     <prefix>engines/prefill/<instance_id>    EngineRecord JSON, attached to the engine's lease
     <prefix>engines/decode/<instance_id>
@@ -30,17 +30,17 @@ from typing import Any
 
 import aetcd
 
-from conductor.membership import (
+from kvstore.errors import InvalidArgument
+from kvstore.keys import KVDtype, KVFingerprint
+from kvstore.membership.etcd import (
     DEFAULT_LAYOUT,
     DEFAULT_RPC_TIMEOUT_S,
     KeyLayout,
     PrefixWatch,
-    _check_id,
-    _etcd,
+    check_id,
+    etcd_call,
     parse_host_port,
 )
-from kvstore.errors import InvalidArgument
-from kvstore.keys import KVDtype, KVFingerprint
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +101,8 @@ class EngineRecord:
     kv_fingerprint: KVFingerprint | None = None
 
     def __post_init__(self) -> None:
-        _check_id("instance_id", self.instance_id)
-        _check_id("node_id", self.node_id)
+        check_id("instance_id", self.instance_id)
+        check_id("node_id", self.node_id)
         if not isinstance(self.role, EngineRole):
             raise InvalidArgument(f"role must be an EngineRole, got {self.role!r}")
         if not isinstance(self.model, str) or not self.model:
@@ -159,7 +159,7 @@ async def put_engine_record(client: aetcd.Client, record: EngineRecord, *,
                             layout: KeyLayout = DEFAULT_LAYOUT, lease_id: int | None = None,
                             rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S) -> None:
     """Write ``record`` under its key (attached to ``lease_id`` when given). MembershipError."""
-    await _etcd(f"put engine {record.instance_id}",
+    await etcd_call(f"put engine {record.instance_id}",
                 client.put(record.key(layout).encode(), record.to_json(), lease=lease_id),
                 rpc_timeout_s)
 
@@ -203,7 +203,7 @@ class EngineWatch(PrefixWatch[EngineChange]):
         self._known: dict[bytes, EngineRecord] = {}
 
     async def _open(self) -> tuple[Any, list[EngineChange]]:
-        result = await _etcd("list engines", self._client.get_prefix(self._prefix),
+        result = await etcd_call("list engines", self._client.get_prefix(self._prefix),
                              self._rpc_timeout_s)
         current: dict[bytes, EngineRecord] = {}
         for kv in result:
@@ -211,7 +211,7 @@ class EngineWatch(PrefixWatch[EngineChange]):
             if record is not None:
                 current[bytes(kv.key)] = record
         revision = int(result.header.revision)
-        watch = await _etcd("watch engines",
+        watch = await etcd_call("watch engines",
                             self._client.watch_prefix(self._prefix, start_revision=revision + 1),
                             self._rpc_timeout_s)
         changes = [EngineChange(rec.instance_id, None) for key, rec in self._known.items()

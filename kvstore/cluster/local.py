@@ -43,7 +43,7 @@ from kvstore.errors import ConfigError, MembershipError, PeerUnavailable
 
 __all__ = ["ClusterSpec", "LocalCluster"]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
 NODES = ("node-a", "node-b")
 
@@ -170,7 +170,7 @@ class LocalCluster:
 
     def start(self) -> None:
         """Start everything and wait until the conductor can schedule onto both workers."""
-        from conductor.etcd import LocalEtcd
+        from kvstore.membership.launcher import LocalEtcd
 
         spec = self.spec
         t0 = time.monotonic()
@@ -205,7 +205,7 @@ class LocalCluster:
         self.startup_s = time.monotonic() - t0
 
     def _conductor_child(self) -> _Child:
-        from kvstore.cli.conductor import READY_PREFIX
+        from conductor.server import READY_PREFIX
 
         child = _Child("conductor", self._py(
             "-m", "kvstore.cli.main", "conductor", "--etcd", self.etcd_endpoint,
@@ -247,8 +247,8 @@ class LocalCluster:
         return child
 
     async def _wait_schedulable(self, deadline: float) -> None:
-        from conductor.client import ConductorClient
-        from conductor.membership import KeyLayout
+        from kvstore.client.conductor_client import ConductorClient
+        from kvstore.membership.etcd import KeyLayout
 
         async with ConductorClient(etcd_endpoint=self.etcd_endpoint,
                                    layout=KeyLayout(self.spec.prefix)) as client:
@@ -275,7 +275,7 @@ class LocalCluster:
                 codes[child.name] = child.wait_or_kill(self.spec.stop_timeout_s)
         self.children.clear()
         if self._etcd is not None:
-            from conductor.etcd import LocalEtcd
+            from kvstore.membership.launcher import LocalEtcd
 
             assert isinstance(self._etcd, LocalEtcd)
             self._etcd.close()

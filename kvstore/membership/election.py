@@ -41,8 +41,8 @@ from typing import Any
 
 import aetcd
 
-from conductor.membership import DEFAULT_LAYOUT, KeyLayout, _check_id, _etcd, parse_host_port
 from kvstore.errors import InvalidArgument, MembershipError
+from kvstore.membership.etcd import DEFAULT_LAYOUT, KeyLayout, check_id, etcd_call, parse_host_port
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class LeaderRecord:
     """``host:port`` of the conductor's gRPC service."""
 
     def __post_init__(self) -> None:
-        _check_id("conductor_id", self.conductor_id)
+        check_id("conductor_id", self.conductor_id)
         parse_host_port(self.address)
 
     def to_json(self) -> bytes:
@@ -90,7 +90,7 @@ async def read_leader(client: aetcd.Client, *, layout: KeyLayout = DEFAULT_LAYOU
 
     Raises MembershipError when etcd cannot be reached.
     """
-    kv = await _etcd("read conductor leader", client.get(layout.conductor_leader_key.encode()),
+    kv = await etcd_call("read conductor leader", client.get(layout.conductor_leader_key.encode()),
                      rpc_timeout_s)
     if kv is None:
         return None
@@ -188,7 +188,7 @@ class Election:
         lease_id, self._lease_id = self._lease_id, None
         if lease_id is not None:
             try:
-                await _etcd("revoke election lease", self._client.revoke_lease(lease_id),
+                await etcd_call("revoke election lease", self._client.revoke_lease(lease_id),
                             self._rpc_timeout_s)
             except MembershipError as exc:
                 log.warning("could not revoke election lease %x (%s); it expires in %d s",
@@ -206,7 +206,7 @@ class Election:
 
     async def _grant(self) -> None:
         sent_at = time.monotonic()
-        lease = await _etcd("grant election lease", self._client.lease(self._ttl_s),
+        lease = await etcd_call("grant election lease", self._client.lease(self._ttl_s),
                             self._rpc_timeout_s)
         self._lease_id = int(lease.id)
         self._lease_confirmed_until = sent_at + int(lease.ttl)
@@ -215,7 +215,7 @@ class Election:
         """Refresh our lease; False when etcd no longer has it."""
         assert self._lease_id is not None
         sent_at = time.monotonic()
-        reply: Any = await _etcd("refresh election lease",
+        reply: Any = await etcd_call("refresh election lease",
                                  self._client.refresh_lease(self._lease_id), self._rpc_timeout_s)
         if reply is None:
             raise MembershipError("refresh election lease: stream closed unanswered")
@@ -235,7 +235,7 @@ class Election:
         """Create the leader key under our lease if absent; learn who leads otherwise."""
         assert self._lease_id is not None
         client = self._client
-        ok, responses = await _etcd(
+        ok, responses = await etcd_call(
             "campaign",
             client.transaction(
                 compare=[client.transactions.version(self._key) == 0],
@@ -270,7 +270,7 @@ class Election:
 
     async def _check_still_ours(self) -> None:
         """While leading: the key must still be ours (someone may have deleted it by hand)."""
-        kv = await _etcd("read leader key", self._client.get(self._key), self._rpc_timeout_s)
+        kv = await etcd_call("read leader key", self._client.get(self._key), self._rpc_timeout_s)
         if kv is None or int(kv.lease) != self._lease_id:
             log.warning("conductor %s: the leader key is no longer ours; campaigning again",
                         self._record.conductor_id)

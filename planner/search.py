@@ -24,12 +24,12 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from conductor.planner.goodput import Goodput, find_goodput
-from conductor.planner.hardware import Link
-from conductor.planner.metrics import Slo
-from conductor.planner.sim import Architecture, ClusterSpec, Deployment, InstanceGroup, simulate
-from conductor.planner.workload import Workload
+from conductor.perf.hardware import Link
 from kvstore.errors import ConfigError, InvalidArgument
+from planner.goodput import Goodput, find_goodput
+from planner.metrics import Slo
+from planner.sim import Architecture, ClusterSpec, Deployment, InstanceGroup, simulate
+from planner.workload import Workload
 
 
 class Decision(enum.Enum):

@@ -44,9 +44,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from conductor.planner.data import data_file
-from conductor.planner.hardware import GpuSpec
-from conductor.planner.models import DType, ModelSpec
+from conductor.perf.data import data_file
+from conductor.perf.hardware import GpuSpec
+from conductor.perf.models import DType, ModelSpec
 from kvstore.errors import ConfigError, InvalidArgument
 
 PROFILE_SCHEMA = "kvtier.latency-profile/1"

@@ -50,10 +50,8 @@ import numpy as np
 import xxhash
 
 from conductor.index import ChunkEvent, ChunkEventKind, GlobalPrefixIndex
-from conductor.planner.hardware import gpu_by_name
-from conductor.planner.latency import LatencyModel, RooflineLatency
-from conductor.planner.models import DType, model_by_name
-from conductor.planner.workload import Workload
+from conductor.perf.engine_model import EngineModel, default_engine_model
+from conductor.perf.latency import LatencyModel
 from conductor.scheduler import (
     Decision,
     DecodeInstance,
@@ -67,7 +65,8 @@ from conductor.scheduler import (
 from kvstore.dataplane.tier import TierKind
 from kvstore.errors import CapacityError, InvalidArgument
 from kvstore.node.index import CacheIndex, TierBudget
-from kvstore.node.trace import block_key
+from planner.trace import block_key
+from planner.workload import Workload
 
 __all__ = [
     "ClusterSpec",
@@ -83,29 +82,6 @@ __all__ = [
 MODEL_NAME = "trace-model"
 _TIER = TierKind.DRAM
 _PIN_TTL_S = 3600.0
-
-
-@dataclass(frozen=True)
-class EngineModel:
-    """The model every simulated instance runs: its latency and its KV block size."""
-
-    label: str
-    latency: LatencyModel
-    block_size_tokens: int
-    block_size_bytes: int
-
-    def __post_init__(self) -> None:
-        if self.block_size_tokens <= 0 or self.block_size_bytes <= 0:
-            raise InvalidArgument("block sizes must be positive")
-
-
-def default_engine_model(block_size_tokens: int = 512) -> EngineModel:
-    """Llama-3-70B, FP16 KV, on 8xH100-80G (the planner's roofline), blocks of 512 tokens."""
-    model = model_by_name("llama-3-70b")
-    gpu = gpu_by_name("h100-80g")
-    latency = RooflineLatency(model, gpu, 8)
-    return EngineModel(f"{model.name} {gpu.name} tp8 (roofline)", latency, block_size_tokens,
-                       model.kv_bytes_per_token(DType.FP16) * block_size_tokens)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,257 @@
+"""etcd plumbing every box shares: the key layout, a client with deadlines, watched prefixes.
+
+Key layout (under a configurable prefix, ``/kvtier/`` by default; see :class:`KeyLayout`)::
+
+    /kvtier/nodes/<node_id>                    NodeRecord as JSON, under the daemon's lease (nodes.py)
+    /kvtier/engines/<role>/<instance_id>       EngineRecord as JSON, under the engine's lease (engines.py)
+    /kvtier/conductor/leader                   the conductor leader's record (election.py)
+
+Contracts
+    * Every etcd or gRPC failure surfaces as :class:`~kvstore.errors.MembershipError`,
+      chained to the library error (``raise ... from exc``). Every etcd call has a deadline
+      (:func:`etcd_call`), so a paused or partitioned etcd makes calls fail, never hang.
+    * Only asyncio; nothing here is thread-safe. One ``aetcd.Client`` can serve any number
+      of registrations and watches in the same event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from collections.abc import AsyncGenerator, Awaitable, Iterable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Generic, Self, TypeVar
+
+import aetcd
+import grpc
+
+from kvstore.errors import InvalidArgument, MembershipError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DEFAULT_PREFIX = "/kvtier/"
+
+DEFAULT_RPC_TIMEOUT_S = 5.0
+WATCH_RETRY_INTERVAL_S = 0.5
+
+EventT = TypeVar("EventT")
+
+_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def check_id(what: str, value: str) -> str:
+    if not isinstance(value, str) or _ID_RE.fullmatch(value) is None:
+        raise InvalidArgument(
+            f"{what} must be 1-128 characters of [A-Za-z0-9._-] starting with a letter or "
+            f"digit, got {value!r}"
+        )
+    return value
+
+
+def parse_host_port(address: str) -> tuple[str, int]:
+    """Split ``host:port`` (``[v6]:port`` for IPv6) into host and port. Raises InvalidArgument."""
+    if not isinstance(address, str):
+        raise InvalidArgument(f"address must be a 'host:port' string, got {type(address).__name__}")
+    host, sep, port_text = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        raise InvalidArgument(f"address must be 'host:port' with port 1-65535, got {address!r}")
+    return host, int(port_text)
+
+
+# --------------------------------------------------------------------------- key layout
+
+
+@dataclass(frozen=True, slots=True)
+class KeyLayout:
+    """Where kvtier keeps its keys in etcd. ``prefix`` starts and ends with ``/``.
+
+    Give each cluster (and each test) its own prefix to share one etcd safely.
+    """
+
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        if (
+            not isinstance(self.prefix, str)
+            or not self.prefix.startswith("/")
+            or not self.prefix.endswith("/")
+            or "//" in self.prefix
+        ):
+            raise InvalidArgument(
+                f"etcd key prefix must start and end with '/' and contain no '//', "
+                f"got {self.prefix!r}"
+            )
+
+    @property
+    def nodes_prefix(self) -> str:
+        return f"{self.prefix}nodes/"
+
+    def node_key(self, node_id: str) -> str:
+        return f"{self.nodes_prefix}{check_id('node_id', node_id)}"
+
+    def node_id_of(self, key: str) -> str | None:
+        """The node id a ``nodes/`` key names, or None when the key is not a node key."""
+        if not key.startswith(self.nodes_prefix):
+            return None
+        node_id = key[len(self.nodes_prefix) :]
+        return node_id if _ID_RE.fullmatch(node_id) else None
+
+    def engine_key(self, role: str, instance_id: str) -> str:
+        return f"{self.prefix}engines/{check_id('role', role)}/{check_id('instance_id', instance_id)}"
+
+    @property
+    def conductor_leader_key(self) -> str:
+        return f"{self.prefix}conductor/leader"
+
+
+DEFAULT_LAYOUT = KeyLayout()
+
+
+# --------------------------------------------------------------------------- etcd plumbing
+
+
+EtcdClient = aetcd.Client
+"""The etcd client type, for annotations in boxes that reach etcd only through this package."""
+
+
+def etcd_client(endpoint: str, *, rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S) -> aetcd.Client:
+    """An ``aetcd.Client`` for ``http://host:port`` or ``host:port``; it connects lazily.
+
+    Every RPC gets a ``rpc_timeout_s`` deadline, and gRPC's reconnect backoff is capped
+    at one second so a restarted etcd is found again quickly (the default grows to two
+    minutes). Use it as ``async with etcd_client(url) as client``.
+    """
+    if rpc_timeout_s <= 0:
+        raise InvalidArgument(f"rpc_timeout_s must be positive, got {rpc_timeout_s}")
+    address = endpoint.removeprefix("http://")
+    if endpoint.startswith("https://"):
+        raise InvalidArgument("TLS etcd endpoints are not supported yet")
+    host, port = parse_host_port(address.rstrip("/"))
+    return aetcd.Client(
+        host=host,
+        port=port,
+        timeout=rpc_timeout_s,
+        options={
+            "grpc.initial_reconnect_backoff_ms": 100,
+            "grpc.min_reconnect_backoff_ms": 100,
+            "grpc.max_reconnect_backoff_ms": 1000,
+        },
+    )
+
+
+async def etcd_call(what: str, call: Awaitable[T], timeout_s: float) -> T:
+    """Await one etcd call with a deadline, translating failures into MembershipError.
+
+    ``asyncio.timeout``, not ``asyncio.wait_for``: on Python 3.11 ``wait_for`` swallows a
+    cancellation that arrives as the call completes, which once left a keepalive task
+    running after ``close()`` had cancelled it.
+    """
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await call
+    except TimeoutError as exc:
+        raise MembershipError(f"{what}: etcd did not answer within {timeout_s:.1f} s") from exc
+    except (aetcd.ClientError, grpc.RpcError) as exc:
+        raise MembershipError(f"{what}: {exc}") from exc
+
+
+class PrefixWatch(Generic[EventT]):
+    """The keys under one etcd prefix as a stream of events: the snapshot, then every change.
+
+    Entering (``async with``) reads the snapshot and opens an etcd watch from just after its
+    revision; if the stream later breaks (etcd restarted, history compacted) the watch re-lists,
+    yields the difference against what it has reported and watches again, retrying every
+    ``retry_interval_s``. Subclasses say how to list (``_open``) and how to turn one etcd event
+    into theirs (``_apply_event``). Iterate from one task only.
+    """
+
+    _what = "keys"
+
+    def __init__(
+        self,
+        client: aetcd.Client,
+        *,
+        layout: KeyLayout = DEFAULT_LAYOUT,
+        rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
+        retry_interval_s: float = WATCH_RETRY_INTERVAL_S,
+    ) -> None:
+        """Record settings only; nothing talks to etcd until entered (:meth:`start`)."""
+        if rpc_timeout_s <= 0 or retry_interval_s <= 0:
+            raise InvalidArgument("rpc_timeout_s and retry_interval_s must be positive")
+        self._client = client
+        self._layout = layout
+        self._rpc_timeout_s = rpc_timeout_s
+        self._retry_interval_s = retry_interval_s
+        self._events: AsyncGenerator[EventT, None] | None = None
+
+    async def start(self) -> None:
+        """Read the snapshot and open the watch. Raises MembershipError."""
+        if self._events is not None:
+            raise MembershipError(f"this {self._what} watch was already started")
+        watch, pending = await self._open()
+        self._events = self._run(watch, pending)
+
+    async def close(self) -> None:
+        """Cancel the etcd watch. Idempotent."""
+        if self._events is not None:
+            await self._events.aclose()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> EventT:
+        if self._events is None:
+            raise MembershipError(f"iterate a {self._what} watch inside 'async with'")
+        return await anext(self._events)
+
+    async def _open(self) -> tuple[Any, list[EventT]]:
+        """Snapshot, then a watch from just after it; the events that bring us up to date."""
+        raise NotImplementedError
+
+    def _apply_event(self, event: Any) -> Iterable[EventT]:
+        """What one etcd watch event means to the consumer (often nothing)."""
+        raise NotImplementedError
+
+    async def _run(self, watch: Any, pending: list[EventT]) -> AsyncGenerator[EventT, None]:
+        while True:
+            try:
+                for item in pending:
+                    yield item
+                async for event in watch:
+                    for item in self._apply_event(event):
+                        yield item
+                log.warning("%s watch: stream ended; re-listing", self._what)
+            except (aetcd.ClientError, grpc.RpcError) as exc:
+                log.warning("%s watch: stream broken (%s); re-listing", self._what, exc)
+            finally:
+                with contextlib.suppress(aetcd.ClientError, grpc.RpcError, TimeoutError):
+                    async with asyncio.timeout(self._rpc_timeout_s):
+                        await watch.cancel()
+            while True:
+                try:
+                    watch, pending = await self._open()
+                    break
+                except MembershipError as exc:
+                    log.debug("%s watch: cannot re-list yet (%s); retrying", self._what, exc)
+                    await asyncio.sleep(self._retry_interval_s)
+
+

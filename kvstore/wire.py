@@ -1,0 +1,107 @@
+"""What crosses a process boundary the same way for every box: error names, tier codes, metadata keys.
+
+Errors cross process boundaries by *class name*: a gRPC service (daemon or conductor) puts the
+name of the kvtier error class in the trailing metadata key :data:`ERROR_METADATA_KEY` (and picks
+the gRPC status code from :data:`GRPC_CODE_NAMES`), the same-host lease channel puts it in its
+error reply; a client rebuilds the same class with :func:`error_from_name`. An unknown name
+becomes a plain :class:`~kvstore.errors.KvtierError`.
+
+Tiers travel as the protobuf enum ``kvtier.v1.Tier``: :data:`TIER_TO_PB` and :data:`PB_TO_TIER`
+are the one map between it and :class:`~kvstore.dataplane.tier.TierKind`.
+
+This module sits below the node, the client and the conductor (each imports it; it imports
+none of them) and needs no gRPC runtime: status codes are names.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvstore import errors
+from kvstore._proto.kvtier.v1 import store_pb2 as store_pb
+from kvstore.dataplane.tier import TierKind
+from kvstore.errors import KvtierError
+
+ERROR_METADATA_KEY = "kvtier-error"
+
+_ERROR_CLASSES: dict[str, type[KvtierError]] = {
+    name: cls for name, cls in vars(errors).items()
+    if isinstance(cls, type) and issubclass(cls, KvtierError)
+}
+
+GRPC_CODE_NAMES: dict[type[KvtierError], str] = {
+    errors.SizeMismatch: "INVALID_ARGUMENT",
+    errors.InvalidArgument: "INVALID_ARGUMENT",
+    errors.ConfigError: "INVALID_ARGUMENT",
+    errors.ChunkNotFound: "NOT_FOUND",
+    errors.ChunkExists: "ALREADY_EXISTS",
+    errors.ChunkBusy: "ABORTED",
+    errors.DiskFull: "RESOURCE_EXHAUSTED",
+    errors.CapacityError: "RESOURCE_EXHAUSTED",
+    errors.ChunkCorrupt: "DATA_LOSS",
+    errors.TierUnavailable: "UNAVAILABLE",
+    errors.PeerUnavailable: "UNAVAILABLE",
+    errors.TransportError: "UNAVAILABLE",
+    errors.MembershipError: "UNAVAILABLE",
+    errors.StorageError: "INTERNAL",
+    errors.InvariantViolation: "INTERNAL",
+}
+"""gRPC status code name per error class (the most specific class listed first wins)."""
+
+
+def grpc_code_name(exc: KvtierError) -> str:
+    for cls in type(exc).__mro__:
+        if cls in GRPC_CODE_NAMES:
+            return GRPC_CODE_NAMES[cls]
+    return "UNKNOWN"
+
+
+def error_name(exc: KvtierError) -> str:
+    """The name that travels: the most derived kvtier class of ``exc``."""
+    for cls in type(exc).__mro__:
+        if cls.__name__ in _ERROR_CLASSES and _ERROR_CLASSES[cls.__name__] is cls:
+            return cls.__name__
+    return "KvtierError"
+
+
+def error_from_name(name: str, message: str) -> KvtierError:
+    """Rebuild an error from its class name and message (constructors are bypassed: some take
+    structured arguments the message already spells out)."""
+    cls = _ERROR_CLASSES.get(name, KvtierError)
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, message)
+    if isinstance(exc, errors.SizeMismatch):
+        exc.expected = exc.actual = -1
+    if isinstance(exc, errors.ChunkNotFound):
+        exc.key = b""
+    return exc
+
+
+LEADER_METADATA_KEY = "kvtier-leader"
+"""Trailing metadata of a conductor's NotLeader refusal: ``<conductor_id>@<address>`` of the leader."""
+
+TIER_TO_PB: dict[TierKind, store_pb.Tier] = {
+    TierKind.HBM: store_pb.TIER_HBM,
+    TierKind.DRAM: store_pb.TIER_DRAM,
+    TierKind.NVME: store_pb.TIER_NVME,
+}
+PB_TO_TIER: dict[int, TierKind] = {int(v): k for k, v in TIER_TO_PB.items()}
+
+
+def stats_doc(reply: Any, address: str) -> dict[str, Any]:
+    """A daemon's ``StatsResponse`` as plain JSON-ready data (``kvtier stats``, ``kvtier run``)."""
+    hits = sum(t.hits for t in reply.tiers)
+    lookups = hits + reply.misses
+    return {
+        "node_id": reply.node_id, "address": address, "epoch": reply.epoch,
+        "uptime_s": round(reply.uptime_s, 3), "misses": reply.misses, "hits": hits,
+        "hit_ratio": hits / lookups if lookups else None, "last_seq": reply.last_seq,
+        "shm_leases_open": reply.shm_leases_open,
+        "tcp_connections_open": reply.tcp_connections_open,
+        "tiers": [{
+            "tier": PB_TO_TIER[t.tier].value, "capacity_bytes": t.capacity_bytes,
+            "used_bytes": t.used_bytes, "chunks": t.chunks, "hits": t.hits, "puts": t.puts,
+            "evictions": t.drops, "demotions": t.demotions_out, "promotions": t.promotions_in,
+            "corrupt": t.corrupt, "bytes_read": t.bytes_read, "bytes_written": t.bytes_written,
+        } for t in reply.tiers],
+    }
