@@ -21,8 +21,9 @@ image: ``Dockerfile``). Design and measurements: ``native/README.md``,
 inside :meth:`NativeLoop.serve` lets every other thread of the daemon run.
 
 The read index's layout (slot size, field offsets, header size) is passed from
-:mod:`kvstore.dataplane.read_index` into the C code at start (:class:`NativeReadSource`), so the
-C side never hard-codes it.
+:mod:`kvstore.dataplane.read_index_layout` into the C code at start (:func:`index_read_config`),
+so the C side never hard-codes it. This module imports that layout, never
+:mod:`kvstore.dataplane.read_index` itself (which imports this one for its native reader).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from kvstore.dataplane import read_index as ri
+from kvstore.dataplane import read_index_layout as layout
 from kvstore.dataplane.arena import ArenaAccess, ShmArena, buffer_address
 from kvstore.dataplane.tier import MAX_KEY_BYTES
 from kvstore.errors import InvalidArgument, TierUnavailable
@@ -84,17 +85,6 @@ back-to-back requests pay one ``poll`` each instead of a return to Python)."""
  _CFG_RING_ENTRY_BYTES, _CFG_DRAIN_WAIT_MS, _CFG_RECV_TICK_US, _CFG_COUNT) = range(29)
 (ST_RPOS, ST_REND, ST_LAST_FLAGS, ST_GETS, ST_BYTES_SENT, ST_RING_COUNT, ST_RETRIES,
  ST_FALLBACKS, ST_ERRNO, ST_SENT, ST_SHORT_TICK, _ST_COUNT) = range(12)
-
-# The read index's slot layout, from its own struct definitions (read_index.py docstring):
-# seq at 0, then _BODY = offset (u64), size (u64), state (u8), key length (u8); key at KEY_AT.
-_SEQ_AT = 0
-_OFFSET_AT = _SEQ_AT + ri._SEQ.size
-_SIZE_AT = _OFFSET_AT + 8
-_STATE_AT = _SIZE_AT + 8
-_KLEN_AT = _STATE_AT + 1
-if ri._BODY.format not in ("<QQBB",) or ri._SLOT.size != _KLEN_AT + 1:  # pragma: no cover
-    raise ImportError("kvstore.dataplane.read_index changed its slot layout: update native.py")
-
 
 class NativeReturn(enum.IntEnum):
     """Why :meth:`NativeLoop.serve` returned (``KVT_*`` in fastpath.c)."""
@@ -277,16 +267,16 @@ def index_read_config(*, arena_address: int, arena_bytes: int, index_address: in
     cfg[_CFG_ARENA_BYTES] = arena_bytes
     cfg[_CFG_INDEX_ADDR] = index_address
     cfg[_CFG_INDEX_SLOTS] = slots
-    cfg[_CFG_INDEX_HEADER_BYTES] = ri.HEADER_BYTES
-    cfg[_CFG_SLOT_BYTES] = ri.SLOT_BYTES
-    cfg[_CFG_SEQ_AT] = _SEQ_AT
-    cfg[_CFG_OFFSET_AT] = _OFFSET_AT
-    cfg[_CFG_SIZE_AT] = _SIZE_AT
-    cfg[_CFG_STATE_AT] = _STATE_AT
-    cfg[_CFG_KLEN_AT] = _KLEN_AT
-    cfg[_CFG_KEY_AT] = ri.KEY_AT
-    cfg[_CFG_STATE_LIVE] = ri.SlotState.LIVE.value
-    cfg[_CFG_STATE_EMPTY] = ri.SlotState.EMPTY.value
+    cfg[_CFG_INDEX_HEADER_BYTES] = layout.HEADER_BYTES
+    cfg[_CFG_SLOT_BYTES] = layout.SLOT_BYTES
+    cfg[_CFG_SEQ_AT] = layout.SEQ_AT
+    cfg[_CFG_OFFSET_AT] = layout.OFFSET_AT
+    cfg[_CFG_SIZE_AT] = layout.SIZE_AT
+    cfg[_CFG_STATE_AT] = layout.STATE_AT
+    cfg[_CFG_KLEN_AT] = layout.KLEN_AT
+    cfg[_CFG_KEY_AT] = layout.KEY_AT
+    cfg[_CFG_STATE_LIVE] = layout.SlotState.LIVE.value
+    cfg[_CFG_STATE_EMPTY] = layout.SlotState.EMPTY.value
     cfg[_CFG_ATTEMPTS] = attempts
     return cfg
 
@@ -319,7 +309,7 @@ class NativeReadSource:
     def attach(cls, arena_name: str, index_name: str) -> NativeReadSource:
         """Map the arena and its read index by name. Raises InvalidArgument (no such segment,
         or the index does not describe that arena), TierUnavailable (not supported here)."""
-        if not ri.lease_free_supported():
+        if not layout.lease_free_supported():
             raise TierUnavailable("the read index's seqlock needs Linux on x86-64")
         arena = ShmArena.attach(arena_name, access=ArenaAccess.READ_ONLY)
         try:
@@ -328,12 +318,14 @@ class NativeReadSource:
             arena.close()
             raise
         try:
-            head = index.view(0, ri.HEADER_BYTES)
-            magic, version, slot_bytes, slots, arena_bytes, _state = ri._HEADER.unpack_from(head)
+            head = index.view(0, layout.HEADER_BYTES)
+            magic, version, slot_bytes, slots, arena_bytes, _state = \
+                layout.HEADER_STRUCT.unpack_from(head)
             head.release()
-            if magic != ri.MAGIC or version != ri.VERSION or slot_bytes != ri.SLOT_BYTES \
-                    or slots < ri.MIN_SLOTS or slots & (slots - 1) \
-                    or index.size_bytes < ri.HEADER_BYTES + slots * ri.SLOT_BYTES \
+            if magic != layout.MAGIC or version != layout.VERSION \
+                    or slot_bytes != layout.SLOT_BYTES \
+                    or slots < layout.MIN_SLOTS or slots & (slots - 1) \
+                    or index.size_bytes < layout.HEADER_BYTES + slots * layout.SLOT_BYTES \
                     or arena_bytes != arena.size_bytes:
                 raise InvalidArgument(f"{index_name!r} is not a read index of {arena_name!r}")
             return cls(arena, index, slots)

@@ -6,7 +6,8 @@ lease round trip on the lease channel (~30 µs against a 2 µs memcpy at 4 KiB).
 (the read index, named in ``NodeInfo.shm_read_index``), and a client copies a chunk with no round
 trip at all. Design notes and measurements: ``docs/dram-arena.md`` ("Lease-free reads").
 
-Layout (all little-endian)
+Layout (all little-endian; the constants, shared with the native reader, are in
+:mod:`kvstore.dataplane.read_index_layout`)
     A 4 KiB header, then ``slots`` slots of :data:`SLOT_BYTES` (a power of two; open addressing
     with linear probing from ``xxh3_64(key) & (slots - 1)``).
 
@@ -58,7 +59,6 @@ import ctypes
 import enum
 import logging
 import platform
-import struct
 import threading
 import weakref
 from collections.abc import Callable
@@ -75,50 +75,39 @@ from kvstore.dataplane.arena import (
     buffer_address,
     copy_bytes,
 )
+from kvstore.dataplane.native import index_read_config
+from kvstore.dataplane.read_index_layout import (
+    ARENA_NAME_AT,
+    BODY_STRUCT,
+    HEADER_BYTES,
+    HEADER_STRUCT,
+    KEY_AT,
+    MAGIC,
+    MIN_SLOTS,
+    OWNER_AT,
+    OWNER_STRUCT,
+    SEQ_STRUCT,
+    SLOT_BYTES,
+    SLOT_SHIFT,
+    SLOT_STRUCT,
+    VERSION,
+    IndexState,
+    SlotState,
+    lease_free_supported,
+)
 from kvstore.dataplane.tier import MAX_KEY_BYTES
 from kvstore.errors import InvalidArgument, InvariantViolation, TierUnavailable
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"KVTRIDX1"
-VERSION = 1
-HEADER_BYTES = 4096
-SLOT_BYTES = 128
-"""Two cache lines: 32 bytes of fields and up to 64 bytes of key."""
-_SLOT_SHIFT = 7
-KEY_AT = 32
-OWNER_AT = 512
-"""Where the robust mutex (glibc ``pthread_mutex_t``, 40 bytes) lies in the header."""
-ARENA_NAME_AT = 64
-MIN_SLOTS = 64
 MAX_LOAD = 0.75
 """Live entries plus tombstones never exceed this share of the slots (a probe always ends)."""
-
-_HEADER = struct.Struct("<8sIIQQI")
-"""magic, version, slot bytes, slots, arena bytes, state."""
-_SEQ = struct.Struct("<Q")
-_BODY = struct.Struct("<QQBB")
-"""offset, size, state, key length: the slot's fields after ``seq``."""
-_SLOT = struct.Struct("<QQQBB")
-"""seq and the fields, as a reader takes them in one call."""
-_OWNER = struct.Struct("<I")
 _xxh3_64 = xxhash.xxh3_64_intdigest
 
 _FUTEX_OWNER_DIED = 0x40000000
 _FUTEX_TID_MASK = 0x3FFFFFFF
 _PTHREAD_PROCESS_SHARED = 1
 _PTHREAD_MUTEX_ROBUST = 1
-
-
-class IndexState(enum.IntEnum):
-    OPEN = 1
-    CLOSED = 2
-
-
-class SlotState(enum.IntEnum):
-    EMPTY = 0
-    LIVE = 1
-    TOMBSTONE = 2
 
 
 _EMPTY, _LIVE, _TOMB = SlotState.EMPTY.value, SlotState.LIVE.value, SlotState.TOMBSTONE.value
@@ -138,11 +127,6 @@ class ReadResult(enum.IntEnum):
 _MISS, _CONFLICT, _DEAD = ReadResult.MISS.value, ReadResult.CONFLICT.value, ReadResult.DEAD.value
 NOT_TRIED = -4
 """What a native read returns when it did not try (``ReadIndexReader.fast_get``)."""
-
-
-def lease_free_supported() -> bool:
-    """True where the seqlock is correct without explicit barriers: Linux on x86-64 (module doc)."""
-    return platform.system() == "Linux" and platform.machine().lower() in ("x86_64", "amd64")
 
 
 def slots_for(capacity_bytes: int, chunk_bytes_hint: int = 64 << 10) -> int:
@@ -252,7 +236,7 @@ class ReadIndex:
         segment = ShmArena.create(HEADER_BYTES + slots * SLOT_BYTES, name=name, pin=PinMode.OFF)
         try:
             buf = segment.view(0, HEADER_BYTES, readonly=False)
-            _HEADER.pack_into(buf, 0, MAGIC, VERSION, SLOT_BYTES, slots, arena_bytes,
+            HEADER_STRUCT.pack_into(buf, 0, MAGIC, VERSION, SLOT_BYTES, slots, arena_bytes,
                               IndexState.OPEN)
             buf[ARENA_NAME_AT] = len(encoded)
             buf[ARENA_NAME_AT + 1:ARENA_NAME_AT + 1 + len(encoded)] = encoded
@@ -349,7 +333,7 @@ class ReadIndex:
                 return
             self._closed = True
         self.clear()
-        _HEADER.pack_into(self._buf, 0, MAGIC, VERSION, SLOT_BYTES, self._slots, 0,
+        HEADER_STRUCT.pack_into(self._buf, 0, MAGIC, VERSION, SLOT_BYTES, self._slots, 0,
                           IndexState.CLOSED)
         if self._owner is not None:
             self._owner.release()
@@ -416,15 +400,15 @@ class ReadIndex:
     def _write(self, slot: int, state: int, key: bytes, offset: int, size_bytes: int) -> None:
         """One seqlock write of a slot: seq odd, fields, seq even (module docstring)."""
         buf = self._buf
-        at = HEADER_BYTES + (slot << _SLOT_SHIFT)
-        seq = _SEQ.unpack_from(buf, at)[0]
+        at = HEADER_BYTES + (slot << SLOT_SHIFT)
+        seq = SEQ_STRUCT.unpack_from(buf, at)[0]
         if seq & 1:
             raise InvariantViolation(f"read index slot {slot} was left half-written")
-        _SEQ.pack_into(buf, at, seq + 1)
-        _BODY.pack_into(buf, at + 8, offset, size_bytes, state, len(key))
+        SEQ_STRUCT.pack_into(buf, at, seq + 1)
+        BODY_STRUCT.pack_into(buf, at + 8, offset, size_bytes, state, len(key))
         if key:
             buf[at + KEY_AT:at + KEY_AT + len(key)] = key
-        _SEQ.pack_into(buf, at, seq + 2)
+        SEQ_STRUCT.pack_into(buf, at, seq + 2)
         self._states[slot] = state
 
     def __repr__(self) -> str:
@@ -480,9 +464,7 @@ class ReadIndexReader:
         if module is None:
             self._drop_native()
             return
-        from kvstore.dataplane import native
-
-        cfg = native.index_read_config(
+        cfg = index_read_config(
             arena_address=buffer_address(self._arena), arena_bytes=self._arena_bytes,
             index_address=buffer_address(self._buf), slots=self._slots,
             attempts=self._attempts)
@@ -531,10 +513,10 @@ class ReadIndexReader:
             if segment.size_bytes < HEADER_BYTES:
                 raise InvalidArgument(f"{name!r} is too small to be a read index")
             buf = segment.view(0, HEADER_BYTES)
-            magic, version, slot_bytes, slots, arena_bytes, state = _HEADER.unpack_from(buf, 0)
+            magic, version, slot_bytes, slots, arena_bytes, state = HEADER_STRUCT.unpack_from(buf, 0)
             name_len = buf[ARENA_NAME_AT]
             arena_name = bytes(buf[ARENA_NAME_AT + 1:ARENA_NAME_AT + 1 + name_len]).decode()
-            owner_word = _OWNER.unpack_from(buf, OWNER_AT)[0]
+            owner_word = OWNER_STRUCT.unpack_from(buf, OWNER_AT)[0]
             buf.release()
             if magic != MAGIC or version != VERSION or slot_bytes != SLOT_BYTES:
                 raise InvalidArgument(f"{name!r} is not a version-{VERSION} read index")
@@ -554,7 +536,7 @@ class ReadIndexReader:
 
     def alive(self) -> bool:
         """Whether the daemon still holds the index (one load; module docstring, "Liveness")."""
-        return bool(_OWNER.unpack_from(self._buf, OWNER_AT)[0] == self._owner_word)
+        return bool(OWNER_STRUCT.unpack_from(self._buf, OWNER_AT)[0] == self._owner_word)
 
     def read_into(self, key: bytes, out: memoryview) -> int:
         """Copy chunk ``key`` into ``out`` (a flat writable byte view) if it is published and
@@ -569,13 +551,13 @@ class ReadIndexReader:
                 return int(n)
         # The hot path of a same-host get: locals only, one unpack per slot, plain ints.
         buf, mask, arena = self._buf, self._mask, self._arena
-        slot_of, seq_of, owner_of = _SLOT.unpack_from, _SEQ.unpack_from, _OWNER.unpack_from
+        slot_of, seq_of, owner_of = SLOT_STRUCT.unpack_from, SEQ_STRUCT.unpack_from, OWNER_STRUCT.unpack_from
         klen = len(key)
         start = _xxh3_64(key) & mask
         for _attempt in range(self._attempts):
             i = start
             for _probe in range(self._slots):
-                at = HEADER_BYTES + (i << _SLOT_SHIFT)
+                at = HEADER_BYTES + (i << SLOT_SHIFT)
                 # One unpack reads seq first, then the fields (struct reads them in order,
                 # each through its own call; module docstring, "Memory ordering").
                 seq, offset, size, state, kl = slot_of(buf, at)

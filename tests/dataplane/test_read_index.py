@@ -21,16 +21,13 @@ import xxhash
 from kvstore.dataplane.arena import ArenaAccess, ShmArena
 from kvstore.dataplane.compress import CodecKind, CodecSpec
 from kvstore.dataplane.dram import DramTier
-from kvstore.dataplane.read_index import (
+from kvstore.dataplane.read_index import ReadIndex, ReadIndexReader, ReadResult, slots_for
+from kvstore.dataplane.read_index_layout import (
     HEADER_BYTES,
     MIN_SLOTS,
     SLOT_BYTES,
-    ReadIndex,
-    ReadIndexReader,
-    ReadResult,
     SlotState,
     lease_free_supported,
-    slots_for,
 )
 from kvstore.dataplane.tier import Tier
 from kvstore.errors import InvalidArgument, TierUnavailable
