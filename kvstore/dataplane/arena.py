@@ -407,23 +407,30 @@ def host_byte_view(buf: Any, *, writable: bool = False) -> memoryview:
     mmap) and CPU torch tensors of any dtype. A non-contiguous *source* is copied
     once into a contiguous one; a non-contiguous or read-only *destination*
     (``writable=True``) is rejected with ``InvalidArgument``, as is a CUDA tensor.
+
+    The one conversion every data path uses (the tiers, the TCP and UCX transports, the
+    same-host client). The buffer protocol is tried first because it is the common case on
+    the hot paths: a flat byte buffer costs one ``memoryview`` (none for a memoryview) and
+    three attribute checks; torch tensors, which do not export a buffer, are recognised after.
     """
-    if _is_torch_tensor(buf):
+    try:
+        view = buf if type(buf) is memoryview else memoryview(buf)
+    except TypeError as exc:
+        if not _is_torch_tensor(buf):
+            raise InvalidArgument(f"{type(buf).__name__} does not expose a byte buffer"
+                                  ) from exc
         if buf.is_cuda:
-            raise InvalidArgument("a CUDA tensor is not a host buffer; use the HBM tier")
+            raise InvalidArgument("a CUDA tensor is not a host buffer; use the HBM tier"
+                                  ) from None
         tensor = buf.detach()
         if not tensor.is_contiguous():
             if writable:
-                raise InvalidArgument("destination tensor must be contiguous")
+                raise InvalidArgument("destination tensor must be contiguous") from None
             tensor = tensor.contiguous()
         import torch
 
         flat: np.ndarray = tensor.reshape(-1).view(torch.uint8).numpy()
         return flat.data
-    try:
-        view = memoryview(buf)
-    except TypeError as exc:
-        raise InvalidArgument(f"{type(buf).__name__} does not expose a byte buffer") from exc
     if writable and view.readonly:
         raise InvalidArgument(f"destination {type(buf).__name__} is read-only")
     if view.ndim == 1 and view.format == "B" and view.c_contiguous:  # bytes, bytearray, mmap

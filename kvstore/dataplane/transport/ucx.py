@@ -72,6 +72,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeGuard, cast
 
+from kvstore.dataplane.arena import host_byte_view
 from kvstore.dataplane.tier import MAX_KEY_BYTES, Buffer, check_key
 from kvstore.dataplane.transport.base import (
     Endpoint,
@@ -88,7 +89,6 @@ from kvstore.dataplane.transport.frames import (
     error_for_status,
     status_for_error,
 )
-from kvstore.dataplane.transport.tcp import byte_view
 from kvstore.errors import (
     InvalidArgument,
     KvtierError,
@@ -438,7 +438,7 @@ class UcxClient:
     def put(self, key: bytes, src: Buffer) -> None:
         """Store ``src`` under ``key``, all or nothing (see the module docstring)."""
         k = check_key(key)
-        view = byte_view(src, writable=False)
+        view = host_byte_view(src)
         size = view.nbytes
         if size > self._config.max_value_bytes:
             raise InvalidArgument(f"value of {size} bytes exceeds max_value_bytes "
@@ -463,7 +463,7 @@ class UcxClient:
     def get_into(self, key: bytes, dst: Buffer) -> int:
         """Fill ``dst`` (exactly the value's size) with the value; return the byte count."""
         k = check_key(key)
-        out = byte_view(dst, writable=True)
+        out = host_byte_view(dst, writable=True)
         with self._lane() as lane:
             return self._get(lane, k, out)
 

@@ -1,0 +1,904 @@
+"""The TCP transport's server: :class:`TcpServer` serves a ``LeaseBackend``, one thread per
+connection, the native small-GET loop where it is loaded (design: the package docstring and
+docs/transport.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import itertools
+import logging
+import os
+import secrets
+import select
+import socket
+import struct
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvstore.dataplane import native
+from kvstore.dataplane.tier import MAX_KEY_BYTES, ChunkKey, check_key
+from kvstore.dataplane.transport.base import Endpoint, LeaseBackend, TransportKind, WriteLease
+from kvstore.dataplane.transport.frames import (
+    DEFAULT_MAX_VALUE_BYTES,
+    HEADER_BYTES,
+    MAGIC,
+    MAX_DETAIL_BYTES,
+    VERSION,
+    Flags,
+    Header,
+    Opcode,
+    Status,
+    decode_header,
+    pack_header,
+    status_for_error,
+)
+from kvstore.dataplane.transport.tcp.sockets import (
+    ANY_SIZE,
+    GET,
+    MORE,
+    MiB,
+    pack_request,
+    send_parts,
+    tune,
+)
+from kvstore.errors import (
+    ChunkNotFound,
+    InvalidArgument,
+    InvariantViolation,
+    KvtierError,
+    PeerUnavailable,
+    ProtocolError,
+    SizeMismatch,
+    TransportError,
+)
+
+log = logging.getLogger(__name__)
+
+_DRAIN_CHUNK_BYTES = 256 * 1024
+DEFAULT_COPY_READ_MAX_BYTES = 64 * 1024
+_MAX_COPY_READ_BYTES = 4 * MiB
+_RECV_BUFFER_BYTES = 64 * 1024 + HEADER_BYTES + MAX_KEY_BYTES
+"""A server connection's receive buffer: one ``recv`` brings a small request whole (header,
+key and, for a PUT of up to 64 KiB, its value), or several pipelined ones."""
+_IDLE_TICK_S = 0.2
+"""A server connection's ``SO_RCVTIMEO``: how often a blocked read looks up to check for
+shutdown (instead of a ``poll`` with a wake-up pipe before every request)."""
+
+
+# --- server ----------------------------------------------------------------------------------------
+
+# Per-connection counters: a flat list indexed by opcode value, then these slots. Each handler
+# thread updates its own list without a lock; stats() sums them.
+_OPCODE_VALUES = frozenset(int(op) for op in Opcode)
+_BYTES_RECEIVED = max(Opcode) + 1
+_BYTES_SENT = _BYTES_RECEIVED + 1
+_PROTOCOL_ERRORS = _BYTES_SENT + 1
+_NATIVE_GETS = _PROTOCOL_ERRORS + 1
+_COUNTER_SLOTS = _NATIVE_GETS + 1
+
+
+@dataclass(frozen=True, slots=True)
+class TcpServerConfig:
+    """Server settings. ``port=0`` binds an ephemeral port (see ``TcpServer.endpoint``)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES
+    socket_buffer_bytes: int | None = None
+    io_timeout_s: float = 30.0
+    """Longest stall allowed inside one frame (an idle connection may wait forever)."""
+    reservation_ttl_s: float = 30.0
+    """A multi-part put nobody writes to for this long is aborted."""
+    drain_timeout_s: float = 5.0
+    """Default time ``close`` gives in-flight transfers to finish."""
+    backlog: int = 128
+    copy_read_max_bytes: int = DEFAULT_COPY_READ_MAX_BYTES
+    """GETs of at most this many bytes are copied out of the backend (``read_into``) into a
+    per-connection buffer and sent from there, instead of pinning the chunk under a read lease
+    for the send (see docs/transport.md, "Small values"). 0: always lease."""
+    native_fast_path: bool = True
+    """Serve small GETs of chunks published in the backend's read index from the native loop
+    (``native/fastpath.c``) when the library is loaded and the backend offers
+    ``native_serving()`` (docs/transport.md, "The native small-GET loop"). False: Python only."""
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise InvalidArgument("host must not be empty")
+        if not 0 <= self.port < 65536:
+            raise InvalidArgument(f"port must be 0..65535, got {self.port}")
+        if self.max_value_bytes < 1:
+            raise InvalidArgument(f"max_value_bytes must be >= 1, got {self.max_value_bytes}")
+        if self.socket_buffer_bytes is not None and self.socket_buffer_bytes < 4096:
+            raise InvalidArgument(f"socket_buffer_bytes must be >= 4096 or None, "
+                                  f"got {self.socket_buffer_bytes}")
+        for name in ("io_timeout_s", "reservation_ttl_s"):
+            if getattr(self, name) <= 0:
+                raise InvalidArgument(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.drain_timeout_s < 0:
+            raise InvalidArgument(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.backlog < 1:
+            raise InvalidArgument(f"backlog must be >= 1, got {self.backlog}")
+        if not 0 <= self.copy_read_max_bytes <= _MAX_COPY_READ_BYTES:
+            raise InvalidArgument(f"copy_read_max_bytes must be 0..{_MAX_COPY_READ_BYTES}, "
+                                  f"got {self.copy_read_max_bytes}")
+
+
+@dataclass(frozen=True, slots=True)
+class TcpServerStats:
+    """A snapshot of a server's counters."""
+
+    requests: dict[str, int]
+    bytes_received: int
+    bytes_sent: int
+    connections_open: int
+    connections_total: int
+    reservations_open: int
+    reservations_expired: int
+    protocol_errors: int
+    native_gets: int = 0
+    """GETs answered by the native loop (also counted in ``requests["GET"]``)."""
+
+
+@dataclass(slots=True)
+class _Reservation:
+    """A multi-part put in progress. Guarded by ``TcpServer._lock``."""
+
+    transfer_id: int
+    key: ChunkKey
+    lease: WriteLease
+    deadline: float
+    claimed: list[tuple[int, int]] = field(default_factory=list)
+    received_bytes: int = 0
+    writers: int = 0
+    """Threads receiving into the lease right now: it is aborted only when this drops to 0."""
+    doomed: bool = False
+
+
+class TcpServer:
+    """Serves a :class:`~kvstore.dataplane.transport.base.LeaseBackend` over TCP.
+
+    The constructor only records its arguments; ``start()`` binds, listens and starts the
+    accept thread, the reservation reaper and, per connection, one handler thread. ``close()``
+    drains (see ``TransportServer.close``). Usable as a context manager (start/close).
+    """
+
+    def __init__(self, backend: LeaseBackend, config: TcpServerConfig | None = None) -> None:
+        self._backend = backend
+        self._config = config or TcpServerConfig()
+        self._lock = threading.Lock()
+        self._listener: socket.socket | None = None
+        self._endpoint: Endpoint | None = None
+        self._closing = threading.Event()
+        self._closed = False
+        self._wake_r = self._wake_w = -1
+        self._threads: list[threading.Thread] = []
+        self._connections: dict[int, _ServerConnection] = {}
+        self._reservations: dict[int, _Reservation] = {}
+        self._conn_ids = itertools.count(1)
+        self._counts: Counter[str] = Counter()
+        self._retired_counts = [0] * _COUNTER_SLOTS
+        self._native: native.NativeServing | None = None
+        self._native_cfg: ctypes.Array[ctypes.c_int64] | None = None
+        self._native_closing = ctypes.c_int32(0)
+        self._recv_tick_s = min(_IDLE_TICK_S, self._config.io_timeout_s)
+        """Every connection's receive timeout (the native loop shortens it while it holds hits
+        and restores it before it returns)."""
+        """Read by the C loop: nonzero once ``close`` began (receive only what is there)."""
+
+    @property
+    def config(self) -> TcpServerConfig:
+        return self._config
+
+    @property
+    def backend(self) -> LeaseBackend:
+        return self._backend
+
+    @property
+    def endpoint(self) -> Endpoint:
+        if self._endpoint is None:
+            raise TransportError("server is not started")
+        return self._endpoint
+
+    @property
+    def native_active(self) -> bool:
+        """True when connections run the native small-GET loop (set at ``start``)."""
+        return self._native is not None
+
+    def _setup_native(self) -> None:
+        """Use the native loop when the config allows it, the library loads and the backend
+        offers a read source (``native_serving()``, optional); otherwise stay in Python."""
+        cfg = self._config
+        if not cfg.native_fast_path or cfg.copy_read_max_bytes == 0:
+            return
+        offer = getattr(self._backend, "native_serving", None)
+        if offer is None:
+            return
+        serving = offer()
+        if serving is None:
+            return
+        self._native = serving
+        self._native_cfg = serving.source.config(
+            copy_read_max_bytes=cfg.copy_read_max_bytes, max_value_bytes=cfg.max_value_bytes,
+            recv_tick_s=self._recv_tick_s)
+        log.info("TCP server: native small-GET loop on (%s)", serving.library.path)
+
+    def start(self) -> Endpoint:
+        with self._lock:
+            if self._closed or self._listener is not None:
+                raise TransportError("a TcpServer can be started once")
+            cfg = self._config
+            try:
+                listener = socket.create_server((cfg.host, cfg.port), backlog=cfg.backlog)
+            except OSError as exc:
+                raise TransportError(f"cannot listen on {cfg.host}:{cfg.port}: {exc}") from exc
+            self._listener = listener
+            self._setup_native()
+            host, port = listener.getsockname()[:2]
+            self._endpoint = Endpoint(TransportKind.TCP, host, port)
+            self._wake_r, self._wake_w = os.pipe()
+            for target, name in ((self._accept_loop, "kvtier-tcp-accept"),
+                                 (self._reap_loop, "kvtier-tcp-reaper")):
+                thread = threading.Thread(target=target, name=name, daemon=True)
+                self._threads.append(thread)
+                thread.start()
+        log.info("data-plane TCP server listening on %s:%d", host, port)
+        return self._endpoint
+
+    def close(self, drain_timeout_s: float | None = None) -> None:
+        drain_s = self._config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            started = self._listener is not None
+            self._closing.set()
+            self._native_closing.value = 1
+        if not started:
+            return
+        os.write(self._wake_w, b"x")  # never read: stays readable for every poller
+        for thread in self._threads:
+            thread.join()
+        assert self._listener is not None
+        self._listener.close()
+        deadline = time.monotonic() + drain_s
+        with self._lock:
+            handlers = list(self._connections.values())
+        for handler in handlers:
+            handler.thread.join(max(0.0, deadline - time.monotonic()))
+        stuck = [h for h in handlers if h.thread.is_alive()]
+        for handler in stuck:
+            log.warning("cutting connection %s still busy after the %.1f s drain",
+                        handler.peer, drain_s)
+            handler.cut()
+        for handler in stuck:
+            handler.thread.join(5.0)
+        with self._lock:
+            leftovers = list(self._reservations.values())
+            self._reservations.clear()
+        for res in leftovers:
+            res.lease.abort()
+        if not any(h.thread.is_alive() for h in stuck):
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    def __enter__(self) -> TcpServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def stats(self) -> TcpServerStats:
+        """Counters so far (those of open connections may lag by the request in progress)."""
+        with self._lock:
+            totals = list(self._retired_counts)
+            for handler in self._connections.values():
+                for i, n in enumerate(handler.snapshot_counts()):
+                    totals[i] += n
+            return TcpServerStats(
+                requests={op.name: totals[op] for op in Opcode},
+                bytes_received=totals[_BYTES_RECEIVED],
+                bytes_sent=totals[_BYTES_SENT],
+                connections_open=len(self._connections),
+                connections_total=self._counts["connections"],
+                reservations_open=len(self._reservations),
+                reservations_expired=self._counts["reservations_expired"],
+                protocol_errors=totals[_PROTOCOL_ERRORS],
+                native_gets=totals[_NATIVE_GETS],
+            )
+
+    # --- threads ------------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        poller = select.poll()
+        poller.register(self._listener, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        while not self._closing.is_set():
+            events = poller.poll()
+            if not any(fd == self._listener.fileno() for fd, _ in events):
+                continue
+            try:
+                sock, addr = self._listener.accept()
+            except OSError as exc:
+                log.warning("accept failed: %s", exc)
+                continue
+            try:
+                tune(sock, self._config.socket_buffer_bytes, self._config.io_timeout_s,
+                      self._recv_tick_s)
+            except OSError as exc:
+                log.warning("cannot configure connection from %s: %s", addr, exc)
+                sock.close()
+                continue
+            handler = _ServerConnection(self, next(self._conn_ids), sock, f"{addr[0]}:{addr[1]}")
+            with self._lock:
+                if self._closing.is_set():
+                    sock.close()
+                    return
+                self._connections[handler.conn_id] = handler
+                self._counts["connections"] += 1
+            handler.thread.start()
+
+    def _reap_loop(self) -> None:
+        interval_s = min(1.0, self._config.reservation_ttl_s / 4)
+        while not self._closing.wait(interval_s):
+            now = time.monotonic()
+            expired: list[_Reservation] = []
+            with self._lock:
+                for tid, res in list(self._reservations.items()):
+                    if res.writers == 0 and res.deadline < now:
+                        del self._reservations[tid]
+                        expired.append(res)
+                self._counts["reservations_expired"] += len(expired)
+            for res in expired:
+                log.info("multi-part put of %s expired after %.1f s without progress",
+                         res.key.hex(), self._config.reservation_ttl_s)
+                res.lease.abort()
+
+    # --- shared state used by the handlers ----------------------------------------------------
+
+    def _forget(self, handler: _ServerConnection) -> None:
+        with self._lock:
+            if self._connections.pop(handler.conn_id, None) is not None:
+                for i, n in enumerate(handler.snapshot_counts()):
+                    self._retired_counts[i] += n
+
+    def _begin_reservation(self, key: ChunkKey, lease: WriteLease) -> int:
+        with self._lock:
+            transfer_id = secrets.randbits(63) or 1
+            while transfer_id in self._reservations:
+                transfer_id = secrets.randbits(63) or 1
+            self._reservations[transfer_id] = _Reservation(
+                transfer_id, key, lease, time.monotonic() + self._config.reservation_ttl_s)
+        return transfer_id
+
+    def _claim_part(self, transfer_id: int, key: ChunkKey, offset: int, length: int
+                    ) -> _Reservation | str:
+        """Register a writer for ``[offset, offset+length)``; a string says why not."""
+        with self._lock:
+            res = self._reservations.get(transfer_id)
+            if res is None or res.doomed:
+                return "unknown, expired or aborted transfer"
+            if res.key != key:
+                return "transfer belongs to another key"
+            if offset + length > res.lease.size_bytes or length == 0:
+                return (f"part [{offset}, {offset + length}) outside the "
+                        f"{res.lease.size_bytes}-byte value")
+            for start, n in res.claimed:
+                if offset < start + n and start < offset + length:
+                    return f"part [{offset}, {offset + length}) overlaps one already sent"
+            res.claimed.append((offset, length))
+            res.writers += 1
+            res.deadline = time.monotonic() + self._config.reservation_ttl_s
+            return res
+
+    def _finish_part(self, res: _Reservation, length: int, ok: bool) -> str:
+        """Account for a finished writer. Returns "committed", "partial" or "dropped"."""
+        abort = False
+        with self._lock:
+            res.writers -= 1
+            if ok and not res.doomed:
+                res.received_bytes += length
+                res.deadline = time.monotonic() + self._config.reservation_ttl_s
+                if res.received_bytes < res.lease.size_bytes:
+                    return "partial"
+                # Every byte has arrived, so no other writer is inside the buffer.
+                del self._reservations[res.transfer_id]
+            else:
+                res.doomed = True
+                if res.writers == 0:
+                    self._reservations.pop(res.transfer_id, None)
+                    abort = True
+        if abort:
+            res.lease.abort()
+            return "dropped"
+        if not ok or res.doomed:
+            return "dropped"
+        res.lease.commit()
+        return "committed"
+
+    def _abort_reservation(self, transfer_id: int, key: ChunkKey) -> bool:
+        with self._lock:
+            res = self._reservations.get(transfer_id)
+            if res is None or res.key != key:
+                return False
+            res.doomed = True
+            if res.writers:
+                return True  # the last writer aborts the lease when it leaves
+            del self._reservations[transfer_id]
+        res.lease.abort()
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class _NativeOutcome:
+    """What the connection loop does after a call into the native loop."""
+
+    announced: bool
+    """The last request served announced another (``Flags.MORE``)."""
+    again: bool
+    """Call the native loop again at once."""
+    eof: bool
+    """The peer closed the connection."""
+
+
+_NATIVE_SLOW = int(native.NativeReturn.SLOW)
+_NATIVE_IDLE = int(native.NativeReturn.IDLE)
+_NATIVE_EOF = int(native.NativeReturn.EOF)
+_NATIVE_RING = int(native.NativeReturn.RING)
+_NATIVE_RECV_ERROR = int(native.NativeReturn.RECV_ERROR)
+_NATIVE_SEND_ERROR = int(native.NativeReturn.SEND_ERROR)
+
+
+class _ServerConnection:
+    """One client connection, served by its own thread until EOF, error or shutdown.
+
+    Reads go through a receive buffer: one ``recv`` takes whatever the client has sent (a
+    small request whole, or several pipelined ones), and frames are parsed out of it; a
+    payload's first bytes are copied from it and the rest is received straight into the
+    destination. There is no ``poll`` per request: the socket's receive timeout is a short
+    tick (``_IDLE_TICK_S``) at which an idle read looks up for shutdown, and a read inside a
+    frame gives up only after ``io_timeout_s`` without progress.
+    """
+
+    def __init__(self, server: TcpServer, conn_id: int, sock: socket.socket, peer: str) -> None:
+        self.server = server
+        self.conn_id = conn_id
+        self.sock = sock
+        self.peer = peer
+        self.rbuf = bytearray(_RECV_BUFFER_BYTES)
+        self.rview = memoryview(self.rbuf)
+        self.rpos = 0
+        """First unparsed byte of ``rbuf``."""
+        self.rend = 0
+        """End of the bytes received into ``rbuf``."""
+        copy_max = server._config.copy_read_max_bytes
+        self.out = bytearray(HEADER_BYTES + copy_max)
+        """A response header, followed by a copied small value."""
+        self.out_view = memoryview(self.out)
+        self.scratch: memoryview | None = None
+        self.counts = [0] * _COUNTER_SLOTS
+        self.thread = threading.Thread(target=self.serve, name=f"kvtier-tcp-conn-{conn_id}",
+                                       daemon=True)
+        self._max_value_bytes = server._config.max_value_bytes
+        self._io_timeout_s = server._config.io_timeout_s
+        self._copy_read_max = copy_max
+        self._backend = server._backend
+        by_opcode: dict[Opcode, Callable[[Header, ChunkKey], None]] = {
+            Opcode.PING: self._ping,
+            Opcode.PUT: self._put,
+            Opcode.GET: self._get,
+            Opcode.GET_RANGE: self._get_range,
+            Opcode.EXISTS: self._exists,
+            Opcode.REMOVE: self._remove,
+            Opcode.PUT_BEGIN: self._put_begin,
+            Opcode.PUT_PART: self._put_part,
+            Opcode.PUT_ABORT: self._put_abort,
+        }
+        # A list indexed by the opcode's value: hashing an IntEnum member for a dict lookup
+        # runs Enum.__hash__ in Python, indexing a list with it does not.
+        self._handlers: list[Callable[[Header, ChunkKey], None] | None] = [
+            by_opcode.get(Opcode(i)) if i in _OPCODE_VALUES else None
+            for i in range(max(Opcode) + 1)]
+        self.native_loop: native.NativeLoop | None = None
+        """The C loop's state for this connection (None: Python only)."""
+        if server._native is not None and server._native_cfg is not None:
+            self.native_loop = native.NativeLoop(server._native, server._native_cfg,
+                                                 server._native_closing, sock.fileno(),
+                                                 self.rbuf, self.out)
+
+    def snapshot_counts(self) -> list[int]:
+        """This connection's counters, the native loop's included (live: the C loop updates
+        its own as it serves)."""
+        counts = list(self.counts)
+        loop = self.native_loop
+        if loop is not None:
+            counts[GET] += loop.st[native.ST_GETS]
+            counts[_NATIVE_GETS] += loop.st[native.ST_GETS]
+            counts[_BYTES_SENT] += loop.st[native.ST_BYTES_SENT]
+        return counts
+
+    def cut(self) -> None:
+        """Force the connection down (from another thread): blocked I/O fails at once."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def serve(self) -> None:
+        header: Header | None = None
+        announced = False
+        loop = self.native_loop
+        try:
+            while True:
+                if loop is not None:
+                    # The C loop serves plain small GETs of published chunks and hands back
+                    # everything else with the buffer positions at that frame (module
+                    # docstring, "Native small-GET loop").
+                    header = None
+                    outcome = self._run_native(loop, announced)
+                    announced = outcome.announced
+                    if outcome.again:
+                        continue
+                    if outcome.eof:
+                        if self.rpos == self.rend:
+                            break
+                        raise PeerUnavailable("peer closed the connection inside a frame")
+                # After close(), requests already received or on the socket are still served
+                # (drained), and the loop ends once the socket has nothing more. A request
+                # flagged MORE announced the next one: it is read as part of a frame.
+                if self.rend - self.rpos < HEADER_BYTES:
+                    if announced:
+                        self._fill(HEADER_BYTES, "announced request")
+                    elif not self._fill_idle():
+                        break  # clean EOF between frames, or shutdown
+                header = None
+                header = decode_header(self.rbuf, self._max_value_bytes, self.rpos)
+                self.rpos += HEADER_BYTES
+                announced = bool(header.flags & MORE)
+                self._serve_one(header)
+        except PeerUnavailable as exc:
+            log.info("connection %s ended mid-frame: %s", self.peer, exc)
+        except ProtocolError as exc:
+            log.warning("protocol error from %s, closing: %s", self.peer, exc)
+            self.counts[_PROTOCOL_ERRORS] += 1
+            self._reply_quietly(header, Status.PROTOCOL, str(exc))
+        except Exception as exc:
+            log.exception("bug while serving %s; closing the connection", self.peer)
+            self._reply_quietly(header, Status.INTERNAL, f"{type(exc).__name__}: {exc}")
+        finally:
+            if loop is not None:
+                self._account_native_hits(loop)
+            with contextlib.suppress(OSError):
+                self.sock.close()
+            self.server._forget(self)
+
+    # --- the native loop ----------------------------------------------------------------------
+
+    def _run_native(self, loop: native.NativeLoop, announced: bool) -> _NativeOutcome:
+        """One call into the C loop (GIL released), then the hits it served are accounted.
+        Raises PeerUnavailable on a receive or send failure."""
+        rc, self.rpos, self.rend, last_flags = loop.serve(self.rpos, self.rend,
+                                                          MORE if announced else 0)
+        announced = bool(last_flags & MORE)
+        self._account_native_hits(loop)
+        if rc == _NATIVE_SLOW:
+            return _NativeOutcome(announced, again=False, eof=False)
+        if rc == _NATIVE_RING:
+            return _NativeOutcome(announced, again=True, eof=False)
+        if rc == _NATIVE_IDLE:
+            # Nothing pending and no request announced: wait in C again unless closing. A
+            # partial frame, or an announced one, is read by Python (stall timeout, drain).
+            again = (self.rpos == self.rend and not announced
+                     and not self.server._closing.is_set())
+            return _NativeOutcome(announced, again=again, eof=False)
+        if rc == _NATIVE_EOF:
+            return _NativeOutcome(announced, again=False, eof=True)
+        err = os.strerror(int(loop.st[native.ST_ERRNO]))
+        if rc == _NATIVE_RECV_ERROR:
+            raise PeerUnavailable(f"connection failed: {err}")
+        if rc == _NATIVE_SEND_ERROR:
+            if loop.st[native.ST_ERRNO] in (errno.EAGAIN, errno.EWOULDBLOCK):
+                raise PeerUnavailable("timed out sending GET response")
+            raise PeerUnavailable(f"connection failed sending GET response: {err}")
+        raise InvariantViolation(f"native loop refused its configuration (return code {rc})")
+
+    def _account_native_hits(self, loop: native.NativeLoop) -> None:
+        """Feed the keys the C loop served to the backend (hits, recency), as a same-host
+        client's lease-free reads are fed."""
+        if loop.st[native.ST_RING_COUNT]:
+            assert self.server._native is not None
+            self.server._native.record_hits(loop.take_hits())
+
+    # --- the receive buffer -------------------------------------------------------------------
+
+    def _fill_idle(self) -> bool:
+        """Between frames: wait for the next request's first bytes, then for its whole header.
+        False on EOF before its first byte, or at shutdown when the socket has nothing more."""
+        if self.rpos == self.rend:
+            self.rpos = self.rend = 0
+            closing = self.server._closing
+            sock = self.sock
+            while True:
+                try:
+                    # After close(): only what is already there (a drain), never a wait.
+                    got = sock.recv_into(self.rview, _RECV_BUFFER_BYTES,
+                                         socket.MSG_DONTWAIT if closing.is_set() else 0)
+                except (BlockingIOError, TimeoutError):
+                    if closing.is_set():
+                        return False
+                    continue  # an idle tick: look up, wait again
+                except OSError as exc:
+                    raise PeerUnavailable(f"connection failed: {exc}") from exc
+                if got == 0:
+                    return False
+                self.rend = got
+                break
+        self._fill(HEADER_BYTES, "frame header")
+        return True
+
+    def _fill(self, size_bytes: int, what: str) -> None:
+        """Have at least ``size_bytes`` (<= the buffer) unparsed bytes in ``rbuf``, receiving
+        as much as arrives. Raises PeerUnavailable on EOF, reset or an ``io_timeout_s`` stall."""
+        if self.rend - self.rpos >= size_bytes:
+            return
+        if self.rpos + size_bytes > _RECV_BUFFER_BYTES:  # compact: move the rest to the front
+            have = self.rend - self.rpos
+            self.rbuf[:have] = self.rview[self.rpos:self.rend]
+            self.rpos, self.rend = 0, have
+        stalled_since = 0.0
+        while self.rend - self.rpos < size_bytes:
+            try:
+                got = self.sock.recv_into(self.rview[self.rend:], _RECV_BUFFER_BYTES - self.rend)
+            except (BlockingIOError, TimeoutError) as exc:
+                stalled_since = self._stalled(stalled_since, what, exc)
+                continue
+            except OSError as exc:
+                raise PeerUnavailable(f"connection failed receiving {what}: {exc}") from exc
+            if got == 0:
+                raise PeerUnavailable(f"peer closed the connection inside {what}")
+            self.rend += got
+            stalled_since = 0.0
+
+    def _stalled(self, since: float, what: str, exc: BaseException) -> float:
+        """One receive tick passed without a byte inside a frame: return when the stall began,
+        or raise PeerUnavailable once it lasted ``io_timeout_s``."""
+        now = time.monotonic()
+        if not since:
+            return now - _IDLE_TICK_S
+        if now - since >= self._io_timeout_s:
+            raise PeerUnavailable(f"timed out receiving {what}") from exc
+        return since
+
+    def _recv_into(self, view: memoryview, what: str) -> None:
+        """Fill ``view``: first from the receive buffer, the rest straight from the socket."""
+        size = len(view)
+        have = min(self.rend - self.rpos, size)
+        if have:
+            view[:have] = self.rview[self.rpos:self.rpos + have]
+            self.rpos += have
+        pos = have
+        stalled_since = 0.0
+        while pos < size:
+            try:
+                got = self.sock.recv_into(view[pos:], size - pos, socket.MSG_WAITALL)
+            except (BlockingIOError, TimeoutError) as exc:
+                stalled_since = self._stalled(stalled_since, what, exc)
+                continue
+            except OSError as exc:
+                raise PeerUnavailable(f"connection failed receiving {what}: {exc}") from exc
+            if got == 0:
+                raise PeerUnavailable(f"peer closed the connection after {pos} of {size} "
+                                      f"bytes of {what}")
+            pos += got
+            stalled_since = 0.0
+
+    def _drain(self, size_bytes: int) -> None:
+        """Read and discard a refused payload so the connection stays in step."""
+        have = min(self.rend - self.rpos, size_bytes)
+        self.rpos += have
+        size_bytes -= have
+        if size_bytes and self.scratch is None:
+            self.scratch = memoryview(bytearray(_DRAIN_CHUNK_BYTES))
+        while size_bytes:
+            assert self.scratch is not None
+            n = min(size_bytes, _DRAIN_CHUNK_BYTES)
+            self._recv_into(self.scratch[:n], "refused payload")
+            size_bytes -= n
+
+    # --- dispatch -----------------------------------------------------------------------------
+
+    def _serve_one(self, h: Header) -> None:
+        if h.status is not Status.OK:
+            raise ProtocolError(f"request with status {h.status.name}")
+        key = b""
+        if h.key_len:
+            self._fill(h.key_len, "key")
+            key = bytes(self.rview[self.rpos:self.rpos + h.key_len])
+            self.rpos += h.key_len
+        self.counts[h.opcode] += 1
+        if h.payload_len and h.opcode is not Opcode.PUT and h.opcode is not Opcode.PUT_PART:
+            self._drain(h.payload_len)
+            self._reply(h, Status.BAD_REQUEST, detail=f"{h.opcode.name} carries no payload")
+            return
+        if h.opcode is not Opcode.PING:
+            try:
+                key = check_key(key)
+            except InvalidArgument as exc:
+                self._drain(h.payload_len)
+                self._reply(h, Status.BAD_REQUEST, detail=str(exc))
+                return
+        handler = self._handlers[h.opcode]
+        assert handler is not None  # decode_header accepts known opcodes only
+        try:
+            handler(h, key)  # type: ignore[arg-type]  # checked above (ChunkKey is a NewType)
+        except KvtierError as exc:
+            if isinstance(exc, TransportError):
+                raise
+            # Raised by the backend before any payload moved (handlers drain first). A miss
+            # needs no words (and a GET's answer may land in the client's buffer).
+            self._reply(h, status_for_error(exc),
+                        detail="" if isinstance(exc, ChunkNotFound) else str(exc))
+
+    # --- replies ------------------------------------------------------------------------------
+
+    def _reply(self, h: Header, status: Status = Status.OK, *, flags: int = 0,
+               transfer_id: int = 0, offset: int = 0, length: int = 0, total_size: int = 0,
+               payload: memoryview | None = None, detail: str = "") -> None:
+        if detail:
+            payload = memoryview(detail.encode("utf-8", "replace")[:MAX_DETAIL_BYTES])
+        payload_len = 0 if payload is None else len(payload)
+        pack_header(self.out, h.opcode, flags=flags, status=status, request_id=h.request_id,
+                    transfer_id=transfer_id, offset=offset, length=length,
+                    total_size=total_size, payload_len=payload_len)
+        send_flags = socket.MSG_MORE if h.flags & MORE else 0
+        if payload is None:
+            send_parts(self.sock, (self.out_view[:HEADER_BYTES],), HEADER_BYTES, "response",
+                        send_flags)
+        else:
+            send_parts(self.sock, (self.out_view[:HEADER_BYTES], payload),
+                        HEADER_BYTES + payload_len, "response", send_flags)
+        self.counts[_BYTES_SENT] += payload_len
+
+    def _reply_quietly(self, h: Header | None, status: Status, detail: str) -> None:
+        """Best-effort last word before closing; the peer may already be gone."""
+        if h is None:  # the header itself was refused: still echo its request id
+            at = self.rpos if self.rend - self.rpos >= HEADER_BYTES else 0
+            (request_id,) = struct.unpack_from("<Q", self.rbuf, at + 16)
+            h = Header(Opcode.PING, 0, Status.OK, 0, request_id, 0, 0, 0, 0, 0)
+        with contextlib.suppress(KvtierError):
+            self._reply(h, status, detail=detail)
+
+    # --- opcodes ------------------------------------------------------------------------------
+
+    def _ping(self, h: Header, key: ChunkKey) -> None:
+        self._reply(h)
+
+    def _put(self, h: Header, key: ChunkKey) -> None:
+        if not (h.offset == 0 and h.length == h.total_size == h.payload_len):
+            self._drain(h.payload_len)
+            self._reply(h, Status.BAD_REQUEST, detail="PUT must carry the whole value: "
+                        "offset 0 and length == total_size == payload_len")
+            return
+        try:
+            lease = self.server._backend.open_write(key, h.total_size)
+        except KvtierError as exc:
+            self._drain(h.payload_len)
+            self._reply(h, status_for_error(exc), detail=str(exc))
+            return
+        try:
+            self._recv_into(lease.buffer, "PUT payload")
+        except BaseException:
+            lease.abort()  # the client vanished or stalled: never visible
+            raise
+        self.counts[_BYTES_RECEIVED] += h.payload_len
+        lease.commit()
+        self._reply(h, total_size=h.total_size)
+
+    def _get(self, h: Header, key: ChunkKey) -> None:
+        size = h.total_size
+        if size <= self._copy_read_max and not h.flags & ANY_SIZE:
+            self._get_copy(h, key, size)
+            return
+        lease = self.server._backend.open_read(key)
+        try:
+            size = lease.size_bytes
+            if not h.flags & ANY_SIZE and h.total_size != size:
+                self._refuse_size(h, size)
+                return
+            self._reply(h, length=size, total_size=size, payload=lease.view)
+        finally:
+            lease.release()  # also when the client vanished mid-send
+
+    def _get_copy(self, h: Header, key: ChunkKey, size: int) -> None:
+        """A small GET: copy the value behind the response header and send both at once. No
+        read lease outlives the call, so a ``remove`` right behind the get never finds the
+        chunk busy because of it."""
+        out = self.out_view
+        try:
+            self._backend.read_into(key, out[HEADER_BYTES:HEADER_BYTES + size])
+        except SizeMismatch as exc:
+            self._refuse_size(h, exc.expected)
+            return
+        end = HEADER_BYTES + size
+        pack_request(self.out, 0, MAGIC, VERSION, GET, 0, 0, 0, 0, h.request_id, 0, 0, size,
+                      size, size)
+        send_parts(self.sock, (out[:end],), end, "GET response",
+                    socket.MSG_MORE if h.flags & MORE else 0)
+        self.counts[_BYTES_SENT] += size
+
+    def _refuse_size(self, h: Header, stored_size: int) -> None:
+        """SIZE_MISMATCH carries no detail (``total_size`` says the stored size), so a client
+        receiving the answer of a GET straight into its buffer leaves that buffer untouched."""
+        self._reply(h, Status.SIZE_MISMATCH, total_size=stored_size)
+
+    def _get_range(self, h: Header, key: ChunkKey) -> None:
+        lease = self.server._backend.open_read(key)
+        try:
+            size = lease.size_bytes
+            offset, length = h.offset, h.length
+            if h.flags & ANY_SIZE:
+                length = max(0, min(length, size - offset))
+            elif h.total_size != size:
+                self._refuse_size(h, size)
+                return
+            if offset + length > size:
+                self._reply(h, Status.BAD_REQUEST, total_size=size,
+                            detail=f"range [{offset}, {offset + length}) outside {size} bytes")
+                return
+            self._reply(h, offset=offset, length=length, total_size=size,
+                        payload=lease.view[offset:offset + length])
+        finally:
+            lease.release()
+
+    def _exists(self, h: Header, key: ChunkKey) -> None:
+        size = self.server._backend.size_of(key)
+        if size is None:
+            self._reply(h, Status.NOT_FOUND)
+        else:
+            self._reply(h, total_size=size)
+
+    def _remove(self, h: Header, key: ChunkKey) -> None:
+        removed = self.server._backend.remove(key)
+        self._reply(h, Status.OK if removed else Status.NOT_FOUND)
+
+    def _put_begin(self, h: Header, key: ChunkKey) -> None:
+        if h.total_size == 0:
+            self._reply(h, Status.BAD_REQUEST, detail="a multi-part put needs a size >= 1")
+            return
+        lease = self.server._backend.open_write(key, h.total_size)
+        transfer_id = self.server._begin_reservation(key, lease)
+        self._reply(h, transfer_id=transfer_id, total_size=h.total_size)
+
+    def _put_part(self, h: Header, key: ChunkKey) -> None:
+        if h.length != h.payload_len:
+            self._drain(h.payload_len)
+            self._reply(h, Status.BAD_REQUEST, detail="PUT_PART length != payload_len")
+            return
+        claim = self.server._claim_part(h.transfer_id, key, h.offset, h.length)
+        if isinstance(claim, str):
+            self._drain(h.payload_len)
+            self._reply(h, Status.UNKNOWN_TRANSFER, transfer_id=h.transfer_id, detail=claim)
+            return
+        ok = False
+        try:
+            self._recv_into(claim.lease.buffer[h.offset:h.offset + h.length], "PUT_PART payload")
+            ok = True
+        finally:
+            outcome = self.server._finish_part(claim, h.length, ok)
+        self.counts[_BYTES_RECEIVED] += h.length
+        if outcome == "dropped":
+            self._reply(h, Status.UNKNOWN_TRANSFER, transfer_id=h.transfer_id,
+                        detail="the transfer was aborted while this part arrived")
+            return
+        flags = Flags.COMMITTED if outcome == "committed" else Flags.NONE
+        self._reply(h, flags=flags, transfer_id=h.transfer_id, offset=h.offset,
+                    length=h.length, total_size=h.total_size)
+
+    def _put_abort(self, h: Header, key: ChunkKey) -> None:
+        found = self.server._abort_reservation(h.transfer_id, key)
+        self._reply(h, Status.OK if found else Status.UNKNOWN_TRANSFER,
+                    transfer_id=h.transfer_id)
