@@ -48,17 +48,11 @@ import xxhash
 
 from bench import datapath
 from bench._meta import run_header
-from kvstore.client.kv_client import (
-    ContiguousKV,
-    KVClient,
-    KVClientConfig,
-    LoadHandle,
-    LoadRequest,
-    RemoteFetch,
-    SaveRequest,
-    namespace_for,
-)
-from kvstore.client.kvlayout import KVLayout
+from kvstore.client.handles import LoadHandle
+from kvstore.client.kv_client import KVClient, KVClientConfig
+from kvstore.client.kvlayout import KVLayout, namespace_for
+from kvstore.client.layouts import ContiguousKV
+from kvstore.client.requests import LoadRequest, RemoteFetch, SaveRequest
 from kvstore.client.store_client import DataPlane
 
 LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_tokens=32,

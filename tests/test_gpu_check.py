@@ -266,7 +266,7 @@ def test_kv_client_paged_cache_round_trip(daemon: DaemonProcess, device: str) ->
     staging (device to host), saved, loaded into another cache with another block table (host
     to device, scattered into the pages), bit for bit; pages outside the table are untouched."""
     torch = pytest.importorskip("torch")
-    from kvstore.client import kv_client
+    import kvstore.client as kv_client
 
     layout = kv_client.KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_tokens=16,
                                 dtype=torch.float16)

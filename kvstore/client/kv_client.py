@@ -29,13 +29,14 @@ Chunks are per *block*, not per layer
     in; a load fetches whole chunks, then scatters them into the engine's buffers one layer at
     a time, so layer ``l``'s attention waits only for layer ``l`` (:meth:`LoadHandle.wait_for_layer`).
 
-Engine layouts (:class:`EngineKV`)
-    * :class:`ContiguousKV`: one sequence as ``[layers, 2, kv_heads, tokens, head_dim]``.
-    * :class:`PagedKV`: vLLM's paged cache, ``kv_caches[layer]`` of shape
-      ``[2, num_pages, page_tokens, kv_heads, head_dim]``, and the request's block table (page
-      ids of its logical pages, in order). ``page_tokens`` need not equal ``block_tokens``.
-    * :class:`ChunkKV`: kvtier's own chunk layout ``[n_blocks, *chunk_shape]`` (no reshuffle).
-    * :class:`HFCacheKV`: a transformers ``DynamicCache`` (a save source only).
+Where the rest lives
+    The engine's buffers are seen through an :class:`~kvstore.client.layouts.EngineKV`
+    (:mod:`kvstore.client.layouts`: contiguous, paged, chunk and transformers-cache layouts);
+    what a call answers is in :mod:`kvstore.client.results`, what it takes besides token ids in
+    :mod:`kvstore.client.requests`, transfers in flight in :mod:`kvstore.client.handles`, the
+    staging buffers in :mod:`kvstore.client.staging`, and the etcd lookups behind
+    :meth:`KVClient.from_etcd` and :meth:`KVClient.node_address` in
+    :mod:`kvstore.client.discovery`.
 
 Failures are results, not exceptions
     A load stops at the first block it cannot get (a miss, a chunk evicted since
@@ -61,23 +62,26 @@ Ownership
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures as cf
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
+from kvstore.client.discovery import choose_node, discover_nodes
+from kvstore.client.handles import BatchSave, LayerwiseSave, LoadHandle, split_even
 from kvstore.client.kvlayout import KVLayout
+from kvstore.client.layouts import EngineKV
+from kvstore.client.requests import BlockKeys, LoadRequest, RemoteFetch, SaveRequest
+from kvstore.client.results import LoadResult, PrefixMatch, SaveResult
+from kvstore.client.staging import StagingPool
 from kvstore.client.store_client import (
     DataPlane,
     StoreClient,
     StoreClientConfig,
 )
-from kvstore.dataplane.tier import TierKind
 from kvstore.errors import (
     ChunkExists,
     InvalidArgument,
@@ -86,343 +90,17 @@ from kvstore.errors import (
     PeerUnavailable,
     SizeMismatch,
 )
-from kvstore.keys import BlockHasher, HashMode, KVDtype, KVFingerprint, Namespace, PrefixKey
+from kvstore.keys import BlockHasher, HashMode, Namespace, PrefixKey
 
 if TYPE_CHECKING:
     import torch
 
     from kvstore.membership.etcd import KeyLayout
-    from kvstore.membership.nodes import NodeRecord
 
 log = logging.getLogger(__name__)
 
 
-__all__ = [
-    "BatchSave",
-    "BlockKeys",
-    "ChunkKV",
-    "ContiguousKV",
-    "EngineKV",
-    "HFCacheKV",
-    "KVClient",
-    "KVClientConfig",
-    "LayerwiseSave",
-    "LoadHandle",
-    "LoadRequest",
-    "LoadResult",
-    "PagedKV",
-    "PrefixMatch",
-    "RemoteFetch",
-    "SaveRequest",
-    "SaveResult",
-    "StagingPool",
-    "namespace_for",
-]
-
-
-# --- engine layouts ------------------------------------------------------------------------------
-
-
-class EngineKV(Protocol):
-    """An engine's KV buffers, seen one layer and a range of logical blocks at a time.
-
-    ``blocks`` are indices of the request's logical blocks (block ``b`` holds tokens
-    ``[b * block_tokens, (b + 1) * block_tokens)``). ``chunks`` is ``[len(blocks), 2, kv_heads,
-    block_tokens, head_dim]``: layer ``layer`` of those blocks in kvtier's chunk layout.
-    Implementations copy; they never keep ``chunks``.
-    """
-
-    def gather_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
-        """Copy layer ``layer`` of ``blocks`` from the engine's buffers into ``chunks``."""
-        ...
-
-    def scatter_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
-        """Copy ``chunks`` into layer ``layer`` of ``blocks`` in the engine's buffers."""
-        ...
-
-
-def _check_dtype(what: str, tensor: torch.Tensor, layout: KVLayout) -> None:
-    if tensor.dtype != layout.dtype:
-        raise InvalidArgument(f"{what} has dtype {tensor.dtype}, the layout says {layout.dtype}")
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkKV:
-    """kvtier's own layout: ``tensor[i]`` is the chunk of logical block ``first_block + i``."""
-
-    tensor: torch.Tensor
-    layout: KVLayout
-    first_block: int = 0
-
-    def __post_init__(self) -> None:
-        if tuple(self.tensor.shape[1:]) != self.layout.chunk_shape or self.tensor.ndim != 6:
-            raise InvalidArgument(f"ChunkKV needs [n, *{self.layout.chunk_shape}], got "
-                                  f"{tuple(self.tensor.shape)}")
-        _check_dtype("ChunkKV", self.tensor, self.layout)
-
-    def _rows(self, blocks: range) -> slice:
-        lo = blocks.start - self.first_block
-        if lo < 0 or lo + len(blocks) > self.tensor.shape[0]:
-            raise InvalidArgument(f"blocks {blocks} outside ChunkKV rows from {self.first_block}")
-        return slice(lo, lo + len(blocks))
-
-    def gather_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
-        chunks.copy_(self.tensor[self._rows(blocks), layer])
-
-    def scatter_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
-        self.tensor[self._rows(blocks), layer].copy_(chunks)
-
-
-@dataclass(frozen=True, slots=True)
-class ContiguousKV:
-    """One sequence's KV as ``[layers, 2, kv_heads, tokens, head_dim]`` (token 0 = block 0)."""
-
-    tensor: torch.Tensor
-    layout: KVLayout
-
-    def __post_init__(self) -> None:
-        t, lay = self.tensor, self.layout
-        if (t.ndim != 5 or t.shape[0] != lay.num_layers or t.shape[1] != 2
-                or t.shape[2] != lay.num_kv_heads or t.shape[4] != lay.head_dim):
-            raise InvalidArgument(
-                f"ContiguousKV needs [{lay.num_layers}, 2, {lay.num_kv_heads}, tokens, "
-                f"{lay.head_dim}], got {tuple(t.shape)}")
-        _check_dtype("ContiguousKV", t, lay)
-
-    def _tokens(self, layer: int, blocks: range) -> torch.Tensor:
-        B = self.layout.block_tokens
-        start, stop = blocks.start * B, blocks.stop * B
-        if stop > self.tensor.shape[3]:
-            raise InvalidArgument(f"blocks {blocks} need {stop} tokens; the buffer has "
-                                  f"{self.tensor.shape[3]}")
-        # [2, H, n*B, D] -> [2, H, n, B, D] -> [n, 2, H, B, D]
-        view = self.tensor[layer, :, :, start:stop]
-        # view, never reshape: a scatter must write the engine's buffer, not a silent copy.
-        return view.view(2, self.layout.num_kv_heads, len(blocks), B,
-                         self.layout.head_dim).permute(2, 0, 1, 3, 4)
-
-    def gather_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
-        chunks.copy_(self._tokens(layer, blocks))
-
-    def scatter_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
-        self._tokens(layer, blocks).copy_(chunks)
-
-
-@dataclass(frozen=True, slots=True)
-class HFCacheKV:
-    """A transformers ``DynamicCache`` of one sequence (``layers[l].keys``: ``[1, H, T, D]``).
-
-    A save source only: a load cannot grow a ``DynamicCache`` in place (load into a
-    :class:`ContiguousKV` and hand its views to the cache instead)."""
-
-    cache: Any
-    layout: KVLayout
-
-    def gather_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
-        B = self.layout.block_tokens
-        start, stop = blocks.start * B, blocks.stop * B
-        lay = self.cache.layers[layer]
-        for kv, t in enumerate((lay.keys, lay.values)):
-            if t.shape[0] != 1 or t.shape[2] < stop:
-                raise InvalidArgument(f"cache layer {layer} has shape {tuple(t.shape)}; need "
-                                      f"batch 1 and >= {stop} tokens")
-            # [H, n*B, D] -> [n, H, B, D]
-            heads, dim = t.shape[1], t.shape[3]
-            chunks[:, kv].copy_(t[0, :, start:stop].view(heads, len(blocks), B, dim)
-                                .transpose(0, 1))
-
-    def scatter_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
-        raise InvalidArgument("HFCacheKV is a save source; load into ContiguousKV instead")
-
-
-class PagedKV:
-    """vLLM's paged KV cache: ``kv_caches[layer]`` is ``[2, num_pages, page_tokens, kv_heads,
-    head_dim]`` and ``block_table[i]`` the page holding the request's tokens
-    ``[i * page_tokens, (i + 1) * page_tokens)``.
-
-    The slot of every token is computed once here (``page * page_tokens + offset``), so a layer
-    copy is one ``index_select`` / ``index_copy_`` over the flattened pages, whatever the ratio
-    of ``page_tokens`` to ``block_tokens``.
-    """
-
-    __slots__ = ("_slots", "kv_caches", "layout", "page_tokens")
-
-    def __init__(self, kv_caches: Sequence[torch.Tensor], block_table: Sequence[int] | torch.Tensor,
-                 layout: KVLayout) -> None:
-        import torch
-
-        if len(kv_caches) != layout.num_layers:
-            raise InvalidArgument(f"{len(kv_caches)} layer caches for {layout.num_layers} layers")
-        first = kv_caches[0]
-        if (first.ndim != 5 or first.shape[0] != 2 or first.shape[3] != layout.num_kv_heads
-                or first.shape[4] != layout.head_dim):
-            raise InvalidArgument(
-                f"a paged layer cache is [2, pages, page_tokens, {layout.num_kv_heads}, "
-                f"{layout.head_dim}], got {tuple(first.shape)}")
-        for t in kv_caches:
-            if t.shape != first.shape or not t.is_contiguous():
-                raise InvalidArgument("every layer cache must be contiguous and of one shape")
-            _check_dtype("PagedKV", t, layout)
-        self.kv_caches = list(kv_caches)
-        self.layout = layout
-        self.page_tokens = int(first.shape[2])
-        table = torch.as_tensor(block_table, dtype=torch.long, device=first.device)
-        if table.ndim != 1 or (table.numel() and (int(table.min()) < 0
-                                                 or int(table.max()) >= first.shape[1])):
-            raise InvalidArgument("block_table must list page ids in [0, num_pages)")
-        offsets = torch.arange(self.page_tokens, device=first.device)
-        self._slots = (table[:, None] * self.page_tokens + offsets).reshape(-1)
-
-    def _slots_for(self, blocks: range) -> torch.Tensor:
-        B = self.layout.block_tokens
-        start, stop = blocks.start * B, blocks.stop * B
-        if stop > self._slots.numel():
-            raise InvalidArgument(f"blocks {blocks} need {stop} tokens; the block table maps "
-                                  f"{self._slots.numel()}")
-        return self._slots[start:stop]
-
-    def _flat(self, layer: int) -> torch.Tensor:
-        t = self.kv_caches[layer]
-        return t.view(2, t.shape[1] * t.shape[2], t.shape[3], t.shape[4])  # [2, slots, H, D]
-
-    def gather_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
-        picked = self._flat(layer).index_select(1, self._slots_for(blocks))  # [2, n*B, H, D]
-        lay = self.layout
-        chunks.copy_(picked.view(2, len(blocks), lay.block_tokens, lay.num_kv_heads,
-                                 lay.head_dim).permute(1, 0, 3, 2, 4))  # -> [n, 2, H, B, D]
-
-    def scatter_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
-        src = chunks.permute(1, 0, 3, 2, 4).reshape(2, -1, self.layout.num_kv_heads,
-                                                    self.layout.head_dim)  # [2, n*B, H, D]
-        self._flat(layer).index_copy_(1, self._slots_for(blocks), src)
-
-
-# --- results ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixMatch:
-    """What :meth:`KVClient.lookup` found: a hint, not a promise (chunks may go before a load)."""
-
-    blocks: int
-    """Leading full blocks of the tokens that the daemon holds."""
-    block_tokens: int
-    by_tier: dict[TierKind, int]
-    """How many of those blocks live in each tier."""
-    node_id: str
-
-    @property
-    def reusable_tokens(self) -> int:
-        return self.blocks * self.block_tokens
-
-
-@dataclass(frozen=True, slots=True)
-class LoadResult:
-    """How a load ended. Blocks ``[first_block, first_block + loaded_blocks)`` hold valid KV in
-    every layer of the destination; ``failed_blocks`` were asked for and did not arrive."""
-
-    first_block: int
-    requested_blocks: int
-    loaded_blocks: int
-    failed_blocks: tuple[int, ...]
-    error: str | None
-    """Why the load stopped early (None: a plain miss, or nothing failed)."""
-    loaded_bytes: int
-    transfer_s: float
-    scatter_s: float
-    remote_blocks: int = 0
-    """How many of ``loaded_blocks`` came from another node's daemon (the last ones)."""
-    remote_node: str = ""
-    """That daemon's gRPC address ("" when nothing was asked of another node)."""
-
-    @property
-    def complete(self) -> bool:
-        return self.loaded_blocks == self.requested_blocks
-
-
-@dataclass(frozen=True, slots=True)
-class SaveResult:
-    stored_blocks: tuple[int, ...]
-    existing_blocks: tuple[int, ...]
-    """Blocks the daemon already held (chunks are immutable; not an error)."""
-    failed_blocks: tuple[int, ...]
-    error: str | None
-    stored_bytes: int
-    gather_s: float
-    put_s: float
-
-
-# --- requests -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class BlockKeys:
-    """Chunk keys an engine already has (e.g. from vLLM's block hashes through
-    :meth:`KVClient.keys_from_vllm`): pass one wherever a method takes ``token_ids`` to skip
-    hashing. ``keys[i]`` is the key of logical block ``i``."""
-
-    keys: tuple[PrefixKey, ...]
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.keys, tuple) or not all(isinstance(k, bytes) for k in self.keys):
-            raise InvalidArgument("BlockKeys.keys must be a tuple of bytes keys")
-
-
-@dataclass(frozen=True, slots=True)
-class RemoteFetch:
-    """Blocks ``[first_block, end_block)`` of a request that another node's daemon holds: a
-    conductor ``FetchPlan`` in the client's terms (:meth:`from_plan`).
-
-    ``address`` is that daemon's gRPC ``host:port``; when empty, the client resolves
-    ``node_id`` through etcd (:meth:`KVClient.node_address`). ``first_block`` is a hint: the
-    remote part of a load starts wherever the local daemon's part stopped (the source holds the
-    whole chain up to ``end_block``, the conductor checked that), so blocks evicted locally
-    since the decision are fetched from the remote node too.
-    """
-
-    node_id: str
-    address: str
-    first_block: int
-    end_block: int
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.node_id, str) or not isinstance(self.address, str):
-            raise InvalidArgument("RemoteFetch.node_id and address must be str")
-        if not (self.node_id or self.address):
-            raise InvalidArgument("RemoteFetch needs an address or a node id")
-        if not 0 <= self.first_block <= self.end_block:
-            raise InvalidArgument(f"RemoteFetch blocks [{self.first_block}, {self.end_block}) "
-                                  f"are not a range")
-
-    @classmethod
-    def from_plan(cls, plan: Any, address: str = "") -> RemoteFetch:
-        """From a ``FetchPlan``: the conductor's reply (``kvtier.v1.FetchPlan``, which carries
-        ``src_grpc_address``) or ``conductor.scheduler.FetchPlan`` (node id only: give
-        ``address`` or let the client resolve it through etcd)."""
-        return cls(node_id=str(plan.src_node),
-                   address=address or str(getattr(plan, "src_grpc_address", "") or ""),
-                   first_block=int(plan.first_block), end_block=int(plan.end_block))
-
-
-@dataclass(frozen=True, slots=True)
-class LoadRequest:
-    """One request's part of :meth:`KVClient.load_many` (same meaning as ``load``'s arguments;
-    a request with a ``remote`` fetch plan is loaded on its own, as ``load(..., remote=)``)."""
-
-    token_ids: object
-    into: EngineKV
-    first_block: int = 0
-    num_blocks: int | None = None
-    remote: RemoteFetch | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class SaveRequest:
-    """One request's part of :meth:`KVClient.begin_save_many` (as ``begin_save``'s arguments)."""
-
-    token_ids: object
-    from_: EngineKV
-    first_block: int = 0
+__all__ = ["KVClient", "KVClientConfig"]
 
 
 # --- configuration ------------------------------------------------------------------------------
@@ -473,248 +151,6 @@ class KVClientConfig:
             raise InvalidArgument("workers and load_batch_blocks must be >= 1")
         if self.rpc_timeout_s <= 0:
             raise InvalidArgument("rpc_timeout_s must be > 0")
-
-
-def namespace_for(layout: KVLayout, model_name: str, tenant: str = "", *, tp_rank: int = 0,
-                  tp_size: int = 1) -> Namespace:
-    """The namespace of a model's KV in ``layout`` (same model + layout + tenant = same keys)."""
-    fingerprint = KVFingerprint(
-        model=model_name, dtype=KVDtype.from_torch(layout.dtype), num_layers=layout.num_layers,
-        num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
-        block_size_tokens=layout.block_tokens, tp_rank=tp_rank, tp_size=tp_size)
-    return Namespace(fingerprint, tenant)
-
-
-# --- staging buffers ----------------------------------------------------------------------------
-
-
-class StagingPool:
-    """Reusable chunk-layout buffers ``[n_blocks, *chunk_shape]`` for loads and saves.
-
-    Copying into freshly allocated memory pays its first touch (page faults: measured 0.4-11 GB/s
-    here, against ~20 GB/s into touched memory, FIELD-NOTES), so buffers are zeroed once when
-    made and reused afterwards. ``acquire`` hands out the smallest free buffer that fits (a view
-    of its first ``n_blocks`` rows) or makes one; ``release`` keeps it while the pool holds less
-    than ``max_bytes``. Thread-safe.
-    """
-
-    def __init__(self, layout: KVLayout, max_bytes: int) -> None:
-        self._layout = layout
-        self._max_bytes = max_bytes
-        self._free: list[torch.Tensor] = []
-        self._lock = threading.Lock()
-
-    def acquire(self, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(view of ``n_blocks`` rows, the buffer to give back to :meth:`release`)."""
-        with self._lock:
-            fits = [i for i, b in enumerate(self._free) if b.shape[0] >= n_blocks]
-            if fits:
-                # By index: list.remove(tensor) compares with ==, which is elementwise on
-                # tensors (RuntimeError as soon as the buffer is not the first one held).
-                buf = self._free.pop(min(fits, key=lambda i: int(self._free[i].shape[0])))
-                return buf[:n_blocks], buf
-        buf = self._layout.empty_chunks(max(n_blocks, 1))
-        buf.zero_()  # first touch now, not inside the timed copy
-        return buf[:n_blocks], buf
-
-    def release(self, buf: torch.Tensor) -> None:
-        with self._lock:
-            held = sum(b.numel() * b.element_size() for b in self._free)
-            if held + buf.numel() * buf.element_size() <= self._max_bytes:
-                self._free.append(buf)
-
-
-# --- handles ------------------------------------------------------------------------------------
-
-
-class LoadHandle:
-    """A load in flight. ``transferred()`` waits until the chunks are fetched (and says how
-    many arrived); ``wait_for_layer(l)`` until layer ``l`` is in the destination;
-    ``result()`` until everything is done. All three are safe from any thread."""
-
-    def __init__(self, num_layers: int, first_block: int, requested_blocks: int) -> None:
-        self._layer_ready = [threading.Event() for _ in range(num_layers)]
-        self._fetched: cf.Future[int] = cf.Future()
-        self._done: cf.Future[LoadResult] = cf.Future()
-        self._replicated: cf.Future[SaveResult | None] = cf.Future()
-        self._remote_blocks = 0  # written before _fetched completes, read after
-        self.first_block = first_block
-        self.requested_blocks = requested_blocks
-
-    def transferred(self, timeout_s: float | None = None) -> int:
-        """How many leading blocks arrived from the store (the count the result will carry)."""
-        return self._fetched.result(timeout_s)
-
-    def transferred_remote(self, timeout_s: float | None = None) -> int:
-        """How many of the :meth:`transferred` blocks (the last ones) came from another node:
-        the own daemon lacks them, so a save that follows should start before them."""
-        self._fetched.result(timeout_s)
-        return self._remote_blocks
-
-    def wait_for_layer(self, layer: int, timeout_s: float | None = None) -> None:
-        """Block until layer ``layer`` of every loaded block is in the destination."""
-        if not self._layer_ready[layer].wait(timeout_s):
-            raise TimeoutError(f"layer {layer} not loaded within {timeout_s} s")
-
-    def result(self, timeout_s: float | None = None) -> LoadResult:
-        return self._done.result(timeout_s)
-
-    def done(self) -> bool:
-        return self._done.done()
-
-    def replication(self, timeout_s: float | None = None) -> SaveResult | None:
-        """After a remote load with ``replicate``: how putting the fetched blocks into the local
-        daemon went (waits for it). None when nothing was to be replicated."""
-        self._done.result(timeout_s)
-        return self._replicated.result(timeout_s)
-
-    def _finish(self, result: LoadResult) -> None:
-        if not self._fetched.done():
-            self._fetched.set_result(result.loaded_blocks)
-        for event in self._layer_ready:
-            event.set()
-        self._done.set_result(result)
-
-    def _finish_replication(self, result: SaveResult | None) -> None:
-        if not self._replicated.done():
-            self._replicated.set_result(result)
-
-
-class LayerwiseSave:
-    """A save fed layer by layer: ``save_layer(l)`` after the engine wrote layer ``l``'s KV of
-    the blocks being saved; ``finish()`` once every layer was given. Layer copies run on the
-    client's executor while the engine computes the next layer; the chunks are put when all
-    layers are in (a chunk is all layers of one block). Dropping a save unfinished stores
-    nothing."""
-
-    def __init__(self, client: KVClient, keys: list[PrefixKey], first_block: int,
-                 source: EngineKV) -> None:
-        self._client = client
-        self._keys = keys
-        self._first_block = first_block
-        self._source = source
-        layout = client.layout
-        n = len(keys) - first_block
-        self._blocks = range(first_block, len(keys))
-        self._staging, self._buffer = client._staging.acquire(max(n, 0))
-        self._copies: list[cf.Future[None] | None] = [None] * layout.num_layers
-        self._gather_s = [0.0] * layout.num_layers
-        self._finished: cf.Future[SaveResult] | None = None
-
-    @property
-    def blocks(self) -> range:
-        return self._blocks
-
-    def save_layer(self, layer: int) -> cf.Future[None]:
-        """Copy layer ``layer`` out of the source in the background. Raises InvalidArgument
-        for a layer out of range or given twice."""
-        if not 0 <= layer < len(self._copies):
-            raise InvalidArgument(f"layer {layer} out of range [0, {len(self._copies)})")
-        if self._copies[layer] is not None or self._finished is not None:
-            raise InvalidArgument(f"layer {layer} was already saved (or the save is finished)")
-
-        def copy() -> None:
-            t0 = time.perf_counter()
-            if len(self._blocks):
-                self._source.gather_layer(layer, self._blocks, self._staging[:, layer])
-            self._gather_s[layer] = time.perf_counter() - t0
-
-        fut = self._client._pool.submit(copy)
-        self._copies[layer] = fut
-        return fut
-
-    def finish(self) -> cf.Future[SaveResult]:
-        """Put the chunks once every layer's copy is done; the future's SaveResult says which
-        blocks were stored. Raises InvalidArgument when a layer was never given."""
-        missing = [i for i, c in enumerate(self._copies) if c is None]
-        if missing:
-            raise InvalidArgument(f"layers {missing} were never saved")
-        if self._finished is None:
-            copies = [c for c in self._copies if c is not None]
-
-            def put() -> SaveResult:
-                for c in copies:
-                    c.result()  # a copy that raised (a bug or bad shapes) raises here
-                try:
-                    return self._client._put_chain(self._keys, self._first_block, self._staging,
-                                                   sum(self._gather_s))
-                finally:
-                    self._client._staging.release(self._buffer)
-
-            self._finished = self._client._pool.submit(put)
-        return self._finished
-
-
-class BatchSave:
-    """Layer-by-layer saves of several requests (one engine step) that share one staging
-    buffer, one copy task per layer and one flush.
-
-    ``save_layer(l)`` queues one task that copies layer ``l`` of every request's blocks out of
-    the engine's buffers; ``finish()`` puts every request's chunks once all layers are in (one
-    flush task per worker thread, each for a share of the requests), and its future gives one
-    :class:`SaveResult` per request, in order. A refusal stops
-    that request's chain only (the others are still put). Same ownership rules as
-    :class:`LayerwiseSave`: after ``save_layer(l)``'s future, the engine may overwrite layer
-    ``l`` of the sources (vLLM's ``wait_for_save`` = every layer's copy future done)."""
-
-    def __init__(self, client: KVClient,
-                 parts: list[tuple[list[PrefixKey], int, EngineKV]]) -> None:
-        self._client = client
-        self._parts = parts
-        # One pooled staging buffer per request (as in load_many: request-sized buffers are
-        # the ones the pool holds; one for the whole step was a fresh allocation each time).
-        self._held = [client._staging.acquire(len(keys) - first) for keys, first, _s in parts]
-        self._copies: list[cf.Future[None] | None] = [None] * client.layout.num_layers
-        self._gather_s = [0.0] * client.layout.num_layers
-        self._finished: cf.Future[list[SaveResult]] | None = None
-
-    def save_layer(self, layer: int) -> cf.Future[None]:
-        """Copy layer ``layer`` of every request out of its source in the background. Raises
-        InvalidArgument for a layer out of range or given twice."""
-        if not 0 <= layer < len(self._copies):
-            raise InvalidArgument(f"layer {layer} out of range [0, {len(self._copies)})")
-        if self._copies[layer] is not None or self._finished is not None:
-            raise InvalidArgument(f"layer {layer} was already saved (or the save is finished)")
-
-        def copy() -> None:
-            t0 = time.perf_counter()
-            for (keys, first, source), (view, _buf) in zip(self._parts, self._held,
-                                                            strict=True):
-                if len(keys) > first:
-                    source.gather_layer(layer, range(first, len(keys)), view[:, layer])
-            self._gather_s[layer] = time.perf_counter() - t0
-
-        fut = self._client._pool.submit(copy)
-        self._copies[layer] = fut
-        return fut
-
-    def finish(self) -> cf.Future[list[SaveResult]]:
-        """Put every request's chunks once every layer's copy is done. Raises InvalidArgument
-        when a layer was never given."""
-        missing = [i for i, c in enumerate(self._copies) if c is None]
-        if missing:
-            raise InvalidArgument(f"layers {missing} were never saved")
-        if self._finished is None:
-            copies = [c for c in self._copies if c is not None]
-
-            def put(group: list[int]) -> list[SaveResult]:
-                try:
-                    for c in copies:  # queued before this task: running or done, not waiting
-                        c.result()
-                    gather_s = sum(self._gather_s)
-                    return [self._client._put_chain(self._parts[i][0], self._parts[i][1],
-                                                    self._held[i][0], gather_s)
-                            for i in group]
-                finally:
-                    for i in group:
-                        self._client._staging.release(self._held[i][1])
-
-            # One flush per worker thread (requests split by blocks), as N single saves run.
-            groups = _split_even([len(k) - f for k, f, _s in self._parts],
-                                 self._client.config.workers)
-            self._finished = _gather_futures(
-                [self._client._pool.submit(put, g) for g in groups])
-        return self._finished
 
 
 # --- the client ---------------------------------------------------------------------------------
@@ -911,7 +347,7 @@ class KVClient:
                 remote.append((handle, keys, req))
             else:
                 jobs.append((handle, keys[req.first_block:req.first_block + total], req.into))
-        for group in _split_even([len(keys) for _h, keys, _i in jobs], self.config.workers):
+        for group in split_even([len(keys) for _h, keys, _i in jobs], self.config.workers):
             self._pool.submit(self._run_load_many, [jobs[i] for i in group])
         for handle, keys, req in remote:  # after the batch: local KV first
             self._pool.submit(self._run_load, handle, keys, req.into, None, True, req.remote,
@@ -936,7 +372,7 @@ class KVClient:
             self._load(handle, keys, into, on_fetched, use_local, remote, replicate)
         except BaseException as exc:  # a bug: never leave the engine waiting on a layer
             log.exception("load failed unexpectedly")
-            _fail_all(handle, f"{type(exc).__name__}: {exc}")
+            handle._fail(f"{type(exc).__name__}: {exc}")
             raise
 
     def _load(self, handle: LoadHandle, keys: list[PrefixKey], into: EngineKV,
@@ -1038,7 +474,7 @@ class KVClient:
         except BaseException as exc:  # a bug: never leave the engine waiting on a layer
             log.exception("batch load failed unexpectedly")
             for handle, _keys, _into in jobs:
-                _fail_all(handle, f"{type(exc).__name__}: {exc}")
+                handle._fail(f"{type(exc).__name__}: {exc}")
             raise
 
     def _load_many(self, jobs: list[tuple[LoadHandle, list[PrefixKey], EngineKV]]) -> None:
@@ -1233,99 +669,6 @@ class KVClient:
         self.close()
 
 
-def _split_even(sizes: Sequence[int], parts: int) -> list[list[int]]:
-    """Indices of ``sizes`` cut into at most ``parts`` contiguous non-empty groups of about
-    equal sum (in order; every index in exactly one group): each item goes to the share of the
-    total its midpoint falls in."""
-    total = sum(sizes)
-    groups: dict[int, list[int]] = {}
-    acc = 0
-    for i, size in enumerate(sizes):
-        share = min(parts - 1, (2 * acc + size) * parts // (2 * total)) if total else 0
-        groups.setdefault(share, []).append(i)
-        acc += size
-    return [groups[g] for g in sorted(groups)]
-
-
-def _gather_futures(futures: list[cf.Future[list[SaveResult]]]
-                    ) -> cf.Future[list[SaveResult]]:
-    """One future of the concatenated results of ``futures`` (in order), completed when the
-    last one is. The first exception (in order) wins."""
-    out: cf.Future[list[SaveResult]] = cf.Future()
-    left = [len(futures)]
-    lock = threading.Lock()
-
-    def one_done(_f: cf.Future[list[SaveResult]]) -> None:
-        with lock:
-            left[0] -= 1
-            if left[0]:
-                return
-        errors = [e for e in (f.exception() for f in futures) if e is not None]
-        if errors:
-            out.set_exception(errors[0])
-        else:
-            out.set_result([r for f in futures for r in f.result()])
-
-    if not futures:
-        out.set_result([])
-    for f in futures:
-        f.add_done_callback(one_done)
-    return out
-
-
 def _describe(exc: BaseException) -> str:
     """``LoadResult.error``/``SaveResult.error`` text: the error class, then its message."""
     return f"{type(exc).__name__}: {exc}"
-
-
-def _fail_all(handle: LoadHandle, error: str) -> None:
-    """End a handle whose load hit a bug: every block failed, every layer released."""
-    if not handle.done():
-        first, n = handle.first_block, handle.requested_blocks
-        handle._finish(LoadResult(first, n, 0, tuple(range(first, first + n)), error, 0, 0.0,
-                                  0.0))
-    handle._finish_replication(None)
-
-
-# --- discovery ----------------------------------------------------------------------------------
-
-
-def discover_nodes(etcd_endpoint: str, key_layout: KeyLayout | None = None
-                   ) -> dict[str, NodeRecord]:
-    """The daemons registered in etcd, by id. Runs the asyncio etcd client on a private thread
-    and loop, so it works from synchronous code and from inside a running event loop alike.
-    Raises MembershipError."""
-    from kvstore.membership.etcd import DEFAULT_LAYOUT, etcd_client
-    from kvstore.membership.nodes import list_nodes
-
-    layout = key_layout or DEFAULT_LAYOUT
-    out: cf.Future[dict[str, NodeRecord]] = cf.Future()
-
-    async def read() -> dict[str, NodeRecord]:
-        async with etcd_client(etcd_endpoint) as client:
-            return await list_nodes(client, layout=layout)
-
-    def run() -> None:
-        try:
-            out.set_result(asyncio.run(read()))
-        except BaseException as exc:  # handed to the caller below
-            out.set_exception(exc)
-
-    thread = threading.Thread(target=run, name="kvclient-etcd", daemon=True)
-    thread.start()
-    thread.join()
-    return out.result()
-
-
-def choose_node(nodes: dict[str, NodeRecord], node_id: str | None = None) -> NodeRecord:
-    """``node_id``'s record, else the first node on this host, else the first by id."""
-    if not nodes:
-        raise MembershipError("no store daemon is registered in etcd")
-    if node_id is not None:
-        if node_id not in nodes:
-            raise MembershipError(f"node {node_id!r} is not registered (known: {sorted(nodes)})")
-        return nodes[node_id]
-    here = socket.gethostname()
-    local = [r for r in nodes.values() if r.hostname == here]
-    return local[0] if local else next(iter(nodes.values()))
-

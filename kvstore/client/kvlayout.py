@@ -3,6 +3,7 @@
 One chunk holds one block of ``block_tokens`` tokens for every layer, laid out as
 ``[layer, k|v, kv_head, token, head_dim]`` in the model's dtype and contiguous, so a chunk is one
 memcpy in and out of a tier. Only full blocks are stored: a trailing partial block is recomputed.
+:func:`namespace_for` names a model's KV in a layout (the root of its chunk keys).
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import InvalidArgument, SizeMismatch
+from kvstore.keys import KVDtype, KVFingerprint, Namespace
 
 if TYPE_CHECKING:
     import torch
+
+__all__ = ["KVLayout", "namespace_for"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,3 +102,13 @@ class KVLayout:
                 kv.append(t.contiguous())
             cache.update(kv[0], kv[1], layer_idx)
         return cache
+
+
+def namespace_for(layout: KVLayout, model_name: str, tenant: str = "", *, tp_rank: int = 0,
+                  tp_size: int = 1) -> Namespace:
+    """The namespace of a model's KV in ``layout`` (same model + layout + tenant = same keys)."""
+    fingerprint = KVFingerprint(
+        model=model_name, dtype=KVDtype.from_torch(layout.dtype), num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
+        block_size_tokens=layout.block_tokens, tp_rank=tp_rank, tp_size=tp_size)
+    return Namespace(fingerprint, tenant)

@@ -24,16 +24,11 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvstore.client.kv_client import (
-    ContiguousKV,
-    HFCacheKV,
-    KVClient,
-    LayerwiseSave,
-    LoadHandle,
-    LoadResult,
-    RemoteFetch,
-    SaveResult,
-)
+from kvstore.client.handles import LayerwiseSave, LoadHandle
+from kvstore.client.kv_client import KVClient
+from kvstore.client.layouts import ContiguousKV, HFCacheKV
+from kvstore.client.requests import RemoteFetch
+from kvstore.client.results import LoadResult, SaveResult
 from kvstore.errors import InvalidArgument
 
 if TYPE_CHECKING:

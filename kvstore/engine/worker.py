@@ -92,8 +92,10 @@ from kvstore.membership.engines import EngineRecord, EngineRole
 if TYPE_CHECKING:
 
     from kvstore.client.conductor_client import ConductorClient
-    from kvstore.client.kv_client import KVClient, LoadHandle, RemoteFetch
+    from kvstore.client.handles import LoadHandle
+    from kvstore.client.kv_client import KVClient
     from kvstore.client.kvlayout import KVLayout
+    from kvstore.client.requests import RemoteFetch
     from kvstore.engine.batching import DecodeBatch
 
 log = logging.getLogger(__name__)
@@ -305,7 +307,8 @@ class _Worker:
 
     def kv_client(self, address: str, tenant: str) -> KVClient:
         """One KVClient per (daemon, tenant), connected on first use (compute thread only)."""
-        from kvstore.client.kv_client import KVClient, namespace_for
+        from kvstore.client.kv_client import KVClient
+        from kvstore.client.kvlayout import namespace_for
 
         client = self._clients.get((address, tenant))
         if client is None:
@@ -318,8 +321,7 @@ class _Worker:
         import torch
 
         from kvstore.client.conductor_client import ConductorClient
-        from kvstore.client.kv_client import namespace_for
-        from kvstore.client.kvlayout import KVLayout
+        from kvstore.client.kvlayout import KVLayout, namespace_for
         from kvstore.membership.engines import put_engine_record
         from kvstore.membership.etcd import KeyLayout, etcd_client
         cfg = self.config
@@ -532,7 +534,7 @@ class PrefillWorker(_Worker):
         import torch
         from transformers.cache_utils import DynamicCache
 
-        from kvstore.client.kv_client import ContiguousKV, HFCacheKV
+        from kvstore.client.layouts import ContiguousKV, HFCacheKV
         from kvstore.engine.remote import layered_cache
 
         lay = self.layout
@@ -629,7 +631,7 @@ class PrefillWorker(_Worker):
 def _fetch_plan(doc: dict[str, Any]) -> RemoteFetch | None:
     """The ``fetch`` field of a ``generate`` frame (see :func:`kvstore.engine.gateway.
     fetch_plan_doc`): None, or another node's blocks as a :class:`RemoteFetch`."""
-    from kvstore.client.kv_client import RemoteFetch
+    from kvstore.client.requests import RemoteFetch
 
     plan = doc.get("fetch")
     if plan is None:
@@ -765,7 +767,7 @@ class DecodeWorker(_Worker):
         """Allocate the job's KV buffer and start loading its full blocks (returns at once)."""
         import torch
 
-        from kvstore.client.kv_client import ContiguousKV
+        from kvstore.client.layouts import ContiguousKV
 
         lay = self.layout
         try:

@@ -11,16 +11,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvstore.client.kv_client import (  # noqa: E402
-    ChunkKV,
-    ContiguousKV,
-    KVClient,
-    KVClientConfig,
-    PagedKV,
-    choose_node,
-    namespace_for,
-)
-from kvstore.client.kvlayout import KVLayout  # noqa: E402
+from kvstore.client.discovery import choose_node  # noqa: E402
+from kvstore.client.kv_client import KVClient, KVClientConfig  # noqa: E402
+from kvstore.client.kvlayout import KVLayout, namespace_for  # noqa: E402
+from kvstore.client.layouts import ChunkKV, ContiguousKV, PagedKV  # noqa: E402
 from kvstore.client.store_client import DataPlane  # noqa: E402
 from kvstore.dataplane.tier import TierKind  # noqa: E402
 from kvstore.errors import InvalidArgument, MembershipError  # noqa: E402

@@ -11,17 +11,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvstore.client.kv_client import (  # noqa: E402
-    ChunkKV,
-    ContiguousKV,
-    KVClient,
-    KVClientConfig,
-    LoadRequest,
-    PagedKV,
-    SaveRequest,
-    namespace_for,
-)
-from kvstore.client.kvlayout import KVLayout  # noqa: E402
+from kvstore.client.kv_client import KVClient, KVClientConfig  # noqa: E402
+from kvstore.client.kvlayout import KVLayout, namespace_for  # noqa: E402
+from kvstore.client.layouts import ChunkKV, ContiguousKV, PagedKV  # noqa: E402
+from kvstore.client.requests import LoadRequest, SaveRequest  # noqa: E402
 from kvstore.client.store_client import DataPlane  # noqa: E402
 from kvstore.dataplane.tier import TierKind  # noqa: E402
 from kvstore.errors import InvalidArgument, PeerUnavailable  # noqa: E402
@@ -178,17 +171,17 @@ def test_load_many_after_the_daemon_died_fails_every_request(tmp_path: Path) -> 
 
 
 def test_split_even_keeps_order_and_covers_every_request() -> None:
-    from kvstore.client.kv_client import _split_even
+    from kvstore.client.handles import split_even
 
-    assert _split_even([4] * 6, 2) == [[0, 1, 2], [3, 4, 5]]
-    assert _split_even([1, 9, 1, 1], 2) == [[0, 1], [2, 3]]
-    assert _split_even([1, 1, 10], 2) == [[0, 1], [2]]
-    assert _split_even([0, 0, 4], 3) == [[0, 1], [2]]
-    assert _split_even([5], 4) == [[0]]
-    assert _split_even([], 2) == []
-    assert _split_even([2, 2, 2], 1) == [[0, 1, 2]]
+    assert split_even([4] * 6, 2) == [[0, 1, 2], [3, 4, 5]]
+    assert split_even([1, 9, 1, 1], 2) == [[0, 1], [2, 3]]
+    assert split_even([1, 1, 10], 2) == [[0, 1], [2]]
+    assert split_even([0, 0, 4], 3) == [[0, 1], [2]]
+    assert split_even([5], 4) == [[0]]
+    assert split_even([], 2) == []
+    assert split_even([2, 2, 2], 1) == [[0, 1, 2]]
     for sizes in ([3, 0, 7, 1, 1, 5], [0, 0, 0], list(range(10))):
         for parts in (1, 2, 3, 8):
-            groups = _split_even(sizes, parts)
+            groups = split_even(sizes, parts)
             assert [i for g in groups for i in g] == list(range(len(sizes)))
             assert len(groups) <= parts and all(groups)

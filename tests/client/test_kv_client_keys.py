@@ -14,14 +14,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvstore.client.kv_client import (  # noqa: E402
-    BlockKeys,
-    ContiguousKV,
-    KVClient,
-    KVClientConfig,
-    namespace_for,
-)
-from kvstore.client.kvlayout import KVLayout  # noqa: E402
+from kvstore.client.kv_client import KVClient, KVClientConfig  # noqa: E402
+from kvstore.client.kvlayout import KVLayout, namespace_for  # noqa: E402
+from kvstore.client.layouts import ContiguousKV  # noqa: E402
+from kvstore.client.requests import BlockKeys  # noqa: E402
 from kvstore.client.store_client import DataPlane  # noqa: E402
 from kvstore.errors import InvalidArgument  # noqa: E402
 from kvstore.keys import HashMode  # noqa: E402

@@ -12,16 +12,10 @@ torch = pytest.importorskip("torch")
 
 from conductor.scheduler import FetchPlan  # noqa: E402
 from kvstore._proto.kvtier.v1 import conductor_pb2  # noqa: E402
-from kvstore.client.kv_client import (  # noqa: E402
-    ContiguousKV,
-    KVClient,
-    KVClientConfig,
-    LoadRequest,
-    RemoteFetch,
-    SaveRequest,
-    namespace_for,
-)
-from kvstore.client.kvlayout import KVLayout  # noqa: E402
+from kvstore.client.kv_client import KVClient, KVClientConfig  # noqa: E402
+from kvstore.client.kvlayout import KVLayout, namespace_for  # noqa: E402
+from kvstore.client.layouts import ContiguousKV  # noqa: E402
+from kvstore.client.requests import LoadRequest, RemoteFetch, SaveRequest  # noqa: E402
 from kvstore.client.store_client import DataPlane  # noqa: E402
 from kvstore.dataplane.tier import TierKind  # noqa: E402
 from kvstore.errors import InvalidArgument  # noqa: E402

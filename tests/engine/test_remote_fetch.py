@@ -13,13 +13,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from kvstore._proto.kvtier.v1 import conductor_pb2  # noqa: E402
-from kvstore.client.kv_client import (  # noqa: E402
-    KVClient,
-    KVClientConfig,
-    RemoteFetch,
-    namespace_for,
-)
-from kvstore.client.kvlayout import KVLayout  # noqa: E402
+from kvstore.client.kv_client import KVClient, KVClientConfig  # noqa: E402
+from kvstore.client.kvlayout import KVLayout, namespace_for  # noqa: E402
+from kvstore.client.requests import RemoteFetch  # noqa: E402
 from kvstore.client.store_client import DataPlane  # noqa: E402
 from kvstore.engine.model import build_reference_model  # noqa: E402
 from kvstore.engine.remote import RemoteEngine, RemotePrefill  # noqa: E402

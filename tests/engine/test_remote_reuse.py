@@ -12,8 +12,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvstore.client.kv_client import KVClient, KVClientConfig, namespace_for  # noqa: E402
-from kvstore.client.kvlayout import KVLayout  # noqa: E402
+from kvstore.client.kv_client import KVClient, KVClientConfig  # noqa: E402
+from kvstore.client.kvlayout import KVLayout, namespace_for  # noqa: E402
 from kvstore.client.store_client import DataPlane  # noqa: E402
 from kvstore.dataplane.tier import TierKind  # noqa: E402
 from kvstore.engine.model import build_reference_model  # noqa: E402

@@ -1,0 +1,264 @@
+"""Transfers in flight: a load's :class:`LoadHandle`, a save fed layer by layer
+(:class:`LayerwiseSave`) and one engine step's saves together (:class:`BatchSave`).
+
+The :class:`~kvstore.client.kv_client.KVClient` makes them and runs their work on its executor;
+the engine waits on them. Every method is safe from any thread. A load handle is completed by
+the client alone (the underscore methods below are the client's side of it); a save's copies
+and puts run on the client's threads, and its staging buffers return to the client's pool when
+the puts are done.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvstore.client.layouts import EngineKV
+from kvstore.client.results import LoadResult, SaveResult
+from kvstore.errors import InvalidArgument
+from kvstore.keys import PrefixKey
+
+if TYPE_CHECKING:
+    from kvstore.client.kv_client import KVClient
+
+__all__ = ["BatchSave", "LayerwiseSave", "LoadHandle"]
+
+
+class LoadHandle:
+    """A load in flight. ``transferred()`` waits until the chunks are fetched (and says how
+    many arrived); ``wait_for_layer(l)`` until layer ``l`` is in the destination;
+    ``result()`` until everything is done. All three are safe from any thread."""
+
+    def __init__(self, num_layers: int, first_block: int, requested_blocks: int) -> None:
+        self._layer_ready = [threading.Event() for _ in range(num_layers)]
+        self._fetched: cf.Future[int] = cf.Future()
+        self._done: cf.Future[LoadResult] = cf.Future()
+        self._replicated: cf.Future[SaveResult | None] = cf.Future()
+        self._remote_blocks = 0  # written before _fetched completes, read after
+        self.first_block = first_block
+        self.requested_blocks = requested_blocks
+
+    def transferred(self, timeout_s: float | None = None) -> int:
+        """How many leading blocks arrived from the store (the count the result will carry)."""
+        return self._fetched.result(timeout_s)
+
+    def transferred_remote(self, timeout_s: float | None = None) -> int:
+        """How many of the :meth:`transferred` blocks (the last ones) came from another node:
+        the own daemon lacks them, so a save that follows should start before them."""
+        self._fetched.result(timeout_s)
+        return self._remote_blocks
+
+    def wait_for_layer(self, layer: int, timeout_s: float | None = None) -> None:
+        """Block until layer ``layer`` of every loaded block is in the destination."""
+        if not self._layer_ready[layer].wait(timeout_s):
+            raise TimeoutError(f"layer {layer} not loaded within {timeout_s} s")
+
+    def result(self, timeout_s: float | None = None) -> LoadResult:
+        return self._done.result(timeout_s)
+
+    def done(self) -> bool:
+        return self._done.done()
+
+    def replication(self, timeout_s: float | None = None) -> SaveResult | None:
+        """After a remote load with ``replicate``: how putting the fetched blocks into the local
+        daemon went (waits for it). None when nothing was to be replicated."""
+        self._done.result(timeout_s)
+        return self._replicated.result(timeout_s)
+
+    def _finish(self, result: LoadResult) -> None:
+        if not self._fetched.done():
+            self._fetched.set_result(result.loaded_blocks)
+        for event in self._layer_ready:
+            event.set()
+        self._done.set_result(result)
+
+    def _finish_replication(self, result: SaveResult | None) -> None:
+        if not self._replicated.done():
+            self._replicated.set_result(result)
+
+    def _fail(self, error: str) -> None:
+        """End a handle whose load hit a bug: every block failed, every layer released."""
+        if not self.done():
+            first, n = self.first_block, self.requested_blocks
+            self._finish(LoadResult(first, n, 0, tuple(range(first, first + n)), error, 0, 0.0,
+                                    0.0))
+        self._finish_replication(None)
+
+
+class LayerwiseSave:
+    """A save fed layer by layer: ``save_layer(l)`` after the engine wrote layer ``l``'s KV of
+    the blocks being saved; ``finish()`` once every layer was given. Layer copies run on the
+    client's executor while the engine computes the next layer; the chunks are put when all
+    layers are in (a chunk is all layers of one block). Dropping a save unfinished stores
+    nothing."""
+
+    def __init__(self, client: KVClient, keys: list[PrefixKey], first_block: int,
+                 source: EngineKV) -> None:
+        self._client = client
+        self._keys = keys
+        self._first_block = first_block
+        self._source = source
+        layout = client.layout
+        n = len(keys) - first_block
+        self._blocks = range(first_block, len(keys))
+        self._staging, self._buffer = client._staging.acquire(max(n, 0))
+        self._copies: list[cf.Future[None] | None] = [None] * layout.num_layers
+        self._gather_s = [0.0] * layout.num_layers
+        self._finished: cf.Future[SaveResult] | None = None
+
+    @property
+    def blocks(self) -> range:
+        return self._blocks
+
+    def save_layer(self, layer: int) -> cf.Future[None]:
+        """Copy layer ``layer`` out of the source in the background. Raises InvalidArgument
+        for a layer out of range or given twice."""
+        if not 0 <= layer < len(self._copies):
+            raise InvalidArgument(f"layer {layer} out of range [0, {len(self._copies)})")
+        if self._copies[layer] is not None or self._finished is not None:
+            raise InvalidArgument(f"layer {layer} was already saved (or the save is finished)")
+
+        def copy() -> None:
+            t0 = time.perf_counter()
+            if len(self._blocks):
+                self._source.gather_layer(layer, self._blocks, self._staging[:, layer])
+            self._gather_s[layer] = time.perf_counter() - t0
+
+        fut = self._client._pool.submit(copy)
+        self._copies[layer] = fut
+        return fut
+
+    def finish(self) -> cf.Future[SaveResult]:
+        """Put the chunks once every layer's copy is done; the future's SaveResult says which
+        blocks were stored. Raises InvalidArgument when a layer was never given."""
+        missing = [i for i, c in enumerate(self._copies) if c is None]
+        if missing:
+            raise InvalidArgument(f"layers {missing} were never saved")
+        if self._finished is None:
+            copies = [c for c in self._copies if c is not None]
+
+            def put() -> SaveResult:
+                for c in copies:
+                    c.result()  # a copy that raised (a bug or bad shapes) raises here
+                try:
+                    return self._client._put_chain(self._keys, self._first_block, self._staging,
+                                                   sum(self._gather_s))
+                finally:
+                    self._client._staging.release(self._buffer)
+
+            self._finished = self._client._pool.submit(put)
+        return self._finished
+
+
+class BatchSave:
+    """Layer-by-layer saves of several requests (one engine step) that share one staging
+    buffer, one copy task per layer and one flush.
+
+    ``save_layer(l)`` queues one task that copies layer ``l`` of every request's blocks out of
+    the engine's buffers; ``finish()`` puts every request's chunks once all layers are in (one
+    flush task per worker thread, each for a share of the requests), and its future gives one
+    :class:`SaveResult` per request, in order. A refusal stops
+    that request's chain only (the others are still put). Same ownership rules as
+    :class:`LayerwiseSave`: after ``save_layer(l)``'s future, the engine may overwrite layer
+    ``l`` of the sources (vLLM's ``wait_for_save`` = every layer's copy future done)."""
+
+    def __init__(self, client: KVClient,
+                 parts: list[tuple[list[PrefixKey], int, EngineKV]]) -> None:
+        self._client = client
+        self._parts = parts
+        # One pooled staging buffer per request (as in load_many: request-sized buffers are
+        # the ones the pool holds; one for the whole step was a fresh allocation each time).
+        self._held = [client._staging.acquire(len(keys) - first) for keys, first, _s in parts]
+        self._copies: list[cf.Future[None] | None] = [None] * client.layout.num_layers
+        self._gather_s = [0.0] * client.layout.num_layers
+        self._finished: cf.Future[list[SaveResult]] | None = None
+
+    def save_layer(self, layer: int) -> cf.Future[None]:
+        """Copy layer ``layer`` of every request out of its source in the background. Raises
+        InvalidArgument for a layer out of range or given twice."""
+        if not 0 <= layer < len(self._copies):
+            raise InvalidArgument(f"layer {layer} out of range [0, {len(self._copies)})")
+        if self._copies[layer] is not None or self._finished is not None:
+            raise InvalidArgument(f"layer {layer} was already saved (or the save is finished)")
+
+        def copy() -> None:
+            t0 = time.perf_counter()
+            for (keys, first, source), (view, _buf) in zip(self._parts, self._held,
+                                                            strict=True):
+                if len(keys) > first:
+                    source.gather_layer(layer, range(first, len(keys)), view[:, layer])
+            self._gather_s[layer] = time.perf_counter() - t0
+
+        fut = self._client._pool.submit(copy)
+        self._copies[layer] = fut
+        return fut
+
+    def finish(self) -> cf.Future[list[SaveResult]]:
+        """Put every request's chunks once every layer's copy is done. Raises InvalidArgument
+        when a layer was never given."""
+        missing = [i for i, c in enumerate(self._copies) if c is None]
+        if missing:
+            raise InvalidArgument(f"layers {missing} were never saved")
+        if self._finished is None:
+            copies = [c for c in self._copies if c is not None]
+
+            def put(group: list[int]) -> list[SaveResult]:
+                try:
+                    for c in copies:  # queued before this task: running or done, not waiting
+                        c.result()
+                    gather_s = sum(self._gather_s)
+                    return [self._client._put_chain(self._parts[i][0], self._parts[i][1],
+                                                    self._held[i][0], gather_s)
+                            for i in group]
+                finally:
+                    for i in group:
+                        self._client._staging.release(self._held[i][1])
+
+            # One flush per worker thread (requests split by blocks), as N single saves run.
+            groups = split_even([len(k) - f for k, f, _s in self._parts],
+                                 self._client.config.workers)
+            self._finished = _gather_futures(
+                [self._client._pool.submit(put, g) for g in groups])
+        return self._finished
+
+def split_even(sizes: Sequence[int], parts: int) -> list[list[int]]:
+    """Indices of ``sizes`` cut into at most ``parts`` contiguous non-empty groups of about
+    equal sum (in order; every index in exactly one group): each item goes to the share of the
+    total its midpoint falls in."""
+    total = sum(sizes)
+    groups: dict[int, list[int]] = {}
+    acc = 0
+    for i, size in enumerate(sizes):
+        share = min(parts - 1, (2 * acc + size) * parts // (2 * total)) if total else 0
+        groups.setdefault(share, []).append(i)
+        acc += size
+    return [groups[g] for g in sorted(groups)]
+
+
+def _gather_futures(futures: list[cf.Future[list[SaveResult]]]
+                    ) -> cf.Future[list[SaveResult]]:
+    """One future of the concatenated results of ``futures`` (in order), completed when the
+    last one is. The first exception (in order) wins."""
+    out: cf.Future[list[SaveResult]] = cf.Future()
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_f: cf.Future[list[SaveResult]]) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        errors = [e for e in (f.exception() for f in futures) if e is not None]
+        if errors:
+            out.set_exception(errors[0])
+        else:
+            out.set_result([r for f in futures for r in f.result()])
+
+    if not futures:
+        out.set_result([])
+    for f in futures:
+        f.add_done_callback(one_done)
+    return out

@@ -1,0 +1,206 @@
+"""Engine layouts: how :class:`~kvstore.client.kv_client.KVClient` reads and writes an engine's
+own KV buffers, one layer and a range of logical blocks at a time.
+
+Every layout implements :class:`EngineKV` (``gather_layer`` for saves, ``scatter_layer`` for
+loads) and converts between the engine's buffers and kvtier's chunk layout
+(:class:`~kvstore.client.kvlayout.KVLayout`: ``[layer, k|v, kv_head, token, head_dim]`` per
+block):
+
+    * :class:`ContiguousKV`: one sequence as ``[layers, 2, kv_heads, tokens, head_dim]``.
+    * :class:`PagedKV`: vLLM's paged cache, ``kv_caches[layer]`` of shape
+      ``[2, num_pages, page_tokens, kv_heads, head_dim]``, and the request's block table (page
+      ids of its logical pages, in order). ``page_tokens`` need not equal ``block_tokens``.
+    * :class:`ChunkKV`: kvtier's own chunk layout ``[n_blocks, *chunk_shape]`` (no reshuffle).
+    * :class:`HFCacheKV`: a transformers ``DynamicCache`` (a save source only).
+
+Layouts copy; they never keep the chunk tensors they are given. Bad shapes, dtypes or block
+ranges raise ``InvalidArgument``. torch is imported only when a tensor is touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from kvstore.client.kvlayout import KVLayout
+from kvstore.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ChunkKV", "ContiguousKV", "EngineKV", "HFCacheKV", "PagedKV"]
+
+
+class EngineKV(Protocol):
+    """An engine's KV buffers, seen one layer and a range of logical blocks at a time.
+
+    ``blocks`` are indices of the request's logical blocks (block ``b`` holds tokens
+    ``[b * block_tokens, (b + 1) * block_tokens)``). ``chunks`` is ``[len(blocks), 2, kv_heads,
+    block_tokens, head_dim]``: layer ``layer`` of those blocks in kvtier's chunk layout.
+    Implementations copy; they never keep ``chunks``.
+    """
+
+    def gather_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
+        """Copy layer ``layer`` of ``blocks`` from the engine's buffers into ``chunks``."""
+        ...
+
+    def scatter_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
+        """Copy ``chunks`` into layer ``layer`` of ``blocks`` in the engine's buffers."""
+        ...
+
+
+def _check_dtype(what: str, tensor: torch.Tensor, layout: KVLayout) -> None:
+    if tensor.dtype != layout.dtype:
+        raise InvalidArgument(f"{what} has dtype {tensor.dtype}, the layout says {layout.dtype}")
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkKV:
+    """kvtier's own layout: ``tensor[i]`` is the chunk of logical block ``first_block + i``."""
+
+    tensor: torch.Tensor
+    layout: KVLayout
+    first_block: int = 0
+
+    def __post_init__(self) -> None:
+        if tuple(self.tensor.shape[1:]) != self.layout.chunk_shape or self.tensor.ndim != 6:
+            raise InvalidArgument(f"ChunkKV needs [n, *{self.layout.chunk_shape}], got "
+                                  f"{tuple(self.tensor.shape)}")
+        _check_dtype("ChunkKV", self.tensor, self.layout)
+
+    def _rows(self, blocks: range) -> slice:
+        lo = blocks.start - self.first_block
+        if lo < 0 or lo + len(blocks) > self.tensor.shape[0]:
+            raise InvalidArgument(f"blocks {blocks} outside ChunkKV rows from {self.first_block}")
+        return slice(lo, lo + len(blocks))
+
+    def gather_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
+        chunks.copy_(self.tensor[self._rows(blocks), layer])
+
+    def scatter_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
+        self.tensor[self._rows(blocks), layer].copy_(chunks)
+
+
+@dataclass(frozen=True, slots=True)
+class ContiguousKV:
+    """One sequence's KV as ``[layers, 2, kv_heads, tokens, head_dim]`` (token 0 = block 0)."""
+
+    tensor: torch.Tensor
+    layout: KVLayout
+
+    def __post_init__(self) -> None:
+        t, lay = self.tensor, self.layout
+        if (t.ndim != 5 or t.shape[0] != lay.num_layers or t.shape[1] != 2
+                or t.shape[2] != lay.num_kv_heads or t.shape[4] != lay.head_dim):
+            raise InvalidArgument(
+                f"ContiguousKV needs [{lay.num_layers}, 2, {lay.num_kv_heads}, tokens, "
+                f"{lay.head_dim}], got {tuple(t.shape)}")
+        _check_dtype("ContiguousKV", t, lay)
+
+    def _tokens(self, layer: int, blocks: range) -> torch.Tensor:
+        B = self.layout.block_tokens
+        start, stop = blocks.start * B, blocks.stop * B
+        if stop > self.tensor.shape[3]:
+            raise InvalidArgument(f"blocks {blocks} need {stop} tokens; the buffer has "
+                                  f"{self.tensor.shape[3]}")
+        # [2, H, n*B, D] -> [2, H, n, B, D] -> [n, 2, H, B, D]
+        view = self.tensor[layer, :, :, start:stop]
+        # view, never reshape: a scatter must write the engine's buffer, not a silent copy.
+        return view.view(2, self.layout.num_kv_heads, len(blocks), B,
+                         self.layout.head_dim).permute(2, 0, 1, 3, 4)
+
+    def gather_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
+        chunks.copy_(self._tokens(layer, blocks))
+
+    def scatter_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
+        self._tokens(layer, blocks).copy_(chunks)
+
+
+@dataclass(frozen=True, slots=True)
+class HFCacheKV:
+    """A transformers ``DynamicCache`` of one sequence (``layers[l].keys``: ``[1, H, T, D]``).
+
+    A save source only: a load cannot grow a ``DynamicCache`` in place (load into a
+    :class:`ContiguousKV` and hand its views to the cache instead)."""
+
+    cache: Any
+    layout: KVLayout
+
+    def gather_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
+        B = self.layout.block_tokens
+        start, stop = blocks.start * B, blocks.stop * B
+        lay = self.cache.layers[layer]
+        for kv, t in enumerate((lay.keys, lay.values)):
+            if t.shape[0] != 1 or t.shape[2] < stop:
+                raise InvalidArgument(f"cache layer {layer} has shape {tuple(t.shape)}; need "
+                                      f"batch 1 and >= {stop} tokens")
+            # [H, n*B, D] -> [n, H, B, D]
+            heads, dim = t.shape[1], t.shape[3]
+            chunks[:, kv].copy_(t[0, :, start:stop].view(heads, len(blocks), B, dim)
+                                .transpose(0, 1))
+
+    def scatter_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
+        raise InvalidArgument("HFCacheKV is a save source; load into ContiguousKV instead")
+
+
+class PagedKV:
+    """vLLM's paged KV cache: ``kv_caches[layer]`` is ``[2, num_pages, page_tokens, kv_heads,
+    head_dim]`` and ``block_table[i]`` the page holding the request's tokens
+    ``[i * page_tokens, (i + 1) * page_tokens)``.
+
+    The slot of every token is computed once here (``page * page_tokens + offset``), so a layer
+    copy is one ``index_select`` / ``index_copy_`` over the flattened pages, whatever the ratio
+    of ``page_tokens`` to ``block_tokens``.
+    """
+
+    __slots__ = ("_slots", "kv_caches", "layout", "page_tokens")
+
+    def __init__(self, kv_caches: Sequence[torch.Tensor], block_table: Sequence[int] | torch.Tensor,
+                 layout: KVLayout) -> None:
+        import torch
+
+        if len(kv_caches) != layout.num_layers:
+            raise InvalidArgument(f"{len(kv_caches)} layer caches for {layout.num_layers} layers")
+        first = kv_caches[0]
+        if (first.ndim != 5 or first.shape[0] != 2 or first.shape[3] != layout.num_kv_heads
+                or first.shape[4] != layout.head_dim):
+            raise InvalidArgument(
+                f"a paged layer cache is [2, pages, page_tokens, {layout.num_kv_heads}, "
+                f"{layout.head_dim}], got {tuple(first.shape)}")
+        for t in kv_caches:
+            if t.shape != first.shape or not t.is_contiguous():
+                raise InvalidArgument("every layer cache must be contiguous and of one shape")
+            _check_dtype("PagedKV", t, layout)
+        self.kv_caches = list(kv_caches)
+        self.layout = layout
+        self.page_tokens = int(first.shape[2])
+        table = torch.as_tensor(block_table, dtype=torch.long, device=first.device)
+        if table.ndim != 1 or (table.numel() and (int(table.min()) < 0
+                                                 or int(table.max()) >= first.shape[1])):
+            raise InvalidArgument("block_table must list page ids in [0, num_pages)")
+        offsets = torch.arange(self.page_tokens, device=first.device)
+        self._slots = (table[:, None] * self.page_tokens + offsets).reshape(-1)
+
+    def _slots_for(self, blocks: range) -> torch.Tensor:
+        B = self.layout.block_tokens
+        start, stop = blocks.start * B, blocks.stop * B
+        if stop > self._slots.numel():
+            raise InvalidArgument(f"blocks {blocks} need {stop} tokens; the block table maps "
+                                  f"{self._slots.numel()}")
+        return self._slots[start:stop]
+
+    def _flat(self, layer: int) -> torch.Tensor:
+        t = self.kv_caches[layer]
+        return t.view(2, t.shape[1] * t.shape[2], t.shape[3], t.shape[4])  # [2, slots, H, D]
+
+    def gather_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
+        picked = self._flat(layer).index_select(1, self._slots_for(blocks))  # [2, n*B, H, D]
+        lay = self.layout
+        chunks.copy_(picked.view(2, len(blocks), lay.block_tokens, lay.num_kv_heads,
+                                 lay.head_dim).permute(1, 0, 3, 2, 4))  # -> [n, 2, H, B, D]
+
+    def scatter_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
+        src = chunks.permute(1, 0, 3, 2, 4).reshape(2, -1, self.layout.num_kv_heads,
+                                                    self.layout.head_dim)  # [2, n*B, H, D]
+        self._flat(layer).index_copy_(1, self._slots_for(blocks), src)
