@@ -43,8 +43,9 @@ from typing import Any
 import numpy as np
 
 from bench._meta import run_header
-from kvstore.dataplane.directio import AlignedBuffer, IoMode, open_flags
-from kvstore.dataplane.nvme import NvmeTier, NvmeTierConfig
+from kvstore.dataplane.nvme.config import NvmeTierConfig
+from kvstore.dataplane.nvme.directio import AlignedBuffer, IoMode, open_flags
+from kvstore.dataplane.nvme.tier import NvmeTier
 from kvstore.errors import CapacityError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

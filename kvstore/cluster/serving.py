@@ -76,7 +76,8 @@ def synthesize_requests(trace: Path, *, count: int, max_blocks: int, block_token
 
 def build_tiers(data_dir: Path, *, dram_bytes: int, nvme_bytes: int, console: Console) -> dict[TierKind, Tier]:
     from kvstore.dataplane.dram import DramTier
-    from kvstore.dataplane.nvme import NvmeTier, NvmeTierConfig
+    from kvstore.dataplane.nvme.config import NvmeTierConfig
+    from kvstore.dataplane.nvme.tier import NvmeTier
     from kvstore.errors import TierUnavailable
 
     tiers: dict[TierKind, Tier] = {}

@@ -257,7 +257,8 @@ class StoreDaemon:
                                             arena_name=cfg.dram.arena_name,
                                             read_index_slots=slots)
             if cfg.nvme.directory is not None:
-                from kvstore.dataplane.nvme import NvmeTier, NvmeTierConfig
+                from kvstore.dataplane.nvme.config import NvmeTierConfig
+                from kvstore.dataplane.nvme.tier import NvmeTier
 
                 tiers[TierKind.NVME] = NvmeTier.open(NvmeTierConfig(
                     directory=cfg.nvme.directory, capacity_bytes=cfg.nvme.capacity_bytes,

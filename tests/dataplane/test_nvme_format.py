@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.dataplane.directio import (
+from kvstore.dataplane.nvme.directio import (
     ALIGN_BYTES,
     AlignedBuffer,
     BufferPool,
@@ -22,7 +22,7 @@ from kvstore.dataplane.directio import (
     probe_io_mode,
     pwritev_all,
 )
-from kvstore.dataplane.segments import (
+from kvstore.dataplane.nvme.format import (
     HEADER_BYTES,
     HeaderCheck,
     RecordHeader,
@@ -31,8 +31,8 @@ from kvstore.dataplane.segments import (
     decode_record_header,
     decode_segment_header,
     record_extent_bytes,
-    scan_segment,
 )
+from kvstore.dataplane.nvme.scan import scan_segment
 from kvstore.errors import InvalidArgument
 
 A = ALIGN_BYTES
@@ -164,7 +164,7 @@ def test_probe_and_aligned_round_trip_on_the_test_filesystem(tmp_path: Path) -> 
     assert list(tmp_path.iterdir()) == [], "the probe file was left behind"
     import os
 
-    from kvstore.dataplane.directio import open_flags
+    from kvstore.dataplane.nvme.directio import open_flags
 
     path = tmp_path / "f"
     path.touch()

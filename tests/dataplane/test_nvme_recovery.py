@@ -25,14 +25,16 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.dataplane.directio import ALIGN_BYTES, IoMode
-from kvstore.dataplane.nvme import SEGMENT_NAME, NvmeTier, NvmeTierConfig, OpenVerify
-from kvstore.dataplane.segments import (
+from kvstore.dataplane.nvme.config import NvmeTierConfig, OpenVerify
+from kvstore.dataplane.nvme.core import SEGMENT_NAME
+from kvstore.dataplane.nvme.directio import ALIGN_BYTES, IoMode
+from kvstore.dataplane.nvme.format import (
     HEADER_BYTES,
     RecordHeader,
     RecordKind,
     decode_record_header,
 )
+from kvstore.dataplane.nvme.tier import NvmeTier
 from kvstore.errors import ChunkNotFound
 from tests.dataplane.tier_conformance import KiB, MiB, read_back
 from tests.support.common import payload
@@ -88,8 +90,9 @@ def test_lines_written_before_the_kill_are_all_collected() -> None:
 WRITER = textwrap.dedent("""
     import sys, threading, zlib
     from pathlib import Path
-    from kvstore.dataplane.directio import IoMode
-    from kvstore.dataplane.nvme import NvmeTier, NvmeTierConfig
+    from kvstore.dataplane.nvme.config import NvmeTierConfig
+    from kvstore.dataplane.nvme.directio import IoMode
+    from kvstore.dataplane.nvme.tier import NvmeTier
     from tests.dataplane.tier_conformance import KiB, MiB, payload
 
     directory, threads, mode, max_bytes = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])

@@ -20,10 +20,11 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from kvstore.dataplane import nvme as nvme_write
-from kvstore.dataplane.directio import AlignedBuffer, IoMode
-from kvstore.dataplane.nvme import NvmeTier, NvmeTierConfig, OpenVerify, Preallocation
-from kvstore.dataplane.segments import HEADER_BYTES
+from kvstore.dataplane.nvme import write as nvme_write
+from kvstore.dataplane.nvme.config import NvmeTierConfig, OpenVerify, Preallocation
+from kvstore.dataplane.nvme.directio import AlignedBuffer, IoMode
+from kvstore.dataplane.nvme.format import HEADER_BYTES
+from kvstore.dataplane.nvme.tier import NvmeTier
 from kvstore.dataplane.tier import MAX_META_BYTES, PersistentTier, Tier, TierKind
 from kvstore.errors import (
     CapacityError,

@@ -11,7 +11,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from kvstore.dataplane.dram import DramTier  # noqa: E402
-from kvstore.dataplane.nvme import NvmeTier, NvmeTierConfig  # noqa: E402
+from kvstore.dataplane.nvme.config import NvmeTierConfig  # noqa: E402
+from kvstore.dataplane.nvme.tier import NvmeTier  # noqa: E402
 from kvstore.dataplane.tier import TierKind  # noqa: E402
 from kvstore.engine.model import build_reference_model  # noqa: E402
 from kvstore.engine.reuse import ReuseEngine  # noqa: E402

@@ -12,7 +12,8 @@ import pytest
 
 from kvstore.dataplane.arena import ArenaAccess, ShmArena
 from kvstore.dataplane.dram import DramTier
-from kvstore.dataplane.nvme import NvmeTier, NvmeTierConfig
+from kvstore.dataplane.nvme.config import NvmeTierConfig
+from kvstore.dataplane.nvme.tier import NvmeTier
 from kvstore.dataplane.tier import TierKind
 from kvstore.dataplane.transport.base import LeaseBackend
 from kvstore.errors import (

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from kvstore.dataplane.dram import DramTier
-from kvstore.dataplane.nvme import NvmeTier, NvmeTierConfig
+from kvstore.dataplane.nvme.config import NvmeTierConfig
+from kvstore.dataplane.nvme.tier import NvmeTier
 from kvstore.dataplane.tier import TierKind
 from kvstore.errors import CapacityError, ChunkCorrupt, ChunkExists, ChunkNotFound, InvalidArgument
 from kvstore.node.cache import CacheConfig, TieredCache

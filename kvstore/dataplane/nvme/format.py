@@ -1,4 +1,4 @@
-"""The on-disk format of NVMe segment files, and the scan that recovers them.
+"""The on-disk format of NVMe segment files: the segment header and the record headers.
 
 A tier directory holds segment files ``seg-NNNNNN.kvt`` of fixed size (preallocated when
 created). Every structure starts on a 4 KiB boundary (:data:`ALIGN_BYTES`) so payloads can
@@ -26,34 +26,19 @@ A header is valid only where it was written: its segment id and offset must matc
 it is read from, so a payload that happens to contain header-like bytes is never mistaken
 for a record.
 
-**The chain.** Every extent's header says how long the extent is, so a scan hops from one
-header to the next: LIVE records are indexed, DEAD and FREE extents skipped. The writer keeps
-the chain intact: a put that takes the start of a free run writes a FREE header for the rest
-of the run right after its own extent (in the same system call), and a remove overwrites the
-record's header with a DEAD header of the same length. Invariant: a header that survives
-describes a range that is entirely its own (LIVE) or entirely free, so hopping never skips a
-live record (``docs/nvme-tier.md`` has the argument).
-
-**Resync.** A torn or corrupt header breaks the chain at one place; the scan then looks at
-every following 4 KiB boundary (reading large windows and testing the magic with numpy) for
-the next valid header. Everything between is free space. Resyncs only happen after a crash,
-a failed write or corruption, and the tier rewrites a FREE header over each repaired gap.
-
-The payload checksum is *not* verified by the scan (that would read the whole directory); the
-tier verifies the newest records at open and every record on every read.
+How a scan walks these headers after a restart is :mod:`kvstore.dataplane.nvme.scan`.
 """
+
 
 from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
 import xxhash
 
-from kvstore.dataplane.directio import ALIGN_BYTES, AlignedBuffer, align_down, align_up
+from kvstore.dataplane.nvme.directio import ALIGN_BYTES, align_up
 from kvstore.dataplane.tier import MAX_KEY_BYTES, MAX_META_BYTES
 from kvstore.errors import InvalidArgument
 
@@ -68,7 +53,8 @@ _RECORD_CHECKED = _RECORD.size  # 184: the header checksum covers bytes [0, 184)
 _CHECKSUM = struct.Struct("<Q")
 _SEGMENT = struct.Struct("<4sHHIIQ")
 _SEGMENT_CHECKED = _SEGMENT.size  # 24
-_RECORD_MAGIC_U32 = int.from_bytes(RECORD_MAGIC, "little")
+RECORD_MAGIC_U32 = int.from_bytes(RECORD_MAGIC, "little")
+"""The record magic as a little-endian u32 (what a resync looks for)."""
 _ZERO_BLOCK = bytes(HEADER_BYTES)
 
 MAX_RECORD_META_BYTES = 64
@@ -215,102 +201,3 @@ def decode_segment_header(block: memoryview | bytes) -> SegmentHeader | None:
         return SegmentHeader(seg, size)
     except InvalidArgument:
         return None
-
-
-ReadAt = Callable[[memoryview, int], int]
-"""``read_at(dst, offset)``: fill ``dst`` from the file at ``offset``; return bytes read."""
-
-
-@dataclass(frozen=True, slots=True)
-class Gap:
-    """A free run between records found by a scan. ``clean``: the chain crossed it intact."""
-
-    offset: int
-    size_bytes: int
-    clean: bool
-
-
-@dataclass(slots=True)
-class SegmentScan:
-    """What a scan of one segment found."""
-
-    segment_id: int
-    segment_bytes: int
-    file_bytes: int
-    live: list[RecordHeader] = field(default_factory=list)
-    """LIVE headers in address order (non-overlapping by construction)."""
-    gaps: list[Gap] = field(default_factory=list)
-    invalid_headers: int = 0
-    """Places where a header was expected but the block was not a valid header there."""
-    torn_records: int = 0
-    """Records (or header blocks) running past the end of a truncated file."""
-    max_seq: int = 0
-
-
-def scan_segment(read_at: ReadAt, *, segment_id: int, segment_bytes: int, file_bytes: int,
-                 window: AlignedBuffer) -> SegmentScan:
-    """Walk the header chain of one segment (see the module docstring).
-
-    ``file_bytes`` may be less than ``segment_bytes`` (a truncated file): records running
-    past it are torn, and the gap up to ``segment_bytes`` is marked unclean so the tier
-    re-extends the file and stamps a FREE header over it. ``window`` (a multiple of 4 KiB)
-    is the read buffer; its size bounds each resync read.
-    """
-    scan = SegmentScan(segment_id, segment_bytes, file_bytes)
-    limit = min(segment_bytes, align_down(file_bytes))
-    block = window.view[:HEADER_BYTES]
-    pos = gap_start = HEADER_BYTES
-    gap_clean = True
-    while pos < segment_bytes:
-        if pos >= limit or read_at(block, pos) < HEADER_BYTES:
-            gap_clean = False
-            if pos < file_bytes:  # the file ends inside this header block
-                scan.torn_records += 1
-            break
-        _, header = decode_record_header(block, segment_id=segment_id, offset=pos,
-                                         segment_bytes=segment_bytes)
-        if header is None:
-            scan.invalid_headers += 1
-            gap_clean = False
-            pos = _resync(read_at, pos + HEADER_BYTES, limit, segment_id, segment_bytes, window)
-            continue
-        scan.max_seq = max(scan.max_seq, header.seq)
-        if header.kind is not RecordKind.LIVE:
-            pos = header.end
-            continue
-        if header.end > limit:
-            scan.torn_records += 1
-            gap_clean = False
-            pos = _resync(read_at, pos + HEADER_BYTES, limit, segment_id, segment_bytes, window)
-            continue
-        if pos > gap_start:
-            scan.gaps.append(Gap(gap_start, pos - gap_start, gap_clean))
-        scan.live.append(header)
-        pos = gap_start = header.end
-        gap_clean = True
-    if segment_bytes > gap_start:
-        scan.gaps.append(Gap(gap_start, segment_bytes - gap_start, gap_clean))
-    return scan
-
-
-def _resync(read_at: ReadAt, pos: int, limit: int, segment_id: int, segment_bytes: int,
-            window: AlignedBuffer) -> int:
-    """The first place at or after ``pos`` holding a valid header, else ``segment_bytes``."""
-    stride = ALIGN_BYTES // 4
-    while pos < limit:
-        want = min(window.size_bytes, limit - pos)
-        got = align_down(read_at(window.view[:want], pos))
-        if got < HEADER_BYTES:
-            break
-        words = np.frombuffer(window.view[:got], dtype="<u4")[::stride]
-        candidates = np.flatnonzero(words == _RECORD_MAGIC_U32).tolist()
-        del words
-        for idx in candidates:
-            at = idx * ALIGN_BYTES
-            check, _ = decode_record_header(window.view[at:at + HEADER_BYTES],
-                                            segment_id=segment_id, offset=pos + at,
-                                            segment_bytes=segment_bytes)
-            if check is HeaderCheck.OK:
-                return pos + at
-        pos += got
-    return segment_bytes
