@@ -25,6 +25,10 @@ invariant is a bug and raises :class:`InvariantViolation`.
     │   └── ProtocolError           malformed, oversized or truncated frame
     ├── MembershipError             etcd registration / discovery failed
     └── InvariantViolation          a bug in kvtier; please report it
+
+Errors cross process boundaries by class name (:func:`error_name`, :func:`error_from_name`):
+the gRPC services put it in trailing metadata (:mod:`kvstore.wire`), the same-host lease
+channel in its error replies (:mod:`kvstore.dataplane.transport.shm`).
 """
 
 from __future__ import annotations
@@ -109,3 +113,31 @@ class MembershipError(KvtierError):
 
 class InvariantViolation(KvtierError, AssertionError):
     """An internal invariant broke: this is a bug in kvtier."""
+
+
+_ERROR_CLASSES: dict[str, type[KvtierError]] = {
+    name: cls for name, cls in list(globals().items())
+    if isinstance(cls, type) and issubclass(cls, KvtierError)
+}
+
+
+def error_name(exc: KvtierError) -> str:
+    """The name that travels: the most derived kvtier class of ``exc``."""
+    for cls in type(exc).__mro__:
+        if cls.__name__ in _ERROR_CLASSES and _ERROR_CLASSES[cls.__name__] is cls:
+            return cls.__name__
+    return "KvtierError"
+
+
+def error_from_name(name: str, message: str) -> KvtierError:
+    """Rebuild an error from its class name and message (constructors are bypassed: some take
+    structured arguments the message already spells out). An unknown name is a plain
+    :class:`KvtierError`."""
+    cls = _ERROR_CLASSES.get(name, KvtierError)
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, message)
+    if isinstance(exc, SizeMismatch):
+        exc.expected = exc.actual = -1
+    if isinstance(exc, ChunkNotFound):
+        exc.key = b""
+    return exc

@@ -4,7 +4,9 @@ Errors cross process boundaries by *class name*: a gRPC service (daemon or condu
 name of the kvtier error class in the trailing metadata key :data:`ERROR_METADATA_KEY` (and picks
 the gRPC status code from :data:`GRPC_CODE_NAMES`), the same-host lease channel puts it in its
 error reply; a client rebuilds the same class with :func:`error_from_name`. An unknown name
-becomes a plain :class:`~kvstore.errors.KvtierError`.
+becomes a plain :class:`~kvstore.errors.KvtierError`. The two name functions live with the
+errors (the data plane's lease channel uses them too, and sits below this module); they are
+re-exported here.
 
 Tiers travel as the protobuf enum ``kvtier.v1.Tier``: :data:`TIER_TO_PB` and :data:`PB_TO_TIER`
 are the one map between it and :class:`~kvstore.dataplane.tier.TierKind`.
@@ -20,14 +22,9 @@ from typing import Any
 from kvstore import errors
 from kvstore._proto.kvtier.v1 import store_pb2 as store_pb
 from kvstore.dataplane.tier import TierKind
-from kvstore.errors import KvtierError
+from kvstore.errors import KvtierError, error_from_name, error_name
 
 ERROR_METADATA_KEY = "kvtier-error"
-
-_ERROR_CLASSES: dict[str, type[KvtierError]] = {
-    name: cls for name, cls in vars(errors).items()
-    if isinstance(cls, type) and issubclass(cls, KvtierError)
-}
 
 GRPC_CODE_NAMES: dict[type[KvtierError], str] = {
     errors.SizeMismatch: "INVALID_ARGUMENT",
@@ -54,27 +51,6 @@ def grpc_code_name(exc: KvtierError) -> str:
         if cls in GRPC_CODE_NAMES:
             return GRPC_CODE_NAMES[cls]
     return "UNKNOWN"
-
-
-def error_name(exc: KvtierError) -> str:
-    """The name that travels: the most derived kvtier class of ``exc``."""
-    for cls in type(exc).__mro__:
-        if cls.__name__ in _ERROR_CLASSES and _ERROR_CLASSES[cls.__name__] is cls:
-            return cls.__name__
-    return "KvtierError"
-
-
-def error_from_name(name: str, message: str) -> KvtierError:
-    """Rebuild an error from its class name and message (constructors are bypassed: some take
-    structured arguments the message already spells out)."""
-    cls = _ERROR_CLASSES.get(name, KvtierError)
-    exc = cls.__new__(cls)
-    Exception.__init__(exc, message)
-    if isinstance(exc, errors.SizeMismatch):
-        exc.expected = exc.actual = -1
-    if isinstance(exc, errors.ChunkNotFound):
-        exc.key = b""
-    return exc
 
 
 LEADER_METADATA_KEY = "kvtier-leader"
@@ -105,3 +81,7 @@ def stats_doc(reply: Any, address: str) -> dict[str, Any]:
             "corrupt": t.corrupt, "bytes_read": t.bytes_read, "bytes_written": t.bytes_written,
         } for t in reply.tiers],
     }
+
+
+__all__ = ["ERROR_METADATA_KEY", "GRPC_CODE_NAMES", "LEADER_METADATA_KEY", "PB_TO_TIER",
+           "TIER_TO_PB", "error_from_name", "error_name", "grpc_code_name", "stats_doc"]
