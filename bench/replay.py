@@ -36,7 +36,7 @@ from kvstore.dataplane.tier import TierKind
 from kvstore.errors import CapacityError, ConfigError, InvalidArgument
 from kvstore.node.index import CacheIndex, TierBudget
 from kvstore.node.policies import BeladyPolicy, FutureAccesses, PolicyName, make_policy
-from planner.trace import BLOCK_TOKENS, TraceRequest, block_key, default_trace_path, load_trace
+from planner.trace import BLOCK_TOKENS, TraceRequest, block_key, default_trace_path, load_requests
 
 TIER = TierKind.DRAM
 PIN_TTL_S = 60.0
@@ -222,13 +222,14 @@ def format_sweep(result: dict[str, object]) -> str:
 def run_sweep(trace: Path, out: Path | None, limit: int | None = None,
               capacities_tokens: Sequence[int] = SWEEP_CAPACITIES_TOKENS,
               half: TraceHalf | None = None) -> dict[str, object]:
-    requests = load_trace(trace, limit=limit)
+    requests = load_requests(trace, limit=limit)
     if half is not None:
         requests = split_by_time(requests, half)
     result = sweep(requests, capacities_tokens)
     result["trace"] = str(trace)
     result["half"] = None if half is None else half.value
-    result.update(run_header("replay", dirty_paths=("kvstore/node", "bench/replay.py")))
+    result.update(run_header("replay", dirty_paths=("kvstore/node", "planner/trace.py",
+                                                    "bench/replay.py")))
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
@@ -243,7 +244,7 @@ def run_one(trace: Path, capacity_tokens: int | None, policy: str, *,
     except ValueError as exc:
         known = ", ".join(p.value for p in PolicyName)
         raise ConfigError(f"unknown policy {policy!r} (known: {known})") from exc
-    return replay(load_trace(trace, limit=limit), capacity_tokens, kind)
+    return replay(load_requests(trace, limit=limit), capacity_tokens, kind)
 
 
 def format_one(result: ReplayResult) -> str:

@@ -4,8 +4,10 @@ Nothing here runs inside a daemon or a conductor; the runtime conductor imports 
 planner builds on the conductor's cost model (:mod:`conductor.perf`: hardware, model shapes,
 latency models). The modules, from the bottom up:
 
-* :mod:`~planner.trace` and :mod:`~planner.workload` -- the Mooncake trace as block keys (for the
-  eviction replay) and arrival traces (Mooncake JSONL, Azure CSV) and synthetic ones.
+* :mod:`~planner.trace` -- the one reader of Mooncake JSONL traces (records in the file's units,
+  milliseconds; block keys for the eviction replay) and the default trace's path.
+* :mod:`~planner.workload` -- arrival traces in seconds (Mooncake through :mod:`~planner.trace`,
+  Azure CSV) and synthetic ones.
 * :mod:`~planner.kv` -- ``plan kv``: KV size of a prompt, transfer time against prefill time,
   whether layer-by-layer pipelining hides the transfer.
 * :mod:`~planner.prefix_cache`, :mod:`~planner.metrics` -- the simulator's prefix cache and results.

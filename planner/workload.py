@@ -1,10 +1,10 @@
 """Arrival traces: the requests a simulated cluster serves.
 
-A :class:`Workload` is three aligned arrays (arrival time, prompt tokens, output tokens) plus, for traces
-that have them, the prefix-block ids of each prompt. Loaders:
+A :class:`Workload` is three aligned arrays (arrival time in seconds from the first request, prompt
+tokens, output tokens) plus, for traces that have them, the prefix-block ids of each prompt. Loaders:
 
 * Mooncake JSONL (``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids``: one id per 512-token
-  block, prefix-chained, so equal leading ids mean an identical prefix);
+  block, prefix-chained, so equal leading ids mean an identical prefix), parsed by :mod:`planner.trace`;
 * Azure LLM inference CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``; no block ids);
 * synthetic Poisson arrivals with lognormal lengths:
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import csv
 import enum
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,8 +36,7 @@ import numpy as np
 
 from conductor.perf.data import data_file
 from kvstore.errors import ConfigError, InvalidArgument
-
-MOONCAKE_BLOCK_TOKENS = 512
+from planner.trace import BLOCK_TOKENS, DEFAULT_TRACE_FILE, load_requests
 
 
 @dataclass(frozen=True, eq=False)
@@ -54,7 +52,7 @@ class Workload:
     prompt_tokens: np.ndarray
     output_tokens: np.ndarray
     block_ids: tuple[tuple[int, ...], ...] | None = None
-    block_tokens: int = MOONCAKE_BLOCK_TOKENS
+    block_tokens: int = BLOCK_TOKENS
 
     def __post_init__(self) -> None:
         n = len(self.arrival_s)
@@ -139,26 +137,16 @@ class Workload:
 
 
 def load_mooncake(path: str | Path, name: str | None = None) -> Workload:
-    """Load a Mooncake JSONL trace (timestamps in milliseconds)."""
-    arrival, prompt, output, blocks = [], [], [], []
-    try:
-        with Path(path).open() as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                    arrival.append(float(rec["timestamp"]) / 1000.0)
-                    prompt.append(int(rec["input_length"]))
-                    output.append(int(rec["output_length"]))
-                    blocks.append(tuple(int(h) for h in rec.get("hash_ids", ())))
-                except (KeyError, TypeError, ValueError) as exc:
-                    raise ConfigError(
-                        f"{path}:{lineno}: not a Mooncake trace record: {exc}"
-                    ) from exc
-    except OSError as exc:
-        raise ConfigError(f"cannot read trace {path}: {exc}") from exc
-    return _sorted(name or Path(path).stem, arrival, prompt, output, blocks)
+    """A Mooncake JSONL trace as a workload, read by :func:`planner.trace.load_requests` (the one
+    parse of the format, its errors: :class:`ConfigError` with the file and line).
+
+    The trace's millisecond timestamps become ``arrival_s``, seconds from the first request; a
+    zero length becomes 1 (the simulator needs a token to prefill and one to emit).
+    """
+    requests = load_requests(path)
+    return _sorted(name or Path(path).stem, [r.timestamp_ms / 1000.0 for r in requests],
+                   [r.input_length for r in requests], [r.output_length for r in requests],
+                   [r.hash_ids for r in requests])
 
 
 def load_azure(path: str | Path, name: str | None = None) -> Workload:
@@ -274,7 +262,7 @@ def synthetic(
 
 
 TRACE_FILES = {
-    "mooncake": "traces/conversation_trace.jsonl",
+    "mooncake": DEFAULT_TRACE_FILE,
     "azure-code": "traces/AzureLLMInferenceTrace_code.csv",
     "azure-conv": "traces/AzureLLMInferenceTrace_conv.csv",
 }

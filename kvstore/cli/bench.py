@@ -79,8 +79,8 @@ def schedule(
 @app.command()
 def replay(
     trace: Path | None = typer.Option(
-        None, "--trace", help="Mooncake JSONL trace [default: ../shared/data/traces/"
-        "conversation_trace.jsonl next to the repository, when it exists]."),
+        None, "--trace", help="Mooncake JSONL trace (default: traces/conversation_trace.jsonl "
+        "under $KVTIER_DATA_DIR or ../shared/data next to the repository, when it exists)."),
     capacity_tokens: int | None = typer.Option(
         None, "--capacity-tokens", help="Cache size in tokens (512-token blocks); omit: unbounded."),
     policy: str = typer.Option("lru", "--policy", help="lru, s3fifo, mq or belady."),
