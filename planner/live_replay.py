@@ -1,7 +1,7 @@
 """Trace replay through a REAL conductor process and REAL store daemons, on a simulated clock.
 
 ``kvtier bench schedule --real`` (``bench/schedule.py``) and
-``tests/control/test_live_replay.py`` run this; :mod:`planner.replay` is the fast
+``tests/planner/test_live_replay.py`` run this; :mod:`planner.replay` is the fast
 in-process mode (same engines, same latency model, simulated node caches).
 
 What is real
@@ -59,7 +59,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,7 @@ import numpy as np
 from conductor.perf.engine_model import EngineModel, default_engine_model
 from conductor.scheduler import Policy
 from kvstore.errors import CapacityError, ChunkExists, InvalidArgument, KvtierError
-from planner.replay import ClusterSpec, _keys_of, _percentiles
+from planner.replay import ClusterSpec, ReplayMetrics, _keys_of, _percentiles
 from planner.workload import Workload
 
 __all__ = ["LiveCluster", "LiveReplayResult", "LiveSpec", "live_replay", "run_live_replay"]
@@ -98,30 +98,16 @@ class LiveSpec:
             raise InvalidArgument("block_value_bytes must be >= 1 and report_interval_s > 0")
 
 
-@dataclass(frozen=True)
-class LiveReplayResult:
-    """One policy replayed through real processes. Times in seconds unless named otherwise."""
+@dataclass(frozen=True, kw_only=True)
+class LiveReplayResult(ReplayMetrics):
+    """One policy replayed through real processes: the metrics every replay shares (a decision
+    is one ``Schedule`` RPC, one in flight), plus what only real daemons and a real conductor
+    show."""
 
-    policy: str
-    trace: str
-    requests: int
-    accepted: int
-    rejected: dict[str, int]
-    hit_ratio: float
-    """Reused input tokens / input tokens of accepted requests (what engines really reused)."""
-    fetched_blocks: int
     fetched_bytes: int
     """Counted as full-size blocks of the engine model."""
     stored_blocks: int
     """Chunks put into daemons (prefill ends and fetches)."""
-    ttft_s: dict[str, float | None]
-    ttft_estimate_s: dict[str, float | None]
-    ttft_estimate_error: float | None
-    tpot_s: dict[str, float | None]
-    schedule_latency_us: dict[str, float | None]
-    """Wall-clock time of each Schedule RPC (one in flight)."""
-    decisions_per_s: float
-    """Decisions / wall-clock seconds spent in Schedule RPCs."""
     consistency: dict[str, int]
     """Decisions checked against the daemons: ``local_held`` / ``fetch_held`` (the named
     node really holds the prefix the decision counts on), ``local_exact`` (the daemon's
@@ -135,11 +121,6 @@ class LiveReplayResult:
     """Distinct blocks in the conductor's index at the end."""
     daemon_blocks: int
     """Distinct blocks held by the daemons at the end (their snapshots)."""
-    wall_s: float
-    config: dict[str, object] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, object]:
-        return asdict(self)
 
 
 # --------------------------------------------------------------------------- processes

@@ -71,6 +71,7 @@ from planner.workload import Workload
 __all__ = [
     "ClusterSpec",
     "EngineModel",
+    "ReplayMetrics",
     "ReplayResult",
     "default_engine_model",
     "offered_prefill_load",
@@ -113,19 +114,26 @@ def _percentiles(values: Sequence[float]) -> dict[str, float | None]:
     return {"mean": float(arr.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
 
 
-@dataclass(frozen=True)
-class ReplayResult:
-    """What one replay of one policy measured. Times in seconds unless named otherwise."""
+@dataclass(frozen=True, kw_only=True)
+class ReplayMetrics:
+    """What every scheduling replay measures, in process (:class:`ReplayResult`) or through real
+    processes (:class:`planner.live_replay.LiveReplayResult`). Times in seconds unless named
+    otherwise; a latency summary is ``{"mean", "p50", "p90", "p99"}`` (None when empty).
+
+    A *decision* is one ``Scheduler.schedule`` call in process, one ``Schedule`` RPC (one in
+    flight) through real processes.
+    """
 
     policy: str
     trace: str
     requests: int
     accepted: int
     rejected: dict[str, int]
+    """Rejected requests by reason."""
     hit_ratio: float
     """Reused input tokens / input tokens of accepted requests (what engines actually reused)."""
     fetched_blocks: int
-    replication_hints: int
+    """Blocks an engine fetched from another node before its prefill."""
     ttft_s: dict[str, float | None]
     """Simulated TTFT (arrival to end of prefill) of accepted requests."""
     ttft_estimate_s: dict[str, float | None]
@@ -134,20 +142,28 @@ class ReplayResult:
     """Median of |estimate - simulated| / simulated."""
     tpot_s: dict[str, float | None]
     schedule_latency_us: dict[str, float | None]
-    """Wall-clock time of each ``Scheduler.schedule`` call (includes being descheduled)."""
-    schedule_cpu_us: dict[str, float | None]
-    """CPU time of each call on its thread: the scheduler's own cost, without preemption."""
+    """Wall-clock time of each decision (in process, includes being descheduled)."""
     decisions_per_s: float
-    """Decisions / total wall-clock time spent in ``schedule``."""
-    preloaded_blocks: int
-    index_keys: int
-    events_applied: int
-    events_dropped: int
+    """Decisions / total wall-clock time spent deciding."""
     wall_s: float
     config: dict[str, object] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplayResult(ReplayMetrics):
+    """One policy replayed in process (:func:`replay`): the shared metrics, plus what only the
+    in-process replay sees."""
+
+    replication_hints: int
+    schedule_cpu_us: dict[str, float | None]
+    """CPU time of each call on its thread: the scheduler's own cost, without preemption."""
+    preloaded_blocks: int
+    index_keys: int
+    events_applied: int
+    events_dropped: int
 
 
 class _Clock:

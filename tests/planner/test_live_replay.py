@@ -12,7 +12,7 @@ from conductor.scheduler import Policy
 from planner.live_replay import run_live_replay
 from planner.replay import ClusterSpec, scale_to_load
 from planner.workload import load_trace
-from tests.control.test_schedule_replay import needs_traces
+from tests.planner.test_schedule_replay import needs_traces
 from tests.support.etcd import require_etcd
 
 CLUSTER = ClusterSpec(prefill_instances=4, decode_instances=4, node_capacity_blocks=300, seed=1)
