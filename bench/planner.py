@@ -302,7 +302,7 @@ def rules_of_thumb() -> list[dict[str, Any]]:
 def run(quick: bool) -> dict[str, Any]:
     result: dict[str, Any] = {
         **run_header("planner", dists=("numpy", "matplotlib"),
-                     dirty_paths=("conductor/planner", "bench/planner.py")),
+                     dirty_paths=("planner", "conductor/perf", "bench/planner.py")),
         "quick": quick,
         "paper": PAPER,
         "search_space_size_8_gpus": len(
