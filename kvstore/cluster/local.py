@@ -232,7 +232,7 @@ class LocalCluster:
         return child
 
     def _worker_child(self, instance_id: str, role: str, node_id: str) -> _Child:
-        from kvstore.engine.worker import READY_PREFIX
+        from kvstore.engine.worker.cli import READY_PREFIX
 
         spec = self.spec
         child = _Child(instance_id, self._py(

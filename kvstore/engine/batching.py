@@ -1,7 +1,7 @@
 """Continuous-batching decode over sequences with ragged KV: :class:`DecodeBatch`.
 
 Shared by the colocated engine (:mod:`kvstore.engine.colocated`) and the disaggregated decode
-worker (:mod:`kvstore.engine.worker`): both let sequences join the running batch between two
+worker (:mod:`kvstore.engine.worker.decode`): both let sequences join the running batch between two
 steps, advance every member by one greedy token per step with one forward, and let finished
 ones leave.
 

@@ -7,7 +7,7 @@ For each request :meth:`Gateway.generate`
    decode instance, the reusable prefix and a ticket),
 2. finds both instances' addresses in their etcd :class:`~kvstore.membership.engines.EngineRecord`
    (listed once, listed again when a name is unknown),
-3. sends ``generate`` to the prefill worker (frames of :mod:`kvstore.engine.worker`), with the
+3. sends ``generate`` to the prefill worker (frames of :mod:`kvstore.engine.frames`), with the
    conductor's fetch plan when the decision has one (blocks ``[first_block, end_block)`` are
    on another node: ``src_node`` and its daemon's ``src_address``), and reads
    ``first_token`` (TTFT is measured here, from before the Schedule call) and then ``done``
@@ -34,7 +34,7 @@ import aetcd
 import grpc
 
 from kvstore.client.conductor_client import ConductorClient
-from kvstore.engine.worker import read_frame, write_frame
+from kvstore.engine.frames import read_frame, write_frame
 from kvstore.errors import InvalidArgument, MembershipError, PeerUnavailable
 from kvstore.membership.engines import EngineRecord, engines_prefix
 from kvstore.membership.etcd import KeyLayout, etcd_client

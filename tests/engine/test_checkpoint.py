@@ -11,8 +11,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from kvstore.engine.model import ModelSpec, build_reference_model, load_model  # noqa: E402
-from kvstore.engine.worker import EngineRole, WorkerConfig, load_worker_model  # noqa: E402
+from kvstore.engine.worker.config import WorkerConfig, load_worker_model  # noqa: E402
 from kvstore.errors import ConfigError  # noqa: E402
+from kvstore.membership.engines import EngineRole  # noqa: E402
 
 TINY = ModelSpec(vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2,
                  num_attention_heads=4, num_kv_heads=2, head_dim=16, max_positions=256, seed=3)

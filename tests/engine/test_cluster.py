@@ -15,9 +15,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from kvstore.cluster.local import ClusterSpec, LocalCluster  # noqa: E402
+from kvstore.engine.frames import read_frame, write_frame  # noqa: E402
 from kvstore.engine.gateway import Gateway, GatewayResult  # noqa: E402
 from kvstore.engine.model import build_reference_model  # noqa: E402
-from kvstore.engine.worker import read_frame, write_frame  # noqa: E402
 from kvstore.errors import InvalidArgument, KvtierError  # noqa: E402
 from kvstore.membership.launcher import find_etcd_binary  # noqa: E402
 from tests.support.common import wait_until  # noqa: E402

@@ -14,12 +14,9 @@ pytest.importorskip("transformers")
 
 from kvstore.cluster.local import ClusterSpec, LocalCluster  # noqa: E402
 from kvstore.engine.model import build_reference_model  # noqa: E402
-from kvstore.engine.worker import (  # noqa: E402
-    WorkerConfig,
-    load_worker_model,
-    main,
-    resolve_device,
-)
+from kvstore.engine.worker.cli import main  # noqa: E402
+from kvstore.engine.worker.config import WorkerConfig, load_worker_model  # noqa: E402
+from kvstore.engine.worker.device import resolve_device  # noqa: E402
 from kvstore.errors import ConfigError, InvalidArgument  # noqa: E402
 from kvstore.membership.engines import EngineRole  # noqa: E402
 from kvstore.membership.launcher import find_etcd_binary  # noqa: E402

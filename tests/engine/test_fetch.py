@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 from kvstore.cluster.local import ClusterSpec, LocalCluster  # noqa: E402
 from kvstore.engine.gateway import Gateway, GatewayResult  # noqa: E402
 from kvstore.engine.model import build_reference_model  # noqa: E402
-from kvstore.engine.worker import _fetch_plan  # noqa: E402
+from kvstore.engine.worker.prefill import _fetch_plan  # noqa: E402
 from kvstore.errors import InvalidArgument  # noqa: E402
 from kvstore.membership.launcher import find_etcd_binary  # noqa: E402
 from tests.support.models import tiny_spec  # noqa: E402

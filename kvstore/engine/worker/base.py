@@ -1,0 +1,218 @@
+"""What the prefill and the decode worker share: the model, one KVClient per (daemon, tenant),
+the socket server, load and completion reports to the conductor, and the etcd record.
+
+Each worker runs one asyncio loop (sockets, conductor reports, etcd lease) and computes on one
+extra thread (``_compute``): the model is not shared across threads, and KV clients are used
+from that thread only. A failed conductor report is logged, never fails the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any
+
+import aetcd
+import grpc
+
+from kvstore.engine.frames import error_frame, read_frame, write_frame
+from kvstore.engine.worker.config import WorkerConfig, load_worker_model
+from kvstore.engine.worker.device import resolve_device
+from kvstore.errors import InvalidArgument, InvariantViolation, KvtierError
+from kvstore.membership.engines import EngineRecord, EngineRole
+
+if TYPE_CHECKING:
+    from kvstore.client.conductor_client import ConductorClient
+    from kvstore.client.kv_client import KVClient
+    from kvstore.client.kvlayout import KVLayout
+
+log = logging.getLogger(__name__)
+
+__all__ = ["WorkerBase", "doc_field", "doc_token_ids"]
+
+
+class WorkerBase:
+    """Model, KV clients, conductor reports and the etcd record; subclasses serve requests."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        """Record settings; :meth:`start` loads the model and opens everything."""
+        self.config = config
+        self._model: Any = None
+        self._layout: KVLayout | None = None
+        self._clients: dict[tuple[str, str], KVClient] = {}
+        self._compute = cf.ThreadPoolExecutor(1, thread_name_prefix=f"{config.role.value}-compute")
+        self._conductor: ConductorClient | None = None
+        self._etcd: Any = None
+        self._lease: Any = None
+        self._record: EngineRecord | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._server: asyncio.Server | None = None
+        self.address = ""
+        self._queued_tokens = 0
+        self._active = 0
+        self.device = "cpu"
+        """The resolved torch device (set by :meth:`start`)."""
+
+    @property
+    def model(self) -> Any:
+        return self._model
+
+    @property
+    def layout(self) -> KVLayout:
+        assert self._layout is not None, "start() first"
+        return self._layout
+
+    def kv_client(self, address: str, tenant: str) -> KVClient:
+        """One KVClient per (daemon, tenant), connected on first use (compute thread only)."""
+        from kvstore.client.kv_client import KVClient
+        from kvstore.client.kvlayout import namespace_for
+
+        client = self._clients.get((address, tenant))
+        if client is None:
+            client = KVClient.connect(address, self.layout,
+                                      namespace_for(self.layout, self.config.model_name, tenant))
+            self._clients[(address, tenant)] = client
+        return client
+
+    async def start(self) -> str:
+        import torch
+
+        from kvstore.client.conductor_client import ConductorClient
+        from kvstore.client.kvlayout import KVLayout, namespace_for
+        from kvstore.membership.engines import put_engine_record
+        from kvstore.membership.etcd import KeyLayout, etcd_client
+        cfg = self.config
+        self.device = resolve_device(cfg.device)
+        torch.set_num_threads(cfg.torch_threads)
+        loop = asyncio.get_running_loop()
+        self._model = await loop.run_in_executor(self._compute, load_worker_model, cfg,
+                                                 self.device)
+        self._layout = KVLayout.for_model(self._model, cfg.block_tokens)
+        self._server = await asyncio.start_server(self._serve, cfg.listen_host, cfg.listen_port)
+        host, port = self._server.sockets[0].getsockname()[:2]
+        self.address = f"{host}:{port}"
+        layout = KeyLayout(cfg.etcd_prefix)
+        self._conductor = ConductorClient(etcd_endpoint=cfg.etcd_endpoint, layout=layout)
+        self._etcd = etcd_client(cfg.etcd_endpoint)
+        self._lease = await self._etcd.lease(cfg.lease_ttl_s)
+        self._record = EngineRecord(
+            cfg.instance_id, cfg.role, cfg.model_name, cfg.node_id,
+            kv_capacity_tokens=cfg.kv_capacity_tokens if cfg.role is EngineRole.DECODE else 0,
+            address=self.address,
+            kv_fingerprint=namespace_for(self.layout, cfg.model_name).fingerprint)
+        await put_engine_record(self._etcd, self._record, layout=layout, lease_id=self._lease.id)
+        self._spawn(self._keepalive())
+        return self.address
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._lease is not None:
+            with contextlib.suppress(Exception):  # etcd may be gone first; the TTL then ends it
+                await asyncio.wait_for(self._lease.revoke(), 2.0)
+        if self._etcd is not None:
+            with contextlib.suppress(Exception):  # closing a client of a dead etcd
+                await self._etcd.close()
+        if self._conductor is not None:
+            await self._conductor.close()
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._close_clients)
+
+    def _close_clients(self) -> None:
+        self._compute.shutdown(wait=True)
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _keepalive(self) -> None:
+        """Refresh the lease every TTL/3. When etcd says the lease is gone (it lapsed while
+        this process or etcd was stalled: the record was deleted with it), register again
+        under a new lease, so the conductor sees the worker again."""
+        period_s = self.config.lease_ttl_s / 3
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                reply = await asyncio.wait_for(self._lease.refresh(), period_s)
+                if reply is not None and int(reply.TTL) <= 0:
+                    await self._register_again()
+            except (aetcd.ClientError, grpc.RpcError, TimeoutError, KvtierError) as exc:
+                # etcd down: keep trying; the record lapses with the lease if it stays down
+                log.warning("engine lease refresh failed: %s", exc)
+
+    async def _register_again(self) -> None:
+        from kvstore.membership.engines import put_engine_record
+        from kvstore.membership.etcd import KeyLayout
+
+        log.warning("engine lease %s expired; registering %s again", self._lease.id,
+                    self.config.instance_id)
+        self._lease = await self._etcd.lease(self.config.lease_ttl_s)
+        assert self._record is not None
+        await put_engine_record(self._etcd, self._record,
+                                layout=KeyLayout(self.config.etcd_prefix), lease_id=self._lease.id)
+
+    def _report(self, coro: Any) -> None:
+        """Send a report to the conductor in the background; failures are logged only."""
+        async def send() -> None:
+            try:
+                await coro
+            except KvtierError as exc:
+                log.warning("conductor report failed: %s", exc)
+        self._spawn(send())
+
+    def _report_load(self) -> None:
+        assert self._conductor is not None
+        if self.config.role is EngineRole.PREFILL:
+            call = self._conductor.report_load(self.config.instance_id,
+                                               queued_prefill_tokens=self._queued_tokens)
+        else:
+            call = self._conductor.report_load(self.config.instance_id,
+                                               running_decode_batch=self._active,
+                                               kv_used_tokens=self._queued_tokens)
+        self._report(call)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            doc, payload = await read_frame(reader)
+            await self.handle(doc, payload, writer)
+        except KvtierError as exc:
+            log.warning("request failed: %s: %s", type(exc).__name__, exc)
+            with contextlib.suppress(KvtierError):
+                await write_frame(writer, error_frame(exc))
+        except Exception as exc:  # a bug (torch, transformers): the caller must hear of it
+            log.exception("request failed with an unexpected error")
+            with contextlib.suppress(KvtierError):
+                await write_frame(writer, error_frame(InvariantViolation(
+                    f"worker {self.config.instance_id}: {type(exc).__name__}: {exc}")))
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError, OSError):
+                await writer.wait_closed()
+
+    async def handle(self, doc: dict[str, Any], payload: bytes,
+                     writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+
+def doc_field(doc: dict[str, Any], name: str, kind: type) -> Any:
+    """Field ``name`` of a request frame, checked to be a ``kind`` (a bool is not an int)."""
+    value = doc.get(name)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise InvalidArgument(f"field {name!r} must be {kind.__name__}, got {value!r}")
+    return value
+
+
+def doc_token_ids(doc: dict[str, Any]) -> list[int]:
+    """The frame's ``token_ids``: a non-empty list of ints."""
+    ids = doc_field(doc, "token_ids", list)
+    if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise InvalidArgument("token_ids must be a non-empty list of ints")
+    return list(ids)
