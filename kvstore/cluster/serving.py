@@ -12,7 +12,6 @@ by recovering the first run's chunks.
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from collections.abc import Callable
@@ -44,7 +43,11 @@ class Request:
 
 
 def default_trace() -> Path:
-    return Path(__file__).resolve().parents[2].parent / "shared/data/traces/conversation_trace.jsonl"
+    """The conversation trace (``$KVTIER_DATA_DIR`` > ``../shared/data``; see
+    :func:`planner.trace.default_trace_path`), or where it would be when it is missing."""
+    from planner.trace import DEFAULT_TRACE_FILE, default_trace_path
+
+    return default_trace_path() or Path("../shared/data") / DEFAULT_TRACE_FILE
 
 
 def synthesize_requests(trace: Path, *, count: int, max_blocks: int, block_tokens: int,
@@ -55,22 +58,22 @@ def synthesize_requests(trace: Path, *, count: int, max_blocks: int, block_token
     are equal token blocks and prefixes are shared exactly where the trace shares them. The last
     block is cut to the same fraction of a block as the trace's ``input_length``.
     """
+    from planner.trace import iter_trace
+
     out: list[Request] = []
-    with trace.open() as f:
-        for line in f:
-            rec = json.loads(line)
-            ids: list[int] = rec["hash_ids"]
-            if not ids or len(ids) > max_blocks:
-                continue
-            tokens: list[int] = []
-            for h in ids:
-                rng = np.random.default_rng(int(h))
-                tokens.extend(rng.integers(0, vocab_size, block_tokens).tolist())
-            tail = rec["input_length"] - (len(ids) - 1) * TRACE_BLOCK_TOKENS
-            keep = (len(ids) - 1) * block_tokens + max(1, round(tail * block_tokens / TRACE_BLOCK_TOKENS))
-            out.append(Request(int(rec["timestamp"]), tokens[:keep], ids))
-            if len(out) == count:
-                break
+    for rec in iter_trace(trace):  # file order; malformed lines raise ConfigError
+        ids = list(rec.hash_ids)
+        if not ids or len(ids) > max_blocks:
+            continue
+        tokens: list[int] = []
+        for h in ids:
+            rng = np.random.default_rng(int(h))
+            tokens.extend(rng.integers(0, vocab_size, block_tokens).tolist())
+        tail = rec.input_length - (len(ids) - 1) * TRACE_BLOCK_TOKENS
+        keep = (len(ids) - 1) * block_tokens + max(1, round(tail * block_tokens / TRACE_BLOCK_TOKENS))
+        out.append(Request(rec.timestamp_ms, tokens[:keep], ids))
+        if len(out) == count:
+            break
     return out
 
 
