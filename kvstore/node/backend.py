@@ -15,13 +15,14 @@ DRAM arena and receives puts straight into it:
   put arriving over TCP is a root chunk unless :meth:`ParentHints.expect` named its parent
   first (the ``SetParents`` RPC).
 
-:class:`ShmLeases` hands out the same two kinds of lease by id, with arena offsets instead of
-views, for clients on the same host that map the arena themselves (through the gRPC lease
-calls or the Unix-socket lease channel, :mod:`kvstore.node.shm_channel`). Each lease has an
-*owner* (a channel connection, or None for gRPC) and a deadline: :meth:`ShmLeases.drop_owner`
-ends every lease of a connection that closed (a client that died mid-put never makes its chunk
-visible; one that died mid-get unpins), and :meth:`ShmLeases.expire` ends leases past their
-deadline.
+:class:`ShmLeases` implements the shared-memory plane's
+:class:`~kvstore.dataplane.transport.base.ArenaLeaseBackend`: the same two kinds of lease by id,
+with arena offsets instead of views, for clients on the same host that map the arena themselves
+(through the lease channel, :class:`~kvstore.dataplane.transport.shm.ShmServer`, or the gRPC
+lease calls). Each lease has an *owner* (a channel connection, or None for gRPC) and a
+deadline: :meth:`ShmLeases.drop_owner` ends every lease of a connection that closed (a client
+that died mid-put never makes its chunk visible; one that died mid-get unpins), and
+:meth:`ShmLeases.expire` ends leases past their deadline.
 
 Thread safety: everything here may be called from any thread.
 """
@@ -41,6 +42,7 @@ from kvstore.dataplane.arena import copy_bytes
 from kvstore.dataplane.compress import CodecKind
 from kvstore.dataplane.dram import DramSlot, DramTier
 from kvstore.dataplane.tier import ChunkKey, TierKind, WriteSlot, check_key
+from kvstore.dataplane.transport.base import ArenaRange
 from kvstore.errors import (
     CapacityError,
     ChunkBusy,
@@ -294,14 +296,6 @@ class CacheLeaseBackend:
 # --- same-host leases by id --------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class ArenaRange:
-    """Where one leased chunk lies in the DRAM arena."""
-
-    offset: int
-    size_bytes: int
-
-
 @dataclass(slots=True)
 class _ReadRecord:
     lease: Lease
@@ -320,8 +314,8 @@ class _WriteRecord:
 
 
 class ShmLeases:
-    """Read and write leases on the DRAM arena by id (module docstring). Nothing happens at
-    construction; :meth:`close` ends every lease."""
+    """Read and write leases on the DRAM arena by id (module docstring; contract:
+    ``ArenaLeaseBackend``). Nothing happens at construction; :meth:`close` ends every lease."""
 
     def __init__(self, cache: TieredCache) -> None:
         dram = cache.tiers.get(TierKind.DRAM)
@@ -420,6 +414,20 @@ class ShmLeases:
             self._writes[lease_id] = _WriteRecord(slot, parent, owner,
                                                   time.monotonic() + ttl_s, offset)
         return lease_id, offset
+
+    def size_of(self, key: bytes) -> int | None:
+        """The committed chunk's size (in any tier), or None."""
+        entry = self._cache.entry(check_key(key))
+        return None if entry is None else entry.size_bytes
+
+    def remove(self, key: bytes) -> bool:
+        """Drop a chunk and everything cached under it (``TieredCache.remove``). False when it
+        is not held; raises ChunkBusy while any of them is pinned."""
+        try:
+            self._cache.remove(check_key(key))
+        except ChunkNotFound:
+            return False
+        return True
 
     def put(self, key: bytes, value: bytes | memoryview, *, parent: bytes | None = None) -> None:
         """Store a small value that arrived with its request (no lease); as ``TieredCache.put``.

@@ -10,7 +10,8 @@ What :meth:`StoreDaemon.start` brings up, in order (the constructor only records
    :class:`~kvstore.node.backend.CacheLeaseBackend`), the UCX data plane over the same backend
    when ``ucxx`` imports and ``server.ucx`` allows (its worker address goes into ``Info`` and
    the etcd record), the same-host lease channel
-   (:mod:`kvstore.node.shm_channel`), the gRPC service with health checking and reflection,
+   (:class:`~kvstore.dataplane.transport.shm.ShmServer` over :class:`~kvstore.node.backend.ShmLeases`),
+   the gRPC service with health checking and reflection,
    and the metrics endpoint when enabled;
 3. background tasks: a reaper (expired same-host leases and pins, every 0.5 s) and a demoter
    (tiers above their high watermark down to their low one);
@@ -51,6 +52,7 @@ from kvstore.dataplane.arena import remove_stale_arenas
 from kvstore.dataplane.dram import DramTier
 from kvstore.dataplane.read_index import slots_for
 from kvstore.dataplane.tier import Tier, TierKind
+from kvstore.dataplane.transport.shm import ShmServer
 from kvstore.dataplane.transport.tcp import TcpServer, TcpServerConfig
 from kvstore.dataplane.transport.ucx import UcxServer, UcxServerConfig, ucx_unavailable
 from kvstore.errors import ChunkBusy, ChunkNotFound, KvtierError, TierUnavailable
@@ -61,7 +63,6 @@ from kvstore.node.events import EventLog
 from kvstore.node.index import IndexEntry
 from kvstore.node.metrics import DaemonMetrics, MetricsSnapshot
 from kvstore.node.service import SERVICE_NAME, StoreService
-from kvstore.node.shm_channel import ShmChannelServer
 from kvstore.wire import TIER_TO_PB
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ class StoreDaemon:
         self._leases: ShmLeases | None = None
         self._tcp: TcpServer | None = None
         self._ucx: UcxServer | None = None
-        self._shm: ShmChannelServer | None = None
+        self._shm: ShmServer | None = None
         self._grpc: grpc.aio.Server | None = None
         self._health: Any = None
         self._service: StoreService | None = None
@@ -196,9 +197,9 @@ class StoreDaemon:
             ucx_address = self._start_ucx()
             shm_socket = ""
             if cfg.server.shm_channel:
-                self._shm = ShmChannelServer(self._leases, lease_ttl_s=cfg.server.shm_lease_ttl_s,
-                                             on_reads=self._record_lease_free_reads)
-                shm_socket = self._shm.start()
+                self._shm = ShmServer(self._leases, lease_ttl_s=cfg.server.shm_lease_ttl_s,
+                                      on_reads=self._record_lease_free_reads)
+                shm_socket = self._shm.start().host  # the abstract address, @kvtier-...
             grpc_port = await self._start_grpc()
             metrics_address = ""
             self.metrics.source = self

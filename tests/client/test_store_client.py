@@ -9,7 +9,7 @@ import pytest
 
 from kvstore import errors
 from kvstore.client import DataPlane, StoreClient, StoreClientConfig
-from kvstore.dataplane.transport.shm_frames import pack_keys, unpack_keys
+from kvstore.dataplane.transport.shm.frames import pack_keys, unpack_keys
 from kvstore.wire import error_from_name, error_name, grpc_code_name
 from tests.support.daemon import DaemonProcess
 

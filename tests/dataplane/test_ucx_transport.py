@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from kvstore._proto.kvtier.v1 import store_pb2 as pb
-from kvstore.client import store_client
+from kvstore.client import planes
 from kvstore.client.store_client import DataPlane, StoreClient, StoreClientConfig
 from kvstore.dataplane.transport.base import Transport, TransportKind, TransportServer
 from kvstore.dataplane.transport.memory_backend import MemoryBackend, MemoryReadLease
@@ -418,7 +418,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
 def elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make the daemon look like it runs on another host (another boot id), so AUTO cannot
     pick shared memory."""
-    monkeypatch.setattr(store_client, "local_boot_id", lambda: "another-host")
+    monkeypatch.setattr(planes, "local_boot_id", lambda: "another-host")
 
 
 def test_daemon_advertises_its_ucx_worker_address(daemon: DaemonProcess) -> None:
@@ -437,8 +437,8 @@ def test_auto_picks_ucx_for_a_daemon_on_another_host(daemon: DaemonProcess, else
             c.put(k, payload(size, i))
             out = bytearray(size)
             assert c.get_into(k, out) == size and out == payload(size, i)
-        assert c._ucx is not None  # the bytes went over UCX, not the TCP fallback
-        assert c._tcp is None
+        assert c._remote._ucx is not None  # the bytes went over UCX, not the TCP fallback
+        assert c._remote._tcp is None
         with pytest.raises(ChunkNotFound):
             c.get_into(b"ucx-never-stored", bytearray(8))
         with pytest.raises(SizeMismatch):
@@ -450,12 +450,12 @@ def test_values_below_ucx_min_bytes_go_over_tcp(daemon: DaemonProcess, elsewhere
     with StoreClient.connect(daemon.grpc_address, StoreClientConfig(ucx_min_bytes=MiB)) as c:
         assert c.data_plane is DataPlane.UCX
         c.put(key, payload(4 * KiB, 5))
-        assert c._tcp is not None and c._ucx is None
+        assert c._remote._tcp is not None and c._remote._ucx is None
         out = bytearray(4 * KiB)
         c.get_into(key, out)
-        assert out == payload(4 * KiB, 5) and c._ucx is None
+        assert out == payload(4 * KiB, 5) and c._remote._ucx is None
         c.put(key[:60] + b"-big", payload(MiB, 6))
-        assert c._ucx is not None
+        assert c._remote._ucx is not None
 
 
 def test_forced_planes_and_a_daemon_without_ucx(tmp_path: Path, elsewhere: None) -> None:
@@ -487,7 +487,7 @@ def test_a_ucx_failure_falls_back_to_tcp_and_marks_ucx_bad(daemon: DaemonProcess
         start = time.monotonic()
         c.put(key, data)  # UCX times out, the same call succeeds over TCP
         assert time.monotonic() - start < 10
-        assert c._tcp is not None
+        assert c._remote._tcp is not None
         start = time.monotonic()
         out = bytearray(len(data))
         c.get_into(key, out)  # UCX is marked bad: straight to TCP

@@ -202,9 +202,10 @@ def test_a_writer_killed_mid_put_leaves_nothing_visible(daemon: DaemonProcess,
     used_before = _dram_used(shm)
     run_python(textwrap.dedent(f"""
         import os, signal
-        from kvstore.client.store_client import LeaseChannel, StoreClient
+        from kvstore.client.store_client import StoreClient
         from kvstore.dataplane.arena import ArenaAccess, ShmArena
-        from kvstore.dataplane.transport.shm_frames import ChannelOp
+        from kvstore.dataplane.transport.shm import LeaseChannel
+        from kvstore.dataplane.transport.shm.frames import ChannelOp
         c = StoreClient.connect({daemon.grpc_address!r})
         chan = LeaseChannel(c.info.shm_socket)
         lease, ranges = chan.call(ChannelOp.RESERVE, keys=[b"half-written", b""], arg=1 << 20)
@@ -229,8 +230,9 @@ def test_a_reader_killed_mid_get_releases_its_pin(daemon: DaemonProcess,
     shm.put(b"read-then-die", value(8, 64 * KiB))
     proc_code = textwrap.dedent(f"""
         import os, signal, sys
-        from kvstore.client.store_client import LeaseChannel, StoreClient
-        from kvstore.dataplane.transport.shm_frames import ChannelOp
+        from kvstore.client.store_client import StoreClient
+        from kvstore.dataplane.transport.shm import LeaseChannel
+        from kvstore.dataplane.transport.shm.frames import ChannelOp
         c = StoreClient.connect({daemon.grpc_address!r})
         chan = LeaseChannel(c.info.shm_socket)
         chan.call(ChannelOp.ACQUIRE_READ, keys=[b"read-then-die"])

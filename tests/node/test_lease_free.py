@@ -66,7 +66,7 @@ def client(daemon: DaemonProcess, reads: str) -> Iterator[StoreClient]:
         if reads == "python":
             mp.setenv(native.ENV_SWITCH, "0")
         c = shm_client(daemon)
-        reader = c._reader
+        reader = c.plane.reader
         assert reader is not None and reader.native == (reads == "extension")
         yield c
         c.close()
@@ -305,7 +305,7 @@ def test_a_reader_killed_mid_copy_holds_nothing(daemon: DaemonProcess,
         def die():
             print("COPYING", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        c._reader.before_copy = die
+        c.plane.reader.before_copy = die
         c.get_into(b"lf-die-reading", np.empty(64 * 1024, np.uint8))
         print("SURVIVED", flush=True)
     """)

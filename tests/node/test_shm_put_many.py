@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from kvstore.client import DataPlane, StoreClient, StoreClientConfig
-from kvstore.client.store_client import LeaseChannel
-from kvstore.dataplane.transport.shm_frames import ChannelOp
+from kvstore.dataplane.transport.shm import LeaseChannel
+from kvstore.dataplane.transport.shm.frames import ChannelOp
 from kvstore.errors import InvalidArgument, PeerUnavailable
 from tests.support.common import wait_until
 from tests.support.daemon import DaemonProcess

@@ -1,12 +1,17 @@
-"""The data-plane transport contracts: what a server mounts, and what a client calls.
+"""The data-plane transport contracts: what a server serves, and what a client calls.
 
-Bytes between hosts never travel inside protobuf at full size. A store daemon mounts a
-:class:`LeaseBackend` (its tiered cache, pinning chunks while leased) on a transport *server*; an
-engine talks to it through a :class:`Transport` *client*. The TCP transport
-(:mod:`kvstore.dataplane.transport.tcp`) is the first implementation; UCX comes later and must fit
-the same two Protocols.
+Bytes never travel inside protobuf at full size. A store daemon mounts its tiered cache on a
+transport *server*; an engine talks to it through a :class:`Transport` *client*. Three
+implementations, one conformance suite (``tests/dataplane/transport_conformance.py``):
 
-Server side: the lease backend
+* TCP (:mod:`.tcp`) and UCX (:mod:`.ucx`), between hosts: the server serves a
+  :class:`LeaseBackend` and moves the bytes itself, straight out of a read lease's view or into a
+  write lease's buffer;
+* shared memory (:mod:`.shm`), on one host: the client maps the peer's DRAM arena and copies the
+  bytes itself; the server serves an :class:`ArenaLeaseBackend` (leases by id, with arena offsets)
+  over a Unix socket and never touches a byte. Its client is a :class:`MappedTransport`.
+
+Server side: the lease backend (TCP, UCX)
     ``open_read(key)`` returns a :class:`ReadLease`: a read-only, zero-copy ``memoryview`` of the
     whole chunk. The view stays valid, and its bytes unchanged, until ``release()``; the backend
     pins the chunk meanwhile (``remove`` of a leased chunk raises ``ChunkBusy``, eviction skips it).
@@ -14,9 +19,9 @@ Server side: the lease backend
 
     ``read_into(key, dst)`` copies a committed chunk into ``dst`` (exactly its size) under no
     lease: for small values, where one copy costs less than pinning the chunk for the duration
-    of a send (the TCP server uses it for GETs up to ``copy_read_max_bytes``). It counts as a
-    read like ``open_read``. ``SizeMismatch`` (``expected`` = the stored size) leaves ``dst``
-    untouched.
+    of a send (the TCP server uses it for GETs up to ``copy_read_max_bytes``, UCX for inline
+    GETs). It counts as a read like ``open_read``. ``SizeMismatch`` (``expected`` = the stored
+    size) leaves ``dst`` untouched.
 
     ``open_write(key, size_bytes)`` returns a :class:`WriteLease`: a writable ``memoryview`` of
     exactly ``size_bytes`` into the backend's own memory. The chunk is invisible (``exists`` is
@@ -26,7 +31,8 @@ Server side: the lease backend
     write lease on a key is outstanding, a second ``open_write`` of that key raises ``ChunkBusy``.
 
     Errors (per call, from :mod:`kvstore.errors`): ``ChunkNotFound`` (``open_read`` or
-    ``read_into`` of an unknown key), ``SizeMismatch`` (``read_into`` with a wrong-size buffer), ``ChunkExists`` (``open_write`` of a committed key: chunks are immutable), ``ChunkBusy``
+    ``read_into`` of an unknown key), ``SizeMismatch`` (``read_into`` with a wrong-size buffer),
+    ``ChunkExists`` (``open_write`` of a committed key: chunks are immutable), ``ChunkBusy``
     (key leased or being written), ``CapacityError`` / ``DiskFull`` (no room), ``InvalidArgument``
     (malformed key or size), ``TierUnavailable`` (closed). A miss on ``exists`` / ``size_of`` /
     ``remove`` is not an error.
@@ -35,19 +41,40 @@ Server side: the lease backend
     time, but many leases (read and write) are outstanding at once and their buffers are filled or
     drained concurrently, without the backend's lock held.
 
-Client side: the transport
-    ``put`` reads ``src`` and ``get_into`` writes ``dst`` only during the call; the transport keeps
-    no reference to either after it returns, and the caller must not touch ``dst`` meanwhile. A
-    ``get_into`` that fails leaves ``dst`` with unspecified contents. ``put`` is all or nothing: the
-    value becomes visible to other clients only once every byte has arrived.
+Server side: the arena lease backend (shared memory)
+    The same two kinds of lease, by id and with :class:`ArenaRange` offsets into an arena that the
+    client maps, because the bytes never pass through the server. ``acquire_read(keys)`` pins
+    every key (all or nothing; or the longest cached prefix with ``prefix=True``) until
+    ``release(lease_id)``; ``reserve(key, size_bytes)`` hands out an invisible slot until
+    ``commit`` or ``abort``. Each lease has an *owner* (the connection that took it):
+    ``drop_owner`` ends every lease of a connection that closed (a client that died mid-put never
+    makes its chunk visible; one that died mid-get unpins), and a lease past its TTL may be ended
+    by the backend. Same errors and thread safety as :class:`LeaseBackend`.
 
-    Errors: ``ChunkNotFound`` (``get``/``get_into`` of a key the peer does not hold), ``ChunkExists``,
-    ``ChunkBusy``, ``CapacityError`` (as raised by the peer's backend), ``SizeMismatch`` (``dst`` is
-    not exactly the value's size; no bytes were transferred), ``InvalidArgument`` (bad key, value
-    over the configured maximum), ``PeerUnavailable`` (connection refused, reset, closed or timed
-    out: a transport that cannot detect a dead peer on its own, as UCX over CMA cannot, bounds every
-    wait with a timeout and raises this), ``ProtocolError`` (the peer sent a malformed frame, or
-    rejected ours). A failed call never leaves a half-written value visible on the peer.
+Client side: the transport
+    Buffers: ``put`` reads ``src`` and ``get_into`` writes ``dst`` only during the call; the
+    transport keeps no reference to either after it returns, and the caller must not touch
+    ``dst`` meanwhile. A ``get_into`` that fails leaves ``dst`` with unspecified contents, except
+    that a ``SizeMismatch`` or ``ChunkNotFound`` leaves it untouched. ``get`` returns a new buffer
+    that the caller owns. ``put`` is all or nothing: the value becomes visible to other clients
+    only once every byte has arrived, and a failed call never leaves a half-written value visible
+    on the peer.
+
+    Per-call errors (the call did nothing the caller can see; the client stays usable):
+    ``ChunkNotFound`` (``get``/``get_into`` of a key the peer does not hold), ``ChunkExists``,
+    ``ChunkBusy``, ``CapacityError`` (as raised by the peer's backend), ``SizeMismatch`` (``dst``
+    is not exactly the value's size; no bytes were transferred), ``InvalidArgument`` (bad key,
+    buffer or value over the configured maximum; refused before anything is sent),
+    ``TierUnavailable`` (the peer is draining). Transport errors: ``PeerUnavailable`` (connection
+    refused, reset, closed or timed out: a transport that cannot detect a dead peer on its own,
+    as UCX over CMA cannot, bounds every wait with a timeout and raises this), ``ProtocolError``
+    (the peer sent a malformed frame, or rejected ours); the connection that saw one is
+    discarded, and the next call uses a fresh one. Misses on ``exists`` / ``size_of`` /
+    ``remove`` are not errors.
+
+    Per-key outcomes (:class:`BatchTransport`): ``get_many_into`` reports a miss as None in its
+    result and ``put_many`` an already stored key as False; any other refusal is raised after
+    the whole batch ran (the other buffers are filled, the other values stored).
 
     Thread safety: one client may be shared by many threads; calls proceed in parallel up to the
     client's connection count.
@@ -57,12 +84,24 @@ Client side: the transport
     just after the last byte has left, so a ``remove`` issued right behind such a get that used
     another connection (any striped get) may still find the chunk leased and raise
     ``ChunkBusy`` for a moment. Small gets that the server copies out with ``read_into`` (TCP:
-    up to ``copy_read_max_bytes``) hold no lease after the copy.
+    up to ``copy_read_max_bytes``) hold no lease after the copy. The shared-memory client ends a
+    read lease with a message it does not wait for; its own ``remove`` and ``sync`` wait until
+    the peer has processed those.
+
+Client side: the mapped transport (shared memory)
+    A :class:`MappedTransport` also lends the peer's memory itself, under the same leases the
+    server's backend hands out: ``open_read(key)`` returns a :class:`ReadLease` whose ``view`` is
+    the chunk in the mapped arena (valid until ``release()``, which the caller must call; the
+    chunk cannot be evicted or change meanwhile), and ``open_write(key, size_bytes)`` a
+    :class:`WriteLease` whose ``buffer`` is an invisible slot of the arena (a zero-copy put: fill
+    it, then ``commit()``; ``abort()`` or a dead client frees it). Both views are the peer's
+    memory: after the lease ends they must not be touched.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -75,6 +114,8 @@ class TransportKind(enum.Enum):
 
     TCP = "tcp"
     UCX = "ucx"
+    SHM = "shm"
+    """Same host: a lease channel on an abstract Unix socket, bytes through a mapped arena."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +124,9 @@ class Endpoint:
 
     A UCX server has no port: clients reach it through its opaque ``worker_address`` (exchanged
     out of band, e.g. in the daemon's gRPC ``Info``), so for ``TransportKind.UCX`` the port is 0
-    and ``worker_address`` is required; TCP endpoints carry none.
+    and ``worker_address`` is required; TCP endpoints carry none. A shared-memory server's
+    ``host`` is its lease channel's abstract socket address (``@name``: reachable from this host
+    only) and its port is 0.
     """
 
     kind: TransportKind
@@ -99,6 +142,11 @@ class Endpoint:
         if self.kind is TransportKind.UCX:
             if self.port != 0 or not self.worker_address:
                 raise InvalidArgument("a UCX endpoint has port 0 and a non-empty worker_address")
+            return
+        if self.kind is TransportKind.SHM:
+            if self.port != 0 or self.worker_address or not self.host.startswith("@"):
+                raise InvalidArgument("a shared-memory endpoint has an abstract @address as its "
+                                      "host, port 0 and no worker_address")
             return
         if self.worker_address:
             raise InvalidArgument("only UCX endpoints carry a worker_address")
@@ -150,7 +198,7 @@ class WriteLease(Protocol):
 
 @runtime_checkable
 class LeaseBackend(Protocol):
-    """What a transport server serves: chunks behind read and write leases (module docstring)."""
+    """What a TCP or UCX server serves: chunks behind read and write leases (module docstring)."""
 
     def open_read(self, key: bytes) -> ReadLease:
         """Pin a committed chunk and return its view. Raises ChunkNotFound."""
@@ -178,20 +226,86 @@ class LeaseBackend(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class ArenaRange:
+    """Where one leased chunk lies in the arena the client maps."""
+
+    offset: int
+    size_bytes: int
+
+
+@runtime_checkable
+class ArenaLeaseBackend(Protocol):
+    """What a shared-memory server serves: leases by id on an arena its clients map (module
+    docstring). ``owner`` is an opaque object standing for the connection that takes a lease
+    (compared by identity); a lease may only be committed or aborted by its owner."""
+
+    def acquire_read(self, keys: Sequence[bytes], ttl_s: float, *, prefix: bool = False,
+                     owner: object | None = None) -> tuple[int, list[ArenaRange]]:
+        """Pin ``keys`` in the arena and return a lease id and one range per key. ``prefix``:
+        the longest cached prefix of ``keys`` (lease id 0 and no ranges when it is empty);
+        otherwise all or nothing. Raises ChunkNotFound, ChunkBusy, CapacityError (the arena
+        cannot hold them now: read them another way), InvalidArgument."""
+        ...
+
+    def release(self, lease_id: int) -> bool:
+        """End a read lease. False when it is unknown (released, expired or never issued)."""
+        ...
+
+    def reserve(self, key: bytes, size_bytes: int, ttl_s: float, *,
+                parent: bytes | None = None, owner: object | None = None) -> tuple[int, int]:
+        """An invisible slot of ``size_bytes``: (lease id, arena offset). Raises ChunkExists,
+        ChunkBusy, CapacityError, InvalidArgument."""
+        ...
+
+    def commit(self, lease_id: int, *, owner: object | None = None) -> object:
+        """Make a reserved chunk visible. Raises InvalidArgument (unknown lease, or another
+        owner's) and the errors of storing it (the slot is then freed)."""
+        ...
+
+    def abort(self, lease_id: int, *, owner: object | None = None) -> bool:
+        """Free a reserved slot; the chunk never becomes visible. False when unknown."""
+        ...
+
+    def put(self, key: bytes, value: bytes | memoryview, *, parent: bytes | None = None) -> None:
+        """Store a small value that arrived with its request; ``value`` is read only during the
+        call. Raises as ``reserve``."""
+        ...
+
+    def size_of(self, key: bytes) -> int | None:
+        """The committed chunk's size, or None."""
+        ...
+
+    def remove(self, key: bytes) -> bool:
+        """Drop a committed chunk. False when not held; raises ChunkBusy while it is leased."""
+        ...
+
+    def drop_owner(self, owner: object) -> tuple[int, int]:
+        """End every lease of ``owner`` (its connection closed): (reads, writes) ended."""
+        ...
+
+    def open_count(self) -> tuple[int, int]:
+        """(read leases, write leases) outstanding."""
+        ...
+
+
 @runtime_checkable
 class Transport(Protocol):
     """A data-plane client: moves chunk bytes to and from one peer. See the module docstring."""
 
     def put(self, key: bytes, src: Buffer) -> None:
-        """Store ``src`` under ``key`` on the peer, all or nothing."""
+        """Store ``src`` under ``key`` on the peer, all or nothing. ``src`` is read only during
+        the call. Raises ChunkExists, ChunkBusy, CapacityError, InvalidArgument."""
         ...
 
     def get_into(self, key: bytes, dst: Buffer) -> int:
-        """Fill ``dst`` (exactly the value's size) with the value; return the byte count."""
+        """Fill ``dst`` (exactly the value's size) with the value; return the byte count.
+        ``dst`` is written only during the call. Raises ChunkNotFound, SizeMismatch (``dst``
+        untouched)."""
         ...
 
     def get(self, key: bytes) -> bytearray:
-        """The whole value in a new buffer. Raises ChunkNotFound."""
+        """The whole value in a new buffer (the caller's). Raises ChunkNotFound."""
         ...
 
     def exists(self, key: bytes) -> bool: ...
@@ -199,7 +313,8 @@ class Transport(Protocol):
     def size_of(self, key: bytes) -> int | None: ...
 
     def remove(self, key: bytes) -> bool:
-        """Drop the value on the peer. False when the peer did not hold it."""
+        """Drop the value on the peer. False when the peer did not hold it; raises ChunkBusy
+        while it is leased."""
         ...
 
     def close(self) -> None:
@@ -208,8 +323,55 @@ class Transport(Protocol):
 
 
 @runtime_checkable
+class BatchTransport(Transport, Protocol):
+    """A transport that moves many values per call (TCP pipelines them, shared memory leases
+    them together). Per-key outcomes as the module docstring says."""
+
+    def put_many(self, keys: Sequence[bytes], srcs: Sequence[Buffer]) -> list[bool]:
+        """Store each value; False where the peer already held the key. Other refusals are
+        raised after the batch ran."""
+        ...
+
+    def get_many_into(self, keys: Sequence[bytes], dsts: Sequence[Buffer]) -> list[int | None]:
+        """Fill each buffer; None where the peer does not hold the key. Other refusals
+        (``SizeMismatch``...) are raised after the batch ran."""
+        ...
+
+
+@runtime_checkable
+class MappedTransport(BatchTransport, Protocol):
+    """A same-host transport: the peer's arena is mapped here, so values move by one memcpy
+    under the peer's leases, and the leases themselves can be lent out (module docstring)."""
+
+    def put(self, key: bytes, src: Buffer, *, parent: bytes | None = None) -> None:
+        """:meth:`Transport.put`, as a child of ``parent`` (the peer's prefix rule applies)."""
+        ...
+
+    def open_read(self, key: bytes) -> ReadLease:
+        """Lease a committed chunk; its ``view`` is the chunk in the mapped arena, valid until
+        ``release()``. Raises ChunkNotFound, CapacityError (the arena cannot hold it now)."""
+        ...
+
+    def open_write(self, key: bytes, size_bytes: int, *, parent: bytes | None = None
+                   ) -> WriteLease:
+        """Reserve an invisible slot of the mapped arena; ``commit()`` publishes it. Raises
+        ChunkExists, ChunkBusy, CapacityError, InvalidArgument."""
+        ...
+
+    def load_prefix(self, keys: Sequence[bytes], dsts: Sequence[Buffer]) -> int:
+        """Fill ``dsts`` with the longest cached prefix of ``keys``; return its length (a miss
+        is a short count). Raises SizeMismatch (nothing copied)."""
+        ...
+
+    def sync(self) -> None:
+        """Return once the peer has processed every lease release this client sent without
+        waiting for an answer (so a ``remove`` elsewhere cannot find this client's leases)."""
+        ...
+
+
+@runtime_checkable
 class TransportServer(Protocol):
-    """Serves one :class:`LeaseBackend` to remote :class:`Transport` clients."""
+    """Serves one backend (:class:`LeaseBackend` or :class:`ArenaLeaseBackend`) to clients."""
 
     def start(self) -> Endpoint:
         """Bind and begin serving; return the endpoint clients connect to."""

@@ -1,10 +1,11 @@
-"""The same-host lease channel's frames, shared by the daemon and its clients.
+"""The same-host lease channel's frames, shared by its server (:mod:`.server`) and client
+(:mod:`.channel`, :mod:`.client`).
 
 Errors in its replies travel by class name, as on every kvtier wire (:mod:`kvstore.wire`).
 
 The lease channel
     A Unix stream socket in the abstract namespace (``@kvtier-...``, so nothing is left on disk
-    after a ``kill -9``), served by :mod:`kvstore.node.shm_channel`. Same-host clients use it
+    after a ``kill -9``), served by :class:`~.server.ShmServer`. Same-host clients use it
     instead of gRPC for the shared-memory data plane because a round trip costs ~30 µs here
     instead of ~400 µs, and because its leases are tied to the connection: when the client
     process dies, the kernel closes the socket and the daemon ends its leases at once.
@@ -60,6 +61,11 @@ class ChannelOp(enum.IntEnum):
     COMMIT_MANY = 11
     """no keys; tail = u64 lease ids -> every one is committed; the first failure (if any) is
     the error reply."""
+    SIZE_OF = 12
+    """keys -> one RANGE per key: (1, size) when it is committed, (0, 0) when not."""
+    REMOVE = 13
+    """keys = [key] -> lease id 1 when it was removed, 0 when it was not held. ChunkBusy while
+    it is leased."""
 
 
 FLAG_PREFIX = 1

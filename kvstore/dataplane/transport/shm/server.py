@@ -1,10 +1,14 @@
-"""The lease channel: same-host clients lease arena ranges over a Unix socket.
+"""The shared-memory plane's server half: same-host clients lease arena ranges over a Unix socket.
 
-Frames: :mod:`kvstore.dataplane.transport.shm_frames`. Leases: :class:`~kvstore.node.backend.ShmLeases`, owned by
-the connection that took them: when it closes (the client exited, crashed, or was killed), every
-read lease it held is released and every reservation it did not commit is aborted, so a
-half-written chunk never becomes visible and a dead reader pins nothing. A TTL
-(``lease_ttl_s``) bounds a client that stays connected but stuck.
+:class:`ShmServer` serves an :class:`~kvstore.dataplane.transport.base.ArenaLeaseBackend` (the
+daemon's is :class:`kvstore.node.backend.ShmLeases`, over its tiered cache) on the lease channel.
+Frames: :mod:`.frames`. Leases are owned by the connection that took them: when it closes (the
+client exited, crashed, or was killed), every read lease it held is released and every
+reservation it did not commit is aborted, so a half-written chunk never becomes visible and a
+dead reader pins nothing. A TTL (``lease_ttl_s``) bounds a client that stays connected but
+stuck. A frame the server cannot trust (over ``MAX_BODY_BYTES`` or ``MAX_KEYS``, truncated,
+an unknown op, a malformed body) closes that connection, ending its leases; the others are
+untouched.
 
 Threads: one accept thread and one thread per connection (a client process keeps a few pooled
 connections). A request's work is a few index operations (plus a promotion from NVMe when the
@@ -30,7 +34,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvstore.dataplane.transport.shm_frames import (
+from kvstore.dataplane.transport.base import ArenaLeaseBackend, Endpoint, TransportKind
+from kvstore.dataplane.transport.shm.frames import (
     FLAG_NO_REPLY,
     FLAG_PREFIX,
     MAX_BODY_BYTES,
@@ -44,9 +49,14 @@ from kvstore.dataplane.transport.shm_frames import (
     ChannelOp,
     unpack_keys,
 )
-from kvstore.errors import ChunkExists, KvtierError, ProtocolError, TierUnavailable, TransportError
-from kvstore.node.backend import ShmLeases
-from kvstore.wire import error_name
+from kvstore.errors import (
+    ChunkExists,
+    KvtierError,
+    ProtocolError,
+    TierUnavailable,
+    TransportError,
+    error_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -122,11 +132,13 @@ class _Connection:
         self.thread: threading.Thread | None = None
 
 
-class ShmChannelServer:
-    """Serves :class:`ShmLeases` on an abstract Unix socket. The constructor records only;
-    :meth:`start` binds and starts the accept thread."""
+class ShmServer:
+    """Serves an :class:`ArenaLeaseBackend` on an abstract Unix socket (contract:
+    ``base.TransportServer``). The constructor records only; :meth:`start` binds and starts the
+    accept thread."""
 
-    def __init__(self, leases: ShmLeases, *, lease_ttl_s: float, name: str | None = None,
+    def __init__(self, leases: ArenaLeaseBackend, *, lease_ttl_s: float,
+                 name: str | None = None,
                  on_reads: Callable[[list[bytes]], None] | None = None) -> None:
         """``on_reads`` receives the keys of each READS report (module docstring), on the
         connection's thread."""
@@ -147,7 +159,14 @@ class ShmChannelServer:
         """``@name``: the abstract-namespace address clients connect to."""
         return f"@{self._name}"
 
-    def start(self) -> str:
+    @property
+    def endpoint(self) -> Endpoint:
+        if self._listener is None:
+            raise TransportError("the lease channel is not started")
+        return Endpoint(TransportKind.SHM, self.address, 0)
+
+    def start(self) -> Endpoint:
+        """Bind and start accepting. Raises TransportError (the name is taken)."""
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             listener.bind("\0" + self._name)
@@ -160,14 +179,15 @@ class ShmChannelServer:
                                                name="kvtier-shm-accept")
         self._accept_thread.start()
         log.info("lease channel listening on %s", self.address)
-        return self.address
+        return self.endpoint
 
     def connection_count(self) -> int:
         with self._lock:
             return len(self._connections)
 
-    def close(self, drain_timeout_s: float = 0.0) -> None:
-        """Stop accepting, drain (module docstring), close every connection. Idempotent."""
+    def close(self, drain_timeout_s: float | None = None) -> None:
+        """Stop accepting, drain for up to ``drain_timeout_s`` (default 0; module docstring),
+        close every connection. Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -181,7 +201,7 @@ class ShmChannelServer:
             self._listener.close()
         if self._accept_thread is not None:
             self._accept_thread.join(5.0)
-        deadline = time.monotonic() + drain_timeout_s
+        deadline = time.monotonic() + (drain_timeout_s or 0.0)
         while time.monotonic() < deadline and any(self._leases.open_count()):
             time.sleep(0.02)
         with self._lock:
@@ -301,6 +321,14 @@ class ShmChannelServer:
                 return REPLY.pack(STATUS_OK, 0, 0, 0)
             if op == ChannelOp.PING:
                 return REPLY.pack(STATUS_OK, 0, 0, 0)
+            if op == ChannelOp.SIZE_OF:
+                sizes = [self._leases.size_of(key) for key in keys]
+                return REPLY.pack(STATUS_OK, len(sizes), 0, 0) + b"".join(
+                    RANGE.pack(0, 0) if n is None else RANGE.pack(1, n) for n in sizes)
+            if op == ChannelOp.REMOVE:
+                if len(keys) != 1:
+                    raise ProtocolError(f"REMOVE carries one key, got {len(keys)}")
+                return REPLY.pack(STATUS_OK, 0, 0, int(self._leases.remove(keys[0])))
             raise ProtocolError(f"unknown lease channel op {op}")
         except ProtocolError:
             raise

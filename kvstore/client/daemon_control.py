@@ -1,0 +1,214 @@
+"""The gRPC control half of a store daemon's client: metadata, pins, events, operations.
+
+:class:`DaemonControl` wraps one gRPC channel to a daemon and the :class:`NodeInfo` it gave at
+connect time. :class:`~kvstore.client.store_client.StoreClient` is one, plus a data plane for
+the bytes. Every failed call raises a :mod:`kvstore.errors` class: the daemon names its own error
+in the trailing metadata ``kvtier-error`` (``SizeMismatch`` stays ``SizeMismatch``); an
+unreachable or dead daemon is ``PeerUnavailable``. Misses (``lookup``, ``sizes``, ``exists``,
+``remove``) are results, not errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grpc
+
+from kvstore._proto.kvtier.v1 import store_pb2 as pb
+from kvstore._proto.kvtier.v1 import store_pb2_grpc as pb_grpc
+from kvstore.client.store_config import LookupResult, StoreClientConfig
+from kvstore.dataplane.tier import TierKind, check_key
+from kvstore.errors import KvtierError, PeerUnavailable, TransportError
+from kvstore.wire import ERROR_METADATA_KEY, PB_TO_TIER, TIER_TO_PB, error_from_name
+
+GRPC_MAX_MESSAGE_BYTES = 64 << 20
+
+
+def translate_rpc_error(exc: grpc.RpcError, what: str) -> KvtierError:
+    """The kvtier error a failed call stands for (the daemon names it in trailing metadata)."""
+    call: Any = exc
+    name = None
+    with contextlib.suppress(AttributeError, TypeError):
+        for key, value in call.trailing_metadata() or ():
+            if key == ERROR_METADATA_KEY:
+                name = value
+    details = call.details() if hasattr(call, "details") else str(exc)
+    if name:
+        return error_from_name(name, details)
+    code = call.code() if hasattr(call, "code") else None
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.CANCELLED):
+        return PeerUnavailable(f"{what}: {code.name}: {details}")
+    return TransportError(f"{what}: {getattr(code, 'name', code)}: {details}")
+
+
+def open_channel(address: str, config: StoreClientConfig) -> tuple[grpc.Channel, pb.NodeInfo]:
+    """A gRPC channel to ``host:port`` and the daemon's info. Raises PeerUnavailable (no
+    daemon there); the channel is closed on failure."""
+    channel = grpc.insecure_channel(address, options=[
+        ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES)])
+    try:
+        stub = pb_grpc.StoreStub(channel)  # type: ignore[no-untyped-call]
+        info = stub.Info(pb.InfoRequest(), timeout=config.rpc_timeout_s,
+                         wait_for_ready=config.wait_for_ready)
+    except grpc.RpcError as exc:
+        channel.close()
+        raise translate_rpc_error(exc, f"Info from {address}") from exc
+    except BaseException:
+        channel.close()
+        raise
+    return channel, info
+
+
+class DaemonControl:
+    """The gRPC calls of one daemon (module docstring). Thread-safe."""
+
+    def __init__(self, address: str, info: pb.NodeInfo, channel: grpc.Channel,
+                 config: StoreClientConfig) -> None:
+        """Wrap an open channel (:func:`open_channel`); the object owns it from now on."""
+        self._address = address
+        self._info = info
+        self._channel = channel
+        self._stub = pb_grpc.StoreStub(channel)  # type: ignore[no-untyped-call]
+        self._config = config
+
+    # --- identity ---------------------------------------------------------------------------
+
+    @property
+    def info(self) -> pb.NodeInfo:
+        """What the daemon said about itself at connect time."""
+        return self._info
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def refresh_info(self) -> pb.NodeInfo:
+        self._info = self.call("Info", pb.InfoRequest())
+        return self._info
+
+    def daemon_alive(self) -> bool:
+        """The control plane's view of the daemon: its gRPC health (asked during UCX waits)."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        timeout_s = max(0.2, self._config.ucx_liveness_interval_s)
+        try:
+            reply = health_pb2_grpc.HealthStub(self._channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+    # --- metadata ---------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+        """The longest cached prefix of ``keys`` and the tier of each block (not a hit)."""
+        reply = self.call("Lookup", pb.LookupRequest(keys=[check_key(k) for k in keys]))
+        return LookupResult(reply.length, tuple(PB_TO_TIER[t] for t in reply.tiers))
+
+    def lookup_many(self, key_lists: Sequence[Sequence[bytes]]) -> list[LookupResult]:
+        """:meth:`lookup` of several key lists in one round trip (``BatchLookup``), in order."""
+        if not key_lists:
+            return []
+        reply = self.call("BatchLookup", pb.BatchLookupRequest(
+            items=[pb.LookupRequest(keys=[check_key(k) for k in keys]) for keys in key_lists]))
+        return [LookupResult(item.length, tuple(PB_TO_TIER[t] for t in item.tiers))
+                for item in reply.items]
+
+    def sizes(self, keys: Sequence[bytes]) -> list[int | None]:
+        """Each chunk's size, or None when the daemon does not hold it."""
+        reply = self.call("Exists", pb.ExistsRequest(keys=[check_key(k) for k in keys]))
+        return [None if s < 0 else int(s) for s in reply.size_bytes]
+
+    def exists(self, key: bytes) -> bool:
+        return self.sizes([key])[0] is not None
+
+    def remove(self, key: bytes) -> list[bytes]:
+        """Drop a chunk and everything cached under it; return the dropped keys (empty: it was
+        not held). Raises ChunkBusy while any of them is pinned."""
+        reply = self.call("Remove", pb.RemoveRequest(key=check_key(key)))
+        return list(reply.removed)
+
+    def pin(self, keys: Sequence[bytes], ttl_s: float = 0.0) -> int:
+        """Pin chunks (all or nothing) for ``ttl_s`` (0: the daemon's default); return the
+        lease id for :meth:`unpin`."""
+        reply = self.call("Pin", pb.PinRequest(keys=[check_key(k) for k in keys], ttl_s=ttl_s))
+        return int(reply.lease_id)
+
+    def unpin(self, lease_id: int) -> bool:
+        return bool(self.call("Unpin", pb.UnpinRequest(lease_id=lease_id)).released)
+
+    def inspect(self, key: bytes) -> pb.ChunkEntry:
+        """Everything the daemon knows about one chunk. Raises ChunkNotFound."""
+        entry: pb.ChunkEntry = self.call("Inspect", pb.InspectRequest(key=check_key(key)))
+        return entry
+
+    def list_chunks(self, key_prefix: bytes = b"", tier: TierKind | None = None,
+                    limit: int = 0) -> pb.ListResponse:
+        reply: pb.ListResponse = self.call("List", pb.ListRequest(
+            key_prefix=key_prefix, tier=TIER_TO_PB[tier] if tier else pb.TIER_UNSPECIFIED,
+            limit=limit))
+        return reply
+
+    def stats(self) -> pb.StatsResponse:
+        """Per-tier figures of the daemon."""
+        reply: pb.StatsResponse = self.call("Stats", pb.StatsRequest())
+        return reply
+
+    def evict(self, *, tier: TierKind | None = None, bytes_: int = 0,
+              key_prefix: bytes = b"") -> pb.EvictResponse:
+        """Free ``bytes_`` in ``tier`` (demoting), or remove chunks whose key starts with
+        ``key_prefix`` (optionally only in ``tier``)."""
+        reply: pb.EvictResponse = self.call("Evict", pb.EvictRequest(
+            tier=TIER_TO_PB[tier] if tier else pb.TIER_UNSPECIFIED, bytes=bytes_,
+            key_prefix=key_prefix))
+        return reply
+
+    def drain(self) -> bool:
+        """Ask the daemon to stop gracefully; False when it was already draining."""
+        return bool(self.call("Drain", pb.DrainRequest()).accepted)
+
+    def subscribe(self, from_seq: int = 0, epoch: str = "",
+                  timeout_s: float | None = None) -> Iterator[pb.ChunkEvent]:
+        """Chunk events after ``from_seq`` of ``epoch`` (see :mod:`kvstore.node.events`); an
+        EVENT_RESYNC event ends the stream when they are gone. Stops after ``timeout_s``."""
+        stream = self._stub.Subscribe(pb.SubscribeRequest(from_seq=from_seq, epoch=epoch),
+                                      timeout=timeout_s)
+        try:
+            yield from stream
+        except grpc.RpcError as exc:
+            if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                return
+            raise translate_rpc_error(exc, "Subscribe") from exc
+        finally:
+            stream.cancel()
+
+    def snapshot(self) -> tuple[str, int, list[pb.ChunkEntry]]:
+        """(epoch, seq, every chunk): continue a subscription from ``seq``."""
+        epoch, seq, entries = "", 0, []
+        try:
+            for page in self._stub.Snapshot(pb.SnapshotRequest(),
+                                            timeout=self._config.rpc_timeout_s):
+                epoch, seq = page.epoch, page.seq
+                entries.extend(page.entries)
+        except grpc.RpcError as exc:
+            raise translate_rpc_error(exc, "Snapshot") from exc
+        return epoch, seq, entries
+
+    def call(self, method: str, request: Any) -> Any:
+        """One unary call by name, its error translated (:func:`translate_rpc_error`)."""
+        try:
+            return getattr(self._stub, method)(request, timeout=self._config.rpc_timeout_s)
+        except grpc.RpcError as exc:
+            raise translate_rpc_error(exc, method) from exc
+
+    def stub(self) -> pb_grpc.StoreStub:
+        """The raw gRPC stub (for calls this class does not wrap)."""
+        return self._stub
+
+    def close(self) -> None:
+        """Close the gRPC channel. Idempotent."""
+        self._channel.close()

@@ -1,0 +1,102 @@
+"""What a :class:`~kvstore.client.store_client.StoreClient` is configured with and returns: the
+data-plane choice, its config, and the result of a prefix lookup."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvstore.dataplane.tier import TierKind
+from kvstore.dataplane.transport.shm import ShmClientConfig
+from kvstore.dataplane.transport.shm.frames import MAX_KEYS
+from kvstore.errors import InvalidArgument
+
+
+class DataPlane(enum.Enum):
+    AUTO = "auto"
+    SHM = "shm"
+    UCX = "ucx"
+    TCP = "tcp"
+
+
+@dataclass(frozen=True, slots=True)
+class StoreClientConfig:
+    data_plane: DataPlane = DataPlane.AUTO
+    tcp_connections: int = 4
+    rpc_timeout_s: float = 30.0
+    lease_ttl_s: float = 0.0
+    """TTL of same-host leases (0: the daemon's default)."""
+    wait_for_ready: bool = False
+    """``connect`` waits up to ``rpc_timeout_s`` for a daemon that is not listening yet,
+    instead of failing at once with PeerUnavailable."""
+    populate_arena: bool = True
+    """On the shared-memory plane, fault the whole mapped arena into this process's page
+    tables at ``connect`` (one read per page: ~30 ms per 256 MiB here, plus 2 MiB of page
+    tables per GiB). Without it the first copy to or from each arena page costs a page fault:
+    measured 340 µs instead of 52 µs for a first 1 MiB copy, i.e. a cold client runs at a
+    sixth of memcpy until it has touched the whole arena."""
+    ucx_io_timeout_s: float = 30.0
+    """Longest a UCX transfer may wait (UCX does not detect a dead peer by itself)."""
+    ucx_liveness_interval_s: float = 0.5
+    """While a UCX call waits, the daemon's gRPC health is asked this often."""
+    ucx_retry_after_s: float = 30.0
+    """After a UCX failure, calls use TCP for this long before UCX is tried again."""
+    ucx_min_bytes: int = 1 << 20
+    """Smaller values go over TCP even when UCX is chosen: measured here (one host, CMA), a
+    4-64 KiB value cost 120-250 µs over UCX against 55-115 µs over TCP, while from 4 MiB up
+    UCX moved 1.2-2x what TCP did (docs/transport.md). 0: every value over UCX."""
+    tcp_spin_us: int = 0
+    """How long a small TCP get polls for its answer before its thread sleeps (needs the
+    native extension; ``TcpClientConfig.spin_us``). Trades a core's time while waiting for one
+    scheduler wake-up less per get (docs/transport.md, "Waiting for an answer")."""
+    lease_free_reads: bool = True
+    """On the shared-memory plane, copy chunks the daemon's read index publishes without a
+    lease round trip (Linux on x86-64 only; elsewhere, or when the daemon serves no index,
+    every read takes a lease)."""
+    lease_free_attempts: int = 4
+    """Copies of one chunk tried lease-free before the read takes a lease (each retry follows
+    a copy the daemon invalidated meanwhile: the chunk was evicted, moved or removed)."""
+    read_report_interval_s: float = 0.05
+    """Lease-free reads are reported to the daemon (hits, recency) at least this often..."""
+    read_report_batch: int = 1024
+    """...and as soon as this many are waiting."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.data_plane, DataPlane):
+            raise InvalidArgument(f"data_plane must be a DataPlane, got {self.data_plane!r}")
+        if self.tcp_connections < 1:
+            raise InvalidArgument("tcp_connections must be >= 1")
+        if not 0 <= self.tcp_spin_us <= 10_000:
+            raise InvalidArgument(f"tcp_spin_us must be 0..10000, got {self.tcp_spin_us}")
+        if self.rpc_timeout_s <= 0 or self.lease_ttl_s < 0:
+            raise InvalidArgument("rpc_timeout_s must be > 0 and lease_ttl_s >= 0")
+        if min(self.ucx_io_timeout_s, self.ucx_liveness_interval_s) <= 0 \
+                or self.ucx_retry_after_s < 0 or self.ucx_min_bytes < 0:
+            raise InvalidArgument("ucx_io_timeout_s and ucx_liveness_interval_s must be > 0, "
+                                  "ucx_retry_after_s and ucx_min_bytes >= 0")
+        if self.lease_free_attempts < 1 or self.read_report_interval_s <= 0 \
+                or not 1 <= self.read_report_batch <= MAX_KEYS:
+            raise InvalidArgument(f"lease_free_attempts must be >= 1, read_report_interval_s "
+                                  f"> 0 and read_report_batch 1..{MAX_KEYS}")
+
+    def shm_config(self) -> ShmClientConfig:
+        """The shared-memory client's part of this config."""
+        return ShmClientConfig(
+            lease_ttl_s=self.lease_ttl_s, populate_arena=self.populate_arena,
+            lease_free_reads=self.lease_free_reads, lease_free_attempts=self.lease_free_attempts,
+            read_report_interval_s=self.read_report_interval_s,
+            read_report_batch=self.read_report_batch)
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    length: int
+    """How many leading keys are cached."""
+    tiers: tuple[TierKind, ...]
+    """Where each of them lives."""
+
+    def by_tier(self) -> dict[TierKind, int]:
+        out: dict[TierKind, int] = {}
+        for t in self.tiers:
+            out[t] = out.get(t, 0) + 1
+        return out

@@ -1,0 +1,115 @@
+"""One client connection to a lease channel (frames: :mod:`.frames`).
+
+:class:`LeaseChannel` sends a request and, unless it carries ``FLAG_NO_REPLY``, reads its reply.
+It is used by one thread at a time: :class:`~.client.ShmClient` pools them, its read reporter
+keeps one of its own, and tools and tests may use one directly to speak the protocol.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+
+from kvstore.dataplane.transport.shm.frames import (
+    FLAG_NO_REPLY,
+    RANGE,
+    REPLY,
+    REQUEST,
+    STATUS_OK,
+    ChannelOp,
+    pack_keys,
+)
+from kvstore.errors import InvalidArgument, PeerUnavailable, error_from_name
+
+_IOV_MAX = 1024
+
+
+class LeaseChannel:
+    """One connection to a lease channel at an abstract address (``@name``)."""
+
+    def __init__(self, address: str) -> None:
+        """Connect. Raises InvalidArgument (not an abstract address), PeerUnavailable."""
+        if not address.startswith("@"):
+            raise InvalidArgument(f"lease channel address must be abstract (@name): {address!r}")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.sock.connect("\0" + address[1:])
+        except OSError as exc:
+            self.sock.close()
+            raise PeerUnavailable(f"cannot reach the lease channel {address}: {exc}") from exc
+        self._reply = memoryview(bytearray(REPLY.size))
+        self.detail = b""
+        """The detail bytes of the last successful reply (PUT_MANY: one status per key)."""
+        self.unacknowledged = False
+        """A request without a reply (RELEASE) was sent and nothing has been answered since."""
+        self.broken = False
+        """A send or receive failed (or a reply was malformed): the connection may be out of
+        step and is not reused."""
+
+    def send(self, op: ChannelOp, *, flags: int = 0, keys: Sequence[bytes] = (), arg: int = 0,
+             ttl_s: float = 0.0, payload: memoryview | None = None,
+             payloads: Sequence[memoryview] = ()) -> None:
+        """Send one request; ``payload`` (or the buffers of ``payloads``, gathered by one
+        ``sendmsg`` without copying) follow the keys in the body. The payloads are read only
+        during the call."""
+        body = pack_keys(list(keys)) if keys else b""
+        parts = [payload] if payload is not None else list(payloads)
+        extra = sum(p.nbytes for p in parts)
+        header = REQUEST.pack(op, flags, len(keys), len(body) + extra, arg, ttl_s) + body
+        try:
+            if not parts:
+                self.sock.sendall(header)
+            else:
+                sendmsg_all(self.sock, [memoryview(header), *parts])
+        except OSError as exc:
+            self.broken = True
+            raise PeerUnavailable(f"lease channel send failed: {exc}") from exc
+        if flags & FLAG_NO_REPLY:
+            self.unacknowledged = True
+
+    def call(self, op: ChannelOp, *, flags: int = 0, keys: Sequence[bytes] = (), arg: int = 0,
+             ttl_s: float = 0.0, payload: memoryview | None = None,
+             payloads: Sequence[memoryview] = ()) -> tuple[int, list[tuple[int, int]]]:
+        """Send a request and read its reply: (lease id, ranges). Raises the peer's error."""
+        self.send(op, flags=flags, keys=keys, arg=arg, ttl_s=ttl_s, payload=payload,
+                  payloads=payloads)
+        self._recv_into(self._reply)
+        status, count, detail_len, lease_id = REPLY.unpack(self._reply)
+        self.unacknowledged = False
+        tail = bytearray(count * RANGE.size + detail_len)
+        if tail:
+            self._recv_into(memoryview(tail))
+        if status != STATUS_OK:
+            name, _, message = bytes(tail[count * RANGE.size:]).decode(errors="replace") \
+                .partition("\n")
+            raise error_from_name(name, message)
+        ranges = [RANGE.unpack_from(tail, i * RANGE.size) for i in range(count)]
+        self.detail = bytes(tail[count * RANGE.size:])
+        return lease_id, ranges
+
+    def _recv_into(self, view: memoryview) -> None:
+        pos = 0
+        try:
+            while pos < len(view):
+                n = self.sock.recv_into(view[pos:], len(view) - pos, socket.MSG_WAITALL)
+                if n == 0:
+                    self.broken = True
+                    raise PeerUnavailable("the peer closed the lease channel")
+                pos += n
+        except OSError as exc:
+            self.broken = True
+            raise PeerUnavailable(f"lease channel receive failed: {exc}") from exc
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def sendmsg_all(sock: socket.socket, buffers: list[memoryview]) -> None:
+    """Send every buffer, in order, with as few ``sendmsg`` calls as the socket allows."""
+    while buffers:
+        sent = sock.sendmsg(buffers[:_IOV_MAX])
+        while buffers and sent >= buffers[0].nbytes:
+            sent -= buffers[0].nbytes
+            buffers.pop(0)
+        if sent:
+            buffers[0] = buffers[0][sent:]
