@@ -44,9 +44,7 @@ engines, the offline tools, the local cluster, the benchmarks and the command li
 RESTRICTED: dict[str, set[str]] = {
     "grpc": {"shared", "node", "client", "conductor", "engine", "planner", "cluster", "bench",
              "cli", "foundation"},
-    # "engine": the reference worker's lease keepalive and the gateway's engine listing still
-    # call aetcd directly (moving them into kvstore.membership is under way).
-    "aetcd": {"shared", "conductor", "planner", "bench", "cli", "cluster", "engine"},
+    "aetcd": {"shared", "conductor", "planner", "bench", "cli", "cluster"},
     "matplotlib": {"planner"},
     "torch": {"dataplane", "client", "engine", "cluster", "bench", "cli"},
 }

@@ -6,7 +6,7 @@ For each request :meth:`Gateway.generate`
    chained keys with the KV fingerprint the workers published, and answers a prefill and a
    decode instance, the reusable prefix and a ticket),
 2. finds both instances' addresses in their etcd :class:`~kvstore.membership.engines.EngineRecord`
-   (listed once, listed again when a name is unknown),
+   (:func:`~kvstore.membership.engines.list_engines` once, again when a name is unknown),
 3. sends ``generate`` to the prefill worker (frames of :mod:`kvstore.engine.frames`), with the
    conductor's fetch plan when the decision has one (blocks ``[first_block, end_block)`` are
    on another node: ``src_node`` and its daemon's ``src_address``), and reads
@@ -15,8 +15,8 @@ For each request :meth:`Gateway.generate`
 
 A conductor rejection is an answer (:attr:`GatewayResult.accepted` false, with the reason), not
 an exception. A worker's ``error`` frame is raised again as the kvtier error it names
-(:func:`~kvstore.dataplane.transport.shm_frames.error_from_name`); a worker that is unreachable or closes the
-connection mid-request raises PeerUnavailable.
+(:func:`~kvstore.wire.error_from_name`); a worker that is unreachable or closes the connection
+mid-request raises PeerUnavailable.
 
 asyncio only; one gateway may serve any number of concurrent requests from one event loop.
 The constructor records settings; :meth:`start` opens the conductor and etcd clients.
@@ -30,14 +30,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import aetcd
-import grpc
-
 from kvstore.client.conductor_client import ConductorClient
 from kvstore.engine.frames import read_frame, write_frame
 from kvstore.errors import InvalidArgument, MembershipError, PeerUnavailable
-from kvstore.membership.engines import EngineRecord, engines_prefix
-from kvstore.membership.etcd import KeyLayout, etcd_client
+from kvstore.membership.engines import EngineRecord, list_engines
+from kvstore.membership.etcd import EtcdClient, KeyLayout, etcd_client
 from kvstore.wire import error_from_name
 
 __all__ = ["Gateway", "GatewayResult", "fetch_plan_doc"]
@@ -83,7 +80,7 @@ class Gateway:
         self.model_name = model_name
         self._timeout_s = request_timeout_s
         self._conductor: ConductorClient | None = None
-        self._etcd: Any = None
+        self._etcd: EtcdClient | None = None
         self._engines: dict[str, EngineRecord] = {}
 
     async def start(self) -> None:
@@ -112,16 +109,9 @@ class Gateway:
         return self._conductor
 
     async def _list_engines(self) -> None:
-        try:
-            result = await self._etcd.get_prefix(engines_prefix(self._layout).encode())
-        except (aetcd.ClientError, grpc.RpcError, TimeoutError) as exc:
-            raise MembershipError(f"listing engines in etcd: {exc}") from exc
-        engines = {}
-        for kv in result:
-            with contextlib.suppress(InvalidArgument):  # malformed records are skipped
-                record = EngineRecord.from_json(kv.value)
-                engines[record.instance_id] = record
-        self._engines = engines
+        """Read every engine record again (malformed ones are skipped). MembershipError."""
+        assert self._etcd is not None, "start() first"
+        self._engines = await list_engines(self._etcd, layout=self._layout)
 
     async def _address(self, instance_id: str) -> str:
         record = self._engines.get(instance_id)

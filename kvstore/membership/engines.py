@@ -6,14 +6,22 @@ Key layout (see :class:`~kvstore.membership.etcd.KeyLayout`)::
     <prefix>engines/prefill/<instance_id>    EngineRecord JSON, attached to the engine's lease
     <prefix>engines/decode/<instance_id>
 
-An engine registers like a store daemon does (a key under its own lease, so the key vanishes
-when the engine dies); real engines arrive in a later issue, and tests write records directly.
-Load (queued prefill tokens, running decode batch, KV in use) changes per request: engines
-send it to the conductor over gRPC (``ReportLoad``), not through etcd.
+An engine registers like a store daemon does: ``async with register_engine(client, record)``
+holds its record under a lease of its own, kept alive in the background and written again under
+a new lease when the old one lapsed (a :class:`~kvstore.membership.registration.Registration`),
+so the key vanishes when the engine dies. The reference prefill and decode workers
+(:mod:`kvstore.engine.worker`) register this way; :func:`put_engine_record` writes a record once
+(tests and the planner's live replay, which play engines). :func:`list_engines` reads the
+current records (the gateway), :class:`EngineWatch` follows them (the conductor). Load (queued
+prefill tokens, running decode batch, KV in use) changes per request: engines send it to the
+conductor over gRPC (``ReportLoad``), not through etcd.
 
 Contracts
     * A malformed value (bad JSON, unknown role, id that does not match its key) is logged and
       skipped, never raised: one broken writer cannot take discovery down.
+    * A registration replaces whatever holds its key (:attr:`KeyClaim.REPLACE`): an engine
+      restarted before its predecessor's lease expired takes the record over at once. Instance
+      ids are the operator's to keep unique, as before registrations existed.
     * :class:`EngineWatch` yields a snapshot first, then every change; when the etcd stream
       breaks it re-lists and yields the difference (as ``watch_nodes`` does). Entering raises
       MembershipError when etcd cannot be reached; running retries forever and logs.
@@ -41,11 +49,12 @@ from kvstore.membership.etcd import (
     etcd_call,
     parse_host_port,
 )
+from kvstore.membership.registration import KeyClaim, Registration, StateCallback
 
 log = logging.getLogger(__name__)
 
 __all__ = ["EngineChange", "EngineRecord", "EngineRole", "EngineWatch", "engines_prefix",
-           "put_engine_record"]
+           "list_engines", "put_engine_record", "register_engine"]
 
 _RETRY_INTERVAL_S = 0.5
 
@@ -164,6 +173,30 @@ async def put_engine_record(client: aetcd.Client, record: EngineRecord, *,
                 rpc_timeout_s)
 
 
+def register_engine(client: aetcd.Client, record: EngineRecord, *, ttl_s: int = 10,
+                    layout: KeyLayout = DEFAULT_LAYOUT,
+                    on_state_change: StateCallback | None = None,
+                    rpc_timeout_s: float | None = None) -> Registration[EngineRecord]:
+    """An engine's :class:`~kvstore.membership.registration.Registration` of
+    ``engines/<role>/<instance_id>``, to enter with ``async with`` (see the module docstring:
+    it replaces whatever holds the key). Raises InvalidArgument for a record that is not an
+    EngineRecord or a bad ``ttl_s``; entering raises MembershipError when etcd cannot be
+    reached."""
+    if not isinstance(record, EngineRecord):
+        raise InvalidArgument(f"record must be an EngineRecord, got {type(record).__name__}")
+    return Registration(client, record, key_of=lambda r: r.key(layout), kind="engine",
+                        member_id=record.instance_id, claim=KeyClaim.REPLACE, ttl_s=ttl_s,
+                        on_state_change=on_state_change, rpc_timeout_s=rpc_timeout_s)
+
+
+async def list_engines(client: aetcd.Client, *, layout: KeyLayout = DEFAULT_LAYOUT,
+                       rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S) -> dict[str, EngineRecord]:
+    """The registered engines by instance id (in key order: decode, then prefill), malformed
+    entries skipped. Raises MembershipError."""
+    current, _ = await _snapshot(client, layout, rpc_timeout_s)
+    return {record.instance_id: record for record in current.values()}
+
+
 @dataclass(frozen=True, slots=True)
 class EngineChange:
     """One change: ``record`` is the new record, or None when the instance left."""
@@ -185,6 +218,19 @@ def _decode(layout: KeyLayout, key: bytes, value: bytes) -> EngineRecord | None:
     return record
 
 
+async def _snapshot(client: aetcd.Client, layout: KeyLayout, rpc_timeout_s: float
+                    ) -> tuple[dict[bytes, EngineRecord], int]:
+    """Every valid engine record by key, and the revision of the read."""
+    result = await etcd_call("list engines", client.get_prefix(engines_prefix(layout).encode()),
+                             rpc_timeout_s)
+    current: dict[bytes, EngineRecord] = {}
+    for kv in result:
+        record = _decode(layout, kv.key, kv.value)
+        if record is not None:
+            current[bytes(kv.key)] = record
+    return current, int(result.header.revision)
+
+
 class EngineWatch(PrefixWatch[EngineChange]):
     """Every engine now, then every change (see the module docstring).
 
@@ -203,14 +249,7 @@ class EngineWatch(PrefixWatch[EngineChange]):
         self._known: dict[bytes, EngineRecord] = {}
 
     async def _open(self) -> tuple[Any, list[EngineChange]]:
-        result = await etcd_call("list engines", self._client.get_prefix(self._prefix),
-                             self._rpc_timeout_s)
-        current: dict[bytes, EngineRecord] = {}
-        for kv in result:
-            record = _decode(self._layout, kv.key, kv.value)
-            if record is not None:
-                current[bytes(kv.key)] = record
-        revision = int(result.header.revision)
+        current, revision = await _snapshot(self._client, self._layout, self._rpc_timeout_s)
         watch = await etcd_call("watch engines",
                             self._client.watch_prefix(self._prefix, start_revision=revision + 1),
                             self._rpc_timeout_s)
@@ -231,5 +270,3 @@ class EngineWatch(PrefixWatch[EngineChange]):
             return []
         self._known[key] = record
         return [EngineChange(record.instance_id, record)]
-
-

@@ -29,13 +29,13 @@ from kvstore.membership.nodes import (
     NodeEvent,
     NodeEventKind,
     NodeRecord,
-    RegistrationState,
     _diff,
     _Member,
     list_nodes,
     register_node,
     watch_nodes,
 )
+from kvstore.membership.registration import RegistrationState
 from tests.support.registrant import sample_record
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

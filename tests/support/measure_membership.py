@@ -25,11 +25,11 @@ from kvstore.membership.launcher import LocalEtcd
 from kvstore.membership.nodes import (
     NodeEventKind,
     NodeWatch,
-    RegistrationState,
     list_nodes,
     register_node,
     watch_nodes,
 )
+from kvstore.membership.registration import RegistrationState
 from tests.support.registrant import sample_record
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -4,6 +4,12 @@ the socket server, load and completion reports to the conductor, and the etcd re
 Each worker runs one asyncio loop (sockets, conductor reports, etcd lease) and computes on one
 extra thread (``_compute``): the model is not shared across threads, and KV clients are used
 from that thread only. A failed conductor report is logged, never fails the request.
+
+The worker's :class:`~kvstore.membership.engines.EngineRecord` is held by
+:func:`~kvstore.membership.engines.register_engine` for the process's lifetime: a lease kept
+alive every TTL/3, the record written again under a new lease when the old one lapsed (this
+process or etcd stalled; the record went with it), so the conductor sees the worker again. The
+record vanishes with the process (the lease is revoked on a clean stop, expires after a kill).
 """
 
 from __future__ import annotations
@@ -13,9 +19,6 @@ import concurrent.futures as cf
 import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
-
-import aetcd
-import grpc
 
 from kvstore.engine.frames import error_frame, read_frame, write_frame
 from kvstore.engine.worker.config import WorkerConfig, load_worker_model
@@ -27,6 +30,8 @@ if TYPE_CHECKING:
     from kvstore.client.conductor_client import ConductorClient
     from kvstore.client.kv_client import KVClient
     from kvstore.client.kvlayout import KVLayout
+    from kvstore.membership.etcd import EtcdClient
+    from kvstore.membership.registration import Registration
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +49,8 @@ class WorkerBase:
         self._clients: dict[tuple[str, str], KVClient] = {}
         self._compute = cf.ThreadPoolExecutor(1, thread_name_prefix=f"{config.role.value}-compute")
         self._conductor: ConductorClient | None = None
-        self._etcd: Any = None
-        self._lease: Any = None
-        self._record: EngineRecord | None = None
+        self._etcd: EtcdClient | None = None
+        self._registration: Registration[EngineRecord] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._server: asyncio.Server | None = None
         self.address = ""
@@ -81,7 +85,7 @@ class WorkerBase:
 
         from kvstore.client.conductor_client import ConductorClient
         from kvstore.client.kvlayout import KVLayout, namespace_for
-        from kvstore.membership.engines import put_engine_record
+        from kvstore.membership.engines import register_engine
         from kvstore.membership.etcd import KeyLayout, etcd_client
         cfg = self.config
         self.device = resolve_device(cfg.device)
@@ -96,14 +100,14 @@ class WorkerBase:
         layout = KeyLayout(cfg.etcd_prefix)
         self._conductor = ConductorClient(etcd_endpoint=cfg.etcd_endpoint, layout=layout)
         self._etcd = etcd_client(cfg.etcd_endpoint)
-        self._lease = await self._etcd.lease(cfg.lease_ttl_s)
-        self._record = EngineRecord(
+        record = EngineRecord(
             cfg.instance_id, cfg.role, cfg.model_name, cfg.node_id,
             kv_capacity_tokens=cfg.kv_capacity_tokens if cfg.role is EngineRole.DECODE else 0,
             address=self.address,
             kv_fingerprint=namespace_for(self.layout, cfg.model_name).fingerprint)
-        await put_engine_record(self._etcd, self._record, layout=layout, lease_id=self._lease.id)
-        self._spawn(self._keepalive())
+        self._registration = register_engine(self._etcd, record, ttl_s=cfg.lease_ttl_s,
+                                             layout=layout)
+        await self._registration.start()
         return self.address
 
     async def stop(self) -> None:
@@ -111,9 +115,12 @@ class WorkerBase:
             self._server.close()
         for task in list(self._tasks):
             task.cancel()
-        if self._lease is not None:
-            with contextlib.suppress(Exception):  # etcd may be gone first; the TTL then ends it
-                await asyncio.wait_for(self._lease.revoke(), 2.0)
+        if self._registration is not None:
+            try:  # a revoke etcd does not answer is logged there: the TTL then ends the record
+                await self._registration.close()
+            except KvtierError as exc:  # the keepalive had crashed (a bug it logged)
+                log.warning("deregistering failed (the record expires with its lease): %s", exc)
+            self._registration = None
         if self._etcd is not None:
             with contextlib.suppress(Exception):  # closing a client of a dead etcd
                 await self._etcd.close()
@@ -132,32 +139,6 @@ class WorkerBase:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    async def _keepalive(self) -> None:
-        """Refresh the lease every TTL/3. When etcd says the lease is gone (it lapsed while
-        this process or etcd was stalled: the record was deleted with it), register again
-        under a new lease, so the conductor sees the worker again."""
-        period_s = self.config.lease_ttl_s / 3
-        while True:
-            await asyncio.sleep(period_s)
-            try:
-                reply = await asyncio.wait_for(self._lease.refresh(), period_s)
-                if reply is not None and int(reply.TTL) <= 0:
-                    await self._register_again()
-            except (aetcd.ClientError, grpc.RpcError, TimeoutError, KvtierError) as exc:
-                # etcd down: keep trying; the record lapses with the lease if it stays down
-                log.warning("engine lease refresh failed: %s", exc)
-
-    async def _register_again(self) -> None:
-        from kvstore.membership.engines import put_engine_record
-        from kvstore.membership.etcd import KeyLayout
-
-        log.warning("engine lease %s expired; registering %s again", self._lease.id,
-                    self.config.instance_id)
-        self._lease = await self._etcd.lease(self.config.lease_ttl_s)
-        assert self._record is not None
-        await put_engine_record(self._etcd, self._record,
-                                layout=KeyLayout(self.config.etcd_prefix), lease_id=self._lease.id)
 
     def _report(self, coro: Any) -> None:
         """Send a report to the conductor in the background; failures are logged only."""

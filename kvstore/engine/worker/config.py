@@ -37,7 +37,8 @@ class WorkerConfig:
     lease_ttl_s: int = 5
     device: str = "cpu"
     """Where the model, its KV and the layer-by-layer loads and saves live: ``cpu``, ``cuda``,
-    ``cuda:N`` or ``auto`` (cuda when this machine has one, else cpu); see :func:`resolve_device`."""
+    ``cuda:N`` or ``auto`` (cuda when this machine has one, else cpu); see
+    :func:`~kvstore.engine.worker.device.resolve_device`."""
     max_decode_batch: int = 64
     """Most sequences in one batched decode step (decode role); later ones wait to join."""
 
@@ -48,6 +49,8 @@ class WorkerConfig:
                      "max_decode_batch"):
             if getattr(self, name) <= 0:
                 raise InvalidArgument(f"WorkerConfig.{name} must be positive")
+        if self.lease_ttl_s < 2:  # etcd's unit is a second; Registration needs two
+            raise InvalidArgument("WorkerConfig.lease_ttl_s must be >= 2 seconds")
         if not 0 <= self.listen_port < 65536:
             raise InvalidArgument(f"listen_port out of range: {self.listen_port}")
         if not DEVICE_RE.fullmatch(self.device):
