@@ -201,6 +201,10 @@ class PagedKV:
                                  lay.head_dim).permute(1, 0, 3, 2, 4))  # -> [n, 2, H, B, D]
 
     def scatter_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
-        src = chunks.permute(1, 0, 3, 2, 4).reshape(2, -1, self.layout.num_kv_heads,
-                                                    self.layout.head_dim)  # [2, n*B, H, D]
-        self._flat(layer).index_copy_(1, self._slots_for(blocks), src)
+        flat = self._flat(layer)
+        # index_copy_ wants its source on the cache's device: a host staging buffer is copied
+        # over first (one transfer; on the same stream, so it is ordered before the scatter),
+        # then permuted there.
+        src = chunks.to(flat.device, non_blocking=True).permute(1, 0, 3, 2, 4).reshape(
+            2, -1, self.layout.num_kv_heads, self.layout.head_dim)  # [2, n*B, H, D]
+        flat.index_copy_(1, self._slots_for(blocks), src)
