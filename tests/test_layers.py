@@ -274,3 +274,12 @@ def test_the_rules_catch_a_forbidden_arrow(source: str, target: str) -> None:
         assert src != dst and dst not in ALLOWED[src]
     else:
         assert src not in RESTRICTED[top]
+
+
+def test_every_folder_is_a_package() -> None:
+    """setuptools' package finder skips a folder without ``__init__.py``: an installed kvtier
+    (the image, a wheel) would lack it although an editable checkout imports it."""
+    missing = sorted(str(d.relative_to(ROOT)) for pkg in PACKAGES for d in (ROOT / pkg).rglob("*")
+                     if d.is_dir() and d.name != "__pycache__" and any(d.glob("*.py"))
+                     and not (d / "__init__.py").is_file())
+    assert not missing, f"folders of modules without __init__.py: {missing}"
