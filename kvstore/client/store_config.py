@@ -24,6 +24,7 @@ class StoreClientConfig:
     data_plane: DataPlane = DataPlane.AUTO
     tcp_connections: int = 4
     rpc_timeout_s: float = 30.0
+    """Longest a gRPC call, or a wait on the same-host lease channel, may take."""
     lease_ttl_s: float = 0.0
     """TTL of same-host leases (0: the daemon's default)."""
     wait_for_ready: bool = False
@@ -85,7 +86,7 @@ class StoreClientConfig:
             lease_ttl_s=self.lease_ttl_s, populate_arena=self.populate_arena,
             lease_free_reads=self.lease_free_reads, lease_free_attempts=self.lease_free_attempts,
             read_report_interval_s=self.read_report_interval_s,
-            read_report_batch=self.read_report_batch)
+            read_report_batch=self.read_report_batch, io_timeout_s=self.rpc_timeout_s)
 
 
 @dataclass(frozen=True, slots=True)

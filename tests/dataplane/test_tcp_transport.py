@@ -1,6 +1,10 @@
 """The TCP data-plane transport against real sockets on 127.0.0.1, servers mostly in their own
-process (``python -m kvstore.dataplane.transport``): round trips, striping, errors, malformed
-and truncated frames, clients and servers dying mid-transfer, shutdown, concurrency."""
+process (``python -m kvstore.dataplane.transport``).
+
+The transport conformance suite (``transport_conformance.py``: round trips, buffer ownership,
+per-call and per-key errors, dead and frozen servers, peers dying mid-transfer, malformed and
+oversized frames, threads) runs here as :class:`TestTcpConformance`; the rest is TCP's own:
+frames, the memory backend, striping, the small-value paths, multi-part reservations, shutdown."""
 
 from __future__ import annotations
 
@@ -15,7 +19,6 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from kvstore.dataplane.transport import (
@@ -24,7 +27,6 @@ from kvstore.dataplane.transport import (
     TcpClient,
     TcpServer,
     TcpServerConfig,
-    Transport,
 )
 from kvstore.dataplane.transport.frames import (
     HEADER_BYTES,
@@ -54,14 +56,15 @@ from kvstore.errors import (
     TransportError,
 )
 from tests.dataplane.lease_backend_conformance import LeaseBackendConformance
+from tests.dataplane.transport_conformance import (
+    BatchTransportConformance,
+    PrivateServer,
+    TransportHarness,
+)
 from tests.support.common import StdinServerProcess, payload, wait_until
 
 KiB, MiB = 1 << 10, 1 << 20
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-
-
 
 
 # --- a server in its own process -------------------------------------------------------------------
@@ -112,6 +115,113 @@ def local_server() -> Iterator[TcpServer]:
     srv.start()
     yield srv
     srv.close(drain_timeout_s=1)
+
+
+# --- the conformance suite ----------------------------------------------------------------------------
+
+_PARTIAL_GET = textwrap.dedent("""
+    import socket, sys, time
+    from kvstore.dataplane.transport.frames import HEADER_BYTES, Opcode, pack_header
+    port, key, total = int(sys.argv[1]), sys.argv[2].encode(), int(sys.argv[3])
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+    sock.connect(("127.0.0.1", port))
+    hdr = bytearray(HEADER_BYTES)
+    pack_header(hdr, Opcode.GET, key_len=len(key), request_id=1, total_size=total)
+    sock.sendall(bytes(hdr) + key)
+    got = 0
+    while got < HEADER_BYTES + (1 << 20):  # the header and 1 MiB; then the server is stuck
+        got += len(sock.recv(65536))
+    print("READY", flush=True)
+    time.sleep(120)
+""")
+
+
+class TcpPrivateServer(PrivateServer):
+    def __init__(self, *flags: str) -> None:
+        self.server = ServerProcess(*flags)
+
+    def client(self, **options: object) -> TcpClient:
+        return self.server.client(2, **options)
+
+    def kill(self) -> None:
+        self.server.proc.kill()
+        self.server.proc.wait(10)
+
+    def freeze(self) -> None:
+        self.server.proc.send_signal(signal.SIGSTOP)
+        wait_until(lambda: _all_threads_stopped(self.server.proc.pid), what="SIGSTOP to land")
+
+    def thaw(self) -> None:
+        self.server.proc.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.server.alive():
+            self.thaw()
+        self.server.stop()
+
+
+class TcpHarness(TransportHarness):
+    name = "tcp"
+    io_timeout_s = 0.5
+
+    def __init__(self, server: ServerProcess) -> None:
+        self.server = server
+
+    def client(self, **options: object) -> TcpClient:
+        return self.server.client(**options)
+
+    def private_server(self, *, limit_bytes: int = 0) -> TcpPrivateServer:
+        return TcpPrivateServer("--max-value-bytes", str(limit_bytes or 128 * MiB))
+
+    def partial_put(self, key: bytes, total_bytes: int) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, "-c", _PARTIAL_PUT, str(self.server.port), key.decode(),
+             str(total_bytes), str(total_bytes // 4), "single"],
+            stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+
+    def partial_get(self, key: bytes, total_bytes: int) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, "-c", _PARTIAL_GET, str(self.server.port), key.decode(),
+             str(total_bytes)], stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+
+    def send_garbage(self) -> None:
+        header = pack_header(bytearray(HEADER_BYTES), Opcode.GET, key_len=3, request_id=5)
+        header[0:4] = b"HTTP"
+        with self.server.raw() as sock:
+            sock.sendall(bytes(header))
+            reply, detail = read_response(sock)
+            assert reply.status is Status.PROTOCOL and b"magic" in detail
+            assert_closed_by_peer(sock)
+
+    def send_oversized(self) -> None:
+        with self.server.raw() as sock:
+            send_frame(sock, Opcode.PUT, b"huge", request_id=9, total_size=1 << 40,
+                       length=1 << 40, payload_len=1 << 40)
+            reply, detail = read_response(sock)
+            assert (reply.status, reply.request_id) == (Status.PROTOCOL, 9)
+            assert b"maximum" in detail
+            assert_closed_by_peer(sock)
+
+
+@pytest.fixture(scope="module")
+def tcp_harness(server: ServerProcess) -> TcpHarness:
+    return TcpHarness(server)
+
+
+class TestTcpConformance(BatchTransportConformance):
+    @pytest.fixture
+    def harness(self, tcp_harness: TcpHarness) -> TransportHarness:
+        return tcp_harness
+
+
+def test_nothing_listening_is_peer_unavailable() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with TcpClient("127.0.0.1", port, 1, connect_timeout_s=2) as client, \
+            pytest.raises(PeerUnavailable):
+        client.get(b"k")
 
 
 # --- raw frames --------------------------------------------------------------------------------------
@@ -231,43 +341,13 @@ class TestMemoryBackend(LeaseBackendConformance):
         lease.release()
 
 
-# --- round trips -----------------------------------------------------------------------------------------
+# --- striping ------------------------------------------------------------------------------------------
 
 
-def test_client_and_server_satisfy_the_protocols(client: TcpClient, local_server: TcpServer
-                                                 ) -> None:
+def test_server_satisfies_the_protocol(local_server: TcpServer) -> None:
     from kvstore.dataplane.transport import TransportServer
 
-    assert isinstance(client, Transport)
     assert isinstance(local_server, TransportServer)
-
-
-@pytest.mark.parametrize("size_bytes", [0, 1, 4 * KiB, 64 * KiB + 7, MiB, 8 * MiB - 1, 64 * MiB])
-def test_round_trip_returns_the_same_bytes(client: TcpClient, key: bytes, size_bytes: int
-                                           ) -> None:
-    data = payload(size_bytes, size_bytes)
-    client.put(key, data)
-    assert client.exists(key)
-    assert client.size_of(key) == size_bytes
-    dst = bytearray(size_bytes)
-    assert client.get_into(key, dst) == size_bytes
-    assert dst == data
-    assert client.get(key) == data
-    assert client.remove(key) is True
-    assert not client.exists(key)
-
-
-def test_numpy_and_torch_buffers_move_without_conversion(client: TcpClient, key: bytes) -> None:
-    torch = pytest.importorskip("torch")
-    src = np.arange(3000, dtype=np.float16).reshape(100, 30)
-    client.put(key, src)
-    dst = torch.empty(100, 30, dtype=torch.float16)
-    assert client.get_into(key, dst) == src.nbytes
-    assert np.array_equal(dst.numpy(), src)
-    with pytest.raises(InvalidArgument):
-        client.get_into(key, np.empty(3000, dtype=np.float16)[::2])  # not contiguous
-    with pytest.raises(InvalidArgument):
-        client.get_into(key, bytes(src.nbytes))  # read-only
 
 
 def test_striped_values_use_every_connection_and_arrive_whole(local_server: TcpServer) -> None:
@@ -302,52 +382,6 @@ def test_striped_put_over_the_process_server(server: ServerProcess, key: bytes) 
 # --- errors ------------------------------------------------------------------------------------------------
 
 
-def test_unknown_key_is_chunk_not_found_and_misses_are_not_errors(client: TcpClient) -> None:
-    with pytest.raises(ChunkNotFound):
-        client.get(b"no-such-key")
-    with pytest.raises(ChunkNotFound):
-        client.get_into(b"no-such-key", bytearray(10))
-    assert client.exists(b"no-such-key") is False
-    assert client.size_of(b"no-such-key") is None
-    assert client.remove(b"no-such-key") is False
-
-
-@pytest.mark.parametrize("size_bytes", [4 * KiB, 20 * MiB])
-def test_wrong_size_buffer_is_size_mismatch_and_moves_nothing(
-        client: TcpClient, key: bytes, size_bytes: int) -> None:
-    client.put(key, payload(size_bytes, 3))
-    for wrong in (size_bytes - 1, size_bytes + 1):
-        dst = bytearray(b"\xee" * wrong)
-        with pytest.raises(SizeMismatch) as info:
-            client.get_into(key, dst)
-        assert (info.value.expected, info.value.actual) == (size_bytes, wrong)
-        assert dst == b"\xee" * wrong
-    assert client.size_of(key) == size_bytes  # the connections are still in step
-    client.remove(key)
-
-
-def test_put_of_an_existing_key_is_chunk_exists_and_keeps_the_first_value(
-        client: TcpClient, key: bytes) -> None:
-    client.put(key, b"first")
-    with pytest.raises(ChunkExists):
-        client.put(key, b"second")
-    assert client.get(key) == b"first"
-
-
-def test_bad_input_is_refused_before_anything_is_sent(server: ServerProcess) -> None:
-    with server.client(1, max_value_bytes=MiB) as client:
-        with pytest.raises(InvalidArgument):
-            client.put(b"", b"x")
-        with pytest.raises(InvalidArgument):
-            client.put(b"k" * 65, b"x")
-        with pytest.raises(InvalidArgument, match="max_value_bytes"):
-            client.put(b"too-big", bytes(MiB + 1))
-        with pytest.raises(InvalidArgument):
-            client.put(b"not-a-buffer", "text")
-    with pytest.raises(InvalidArgument):
-        TcpClient("127.0.0.1", server.port, 0)
-
-
 def test_backend_capacity_error_reaches_the_client(server: ServerProcess) -> None:
     small = ServerProcess("--capacity-bytes", str(MiB))
     try:
@@ -361,30 +395,7 @@ def test_backend_capacity_error_reaches_the_client(server: ServerProcess) -> Non
         small.stop()
 
 
-def test_closed_client_raises_peer_unavailable(server: ServerProcess) -> None:
-    client = server.client()
-    client.ping()
-    client.close()
-    client.close()
-    with pytest.raises(PeerUnavailable):
-        client.ping()
-
-
 # --- malformed, oversized and truncated frames (server in its own process) ----------------------------
-
-
-def test_oversized_frame_is_refused_and_the_connection_closed(server: ServerProcess) -> None:
-    with server.raw() as sock:
-        send_frame(sock, Opcode.PUT, b"huge", request_id=9, total_size=1 << 40,
-                   length=1 << 40, payload_len=1 << 40)
-        header, detail = read_response(sock)
-        assert header.status is Status.PROTOCOL
-        assert header.request_id == 9
-        assert b"maximum" in detail
-        assert_closed_by_peer(sock)
-    with server.client(1) as client:
-        assert not client.exists(b"huge")
-        client.ping()
 
 
 def test_client_with_a_larger_limit_than_the_server_gets_protocol_error() -> None:
@@ -400,7 +411,7 @@ def test_client_with_a_larger_limit_than_the_server_gets_protocol_error() -> Non
 
 
 @pytest.mark.parametrize(("mutate", "match"), [
-    (lambda b: b.__setitem__(slice(0, 4), b"HTTP"), b"magic"),
+    (lambda b: b.__setitem__(slice(0, 4), b"HTTP"), b"magic"),  # also the suite's garbage
     (lambda b: b.__setitem__(10, 65), b"key of 65 bytes"),
 ])
 def test_malformed_header_gets_protocol_status_then_close(
@@ -592,21 +603,22 @@ _PARTIAL_PUT = textwrap.dedent("""
         pack_header(hdr, Opcode.PUT, key_len=len(key), request_id=1, length=total,
                     total_size=total, payload_len=total)
     sock.sendall(bytes(hdr) + key + b"\\x07" * sent)
-    print("SENT", flush=True)
+    print("READY", flush=True)
     time.sleep(120)
 """)
 
 
-@pytest.mark.parametrize("mode", ["single", "striped"])
-def test_client_killed_mid_put_leaves_nothing_and_the_key_writable(
-        server: ServerProcess, key: bytes, mode: str) -> None:
+def test_client_killed_mid_striped_put_leaves_nothing_and_the_key_writable(
+        server: ServerProcess, key: bytes) -> None:
+    """The suite kills a one-frame writer; here a multi-part (PUT_BEGIN + PUT_PART) one."""
+    mode = "striped"
     total = 32 * MiB
     writer = subprocess.Popen(
         [sys.executable, "-c", _PARTIAL_PUT, str(server.port), key.decode(), str(total),
          str(8 * MiB), mode], stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
     try:
         assert writer.stdout is not None
-        assert writer.stdout.readline().strip() == "SENT"
+        assert writer.stdout.readline().strip() == "READY"
         with server.client(1) as client:
             assert not client.exists(key)
             with pytest.raises(ChunkBusy):  # the half-written lease is still held...
@@ -663,20 +675,6 @@ def test_put_parts_are_checked_against_their_reservation(server: ServerProcess, 
         assert client.get(key) == b"a" * 60 + b"c" * 40
 
 
-def test_client_gone_mid_get_releases_the_read_lease(server: ServerProcess, key: bytes) -> None:
-    with server.client(1) as client:
-        client.put(key, payload(64 * MiB, 5))
-        with server.raw() as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * KiB)
-            send_frame(sock, Opcode.GET, key, request_id=1, total_size=64 * MiB)
-            header = decode_header(recv_n(sock, HEADER_BYTES), 1 << 30)
-            assert header.status is Status.OK
-            recv_n(sock, MiB)
-            with pytest.raises(ChunkBusy):  # the server is stuck sending: still leased
-                client.remove(key)
-        wait_until(lambda: _removed(client, key), what="the read lease to be released")
-
-
 def _removed(client: TcpClient, key: bytes) -> bool:
     try:
         return client.remove(key)
@@ -684,49 +682,10 @@ def _removed(client: TcpClient, key: bytes) -> bool:
         return False
 
 
-def test_dead_server_is_peer_unavailable() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with TcpClient("127.0.0.1", port, 1, connect_timeout_s=2) as client, \
-            pytest.raises(PeerUnavailable):
-        client.get(b"k")
-
-    srv = ServerProcess()
-    with srv.client(2) as client:
-        client.put(b"k", b"v")  # leaves a pooled connection
-        srv.proc.kill()
-        srv.proc.wait()
-        with pytest.raises(PeerUnavailable):
-            client.get(b"k")
-        with pytest.raises(PeerUnavailable):
-            client.put(b"k2", bytes(10 * MiB))  # striped
-    srv.stop()
-
-
-def test_frozen_server_times_out_as_peer_unavailable() -> None:
-    srv = ServerProcess()
-    try:
-        with srv.client(1, io_timeout_s=0.5) as client:
-            client.put(b"k", b"v")
-            srv.proc.send_signal(signal.SIGSTOP)
-            wait_until(lambda: _process_state(srv.proc.pid) == "T", what="SIGSTOP to land")
-            try:
-                started = time.monotonic()
-                with pytest.raises(PeerUnavailable, match="timed out"):
-                    client.get(b"k")
-                with pytest.raises(PeerUnavailable, match="timed out"):
-                    client.get_into(b"k", bytearray(1))  # the native tcp_get when built
-                assert time.monotonic() - started < 10
-            finally:
-                srv.proc.send_signal(signal.SIGCONT)
-            assert client.get(b"k") == b"v"  # the broken connection was replaced
-    finally:
-        srv.stop()
-
-
-def _process_state(pid: int) -> str:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+def _all_threads_stopped(pid: int) -> bool:
+    tasks = Path(f"/proc/{pid}/task")
+    states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in tasks.iterdir()]
+    return all(state == "T" for state in states)
 
 
 def test_server_process_drains_and_exits_cleanly_on_sigterm() -> None:

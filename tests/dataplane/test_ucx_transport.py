@@ -1,10 +1,12 @@
 """The UCX transport against a real server process (ucxx over shared memory / CMA on one host).
 
 Skipped, with the reason, when ``ucxx`` does not import (``pip install 'kvtier[ucx]'``).
-Faults: a client killed after its PUT was accepted (never visible; the lease is aborted after
-the server's I/O timeout), a client gone mid-GET (the read lease is released), a SIGKILLed or
-SIGSTOPped server (PeerUnavailable within the client's timeout, or at once with a liveness
-probe).
+The transport conformance suite (``transport_conformance.py``) runs here as
+:class:`TestUcxConformance`: round trips, buffer ownership, refusals, a client killed after its
+PUT was accepted (never visible; the lease is aborted after the server's I/O timeout), a client
+gone mid-GET (the read lease is released), SIGKILLed and SIGSTOPped servers (PeerUnavailable
+within the client's timeout), malformed requests, threads. UCX's own: inline small GETs, the
+liveness probe, idle clients, and the daemon and StoreClient (advertising, choice, fallback).
 """
 
 from __future__ import annotations
@@ -16,23 +18,25 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from kvstore._proto.kvtier.v1 import store_pb2 as pb
 from kvstore.client import planes
 from kvstore.client.store_client import DataPlane, StoreClient, StoreClientConfig
-from kvstore.dataplane.transport.base import Transport, TransportKind, TransportServer
+from kvstore.dataplane.transport import ucx
+from kvstore.dataplane.transport.base import TransportKind, TransportServer
 from kvstore.dataplane.transport.memory_backend import MemoryBackend, MemoryReadLease
 from kvstore.dataplane.transport.ucx import UcxClient, UcxServer, UcxServerConfig, ucx_unavailable
 from kvstore.errors import (
-    ChunkBusy,
-    ChunkExists,
     ChunkNotFound,
-    InvalidArgument,
     PeerUnavailable,
     SizeMismatch,
     TierUnavailable,
+)
+from tests.dataplane.transport_conformance import (
+    PrivateServer,
+    TransportConformance,
+    TransportHarness,
 )
 from tests.support.common import StdinServerProcess, payload, wait_until
 from tests.support.daemon import DaemonProcess
@@ -66,18 +70,99 @@ def server() -> Iterator[UcxServerProcess]:
 
 
 @pytest.fixture
-def client(server: UcxServerProcess) -> Iterator[UcxClient]:
-    with server.client(io_timeout_s=10) as c:
-        yield c
-
-
-@pytest.fixture
 def key(request: pytest.FixtureRequest) -> bytes:
     """A key unique to the test (tests share one server)."""
     return request.node.name.encode()[-64:]
 
 
-def test_client_and_server_satisfy_the_protocols() -> None:
+class UcxPrivateServer(PrivateServer):
+    def __init__(self, *flags: str) -> None:
+        self.server = UcxServerProcess(*flags)
+
+    def client(self, **options: object) -> UcxClient:
+        return self.server.client(**options)
+
+    def kill(self) -> None:
+        self.server.proc.kill()
+        self.server.proc.wait(10)
+
+    def freeze(self) -> None:
+        self.server.proc.send_signal(signal.SIGSTOP)
+        # a group stop reaches each thread on its own; wait until the UCX thread is stopped
+        wait_until(lambda: _all_threads_stopped(self.server.proc.pid),
+                   what="SIGSTOP to take hold")
+
+    def thaw(self) -> None:
+        self.server.proc.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.server.alive():
+            self.thaw()
+        self.server.stop()
+
+
+class UcxHarness(TransportHarness):
+    name = "ucx"
+    io_timeout_s = 1.0
+    stalled_reader_keeps_its_lease = False  # the server drops a stalled reader after 1.5 s
+
+    def __init__(self, server: UcxServerProcess) -> None:
+        self.server = server
+
+    def client(self, **options: object) -> UcxClient:
+        options.setdefault("io_timeout_s", 10)
+        return self.server.client(**options)
+
+    def private_server(self, *, limit_bytes: int = 0) -> UcxPrivateServer:
+        return UcxPrivateServer("--max-value-bytes", str(limit_bytes or 128 * MiB))
+
+    def partial_put(self, key: bytes, total_bytes: int) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, "-c", _HALF_PUT, self.server.address_hex,
+                                 key.decode(), str(total_bytes)], stdout=subprocess.PIPE,
+                                text=True, cwd=REPO_ROOT)
+
+    def partial_get(self, key: bytes, total_bytes: int) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, "-c", _HALF_GET, self.server.address_hex,
+                                 key.decode(), str(total_bytes)], stdout=subprocess.PIPE,
+                                text=True, cwd=REPO_ROOT)
+
+    def _raw_request(self, magic: bytes, key_len: int) -> None:
+        """Send one REQUEST on a lane of a fresh client; the server drops a malformed one
+        without an answer (it cannot trust the client id in it), so nothing is awaited."""
+        c = UcxClient(self.server.address, io_timeout_s=5)
+        try:
+            with c._lane() as lane:
+                lane.seq += 1
+                buf = bytearray(ucx.REQ.size + key_len)
+                ucx.REQ.pack_into(buf, 0, magic, int(ucx.Op.GET), 0, key_len, lane.client_id,
+                                  lane.seq, 0)
+                w = lane.worker
+                send = lane.ep.tag_send(w.array(buf), tag=w.ucx.UCXXTag(
+                    ucx._tag(ucx.Kind.REQUEST, lane.client_id, lane.seq)))
+                lane.wait([send], "a malformed request")
+                lane.broken = True  # never reuse a lane the server saw misbehave
+        finally:
+            c.close()
+
+    def send_garbage(self) -> None:
+        self._raw_request(b"JUNK", 3)
+
+    def send_oversized(self) -> None:
+        self._raw_request(ucx.MAGIC, 65)  # a key over MAX_KEY_BYTES
+
+
+@pytest.fixture(scope="module")
+def ucx_harness(server: UcxServerProcess) -> UcxHarness:
+    return UcxHarness(server)
+
+
+class TestUcxConformance(TransportConformance):
+    @pytest.fixture
+    def harness(self, ucx_harness: UcxHarness) -> TransportHarness:
+        return ucx_harness
+
+
+def test_an_in_process_server_and_its_endpoint() -> None:
     srv = UcxServer(MemoryBackend(), UcxServerConfig(io_timeout_s=2))
     endpoint = srv.start()
     try:
@@ -85,32 +170,10 @@ def test_client_and_server_satisfy_the_protocols() -> None:
         assert endpoint.kind is TransportKind.UCX and endpoint.port == 0
         assert srv.endpoint.worker_address == endpoint.worker_address != b""
         with UcxClient(endpoint.worker_address) as c:
-            assert isinstance(c, Transport)
             c.put(b"in-process", b"abc")
             assert c.get(b"in-process") == b"abc"
     finally:
         srv.close(0)
-
-
-@pytest.mark.parametrize("size_bytes", [4 * KiB, 64 * KiB, 64 * KiB + 1, MiB, 4 * MiB + 3,
-                                        64 * MiB])
-def test_round_trip_returns_the_same_bytes(client: UcxClient, key: bytes,
-                                           size_bytes: int) -> None:
-    data = payload(size_bytes, size_bytes)
-    client.put(key, data)
-    assert client.size_of(key) == size_bytes and client.exists(key)
-    dst = bytearray(size_bytes)
-    assert client.get_into(key, dst) == size_bytes
-    assert dst == data
-    assert client.get(key) == data
-
-    def removed() -> bool:  # the server ends the read lease when its send completes, which
-        try:                # may come a moment after the client has the bytes
-            return client.remove(key)
-        except ChunkBusy:
-            return False
-
-    wait_until(removed, timeout_s=5, what="the read lease to end")
 
 
 class _LeaseCountingBackend(MemoryBackend):
@@ -148,64 +211,6 @@ def test_small_gets_come_inline_without_a_read_lease() -> None:
         srv.close(drain_timeout_s=0.5)
 
 
-def test_numpy_and_torch_buffers_move_without_conversion(client: UcxClient, key: bytes) -> None:
-    torch = pytest.importorskip("torch")
-    src = torch.arange(256 * KiB, dtype=torch.float16)
-    client.put(key, src)
-    dst = torch.empty_like(src)
-    client.get_into(key, dst)
-    assert torch.equal(src, dst)
-    arr = np.zeros(src.numel(), dtype=np.float16)
-    client.get_into(key, arr)
-    assert np.array_equal(arr, src.numpy())
-
-
-def test_unknown_key_is_chunk_not_found_and_misses_are_not_errors(client: UcxClient) -> None:
-    with pytest.raises(ChunkNotFound):
-        client.get_into(b"never-stored", bytearray(16))
-    with pytest.raises(ChunkNotFound):
-        client.get(b"never-stored")
-    assert client.size_of(b"never-stored") is None
-    assert not client.exists(b"never-stored")
-    assert client.remove(b"never-stored") is False
-    client.put(b"after-a-miss", b"still works")  # the lane stays usable after errors
-    assert client.get(b"after-a-miss") == b"still works"
-
-
-@pytest.mark.parametrize("size_bytes", [100, 2 * MiB])
-def test_wrong_size_buffer_is_size_mismatch_and_moves_nothing(
-        client: UcxClient, key: bytes, size_bytes: int) -> None:
-    client.put(key, payload(size_bytes, 1))
-    dst = bytearray(b"\x07" * (size_bytes + 1))
-    with pytest.raises(SizeMismatch) as info:
-        client.get_into(key, dst)
-    assert info.value.expected == size_bytes and info.value.actual == size_bytes + 1
-    assert dst == b"\x07" * (size_bytes + 1)
-
-
-@pytest.mark.parametrize("size_bytes", [10, 3 * MiB])
-def test_put_of_an_existing_key_is_chunk_exists_and_keeps_the_first_value(
-        client: UcxClient, key: bytes, size_bytes: int) -> None:
-    client.put(key, payload(size_bytes, 1))
-    with pytest.raises(ChunkExists):
-        client.put(key, payload(size_bytes, 2))
-    assert client.get(key) == payload(size_bytes, 1)
-
-
-def test_bad_input_is_refused_before_anything_is_sent(server: UcxServerProcess) -> None:
-    with server.client(max_value_bytes=MiB) as c:
-        with pytest.raises(InvalidArgument):
-            c.put(b"", b"x")
-        with pytest.raises(InvalidArgument):
-            c.put(b"k" * 65, b"x")
-        with pytest.raises(InvalidArgument):
-            c.put(b"too-big", bytearray(MiB + 1))
-        with pytest.raises(InvalidArgument):
-            c.get_into(b"k", bytes(4))  # read-only destination
-    with pytest.raises(InvalidArgument):
-        UcxClient(b"")
-
-
 _HALF_PUT = """
 import sys, time
 from kvstore.dataplane.transport import ucx
@@ -223,82 +228,9 @@ from kvstore.dataplane.transport import ucx
 c = ucx.UcxClient(bytes.fromhex(sys.argv[1]))
 with c._lane() as lane:
     lane.call(ucx.Op.GET, sys.argv[2].encode(), int(sys.argv[3]))
-    print("ACCEPTED", flush=True)
+    print("READY", flush=True)
     time.sleep(120)
 """
-
-
-def test_client_killed_mid_put_leaves_nothing_and_the_key_writable(
-        server: UcxServerProcess, client: UcxClient, key: bytes) -> None:
-    total = 8 * MiB
-    writer = subprocess.Popen([sys.executable, "-c", _HALF_PUT, server.address_hex,
-                               key.decode(), str(total)], stdout=subprocess.PIPE, text=True,
-                              cwd=REPO_ROOT)
-    try:
-        assert writer.stdout is not None
-        assert writer.stdout.readline().strip() == "READY"
-        assert not client.exists(key)
-        with pytest.raises(ChunkBusy):  # the write lease is held by the accepted PUT...
-            client.put(key, b"x")
-        writer.send_signal(signal.SIGKILL)
-        writer.wait(10)
-        # ...and aborted once the server's I/O timeout (1.5 s here) passes without the bytes.
-        def writable() -> bool:
-            try:
-                client.put(key, payload(total, 4))
-            except ChunkBusy:
-                return False
-            return True
-
-        wait_until(writable, timeout_s=10, what="the killed writer's lease to be aborted")
-        assert client.get(key) == payload(total, 4)
-    finally:
-        writer.kill()
-        writer.wait()
-
-
-def test_client_gone_mid_get_releases_the_read_lease(
-        server: UcxServerProcess, client: UcxClient, key: bytes) -> None:
-    total = 4 * MiB
-    client.put(key, payload(total, 3))
-    reader = subprocess.Popen([sys.executable, "-c", _HALF_GET, server.address_hex,
-                               key.decode(), str(total)], stdout=subprocess.PIPE, text=True,
-                              cwd=REPO_ROOT)
-    try:
-        assert reader.stdout is not None
-        assert reader.stdout.readline().strip() == "ACCEPTED"
-        reader.send_signal(signal.SIGKILL)
-        reader.wait(10)
-
-        def removed() -> bool:
-            try:
-                return client.remove(key)
-            except ChunkBusy:
-                return False
-
-        wait_until(removed, timeout_s=10, what="the dead reader's lease to be released")
-        assert not client.exists(key)
-    finally:
-        reader.kill()
-        reader.wait()
-
-
-def test_killed_server_is_peer_unavailable_within_the_io_timeout() -> None:
-    srv = UcxServerProcess()
-    try:
-        with srv.client(io_timeout_s=1.0) as c:
-            c.put(b"before", b"x")
-            srv.proc.send_signal(signal.SIGKILL)
-            srv.proc.wait(10)
-            start = time.monotonic()
-            with pytest.raises(PeerUnavailable):
-                c.get_into(b"before", bytearray(1))
-            assert time.monotonic() - start < 5.0
-            with pytest.raises(PeerUnavailable):  # a fresh lane cannot say HELLO either
-                c.put(b"after", b"y")
-    finally:
-        srv.proc.kill()
-        srv.proc.wait()
 
 
 def test_liveness_probe_reports_a_dead_server_before_the_io_timeout() -> None:
@@ -321,48 +253,6 @@ def _all_threads_stopped(pid: int) -> bool:
     tasks = Path(f"/proc/{pid}/task")
     states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in tasks.iterdir()]
     return all(state == "T" for state in states)
-
-
-def test_frozen_server_times_out_as_peer_unavailable() -> None:
-    srv = UcxServerProcess()
-    try:
-        with srv.client(io_timeout_s=1.0) as c:
-            c.put(b"k", b"v")
-            srv.proc.send_signal(signal.SIGSTOP)
-            # a group stop reaches each thread on its own; wait until the UCX thread is stopped
-            wait_until(lambda: _all_threads_stopped(srv.proc.pid), what="SIGSTOP to take hold")
-            try:
-                with pytest.raises(PeerUnavailable, match="timed out"):
-                    c.get(b"k")
-            finally:
-                srv.proc.send_signal(signal.SIGCONT)
-            assert c.get(b"k") == b"v"  # a fresh lane works once the server runs again
-    finally:
-        srv.stop()
-
-
-def test_concurrent_threads_share_one_client(server: UcxServerProcess) -> None:
-    import threading
-
-    errors: list[BaseException] = []
-
-    def work(i: int) -> None:
-        try:
-            for j in range(10):
-                k = f"thread-{i}-{j}".encode()
-                data = payload(200 * KiB + i, i * 100 + j)
-                c.put(k, data)
-                assert c.get(k) == data
-        except BaseException as exc:  # collected and re-raised by the test thread
-            errors.append(exc)
-
-    with server.client(lanes=2) as c:
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-    assert not errors, errors
 
 
 def test_close_refuses_new_requests_and_ends_leases() -> None:

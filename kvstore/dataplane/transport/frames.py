@@ -121,6 +121,11 @@ class Status(enum.IntEnum):
 _OPCODES: dict[int, Opcode] = {int(op): op for op in Opcode}
 _STATUSES: dict[int, Status] = {int(s): s for s in Status}
 _ALL_FLAGS = int(Flags.ANY_SIZE | Flags.COMMITTED | Flags.MORE)
+_ANY_SIZE = int(Flags.ANY_SIZE)
+"""With it, a request's ``length`` is only a cap (the answer is clipped to the stored value,
+which is never larger than the maximum), so it is not checked against ``max_value_bytes``:
+``TcpClient.get`` asks for up to ``stripe_threshold_bytes`` of a value of any size, also from a
+server whose maximum is smaller."""
 
 
 class Header(NamedTuple):
@@ -178,7 +183,8 @@ def decode_header(buf: bytes | bytearray | memoryview, max_value_bytes: int, at:
     st = _STATUSES.get(status)
     if (op is None or st is None or magic != MAGIC or version != VERSION
             or flags & ~_ALL_FLAGS or reserved or key_len > MAX_KEY_BYTES
-            or total_size > max_value_bytes or offset + length > max_value_bytes
+            or total_size > max_value_bytes
+            or (offset + length > max_value_bytes and not flags & _ANY_SIZE)
             or (payload_len > max_value_bytes and payload_len > MAX_DETAIL_BYTES)):
         raise _header_error(fields, max_value_bytes)
     return _new_header(Header, (op, flags, st, key_len, request_id, transfer_id, offset, length,
@@ -205,7 +211,8 @@ def _header_error(fields: tuple[Any, ...], max_value_bytes: int) -> ProtocolErro
         return ProtocolError(f"unknown flags {flags:#x} or reserved bits {reserved:#x} set")
     if key_len > MAX_KEY_BYTES:
         return ProtocolError(f"key of {key_len} bytes exceeds the {MAX_KEY_BYTES}-byte maximum")
-    if offset + length > max_value_bytes and total_size <= max_value_bytes and \
+    if offset + length > max_value_bytes and not flags & _ANY_SIZE and \
+            total_size <= max_value_bytes and \
             payload_len <= max(max_value_bytes, MAX_DETAIL_BYTES):
         return ProtocolError(f"range [{offset}, {offset + length}) exceeds the "
                              f"{max_value_bytes}-byte maximum")

@@ -8,6 +8,7 @@ keeps one of its own, and tools and tests may use one directly to speak the prot
 from __future__ import annotations
 
 import socket
+import struct
 from collections.abc import Sequence
 
 from kvstore.dataplane.transport.shm.frames import (
@@ -25,15 +26,26 @@ _IOV_MAX = 1024
 
 
 class LeaseChannel:
-    """One connection to a lease channel at an abstract address (``@name``)."""
+    """One connection to a lease channel at an abstract address (``@name``).
 
-    def __init__(self, address: str) -> None:
+    ``io_timeout_s`` bounds every send and every wait for a reply (kernel ``SO_SNDTIMEO`` /
+    ``SO_RCVTIMEO``: the socket stays blocking, no poll per call); a stopped or stuck peer is
+    then ``PeerUnavailable`` after that long instead of a hang. None: no bound."""
+
+    def __init__(self, address: str, *, io_timeout_s: float | None = None) -> None:
         """Connect. Raises InvalidArgument (not an abstract address), PeerUnavailable."""
         if not address.startswith("@"):
             raise InvalidArgument(f"lease channel address must be abstract (@name): {address!r}")
+        if io_timeout_s is not None and not io_timeout_s > 0:
+            raise InvalidArgument(f"io_timeout_s must be > 0 or None, got {io_timeout_s}")
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.sock.connect("\0" + address[1:])
+            if io_timeout_s is not None:
+                sec = int(io_timeout_s)
+                timeval = struct.pack("ll", sec, int((io_timeout_s - sec) * 1_000_000))
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
         except OSError as exc:
             self.sock.close()
             raise PeerUnavailable(f"cannot reach the lease channel {address}: {exc}") from exc
@@ -61,6 +73,9 @@ class LeaseChannel:
                 self.sock.sendall(header)
             else:
                 sendmsg_all(self.sock, [memoryview(header), *parts])
+        except (BlockingIOError, TimeoutError) as exc:
+            self.broken = True
+            raise PeerUnavailable("lease channel send timed out") from exc
         except OSError as exc:
             self.broken = True
             raise PeerUnavailable(f"lease channel send failed: {exc}") from exc
@@ -96,6 +111,9 @@ class LeaseChannel:
                     self.broken = True
                     raise PeerUnavailable("the peer closed the lease channel")
                 pos += n
+        except (BlockingIOError, TimeoutError) as exc:
+            self.broken = True
+            raise PeerUnavailable("lease channel reply timed out") from exc
         except OSError as exc:
             self.broken = True
             raise PeerUnavailable(f"lease channel receive failed: {exc}") from exc

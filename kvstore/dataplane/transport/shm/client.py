@@ -109,10 +109,14 @@ class ShmClientConfig:
     max_value_bytes: int = 0
     """Larger values are refused (InvalidArgument) before anything is sent; 0: no limit of the
     client's own (the peer refuses what its arena cannot hold: CapacityError)."""
+    io_timeout_s: float = 30.0
+    """Longest wait for the lease channel (a send, a reply): a stopped or stuck peer is then
+    PeerUnavailable. Lease-free reads never wait for the peer."""
 
     def __post_init__(self) -> None:
-        if self.lease_ttl_s < 0 or self.max_value_bytes < 0:
-            raise InvalidArgument("lease_ttl_s and max_value_bytes must be >= 0")
+        if self.lease_ttl_s < 0 or self.max_value_bytes < 0 or not self.io_timeout_s > 0:
+            raise InvalidArgument("lease_ttl_s and max_value_bytes must be >= 0 and "
+                                  "io_timeout_s > 0")
         if self.lease_free_attempts < 1 or self.read_report_interval_s <= 0 \
                 or not 1 <= self.read_report_batch <= MAX_KEYS:
             raise InvalidArgument(f"lease_free_attempts must be >= 1, read_report_interval_s "
@@ -320,7 +324,7 @@ class ShmClient:
 
         reader.use_extension(native.load_extension())  # None (not built, KVTIER_NATIVE=0): Python
         reporter = ReadReporter(self._address, interval_s=cfg.read_report_interval_s,
-                                batch=cfg.read_report_batch)
+                                batch=cfg.read_report_batch, io_timeout_s=cfg.io_timeout_s)
         try:
             reporter.start()
         except BaseException:
@@ -824,7 +828,7 @@ class ShmClient:
                 raise PeerUnavailable("the client is closed")
             if self._idle:
                 return self._idle.pop()
-        chan = LeaseChannel(self._address)
+        chan = LeaseChannel(self._address, io_timeout_s=self._config.io_timeout_s)
         with self._lock:
             self._all.append(chan)
         return chan

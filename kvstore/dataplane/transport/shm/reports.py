@@ -28,9 +28,11 @@ class ReadReporter:
 
     MAX_QUEUED = 1 << 16
 
-    def __init__(self, address: str, *, interval_s: float, batch: int) -> None:
+    def __init__(self, address: str, *, interval_s: float, batch: int,
+                 io_timeout_s: float | None = None) -> None:
         """Record the settings; :meth:`start` opens the eventfd and starts the thread."""
         self._address = address
+        self._io_timeout_s = io_timeout_s
         self._interval_s = interval_s
         self.batch = batch
         self.queue: deque[bytes] = deque(maxlen=self.MAX_QUEUED)
@@ -73,7 +75,7 @@ class ReadReporter:
                         for _ in range(min(len(self.queue), MAX_KEYS)):
                             keys.append(self.queue.popleft())
                     if self._chan is None:
-                        self._chan = LeaseChannel(self._address)
+                        self._chan = LeaseChannel(self._address, io_timeout_s=self._io_timeout_s)
                     self._chan.send(ChannelOp.READS, flags=FLAG_NO_REPLY, keys=keys)
                 if wait and self._chan is not None:
                     self._chan.call(ChannelOp.PING)
