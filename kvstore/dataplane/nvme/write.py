@@ -309,9 +309,11 @@ class WritePath:
         """Free the extent of a failed write behind a FREE header (caller holds the write lock).
 
         The FREE header makes sure a half-written LIVE header cannot resurface at the next
-        open. If even that write fails, the extent is claimed back (quarantined) until the
-        tier is reopened, and the recovery scan sorts it out (except for a known gap:
-        ``docs/nvme-tier.md``, "A quarantined extent can hide later records").
+        open. If even that write fails, the disk may still hold, at the failed record's place,
+        the FREE header of the whole run it was cut from; a later record put into the rest of
+        that run would be hidden behind it from the next open's scan. So the extent *and the
+        rest of its free run* are claimed back (quarantined) until the tier is reopened, and
+        the recovery scan sorts them out (``docs/nvme-tier.md``, "Quarantine").
         """
         segment = rec.segment
         assert segment is not None
@@ -324,12 +326,13 @@ class WritePath:
                                                        free_len, seq))
         except OSError as exc:
             with self._lock:
-                # Take exactly this extent back out of the free space.
-                segment.space.claim(rec.offset, rec.extent_bytes)
-                self._core.quarantined_bytes += rec.extent_bytes
-            log.error("NVMe tier %s: could not clear the failed record at %s+%d (%s); its "
-                      "%d bytes are quarantined until the tier is reopened", self._dir,
-                      segment.path.name, rec.offset, exc, rec.extent_bytes)
+                # Take the extent and everything a stale header there may cover back out of
+                # the free space: nothing may be written where the next scan would hop over it.
+                segment.space.claim(rec.offset, free_len)
+                self._core.quarantined_bytes += free_len
+            log.error("NVMe tier %s: could not clear the failed record at %s+%d (%s); it and "
+                      "the rest of its free run, %d bytes, are quarantined until the tier is "
+                      "reopened", self._dir, segment.path.name, rec.offset, exc, free_len)
         rec.segment = None
 
     def _create_segment(self, seg_id: int, size_bytes: int, seq: int) -> Segment:
