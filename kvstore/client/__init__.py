@@ -1,11 +1,14 @@
 """The library engines embed: :class:`StoreClient` talks to one store daemon (gRPC control,
-shared-memory or TCP data plane); :class:`KVClient` moves token prefixes' KV between daemons and
+shared-memory, UCX or TCP data plane); :class:`KVClient` moves token prefixes' KV between daemons and
 an engine's tensors (torch is imported only when tensors are touched).
 
 KVClient's modules: ``kv_client`` (the client and its config), ``layouts`` (the engine's KV
 buffers: contiguous, paged, chunk, transformers cache), ``results``, ``requests``, ``handles``
 (loads and saves in flight), ``staging`` (pooled buffers), ``discovery`` (daemons through etcd),
-``kvlayout`` (the chunk layout and a model's namespace). Every public name is exported here."""
+``kvlayout`` (the chunk layout and a model's namespace). StoreClient's: ``store_client`` (the
+client), ``daemon_control`` (its gRPC calls), ``planes`` (the choice of data plane, and the TCP/UCX
+plane; the shared-memory plane is the data plane's ``ShmClient``), ``store_config`` (its config
+and results). Every public name is exported here."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ from kvstore.dataplane.transport.base import ReadLease
 from kvstore.dataplane.transport.shm import LeaseFreeCounters, ShmClient
 from kvstore.dataplane.transport.tcp import TcpClient
 from kvstore.dataplane.transport.ucx import UcxClient, ucx_unavailable
-from kvstore.errors import InvalidArgument, TierUnavailable, TransportError
+from kvstore.errors import InvalidArgument, PeerUnavailable, TierUnavailable, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +227,7 @@ class RemotePlane:
         with self._lock:
             if self._tcp is None:
                 if self._closed:
-                    raise TierUnavailable("the client is closed")
+                    raise PeerUnavailable("the client is closed")
                 host, _, port = self._control.info.tcp_address.rpartition(":")
                 self._tcp = TcpClient(host, int(port), connections=self._config.tcp_connections,
                                       spin_us=self._config.tcp_spin_us)
