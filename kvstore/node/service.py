@@ -2,7 +2,7 @@
 
 Runs on ``grpc.aio``. Cache operations that may block (copies, evictions to NVMe, promotions)
 run in the daemon's thread pool; index-only calls (lookup, exists, stats) run in the event loop.
-Every kvtier error becomes a gRPC status (:data:`kvstore.dataplane.transport.shm_frames.GRPC_CODE_NAMES`) with
+Every kvtier error becomes a gRPC status (:data:`kvstore.wire.GRPC_CODE_NAMES`) with
 the error's class name in the trailing metadata ``kvtier-error``; every call is timed into
 ``kvtier_rpc_seconds``. While the daemon drains, calls that would start new work (puts,
 reservations, reads) fail with UNAVAILABLE; commits, releases and metadata calls still work.
