@@ -148,12 +148,9 @@ class TcpPrivateServer(PrivateServer):
         self.server.proc.kill()
         self.server.proc.wait(10)
 
-    def freeze(self) -> None:
-        self.server.proc.send_signal(signal.SIGSTOP)
-        wait_until(lambda: _all_threads_stopped(self.server.proc.pid), what="SIGSTOP to land")
-
-    def thaw(self) -> None:
-        self.server.proc.send_signal(signal.SIGCONT)
+    @property
+    def pid(self) -> int:
+        return self.server.proc.pid
 
     def stop(self) -> None:
         if self.server.alive():
@@ -681,11 +678,6 @@ def _removed(client: TcpClient, key: bytes) -> bool:
     except ChunkBusy:
         return False
 
-
-def _all_threads_stopped(pid: int) -> bool:
-    tasks = Path(f"/proc/{pid}/task")
-    states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in tasks.iterdir()]
-    return all(state == "T" for state in states)
 
 
 def test_server_process_drains_and_exits_cleanly_on_sigterm() -> None:

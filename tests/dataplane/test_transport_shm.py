@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -36,7 +35,6 @@ from tests.dataplane.transport_conformance import (
     PrivateServer,
     TransportHarness,
 )
-from tests.support.common import wait_until
 from tests.support.daemon import REPO, DaemonProcess
 from tests.support.native import built_extension
 
@@ -48,11 +46,6 @@ def _read_index_of(daemon: DaemonProcess) -> str:
         info = pb_grpc.StoreStub(channel).Info(pb.InfoRequest(), timeout=10)  # type: ignore[no-untyped-call]
     return str(info.shm_read_index)
 
-
-def _all_threads_stopped(pid: int) -> bool:
-    tasks = Path(f"/proc/{pid}/task")
-    states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in tasks.iterdir()]
-    return all(state == "T" for state in states)
 
 
 class _Daemon:
@@ -86,13 +79,9 @@ class ShmPrivateServer(PrivateServer):
     def kill(self) -> None:
         self.process.kill()
 
-    def freeze(self) -> None:
-        os.kill(self.process.pid, signal.SIGSTOP)
-        wait_until(lambda: _all_threads_stopped(self.process.pid), what="SIGSTOP to take hold")
-
-    def thaw(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.process.pid, signal.SIGCONT)
+    @property
+    def pid(self) -> int:
+        return self.process.pid
 
     def stop(self) -> None:
         self.thaw()

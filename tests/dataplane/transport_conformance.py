@@ -25,6 +25,9 @@ sharing one client, and closing.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import threading
 import time
@@ -44,7 +47,7 @@ from kvstore.errors import (
     PeerUnavailable,
     SizeMismatch,
 )
-from tests.support.common import payload, wait_until
+from tests.support.common import all_threads_stopped, payload, wait_until
 
 KiB, MiB = 1 << 10, 1 << 20
 BOUND_S = 10.0
@@ -64,12 +67,19 @@ class PrivateServer:
         """SIGKILL, and wait until it is gone."""
         raise NotImplementedError
 
-    def freeze(self) -> None:
-        """SIGSTOP, and wait until every thread of it is stopped."""
+    @property
+    def pid(self) -> int:
+        """The server's process id."""
         raise NotImplementedError
 
+    def freeze(self) -> None:
+        """SIGSTOP, and wait until every thread of it is stopped."""
+        os.kill(self.pid, signal.SIGSTOP)
+        wait_until(lambda: all_threads_stopped(self.pid), what="SIGSTOP to take hold")
+
     def thaw(self) -> None:
-        raise NotImplementedError
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGCONT)
 
     def stop(self) -> None:
         """Stop it (gracefully when still alive); idempotent."""

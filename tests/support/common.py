@@ -82,3 +82,10 @@ class StdinServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(5)
+
+
+def all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of process ``pid`` is stopped (a SIGSTOP reaches each on its own)."""
+    tasks = Path(f"/proc/{pid}/task")
+    states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in tasks.iterdir()]
+    return all(state == "T" for state in states)
