@@ -42,7 +42,7 @@ from kvstore.dataplane.arena import copy_bytes
 from kvstore.dataplane.compress import CodecKind
 from kvstore.dataplane.dram import DramSlot, DramTier
 from kvstore.dataplane.tier import ChunkKey, TierKind, WriteSlot, check_key
-from kvstore.dataplane.transport.base import ArenaRange
+from kvstore.dataplane.transport.base import ArenaRange, ViewReadLease
 from kvstore.errors import (
     CapacityError,
     ChunkBusy,
@@ -101,32 +101,17 @@ class ParentHints:
 # --- the LeaseBackend --------------------------------------------------------------------------
 
 
-class CacheReadLease:
+class CacheReadLease(ViewReadLease):
     """A read lease of :class:`CacheLeaseBackend`: an arena view under a cache pin, or a
     private copy (no pin) when the chunk could not be brought into DRAM."""
 
-    __slots__ = ("_cache", "_key", "_lease", "_view")
+    __slots__ = ("_cache", "_lease")
 
     def __init__(self, cache: TieredCache, key: ChunkKey, view: memoryview,
                  lease: Lease | None) -> None:
+        super().__init__(key, view)
         self._cache = cache
-        self._key = key
-        self._view: memoryview | None = view
         self._lease = lease
-
-    @property
-    def key(self) -> ChunkKey:
-        return self._key
-
-    @property
-    def size_bytes(self) -> int:
-        return self.view.nbytes
-
-    @property
-    def view(self) -> memoryview:
-        if self._view is None:
-            raise InvalidArgument(f"read lease on {self._key.hex()} was released")
-        return self._view
 
     def release(self) -> None:
         if self._view is None:

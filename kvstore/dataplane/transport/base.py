@@ -173,6 +173,32 @@ class ReadLease(Protocol):
         ...
 
 
+class ViewReadLease:
+    """The state every :class:`ReadLease` implementation shares: the key and the view until
+    release. Subclasses implement :meth:`release` (set ``_view`` to None first, so a second call
+    is a no-op, then unpin)."""
+
+    __slots__ = ("_key", "_view")
+
+    def __init__(self, key: ChunkKey, view: memoryview) -> None:
+        self._key = key
+        self._view: memoryview | None = view
+
+    @property
+    def key(self) -> ChunkKey:
+        return self._key
+
+    @property
+    def size_bytes(self) -> int:
+        return self.view.nbytes
+
+    @property
+    def view(self) -> memoryview:
+        if self._view is None:
+            raise InvalidArgument(f"read lease on {self._key.hex()} was released")
+        return self._view
+
+
 class WriteLease(Protocol):
     """An invisible, writable slot for one chunk. Exactly one of commit/abort ends it."""
 

@@ -20,6 +20,7 @@ import threading
 from dataclasses import dataclass
 
 from kvstore.dataplane.tier import ChunkKey, check_key
+from kvstore.dataplane.transport.base import ViewReadLease
 from kvstore.errors import (
     CapacityError,
     ChunkBusy,
@@ -36,29 +37,14 @@ class _Entry:
     pins: int = 0
 
 
-class MemoryReadLease:
+class MemoryReadLease(ViewReadLease):
     """A pin on one committed chunk of a :class:`MemoryBackend`."""
 
-    __slots__ = ("_backend", "_key", "_view")
+    __slots__ = ("_backend",)
 
     def __init__(self, backend: MemoryBackend, key: ChunkKey, view: memoryview) -> None:
+        super().__init__(key, view)
         self._backend = backend
-        self._key = key
-        self._view: memoryview | None = view
-
-    @property
-    def key(self) -> ChunkKey:
-        return self._key
-
-    @property
-    def size_bytes(self) -> int:
-        return len(self.view)
-
-    @property
-    def view(self) -> memoryview:
-        if self._view is None:
-            raise InvalidArgument(f"read lease on {self._key.hex()} was released")
-        return self._view
 
     def release(self) -> None:
         if self._view is not None:

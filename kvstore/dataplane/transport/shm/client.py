@@ -52,7 +52,12 @@ from kvstore.dataplane.arena import (
 )
 from kvstore.dataplane.read_index import NOT_TRIED, ReadIndexReader, ReadResult
 from kvstore.dataplane.tier import Buffer, ChunkKey, check_key
-from kvstore.dataplane.transport.base import BatchTransport, Endpoint, TransportKind
+from kvstore.dataplane.transport.base import (
+    BatchTransport,
+    Endpoint,
+    TransportKind,
+    ViewReadLease,
+)
 from kvstore.dataplane.transport.shm.channel import LeaseChannel
 from kvstore.dataplane.transport.shm.frames import (
     FLAG_NO_REPLY,
@@ -159,33 +164,18 @@ def _device_bytes(tensor: Any) -> Any:
     return tensor.detach().reshape(-1).view(torch.uint8)
 
 
-class ShmReadLease:
+class ShmReadLease(ViewReadLease):
     """A read lease of :meth:`ShmClient.open_read`: the chunk's range of the mapped arena,
     pinned by the peer until :meth:`release` (which sends RELEASE without waiting)."""
 
-    __slots__ = ("_chan", "_client", "_key", "_lease_id", "_view")
+    __slots__ = ("_chan", "_client", "_lease_id")
 
     def __init__(self, client: ShmClient, chan: LeaseChannel, key: ChunkKey, lease_id: int,
                  view: memoryview) -> None:
+        super().__init__(key, view)
         self._client = client
         self._chan = chan
-        self._key = key
         self._lease_id = lease_id
-        self._view: memoryview | None = view
-
-    @property
-    def key(self) -> ChunkKey:
-        return self._key
-
-    @property
-    def size_bytes(self) -> int:
-        return self.view.nbytes
-
-    @property
-    def view(self) -> memoryview:
-        if self._view is None:
-            raise InvalidArgument(f"read lease on {self._key.hex()} was released")
-        return self._view
 
     def release(self) -> None:
         """Unpin the chunk. Idempotent. Raises BufferError while an export of the view (a
