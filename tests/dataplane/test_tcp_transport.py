@@ -58,7 +58,7 @@ from kvstore.errors import (
 from tests.dataplane.lease_backend_conformance import LeaseBackendConformance
 from tests.dataplane.transport_conformance import (
     BatchTransportConformance,
-    PrivateServer,
+    ChildServer,
     TransportHarness,
 )
 from tests.support.common import StdinServerProcess, payload, wait_until
@@ -137,25 +137,12 @@ _PARTIAL_GET = textwrap.dedent("""
 """)
 
 
-class TcpPrivateServer(PrivateServer):
+class TcpPrivateServer(ChildServer):
     def __init__(self, *flags: str) -> None:
         self.server = ServerProcess(*flags)
 
     def client(self, **options: object) -> TcpClient:
         return self.server.client(2, **options)
-
-    def kill(self) -> None:
-        self.server.proc.kill()
-        self.server.proc.wait(10)
-
-    @property
-    def pid(self) -> int:
-        return self.server.proc.pid
-
-    def stop(self) -> None:
-        if self.server.alive():
-            self.thaw()
-        self.server.stop()
 
 
 class TcpHarness(TransportHarness):

@@ -34,7 +34,7 @@ from kvstore.errors import (
     TierUnavailable,
 )
 from tests.dataplane.transport_conformance import (
-    PrivateServer,
+    ChildServer,
     TransportConformance,
     TransportHarness,
 )
@@ -75,25 +75,12 @@ def key(request: pytest.FixtureRequest) -> bytes:
     return request.node.name.encode()[-64:]
 
 
-class UcxPrivateServer(PrivateServer):
+class UcxPrivateServer(ChildServer):
     def __init__(self, *flags: str) -> None:
         self.server = UcxServerProcess(*flags)
 
     def client(self, **options: object) -> UcxClient:
         return self.server.client(**options)
-
-    def kill(self) -> None:
-        self.server.proc.kill()
-        self.server.proc.wait(10)
-
-    @property
-    def pid(self) -> int:
-        return self.server.proc.pid
-
-    def stop(self) -> None:
-        if self.server.alive():
-            self.thaw()
-        self.server.stop()
 
 
 class UcxHarness(TransportHarness):

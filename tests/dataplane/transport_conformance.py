@@ -86,6 +86,26 @@ class PrivateServer:
         raise NotImplementedError
 
 
+class ChildServer(PrivateServer):
+    """A private server held as ``self.server``: a child process wrapper with ``proc``,
+    ``alive()`` and ``stop()`` (the TCP and UCX test servers)."""
+
+    server: Any
+
+    def kill(self) -> None:
+        self.server.proc.kill()
+        self.server.proc.wait(10)
+
+    @property
+    def pid(self) -> int:
+        return self.server.proc.pid
+
+    def stop(self) -> None:
+        if self.server.alive():
+            self.thaw()
+        self.server.stop()
+
+
 class TransportHarness:
     """What a transport's test module provides to the suite. Subclassed per transport."""
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine
 from typing import Any
 
 import pytest
@@ -25,16 +24,9 @@ from kvstore.membership.engines import (
 )
 from kvstore.membership.etcd import KeyLayout, etcd_client
 from kvstore.membership.launcher import LocalEtcd
+from tests.support.etcd import run
 
 TTL_S = 2
-
-
-def run(aio: asyncio.Runner, scenario: Coroutine[Any, Any, None], timeout_s: float = 30.0) -> None:
-    async def bounded() -> None:
-        async with asyncio.timeout(timeout_s):
-            await scenario
-
-    aio.run(bounded())
 
 
 async def wait_for(predicate: Any, timeout_s: float, what: str) -> float:

@@ -32,16 +32,9 @@ from kvstore.membership.engines import (
 from kvstore.membership.etcd import KeyLayout, etcd_client
 from kvstore.membership.launcher import LocalEtcd, _pick_free_ports
 from kvstore.membership.registration import RegistrationState
+from tests.support.etcd import run
 
 TTL_S = 2
-
-
-def run(aio: asyncio.Runner, scenario: Coroutine[Any, Any, None], timeout_s: float = 30.0) -> None:
-    async def bounded() -> None:
-        async with asyncio.timeout(timeout_s):
-            await scenario
-
-    aio.run(bounded())
 
 
 async def wait_until(predicate: Callable[[], Coroutine[Any, Any, bool]], what: str,

@@ -14,7 +14,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,21 +36,12 @@ from kvstore.membership.nodes import (
     watch_nodes,
 )
 from kvstore.membership.registration import RegistrationState
+from tests.support.etcd import run
 from tests.support.registrant import sample_record
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TTL_S = 2
 EVENT_TIMEOUT_S = 10.0
-
-
-def run(aio: asyncio.Runner, scenario: Coroutine[Any, Any, None], timeout_s: float = 30.0) -> None:
-    """Run one asyncio scenario on the session's loop with an overall deadline."""
-
-    async def bounded() -> None:
-        async with asyncio.timeout(timeout_s):
-            await scenario
-
-    aio.run(bounded())
 
 
 async def next_events(

@@ -20,8 +20,9 @@ from __future__ import annotations
 import asyncio
 import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -78,3 +79,13 @@ def etcd_layout(request: pytest.FixtureRequest) -> KeyLayout:
     """A key prefix no other test uses: ``/kvtier-test/<test name>-<random>/``."""
     name = _UNSAFE.sub("-", request.node.name).strip("-")[:80] or "test"
     return KeyLayout(prefix=f"/kvtier-test/{name}-{uuid.uuid4().hex[:8]}/")
+
+
+def run(aio: asyncio.Runner, scenario: Coroutine[Any, Any, None], timeout_s: float = 30.0) -> None:
+    """Run one asyncio scenario on the session's loop with an overall deadline."""
+
+    async def bounded() -> None:
+        async with asyncio.timeout(timeout_s):
+            await scenario
+
+    aio.run(bounded())
