@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import os
 import re
 import socket
@@ -140,7 +141,8 @@ class CacheSection:
     """How often the daemon brings tiers above their high watermark down to the low one."""
 
     def __post_init__(self) -> None:
-        _require(self.lease_ttl_s > 0, f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
+        _require(math.isfinite(self.lease_ttl_s) and self.lease_ttl_s > 0,
+                 f"lease_ttl_s must be finite and > 0, got {self.lease_ttl_s}")
         _require(0.0 <= self.low_watermark <= self.high_watermark <= 1.0,
                  "watermarks must satisfy 0 <= low_watermark <= high_watermark <= 1")
         _require(self.demote_interval_s > 0, "demote_interval_s must be > 0")
@@ -184,6 +186,20 @@ class ServerConfig:
     ucx_io_timeout_s: float = 30.0
     """UCX cannot detect a dead client (error handling is off): a transfer not done within
     this is cut and its lease aborted or released."""
+    max_ttl_s: float = 3600.0
+    """Upper bound of every TTL a client may ask for (pins, read leases, reservations, parent
+    hints); a larger or non-finite one is refused with INVALID_ARGUMENT."""
+    max_leases: int = 65536
+    """Pins, read leases and reservations the daemon holds for clients at once; beyond it a new
+    one is refused (RESOURCE_EXHAUSTED) until others end."""
+    idle_timeout_s: float = 300.0
+    """A data-plane or lease-channel connection with no request and nothing held for this long
+    is closed."""
+    header_timeout_s: float = 10.0
+    """Once a frame's first byte arrived, the rest of its header must arrive within this."""
+    max_connections: int = 1024
+    """Connections each listener (TCP data plane, lease channel) serves at once; one more is
+    refused with an error frame and closed."""
 
     def __post_init__(self) -> None:
         _require(bool(self.host), "host must not be empty")
@@ -196,8 +212,16 @@ class ServerConfig:
         _require(1 <= self.rpc_workers <= 256, f"rpc_workers must be 1..256, got "
                  f"{self.rpc_workers}")
         for name in ("shm_lease_ttl_s", "reservation_ttl_s", "tcp_io_timeout_s",
-                     "ucx_io_timeout_s"):
-            _require(getattr(self, name) > 0, f"{name} must be > 0")
+                     "ucx_io_timeout_s", "idle_timeout_s", "header_timeout_s"):
+            _require(math.isfinite(getattr(self, name)) and getattr(self, name) > 0,
+                     f"{name} must be finite and > 0")
+        _require(math.isfinite(self.max_ttl_s) and self.max_ttl_s >= 1,
+                 f"max_ttl_s must be finite and >= 1, got {self.max_ttl_s}")
+        for name in ("shm_lease_ttl_s", "reservation_ttl_s"):
+            _require(getattr(self, name) <= self.max_ttl_s, f"{name} must be <= max_ttl_s")
+        _require(self.max_leases >= 1, f"max_leases must be >= 1, got {self.max_leases}")
+        _require(1 <= self.max_connections <= 65536,
+                 f"max_connections must be 1..65536, got {self.max_connections}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,6 +300,9 @@ class DaemonConfig:
                  f"node_id must be 1-128 characters of [A-Za-z0-9._-], got {self.node_id!r}")
         _require(self.log_level.upper() in {"DEBUG", "INFO", "WARNING", "ERROR"},
                  f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+        _require(self.cache.lease_ttl_s <= self.server.max_ttl_s,
+                 f"cache.lease_ttl_s ({self.cache.lease_ttl_s}) must be <= server.max_ttl_s "
+                 f"({self.server.max_ttl_s})")
         if self.cache.write_tier is not None:
             _require(self.cache.write_tier in self.tier_kinds(),
                      f"cache.write_tier {self.cache.write_tier.value} is not configured")
