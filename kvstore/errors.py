@@ -11,12 +11,14 @@ invariant is a bug and raises :class:`InvariantViolation`.
     KvtierError
     ├── ConfigError                 bad config value, file or flag
     ├── InvalidArgument             malformed input from a caller
-    │   └── SizeMismatch            buffer or chunk of the wrong size
+    │   ├── SizeMismatch            buffer or chunk of the wrong size
+    │   └── LeaseExpired            a zero-copy view used past its lease's deadline
     ├── ChunkNotFound               explicit read/remove of a key no tier holds
     ├── ChunkExists                 put of a key that is already committed
     ├── ChunkBusy                   pinned / leased / being written: cannot evict or remove now
     ├── CapacityError               a tier cannot make room
-    │   └── DiskFull                the filesystem under the NVMe tier is full (ENOSPC/EDQUOT)
+    │   ├── DiskFull                the filesystem under the NVMe tier is full (ENOSPC/EDQUOT)
+    │   └── TooManyLeases           the daemon holds ``server.max_leases`` leases and pins already
     ├── ChunkCorrupt                checksum mismatch, torn or truncated record
     ├── StorageError                I/O failed for a reason other than full or corrupt
     ├── TierUnavailable             the tier cannot run here (no GPU, no O_DIRECT, closed)
@@ -55,12 +57,31 @@ class SizeMismatch(InvalidArgument):
         self.actual = actual
 
 
+class LeaseExpired(InvalidArgument):
+    """A zero-copy view was used after its lease's deadline: the daemon may have ended the
+    lease and reused the memory, so its bytes can belong to another chunk."""
+
+
+SHORT_KEY_BYTES = 16
+"""Error messages show at most this many bytes of a key (:func:`short_key`)."""
+
+
+def short_key(key: bytes | bytearray | memoryview) -> str:
+    """A key for an error message: its hex when it is short, else the hex of its first
+    :data:`SHORT_KEY_BYTES` bytes and its length (a message never echoes a huge key)."""
+    raw = bytes(key[:SHORT_KEY_BYTES + 1])
+    if len(raw) <= SHORT_KEY_BYTES:
+        return raw.hex()
+    return f"{raw[:SHORT_KEY_BYTES].hex()}... ({len(key)} bytes)"
+
+
 class ChunkNotFound(KvtierError, KeyError):
     """An explicit read or remove named a key that is not stored."""
 
     def __init__(self, key: bytes, where: str = "") -> None:
         suffix = f" in {where}" if where else ""
-        super().__init__(f"chunk {key.hex()} not found{suffix}")
+        shown = key.hex() if len(key) <= 64 else short_key(key)
+        super().__init__(f"chunk {shown} not found{suffix}")
         self.key = key
 
     def __str__(self) -> str:  # KeyError would repr() the message
@@ -81,6 +102,11 @@ class CapacityError(KvtierError):
 
 class DiskFull(CapacityError):
     """The filesystem under an NVMe tier ran out of space; nothing stored was lost."""
+
+
+class TooManyLeases(CapacityError):
+    """The daemon already holds ``server.max_leases`` pins, read leases and reservations for
+    clients; a new one is refused until others end (or expire)."""
 
 
 class ChunkCorrupt(KvtierError):

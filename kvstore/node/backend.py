@@ -19,22 +19,30 @@ DRAM arena and receives puts straight into it:
 :class:`~kvstore.dataplane.transport.base.ArenaLeaseBackend`: the same two kinds of lease by id,
 with arena offsets instead of views, for clients on the same host that map the arena themselves
 (through the lease channel, :class:`~kvstore.dataplane.transport.shm.ShmServer`, or the gRPC
-lease calls). Each lease has an *owner* (a channel connection, or None for gRPC) and a
-deadline: :meth:`ShmLeases.drop_owner` ends every lease of a connection that closed (a client
+lease calls). Each lease has an *owner* (a channel connection, or the gRPC session that took
+it) and a deadline: only its owner can release, commit or abort it (another owner's id is
+"unknown"); :meth:`ShmLeases.drop_owner` ends every lease of a connection that closed (a client
 that died mid-put never makes its chunk visible; one that died mid-get unpins), and
 :meth:`ShmLeases.expire` ends leases past their deadline.
+
+Bounds (issue 12): lease ids are unguessable (:class:`LeaseIds`: 63 bits of a keyed hash,
+never 0, never two live at once), every client TTL is checked by :func:`check_ttl` (finite,
+> 0, at most ``server.max_ttl_s``), and :class:`LeaseBudget` caps the pins, read leases and
+reservations held for clients at once (``server.max_leases``; ``TooManyLeases`` beyond it).
 
 Thread safety: everything here may be called from any thread.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
+import math
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
 from kvstore.dataplane import native
@@ -51,6 +59,7 @@ from kvstore.errors import (
     InvariantViolation,
     SizeMismatch,
     TierUnavailable,
+    TooManyLeases,
 )
 from kvstore.node.cache import TieredCache
 from kvstore.node.index import Lease
@@ -59,21 +68,96 @@ log = logging.getLogger(__name__)
 
 _PREFIX_RETRIES = 4
 MAX_PARENT_HINTS = 1 << 20
+DEFAULT_MAX_TTL_S = 3600.0
+"""``server.max_ttl_s``'s default, for backends built without a config (tests)."""
+DEFAULT_MAX_LEASES = 65536
+"""``server.max_leases``'s default, likewise."""
+
+
+def check_ttl(ttl_s: float, max_ttl_s: float, *, what: str = "ttl_s") -> float:
+    """A TTL a client asked for, checked: finite, > 0 and at most ``max_ttl_s`` (the daemon's
+    ``server.max_ttl_s``); anything else (inf, nan, 1e300, 0, -1) is InvalidArgument. Callers
+    that give 0 the meaning "the default" substitute it before calling."""
+    if not (isinstance(ttl_s, int | float) and math.isfinite(ttl_s) and 0 < ttl_s <= max_ttl_s):
+        raise InvalidArgument(f"{what} must be finite, > 0 and <= {max_ttl_s:g} s "
+                              f"(server.max_ttl_s), got {ttl_s!r}")
+    return float(ttl_s)
+
+
+class LeaseIds:
+    """Lease ids no client can guess: 63 bits of a keyed BLAKE2b of a counter (the key is
+    random per instance, so per daemon), never 0, and never one that is still live.
+
+    A counter from a random start, as before, let any client reach another's lease by trying
+    the neighbours of its own id. A keyed hash costs ~0.5 µs and no system call per id
+    (``secrets`` would read ``/dev/urandom`` each time); truncated to 63 bits two counters
+    can collide, so :meth:`new` skips an id that ``live`` still holds. Not thread-safe: call
+    under the owner's lock."""
+
+    __slots__ = ("_counter", "_key")
+
+    def __init__(self) -> None:
+        self._key = secrets.token_bytes(32)
+        self._counter = itertools.count(1)
+
+    def new(self, live: Container[int]) -> int:
+        while True:
+            digest = hashlib.blake2b(next(self._counter).to_bytes(8, "little"),
+                                     key=self._key, digest_size=8).digest()
+            lease_id = int.from_bytes(digest, "little") >> 1
+            if lease_id and lease_id not in live:
+                return lease_id
+
+
+class LeaseBudget:
+    """How many pins, read leases and reservations the daemon holds for clients at once,
+    against ``server.max_leases``. Shared by :class:`ShmLeases` and the gRPC pins.
+    Thread-safe."""
+
+    def __init__(self, max_leases: int = DEFAULT_MAX_LEASES) -> None:
+        if max_leases < 1:
+            raise InvalidArgument(f"max_leases must be >= 1, got {max_leases}")
+        self.max_leases = max_leases
+        self._held = 0
+        self._lock = threading.Lock()
+
+    @property
+    def held(self) -> int:
+        return self._held
+
+    def take(self) -> None:
+        """Count one more lease; TooManyLeases (RESOURCE_EXHAUSTED) when the budget is spent."""
+        with self._lock:
+            if self._held >= self.max_leases:
+                raise TooManyLeases(f"the daemon already holds {self.max_leases} pins, read "
+                                    "leases and reservations (server.max_leases); release some "
+                                    "or retry once they expire")
+            self._held += 1
+
+    def give(self, n: int = 1) -> None:
+        """Count ``n`` leases as ended."""
+        with self._lock:
+            if n > self._held:
+                raise InvariantViolation(f"{n} leases given back, {self._held} held")
+            self._held -= n
 
 
 class ParentHints:
-    """Parents announced for puts that will arrive without one (over TCP), for ``ttl_s``."""
+    """Parents announced for puts that will arrive without one (over TCP), for ``ttl_s``
+    (at most ``max_ttl_s``); at most ``max_entries`` are pending."""
 
-    def __init__(self, max_entries: int = MAX_PARENT_HINTS) -> None:
+    def __init__(self, max_entries: int = MAX_PARENT_HINTS, *,
+                 max_ttl_s: float = DEFAULT_MAX_TTL_S) -> None:
         self._lock = threading.Lock()
         self._hints: dict[bytes, tuple[bytes, float]] = {}
         self._max_entries = max_entries
+        self._max_ttl_s = max_ttl_s
 
     def expect(self, key: bytes, parent: bytes, ttl_s: float) -> None:
-        """The next put of ``key`` within ``ttl_s`` is a child of ``parent``."""
+        """The next put of ``key`` within ``ttl_s`` is a child of ``parent``. Raises
+        InvalidArgument (bad key, or a TTL :func:`check_ttl` refuses), CapacityError."""
         k, p = check_key(key), check_key(parent)
-        if not ttl_s > 0:
-            raise InvalidArgument(f"ttl_s must be > 0, got {ttl_s}")
+        check_ttl(ttl_s, self._max_ttl_s)
         now = time.monotonic()
         with self._lock:
             if len(self._hints) >= self._max_entries:
@@ -300,9 +384,15 @@ class _WriteRecord:
 
 class ShmLeases:
     """Read and write leases on the DRAM arena by id (module docstring; contract:
-    ``ArenaLeaseBackend``). Nothing happens at construction; :meth:`close` ends every lease."""
+    ``ArenaLeaseBackend``). Nothing happens at construction; :meth:`close` ends every lease.
 
-    def __init__(self, cache: TieredCache) -> None:
+    ``max_ttl_s`` bounds every TTL (:func:`check_ttl`); ``budget`` counts this object's
+    leases (one per read lease, however many keys, and one per reservation) together with the
+    daemon's gRPC pins (a fresh one of ``max_leases`` when not given)."""
+
+    def __init__(self, cache: TieredCache, *, max_ttl_s: float = DEFAULT_MAX_TTL_S,
+                 max_leases: int = DEFAULT_MAX_LEASES, budget: LeaseBudget | None = None
+                 ) -> None:
         dram = cache.tiers.get(TierKind.DRAM)
         if not isinstance(dram, DramTier):
             raise InvalidArgument("same-host leases need a DRAM tier")
@@ -311,7 +401,9 @@ class ShmLeases:
         self._lock = threading.Lock()
         self._reads: dict[int, _ReadRecord] = {}
         self._writes: dict[int, _WriteRecord] = {}
-        self._ids = itertools.count(secrets.randbits(62) + 1)
+        self._ids = LeaseIds()
+        self.max_ttl_s = max_ttl_s
+        self.budget = budget if budget is not None else LeaseBudget(max_leases)
         self.bytes_read = 0
         self.bytes_written = 0
 
@@ -325,29 +417,53 @@ class ShmLeases:
             return len(self._reads), len(self._writes)
 
     def _new_id_locked(self) -> int:
-        # A counter from a random start: unique here, unlikely to match a stale id a client
-        # kept from an earlier daemon, and no system call per lease (secrets would make one).
-        return next(self._ids)
+        # Unguessable (LeaseIds), unique among both kinds, so an id names one lease.
+        while True:
+            lease_id = self._ids.new(self._reads)
+            if lease_id not in self._writes:
+                return lease_id
 
     def acquire_read(self, keys: Sequence[bytes], ttl_s: float, *, prefix: bool = False,
                      owner: object | None = None) -> tuple[int, list[ArenaRange]]:
         """Pin ``keys`` in DRAM (promoting them) and return a lease id and their ranges.
 
         ``prefix``: lease the longest cached prefix of ``keys`` (lease id 0 and no ranges when
-        it is empty); otherwise all or nothing (ChunkNotFound). Raises ChunkBusy,
-        CapacityError (DRAM cannot hold them now: read over TCP instead), InvalidArgument.
+        it is empty); otherwise all or nothing (ChunkNotFound). The lease belongs to ``owner``
+        and ends by ``release`` with the same owner, or ``ttl_s`` after this call started.
+        Raises ChunkBusy, CapacityError (DRAM cannot hold them now: read over TCP instead;
+        TooManyLeases when the lease budget is spent), InvalidArgument (bad key, TTL refused
+        by :func:`check_ttl`).
         """
-        if not ttl_s > 0:
-            raise InvalidArgument(f"ttl_s must be > 0, got {ttl_s}")
+        check_ttl(ttl_s, self.max_ttl_s)
         checked = [check_key(k) for k in keys]
         if not checked:
             raise InvalidArgument("acquire_read needs at least one key")
+        # The deadline is taken before the pin, so it never lies past the cache's own.
+        deadline = time.monotonic() + ttl_s
+        self.budget.take()
+        try:
+            lease, ranges = self._pin_ranges(checked, ttl_s, prefix)
+        except BaseException:
+            self.budget.give()
+            raise
+        if lease is None:
+            self.budget.give()
+            return 0, []
+        size = sum(r.size_bytes for r in ranges)
+        with self._lock:
+            lease_id = self._new_id_locked()
+            self._reads[lease_id] = _ReadRecord(lease, owner, deadline, size)
+            self.bytes_read += size
+        return lease_id, ranges
+
+    def _pin_ranges(self, checked: list[ChunkKey], ttl_s: float, prefix: bool
+                    ) -> tuple[Lease | None, list[ArenaRange]]:
         lease: Lease | None = None
         for _attempt in range(_PREFIX_RETRIES):
             wanted = checked[:self._cache.lookup(checked).length] if prefix else checked
             if not wanted:
                 self._cache.misses += 1
-                return 0, []
+                return None, []
             try:
                 lease = self._cache.pin_in(TierKind.DRAM, wanted, ttl_s)
                 break
@@ -368,36 +484,53 @@ class ShmLeases:
         except BaseException:
             self._cache.unpin(lease)
             raise
-        size = sum(r.size_bytes for r in ranges)
-        with self._lock:
-            lease_id = self._new_id_locked()
-            self._reads[lease_id] = _ReadRecord(lease, owner, time.monotonic() + ttl_s, size)
-            self.bytes_read += size
-        return lease_id, ranges
+        return lease, ranges
 
-    def release(self, lease_id: int) -> bool:
-        """End a read lease. False when it is unknown (released, expired or never issued)."""
+    def release(self, lease_id: int, *, owner: object | None = None) -> bool:
+        """End a read lease of ``owner``. False, and nothing changes, when it is unknown
+        (released, expired, never issued) or another owner's."""
         with self._lock:
-            rec = self._reads.pop(lease_id, None)
-        if rec is None:
-            return False
-        self._cache.unpin(rec.lease)
+            rec = self._reads.get(lease_id)
+            if rec is None or rec.owner != owner:
+                return False
+            del self._reads[lease_id]
+        self._end_read(rec)
         return True
+
+    def _end_read(self, rec: _ReadRecord) -> None:
+        try:
+            self._cache.unpin(rec.lease)
+        finally:
+            self.budget.give()
 
     def reserve(self, key: bytes, size_bytes: int, ttl_s: float, *, parent: bytes | None = None,
                 owner: object | None = None) -> tuple[int, int]:
         """Reserve an invisible DRAM slot; return (lease id, arena offset).
 
-        Raises ChunkExists, ChunkBusy, CapacityError, InvalidArgument (as ``TieredCache.reserve``).
+        The reservation belongs to ``owner``; uncommitted ``ttl_s`` after this call started,
+        it is aborted. Raises ChunkExists, ChunkBusy, CapacityError (TooManyLeases when the
+        lease budget is spent), InvalidArgument (as ``TieredCache.reserve``; a TTL
+        :func:`check_ttl` refuses).
         """
-        if not ttl_s > 0:
-            raise InvalidArgument(f"ttl_s must be > 0, got {ttl_s}")
-        slot = self._cache.reserve(key, size_bytes, parent=parent, tier=TierKind.DRAM)
-        offset = _slot_offset(slot)
+        check_ttl(ttl_s, self.max_ttl_s)
+        k = check_key(key)
+        p = None if parent is None else check_key(parent)
+        deadline = time.monotonic() + ttl_s
+        self.budget.take()
+        try:
+            slot = self._cache.reserve(k, size_bytes, parent=p, tier=TierKind.DRAM)
+        except BaseException:
+            self.budget.give()
+            raise
+        try:
+            offset = _slot_offset(slot)
+        except BaseException:
+            self._cache.abort(slot, tier=TierKind.DRAM)
+            self.budget.give()
+            raise
         with self._lock:
             lease_id = self._new_id_locked()
-            self._writes[lease_id] = _WriteRecord(slot, parent, owner,
-                                                  time.monotonic() + ttl_s, offset)
+            self._writes[lease_id] = _WriteRecord(slot, p, owner, deadline, offset)
         return lease_id, offset
 
     def size_of(self, key: bytes) -> int | None:
@@ -417,7 +550,8 @@ class ShmLeases:
     def put(self, key: bytes, value: bytes | memoryview, *, parent: bytes | None = None) -> None:
         """Store a small value that arrived with its request (no lease); as ``TieredCache.put``.
         ``value`` is read only during the call (the lease channel lends its receive buffer)."""
-        self._cache.put(key, value, parent=parent)
+        self._cache.put(check_key(key), value, parent=None if parent is None else
+                        check_key(parent))
         with self._lock:
             self.bytes_written += memoryview(value).nbytes
 
@@ -426,6 +560,7 @@ class ShmLeases:
         committed) lease or another owner's, and the cache's commit errors (the slot is then
         freed)."""
         rec = self._pop_write(lease_id, owner)
+        self.budget.give()
         try:
             self._cache.commit(rec.slot, parent=rec.parent, tier=TierKind.DRAM)
         except BaseException:
@@ -436,30 +571,36 @@ class ShmLeases:
         return TierKind.DRAM
 
     def abort(self, lease_id: int, *, owner: object | None = None) -> bool:
-        """Free a reserved slot; False when the lease is unknown."""
+        """Free a reserved slot of ``owner``; False (and nothing changes) when the lease is
+        unknown or another owner's."""
         try:
             rec = self._pop_write(lease_id, owner)
         except InvalidArgument:
             return False
-        self._cache.abort(rec.slot, tier=TierKind.DRAM)
+        self._end_write(rec)
         return True
+
+    def _end_write(self, rec: _WriteRecord) -> None:
+        try:
+            self._cache.abort(rec.slot, tier=TierKind.DRAM)
+        finally:
+            self.budget.give()
 
     def _pop_write(self, lease_id: int, owner: object | None) -> _WriteRecord:
         with self._lock:
             rec = self._writes.get(lease_id)
-            if rec is None:
-                raise InvalidArgument(f"write lease {lease_id} is unknown (committed, aborted "
-                                      "or expired)")
-            if rec.owner is not owner:
-                raise InvalidArgument(f"write lease {lease_id} belongs to another connection")
+            # Another owner's lease reads as unknown: the reply tells a prober nothing.
+            if rec is None or rec.owner != owner:
+                raise InvalidArgument(f"write lease {lease_id} is unknown (committed, aborted, "
+                                      "expired, or another session's)")
             del self._writes[lease_id]
             return rec
 
     def drop_owner(self, owner: object) -> tuple[int, int]:
         """End every lease of ``owner`` (its connection closed); return (reads, writes) ended."""
         with self._lock:
-            reads = [i for i, r in self._reads.items() if r.owner is owner]
-            writes = [i for i, w in self._writes.items() if w.owner is owner]
+            reads = [i for i, r in self._reads.items() if r.owner == owner]
+            writes = [i for i, w in self._writes.items() if w.owner == owner]
         return self._end(reads, writes)
 
     def expire(self, now: float | None = None) -> tuple[int, int]:
@@ -477,13 +618,18 @@ class ShmLeases:
         return self._end(reads, writes)
 
     def _end(self, reads: list[int], writes: list[int]) -> tuple[int, int]:
-        ended_reads = sum(self.release(i) for i in reads)
-        ended_writes = 0
+        ended_reads = ended_writes = 0
+        for lease_id in reads:
+            with self._lock:
+                read = self._reads.pop(lease_id, None)
+            if read is not None:
+                self._end_read(read)
+                ended_reads += 1
         for lease_id in writes:
             with self._lock:
-                rec = self._writes.pop(lease_id, None)
-            if rec is not None:
-                self._cache.abort(rec.slot, tier=TierKind.DRAM)
+                write = self._writes.pop(lease_id, None)
+            if write is not None:
+                self._end_write(write)
                 ended_writes += 1
         return ended_reads, ended_writes
 

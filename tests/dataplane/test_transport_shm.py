@@ -208,7 +208,7 @@ class _NoLeases:
                      owner: object | None = None) -> tuple[int, list[object]]:
         raise InvalidArgument("no chunks here")
 
-    def release(self, lease_id: int) -> bool:
+    def release(self, lease_id: int, *, owner: object | None = None) -> bool:
         return False
 
     def reserve(self, key: bytes, size_bytes: int, ttl_s: float, *,

@@ -46,10 +46,14 @@ Server side: the arena lease backend (shared memory)
     client maps, because the bytes never pass through the server. ``acquire_read(keys)`` pins
     every key (all or nothing; or the longest cached prefix with ``prefix=True``) until
     ``release(lease_id)``; ``reserve(key, size_bytes)`` hands out an invisible slot until
-    ``commit`` or ``abort``. Each lease has an *owner* (the connection that took it):
-    ``drop_owner`` ends every lease of a connection that closed (a client that died mid-put never
-    makes its chunk visible; one that died mid-get unpins), and a lease past its TTL may be ended
-    by the backend. Same errors and thread safety as :class:`LeaseBackend`.
+    ``commit`` or ``abort``. Each lease has an *owner* (the connection that took it) and only
+    its owner ends it: ``release``, ``commit`` and ``abort`` with another owner treat the id as
+    unknown and change nothing, and ids are unguessable, so no client can end (and let the
+    cache reuse the memory under) another client's lease. ``drop_owner`` ends every lease of a
+    connection that closed (a client that died mid-put never makes its chunk visible; one that
+    died mid-get unpins), and a lease past its TTL may be ended by the backend: a read lease's
+    bytes are stable until its owner releases it or its TTL (counted from the request) runs
+    out, whichever comes first. Same errors and thread safety as :class:`LeaseBackend`.
 
 Client side: the transport
     Buffers: ``put`` reads ``src`` and ``get_into`` writes ``dst`` only during the call; the
@@ -263,8 +267,10 @@ class ArenaRange:
 @runtime_checkable
 class ArenaLeaseBackend(Protocol):
     """What a shared-memory server serves: leases by id on an arena its clients map (module
-    docstring). ``owner`` is an opaque object standing for the connection that takes a lease
-    (compared by identity); a lease may only be committed or aborted by its owner."""
+    docstring). ``owner`` is an opaque object standing for the connection (or session) that takes
+    a lease, compared with ``==`` (identity for a connection object); a lease may only be
+    released, committed or aborted by its owner. Lease ids are unguessable and never 0.
+    ``ttl_s`` must be finite, > 0 and within the backend's maximum (InvalidArgument)."""
 
     def acquire_read(self, keys: Sequence[bytes], ttl_s: float, *, prefix: bool = False,
                      owner: object | None = None) -> tuple[int, list[ArenaRange]]:
@@ -274,8 +280,9 @@ class ArenaLeaseBackend(Protocol):
         cannot hold them now: read them another way), InvalidArgument."""
         ...
 
-    def release(self, lease_id: int) -> bool:
-        """End a read lease. False when it is unknown (released, expired or never issued)."""
+    def release(self, lease_id: int, *, owner: object | None = None) -> bool:
+        """End a read lease of ``owner``. False, changing nothing, when it is unknown (released,
+        expired, never issued) or another owner's."""
         ...
 
     def reserve(self, key: bytes, size_bytes: int, ttl_s: float, *,

@@ -283,7 +283,7 @@ class ShmServer:
                 return REPLY.pack(STATUS_OK, len(ranges), 0, lease_id) + b"".join(
                     RANGE.pack(r.offset, r.size_bytes) for r in ranges)
             if op == ChannelOp.RELEASE:
-                self._leases.release(arg)
+                self._leases.release(arg, owner=conn)
                 return REPLY.pack(STATUS_OK, 0, 0, arg)
             if op == ChannelOp.RESERVE:
                 self._refuse_when_draining()
