@@ -4,7 +4,8 @@ Store daemons (:func:`~kvstore.membership.nodes.register_node`) and engines
 (:func:`~kvstore.membership.engines.register_engine`) both hold one for their lifetime. The key
 exists while the member's lease is alive: it vanishes ``ttl_s`` seconds after the member dies
 (or at once when it exits cleanly and revokes the lease), and it is written again under a new
-lease when the old one lapsed while the member lived (a stalled process, an etcd restart).
+lease when the old one lapsed while the member lived (a stalled process, an etcd restart),
+or at the next keepalive step when someone deleted or overwrote it while the lease lived.
 
 Contracts
     * Every etcd failure is a :class:`~kvstore.errors.MembershipError` with a deadline, as
@@ -51,7 +52,8 @@ R = TypeVar("R", bound=Record)
 class KeyClaim(enum.Enum):
     """How a registration writes its key when something already holds it.
 
-    EXCLUSIVE: create the key only if it is absent, so a second live member with the same id
+    EXCLUSIVE: create the key only if it is absent (or holds a value under no lease, which no
+    live member can own: written by hand), so a second live member with the same id
     is refused (:meth:`Registration.start` raises; a keepalive that finds its key taken logs
     an ERROR and retries). Store daemons: two daemons under one node id would corrupt the
     conductor's index. REPLACE: write over whatever holds the key; the newest registrant wins
@@ -67,7 +69,7 @@ class RegistrationState(enum.Enum):
 
     PENDING: not started. REGISTERED: the key is in etcd under a lease confirmed within
     its TTL. LOST: the lease is gone, or could not be confirmed for a whole TTL (etcd
-    unreachable): watchers may already have seen the key go (a node as LEFT); the keepalive
+    unreachable), or another live lease holds our key: watchers may already have seen the key go (a node as LEFT); the keepalive
     keeps retrying and returns to REGISTERED by itself. CLOSED: deregistered.
     """
 
@@ -100,7 +102,10 @@ class Registration(Generic[R]):
     whatever is there. A background task then refreshes the lease every ``ttl_s / 3``. If etcd
     stops answering it retries every half second (state LOST once a whole TTL passes without
     confirmation); if the lease expired meanwhile (etcd deleted the key with it), it grants a
-    new one and writes the key again. Leaving cancels the task and revokes the lease, which
+    new one and writes the key again. Each step also reads the key back: deleted, or
+    overwritten under no lease or under our own lease, while the lease lives, it is written
+    again within that step (logged at WARNING); held by another live lease, it is left alone
+    and the state is LOST until that lease ends (see :meth:`_verify_key`). Leaving cancels the task and revokes the lease, which
     deletes the key at once. ``on_state_change`` is called in the event loop on every state
     change; its exceptions are logged.
     """
@@ -330,6 +335,25 @@ class Registration(Generic[R]):
             self._lease.create_revision = int(existing.create_revision)
             self._dirty = existing.value != self._record.to_json()
             return None
+        if int(existing.lease) == 0:
+            # Attached to no lease, so no live member holds it (written by hand): take it,
+            # provided nobody wrote it since we read it.
+            log.warning("key %s of %s holds a value under no lease; writing our record over it",
+                        self._key, self._name)
+            took, _ = await etcd_call(
+                f"register {self._name}",
+                client.transaction(
+                    compare=[client.transactions.mod(key) == int(existing.mod_revision)],
+                    success=[client.transactions.put(key, self._record.to_json(),
+                                                     lease=self._lease.lease_id)],
+                    failure=[],
+                ),
+                self._rpc_timeout_s,
+            )
+            if not took:
+                raise MembershipError(f"key {self._key} changed during registration; retrying")
+            self._lease.create_revision = int(existing.create_revision)
+            return None
         return int(existing.lease)
 
     def _taken_message(self, holder_lease_id: int) -> str:
@@ -364,6 +388,47 @@ class Registration(Generic[R]):
         if not succeeded:  # our key vanished or was replaced: claim it again next tick
             lease.create_revision = None
             self._dirty = True
+
+    async def _verify_key(self) -> bool:
+        """Check that our key still holds our record under our lease (caller holds the lock).
+
+        Someone may delete the key, or write over it, while our lease lives (by hand, a
+        script); the keepalive would not notice by itself. Deleted: mark it unwritten, so the
+        claim step writes it again. Overwritten under no lease or under our own lease: mark
+        the record dirty, so the push step writes it back (the put keeps the create revision
+        it compares). False when another live lease holds the key (another member with our
+        id, or, for REPLACE, a newer registrant): we do not write over a live member, and
+        check again at the next step. Raises MembershipError if etcd fails.
+        """
+        lease = self._lease
+        assert lease is not None
+        kv = await etcd_call(f"check {self._name}", self._client.get(self._key.encode()),
+                             self._rpc_timeout_s)
+        if kv is None:
+            log.warning("key %s of %s was deleted while its lease lived; writing it again",
+                        self._key, self._name)
+            lease.create_revision = None
+            return True
+        holder = int(kv.lease)
+        if holder in (0, lease.lease_id):
+            lease.create_revision = int(kv.create_revision)
+            if kv.value != self._record.to_json():
+                log.warning("key %s of %s was overwritten (%s); writing our record back",
+                            self._key, self._name,
+                            "under no lease" if holder == 0 else "under our lease")
+                self._dirty = True
+            elif holder == 0:  # our value, but detached from our lease: it would never expire
+                log.warning("key %s of %s was detached from its lease; attaching it again",
+                            self._key, self._name)
+                self._dirty = True
+            return True
+        if self._claim is KeyClaim.EXCLUSIVE:
+            log.error("%s; checking again", self._taken_message(holder))
+        else:
+            log.warning("key %s of %s was replaced by another registrant (lease %x): the newest "
+                        "wins; not writing it back while that lease lives", self._key,
+                        self._name, holder)
+        return False
 
     async def _revoke_quietly(self) -> None:
         lease, self._lease = self._lease, None
@@ -426,6 +491,10 @@ class Registration(Generic[R]):
                     self._lease = None
                     await self._set_state(RegistrationState.LOST)
                     await self._grant()
+                if (self._lease is not None and self._lease.create_revision is not None
+                        and not self._dirty and not await self._verify_key()):
+                    await self._set_state(RegistrationState.LOST)
+                    return False
                 if self._lease is not None and self._lease.create_revision is None:
                     holder = await self._claim_key()
                     if holder is not None:  # the id is taken: give our lease back, retry later

@@ -192,3 +192,37 @@ def test_register_engine_rejects_bad_arguments_and_an_unreachable_etcd(
 
     run(aio, scenario())
 
+
+
+def test_engine_record_deleted_or_overwritten_by_hand_is_written_back(
+    aio: asyncio.Runner, etcd_server: LocalEtcd, etcd_layout: KeyLayout
+) -> None:
+    """Issue 12: the same healing for engines (REPLACE): deleted or overwritten while the lease
+    lives, the record comes back under the same lease, and the conductor's watch sees it."""
+    async def scenario() -> None:
+        async with etcd_client(etcd_server.client_url) as client:
+            record = prefill()
+            key = record.key(etcd_layout).encode()
+            async with (
+                register_engine(client, record, ttl_s=TTL_S, layout=etcd_layout) as reg,
+                EngineWatch(client, layout=etcd_layout) as changes,
+            ):
+                assert await anext(changes) == EngineChange("prefill-0", record)
+
+                async def restored() -> bool:
+                    return (await stored_lease(client, record, etcd_layout) == reg.lease_id
+                            and await list_engines(client, layout=etcd_layout)
+                            == {"prefill-0": record})
+
+                await client.delete(key)
+                async with asyncio.timeout(5 * TTL_S):
+                    assert await anext(changes) == EngineChange("prefill-0", None)
+                    assert await anext(changes) == EngineChange("prefill-0", record)
+                await wait_until(restored, "the record written back after a delete",
+                                 timeout_s=5 * TTL_S)
+                await client.put(key, b"{not an engine record")
+                await wait_until(restored, "the record written back after an overwrite",
+                                 timeout_s=5 * TTL_S)
+                assert reg.leases_granted == 1 and reg.state is RegistrationState.REGISTERED
+
+    run(aio, scenario(), timeout_s=60.0)

@@ -479,3 +479,60 @@ def test_paused_etcd_marks_registration_lost_until_resumed(
             assert stored is not None and stored.lease == reg.lease_id
 
     run(aio, scenario(), timeout_s=40)
+
+
+def test_key_deleted_or_overwritten_by_hand_is_written_back(
+    aio: asyncio.Runner, etcd_server: LocalEtcd, etcd_layout: KeyLayout
+) -> None:
+    """Issue 12: the key deleted, overwritten under no lease, or overwritten under the daemon's
+    own lease, while that lease lives: the keepalive notices and restores the record (within
+    one keepalive step, ttl_s / 3; the wait below is bounded generously for a noisy machine)."""
+    async def scenario() -> None:
+        async with etcd_client(etcd_server.client_url) as client:
+            record = sample_record("node-a")
+            key = etcd_layout.node_key("node-a").encode()
+
+            async def restored() -> bool:
+                stored = await client.get(key)
+                return (stored is not None and stored.lease == reg.lease_id
+                        and stored.value == record.to_json())
+
+            async def wait_restored(what: str) -> None:
+                deadline = time.monotonic() + 5 * TTL_S
+                while not await restored():
+                    if time.monotonic() > deadline:
+                        pytest.fail(f"the record was not written back after {what}")
+                    await asyncio.sleep(0.05)
+
+            async with register_node(client, record, ttl_s=TTL_S, layout=etcd_layout) as reg:
+                lease = reg.lease_id
+                await client.delete(key)
+                await wait_restored("a delete")
+                await client.put(key, b'{"someone": "else"}')  # a plain put: no lease
+                await wait_restored("an overwrite under no lease")
+                await client.put(key, b"garbage", lease=reg.lease_id)
+                await wait_restored("an overwrite under its own lease")
+                await client.put(key, record.to_json())  # its value, detached from the lease
+                await wait_restored("detaching it from its lease")
+                assert reg.lease_id == lease and reg.leases_granted == 1
+                assert reg.state is RegistrationState.REGISTERED
+            assert await client.get(key) is None  # leaving still revokes it
+
+    run(aio, scenario(), timeout_s=60.0)
+
+
+def test_start_takes_a_key_that_no_lease_holds(
+    aio: asyncio.Runner, etcd_server: LocalEtcd, etcd_layout: KeyLayout
+) -> None:
+    """A value written by hand under no lease is not a live daemon: registering takes it."""
+    async def scenario() -> None:
+        async with etcd_client(etcd_server.client_url) as client:
+            record = sample_record("node-a")
+            key = etcd_layout.node_key("node-a").encode()
+            await client.put(key, b"left over by hand")
+            async with register_node(client, record, ttl_s=TTL_S, layout=etcd_layout) as reg:
+                stored = await client.get(key)
+                assert stored.lease == reg.lease_id
+                assert NodeRecord.from_json(stored.value) == record
+
+    run(aio, scenario())
