@@ -111,6 +111,10 @@ class TierStats:
     chunks: int
     largest_free_bytes: int
     """The biggest single chunk that would fit now without evicting anything."""
+    corrupt_at_open: int = 0
+    """Corruption a persistent tier found and dropped when it opened, before any cache saw
+    its chunks (NVMe: ``RecoveryReport.corrupt_found``). Corruption found later, by reads,
+    is counted by the cache (``TierCounters.corrupt``); the daemon reports the sum."""
 
     @property
     def free_bytes(self) -> int:

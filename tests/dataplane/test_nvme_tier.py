@@ -3,7 +3,8 @@
 The conformance suite runs twice: O_DIRECT where the test directory's filesystem takes it
 (ext4 on the reference machine) with small I/O pieces so multi-piece transfers are
 exercised, and forced buffered I/O (what tmpfs-like filesystems get). Disk-full tests mount
-a real 4 MiB tmpfs and a loop-mounted ext4 image and skip cleanly where mounting is not
+a real 4 MiB tmpfs and an 8 MiB loop-mounted ext4 image (``tests/support/smallfs.py``), fill
+them with other files where the test needs it, and skip cleanly where mounting is not
 permitted.
 """
 
@@ -11,8 +12,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
-import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,6 +38,7 @@ from kvstore.errors import (
     TierUnavailable,
 )
 from tests.dataplane.tier_conformance import KiB, MiB, TierConformance, payload, read_back
+from tests.support.smallfs import fill, free_bytes, small_filesystem, total_bytes
 
 TierFactory = Callable[[int], Tier]
 
@@ -266,6 +266,31 @@ def test_corrupt_payload_is_dropped_never_returned(tmp_path: Path, verify: OpenV
         assert tier.stats().free_bytes == free_before
 
 
+@pytest.mark.parametrize("where", ["payload", "header"])
+def test_corruption_found_at_open_is_counted_in_the_stats(tmp_path: Path, where: str) -> None:
+    """A damaged payload (checksum verified at open) or a damaged record header (the scan
+    resyncs past it) drops the chunk at open and shows in ``TierStats.corrupt_at_open``, the
+    figure the daemon adds to its corrupt counter; the other chunks stay."""
+    directory = tmp_path / "t"
+    with open_tier(directory) as tier:
+        tier.put(b"victim", payload(64 * KiB, seed=1))
+        tier.put(b"other", payload(64 * KiB, seed=2))
+        assert tier.stats().corrupt_at_open == 0
+        loc = tier.record_location(b"victim")
+        assert loc is not None
+    offset = loc.payload_offset + 1000 if where == "payload" else loc.header_offset + 100
+    _flip_byte(loc.path, offset)
+    with open_tier(directory) as tier:
+        assert not tier.contains(b"victim")
+        assert tier.recovery.corrupt_found == 1
+        assert (tier.recovery.corrupt_dropped, tier.recovery.corrupt_headers) == \
+            ((1, 0) if where == "payload" else (0, 1))
+        assert tier.stats().corrupt_at_open == 1
+        assert read_back(tier, b"other") == payload(64 * KiB, seed=2)
+    with open_tier(directory) as tier:  # repaired: the next open finds nothing new
+        assert tier.stats().corrupt_at_open == 0
+
+
 # --- concurrency ------------------------------------------------------------------------------
 
 
@@ -405,42 +430,84 @@ def test_existing_segments_beyond_the_capacity_are_a_config_error(tmp_path: Path
 # --- a full filesystem ------------------------------------------------------------------------
 
 
-def _mount_small_fs(kind: str, where: Path, image_dir: Path) -> None:
-    """Mount a ~4-8 MiB filesystem at ``where`` or skip the test."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small filesystem needs root")
-    where.mkdir()
-    if kind == "tmpfs":
-        cmd = ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(where)]
-    else:
-        if shutil.which("mkfs.ext4") is None:
-            pytest.skip("mkfs.ext4 not installed")
-        image = image_dir / "small.ext4"
-        with open(image, "wb") as f:
-            f.truncate(8 * MiB)
-        made = subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], capture_output=True)
-        if made.returncode != 0:
-            pytest.skip(f"mkfs.ext4 failed: {made.stderr.decode().strip()}")
-        cmd = ["mount", "-o", "loop", str(image), str(where)]
-    done = subprocess.run(cmd, capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount {kind}: {done.stderr.decode().strip()}")
-
-
 @pytest.fixture(params=["tmpfs", "ext4-loop"])
 def small_fs(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
-    mountpoint = tmp_path / "mnt"
-    _mount_small_fs(request.param, mountpoint, tmp_path)
-    try:
+    """A real 4 MiB tmpfs or 8 MiB ext4 image (skips where mounting is not permitted)."""
+    size = 4 * MiB if request.param == "tmpfs" else 8 * MiB
+    with small_filesystem(request.param, tmp_path / "mnt", tmp_path, size) as mountpoint:
         yield mountpoint
-    finally:
-        subprocess.run(["umount", "-l", str(mountpoint)], check=False)
+
+
+def test_capacity_is_what_the_filesystem_can_give(small_fs: Path,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """64 MiB configured on a 4-8 MiB filesystem: the tier says what it really has (so the
+    cache's budgets and Stats are true), fills up to it, refuses the rest loudly and keeps
+    every chunk it acknowledged, also across a reopen."""
+    directory = small_fs / "t"
+    stored: dict[bytes, bytes] = {}
+    with caplog.at_level("WARNING", logger="kvstore.dataplane.nvme.tier"):
+        tier = open_tier(directory, 64 * MiB)
+    with tier:
+        assert "the filesystem can give only" in caplog.text
+        capacity = tier.capacity_bytes
+        assert capacity == tier.stats().capacity_bytes
+        assert capacity <= free_bytes(small_fs) <= total_bytes(small_fs) < 64 * MiB
+        assert capacity >= MiB
+        with pytest.raises(CapacityError):
+            for i in range(400):
+                data = payload(200 * KiB, seed=i)
+                tier.put(f"k{i}".encode(), data)
+                stored[f"k{i}".encode()] = data
+        assert tier.stats().used_bytes <= capacity
+        assert len(stored) * 200 * KiB >= capacity // 2, "the filesystem's room went unused"
+        assert not list(directory.glob("*.tmp"))
+        for key, data in stored.items():
+            assert read_back(tier, key) == data
+    with open_tier(directory, 64 * MiB, open_verify=OpenVerify.ALL) as tier:
+        assert tier.capacity_bytes == capacity  # its own files count as room it has
+        assert tier.recovery.corrupt_found == 0
+        assert {i.key for i in tier.chunks()} == set(stored)
+        for key, data in stored.items():
+            assert read_back(tier, key) == data
+
+
+def test_a_filesystem_with_no_sane_room_is_refused_at_open(small_fs: Path) -> None:
+    fill(small_fs, leave_bytes=512 * KiB)
+    with pytest.raises(DiskFull, match="below the minimum"):
+        open_tier(small_fs / "t", 64 * MiB)
+    with open_tier(small_fs / "t2", 256 * KiB) as tier:  # asks no more than there is
+        assert tier.capacity_bytes == 256 * KiB
+        tier.put(b"k", payload(100 * KiB, seed=1))
+
+
+def test_a_new_segment_is_cut_to_the_space_left(small_fs: Path) -> None:
+    """Other files fill the filesystem after open: a new segment gets what is left instead of
+    failing whole, and once even that is gone the put gets DiskFull, nothing half-made."""
+    directory = small_fs / "t"
+    stored: dict[bytes, bytes] = {}
+    with open_tier(directory, 64 * MiB, segment_bytes=4 * MiB) as tier:
+        filler = fill(small_fs, leave_bytes=MiB + 64 * KiB)
+        with pytest.raises(DiskFull, match="no room for a new segment"):
+            for i in range(100):
+                data = payload(200 * KiB, seed=i)
+                tier.put(f"k{i}".encode(), data)
+                stored[f"k{i}".encode()] = data
+        assert len(stored) >= 4
+        assert not list(directory.glob("*.tmp"))
+        for key, data in stored.items():
+            assert read_back(tier, key) == data
+        filler.unlink()
+        tier.put(b"after", payload(200 * KiB, seed=999))  # room again: a new segment
+        stored[b"after"] = payload(200 * KiB, seed=999)
+    with open_tier(directory, 64 * MiB, open_verify=OpenVerify.ALL) as tier:
+        assert {i.key for i in tier.chunks()} == set(stored)
 
 
 def test_disk_full_while_creating_a_segment_keeps_everything(small_fs: Path) -> None:
     directory = small_fs / "t"
     stored: dict[bytes, bytes] = {}
     with open_tier(directory, 64 * MiB, segment_bytes=MiB) as tier:
+        fill(small_fs, leave_bytes=2 * MiB)  # other files take the room the tier counted on
         with pytest.raises(DiskFull) as caught:
             for i in range(200):
                 key = f"k{i}".encode()
@@ -449,7 +516,7 @@ def test_disk_full_while_creating_a_segment_keeps_everything(small_fs: Path) -> 
                 stored[key] = data
         assert isinstance(caught.value, CapacityError)
         assert not tier.contains(f"k{len(stored)}".encode())
-        assert len(stored) >= 8
+        assert len(stored) >= 4
         assert not list(directory.glob("*.tmp")), "a half-made segment was left behind"
         for key, data in stored.items():
             assert read_back(tier, key) == data
@@ -468,6 +535,7 @@ def test_disk_full_mid_write_discards_the_partial_record(small_fs: Path) -> None
     failed_key = b""
     with open_tier(directory, 64 * MiB, segment_bytes=32 * MiB,
                    preallocation=Preallocation.SPARSE) as tier:
+        fill(small_fs, leave_bytes=3 * MiB // 2)  # a SPARSE segment reserved nothing
         with pytest.raises(DiskFull):
             for i in range(200):
                 failed_key = f"k{i}".encode()

@@ -12,6 +12,11 @@ from kvstore.errors import ConfigError
 MiB = 1 << 20
 MIN_SEGMENT_BYTES = 3 * ALIGN_BYTES
 """A segment header, one record header and one payload block."""
+MIN_REAL_CAPACITY_BYTES = 1 * MiB
+"""Below this much real room (free space plus the tier's own files) an NVMe tier whose
+filesystem cannot give it the configured capacity refuses to open (``DiskFull``): it could
+hold next to nothing, and a node that silently runs without its disk tier is worse than one
+that does not start."""
 
 
 class Preallocation(enum.Enum):
@@ -50,7 +55,9 @@ class NvmeTierConfig:
 
     directory: Path
     capacity_bytes: int
-    """Budget for the segment files in ``directory`` (rounded down to 4 KiB)."""
+    """Budget for the segment files in ``directory`` (rounded down to 4 KiB). At open it is
+    lowered, with a warning, to what the filesystem can really give (``os.statvfs`` free
+    space plus the tier's own files): ``NvmeTier.capacity_bytes`` is the figure in use."""
     segment_bytes: int = 256 * MiB
     io_mode: IoMode | None = None
     """None: O_DIRECT when the filesystem takes it (probed), else buffered. DIRECT: require it."""

@@ -90,11 +90,14 @@ class TierCore:
     """The state of one NVMe tier. Fields other than the locks are read and written under
     ``lock`` (module docstring), except ``config`` and the I/O mode, which never change."""
 
-    def __init__(self, config: NvmeTierConfig, *, io_mode: IoMode, io_mode_reason: str) -> None:
-        """Only sets fields (no I/O, no threads)."""
+    def __init__(self, config: NvmeTierConfig, *, io_mode: IoMode, io_mode_reason: str,
+                 budget_bytes: int | None = None) -> None:
+        """Only sets fields (no I/O, no threads). ``budget_bytes``: the capacity in use, when
+        the filesystem gives less than ``config.capacity_bytes``."""
         self.config = config
         self.directory = config.directory
-        self.budget_bytes = align_down(config.capacity_bytes)
+        self.budget_bytes = align_down(config.capacity_bytes if budget_bytes is None
+                                       else budget_bytes)
         self.io_mode = io_mode
         self.io_mode_reason = io_mode_reason
         self.lock = threading.Lock()
@@ -109,6 +112,8 @@ class TierCore:
         self.active_ops = 0
         self.closed = False
         self.corrupt_dropped = 0
+        self.corrupt_at_open = 0
+        """``RecoveryReport.corrupt_found`` of the open that made this core."""
         self.live_chunks = 0
         self.quarantined_bytes = 0
         self.pool: ThreadPoolExecutor | None = None
@@ -132,7 +137,7 @@ class TierCore:
         largest_extent = max((seg.space.largest_free_bytes for seg in self.segments), default=0)
         largest = max(largest_extent - HEADER_BYTES, unallocated - 2 * HEADER_BYTES, 0)
         return TierStats(TierKind.NVME, self.budget_bytes, self.budget_bytes - free,
-                         self.live_chunks, largest)
+                         self.live_chunks, largest, self.corrupt_at_open)
 
     def release_extent_locked(self, rec: Record) -> None:
         """The record left the index: free its extent now, or when its last read ends."""
@@ -162,6 +167,13 @@ def os_error(exc: OSError, what: str) -> KvtierError:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return DiskFull(f"{what}: filesystem full ({exc.strerror})")
     return StorageError(f"{what}: {exc.strerror or exc}")
+
+
+def filesystem_free_bytes(directory: Path) -> int:
+    """Bytes the filesystem under ``directory`` can still give a file (``f_bavail``: what an
+    unprivileged writer may use, so the root reserve stays as slack for metadata)."""
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
 
 
 def fsync_directory(directory: Path) -> None:

@@ -66,6 +66,9 @@ class RecoveryReport:
     chunks: int
     invalid_headers: int
     """Places where the header chain was broken (torn/corrupt header): resynced."""
+    corrupt_headers: int
+    """Of ``invalid_headers``, headers with the record magic whose own checksum failed: damaged
+    in place. Whatever chunk such a header described is lost."""
     torn_records: int
     """Records running past the end of a truncated segment file: dropped."""
     corrupt_dropped: int
@@ -76,6 +79,12 @@ class RecoveryReport:
     """Free runs that got a fresh FREE header (after a resync or a dropped record)."""
     verified_records: int
     elapsed_s: float
+
+    @property
+    def corrupt_found(self) -> int:
+        """Corruption found at open: payloads that failed their checksum plus damaged headers.
+        The tier reports it as ``TierStats.corrupt_at_open`` (the daemon's corrupt counter)."""
+        return self.corrupt_dropped + self.corrupt_headers
 
 
 def recover(core: TierCore, reader: ReadPath, writer: WritePath) -> RecoveryReport:
@@ -195,10 +204,12 @@ class Recovery:
         report = RecoveryReport(
             segments=len(scans), chunks=len(records),
             invalid_headers=sum(s.invalid_headers for _, s, _ in scans),
+            corrupt_headers=sum(s.corrupt_headers for _, s, _ in scans),
             torn_records=sum(s.torn_records for _, s, _ in scans),
             corrupt_dropped=corrupt, duplicates_dropped=duplicates,
             damaged_segment_headers=damaged, repaired_gaps=repaired,
             verified_records=len(to_verify), elapsed_s=time.monotonic() - started)
+        core.corrupt_at_open = report.corrupt_found
         problems = (report.invalid_headers + report.torn_records + report.corrupt_dropped
                     + report.duplicates_dropped + report.damaged_segment_headers)
         (log.warning if problems else log.info)(

@@ -61,6 +61,9 @@ class SegmentScan:
     gaps: list[Gap] = field(default_factory=list)
     invalid_headers: int = 0
     """Places where a header was expected but the block was not a valid header there."""
+    corrupt_headers: int = 0
+    """Of ``invalid_headers``, those with the record magic but a failed header checksum: a
+    header damaged in place (bit rot, a stray write), not a block that never was a header."""
     torn_records: int = 0
     """Records (or header blocks) running past the end of a truncated file."""
     max_seq: int = 0
@@ -86,10 +89,11 @@ def scan_segment(read_at: ReadAt, *, segment_id: int, segment_bytes: int, file_b
             if pos < file_bytes:  # the file ends inside this header block
                 scan.torn_records += 1
             break
-        _, header = decode_record_header(block, segment_id=segment_id, offset=pos,
-                                         segment_bytes=segment_bytes)
+        check, header = decode_record_header(block, segment_id=segment_id, offset=pos,
+                                             segment_bytes=segment_bytes)
         if header is None:
             scan.invalid_headers += 1
+            scan.corrupt_headers += check is HeaderCheck.BAD_CHECKSUM
             gap_clean = False
             pos = _resync(read_at, pos + HEADER_BYTES, limit, segment_id, segment_bytes, window)
             continue

@@ -18,6 +18,13 @@ Space
     record; ``remove`` frees its extent at once. A chunk costs its size rounded up to
     4 KiB plus one 4 KiB header block.
 
+    The filesystem's real room is checked (``os.statvfs``): at open, a configured capacity
+    larger than the free space plus the tier's own files is lowered to that figure, with a
+    warning (refused below ``MIN_REAL_CAPACITY_BYTES``); a new segment is cut to the space
+    the filesystem has left. When other files fill the filesystem later, the put that
+    needs a new segment gets ``DiskFull`` (a ``CapacityError``) and stores nothing; chunks
+    already stored stay readable.
+
 Writes (``put``)
     Under the tier's *write lock* (puts write one at a time; reads and removes do not wait
     for it) an extent is allocated and written. A chunk up to ``io_block_bytes`` is hashed
@@ -73,16 +80,18 @@ from pathlib import Path
 import xxhash
 
 from kvstore.dataplane.arena import host_byte_view
-from kvstore.dataplane.nvme.config import NvmeTierConfig
+from kvstore.dataplane.nvme.config import MIN_REAL_CAPACITY_BYTES, NvmeTierConfig
 from kvstore.dataplane.nvme.core import (
     LOCK_FILE_NAME,
     SEGMENT_RE,
+    TMP_SUFFIX,
     Record,
     RecordState,
     TierCore,
+    filesystem_free_bytes,
     os_error,
 )
-from kvstore.dataplane.nvme.directio import ALIGN_BYTES, IoMode, probe_io_mode
+from kvstore.dataplane.nvme.directio import ALIGN_BYTES, IoMode, align_down, probe_io_mode
 from kvstore.dataplane.nvme.format import HEADER_BYTES, record_extent_bytes
 from kvstore.dataplane.nvme.read import ReadPath
 from kvstore.dataplane.nvme.recovery import RecoveryReport, recover
@@ -100,6 +109,7 @@ from kvstore.errors import (
     ChunkCorrupt,
     ChunkExists,
     ChunkNotFound,
+    DiskFull,
     InvalidArgument,
     SizeMismatch,
     StorageError,
@@ -119,7 +129,8 @@ class NvmeTierStats:
     segments: int
     segment_bytes_total: int
     corrupt_dropped: int
-    """Chunks dropped by a failed checksum on read since open (recovery drops are separate)."""
+    """Chunks dropped by a failed checksum on read since open (found at open:
+    ``TierStats.corrupt_at_open``)."""
     quarantined_bytes: int
     """Extents neither usable nor freeable after a failed write *and* failed clean-up."""
 
@@ -139,12 +150,15 @@ class NvmeTier:
     """Chunks persisted in segment files under one directory. Create with :meth:`open`."""
 
     def __init__(self, config: NvmeTierConfig, *, lock_fd: int, io_mode: IoMode,
-                 io_mode_reason: str) -> None:
-        """Internal: :meth:`open` locks the directory, picks the I/O mode and recovers.
+                 io_mode_reason: str, capacity_bytes: int | None = None) -> None:
+        """Internal: :meth:`open` locks the directory, checks the filesystem's real room,
+        picks the I/O mode and recovers.
 
-        The constructor only sets fields (no I/O, no threads).
+        The constructor only sets fields (no I/O, no threads). ``capacity_bytes``: the
+        capacity in use when it is less than the configured one.
         """
-        self._core = TierCore(config, io_mode=io_mode, io_mode_reason=io_mode_reason)
+        self._core = TierCore(config, io_mode=io_mode, io_mode_reason=io_mode_reason,
+                              budget_bytes=capacity_bytes)
         self._reader = ReadPath(self._core)
         self._writer = WritePath(self._core)
         self._lock_fd = lock_fd
@@ -156,9 +170,15 @@ class NvmeTier:
     def open(cls, config: NvmeTierConfig) -> NvmeTier:
         """Open (creating it if needed) and lock ``config.directory``, then recover its chunks.
 
+        When the filesystem cannot give ``config.capacity_bytes`` (its free space plus what
+        this tier's own files already hold is less), a warning is logged and that real
+        figure becomes :attr:`capacity_bytes`, so the cache's budgets and the daemon's Stats
+        are true; below ``MIN_REAL_CAPACITY_BYTES`` the open is refused with ``DiskFull``.
+
         Raises ``TierUnavailable`` when another tier holds the directory or O_DIRECT was
         required but is unsupported, ``ConfigError`` when the segments found exceed the
-        capacity, ``StorageError``/``DiskFull`` when the directory cannot be used.
+        capacity, ``DiskFull`` when the filesystem has no sane room for the tier,
+        ``StorageError`` when the directory cannot be used.
         """
         try:
             config.directory.mkdir(parents=True, exist_ok=True)
@@ -170,6 +190,7 @@ class NvmeTier:
         try:
             existing = [p for p in sorted(config.directory.glob("seg-*.kvt"))
                         if SEGMENT_RE.match(p.name) and p.stat().st_size >= ALIGN_BYTES]
+            capacity = _capacity_the_filesystem_gives(config)
             try:
                 probed, reason = probe_io_mode(config.directory,
                                                existing[0] if existing else None)
@@ -180,7 +201,8 @@ class NvmeTier:
                                       f"{reason}")
             if config.io_mode is IoMode.BUFFERED:
                 probed, reason = IoMode.BUFFERED, "buffered I/O requested by configuration"
-            tier = cls(config, lock_fd=lock_fd, io_mode=probed, io_mode_reason=reason)
+            tier = cls(config, lock_fd=lock_fd, io_mode=probed, io_mode_reason=reason,
+                       capacity_bytes=capacity)
             tier._recovery = recover(tier._core, tier._reader, tier._writer)
         except BaseException:
             if tier is not None:
@@ -465,6 +487,44 @@ class NvmeTier:
             else:
                 core.quarantined_bytes += rec.extent_bytes
         return True
+
+
+def _capacity_the_filesystem_gives(config: NvmeTierConfig) -> int:
+    """``config.capacity_bytes``, or less when the filesystem cannot give that much.
+
+    The real room is the free space (:func:`~kvstore.dataplane.nvme.core.filesystem_free_bytes`)
+    plus the blocks this tier's own files already hold (segments, and unfinished segments
+    that recovery is about to delete). Existing segments are never cut: when sparse ones
+    hold fewer blocks than their size, their size is kept (later puts into their holes may
+    get ``DiskFull``). Raises ``DiskFull`` below ``MIN_REAL_CAPACITY_BYTES``.
+    """
+    directory = config.directory
+    configured = align_down(config.capacity_bytes)
+    try:
+        free = filesystem_free_bytes(directory)
+        own_blocks = own_size = 0
+        for path in directory.iterdir():
+            name = path.name
+            if SEGMENT_RE.match(name) or (name.startswith("seg-") and name.endswith(TMP_SUFFIX)):
+                st = path.stat()
+                own_blocks += st.st_blocks * 512
+                if SEGMENT_RE.match(name):
+                    own_size += st.st_size
+    except OSError as exc:
+        raise os_error(exc, f"measuring the free space under {directory}") from exc
+    real = align_down(free + own_blocks)
+    if real >= configured:
+        return configured
+    if real < MIN_REAL_CAPACITY_BYTES:
+        raise DiskFull(f"NVMe tier {directory}: the filesystem can give it only {real} bytes "
+                       f"({free} free + {own_blocks} in its own files), below the minimum "
+                       f"{MIN_REAL_CAPACITY_BYTES}; capacity_bytes={configured} was configured. "
+                       f"Free space there or point the tier at a bigger filesystem")
+    capacity = max(real, min(align_down(own_size), configured))
+    log.warning("NVMe tier %s: capacity_bytes=%d configured but the filesystem can give only "
+                "%d bytes (%d free + %d in the tier's files); using %d bytes", directory,
+                configured, real, free, own_blocks, capacity)
+    return capacity
 
 
 def _lock_directory(directory: Path) -> int:

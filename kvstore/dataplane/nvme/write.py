@@ -12,7 +12,9 @@ after releasing the lock.
 
 Also here: DEAD headers for removals, the clean-up of a failed write (a FREE header over
 it, or quarantine), and segment files: created on demand (tmp name, fsync, rename, fsync
-the directory) and preallocated per :class:`~kvstore.dataplane.nvme.config.Preallocation`.
+the directory), cut to the space the filesystem has left (``DiskFull`` before anything is
+written when not one record fits), and preallocated per
+:class:`~kvstore.dataplane.nvme.config.Preallocation`.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from kvstore.dataplane.nvme.core import (
     Record,
     Segment,
     TierCore,
+    filesystem_free_bytes,
     fsync_directory,
     os_error,
     segment_space,
@@ -49,7 +52,7 @@ from kvstore.dataplane.nvme.directio import (
     pwritev_all,
 )
 from kvstore.dataplane.nvme.format import HEADER_BYTES, RecordHeader, RecordKind, SegmentHeader
-from kvstore.errors import CapacityError
+from kvstore.errors import CapacityError, DiskFull
 
 log = logging.getLogger(__name__)
 
@@ -164,16 +167,44 @@ class WritePath:
             self._core.next_segment_id += 1
             seq = self._core.take_seq_locked()
             self._core.segment_bytes_total += size  # reserved while the file is made
+        reserved = size
         try:
+            size = self._fit_to_filesystem(size, extent_bytes)
+            with self._lock:
+                self._core.segment_bytes_total -= reserved - size
+                reserved = size
             segment = self._create_segment(seg_id, size, seq)
         except BaseException:
             with self._lock:
-                self._core.segment_bytes_total -= size
+                self._core.segment_bytes_total -= reserved
             raise
         with self._lock:
             self._core.segments.append(segment)
             offset, run_bytes = segment.space.allocate_run(extent_bytes)
             return segment, offset, run_bytes
+
+    def _fit_to_filesystem(self, size_bytes: int, extent_bytes: int) -> int:
+        """``size_bytes``, or fewer whole records of ``extent_bytes`` when the filesystem has
+        less room left (other files may have filled it since open). Raises ``DiskFull``,
+        before writing anything, when not even one record fits. ``SPARSE`` segments reserve
+        nothing, so they are not cut (a full filesystem surfaces mid-write there)."""
+        if self._config.preallocation is Preallocation.SPARSE:
+            return size_bytes
+        try:
+            free = align_down(filesystem_free_bytes(self._dir))
+        except OSError as exc:
+            raise os_error(exc, f"measuring the free space under {self._dir}") from exc
+        if free >= size_bytes:
+            return size_bytes
+        records = max(0, free - HEADER_BYTES) // extent_bytes
+        if records < 1:
+            raise DiskFull(f"no room for a new segment of the NVMe tier {self._dir}: the "
+                           f"filesystem has {free} bytes free, a {extent_bytes}-byte record "
+                           f"needs {HEADER_BYTES + extent_bytes}")
+        fitted = HEADER_BYTES + records * extent_bytes
+        log.warning("NVMe tier %s: the filesystem has only %d bytes free; the new segment gets "
+                    "%d bytes instead of %d", self._dir, free, fitted, size_bytes)
+        return fitted
 
     def _new_segment_bytes(self, extent_bytes: int) -> int:
         """Size of a segment created for a record of ``extent_bytes``.
