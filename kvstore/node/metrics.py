@@ -74,7 +74,7 @@ class _ScrapeCollector(Collector):
                 ("evictions", "Chunks dropped from the tier."),
                 ("demotions", "Chunks moved from the tier to the one below."),
                 ("promotions", "Chunks moved into the tier from the one below."),
-                ("corrupt", "Chunks found corrupt in the tier (and dropped)."),
+                ("corrupt", "Chunks found corrupt in the tier (and dropped), also at open."),
             )
         }
         moved = CounterMetricFamily("kvtier_bytes_moved", "Bytes moved, by path and direction.",
@@ -87,7 +87,7 @@ class _ScrapeCollector(Collector):
             c = report.counters
             for name, value in (("hits", c.hits), ("puts", c.puts), ("evictions", c.drops),
                                 ("demotions", c.demotions_out), ("promotions", c.promotions_in),
-                                ("corrupt", c.corrupt)):
+                                ("corrupt", c.corrupt + report.stats.corrupt_at_open)):
                 counters[name].add_metric([tier], value)
             moved.add_metric([f"tier_{tier}", "read"], c.bytes_read)
             moved.add_metric([f"tier_{tier}", "write"], c.bytes_written)
