@@ -8,8 +8,24 @@ Placement
     When it is full, the index plans victims; each is **demoted** one tier down (HBM -> DRAM ->
     NVMe), making room there the same way, and victims of the last tier are **dropped**. A read
     from a slower tier **promotes** the chunk one tier up when that tier has room or can make it
-    (best effort: a failed promotion leaves the chunk where it was). Each chunk lives in exactly one
-    tier at a time.
+    (best effort: a failed promotion leaves the chunk where it was).
+
+Copies: a primary tier, and at most one persistent backing copy
+    A chunk has one *primary* copy, in the fastest tier holding it (reads, pins and events name
+    it), and may have a second, clean *backing* copy in the persistent tier (NVMe):
+
+    * a promotion out of NVMe **copies**: the NVMe copy stays, so a crash (or a restart without
+      ``persist_dram``) loses no chunk that was promoted, and no chain loses its root;
+    * with a persistent write tier (``write_tier=nvme``: durable puts), a put into a faster tier
+      (the daemon's zero-copy puts: ``reserve``/``commit`` in DRAM) is **written through**: the
+      NVMe copy is written (and fdatasync'd) from the slot before ``commit`` publishes the DRAM
+      copy and returns;
+    * evicting a backed memory copy forgets it (no write: the NVMe copy becomes the primary one);
+    * NVMe space counts backing copies. Making room in NVMe drops NVMe-only leaves first, in
+      the policy's order; only when those are not enough it drops backing copies (the chunk stays
+      cached in memory, but no longer survives a crash). The background watermark demoter never
+      drops backing copies;
+    * ``remove`` and a corrupt read drop every copy; ``persist`` writes only unbacked chunks.
 
 Prefix rule
     A chunk is useless without its parent. ``put`` refuses a chunk whose parent is not cached, the
@@ -25,6 +41,9 @@ Persistence
     A persistent tier (NVMe) keeps each chunk's parent key in the record's metadata, so
     :meth:`TieredCache.recover` rebuilds the index, parents included, after a restart or a
     ``kill -9``. Chunks whose parent did not survive are dropped (they could never be used).
+    What survives a crash: every chunk with an NVMe copy (primary or backing). With a persistent
+    write tier that is every acknowledged put not evicted or removed since; with a memory write
+    tier, only what was demoted or promoted out of NVMe (and, at a drain, ``persist``).
 
 Zero-copy access (the store daemon)
     ``reserve``/``commit``/``abort`` put a chunk by writing straight into a slot of a host-memory
@@ -42,7 +61,10 @@ Reads that bypass the cache
 Change notifications
     An optional ``observer`` is called with a :class:`ChunkChange` after every chunk the cache
     stores, moves or removes (recovery included), in the thread that made the change. It must be
-    quick and must not raise, nor call back into the cache.
+    quick and must not raise, nor call back into the cache. The tier of a change is always the
+    chunk's primary (fastest) tier: a promotion that keeps the NVMe copy is MOVED to DRAM, the
+    eviction of a backed DRAM copy is MOVED to NVMe, a removal is one REMOVED, and adding or
+    dropping a backing copy alone is no change (the fastest copy stays where it was).
 
 Thread safety
     Every method may be called from any thread. Metadata decisions run under the index's lock;
@@ -191,6 +213,11 @@ class TieredCache:
         if write not in self._tiers:
             raise ConfigError(f"write tier {write.value} is not configured")
         self._write_tier = write
+        self._persistent = frozenset(kind for kind, tier in self._tiers.items()
+                                     if isinstance(tier, PersistentTier))
+        self._durable: TierKind | None = write if write in self._persistent else None
+        """Puts are durable (a persistent write tier): a put into a faster tier is written
+        through to this one before it is acknowledged. None: puts stay where they land."""
         # isinstance() against a runtime-checkable Protocol walks its attributes (~20 µs):
         # decide once per tier, not per put.
         self._host_memory: dict[TierKind, HostMemoryTier] = {
@@ -214,6 +241,12 @@ class TieredCache:
     @property
     def write_tier(self) -> TierKind:
         return self._write_tier
+
+    @property
+    def durable_tier(self) -> TierKind | None:
+        """Where every put is written before it is acknowledged, when puts are durable (the
+        write tier is persistent); None otherwise."""
+        return self._durable
 
     @property
     def tiers(self) -> Mapping[TierKind, Tier]:
@@ -264,11 +297,23 @@ class TieredCache:
             raise InvalidArgument(f"parent {bytes(parent).hex()} of {key.hex()} is not cached: "
                                   "a chunk without its prefix is useless")
         size = _nbytes(src)
-        info, seconds = self._place(kind, target, key, size, lambda: _put(target, key, src, parent))
+        durable = self._durable
+        backing = durable if durable is not None and kind.order < durable.order else None
+        if backing is not None:
+            self._write_backing(backing, key, src, size, parent)
         try:
-            self._index.insert(key, parent, kind, size, info.checksum)
+            info, seconds = self._place(kind, target, key, size,
+                                        lambda: _put(target, key, src, parent))
+        except BaseException:
+            if backing is not None:
+                self._tiers[backing].remove(key)
+            raise
+        try:
+            self._index.insert(key, parent, kind, size, info.checksum, backing=backing)
         except KvtierError:
             target.remove(key)  # the index refused it (a racing put, or the parent vanished)
+            if backing is not None:
+                self._tiers[backing].remove(key)
             raise
         self._count(kind, puts=1, bytes_written=size, seconds_writing=seconds)
         self._notify(ChunkChangeKind.STORED, key, kind, size, parent=parent)
@@ -301,17 +346,36 @@ class TieredCache:
                tier: TierKind | None = None) -> ChunkInfo:
         """Publish a slot from :meth:`reserve` (``parent``/``tier`` as given there).
 
-        Raises InvalidArgument (a finished or foreign slot; or the parent was dropped meanwhile:
-        the chunk is then discarded), ChunkExists (a racing put of the same key won).
+        With durable puts (:attr:`durable_tier`) the chunk is first written from the slot to
+        the persistent tier (durable when this returns), then published in ``tier``; the
+        memory copy stays as a clean cached copy. Raises InvalidArgument (a finished or foreign
+        slot; or the parent was dropped meanwhile: the chunk is then discarded), ChunkExists (a
+        racing put of the same key won), and with durable puts the persistent tier's write
+        errors (CapacityError, DiskFull, StorageError...); on any error the slot is freed.
         """
         kind = tier or self._write_tier
         target = self._host_memory_tier(kind)
         key, size = slot.key, slot.size_bytes
-        info = target.commit(slot)
+        durable = self._durable
+        backing = durable if durable is not None and kind.order < durable.order else None
+        if backing is not None:
+            try:
+                self._write_backing(backing, key, slot.buffer, size, parent)
+            except BaseException:
+                target.abort(slot)
+                raise
         try:
-            self._index.insert(key, parent, kind, size, info.checksum)
+            info = target.commit(slot)
+        except BaseException:
+            if backing is not None:
+                self._tiers[backing].remove(key)
+            raise
+        try:
+            self._index.insert(key, parent, kind, size, info.checksum, backing=backing)
         except KvtierError:
             target.remove(key)
+            if backing is not None:
+                self._tiers[backing].remove(key)
             raise
         self._count(kind, puts=1, bytes_written=size)
         self._notify(ChunkChangeKind.STORED, key, kind, size, parent=parent)
@@ -320,6 +384,13 @@ class TieredCache:
     def abort(self, slot: WriteSlot, *, tier: TierKind | None = None) -> None:
         """Free a slot from :meth:`reserve`; the chunk never becomes visible. Idempotent."""
         self._host_memory_tier(tier or self._write_tier).abort(slot)
+
+    def _write_backing(self, kind: TierKind, key: bytes, src: Buffer, size: int,
+                       parent: bytes | None) -> None:
+        """Write the persistent copy of a put into a faster tier (write-through), making room."""
+        tier = self._tiers[kind]
+        _info, seconds = self._place(kind, tier, key, size, lambda: _put(tier, key, src, parent))
+        self._count(kind, bytes_written=size, seconds_writing=seconds)
 
     def _host_memory_tier(self, kind: TierKind) -> HostMemoryTier:
         target = self._host_memory.get(kind)
@@ -527,8 +598,12 @@ class TieredCache:
         for kind in self._tiers:
             if self._index.over_high_watermark(kind):
                 need = self._index.bytes_above_low_watermark(kind)
+                before = self._index.usage(kind).used_bytes
                 try:
-                    freed[kind] = self.evict(kind, need)
+                    # Never backing copies: that would give up durability to make room nobody
+                    # asked for yet.
+                    self._evict(kind, need, include_backing=False)
+                    freed[kind] = before - self._index.usage(kind).used_bytes
                 except CapacityError as exc:
                     log.info("cannot reach the low watermark of %s: %s", kind.value, exc)
         return freed
@@ -536,8 +611,10 @@ class TieredCache:
     def persist(self) -> int:
         """Demote every chunk held in memory tiers down to the persistent tier (before a shutdown
         whose restart should find them: a chunk left only in memory is lost, and with it every
-        persisted descendant, which ``recover`` would then drop as an orphan). Returns the bytes
-        moved. Where the persistent tier is full, its own eviction makes room as usual."""
+        persisted descendant, which ``recover`` would then drop as an orphan). A chunk that
+        already has a persistent copy is only dropped from memory (nothing is written). Returns
+        the bytes that left the memory tiers. Where the persistent tier is full, its own
+        eviction makes room as usual."""
         persistent = [kind for kind, tier in self._tiers.items() if isinstance(tier, PersistentTier)]
         if not persistent:
             return 0
@@ -597,8 +674,8 @@ class TieredCache:
     def _place(self, kind: TierKind, target: Tier, key: bytes, size: int,
                write: Callable[[], _T]) -> tuple[_T, float]:
         """Make room for ``size`` bytes in ``kind`` and run ``write`` (a tier put), evicting on
-        CapacityError until it fits or nothing more can be evicted. Returns the chunk's info and
-        the seconds the write itself took (evictions excluded)."""
+        CapacityError until it fits or nothing more can be evicted (backing copies last).
+        Returns the chunk's info and the seconds the write itself took (evictions excluded)."""
         usage = self._index.usage(kind)
         if size > usage.capacity_bytes:
             raise CapacityError(f"{kind.value}: a {size}-byte chunk is larger than the tier "
@@ -617,11 +694,18 @@ class TieredCache:
         raise CapacityError(f"{kind.value}: no room for {size} bytes after evicting "
                             f"{_MAX_ROOM_ATTEMPTS} times")
 
-    def _evict(self, kind: TierKind, bytes_needed: int) -> None:
-        claim = self._index.claim_eviction(kind, bytes_needed, self._config.lease_ttl_s)
+    def _evict(self, kind: TierKind, bytes_needed: int, *, include_backing: bool = True) -> None:
+        claim = self._index.claim_eviction(kind, bytes_needed, self._config.lease_ttl_s,
+                                           include_backing=include_backing)
         below = self._index.demotion_target(kind)
         try:
             for key in claim.keys:
+                entry = self._index.get(key)
+                if entry is None:
+                    continue  # dropped with a corrupt ancestor meanwhile
+                if entry.tier is not kind:  # a backing copy the plan fell back to
+                    self._drop_backing(kind, key, claim)
+                    continue
                 if below is None:
                     self._drop(kind, key, claim)
                     continue
@@ -644,14 +728,36 @@ class TieredCache:
         self._count(kind, drops=1)
         self._notify(ChunkChangeKind.REMOVED, key, kind, snap.size_bytes)
 
+    def _drop_backing(self, kind: TierKind, key: bytes, claim: Lease) -> None:
+        """Drop a claimed chunk's backing copy in ``kind``; its primary copy stays cached (no
+        event: its fastest tier did not change)."""
+        try:
+            self._index.drop_backing(key, lease=claim)
+        except (ChunkBusy, ChunkNotFound, InvalidArgument) as exc:
+            log.debug("backing copy of %s kept: %s", key.hex(), exc)
+            return
+        self._tiers[kind].remove(key)
+        self._count(kind, drops=1)
+
     def _move(self, key: bytes, src_kind: TierKind, dst_kind: TierKind, claim: Lease) -> None:
-        """Copy a claimed chunk from one tier to another, then retarget the index."""
+        """Copy a claimed chunk from one tier to another, then retarget the index.
+
+        When ``dst_kind`` already holds its backing copy, nothing is copied: the source copy is
+        forgotten. A promotion out of a persistent tier keeps the source as the backing copy."""
         src, dst = self._tiers[src_kind], self._tiers[dst_kind]
         entry = self._index.get(key)
         if entry is None:
             return
         size = entry.size_bytes
         parent = entry.parent
+        if entry.backing is dst_kind:
+            self._index.move(key, dst_kind, lease=claim)
+            src.remove(key)
+            self._notify(ChunkChangeKind.MOVED, key, dst_kind, size, from_tier=src_kind)
+            self._count(src_kind, demotions_out=1)
+            return
+        keep_source = (entry.backing is None and src_kind in self._persistent
+                       and dst_kind.order < src_kind.order)
 
         def write() -> ChunkInfo:
             host_dst = self._host_memory.get(dst_kind)
@@ -678,11 +784,12 @@ class TieredCache:
             self._drop_subtree(key)
             return
         try:
-            self._index.move(key, dst_kind, lease=claim)
+            self._index.move(key, dst_kind, lease=claim, keep_source=keep_source)
         except KvtierError:
             dst.remove(key)  # the index refused the move: the copy below must not linger
             raise
-        src.remove(key)
+        if not keep_source:
+            src.remove(key)
         self._notify(ChunkChangeKind.MOVED, key, dst_kind, size, from_tier=src_kind)
         if dst_kind.order > src_kind.order:
             self._count(src_kind, demotions_out=1)
@@ -718,11 +825,15 @@ class TieredCache:
             self._remove_bytes(k)
 
     def _remove_bytes(self, key: bytes) -> None:
+        """Drop every copy of an unindexed chunk; one REMOVED event, from the fastest tier."""
+        notified = False
         for kind, tier in self._tiers.items():
-            size = tier.size_of(key) if self._observer is not None else 0
+            size = tier.size_of(key) if self._observer is not None and not notified else 0
             if tier.remove(key):
                 self._count(kind, drops=1)
-                self._notify(ChunkChangeKind.REMOVED, key, kind, size or 0)
+                if not notified:
+                    self._notify(ChunkChangeKind.REMOVED, key, kind, size or 0)
+                    notified = True
 
     def _notify(self, kind: ChunkChangeKind, key: bytes, tier: TierKind, size_bytes: int, *,
                 parent: bytes | None = None, from_tier: TierKind | None = None) -> None:

@@ -6,12 +6,29 @@ keeps this index equal to what they hold; the index answers lookups, hands out
 leases, and plans evictions that respect pins and the prefix rule.
 
 Entries
-    One entry per chunk key: the tier that holds it (each key lives in exactly
-    one tier), its size, optional checksum, its parent key (``None`` for the
-    first block of a sequence), last access time, hit count and leases. Keys are
-    chained prefix keys, so a chunk is useless without its parent: an entry is
-    only inserted under a cached parent, and the parent may live in any tier
-    (slower than the child is fine: it is still "somewhere").
+    One entry per chunk key: its *primary* tier (the fastest tier holding it:
+    reads, pins and the policy's queues use it), optionally a *backing* tier (a
+    slower, persistent tier that holds a second, clean copy: see below), its
+    size, optional checksum, its parent key (``None`` for the first block of a
+    sequence), last access time, hit count and leases. Keys are chained prefix
+    keys, so a chunk is useless without its parent: an entry is only inserted
+    under a cached parent, and the parent may live in any tier (slower than the
+    child is fine: it is still "somewhere").
+
+Backing copies
+    A chunk in a memory tier may also have a copy in a slower tier (NVMe): a
+    write-through put (``insert(..., backing=NVME)``) or a promotion that keeps
+    its source (``move(..., keep_source=True)``). The backing tier's usage
+    counts the copy (its bytes are really there). ``move`` of a backed entry
+    *to its backing tier* only forgets the faster copy (nothing to write, no
+    room needed). ``drop_backing`` forgets the backing copy (the entry stays
+    cached in its primary tier). Backing copies are not in the policy's queues
+    (those follow the primary tier), so the plan of a backing tier takes them
+    only as a fallback, after every candidate the policy offers, and only when
+    asked (``include_backing``): dropping one costs durability, not a cached
+    chunk. Such a fallback takes leaf copies first: a copy whose child keeps a
+    copy in the same tier is skipped, so what a persistent tier holds stays a
+    set of whole prefixes (a restart can index every one of them).
 
 The prefix rule
     Nothing the index does, or plans, ever leaves a cached child whose parent
@@ -153,6 +170,8 @@ class IndexEntry:
     """Cached children, in any tier."""
     pinned: bool
     """A live lease (shared or exclusive) holds it now."""
+    backing: TierKind | None = None
+    """A slower tier that holds a second copy (see "Backing copies"); None: ``tier`` only."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +209,7 @@ class PrefixMatch:
 class _Node:
     """The index's record of one entry; policies see it through ``EntryView`` (read-only)."""
 
-    __slots__ = ("access_count", "checksum", "children", "depth", "exclusive",
+    __slots__ = ("access_count", "backing", "checksum", "children", "depth", "exclusive",
                  "inserted_at_s", "key", "last_access_s", "parent", "shared", "size_bytes",
                  "tier")
 
@@ -199,6 +218,7 @@ class _Node:
         self.key = key
         self.parent = parent
         self.tier = tier
+        self.backing: TierKind | None = None
         self.size_bytes = size_bytes
         self.checksum = checksum
         self.depth: int = 0 if parent is None else parent.depth + 1
@@ -225,12 +245,16 @@ class _Node:
 
 
 class _TierState:
-    __slots__ = ("budget", "entries", "used_bytes")
+    __slots__ = ("backed", "budget", "entries", "used_bytes")
 
     def __init__(self, budget: TierBudget) -> None:
         self.budget = budget
         self.used_bytes = 0
+        """Primary and backing copies held in this tier."""
         self.entries = 0
+        """Chunks with a copy (primary or backing) in this tier."""
+        self.backed: dict[_Node, None] = {}
+        """Entries whose backing copy is in this tier, oldest first (an ordered set)."""
 
 
 class _LeaseRecord:
@@ -318,7 +342,7 @@ class CacheIndex:
             tier=node.tier, size_bytes=node.size_bytes, checksum=node.checksum,
             depth=node.depth, inserted_at_s=node.inserted_at_s,
             last_access_s=node.last_access_s, access_count=node.access_count,
-            children=node.n_children(), pinned=node.held(now))
+            children=node.n_children(), pinned=node.held(now), backing=node.backing)
 
     def longest_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` are cached, in any tier. Does not count as a hit."""
@@ -399,23 +423,26 @@ class CacheIndex:
     # -- inserts -------------------------------------------------------------
 
     def insert(self, key: bytes, parent: bytes | None, tier: TierKind, size_bytes: int,
-               checksum: int | None = None) -> None:
-        """Record that ``tier`` now holds ``key``. Its parent must be cached (any tier).
+               checksum: int | None = None, *, backing: TierKind | None = None) -> None:
+        """Record that ``tier`` now holds ``key`` (and ``backing``, a slower tier, a second
+        copy: a write-through put). Its parent must be cached (any tier).
 
-        Raises ChunkExists, InvalidArgument (orphan, bad size, unconfigured tier),
-        CapacityError (the tier's recorded usage would exceed its capacity: make
-        room first with ``plan_eviction``/``claim_eviction``).
+        Raises ChunkExists, InvalidArgument (orphan, bad size, unconfigured tier,
+        ``backing`` not slower than ``tier``), CapacityError (a tier's recorded usage
+        would exceed its capacity: make room first with ``plan_eviction``/``claim_eviction``).
         """
         self.insert_chain((key,), parent, tier, size_bytes,
-                          None if checksum is None else (checksum,))
+                          None if checksum is None else (checksum,), backing=backing)
 
     def insert_chain(self, keys: Sequence[bytes], parent: bytes | None, tier: TierKind,
                      size_bytes: int | Sequence[int],
-                     checksums: Sequence[int | None] | None = None) -> None:
+                     checksums: Sequence[int | None] | None = None, *,
+                     backing: TierKind | None = None) -> None:
         """Insert ``keys[0]`` under ``parent``, ``keys[i]`` under ``keys[i-1]``: all or nothing.
 
-        ``size_bytes`` is one size for every key or one per key. The policy is
-        notified deepest key first (see ``access_prefix``).
+        ``size_bytes`` is one size for every key or one per key; ``backing`` as in
+        ``insert``, for every key. The policy is notified deepest key first (see
+        ``access_prefix``).
         """
         n = len(keys)
         sizes = [size_bytes] * n if isinstance(size_bytes, int) else list(size_bytes)
@@ -424,6 +451,10 @@ class CacheIndex:
                                   + ("" if checksums is None else f" and {len(checksums)} checksums"))
         with self._lock:
             st = self._state(tier)
+            back = None if backing is None else self._state(backing)
+            if backing is not None and backing.order <= tier.order:
+                raise InvalidArgument(f"a backing copy in {backing.value} must be in a tier "
+                                      f"slower than {tier.value}")
             parent_node: _Node | None = None
             if parent is not None:
                 parent_node = self._entries.get(parent)
@@ -441,10 +472,12 @@ class CacheIndex:
                     raise ChunkExists(f"chunk {key.hex()} is already indexed")
                 seen.add(key)
             total = sum(sizes)
-            if st.used_bytes + total > st.budget.capacity_bytes:
-                raise CapacityError(
-                    f"{tier.value}: inserting {total} bytes would exceed capacity "
-                    f"({st.used_bytes}/{st.budget.capacity_bytes} bytes used)")
+            for state, kind in ((st, tier), (back, backing)):
+                if state is not None and kind is not None and \
+                        state.used_bytes + total > state.budget.capacity_bytes:
+                    raise CapacityError(
+                        f"{kind.value}: inserting {total} bytes would exceed capacity "
+                        f"({state.used_bytes}/{state.budget.capacity_bytes} bytes used)")
             now = self._clock()
             nodes: list[_Node] = []
             up = parent_node
@@ -458,8 +491,14 @@ class CacheIndex:
                 self._entries[key] = node
                 nodes.append(node)
                 up = node
+                if back is not None:
+                    node.backing = backing
+                    back.backed[node] = None
             st.used_bytes += total
             st.entries += n
+            if back is not None:
+                back.used_bytes += total
+                back.entries += n
             for node in reversed(nodes):
                 self._policy.on_insert(node)
 
@@ -495,11 +534,17 @@ class CacheIndex:
             raise ChunkNotFound(bytes(key), "the cache index")
         return node
 
-    def move(self, key: bytes, to_tier: TierKind, *, lease: Lease | None = None) -> None:
-        """Record that ``key`` now lives in ``to_tier`` (demotion or promotion).
+    def move(self, key: bytes, to_tier: TierKind, *, lease: Lease | None = None,
+             keep_source: bool = False) -> None:
+        """Record that ``key``'s primary copy is now in ``to_tier`` (demotion or promotion).
 
-        Raises ChunkNotFound, ChunkBusy (leased by anyone but ``lease``),
-        CapacityError (no room recorded in ``to_tier``), InvalidArgument.
+        When ``to_tier`` is the entry's backing tier, the faster copy is forgotten and
+        the backing copy becomes the primary one (no room needed: it is already counted).
+        ``keep_source`` (a promotion out of a persistent tier) keeps the old copy as the
+        entry's backing copy. Raises ChunkNotFound, ChunkBusy (leased by anyone but
+        ``lease``), CapacityError (no room recorded in ``to_tier``), InvalidArgument
+        (already there; ``keep_source`` on a backed entry or a demotion; a move past
+        the backing tier).
         """
         with self._lock:
             node = self._require(key)
@@ -509,17 +554,63 @@ class CacheIndex:
             now = self._clock()
             if node.held(now, self._lease_id(lease)):
                 raise ChunkBusy(f"chunk {key.hex()} is leased; it cannot move now")
+            src = self._tiers[node.tier]
+            from_tier = node.tier
+            if node.backing is to_tier:
+                if keep_source:
+                    raise InvalidArgument(f"chunk {key.hex()} already has a copy in "
+                                          f"{to_tier.value}")
+                src.used_bytes -= node.size_bytes
+                src.entries -= 1
+                del dst.backed[node]
+                node.backing = None
+                node.tier = to_tier
+                self._policy.on_move(node, from_tier)
+                return
+            if keep_source and (node.backing is not None or to_tier.order > from_tier.order):
+                raise InvalidArgument(f"chunk {key.hex()}: only a promotion of an unbacked "
+                                      "entry keeps its source copy")
+            if node.backing is not None and to_tier.order > node.backing.order:
+                raise InvalidArgument(f"chunk {key.hex()} cannot move below its backing copy "
+                                      f"in {node.backing.value}")
             if dst.used_bytes + node.size_bytes > dst.budget.capacity_bytes:
                 raise CapacityError(f"{to_tier.value}: no room for {node.size_bytes} bytes "
                                     f"({dst.used_bytes}/{dst.budget.capacity_bytes} used)")
-            src = self._tiers[node.tier]
-            src.used_bytes -= node.size_bytes
-            src.entries -= 1
+            if keep_source:
+                node.backing = from_tier
+                src.backed[node] = None
+            else:
+                src.used_bytes -= node.size_bytes
+                src.entries -= 1
             dst.used_bytes += node.size_bytes
             dst.entries += 1
-            from_tier = node.tier
             node.tier = to_tier
             self._policy.on_move(node, from_tier)
+
+    def drop_backing(self, key: bytes, *, lease: Lease | None = None) -> TierKind:
+        """Forget ``key``'s backing copy (its tier dropped it); the entry stays cached in its
+        primary tier. Returns the tier the copy was in.
+
+        Raises ChunkNotFound, ChunkBusy (leased by anyone but ``lease``), InvalidArgument
+        (the entry has no backing copy).
+        """
+        with self._lock:
+            node = self._require(key)
+            if node.backing is None:
+                raise InvalidArgument(f"chunk {key.hex()} has no backing copy")
+            if node.held(self._clock(), self._lease_id(lease)):
+                raise ChunkBusy(f"chunk {key.hex()} is leased; its copies cannot change now")
+            backing = node.backing
+            self._forget_backing(node)
+            return backing
+
+    def _forget_backing(self, node: _Node) -> None:
+        if node.backing is not None:
+            back = self._tiers[node.backing]
+            back.used_bytes -= node.size_bytes
+            back.entries -= 1
+            del back.backed[node]
+            node.backing = None
 
     def remove(self, key: bytes, *, lease: Lease | None = None) -> IndexEntry:
         """Drop ``key`` from the index (its tier dropped the chunk). Returns its last snapshot.
@@ -568,6 +659,7 @@ class CacheIndex:
 
     def _unlink(self, node: _Node) -> None:
         self._policy.on_remove(node)
+        self._forget_backing(node)
         st = self._tiers[node.tier]
         st.used_bytes -= node.size_bytes
         st.entries -= 1
@@ -718,22 +810,28 @@ class CacheIndex:
             st = self._state(tier)
             return max(0, st.used_bytes - st.budget.low_watermark_bytes)
 
-    def plan_eviction(self, tier: TierKind, bytes_needed: int) -> list[bytes]:
+    def plan_eviction(self, tier: TierKind, bytes_needed: int, *,
+                      include_backing: bool = False) -> list[bytes]:
         """Victims to evict from ``tier``, in order, freeing at least ``bytes_needed``.
 
         Pure planning: nothing is removed (the policy may reorder its own state).
         Never a leased entry; in the last tier (drop) never an entry with cached
         children unless its children precede it in the plan. The caller demotes
-        each victim to ``demotion_target(tier)`` or drops it. Raises
-        CapacityError when no such set exists (everything left is leased or
-        ``bytes_needed`` exceeds the capacity).
+        each victim to ``demotion_target(tier)`` or drops it. With
+        ``include_backing``, backing copies held in ``tier`` follow the policy's
+        candidates when those are not enough (oldest first, never one whose child
+        keeps a copy in ``tier`` unless that child's copy precedes it): the caller
+        tells them by ``get(key).tier is not tier`` and drops just that copy
+        (``drop_backing``). Raises CapacityError when no such set exists
+        (everything left is leased or ``bytes_needed`` exceeds the capacity).
         """
         with self._lock:
             now = self._clock()
             self._reap_leases(now)
-            return [n.key for n in self._plan(tier, bytes_needed, now)]
+            return [n.key for n in self._plan(tier, bytes_needed, now, include_backing)]
 
-    def claim_eviction(self, tier: TierKind, bytes_needed: int, ttl_s: float) -> Lease:
+    def claim_eviction(self, tier: TierKind, bytes_needed: int, ttl_s: float, *,
+                       include_backing: bool = False) -> Lease:
         """``plan_eviction`` plus an EXCLUSIVE lease on the victims, atomically.
 
         ``lease.keys`` is the plan, in order. Readers cannot pin the victims while
@@ -743,10 +841,43 @@ class CacheIndex:
         with self._lock:
             now = self._clock()
             self._reap_leases(now)
-            nodes = self._plan(tier, bytes_needed, now)
+            nodes = self._plan(tier, bytes_needed, now, include_backing)
             return self._grant(nodes, LeaseMode.EXCLUSIVE, ttl_s, now)
 
-    def _plan(self, tier: TierKind, bytes_needed: int, now: float) -> list[_Node]:
+    def _plan_backing(self, st: _TierState, tier: TierKind, bytes_needed: int, freed: int,
+                      now: float, victims: list[_Node], taken: set[_Node]) -> int:
+        """Append backing copies held in ``tier`` to ``victims`` until ``freed`` reaches
+        ``bytes_needed``; return the new ``freed``. Oldest copy first, but never one whose
+        child keeps a copy in ``tier`` (after a restart that child would be an orphan): such
+        a copy is skipped and taken right after its last such child (a cascade, as in
+        ``_plan``). O(victims + skipped)."""
+        def blocked(node: _Node) -> bool:
+            return bool(node.children) and any(
+                (c.tier is tier or c.backing is tier) and c not in taken
+                for c in node.children)  # type: ignore[union-attr]
+
+        skipped: set[_Node] = set()
+        for node in st.backed:
+            if node in taken or node.held(now):
+                continue
+            if blocked(node):
+                skipped.add(node)
+                continue
+            cascade: _Node | None = node
+            while cascade is not None and freed < bytes_needed:
+                victims.append(cascade)
+                taken.add(cascade)
+                freed += cascade.size_bytes
+                up = cascade.parent
+                cascade = up if up is not None and up in skipped and not blocked(up) else None
+                if cascade is not None:
+                    skipped.discard(cascade)
+            if freed >= bytes_needed:
+                break
+        return freed
+
+    def _plan(self, tier: TierKind, bytes_needed: int, now: float,
+              include_backing: bool = False) -> list[_Node]:
         st = self._state(tier)
         if bytes_needed <= 0:
             return []
@@ -802,6 +933,8 @@ class CacheIndex:
             pass
         finally:
             stream.close()
+        if freed < bytes_needed and include_backing:
+            freed = self._plan_backing(st, tier, bytes_needed, freed, now, victims, taken)
         if freed < bytes_needed:
             raise CapacityError(
                 f"{tier.value}: cannot free {bytes_needed} bytes; only {freed} are evictable "

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import hashlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ from kvstore.dataplane.nvme.config import NvmeTierConfig
 from kvstore.dataplane.nvme.tier import NvmeTier
 from kvstore.dataplane.tier import TierKind
 from kvstore.errors import CapacityError, ChunkCorrupt, ChunkExists, ChunkNotFound, InvalidArgument
-from kvstore.node.cache import CacheConfig, TieredCache
+from kvstore.node.cache import CacheConfig, ChunkChange, ChunkChangeKind, TieredCache
 from kvstore.node.policies import PolicyName
 
 KiB = 1 << 10
@@ -40,13 +41,20 @@ def read(cache: TieredCache, k: bytes, size: int = CHUNK) -> bytes:
 
 
 def assert_no_orphans(cache: TieredCache) -> None:
+    """Every copy a tier holds is indexed (as the primary or the backing copy), every indexed
+    copy is held, and no chunk is cached without its parent."""
     for tier in cache.tiers.values():
         for info in tier.chunks():
             entry = cache.entry(info.key)
             assert entry is not None, f"{info.key!r} is in {tier.kind.value} but not indexed"
-            assert entry.tier is tier.kind
+            assert tier.kind in (entry.tier, entry.backing)
+            assert cache.tier(entry.tier).contains(info.key)
+            if entry.backing is not None:
+                assert cache.tier(entry.backing).contains(info.key)
             if entry.parent is not None:
                 assert cache.entry(entry.parent) is not None, f"{info.key!r} is an orphan"
+    for kind, tier in cache.tiers.items():
+        assert cache.index.usage(kind).entries == tier.stats().chunks, kind
 
 
 @pytest.fixture
@@ -55,12 +63,14 @@ def nvme_dir(tmp_path: Path) -> Path:
 
 
 def make_cache(nvme_dir: Path, *, dram_bytes: int = 16 * CHUNK, nvme_bytes: int = 4 * MiB,
-               policy: PolicyName = PolicyName.LRU, **config: object) -> TieredCache:
+               policy: PolicyName = PolicyName.LRU,
+               observer: Callable[[ChunkChange], None] | None = None,
+               **config: object) -> TieredCache:
     dram = DramTier(dram_bytes)
     nvme = NvmeTier.open(NvmeTierConfig(directory=nvme_dir, capacity_bytes=nvme_bytes,
                                         segment_bytes=MiB))
     return TieredCache({TierKind.DRAM: dram, TierKind.NVME: nvme}, policy=policy,
-                       config=CacheConfig(**config))  # type: ignore[arg-type]
+                       config=CacheConfig(**config), observer=observer)  # type: ignore[arg-type]
 
 
 @pytest.fixture
@@ -115,9 +125,16 @@ def test_a_hit_in_nvme_promotes_to_dram(cache: TieredCache) -> None:
     keys = chain_keys(30)
     cache.put_chain(keys, [chunk(i) for i in range(30)])
     assert cache.entry(keys[0]).tier is TierKind.NVME  # type: ignore[union-attr]
+    nvme_used = cache.index.usage(TierKind.NVME).used_bytes
     assert read(cache, keys[0]) == chunk(0)
-    assert cache.entry(keys[0]).tier is TierKind.DRAM  # type: ignore[union-attr]
-    assert not cache.tier(TierKind.NVME).contains(keys[0])
+    entry = cache.entry(keys[0])
+    assert entry is not None and entry.tier is TierKind.DRAM
+    # The promotion copied: NVMe keeps its copy (issue 12), and still counts it.
+    assert entry.backing is TierKind.NVME
+    assert cache.tier(TierKind.NVME).contains(keys[0])
+    assert cache.tier(TierKind.DRAM).contains(keys[0])
+    # + the DRAM victim demoted to make room; the promoted chunk's NVMe copy still counts.
+    assert cache.index.usage(TierKind.NVME).used_bytes == nvme_used + CHUNK
     assert read(cache, keys[0]) == chunk(0)
     assert_no_orphans(cache)
 
@@ -305,3 +322,237 @@ def test_record_reads_counts_reads_of_chunks_still_in_the_tier(cache: TieredCach
     # Recency: key(1) and key(2) were refreshed, so key(3) is now the oldest in DRAM.
     cache.evict(TierKind.DRAM, CHUNK)
     assert cache.entry(key(3)).tier is TierKind.NVME  # type: ignore[union-attr]
+
+
+# -- copies: a promotion keeps the NVMe copy; durable puts write through (issue 12) -------------
+
+
+def counters(cache: TieredCache, kind: TierKind):  # type: ignore[no-untyped-def]
+    return {r.kind: r.counters for r in cache.report()}[kind]
+
+
+def disk_digest(nvme_dir: Path) -> str:
+    """A digest of every segment file's bytes: equal before and after means nothing was written."""
+    h = hashlib.sha256()
+    for path in sorted(nvme_dir.glob("seg-*.kvt")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def promoted_pair(cache: TieredCache) -> None:
+    """key(0) <- key(1), both on NVMe, then both read back into DRAM (promoted copies)."""
+    cache.put(key(0), chunk(0))
+    cache.put(key(1), chunk(1), parent=key(0))
+    cache.evict(TierKind.DRAM, 2 * CHUNK)
+    assert cache.lookup([key(0), key(1)]).tiers == (TierKind.NVME, TierKind.NVME)
+    assert read(cache, key(0)) == chunk(0) and read(cache, key(1)) == chunk(1)
+    for k in (key(0), key(1)):
+        entry = cache.entry(k)
+        assert entry is not None and (entry.tier, entry.backing) == (TierKind.DRAM, TierKind.NVME)
+
+
+def test_evicting_a_backed_dram_copy_writes_nothing_to_nvme(nvme_dir: Path) -> None:
+    events: list[ChunkChange] = []
+    cache = make_cache(nvme_dir, observer=events.append)
+    try:
+        promoted_pair(cache)
+        nvme = cache.tier(TierKind.NVME)
+        before = (disk_digest(nvme_dir), nvme.stats(), counters(cache, TierKind.NVME).bytes_written,
+                  cache.index.usage(TierKind.NVME))
+        events.clear()
+        assert cache.evict(TierKind.DRAM, 2 * CHUNK) == 2 * CHUNK
+        after = (disk_digest(nvme_dir), nvme.stats(), counters(cache, TierKind.NVME).bytes_written,
+                 cache.index.usage(TierKind.NVME))
+        assert after == before  # a drop of the DRAM copy: no byte written, NVMe unchanged
+        assert cache.index.usage(TierKind.DRAM).used_bytes == 0
+        assert not cache.tier(TierKind.DRAM).contains(key(0))
+        for k in (key(0), key(1)):
+            entry = cache.entry(k)
+            assert entry is not None and (entry.tier, entry.backing) == (TierKind.NVME, None)
+        # The conductor learns that the fastest copy is now the NVMe one.
+        assert sorted((e.kind, e.key, e.tier, e.from_tier) for e in events) == [
+            (ChunkChangeKind.MOVED, key(i), TierKind.NVME, TierKind.DRAM) for i in (0, 1)]
+        assert read(cache, key(1)) == chunk(1)
+        assert_no_orphans(cache)
+    finally:
+        cache.close()
+
+
+def test_promotion_events_name_the_fastest_copy(nvme_dir: Path) -> None:
+    events: list[ChunkChange] = []
+    cache = make_cache(nvme_dir, observer=events.append)
+    try:
+        cache.put(key(0), chunk(0))
+        cache.evict(TierKind.DRAM, CHUNK)
+        events.clear()
+        assert read(cache, key(0)) == chunk(0)
+        assert [(e.kind, e.tier, e.from_tier) for e in events] == [
+            (ChunkChangeKind.MOVED, TierKind.DRAM, TierKind.NVME)]
+    finally:
+        cache.close()
+
+
+def test_remove_drops_every_copy_with_one_event_per_chunk(nvme_dir: Path) -> None:
+    events: list[ChunkChange] = []
+    cache = make_cache(nvme_dir, observer=events.append)
+    try:
+        promoted_pair(cache)
+        events.clear()
+        assert sorted(cache.remove(key(0))) == [key(0), key(1)]
+        for kind in (TierKind.DRAM, TierKind.NVME):
+            assert not cache.tier(kind).contains(key(0)) and not cache.tier(kind).contains(key(1))
+            usage = cache.index.usage(kind)
+            assert (usage.used_bytes, usage.entries) == (0, 0), kind
+        assert sorted((e.kind, e.key) for e in events) == [
+            (ChunkChangeKind.REMOVED, key(0)), (ChunkChangeKind.REMOVED, key(1))]
+        assert_no_orphans(cache)
+    finally:
+        cache.close()
+    reopened = make_cache(nvme_dir)
+    try:
+        assert reopened.recover().recovered == 0  # the NVMe copies are gone too
+    finally:
+        reopened.close()
+
+
+def test_a_corrupt_backing_copy_is_found_when_it_is_read_and_drops_the_subtree(
+        nvme_dir: Path) -> None:
+    cache = make_cache(nvme_dir)
+    try:
+        promoted_pair(cache)
+        loc = cache.tier(TierKind.NVME).record_location(key(0))  # type: ignore[attr-defined]
+        with open(loc.path, "r+b") as f:
+            f.seek(loc.payload_offset + 100)
+            f.write(b"\xff" * 8)
+        assert read(cache, key(0)) == chunk(0)  # reads use the fastest copy: DRAM, intact
+        cache.evict(TierKind.DRAM, 2 * CHUNK)  # DRAM copies dropped: NVMe is the only copy
+        with pytest.raises(ChunkCorrupt):
+            read(cache, key(0))
+        assert cache.entry(key(0)) is None and cache.entry(key(1)) is None
+        assert counters(cache, TierKind.NVME).corrupt == 1
+        assert_no_orphans(cache)
+    finally:
+        cache.close()
+
+
+def test_promoting_chain_roots_keeps_every_chain_recoverable(nvme_dir: Path) -> None:
+    """Before issue 12 a promotion moved the root out of NVMe, and recovery then dropped every
+    descendant as an orphan."""
+    cache = make_cache(nvme_dir, dram_bytes=8 * CHUNK, nvme_bytes=4 * MiB)
+    chains = [chain_keys(6, start=100 * c) for c in range(6)]
+    for c, keys in enumerate(chains):
+        assert cache.put_chain(keys, [chunk(100 * c + i) for i in range(6)]) == 6
+    cache.evict(TierKind.DRAM, cache.index.usage(TierKind.DRAM).used_bytes)
+    for c, keys in enumerate(chains):
+        assert read(cache, keys[0]) == chunk(100 * c)
+        assert cache.entry(keys[0]).tier is TierKind.DRAM  # type: ignore[union-attr]
+    cache.close()  # like a kill -9: DRAM is gone, nothing was persisted
+
+    reopened = make_cache(nvme_dir, dram_bytes=8 * CHUNK, nvme_bytes=4 * MiB)
+    try:
+        report = reopened.recover()
+        assert (report.recovered, report.dropped_orphans) == (36, 0)
+        for c, keys in enumerate(chains):
+            for i, k in enumerate(keys):
+                assert read(reopened, k) == chunk(100 * c + i)
+    finally:
+        reopened.close()
+
+
+def test_nvme_usage_counts_backing_copies_and_stats_stay_truthful(nvme_dir: Path) -> None:
+    cache = make_cache(nvme_dir)
+    try:
+        promoted_pair(cache)
+        dram, nvme = cache.index.usage(TierKind.DRAM), cache.index.usage(TierKind.NVME)
+        assert (dram.used_bytes, dram.entries) == (2 * CHUNK, 2)
+        assert (nvme.used_bytes, nvme.entries) == (2 * CHUNK, 2)
+        stats = {r.kind: r.stats for r in cache.report()}
+        assert stats[TierKind.DRAM].chunks == 2 and stats[TierKind.NVME].chunks == 2
+        assert_no_orphans(cache)
+    finally:
+        cache.close()
+
+
+def durable_cache(nvme_dir: Path, **kw: object) -> TieredCache:
+    return make_cache(nvme_dir, write_tier=TierKind.NVME, **kw)  # type: ignore[arg-type]
+
+
+def test_a_durable_reserve_commit_is_on_nvme_when_commit_returns(nvme_dir: Path) -> None:
+    """write_tier=nvme: a zero-copy put into DRAM (the daemon's TCP/UCX/shm puts) is written
+    through to NVMe before commit returns; DRAM keeps a clean copy."""
+    cache = durable_cache(nvme_dir)
+    assert cache.durable_tier is TierKind.NVME
+    slot = cache.reserve(key(0), CHUNK, tier=TierKind.DRAM)
+    slot.buffer[:] = chunk(0)
+    assert not cache.tier(TierKind.NVME).contains(key(0))
+    cache.commit(slot, tier=TierKind.DRAM)
+    assert cache.tier(TierKind.NVME).contains(key(0))
+    slot = cache.reserve(key(1), CHUNK, parent=key(0), tier=TierKind.DRAM)
+    slot.buffer[:] = chunk(1)
+    cache.commit(slot, parent=key(0), tier=TierKind.DRAM)
+    cache.put(key(2), chunk(2), parent=key(1), tier=TierKind.DRAM)  # a put into DRAM, too
+    for k in (key(0), key(1), key(2)):
+        entry = cache.entry(k)
+        assert entry is not None and (entry.tier, entry.backing) == (TierKind.DRAM, TierKind.NVME)
+    assert read(cache, key(1)) == chunk(1)
+    assert_no_orphans(cache)
+    cache.close()  # like a kill -9: no persist
+
+    reopened = durable_cache(nvme_dir)
+    try:
+        assert reopened.recover().recovered == 3
+        for i in range(3):
+            assert read(reopened, key(i)) == chunk(i)
+        assert reopened.entry(key(2)).parent == key(1)  # type: ignore[union-attr]
+    finally:
+        reopened.close()
+
+
+def test_a_durable_commit_that_cannot_reach_nvme_publishes_nothing(nvme_dir: Path) -> None:
+    cache = durable_cache(nvme_dir, dram_bytes=32 * CHUNK, nvme_bytes=MiB)
+    try:
+        slot = cache.reserve(key(0), 2 * MiB - 4 * KiB, tier=TierKind.DRAM)  # above NVMe's size
+        with pytest.raises(CapacityError):
+            cache.commit(slot, tier=TierKind.DRAM)
+        assert key(0) not in cache
+        assert not cache.tier(TierKind.DRAM).contains(key(0))
+        assert cache.index.usage(TierKind.DRAM).used_bytes == 0
+        cache.abort(slot, tier=TierKind.DRAM)  # idempotent: the slot is already freed
+        assert cache.tier(TierKind.DRAM).stats().used_bytes == 0
+    finally:
+        cache.close()
+
+
+def test_durable_dram_eviction_drops_copies_and_a_full_nvme_drops_backing_copies_last(
+        nvme_dir: Path) -> None:
+    """NVMe full: NVMe-only chunks go first (the policy's order), then backing copies, oldest
+    first, leaves before parents; the background demoter never drops a backing copy."""
+    cache = durable_cache(nvme_dir, dram_bytes=8 * CHUNK, nvme_bytes=MiB)
+    try:
+        nvme = cache.tier(TierKind.NVME)
+        n = nvme.capacity_bytes // (CHUNK + 4 * KiB)  # what the NVMe tier can really hold
+        keys = chain_keys(n)
+        for i, k in enumerate(keys):  # a chain: each commit writes NVMe first
+            slot = cache.reserve(k, CHUNK, parent=keys[i - 1] if i else None, tier=TierKind.DRAM)
+            slot.buffer[:] = chunk(i)
+            cache.commit(slot, parent=keys[i - 1] if i else None, tier=TierKind.DRAM)
+        # DRAM holds the newest 8; evicting the older ones wrote nothing (they were backed).
+        assert counters(cache, TierKind.NVME).bytes_written == n * CHUNK
+        assert cache.lookup(keys).count(TierKind.DRAM) == 8
+        assert all(nvme.contains(k) for k in keys)
+        assert cache.demote_to_low_watermark().get(TierKind.NVME, 0) == 0
+        # Room for a new root: the NVMe-only chunks all have children, so they stay; the
+        # oldest backing copy without a child holding a copy is the chain's last block.
+        slot = cache.reserve(key(9999), CHUNK, tier=TierKind.DRAM)
+        slot.buffer[:] = chunk(9999)
+        cache.commit(slot, tier=TierKind.DRAM)
+        assert nvme.contains(key(9999))
+        assert not nvme.contains(keys[-1])
+        entry = cache.entry(keys[-1])
+        assert entry is not None and (entry.tier, entry.backing) == (TierKind.DRAM, None)
+        assert all(nvme.contains(k) for k in keys[:-1])
+        assert read(cache, keys[-1]) == chunk(n - 1)
+        assert_no_orphans(cache)
+    finally:
+        cache.close()

@@ -215,6 +215,85 @@ def test_remove_subtree_drops_descendants_deepest_first() -> None:
     assert index.unpin(lease) is True  # the lease outlives its dropped entry harmlessly
 
 
+def dram_nvme(dram_bytes: int = 30, nvme_bytes: int = 100) -> CacheIndex:
+    return CacheIndex({DRAM: TierBudget.of(dram_bytes), NVME: TierBudget.of(nvme_bytes)},
+                      PolicyName.LRU, clock=FakeClock())
+
+
+def usage(index: CacheIndex, tier: TierKind) -> tuple[int, int]:
+    u = index.usage(tier)
+    return u.used_bytes, u.entries
+
+
+def test_a_promotion_that_keeps_its_source_makes_a_backing_copy() -> None:
+    index = dram_nvme()
+    index.insert(k("a"), None, NVME, 10)
+    index.move(k("a"), DRAM, keep_source=True)
+    entry = index.get(k("a"))
+    assert entry is not None and (entry.tier, entry.backing) == (DRAM, NVME)
+    assert usage(index, DRAM) == (10, 1) and usage(index, NVME) == (10, 1)  # both copies count
+    assert index.match_prefix([k("a")]).tiers == (DRAM,)  # lookups name the fastest copy
+    assert index.policy.order(DRAM) == [k("a")] and index.policy.order(NVME) == []  # type: ignore[attr-defined]
+    with pytest.raises(InvalidArgument):
+        index.move(k("a"), DRAM, keep_source=True)  # already there
+    index.insert(k("b"), None, DRAM, 10)
+    with pytest.raises(InvalidArgument):
+        index.move(k("b"), NVME, keep_source=True)  # a demotion never keeps its source
+
+
+def test_moving_a_backed_entry_to_its_backing_tier_needs_no_room() -> None:
+    index = dram_nvme(nvme_bytes=20)
+    index.insert(k("a"), None, DRAM, 10, backing=NVME)
+    index.insert(k("b"), None, NVME, 10)
+    assert usage(index, NVME) == (20, 2)  # NVMe is full...
+    index.move(k("a"), NVME)  # ...and still takes it: the copy is already there
+    entry = index.get(k("a"))
+    assert entry is not None and (entry.tier, entry.backing) == (NVME, None)
+    assert usage(index, DRAM) == (0, 0) and usage(index, NVME) == (20, 2)
+    with pytest.raises(CapacityError):
+        index.insert(k("c"), None, DRAM, 10, backing=NVME)  # a write-through needs both rooms
+    with pytest.raises(InvalidArgument):
+        index.insert(k("d"), None, NVME, 10, backing=DRAM)  # backing must be slower
+
+
+def test_drop_backing_and_remove_release_every_copy() -> None:
+    clock = FakeClock()
+    index = CacheIndex({DRAM: TierBudget.of(30), NVME: TierBudget.of(100)}, PolicyName.LRU,
+                       clock=clock)
+    index.insert_chain([k("a"), k("b")], None, DRAM, 10, backing=NVME)
+    assert usage(index, NVME) == (20, 2)
+    lease = index.pin(k("b"), ttl_s=5)
+    with pytest.raises(ChunkBusy):
+        index.drop_backing(k("b"))
+    index.unpin(lease)
+    assert index.drop_backing(k("b")) is NVME
+    assert usage(index, NVME) == (10, 1) and usage(index, DRAM) == (20, 2)
+    with pytest.raises(InvalidArgument):
+        index.drop_backing(k("b"))  # no backing copy left
+    assert index.remove_subtree(k("a")) == [k("b"), k("a")]
+    assert usage(index, NVME) == (0, 0) and usage(index, DRAM) == (0, 0)
+
+
+def test_backing_copies_are_a_fallback_oldest_first_leaves_before_parents() -> None:
+    index = dram_nvme(dram_bytes=100, nvme_bytes=60)
+    index.insert(k("solo"), None, DRAM, 10, backing=NVME)  # oldest backing copy
+    index.insert_chain([k("r"), k("c1"), k("c2")], None, DRAM, 10, backing=NVME)
+    index.insert(k("n1"), None, NVME, 10)  # NVMe-only
+    index.insert(k("n2"), None, NVME, 10)
+    # Without the fallback only the NVMe-only chunks are candidates.
+    assert index.plan_eviction(NVME, 20) == [k("n1"), k("n2")]
+    with pytest.raises(CapacityError):
+        index.plan_eviction(NVME, 30)
+    # With it: the policy's candidates first, then the oldest backing copy, then the chain
+    # leaf first (r and c1 are skipped while a child holds a copy, then cascade).
+    assert index.plan_eviction(NVME, 60, include_backing=True) == [
+        k("n1"), k("n2"), k("solo"), k("c2"), k("c1"), k("r")]
+    lease = index.pin(k("solo"), ttl_s=5)  # a pinned chunk keeps all its copies
+    assert index.plan_eviction(NVME, 40, include_backing=True) == [
+        k("n1"), k("n2"), k("c2"), k("c1")]
+    index.unpin(lease)
+
+
 # -- leases -------------------------------------------------------------------------------------
 
 
