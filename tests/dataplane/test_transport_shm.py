@@ -28,8 +28,14 @@ from kvstore.dataplane import native
 from kvstore.dataplane.read_index import lease_free_supported
 from kvstore.dataplane.transport.base import Endpoint, TransportKind, TransportServer
 from kvstore.dataplane.transport.shm import LeaseChannel, ShmClient, ShmClientConfig, ShmServer
-from kvstore.dataplane.transport.shm.frames import MAX_BODY_BYTES, REQUEST, ChannelOp
-from kvstore.errors import InvalidArgument, PeerUnavailable
+from kvstore.dataplane.transport.shm.frames import (
+    MAX_BODY_BYTES,
+    REPLY,
+    REQUEST,
+    STATUS_CLOSING,
+    ChannelOp,
+)
+from kvstore.errors import InvalidArgument, PeerUnavailable, ProtocolError
 from tests.dataplane.transport_conformance import (
     MappedTransportConformance,
     PrivateServer,
@@ -143,13 +149,19 @@ class ShmHarness(TransportHarness):
         return self._run(_PARTIAL_GET, self.shared.socket, key.decode())
 
     def _refused(self, frame: bytes) -> None:
-        """Send ``frame`` on a raw connection; the server must close it."""
+        """Send ``frame`` on a raw connection; the server must say why (a closing
+        ProtocolError reply) and close it."""
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(10)
             sock.connect("\0" + self.shared.socket[1:])
             sock.sendall(frame)
+            reply = b""
             with contextlib.suppress(ConnectionResetError):
-                assert sock.recv(1) == b""
+                while chunk := sock.recv(4096):
+                    reply += chunk
+            status, _count, detail_len, _ = REPLY.unpack_from(reply)
+            assert status == STATUS_CLOSING
+            assert reply[REPLY.size:REPLY.size + detail_len].startswith(b"ProtocolError\n")
 
     def send_garbage(self) -> None:
         self._refused(REQUEST.pack(99, 0, 0, 0, 0, 0.0))  # an unknown op
@@ -254,8 +266,10 @@ def test_the_server_is_a_transport_server_with_an_abstract_endpoint() -> None:
             assert chan.call(ChannelOp.REMOVE, keys=[b"k"])[0] == 0
             with pytest.raises(InvalidArgument, match="no room"):  # by class, over the wire
                 chan.call(ChannelOp.RESERVE, keys=[b"k", b""], arg=10)
-            with pytest.raises(PeerUnavailable):  # two keys to REMOVE: the server hangs up
+            # Two keys to REMOVE: the server says why, then hangs up.
+            with pytest.raises(ProtocolError, match="REMOVE carries one key"):
                 chan.call(ChannelOp.REMOVE, keys=[b"a", b"b"])
+            assert chan.broken
         finally:
             chan.close()
     finally:

@@ -16,6 +16,7 @@ from kvstore.dataplane.transport.shm.frames import (
     RANGE,
     REPLY,
     REQUEST,
+    STATUS_CLOSING,
     STATUS_OK,
     ChannelOp,
     pack_keys,
@@ -95,6 +96,8 @@ class LeaseChannel:
         if tail:
             self._recv_into(memoryview(tail))
         if status != STATUS_OK:
+            if status == STATUS_CLOSING:
+                self.broken = True  # the server closes this connection after this reply
             name, _, message = bytes(tail[count * RANGE.size:]).decode(errors="replace") \
                 .partition("\n")
             raise error_from_name(name, message)

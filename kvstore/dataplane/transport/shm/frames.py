@@ -73,6 +73,10 @@ FLAG_NO_REPLY = 2
 
 STATUS_OK = 0
 STATUS_ERROR = 1
+STATUS_CLOSING = 2
+"""An error reply after which the server closes the connection (a malformed frame, a frame
+that came too slowly, the connection limit): the client raises the error and drops the
+connection."""
 
 REQUEST = struct.Struct("<BBHIQd")
 """op, flags, key count, body bytes, argument (size or lease id), TTL seconds (0: default)."""

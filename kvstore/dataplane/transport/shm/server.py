@@ -6,13 +6,26 @@ Frames: :mod:`.frames`. Leases are owned by the connection that took them: when 
 client exited, crashed, or was killed), every read lease it held is released and every
 reservation it did not commit is aborted, so a half-written chunk never becomes visible and a
 dead reader pins nothing. A TTL (``lease_ttl_s``) bounds a client that stays connected but
-stuck. A frame the server cannot trust (over ``MAX_BODY_BYTES`` or ``MAX_KEYS``, truncated,
-an unknown op, a malformed body) closes that connection, ending its leases; the others are
-untouched.
+stuck. A frame the server cannot trust (over ``MAX_BODY_BYTES`` or ``MAX_KEYS``, an unknown
+op, a malformed body, one not whole within ``header_timeout_s``) gets a ``STATUS_CLOSING``
+reply naming a ``ProtocolError`` (the client raises it and drops the connection), then that
+connection closes, ending its leases; the others are untouched. A frame truncated by the
+client's close gets nothing (nobody is there to read it).
 
 Threads: one accept thread and one thread per connection (a client process keeps a few pooled
 connections). A request's work is a few index operations (plus a promotion from NVMe when the
 chunk is there); bulk bytes never pass through here: the client copies them itself.
+
+Bounds: at most ``max_connections`` connections are served at once; one more gets a
+``STATUS_CLOSING`` reply naming ``CapacityError`` (the limit in its message) and is closed.
+Once a frame's first byte arrived, the whole frame (header and body, at most
+``MAX_BODY_BYTES``) must arrive within ``header_timeout_s``; the socket has a receive timeout
+only while a frame is partial (two ``setsockopt`` per such frame, none per whole one). An idle
+connection is not closed: its leases are tied to it, and a client's pool does not reconnect
+(the cap bounds them). Each connection's frame buffer is an anonymous mapping, unmapped when the
+connection closes: a ``bytearray`` of that size (1 MiB, zero-filled) freed by an exited
+thread stayed in the allocator's per-thread arena, so the server's memory grew with every
+connection that had been open at once.
 
 Draining: :meth:`ShmChannelServer.close` stops accepting, refuses new ACQUIRE/RESERVE
 (``TierUnavailable``), lets commits, aborts and releases through until no connection holds a
@@ -25,7 +38,9 @@ daemon counts hits and refreshes recency). They never fail and never get a reply
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import mmap
 import os
 import secrets
 import socket
@@ -43,6 +58,7 @@ from kvstore.dataplane.transport.shm.frames import (
     RANGE,
     REPLY,
     REQUEST,
+    STATUS_CLOSING,
     STATUS_ERROR,
     STATUS_OK,
     TAIL_OPS,
@@ -50,7 +66,9 @@ from kvstore.dataplane.transport.shm.frames import (
     unpack_keys,
 )
 from kvstore.errors import (
+    CapacityError,
     ChunkExists,
+    InvalidArgument,
     KvtierError,
     ProtocolError,
     TierUnavailable,
@@ -68,17 +86,29 @@ class _FrameReader:
     once per connection: a request costs no allocation for its bytes, and frames that arrive
     together (a RELEASE followed by the next ACQUIRE) are parsed from one ``recv_into``
     instead of one system call and one thread wake-up each. Views handed out by :meth:`next`
-    stay valid only until the following call.
+    stay valid only until the following call. The buffer is an anonymous ``mmap``: its pages
+    become resident only as frames use them, and :meth:`close` returns them to the system
+    (module docstring, "Bounds").
     """
 
-    __slots__ = ("_buf", "_end", "_sock", "_start", "_view")
+    __slots__ = ("_buf", "_end", "_sock", "_start", "_timeout_s", "_view")
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, frame_timeout_s: float) -> None:
         self._sock = sock
-        self._buf = bytearray(REQUEST.size + MAX_BODY_BYTES)
+        self._timeout_s = frame_timeout_s
+        self._buf = mmap.mmap(-1, REQUEST.size + MAX_BODY_BYTES)
         self._view = memoryview(self._buf)
         self._start = 0
         self._end = 0
+
+    def close(self) -> None:
+        """Unmap the buffer (the views handed out must be gone; if one lives on, the mapping
+        goes when it does)."""
+        self._view.release()
+        try:
+            self._buf.close()
+        except BufferError:
+            log.debug("a lease channel frame view outlived its connection")
 
     def next(self) -> tuple[tuple[int, int, int, int, int, float], memoryview] | None:
         """The next (header fields, body view), or None when the peer closed between frames.
@@ -98,22 +128,54 @@ class _FrameReader:
 
     def _fill(self, need: int) -> bool:
         """Make ``need`` bytes available from ``_start``; False on a clean close before any
-        byte of them arrived."""
+        byte of them arrived. Raises ProtocolError (truncated, or not whole within the frame
+        timeout once its first byte arrived)."""
         have = self._end - self._start
         if have >= need:
             return True
         if self._start + need > len(self._buf):  # move the partial frame to the front
             self._view[:have] = self._view[self._start:self._end]
             self._start, self._end = 0, have
-        while self._end - self._start < need:
-            n = self._sock.recv_into(self._view[self._end:])
-            if n == 0:
-                if self._end == self._start:
-                    return False
-                raise ProtocolError(f"lease channel frame truncated after "
-                                    f"{self._end - self._start} of {need} bytes")
-            self._end += n
+        deadline = 0.0
+        try:
+            while self._end - self._start < need:
+                if not deadline and self._end > self._start:
+                    # Part of a frame is here: from now on the wait is bounded.
+                    deadline = time.monotonic() + self._timeout_s
+                    _set_receive_timeout(self._sock, self._timeout_s)
+                try:
+                    n = self._sock.recv_into(self._view[self._end:])
+                except (BlockingIOError, TimeoutError):
+                    n = -1
+                if n == 0:
+                    if self._end == self._start:
+                        return False
+                    raise ProtocolError(f"lease channel frame truncated after "
+                                        f"{self._end - self._start} of {need} bytes")
+                if n > 0:
+                    self._end += n
+                if deadline and self._end - self._start < need and \
+                        time.monotonic() >= deadline:
+                    raise ProtocolError(
+                        f"lease channel frame not whole {self._timeout_s:g} s after its first "
+                        f"bytes ({self._end - self._start} of {need}; header_timeout_s)")
+        finally:
+            if deadline:
+                _set_receive_timeout(self._sock, 0.0)
         return True
+
+
+def _set_receive_timeout(sock: socket.socket, seconds: float) -> None:
+    """The kernel's ``SO_RCVTIMEO`` (0: none); the socket stays blocking."""
+    sec = int(seconds)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                    struct.pack("ll", sec, int((seconds - sec) * 1_000_000)))
+
+
+def _closing_reply(exc: KvtierError) -> bytes:
+    """The last reply on a connection the server closes: the error, by class name."""
+    detail = f"{error_name(exc)}\n{exc}".encode()
+    return REPLY.pack(STATUS_CLOSING, 0, len(detail), 0) + detail
 
 
 def _tail(value: memoryview | None, count: int, op: int) -> memoryview:
@@ -139,9 +201,19 @@ class ShmServer:
 
     def __init__(self, leases: ArenaLeaseBackend, *, lease_ttl_s: float,
                  name: str | None = None,
-                 on_reads: Callable[[list[bytes]], None] | None = None) -> None:
+                 on_reads: Callable[[list[bytes]], None] | None = None,
+                 header_timeout_s: float = 10.0, max_connections: int = 1024) -> None:
         """``on_reads`` receives the keys of each READS report (module docstring), on the
-        connection's thread."""
+        connection's thread. ``header_timeout_s``, ``max_connections``: module docstring,
+        "Bounds"."""
+        if not header_timeout_s > 0:
+            raise InvalidArgument(f"header_timeout_s must be > 0, got {header_timeout_s}")
+        if max_connections < 1:
+            raise InvalidArgument(f"max_connections must be >= 1, got {max_connections}")
+        self._header_timeout_s = header_timeout_s
+        self._max_connections = max_connections
+        self.refused = 0
+        """Connections refused at ``max_connections``."""
         self._leases = leases
         self._on_reads = on_reads
         self._lease_ttl_s = lease_ttl_s
@@ -232,38 +304,45 @@ class ShmServer:
                 if self._closed:
                     sock.close()
                     return
-                self._connections.add(conn)
+                full = len(self._connections) >= self._max_connections
+                if full:
+                    self.refused += 1
+                else:
+                    self._connections.add(conn)
+            if full:
+                self._refuse(conn)
+                continue
             conn.thread = threading.Thread(target=self._serve, args=(conn,), daemon=True,
                                            name=f"kvtier-shm-{pid}")
             conn.thread.start()
+
+    def _refuse(self, conn: _Connection) -> None:
+        """One connection over ``max_connections``: a closing ``CapacityError`` reply (a few
+        dozen bytes into an empty send buffer: never blocks the accept thread), then close."""
+        limit = self._max_connections
+        log.warning("lease channel: refusing %s, at the limit of %d connections", conn.peer,
+                    limit)
+        reply = _closing_reply(CapacityError(
+            f"the lease channel is at its limit of {limit} connections (max_connections)"))
+        with contextlib.suppress(OSError):
+            conn.sock.send(reply, socket.MSG_DONTWAIT)
+        conn.sock.close()
 
     def _serve(self, conn: _Connection) -> None:
         # The whole request runs inline on this connection's thread (no hand-off to a pool):
         # a hand-off costs a second thread wake-up, which here is most of a round trip.
         sock = conn.sock
-        reader = _FrameReader(sock)
+        reader = _FrameReader(sock, self._header_timeout_s)
         try:
-            while True:
-                frame = reader.next()
-                if frame is None:
-                    return
-                (op, flags, nkeys, body_len, arg, ttl_s), body = frame
-                value: memoryview | None = None
-                if op in TAIL_OPS:
-                    if arg > body_len:
-                        raise ProtocolError(f"op {op} tail of {arg} bytes in a {body_len}-byte "
-                                            "body")
-                    body, value = body[:body_len - arg], body[body_len - arg:]
-                keys = unpack_keys(body, nkeys) if nkeys else []
-                self.requests += 1
-                reply = self._handle(conn, op, flags, keys, arg, ttl_s, value)
-                if not flags & FLAG_NO_REPLY:
-                    sock.sendall(reply)
+            self._serve_frames(conn, reader)
         except ProtocolError as exc:
             log.warning("lease channel %s: %s; closing it", conn.peer, exc)
+            with contextlib.suppress(OSError):  # best effort: the peer may be gone
+                sock.send(_closing_reply(exc), socket.MSG_DONTWAIT)
         except OSError as exc:
             log.debug("lease channel %s closed: %s", conn.peer, exc)
         finally:
+            reader.close()  # no frame view is left: they lived in _serve_frames
             with self._lock:
                 self._connections.discard(conn)
             reads, writes = self._leases.drop_owner(conn)
@@ -271,6 +350,26 @@ class ShmServer:
                 log.info("lease channel %s closed holding %d read and %d write lease(s): ended",
                          conn.peer, reads, writes)
             sock.close()
+
+    def _serve_frames(self, conn: _Connection, reader: _FrameReader) -> None:
+        """Serve requests until the peer closes between frames. Raises ProtocolError, OSError."""
+        sock = conn.sock
+        while True:
+            frame = reader.next()
+            if frame is None:
+                return
+            (op, flags, nkeys, body_len, arg, ttl_s), body = frame
+            value: memoryview | None = None
+            if op in TAIL_OPS:
+                if arg > body_len:
+                    raise ProtocolError(f"op {op} tail of {arg} bytes in a {body_len}-byte "
+                                        "body")
+                body, value = body[:body_len - arg], body[body_len - arg:]
+            keys = unpack_keys(body, nkeys) if nkeys else []
+            self.requests += 1
+            reply = self._handle(conn, op, flags, keys, arg, ttl_s, value)
+            if not flags & FLAG_NO_REPLY:
+                sock.sendall(reply)
 
     def _handle(self, conn: _Connection, op: int, flags: int, keys: list[bytes], arg: int,
                 ttl_s: float, value: memoryview | None) -> bytes:

@@ -38,7 +38,9 @@ from kvstore.dataplane.transport.tcp.sockets import (
     MORE,
     PUT,
     MiB,
+    PeerClosed,
     pack_request,
+    peer_closed,
     recv_exact,
     send_parts,
     tune,
@@ -67,6 +69,13 @@ below that, per-request Python work dominates, and more threads on either side o
 for the GIL (measured: 32 x 4 KiB takes longer on 2 or 4 connections than on 1)."""
 _T = TypeVar("_T")
 
+
+
+class _Stale(PeerClosed):
+    """A request found its pooled connection closed by the server before any byte of it was
+    answered (the server closes connections idle for its ``idle_timeout_s``): ``TcpClient``
+    sends it again once on a fresh connection. Raised only for a request on a connection that
+    carried requests before (request id > 1)."""
 
 
 def _split(size_bytes: int, parts: int) -> list[tuple[int, int]]:
@@ -173,15 +182,17 @@ class _ClientConnection:
             raise PeerUnavailable("timed out on a GET") from exc
         except OSError as exc:
             self.broken = True
-            raise PeerUnavailable(f"connection failed on a GET: {exc}") from exc
+            cls = _Stale if request_id > 1 and peer_closed(exc) else PeerUnavailable
+            raise cls(f"connection failed on a GET: {exc}") from exc
         if got < HEADER_BYTES:
             if got == 0:
                 self.broken = True
-                raise PeerUnavailable("peer closed the connection before answering a GET")
+                cls = _Stale if request_id > 1 else PeerUnavailable
+                raise cls("peer closed the connection before answering a GET")
             self.recv_payload(self.recv_view[got:], "response header")
             got = HEADER_BYTES
-        header = self._check_header(request_id)
         in_view = got - HEADER_BYTES
+        header = self._check_header(request_id, view, in_view)
         if header.status is not Status.OK:
             raise self._error(header, key, expected_size=size, received=view[:in_view])
         if header.payload_len != size or header.offset != 0:
@@ -233,8 +244,9 @@ class _ClientConnection:
             rejection = self._rejection_after_failed_send(key)
             if rejection is not None:
                 raise rejection from exc
+            _raise_if_stale(exc, request_id > 1)
             raise
-        header = self._read_header(request_id)
+        header = self._read_header(request_id, may_be_stale=request_id > 1)
         if header.status is not Status.OK:
             raise self._error(header, key, expected_size=expected_size)
         return header
@@ -269,12 +281,13 @@ class _ClientConnection:
             total_bytes += HEADER_BYTES + len(key) + payload_len
         try:
             send_parts(self.sock, parts, total_bytes, f"{count} pipelined {opcode.name}s")
-        except PeerUnavailable:
+        except PeerUnavailable as exc:
             self.broken = True
+            _raise_if_stale(exc, first_id > 1)
             raise
         results: list[Header | KvtierError] = []
         for i, (key, view) in enumerate(zip(keys, views, strict=True)):
-            header = self._read_header(first_id + i)
+            header = self._read_header(first_id + i, may_be_stale=i == 0 and first_id > 1)
             if header.status is not Status.OK:
                 error = self._error(header, key, expected_size=len(view))
                 if isinstance(error, TransportError):
@@ -297,16 +310,28 @@ class _ClientConnection:
             self.broken = True
             raise
 
-    def _read_header(self, request_id: int) -> Header:
+    def _read_header(self, request_id: int, *, may_be_stale: bool = False) -> Header:
+        """Receive and check the response header to ``request_id``. ``may_be_stale``: nothing
+        of this connection's answers has been read since it left the pool, so an EOF or reset
+        before the first byte is ``_Stale``."""
         try:
             recv_exact(self.sock, self.recv_view, "response header")
+        except PeerClosed as exc:
+            self.broken = True
+            if may_be_stale:
+                raise _Stale(str(exc)) from exc
+            raise
         except PeerUnavailable:
             self.broken = True
             raise
         return self._check_header(request_id)
 
-    def _check_header(self, request_id: int) -> Header:
-        """Decode ``recv_hdr`` and check that it answers ``request_id``."""
+    def _check_header(self, request_id: int, received_into: memoryview | None = None,
+                      received: int = 0) -> Header:
+        """Decode ``recv_hdr`` and check that it answers ``request_id``. A refusal with
+        request id 0 is the server's word about the connection itself (its connection limit,
+        a header that came too slowly) before it closes: raised as its error. ``received``
+        bytes after the header were already read into ``received_into`` (a GET's buffer)."""
         try:
             header = decode_header(self.recv_hdr, self._max_value_bytes)
         except ProtocolError:
@@ -314,6 +339,10 @@ class _ClientConnection:
             raise
         if header.request_id != request_id or header.key_len:
             self.broken = True
+            if header.request_id == 0 and header.status is not Status.OK \
+                    and not header.key_len:
+                raise self._error(header, b"", received=None if received_into is None
+                                  else received_into[:received])
             raise ProtocolError(f"response to request {header.request_id} (key_len "
                                 f"{header.key_len}) where {request_id} was expected")
         return header
@@ -373,8 +402,12 @@ class TcpClient:
     Holds up to ``connections`` sockets, opened on first use (the constructor touches no network).
     Calls from many threads proceed in parallel, one connection each; values of at least
     ``stripe_threshold_bytes`` are striped across all connections. A pooled connection that
-    fails is discarded, so the call after a server restart succeeds on a fresh one (the failing
-    call raises ``PeerUnavailable``: nothing is retried behind the caller's back).
+    fails is discarded, so the call after a server restart succeeds on a fresh one. One retry
+    happens behind the caller's back: a request that finds its pooled connection closed by the
+    server (EOF or reset before any byte of the answer; the server closes connections idle for
+    its ``idle_timeout_s``) is sent again once on a fresh connection, after the other idle
+    ones, which idled as long, are dropped. A server that is gone then fails the connect
+    (``PeerUnavailable``). Anything else fails the call (``PeerUnavailable``).
     """
 
     def __init__(self, host: str, port: int, connections: int = 4, *,
@@ -417,14 +450,18 @@ class TcpClient:
             raise InvalidArgument(f"value of {size} bytes exceeds max_value_bytes "
                                   f"{self._config.max_value_bytes}")
         if size < self._config.stripe_threshold_bytes or self._config.connections == 1:
-            conn = self._checkout()  # not ``with self._connection()``: ~1 µs less per call
+            conn = self._checkout()  # not ``self._retrying``: ~1 µs less per call
             try:
                 conn.put(k, view)
+            except _Stale:
+                self._checkin(conn)
+                self._retry_fresh(lambda c: c.put(k, view))
+                return
             except BaseException as exc:
                 _mark_if_out_of_step(conn, exc)
-                raise
-            finally:
                 self._checkin(conn)
+                raise
+            self._checkin(conn)
             return
         self._put_striped(k, view)
 
@@ -433,14 +470,18 @@ class TcpClient:
         view = host_byte_view(dst, writable=True)
         size = len(view)
         if size < self._config.stripe_threshold_bytes or self._config.connections == 1:
-            conn = self._checkout()  # not ``with self._connection()``: ~1 µs less per call
+            conn = self._checkout()  # not ``self._retrying``: ~1 µs less per call
             try:
                 conn.get_into(k, view)
+            except _Stale:
+                self._checkin(conn)
+                self._retry_fresh(lambda c: c.get_into(k, view))
+                return size
             except BaseException as exc:
                 _mark_if_out_of_step(conn, exc)
-                raise
-            finally:
                 self._checkin(conn)
+                raise
+            self._checkin(conn)
             return size
         self._get_ranges(k, view, 0, size)
         return size
@@ -450,7 +491,8 @@ class TcpClient:
         ``stripe_threshold_bytes`` of a value of any size; a larger value's rest is striped."""
         k = check_key(key)
         head_bytes = self._config.stripe_threshold_bytes
-        with self._connection() as conn:
+
+        def head(conn: _ClientConnection) -> tuple[Header, bytearray]:
             header = conn.request(Opcode.GET_RANGE, k, flags=Flags.ANY_SIZE, length=head_bytes)
             total = header.total_size
             if header.offset != 0 or header.length != min(head_bytes, total) or \
@@ -459,8 +501,12 @@ class TcpClient:
                 raise ProtocolError(f"GET_RANGE answered {header.payload_len} bytes at "
                                     f"{header.offset} of a {total}-byte value")
             out = bytearray(total)
-            view = memoryview(out)
-            conn.recv_payload(view[:header.length], "GET_RANGE payload")
+            conn.recv_payload(memoryview(out)[:header.length], "GET_RANGE payload")
+            return header, out
+
+        header, out = self._retrying(head)
+        total = header.total_size
+        view = memoryview(out)
         if total > header.length:
             self._get_ranges(k, view, header.length, total)
         return out
@@ -470,21 +516,26 @@ class TcpClient:
 
     def size_of(self, key: bytes) -> int | None:
         k = check_key(key)
-        with self._connection() as conn:
+
+        def exists(conn: _ClientConnection) -> int | None:
             try:
-                header = conn.request(Opcode.EXISTS, k)
+                return conn.request(Opcode.EXISTS, k).total_size
             except ChunkNotFound:
                 return None
-        return header.total_size
+
+        return self._retrying(exists)
 
     def remove(self, key: bytes) -> bool:
         k = check_key(key)
-        with self._connection() as conn:
+
+        def remove(conn: _ClientConnection) -> bool:
             try:
                 conn.request(Opcode.REMOVE, k)
             except ChunkNotFound:
                 return False
-        return True
+            return True
+
+        return self._retrying(remove)
 
     def put_many(self, keys: Sequence[bytes], srcs: Sequence[Buffer]) -> list[bool]:
         """Store many values with pipelined PUTs, spread over the pooled connections.
@@ -522,8 +573,7 @@ class TcpClient:
 
     def ping(self) -> None:
         """One round trip on a pooled connection. Raises PeerUnavailable."""
-        with self._connection() as conn:
-            conn.request(Opcode.PING, b"")
+        self._retrying(lambda conn: conn.request(Opcode.PING, b""))
 
     def close(self) -> None:
         with self._lock:
@@ -564,14 +614,21 @@ class TcpClient:
         large = [i for i, v in enumerate(views) if len(v) >= threshold]
 
         def run(start: int, count: int) -> None:
-            with self._connection() as conn:
+            def windows(conn: _ClientConnection) -> None:
                 for w in range(start, start + count, _PIPELINE_WINDOW):
                     idx = small[w:min(w + _PIPELINE_WINDOW, start + count)]
-                    results = conn.pipelined(opcode, [keys[i] for i in idx],
-                                             [views[i] for i in idx])
+                    try:
+                        results = conn.pipelined(opcode, [keys[i] for i in idx],
+                                                 [views[i] for i in idx])
+                    except _Stale as exc:
+                        if w != start:  # earlier windows were answered: not an idle close
+                            raise PeerUnavailable(str(exc)) from exc
+                        raise
                     for i, result in zip(idx, results, strict=True):
                         if isinstance(result, KvtierError):
                             outcomes[i] = result
+
+            self._retrying(windows)
 
         if small:
             small_bytes = sum(len(views[i]) for i in small)
@@ -607,25 +664,27 @@ class TcpClient:
 
         def fetch(offset: int, length: int) -> None:
             off = start + offset
-            with self._connection() as conn:
+
+            def part(conn: _ClientConnection) -> None:
                 header = conn.request(Opcode.GET_RANGE, key, offset=off, length=length,
                                       total_size=total)
                 self._check_payload(header, length, off)
                 conn.recv_payload(view[off:off + length], "GET_RANGE payload")
 
+            self._retrying(part)
+
         self._in_parallel(fetch, _split(span, parts))
 
     def _put_striped(self, key: ChunkKey, view: memoryview) -> None:
         size = len(view)
-        with self._connection() as conn:
-            header = conn.request(Opcode.PUT_BEGIN, key, total_size=size)
+        header = self._retrying(lambda conn: conn.request(Opcode.PUT_BEGIN, key,
+                                                          total_size=size))
         transfer_id = header.transfer_id
 
         def send(offset: int, length: int) -> bool:
-            with self._connection() as conn:
-                reply = conn.request(Opcode.PUT_PART, key, transfer_id=transfer_id,
-                                     offset=offset, length=length, total_size=size,
-                                     payload=view[offset:offset + length])
+            reply = self._retrying(lambda conn: conn.request(
+                Opcode.PUT_PART, key, transfer_id=transfer_id, offset=offset, length=length,
+                total_size=size, payload=view[offset:offset + length]))
             return bool(reply.flags & Flags.COMMITTED)
 
         try:
@@ -640,8 +699,8 @@ class TcpClient:
     def _abort_transfer(self, key: ChunkKey, transfer_id: int) -> None:
         """Best effort: the server's reaper frees the reservation anyway after its TTL."""
         try:
-            with self._connection() as conn:
-                conn.request(Opcode.PUT_ABORT, key, transfer_id=transfer_id)
+            self._retrying(lambda conn: conn.request(Opcode.PUT_ABORT, key,
+                                                     transfer_id=transfer_id))
         except KvtierError as exc:
             log.debug("PUT_ABORT of transfer %#x failed (reaper will free it): %s",
                       transfer_id, exc)
@@ -679,11 +738,39 @@ class TcpClient:
 
     # --- pool ---------------------------------------------------------------------------------
 
-    def _connection(self) -> _Checkout:
-        """``with self._connection() as conn``: a pooled connection, blocking while all
-        ``connections`` are busy. A plain class rather than ``contextlib.contextmanager``: this
-        runs on every request and a generator-based context manager costs several µs more."""
-        return _Checkout(self)
+    def _retrying(self, fn: Callable[[_ClientConnection], _T]) -> _T:
+        """``fn`` on a pooled connection (blocking while all ``connections`` are busy), and
+        once more on a fresh one when the pooled one turned out closed by the server
+        (``_Stale``: see the class docstring). A refused request leaves the connection in
+        step; anything else drops it."""
+        conn = self._checkout()
+        try:
+            result = fn(conn)
+        except _Stale:
+            self._checkin(conn)
+            return self._retry_fresh(fn)
+        except BaseException as exc:
+            _mark_if_out_of_step(conn, exc)
+            self._checkin(conn)
+            raise
+        self._checkin(conn)
+        return result
+
+    def _retry_fresh(self, fn: Callable[[_ClientConnection], _T]) -> _T:
+        """The second try after ``_Stale``: the other idle connections idled as long (the most
+        recently used one was taken), so they are dropped and this one is most likely new."""
+        log.debug("pooled connection to %s:%d was closed by the server; sending again",
+                  self._endpoint.host, self._endpoint.port)
+        self._drop_idle()
+        conn = self._checkout()
+        try:
+            result = fn(conn)
+        except BaseException as exc:
+            _mark_if_out_of_step(conn, exc)
+            self._checkin(conn)
+            raise
+        self._checkin(conn)
+        return result
 
     def _checkin(self, conn: _ClientConnection) -> None:
         """Return a checked-out connection (closing it when broken or the client is closed).
@@ -771,23 +858,12 @@ class TcpClient:
                                 f"where {length} at {offset} were asked for")
 
 
-class _Checkout:
-    """One checked-out pooled connection; returns it (or drops it when broken) on exit."""
-
-    __slots__ = ("_client", "_conn")
-
-    def __init__(self, client: TcpClient) -> None:
-        self._client = client
-
-    def __enter__(self) -> _ClientConnection:
-        self._conn = self._client._checkout()
-        return self._conn
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: object) -> None:
-        if exc is not None:
-            _mark_if_out_of_step(self._conn, exc)
-        self._client._checkin(self._conn)
+def _raise_if_stale(exc: PeerUnavailable, reused: bool) -> None:
+    """After a failed send: raise ``_Stale`` when the peer had closed or reset a connection
+    that carried requests before."""
+    cause = exc.__cause__
+    if reused and isinstance(cause, OSError) and peer_closed(cause):
+        raise _Stale(str(exc)) from exc
 
 
 def _mark_if_out_of_step(conn: _ClientConnection, exc: BaseException) -> None:

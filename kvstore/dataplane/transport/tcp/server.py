@@ -1,6 +1,28 @@
 """The TCP transport's server: :class:`TcpServer` serves a ``LeaseBackend``, one thread per
 connection, the native small-GET loop where it is loaded (design: the package docstring and
-docs/transport.md)."""
+docs/transport.md).
+
+Threads: one accept thread, one reservation reaper, and one handler thread per connection.
+
+Bounds (``TcpServerConfig``; docs/transport.md, "Limits"):
+
+* ``max_connections`` connections are served at once; one more is answered with a
+  ``CAPACITY`` frame (request id 0: about the connection, not a request; the client raises
+  ``CapacityError`` naming the limit) and closed.
+* ``idle_timeout_s``: a connection that sent no request for that long is closed. Between
+  frames it holds nothing (a multi-part put's reservation belongs to the server and has its own
+  ``reservation_ttl_s``), so nothing is lost; the client's pool sends a request that finds its
+  pooled connection closed again once on a fresh one. Idleness is counted in receive ticks
+  (``_IDLE_TICK_S``, the socket's ``SO_RCVTIMEO``), so a busy connection pays nothing for it.
+* ``header_timeout_s``: once a frame's first byte arrived, its header and key must be whole
+  within that long (a slow sender holds a thread no longer); otherwise a ``PROTOCOL`` frame
+  and the close. The clock starts only when a header does not arrive whole with the receive
+  that brought its first bytes (no clock read otherwise). Caveat: while the native loop holds
+  a partial frame it keeps receiving as long as bytes trickle in within a receive tick each,
+  so there a header and key (at most 128 bytes) take at most one tick per byte; Python
+  enforces ``header_timeout_s`` from when it gets the frame (a tick without a byte).
+* ``io_timeout_s``: the longest stall inside a payload, and the send timeout.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +31,7 @@ import ctypes
 import errno
 import itertools
 import logging
+import math
 import os
 import secrets
 import select
@@ -91,7 +114,13 @@ class TcpServerConfig:
     max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES
     socket_buffer_bytes: int | None = None
     io_timeout_s: float = 30.0
-    """Longest stall allowed inside one frame (an idle connection may wait forever)."""
+    """Longest stall allowed inside a payload; the send timeout."""
+    idle_timeout_s: float = 300.0
+    """A connection that sent no request for this long is closed (module docstring)."""
+    header_timeout_s: float = 10.0
+    """Once a frame's first byte arrived, its header and key must be whole within this."""
+    max_connections: int = 1024
+    """Connections served at once; one more is refused with a ``CAPACITY`` frame and closed."""
     reservation_ttl_s: float = 30.0
     """A multi-part put nobody writes to for this long is aborted."""
     drain_timeout_s: float = 5.0
@@ -116,11 +145,13 @@ class TcpServerConfig:
         if self.socket_buffer_bytes is not None and self.socket_buffer_bytes < 4096:
             raise InvalidArgument(f"socket_buffer_bytes must be >= 4096 or None, "
                                   f"got {self.socket_buffer_bytes}")
-        for name in ("io_timeout_s", "reservation_ttl_s"):
-            if getattr(self, name) <= 0:
+        for name in ("io_timeout_s", "reservation_ttl_s", "idle_timeout_s", "header_timeout_s"):
+            if not getattr(self, name) > 0:
                 raise InvalidArgument(f"{name} must be > 0, got {getattr(self, name)}")
         if self.drain_timeout_s < 0:
             raise InvalidArgument(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.max_connections < 1:
+            raise InvalidArgument(f"max_connections must be >= 1, got {self.max_connections}")
         if self.backlog < 1:
             raise InvalidArgument(f"backlog must be >= 1, got {self.backlog}")
         if not 0 <= self.copy_read_max_bytes <= _MAX_COPY_READ_BYTES:
@@ -142,6 +173,13 @@ class TcpServerStats:
     protocol_errors: int
     native_gets: int = 0
     """GETs answered by the native loop (also counted in ``requests["GET"]``)."""
+    connections_refused: int = 0
+    """Connections refused at ``max_connections``."""
+    connections_idle_closed: int = 0
+    """Connections closed after ``idle_timeout_s`` without a request."""
+    header_timeouts: int = 0
+    """Connections closed because a frame's header did not arrive within ``header_timeout_s``
+    (also counted in ``protocol_errors``)."""
 
 
 @dataclass(slots=True)
@@ -310,6 +348,9 @@ class TcpServer:
                 reservations_expired=self._counts["reservations_expired"],
                 protocol_errors=totals[_PROTOCOL_ERRORS],
                 native_gets=totals[_NATIVE_GETS],
+                connections_refused=self._counts["connections_refused"],
+                connections_idle_closed=self._counts["connections_idle_closed"],
+                header_timeouts=self._counts["header_timeouts"],
             )
 
     # --- threads ------------------------------------------------------------------------------
@@ -328,6 +369,13 @@ class TcpServer:
             except OSError as exc:
                 log.warning("accept failed: %s", exc)
                 continue
+            with self._lock:
+                full = len(self._connections) >= self._config.max_connections
+                if full:
+                    self._counts["connections_refused"] += 1
+            if full:
+                self._refuse(sock, f"{addr[0]}:{addr[1]}")
+                continue
             try:
                 tune(sock, self._config.socket_buffer_bytes, self._config.io_timeout_s,
                       self._recv_tick_s)
@@ -343,6 +391,24 @@ class TcpServer:
                 self._connections[handler.conn_id] = handler
                 self._counts["connections"] += 1
             handler.thread.start()
+
+    def _refuse(self, sock: socket.socket, peer: str) -> None:
+        """Answer a connection over ``max_connections`` with one ``CAPACITY`` frame (request id
+        0: about the connection) and close it. Never blocks the accept thread: the frame is a
+        few dozen bytes into an empty send buffer."""
+        limit = self._config.max_connections
+        log.warning("refusing connection from %s: at the limit of %d connections", peer, limit)
+        detail = (f"the server is at its limit of {limit} connections (max_connections); "
+                  "try again later").encode()
+        frame = pack_header(bytearray(HEADER_BYTES), Opcode.PING, status=Status.CAPACITY,
+                            payload_len=len(detail)) + detail
+        with contextlib.suppress(OSError):
+            sock.send(frame, socket.MSG_DONTWAIT)
+            sock.shutdown(socket.SHUT_WR)
+            # What the client already sent: read so that the close sends a FIN, not a reset
+            # (best effort; a reset after the frame still leaves the frame readable on Linux).
+            sock.recv(_DRAIN_CHUNK_BYTES, socket.MSG_DONTWAIT)
+        sock.close()
 
     def _reap_loop(self) -> None:
         interval_s = min(1.0, self._config.reservation_ttl_s / 4)
@@ -364,6 +430,10 @@ class TcpServer:
 
     def _forget(self, handler: _ServerConnection) -> None:
         with self._lock:
+            if handler.idle_closed:
+                self._counts["connections_idle_closed"] += 1
+            if handler.header_timed_out:
+                self._counts["header_timeouts"] += 1
             if self._connections.pop(handler.conn_id, None) is not None:
                 for i, n in enumerate(handler.snapshot_counts()):
                     self._retired_counts[i] += n
@@ -462,8 +532,11 @@ class _ServerConnection:
     small request whole, or several pipelined ones), and frames are parsed out of it; a
     payload's first bytes are copied from it and the rest is received straight into the
     destination. There is no ``poll`` per request: the socket's receive timeout is a short
-    tick (``_IDLE_TICK_S``) at which an idle read looks up for shutdown, and a read inside a
-    frame gives up only after ``io_timeout_s`` without progress.
+    tick (``_IDLE_TICK_S``) at which an idle read looks up for shutdown and counts the idle
+    time (``idle_timeout_s``); a header or key not whole within ``header_timeout_s`` of its
+    first bytes, or a payload without progress for ``io_timeout_s``, ends the connection.
+    Everything it holds is its own: buffers, the native loop's state, the lease of a request in
+    progress (released or aborted on the way out); nothing outlives the thread but counters.
     """
 
     def __init__(self, server: TcpServer, conn_id: int, sock: socket.socket, peer: str) -> None:
@@ -487,6 +560,16 @@ class _ServerConnection:
                                        daemon=True)
         self._max_value_bytes = server._config.max_value_bytes
         self._io_timeout_s = server._config.io_timeout_s
+        self._header_timeout_s = server._config.header_timeout_s
+        self._idle_ticks_max = max(1, math.ceil(server._config.idle_timeout_s
+                                                / server._recv_tick_s))
+        self._idle_ticks = 0
+        """Receive ticks in a row without a request (``_idle_tick``)."""
+        self._served_at_tick = 0
+        self.idle_closed = False
+        """Closed after ``idle_timeout_s`` without a request."""
+        self.header_timed_out = False
+        """Closed because a header or key did not arrive within ``header_timeout_s``."""
         self._copy_read_max = copy_max
         self._backend = server._backend
         by_opcode: dict[Opcode, Callable[[Header, ChunkKey], None]] = {
@@ -594,6 +677,8 @@ class _ServerConnection:
             # partial frame, or an announced one, is read by Python (stall timeout, drain).
             again = (self.rpos == self.rend and not announced
                      and not self.server._closing.is_set())
+            if again and self._idle_tick():
+                return _NativeOutcome(announced, again=False, eof=True)  # close, as on EOF
             return _NativeOutcome(announced, again=again, eof=False)
         if rc == _NATIVE_EOF:
             return _NativeOutcome(announced, again=False, eof=True)
@@ -615,6 +700,26 @@ class _ServerConnection:
 
     # --- the receive buffer -------------------------------------------------------------------
 
+    def _idle_tick(self) -> bool:
+        """A receive tick passed with nothing to read between frames. True once the connection
+        went ``idle_timeout_s`` without a request (then it is to be closed). Runs only when
+        idle, so it may look at every counter: a request served since the last tick (in
+        Python or in the native loop) starts the count again."""
+        loop = self.native_loop
+        served = sum(self.counts[:_BYTES_RECEIVED])
+        if loop is not None:
+            served += loop.st[native.ST_GETS]
+        if served != self._served_at_tick:
+            self._served_at_tick = served
+            self._idle_ticks = 0
+        self._idle_ticks += 1
+        if self._idle_ticks < self._idle_ticks_max:
+            return False
+        log.info("closing connection %s: no request for %.1f s (idle_timeout_s)", self.peer,
+                 self.server._config.idle_timeout_s)
+        self.idle_closed = True
+        return True
+
     def _fill_idle(self) -> bool:
         """Between frames: wait for the next request's first bytes, then for its whole header.
         False on EOF before its first byte, or at shutdown when the socket has nothing more."""
@@ -628,7 +733,7 @@ class _ServerConnection:
                     got = sock.recv_into(self.rview, _RECV_BUFFER_BYTES,
                                          socket.MSG_DONTWAIT if closing.is_set() else 0)
                 except (BlockingIOError, TimeoutError):
-                    if closing.is_set():
+                    if closing.is_set() or self._idle_tick():
                         return False
                     continue  # an idle tick: look up, wait again
                 except OSError as exc:
@@ -641,27 +746,34 @@ class _ServerConnection:
         return True
 
     def _fill(self, size_bytes: int, what: str) -> None:
-        """Have at least ``size_bytes`` (<= the buffer) unparsed bytes in ``rbuf``, receiving
-        as much as arrives. Raises PeerUnavailable on EOF, reset or an ``io_timeout_s`` stall."""
+        """Have at least ``size_bytes`` (<= the buffer: a header and key) unparsed bytes in
+        ``rbuf``, receiving as much as arrives. Raises PeerUnavailable on EOF or reset, and
+        ProtocolError when they are not whole within ``header_timeout_s`` (the clock starts
+        here, so a frame that arrived whole costs no clock read)."""
         if self.rend - self.rpos >= size_bytes:
             return
         if self.rpos + size_bytes > _RECV_BUFFER_BYTES:  # compact: move the rest to the front
             have = self.rend - self.rpos
             self.rbuf[:have] = self.rview[self.rpos:self.rend]
             self.rpos, self.rend = 0, have
-        stalled_since = 0.0
-        while self.rend - self.rpos < size_bytes:
+        deadline = time.monotonic() + self._header_timeout_s
+        while True:
             try:
                 got = self.sock.recv_into(self.rview[self.rend:], _RECV_BUFFER_BYTES - self.rend)
-            except (BlockingIOError, TimeoutError) as exc:
-                stalled_since = self._stalled(stalled_since, what, exc)
-                continue
+            except (BlockingIOError, TimeoutError):
+                got = -1  # a receive tick without a byte
             except OSError as exc:
                 raise PeerUnavailable(f"connection failed receiving {what}: {exc}") from exc
             if got == 0:
                 raise PeerUnavailable(f"peer closed the connection inside {what}")
-            self.rend += got
-            stalled_since = 0.0
+            if got > 0:
+                self.rend += got
+                if self.rend - self.rpos >= size_bytes:
+                    return
+            if time.monotonic() >= deadline:
+                self.header_timed_out = True
+                raise ProtocolError(f"{what} not whole {self._header_timeout_s:g} s after its "
+                                    "first bytes (header_timeout_s)")
 
     def _stalled(self, since: float, what: str, exc: BaseException) -> float:
         """One receive tick passed without a byte inside a frame: return when the stall began,
@@ -765,9 +877,10 @@ class _ServerConnection:
 
     def _reply_quietly(self, h: Header | None, status: Status, detail: str) -> None:
         """Best-effort last word before closing; the peer may already be gone."""
-        if h is None:  # the header itself was refused: still echo its request id
-            at = self.rpos if self.rend - self.rpos >= HEADER_BYTES else 0
-            (request_id,) = struct.unpack_from("<Q", self.rbuf, at + 16)
+        if h is None:  # the header itself was refused: still echo its request id, if it came
+            request_id = 0
+            if self.rend - self.rpos >= HEADER_BYTES:
+                (request_id,) = struct.unpack_from("<Q", self.rbuf, self.rpos + 16)
             h = Header(Opcode.PING, 0, Status.OK, 0, request_id, 0, 0, 0, 0, 0)
         with contextlib.suppress(KvtierError):
             self._reply(h, status, detail=detail)

@@ -3,6 +3,7 @@ the few header fields the hot paths pack positionally. Wire format: :mod:`..fram
 
 from __future__ import annotations
 
+import errno
 import socket
 import struct
 from collections.abc import Sequence
@@ -19,6 +20,20 @@ PUT = int(Opcode.PUT)
 pack_request = HEADER.pack_into
 """Positional ``HEADER.pack_into`` for the one-value hot paths (``pack_header``'s keywords and
 range check cost more than the packing; the callers pass values already checked)."""
+
+_CLOSED_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED})
+
+
+class PeerClosed(PeerUnavailable):
+    """The peer closed or reset the connection before the first byte of what was awaited: on
+    a connection that carried requests before, the server may have closed it as idle
+    (``TcpClient`` then sends the request again once on a fresh connection)."""
+
+
+def peer_closed(exc: OSError) -> bool:
+    """Whether ``exc`` says the peer closed or reset the connection."""
+    return exc.errno in _CLOSED_ERRNOS
+
 
 # --- socket helpers --------------------------------------------------------------------------------
 
@@ -46,7 +61,8 @@ def tune(sock: socket.socket, socket_buffer_bytes: int | None, io_timeout_s: flo
 
 
 def recv_exact(sock: socket.socket, view: memoryview, what: str) -> None:
-    """Fill ``view`` from the socket. Raises PeerUnavailable on EOF, reset or timeout."""
+    """Fill ``view`` from the socket. Raises PeerUnavailable on EOF, reset or timeout
+    (PeerClosed for an EOF or reset before its first byte)."""
     size = len(view)
     pos = 0
     while pos < size:
@@ -55,10 +71,11 @@ def recv_exact(sock: socket.socket, view: memoryview, what: str) -> None:
         except (BlockingIOError, TimeoutError) as exc:
             raise PeerUnavailable(f"timed out receiving {what} ({pos} of {size} bytes)") from exc
         except OSError as exc:
-            raise PeerUnavailable(f"connection failed receiving {what}: {exc}") from exc
+            cls = PeerClosed if pos == 0 and peer_closed(exc) else PeerUnavailable
+            raise cls(f"connection failed receiving {what}: {exc}") from exc
         if got == 0:
-            raise PeerUnavailable(f"peer closed the connection after {pos} of {size} bytes "
-                                  f"of {what}")
+            cls = PeerClosed if pos == 0 else PeerUnavailable
+            raise cls(f"peer closed the connection after {pos} of {size} bytes of {what}")
         pos += got
 
 
