@@ -11,18 +11,29 @@ re-exported here.
 Tiers travel as the protobuf enum ``kvtier.v1.Tier``: :data:`TIER_TO_PB` and :data:`PB_TO_TIER`
 are the one map between it and :class:`~kvstore.dataplane.tier.TierKind`.
 
+Undecodable requests: a gRPC service registered with :func:`service_handler` (the daemon's
+Store and the conductor's Conductor) parses each request with a deserializer that turns
+protobuf's ``DecodeError`` into an :class:`UndecodableRequest` marker instead of raising
+(grpc would log an ERROR traceback and answer UNKNOWN). The services' error wrappers answer
+the marker with INVALID_ARGUMENT (:func:`undecodable_error`).
+
 This module sits below the node, the client and the conductor (each imports it; it imports
-none of them) and needs no gRPC runtime: status codes are names.
+none of them) and needs no gRPC runtime at import: status codes are names, and
+:func:`service_handler` imports grpc when called.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from google.protobuf import message_factory
+from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.message import DecodeError, Message
+
 from kvstore import errors
 from kvstore._proto.kvtier.v1 import store_pb2 as store_pb
 from kvstore.dataplane.tier import TierKind
-from kvstore.errors import KvtierError, error_from_name, error_name
+from kvstore.errors import InvalidArgument, KvtierError, error_from_name, error_name
 
 ERROR_METADATA_KEY = "kvtier-error"
 
@@ -53,6 +64,13 @@ def grpc_code_name(exc: KvtierError) -> str:
     return "UNKNOWN"
 
 
+SESSION_METADATA_KEY = "kvtier-session"
+"""Request metadata naming the client session a call belongs to (16 to 128 characters, a
+secret the client draws): a store daemon lets only that session end the pins and leases it
+took. A call without it belongs to its HTTP/2 connection (``context.peer()``)."""
+SESSION_MIN_CHARS = 16
+SESSION_MAX_CHARS = 128
+
 LEADER_METADATA_KEY = "kvtier-leader"
 """Trailing metadata of a conductor's NotLeader refusal: ``<conductor_id>@<address>`` of the leader."""
 
@@ -62,6 +80,62 @@ TIER_TO_PB: dict[TierKind, store_pb.Tier] = {
     TierKind.NVME: store_pb.TIER_NVME,
 }
 PB_TO_TIER: dict[int, TierKind] = {int(v): k for k, v in TIER_TO_PB.items()}
+
+
+class UndecodableRequest:
+    """Handed to a handler in place of a request whose bytes are not a valid message."""
+
+    __slots__ = ("method", "reason", "size_bytes")
+
+    def __init__(self, method: str, reason: str, size_bytes: int) -> None:
+        self.method = method
+        self.reason = reason
+        self.size_bytes = size_bytes
+
+
+def undecodable_error(request: UndecodableRequest) -> InvalidArgument:
+    """The error a service answers an undecodable request with (INVALID_ARGUMENT)."""
+    return InvalidArgument(f"{request.method}: the request ({request.size_bytes} bytes) is not "
+                           f"a valid message: {request.reason[:200]}")
+
+
+def _safe_deserializer(message_cls: type[Message], method: str) -> Any:
+    parse = message_cls.FromString
+
+    def deserialize(data: bytes) -> Message | UndecodableRequest:
+        try:
+            return parse(data)
+        except DecodeError as exc:
+            return UndecodableRequest(method, str(exc), len(data))
+
+    return deserialize
+
+
+def service_handler(servicer: Any, service: ServiceDescriptor) -> Any:
+    """A ``grpc.GenericRpcHandler`` serving every method of ``service`` from the same-named
+    methods of ``servicer`` (as the generated ``add_*Servicer_to_server`` does), whose
+    deserializers hand an :class:`UndecodableRequest` to the method instead of raising. For a
+    client-streaming method the marker is an element of the request iterator. Works for
+    ``grpc.server`` and ``grpc.aio.server`` (``server.add_generic_rpc_handlers((handler,))``)."""
+    import grpc
+
+    factories = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    handlers = {}
+    for method in service.methods:
+        request_cls = message_factory.GetMessageClass(method.input_type)
+        reply_cls = message_factory.GetMessageClass(method.output_type)
+        factory: Any = factories[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = factory(
+            getattr(servicer, method.name),
+            request_deserializer=_safe_deserializer(request_cls, f"/{service.full_name}/"
+                                                    f"{method.name}"),
+            response_serializer=reply_cls.SerializeToString)
+    return grpc.method_handlers_generic_handler(service.full_name, handlers)
 
 
 def stats_doc(reply: Any, address: str) -> dict[str, Any]:
@@ -84,4 +158,6 @@ def stats_doc(reply: Any, address: str) -> dict[str, Any]:
 
 
 __all__ = ["ERROR_METADATA_KEY", "GRPC_CODE_NAMES", "LEADER_METADATA_KEY", "PB_TO_TIER",
-           "TIER_TO_PB", "error_from_name", "error_name", "grpc_code_name", "stats_doc"]
+           "SESSION_MAX_CHARS", "SESSION_METADATA_KEY", "SESSION_MIN_CHARS", "TIER_TO_PB",
+           "UndecodableRequest", "error_from_name", "error_name", "grpc_code_name",
+           "service_handler", "stats_doc", "undecodable_error"]

@@ -51,11 +51,12 @@ def _tier(name: str | None) -> Any:
 
 @contextmanager
 def _client(command: str, address: str) -> Iterator[Any]:
+    from kvstore.client.daemon_control import operator_session
     from kvstore.client.store_client import DataPlane, StoreClient, StoreClientConfig
 
-    try:
-        client = StoreClient.connect(address, StoreClientConfig(data_plane=DataPlane.TCP,
-                                                                rpc_timeout_s=10.0))
+    try:  # the operator's session: `kvtier unpin` may end what `kvtier pin` took
+        client = StoreClient.connect(address, StoreClientConfig(
+            data_plane=DataPlane.TCP, rpc_timeout_s=10.0, session=operator_session()))
     except KvtierError as exc:
         raise _fail(command, exc) from exc
     try:

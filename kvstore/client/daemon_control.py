@@ -6,12 +6,22 @@ the bytes. Every failed call raises a :mod:`kvstore.errors` class: the daemon na
 in the trailing metadata ``kvtier-error`` (``SizeMismatch`` stays ``SizeMismatch``); an
 unreachable or dead daemon is ``PeerUnavailable``. Misses (``lookup``, ``sizes``, ``exists``,
 ``remove``) are results, not errors.
+
+Sessions: every call on the channel carries ``kvtier-session`` metadata
+(``StoreClientConfig.session``, or a random token drawn per client), and the daemon lets only
+that session unpin, release, commit or abort what it took; the token survives reconnects of
+the channel. ``kvtier pin`` and ``kvtier unpin`` run as separate processes, so they share the
+operator's session (:func:`operator_session`).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
-from collections.abc import Iterator, Sequence
+import os
+import secrets
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -21,7 +31,13 @@ from kvstore._proto.kvtier.v1 import store_pb2_grpc as pb_grpc
 from kvstore.client.store_config import LookupResult, StoreClientConfig
 from kvstore.dataplane.tier import TierKind, check_key
 from kvstore.errors import KvtierError, PeerUnavailable, TransportError
-from kvstore.wire import ERROR_METADATA_KEY, PB_TO_TIER, TIER_TO_PB, error_from_name
+from kvstore.wire import (
+    ERROR_METADATA_KEY,
+    PB_TO_TIER,
+    SESSION_METADATA_KEY,
+    TIER_TO_PB,
+    error_from_name,
+)
 
 GRPC_MAX_MESSAGE_BYTES = 64 << 20
 
@@ -44,12 +60,80 @@ def translate_rpc_error(exc: grpc.RpcError, what: str) -> KvtierError:
     return TransportError(f"{what}: {getattr(code, 'name', code)}: {details}")
 
 
+def new_session() -> str:
+    """A fresh session token (32 URL-safe characters, 192 random bits)."""
+    return secrets.token_urlsafe(24)
+
+
+def operator_session() -> str:
+    """The session of this user's admin commands: ``KVTIER_SESSION`` when set, else a token
+    kept in ``$XDG_RUNTIME_DIR/kvtier-session`` (or ``~/.cache/kvtier/session``), created
+    with mode 0600 on first use, so ``kvtier unpin`` can end what ``kvtier pin`` took and
+    other users cannot. A fresh token (pins then only expire) when no such file can be made."""
+    from_env = os.environ.get("KVTIER_SESSION", "")
+    if from_env:
+        return from_env
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    path = Path(runtime) / "kvtier-session" if runtime else \
+        Path.home() / ".cache" / "kvtier" / "session"
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return new_session()
+    token = new_session()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:  # another command made it meanwhile
+        return path.read_text().strip()
+    except OSError:
+        return token
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    return token
+
+
+_CallDetails = collections.namedtuple(
+    "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready",
+                     "compression"))
+
+
+class _ClientCallDetails(_CallDetails, grpc.ClientCallDetails):  # type: ignore[misc]
+    pass
+
+
+class _SessionInterceptor(grpc.UnaryUnaryClientInterceptor,  # type: ignore[misc]
+                          grpc.UnaryStreamClientInterceptor,  # type: ignore[misc]
+                          grpc.StreamUnaryClientInterceptor,  # type: ignore[misc]
+                          grpc.StreamStreamClientInterceptor):  # type: ignore[misc]
+    """Adds ``kvtier-session`` to the metadata of every call."""
+
+    def __init__(self, session: str) -> None:
+        self._metadatum = (SESSION_METADATA_KEY, session)
+
+    def _details(self, details: Any) -> Any:
+        metadata = [*(details.metadata or ()), self._metadatum]
+        return _ClientCallDetails(details.method, details.timeout, metadata,
+                                  details.credentials, details.wait_for_ready,
+                                  details.compression)
+
+    def _pass(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    intercept_unary_unary = intercept_unary_stream = _pass
+    intercept_stream_unary = intercept_stream_stream = _pass
+
+
 def open_channel(address: str, config: StoreClientConfig) -> tuple[grpc.Channel, pb.NodeInfo]:
-    """A gRPC channel to ``host:port`` and the daemon's info. Raises PeerUnavailable (no
+    """A gRPC channel to ``host:port`` whose calls carry the client's session
+    (``config.session`` or a fresh one), and the daemon's info. Raises PeerUnavailable (no
     daemon there); the channel is closed on failure."""
-    channel = grpc.insecure_channel(address, options=[
+    raw = grpc.insecure_channel(address, options=[
         ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES)])
+    channel = grpc.intercept_channel(raw, _SessionInterceptor(config.session or new_session()))
     try:
         stub = pb_grpc.StoreStub(channel)  # type: ignore[no-untyped-call]
         info = stub.Info(pb.InfoRequest(), timeout=config.rpc_timeout_s,

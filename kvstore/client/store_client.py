@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator, Sequence
 
 import grpc
@@ -66,8 +67,9 @@ from kvstore.client.daemon_control import DaemonControl, open_channel, translate
 from kvstore.client.planes import RemotePlane, ValuePlane, open_plane
 from kvstore.client.store_config import DataPlane, LookupResult, StoreClientConfig
 from kvstore.dataplane.tier import Buffer, TierKind, check_key
+from kvstore.dataplane.transport.base import ReadLease
 from kvstore.dataplane.transport.shm import LeaseFreeCounters
-from kvstore.errors import ChunkNotFound
+from kvstore.errors import ChunkNotFound, LeaseExpired, short_key
 
 __all__ = ["DataPlane", "LeaseFreeCounters", "LookupResult", "StoreClient", "StoreClientConfig",
            "translate_rpc_error"]
@@ -151,18 +153,39 @@ class StoreClient(DaemonControl):
         return self.plane.get_many_into(keys, dsts)
 
     @contextlib.contextmanager
-    def read_view(self, key: bytes) -> Iterator[memoryview]:
-        """A read-only, zero-copy view of the chunk in the daemon's arena, valid inside the
-        ``with`` block (the chunk is leased meanwhile; its bytes cannot change or move).
+    def read_lease(self, key: bytes) -> Iterator[ReadLease]:
+        """A read lease on the chunk in the daemon's arena for the ``with`` block: its
+        ``view`` (read-only, zero-copy) keeps its bytes until the block ends or until
+        ``deadline_s`` (``time.monotonic()``; request time + ``lease_ttl_s``, 60 s by default),
+        whichever comes first; past the deadline ``view`` raises LeaseExpired. Only this client
+        can end the lease.
 
         Same host only (TierUnavailable over TCP). Raises ChunkNotFound, CapacityError (the
         chunk lives in a slower tier and DRAM cannot take it now: use ``get_into``).
         """
         lease = self.plane.open_read(key)
         try:
-            yield lease.view
+            yield lease
         finally:
             lease.release()
+
+    @contextlib.contextmanager
+    def read_view(self, key: bytes) -> Iterator[memoryview]:
+        """A read-only, zero-copy view of the chunk in the daemon's arena, valid inside the
+        ``with`` block and at most until the lease's deadline (see :meth:`read_lease`, which
+        also exposes it): a block that ends past the deadline raises LeaseExpired, since what
+        it read late may be another chunk's bytes.
+
+        Same host only (TierUnavailable over TCP). Raises ChunkNotFound, CapacityError (the
+        chunk lives in a slower tier and DRAM cannot take it now: use ``get_into``).
+        """
+        with self.read_lease(key) as lease:
+            yield lease.view
+            deadline_s, now_s = lease.deadline_s, time.monotonic()
+            if deadline_s is not None and now_s >= deadline_s:
+                raise LeaseExpired(f"read_view of {short_key(lease.key)} outlived its lease "
+                                   f"(the deadline passed {now_s - deadline_s:.3f} s before the "
+                                   "block ended): bytes read after it may be another chunk's")
 
     def get(self, key: bytes) -> bytearray:
         """The whole chunk in a new buffer. Raises ChunkNotFound."""

@@ -10,6 +10,7 @@ from kvstore.dataplane.tier import TierKind
 from kvstore.dataplane.transport.shm import ShmClientConfig
 from kvstore.dataplane.transport.shm.frames import MAX_KEYS
 from kvstore.errors import InvalidArgument
+from kvstore.wire import SESSION_MAX_CHARS, SESSION_MIN_CHARS
 
 
 class DataPlane(enum.Enum):
@@ -26,7 +27,13 @@ class StoreClientConfig:
     rpc_timeout_s: float = 30.0
     """Longest a gRPC call, or a wait on the same-host lease channel, may take."""
     lease_ttl_s: float = 0.0
-    """TTL of same-host leases (0: the daemon's default)."""
+    """TTL of same-host leases (0: the daemon's default; 60 s for the lease of a
+    ``read_view``, whose deadline the client must know)."""
+    session: str = ""
+    """The session this client's gRPC calls belong to (16 to 128 characters; a secret): pins
+    and leases it takes can be ended only by a client presenting the same session. Empty: a
+    random one per client. ``kvtier pin``/``unpin`` share the operator's
+    (:func:`kvstore.client.daemon_control.operator_session`)."""
     wait_for_ready: bool = False
     """``connect`` waits up to ``rpc_timeout_s`` for a daemon that is not listening yet,
     instead of failing at once with PeerUnavailable."""
@@ -71,6 +78,9 @@ class StoreClientConfig:
             raise InvalidArgument(f"tcp_spin_us must be 0..10000, got {self.tcp_spin_us}")
         if self.rpc_timeout_s <= 0 or self.lease_ttl_s < 0:
             raise InvalidArgument("rpc_timeout_s must be > 0 and lease_ttl_s >= 0")
+        if self.session and not SESSION_MIN_CHARS <= len(self.session) <= SESSION_MAX_CHARS:
+            raise InvalidArgument(f"session must be empty or {SESSION_MIN_CHARS} to "
+                                  f"{SESSION_MAX_CHARS} characters, got {len(self.session)}")
         if min(self.ucx_io_timeout_s, self.ucx_liveness_interval_s) <= 0 \
                 or self.ucx_retry_after_s < 0 or self.ucx_min_bytes < 0:
             raise InvalidArgument("ucx_io_timeout_s and ucx_liveness_interval_s must be > 0, "

@@ -6,6 +6,20 @@ Every kvtier error becomes a gRPC status (:data:`kvstore.wire.GRPC_CODE_NAMES`) 
 the error's class name in the trailing metadata ``kvtier-error``; every call is timed into
 ``kvtier_rpc_seconds``. While the daemon drains, calls that would start new work (puts,
 reservations, reads) fail with UNAVAILABLE; commits, releases and metadata calls still work.
+
+Sessions: a pin, read lease or reservation belongs to the *session* whose call took it, and
+only that session can end it (Unpin, Release, Commit, Abort of another session's id do
+nothing: released/aborted false, Commit INVALID_ARGUMENT as for an unknown id). The session is
+the ``kvtier-session`` request metadata when the call carries it (``DaemonControl`` sends a
+random token per client, or one the caller chose, on every call of its channel; reconnects
+keep it), else the call's HTTP/2 connection (``context.peer()``). Pin ids are drawn like lease
+ids (:class:`~kvstore.node.backend.LeaseIds`): unguessable, so guessing a neighbour's id gets
+nothing either.
+
+Bad input: every TTL is 0 (the default) or finite, > 0 and at most ``server.max_ttl_s``;
+every key field is checked (``check_key``) before use; an undecodable request is
+INVALID_ARGUMENT (:func:`kvstore.wire.service_handler`); error messages show at most a short
+prefix of a key (``short_key``).
 """
 
 from __future__ import annotations
@@ -15,22 +29,37 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
 from kvstore._proto.kvtier.v1 import store_pb2 as pb
 from kvstore._proto.kvtier.v1 import store_pb2_grpc as pb_grpc
-from kvstore.dataplane.tier import TierKind, check_key
+from kvstore.dataplane.tier import MAX_KEY_BYTES, ChunkKey, TierKind, check_key
 from kvstore.errors import (
     ChunkNotFound,
     InvalidArgument,
     KvtierError,
     TierUnavailable,
+    short_key,
 )
+from kvstore.node.backend import LeaseIds, check_ttl
 from kvstore.node.events import ChunkEvent, EventKind, Resync
 from kvstore.node.index import IndexEntry, Lease
-from kvstore.wire import ERROR_METADATA_KEY, PB_TO_TIER, TIER_TO_PB, error_name, grpc_code_name
+from kvstore.wire import (
+    ERROR_METADATA_KEY,
+    PB_TO_TIER,
+    SESSION_MAX_CHARS,
+    SESSION_METADATA_KEY,
+    SESSION_MIN_CHARS,
+    TIER_TO_PB,
+    UndecodableRequest,
+    error_name,
+    grpc_code_name,
+    service_handler,
+    undecodable_error,
+)
 
 if TYPE_CHECKING:
     from kvstore.node.daemon import StoreDaemon
@@ -59,8 +88,42 @@ def tier_from_pb(value: int, *, required: bool = True) -> TierKind | None:
         raise InvalidArgument(f"unknown tier {value}") from None
 
 
+def session_of(context: Any) -> tuple[str, str]:
+    """Who a call belongs to (module docstring): ``("session", token)`` from the
+    ``kvtier-session`` metadata, else ``("peer", context.peer())``. Raises InvalidArgument for
+    a token of the wrong length."""
+    for key, value in context.invocation_metadata() or ():
+        if key == SESSION_METADATA_KEY:
+            token = str(value)
+            if not SESSION_MIN_CHARS <= len(token) <= SESSION_MAX_CHARS:
+                raise InvalidArgument(f"{SESSION_METADATA_KEY} must be {SESSION_MIN_CHARS} to "
+                                      f"{SESSION_MAX_CHARS} characters, got {len(token)}")
+            return "session", token
+    return "peer", str(context.peer())
+
+
+def _check_field(key: bytes, field: str) -> ChunkKey:
+    """``check_key`` with the request field named in the message (which never echoes the key)."""
+    try:
+        return check_key(key)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{field}: {exc}") from None
+
+
+def _check_keys(keys: Sequence[bytes], field: str = "keys") -> list[ChunkKey]:
+    return [_check_field(key, f"{field}[{i}]") for i, key in enumerate(keys)]
+
+
+def _check_prefix(prefix: bytes, field: str = "key_prefix") -> bytes:
+    if len(prefix) > MAX_KEY_BYTES:
+        raise InvalidArgument(f"{field} is {len(prefix)} bytes; keys are at most "
+                              f"{MAX_KEY_BYTES} ({short_key(prefix)})")
+    return bytes(prefix)
+
+
 def _rpc(method: Handler) -> Handler:
-    """Time the call and turn kvtier errors into gRPC statuses."""
+    """Time the call and turn kvtier errors into gRPC statuses (an undecodable request is
+    INVALID_ARGUMENT)."""
     name = method.__name__
 
     @functools.wraps(method)
@@ -68,6 +131,8 @@ def _rpc(method: Handler) -> Handler:
         started = time.perf_counter()
         code = "OK"
         try:
+            if isinstance(request, UndecodableRequest):
+                raise undecodable_error(request)
             return await method(self, request, context)
         except KvtierError as exc:
             code = grpc_code_name(exc)
@@ -95,12 +160,36 @@ def event_to_pb(event: ChunkEvent, epoch: str) -> pb.ChunkEvent:
                          size_bytes=event.size_bytes, parent=event.parent or b"")
 
 
+async def _refuse_undecodable(request: Any, context: Any) -> None:
+    """For the streaming methods (not wrapped by ``_rpc``)."""
+    if isinstance(request, UndecodableRequest):
+        exc = undecodable_error(request)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc),
+                            trailing_metadata=((ERROR_METADATA_KEY, error_name(exc)),))
+
+
+@dataclass(slots=True)
+class _Pin:
+    lease: Lease
+    owner: tuple[str, str]
+
+
 class StoreService(pb_grpc.StoreServicer):
-    """The servicer. Holds no state of its own beyond the gRPC pins table."""
+    """The servicer. Holds no state of its own beyond the gRPC pins table (public pin id ->
+    the index lease and the session that owns it). Pin/Unpin and the reaper's
+    :meth:`expire_pins` run on the event loop, so the table needs no lock."""
 
     def __init__(self, daemon: StoreDaemon) -> None:
         self._daemon = daemon
-        self._pins: dict[int, Lease] = {}
+        self._pins: dict[int, _Pin] = {}
+        self._pin_ids = LeaseIds()
+
+    def register(self, server: grpc.aio.Server) -> None:
+        """Serve this servicer on ``server``, as the generated ``add_StoreServicer_to_server``
+        would, but with deserializers that answer undecodable bytes with INVALID_ARGUMENT
+        (:func:`kvstore.wire.service_handler`)."""
+        server.add_generic_rpc_handlers(
+            (service_handler(self, pb.DESCRIPTOR.services_by_name["Store"]),))
 
     # --- helpers ----------------------------------------------------------------------------
 
@@ -117,17 +206,28 @@ class StoreService(pb_grpc.StoreServicer):
         return self._daemon.cache
 
     def _ttl(self, ttl_s: float, default: float) -> float:
-        if ttl_s < 0:
-            raise InvalidArgument(f"ttl_s must be >= 0, got {ttl_s}")
-        return ttl_s or default
+        """A request's TTL: 0 is ``default``; otherwise :func:`check_ttl` (finite, > 0, at
+        most ``server.max_ttl_s``)."""
+        if ttl_s == 0:
+            return default
+        return check_ttl(ttl_s, self._daemon.config.server.max_ttl_s)
 
     def expire_pins(self) -> int:
-        """Forget gRPC pins past their deadline (the index already ignores them)."""
+        """Forget gRPC pins past their deadline (the index already ignores them; unpinning
+        makes it drop their records now) and give their place in the lease budget back."""
         now = time.monotonic()
-        dead = [i for i, lease in self._pins.items() if lease.expires_at_s < now]
+        dead = [i for i, pin in self._pins.items() if pin.lease.expires_at_s < now]
         for lease_id in dead:
-            del self._pins[lease_id]
+            pin = self._pins.pop(lease_id)
+            try:
+                self._cache.unpin(pin.lease)
+            finally:
+                self._daemon.leases.budget.give()
         return len(dead)
+
+    @property
+    def pins_held(self) -> int:
+        return len(self._pins)
 
     # --- identity ---------------------------------------------------------------------------
 
@@ -142,7 +242,9 @@ class StoreService(pb_grpc.StoreServicer):
         if len(item.value) > limit:
             raise InvalidArgument(f"an inline value is at most {limit} bytes, got "
                                   f"{len(item.value)}: send it over the data plane")
-        info = self._cache.put(check_key(item.key), item.value, parent=item.parent or None)
+        key = _check_field(item.key, "key")
+        parent = _check_field(item.parent, "parent") if item.parent else None
+        info = self._cache.put(key, item.value, parent=parent)
         self._daemon.metrics.inline_bytes.labels("in").inc(len(item.value))
         return info.tier  # type: ignore[no-any-return]
 
@@ -200,7 +302,7 @@ class StoreService(pb_grpc.StoreServicer):
     # --- metadata ---------------------------------------------------------------------------
 
     def _lookup(self, keys: Sequence[bytes]) -> pb.LookupResponse:
-        match = self._cache.lookup([check_key(k) for k in keys])
+        match = self._cache.lookup(_check_keys(keys))
         return pb.LookupResponse(
             length=match.length, tiers=[TIER_TO_PB[t] for t in match.tiers],
             per_tier={t.value: n for t, n in match.by_tier().items()})
@@ -216,7 +318,7 @@ class StoreService(pb_grpc.StoreServicer):
 
     @_rpc
     async def Exists(self, request: pb.ExistsRequest, context: Any) -> pb.ExistsResponse:
-        entries = [self._cache.entry(check_key(k)) for k in request.keys]
+        entries = [self._cache.entry(k) for k in _check_keys(request.keys)]
         return pb.ExistsResponse(exists=[e is not None for e in entries],
                                  size_bytes=[-1 if e is None else e.size_bytes for e in entries])
 
@@ -252,41 +354,66 @@ class StoreService(pb_grpc.StoreServicer):
         if limit < 0:
             raise InvalidArgument(f"limit must be >= 0, got {limit}")
         entries, truncated = await self._blocking(
-            self._daemon.list_entries, bytes(request.key_prefix), tier, limit)
+            self._daemon.list_entries, _check_prefix(request.key_prefix), tier, limit)
         now = self._daemon.index_clock()
         return pb.ListResponse(entries=[entry_to_pb(e, now) for e in entries],
                                truncated=truncated)
 
     # --- pins -------------------------------------------------------------------------------
 
-    def _pin(self, request: pb.PinRequest) -> pb.PinResponse:
+    def _pin(self, request: pb.PinRequest, owner: tuple[str, str]) -> pb.PinResponse:
         if not request.keys:
             raise InvalidArgument("pin needs at least one key")
         ttl = self._ttl(request.ttl_s, self._daemon.config.cache.lease_ttl_s)
-        lease = self._cache.pin([check_key(k) for k in request.keys], ttl)
-        self._pins[lease.lease_id] = lease
-        return pb.PinResponse(lease_id=lease.lease_id, expires_in_s=ttl)
+        keys = _check_keys(request.keys)
+        budget = self._daemon.leases.budget
+        budget.take()
+        try:
+            lease = self._cache.pin(keys, ttl)
+        except BaseException:
+            budget.give()
+            raise
+        pin_id = self._pin_ids.new(self._pins)
+        self._pins[pin_id] = _Pin(lease, owner)
+        return pb.PinResponse(lease_id=pin_id, expires_in_s=ttl)
 
-    def _unpin(self, lease_id: int) -> bool:
-        lease = self._pins.pop(lease_id, None)
-        return lease is not None and bool(self._cache.unpin(lease))
+    def _unpin(self, pin_id: int, owner: tuple[str, str]) -> bool:
+        """End a pin of ``owner``; False (nothing changes) when unknown or another session's."""
+        pin = self._pins.get(pin_id)
+        if pin is None or pin.owner != owner:
+            return False
+        del self._pins[pin_id]
+        try:
+            return bool(self._cache.unpin(pin.lease))
+        finally:
+            self._daemon.leases.budget.give()
 
     @_rpc
     async def Pin(self, request: pb.PinRequest, context: Any) -> pb.PinResponse:
-        return self._pin(request)
+        return self._pin(request, session_of(context))
 
     @_rpc
     async def BatchPin(self, request: pb.BatchPinRequest, context: Any) -> pb.BatchPinResponse:
-        return pb.BatchPinResponse(items=[self._pin(i) for i in request.items])
+        owner = session_of(context)
+        items: list[pb.PinResponse] = []
+        try:
+            for item in request.items:
+                items.append(self._pin(item, owner))
+        except BaseException:
+            for done in items:  # all or nothing: the caller never learns these ids
+                self._unpin(done.lease_id, owner)
+            raise
+        return pb.BatchPinResponse(items=items)
 
     @_rpc
     async def Unpin(self, request: pb.UnpinRequest, context: Any) -> pb.UnpinResponse:
-        return pb.UnpinResponse(released=self._unpin(request.lease_id))
+        return pb.UnpinResponse(released=self._unpin(request.lease_id, session_of(context)))
 
     @_rpc
     async def BatchUnpin(self, request: pb.BatchUnpinRequest, context: Any
                          ) -> pb.BatchUnpinResponse:
-        return pb.BatchUnpinResponse(released=[self._unpin(i) for i in request.lease_ids])
+        owner = session_of(context)
+        return pb.BatchUnpinResponse(released=[self._unpin(i, owner) for i in request.lease_ids])
 
     # --- operations -------------------------------------------------------------------------
 
@@ -301,7 +428,7 @@ class StoreService(pb_grpc.StoreServicer):
                 raise InvalidArgument("evict by key prefix or by bytes, not both")
             tier = tier_from_pb(request.tier, required=False)
             removed, busy, freed = await self._blocking(
-                self._daemon.evict_prefix, bytes(request.key_prefix), tier)
+                self._daemon.evict_prefix, _check_prefix(request.key_prefix), tier)
             return pb.EvictResponse(freed_bytes=freed, removed_chunks=removed, busy_chunks=busy)
         if request.bytes <= 0:
             raise InvalidArgument("evict needs bytes > 0 with a tier, or a key prefix")
@@ -323,32 +450,37 @@ class StoreService(pb_grpc.StoreServicer):
         self._refuse_when_draining()
         ttl = self._ttl(request.ttl_s, self._daemon.config.cache.lease_ttl_s)
         lease_id, ranges = await self._blocking(
-            functools.partial(self._daemon.leases.acquire_read, list(request.keys), ttl,
-                              prefix=request.prefix))
+            functools.partial(self._daemon.leases.acquire_read, _check_keys(request.keys), ttl,
+                              prefix=request.prefix, owner=session_of(context)))
         return pb.AcquireReadResponse(lease_id=lease_id, chunks=[
             pb.ChunkLocation(offset=r.offset, size_bytes=r.size_bytes) for r in ranges])
 
     @_rpc
     async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
-        return pb.ReleaseResponse(released=self._daemon.leases.release(request.lease_id))
+        return pb.ReleaseResponse(released=self._daemon.leases.release(
+            request.lease_id, owner=session_of(context)))
 
     @_rpc
     async def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveResponse:
         self._refuse_when_draining()
         ttl = self._ttl(request.ttl_s, self._daemon.config.server.reservation_ttl_s)
+        key = _check_field(request.key, "key")
+        parent = _check_field(request.parent, "parent") if request.parent else None
         lease_id, offset = await self._blocking(functools.partial(
-            self._daemon.leases.reserve, request.key, int(request.size_bytes), ttl,
-            parent=request.parent or None))
+            self._daemon.leases.reserve, key, int(request.size_bytes), ttl,
+            parent=parent, owner=session_of(context)))
         return pb.ReserveResponse(lease_id=lease_id, offset=offset)
 
     @_rpc
     async def Commit(self, request: pb.CommitRequest, context: Any) -> pb.CommitResponse:
-        tier = await self._blocking(self._daemon.leases.commit, request.lease_id)
+        tier = await self._blocking(functools.partial(
+            self._daemon.leases.commit, request.lease_id, owner=session_of(context)))
         return pb.CommitResponse(tier=TIER_TO_PB[tier])
 
     @_rpc
     async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortResponse:
-        return pb.AbortResponse(aborted=self._daemon.leases.abort(request.lease_id))
+        return pb.AbortResponse(aborted=self._daemon.leases.abort(
+            request.lease_id, owner=session_of(context)))
 
     @_rpc
     async def SetParents(self, request: pb.SetParentsRequest, context: Any
@@ -356,7 +488,8 @@ class StoreService(pb_grpc.StoreServicer):
         if len(request.keys) != len(request.parents):
             raise InvalidArgument(f"{len(request.keys)} keys but {len(request.parents)} parents")
         ttl = self._ttl(request.ttl_s, self._daemon.config.server.reservation_ttl_s)
-        for key, parent in zip(request.keys, request.parents, strict=True):
+        keys, parents = _check_keys(request.keys), _check_keys(request.parents, "parents")
+        for key, parent in zip(keys, parents, strict=True):
             self._daemon.backend.parents.expect(key, parent, ttl)
         return pb.SetParentsResponse()
 
@@ -364,6 +497,7 @@ class StoreService(pb_grpc.StoreServicer):
 
     async def Subscribe(self, request: pb.SubscribeRequest, context: Any
                         ) -> AsyncIterator[pb.ChunkEvent]:
+        await _refuse_undecodable(request, context)
         events = self._daemon.events
         epoch = events.epoch
         after = int(request.from_seq)
@@ -384,6 +518,7 @@ class StoreService(pb_grpc.StoreServicer):
 
     async def Snapshot(self, request: pb.SnapshotRequest, context: Any
                        ) -> AsyncIterator[pb.SnapshotPage]:
+        await _refuse_undecodable(request, context)
         page = request.page_entries or DEFAULT_SNAPSHOT_PAGE
         if page < 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "page_entries must be >= 1")

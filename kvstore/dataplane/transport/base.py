@@ -105,12 +105,13 @@ Client side: the mapped transport (shared memory)
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from kvstore.dataplane.tier import Buffer, ChunkKey
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, LeaseExpired
 
 
 class TransportKind(enum.Enum):
@@ -169,7 +170,16 @@ class ReadLease(Protocol):
 
     @property
     def view(self) -> memoryview:
-        """Read-only, exactly ``size_bytes`` long; valid until ``release()``."""
+        """Read-only, exactly ``size_bytes`` long; valid until ``release()`` or
+        ``deadline_s``, whichever comes first (LeaseExpired once the deadline passed)."""
+        ...
+
+    @property
+    def deadline_s(self) -> float | None:
+        """``time.monotonic()`` after which the lease may have ended without ``release()``
+        (a client's lease on a peer, taken conservatively from the client's clock when it
+        asked: request time + TTL), so the view's bytes may belong to another chunk; None
+        when the lease lasts until ``release()`` (a server's own lease)."""
         ...
 
     def release(self) -> None:
@@ -178,15 +188,26 @@ class ReadLease(Protocol):
 
 
 class ViewReadLease:
-    """The state every :class:`ReadLease` implementation shares: the key and the view until
-    release. Subclasses implement :meth:`release` (set ``_view`` to None first, so a second call
-    is a no-op, then unpin)."""
+    """The state every :class:`ReadLease` implementation shares: the key, the view until
+    release, and an optional deadline (``view`` raises LeaseExpired past it). Subclasses
+    implement :meth:`release` (set ``_view`` to None first, so a second call is a no-op, then
+    unpin)."""
 
-    __slots__ = ("_key", "_view")
+    __slots__ = ("_deadline_s", "_key", "_view")
 
-    def __init__(self, key: ChunkKey, view: memoryview) -> None:
+    def __init__(self, key: ChunkKey, view: memoryview, deadline_s: float | None = None) -> None:
         self._key = key
         self._view: memoryview | None = view
+        self._deadline_s = deadline_s
+
+    @property
+    def deadline_s(self) -> float | None:
+        return self._deadline_s
+
+    @property
+    def expired(self) -> bool:
+        """Whether the deadline (if any) has passed."""
+        return self._deadline_s is not None and time.monotonic() >= self._deadline_s
 
     @property
     def key(self) -> ChunkKey:
@@ -200,6 +221,9 @@ class ViewReadLease:
     def view(self) -> memoryview:
         if self._view is None:
             raise InvalidArgument(f"read lease on {self._key.hex()} was released")
+        if self.expired:
+            raise LeaseExpired(f"read lease on {self._key.hex()} passed its deadline: the peer "
+                               "may have ended it and reused the memory; lease the chunk again")
         return self._view
 
 

@@ -35,6 +35,7 @@ import contextlib
 import logging
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
@@ -91,10 +92,16 @@ _BATCH_MAX_KEYS = 512
 """Keys per batched put request (the buffers of one request stay under IOV_MAX)."""
 
 
+VIEW_LEASE_TTL_S = 60.0
+"""TTL of a lease :meth:`ShmClient.open_read` lends out when ``lease_ttl_s`` is 0: sent
+explicitly, so the client knows the lease's deadline (the peer's default TTL is its own)."""
+
+
 @dataclass(frozen=True, slots=True)
 class ShmClientConfig:
     lease_ttl_s: float = 0.0
-    """TTL of this client's leases (0: the peer's default)."""
+    """TTL of this client's leases (0: the peer's default; :data:`VIEW_LEASE_TTL_S` for the
+    leases ``open_read`` lends out, whose deadline the client must know)."""
     populate_arena: bool = True
     """Fault the whole mapped arena into this process's page tables at ``connect`` (one read
     per page: ~30 ms per 256 MiB here, plus 2 MiB of page tables per GiB). Without it the first
@@ -166,13 +173,18 @@ def _device_bytes(tensor: Any) -> Any:
 
 class ShmReadLease(ViewReadLease):
     """A read lease of :meth:`ShmClient.open_read`: the chunk's range of the mapped arena,
-    pinned by the peer until :meth:`release` (which sends RELEASE without waiting)."""
+    pinned by the peer for this client's connection alone until :meth:`release` (which sends
+    RELEASE without waiting) or until ``deadline_s`` (``time.monotonic()`` when the client
+    asked, plus the TTL it asked for: never later than the peer's own deadline). Past the
+    deadline the peer may have ended the lease and reused the memory, so ``view`` raises
+    LeaseExpired. A memoryview (or numpy array) taken from ``view`` earlier cannot be revoked:
+    read it before the deadline."""
 
     __slots__ = ("_chan", "_client", "_lease_id")
 
     def __init__(self, client: ShmClient, chan: LeaseChannel, key: ChunkKey, lease_id: int,
-                 view: memoryview) -> None:
-        super().__init__(key, view)
+                 view: memoryview, deadline_s: float) -> None:
+        super().__init__(key, view, deadline_s)
         self._client = client
         self._chan = chan
         self._lease_id = lease_id
@@ -630,17 +642,23 @@ class ShmClient:
     # --- leases lent to the caller ----------------------------------------------------------
 
     def open_read(self, key: bytes) -> ShmReadLease:
-        """A read lease whose view is the chunk in the mapped arena (``MappedTransport``).
-        Raises ChunkNotFound, CapacityError (the arena cannot hold it now: use ``get_into``)."""
+        """A read lease whose view is the chunk in the mapped arena (``MappedTransport``),
+        with a deadline (:class:`ShmReadLease`; TTL ``lease_ttl_s``, or
+        :data:`VIEW_LEASE_TTL_S`). Raises ChunkNotFound, CapacityError (the arena cannot hold
+        it now: use ``get_into``), InvalidArgument (the peer's ``max_ttl_s`` is lower)."""
         k = check_key(key)
+        ttl_s = self._config.lease_ttl_s or VIEW_LEASE_TTL_S
         chan = self._checkout()
+        # Taken before the request: the peer's deadline (its clock when it got the request,
+        # plus the same TTL) can only be later.
+        deadline_s = time.monotonic() + ttl_s
         try:
-            lease_id, ranges = chan.call(ChannelOp.ACQUIRE_READ, keys=[k],
-                                         ttl_s=self._config.lease_ttl_s)
+            lease_id, ranges = chan.call(ChannelOp.ACQUIRE_READ, keys=[k], ttl_s=ttl_s)
         except BaseException:
             self._checkin(chan)
             raise
-        return ShmReadLease(self, chan, k, lease_id, self._arena.view(ranges[0][0], ranges[0][1]))
+        return ShmReadLease(self, chan, k, lease_id, self._arena.view(ranges[0][0], ranges[0][1]),
+                            deadline_s)
 
     def open_write(self, key: bytes, size_bytes: int, *, parent: bytes | None = None
                    ) -> ShmWriteLease:
