@@ -28,7 +28,15 @@ from kvstore._proto.kvtier.v1 import conductor_pb2 as pb
 from kvstore._proto.kvtier.v1 import conductor_pb2_grpc as pb_grpc
 from kvstore.errors import InvalidArgument, KvtierError
 from kvstore.membership.engines import EngineRole
-from kvstore.wire import ERROR_METADATA_KEY, LEADER_METADATA_KEY, error_name, grpc_code_name
+from kvstore.wire import (
+    ERROR_METADATA_KEY,
+    LEADER_METADATA_KEY,
+    UndecodableRequest,
+    error_name,
+    grpc_code_name,
+    service_handler,
+    undecodable_error,
+)
 
 if TYPE_CHECKING:
     from conductor.server import Conductor
@@ -55,11 +63,14 @@ class NotLeader(Exception):
 
 
 def _rpc(method: Handler) -> Handler:
-    """Turn kvtier errors into gRPC statuses (with the class name in trailing metadata)."""
+    """Turn kvtier errors into gRPC statuses (with the class name in trailing metadata); an
+    undecodable request (:func:`kvstore.wire.service_handler`) is INVALID_ARGUMENT."""
 
     @functools.wraps(method)
     def wrapper(self: ConductorService, request: Any, context: Any) -> Any:
         try:
+            if isinstance(request, UndecodableRequest):
+                raise undecodable_error(request)
             return method(self, request, context)
         except NotLeader as exc:
             context.set_trailing_metadata(self._leader_metadata())
@@ -168,6 +179,12 @@ class ConductorService(pb_grpc.ConductorServicer):
                                            int(request.expected_output_tokens) or None)
         with c.lock:
             decision = c.scheduler.schedule(schedule_request, now_s)
+            if not c.is_leader:
+                # Leadership lapsed while deciding (etcd unreachable, this process paused):
+                # another conductor may lead by now, so this decision must not go out.
+                if decision.accepted:
+                    c.scheduler.cancel(decision.ticket)
+                self._require_leader()
             return self._reply(decision, keys)
 
     def _reply(self, d: Decision, keys: tuple[bytes, ...]) -> pb.ScheduleReply:
@@ -305,8 +322,11 @@ class ConductorService(pb_grpc.ConductorServicer):
 
 
 def add_to_server(service: ConductorService, server: grpc.Server) -> Any:
-    """Register the servicer, health checking and reflection; returns the health servicer."""
-    pb_grpc.add_ConductorServicer_to_server(service, server)  # type: ignore[no-untyped-call]
+    """Register the servicer (with deserializers that answer undecodable bytes with
+    INVALID_ARGUMENT: :func:`kvstore.wire.service_handler`), health checking and reflection;
+    returns the health servicer."""
+    server.add_generic_rpc_handlers(
+        (service_handler(service, pb.DESCRIPTOR.services_by_name["Conductor"]),))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -18,8 +18,26 @@ Safety
     someone else. :attr:`Election.is_leader` is false from that moment, whether or not
     etcd answers, so two conductors never both believe they lead (clocks are the local
     monotonic clock; etcd's own clock can only expire the lease *later* than that).
-    When the lease is found gone, or the key holds another record, the candidate steps down
-    and campaigns again with a fresh lease.
+    Likewise the leader checks its key every ``poll_interval_s`` and leads only until TTL
+    after the last check (sent time) that found the key holding its record under its lease.
+    When the lease is found gone, or the key holds another candidate's record, the candidate
+    steps down and campaigns again (with a fresh lease if the old one is gone).
+
+Healing (issue 12)
+    A leader key that no live candidate owns must not block leadership forever. Candidates
+    only ever *create* the key under their lease, so a key under no lease (written by hand,
+    ``etcdctl put``) or holding no candidate's record is an *orphan*:
+
+    * the leader whose key was overwritten in place (same create revision: its term), or
+      whose key holds another value under its own lease, writes its record back in a
+      compare-and-put on the key's mod revision: it keeps leading, in the same term;
+    * a standby that finds an orphan waits until it has stayed unchanged (same mod revision)
+      for a whole TTL, then deletes it in a compare-and-delete on that mod revision and
+      campaigns. By then a live leader would have re-asserted it, and a leader that could
+      not reach etcd has stopped leading by its own clock (both confirmations above), so
+      clearing it never makes a second leader. A key deleted by hand is simply vacant: the
+      first campaign to see it wins, and the old leader steps down at its next check
+      (within ``poll_interval_s``: the one window where two conductors may both decide).
 
 Contracts
     * etcd failures while running are logged and retried forever; the state callback
@@ -129,6 +147,10 @@ class Election:
         self._on_change = on_change
         self._lease_id: int | None = None
         self._lease_confirmed_until = 0.0
+        self._key_confirmed_until = 0.0
+        """(send time of the last step that found the key holding our record) + TTL."""
+        self._orphan: tuple[int, float] | None = None
+        """(mod revision, first seen) of a leader key that no live candidate owns."""
         self._leading = False
         self._term = 0
         self._leader: LeaderView | None = None
@@ -145,8 +167,12 @@ class Election:
 
     @property
     def is_leader(self) -> bool:
-        """True while this candidate leads AND its lease is confirmed alive (see Safety)."""
-        return self._leading and time.monotonic() < self._lease_confirmed_until
+        """True while this candidate leads AND its lease is confirmed alive AND the leader key
+        was seen holding our record within the last TTL (see Safety)."""
+        return self._leading and time.monotonic() < self._confirmed_until()
+
+    def _confirmed_until(self) -> float:
+        return min(self._lease_confirmed_until, self._key_confirmed_until)
 
     @property
     def term(self) -> int:
@@ -221,7 +247,7 @@ class Election:
             raise MembershipError("refresh election lease: stream closed unanswered")
         if int(reply.TTL) <= 0:
             return False
-        if self._leading and time.monotonic() >= self._lease_confirmed_until:
+        if self._leading and time.monotonic() >= self._confirmed_until():
             # The answer came after leadership had lapsed (is_leader was already False):
             # report the lapse before extending, so the owner never misses one; the next
             # step finds the key still ours and leads again.
@@ -232,9 +258,10 @@ class Election:
         return True
 
     async def _attempt(self) -> None:
-        """Create the leader key under our lease if absent; learn who leads otherwise."""
+        """Create the leader key under our lease if absent; judge what holds it otherwise."""
         assert self._lease_id is not None
         client = self._client
+        sent_at = time.monotonic()
         ok, responses = await etcd_call(
             "campaign",
             client.transaction(
@@ -244,36 +271,109 @@ class Election:
                 failure=[client.transactions.get(self._key)]),
             self._rpc_timeout_s)
         if ok:
-            self._term = int(responses[0].response_put.header.revision)
-            self._leader = LeaderView(self._record, self._term)
+            self._win(int(responses[0].response_put.header.revision), sent_at)
             self.terms_won += 1
             log.info("conductor %s leads (term %d)", self._record.conductor_id, self._term)
-            self._set_leading(True)
             return
         existing = responses[0][0][1] if responses and responses[0] else None
         if existing is None:  # deleted between compare and get: the next poll will tell
             self._leader = None
             self._set_leading(False)
             return
-        if int(existing.lease) == self._lease_id:  # our own earlier put whose answer was lost
-            self._term = int(existing.create_revision)
-            self._leader = LeaderView(self._record, self._term)
-            self._set_leading(True)
-            return
-        try:
-            self._leader = LeaderView(LeaderRecord.from_json(existing.value),
-                                      int(existing.create_revision))
-        except InvalidArgument as exc:
-            log.warning("the leader key holds a malformed record: %s", exc)
-            self._leader = None
-        self._set_leading(False)
+        await self._judge(existing, sent_at)
 
     async def _check_still_ours(self) -> None:
-        """While leading: the key must still be ours (someone may have deleted it by hand)."""
+        """While leading: the key must still hold our record under our lease."""
+        sent_at = time.monotonic()
         kv = await etcd_call("read leader key", self._client.get(self._key), self._rpc_timeout_s)
-        if kv is None or int(kv.lease) != self._lease_id:
-            log.warning("conductor %s: the leader key is no longer ours; campaigning again",
+        if kv is None:  # deleted by hand: campaign at once (a standby may win first)
+            log.warning("conductor %s: the leader key was deleted; campaigning again",
                         self._record.conductor_id)
+            self._set_leading(False)
+            await self._attempt()
+            return
+        await self._judge(kv, sent_at)
+
+    def _win(self, term: int, sent_at: float) -> None:
+        self._term = term
+        self._leader = LeaderView(self._record, term)
+        self._key_confirmed_until = sent_at + self._ttl_s
+        self._orphan = None
+        self._set_leading(True)
+
+    async def _judge(self, kv: Any, sent_at: float) -> None:
+        """Act on what holds the leader key (read at ``sent_at``): ours, another candidate's,
+        or an orphan that no live candidate owns (see "Healing" in the module docstring)."""
+        holder = int(kv.lease)
+        record: LeaderRecord | None = None
+        try:
+            record = LeaderRecord.from_json(kv.value)
+        except InvalidArgument as exc:
+            log.debug("the leader key holds no candidate's record: %s", exc)
+        if holder == self._lease_id:
+            if kv.value == self._record.to_json():  # ours (perhaps a put whose answer was lost)
+                self._win(int(kv.create_revision), sent_at)
+            else:
+                await self._reassert(kv, "overwritten under our lease")
+            return
+        if holder != 0 and record is not None:  # another candidate leads
+            if self._leading:
+                log.warning("conductor %s: the leader key is no longer ours (%s leads); "
+                            "campaigning again", self._record.conductor_id, record.conductor_id)
+            self._orphan = None
+            self._leader = LeaderView(record, int(kv.create_revision))
+            self._set_leading(False)
+            return
+        # An orphan: under no lease (written by hand), or not a candidate's record.
+        if self._leading and int(kv.create_revision) == self._term:
+            await self._reassert(kv, "overwritten by someone else")
+            return
+        self._set_leading(False)
+        self._leader = None
+        mod_revision = int(kv.mod_revision)
+        now = time.monotonic()
+        if self._orphan is None or self._orphan[0] != mod_revision:
+            self._orphan = (mod_revision, now)
+            log.warning("conductor %s: the leader key holds %s that no live candidate owns "
+                        "(lease %x); clearing it if it stays so for %d s",
+                        self._record.conductor_id,
+                        "no candidate's record" if record is None else f"{record!r}", holder,
+                        self._ttl_s)
+            return
+        if now - self._orphan[1] < self._ttl_s:
+            return
+        # Unchanged for a whole TTL: a live leader would have re-asserted it (it checks every
+        # poll), and one that could not has stopped leading (is_leader) by now.
+        client = self._client
+        cleared, _ = await etcd_call(
+            "clear orphaned leader key",
+            client.transaction(compare=[client.transactions.mod(self._key) == mod_revision],
+                               success=[client.transactions.delete(self._key)], failure=[]),
+            self._rpc_timeout_s)
+        self._orphan = None
+        if cleared:
+            log.warning("conductor %s: cleared the orphaned leader key; campaigning",
+                        self._record.conductor_id)
+            await self._attempt()
+
+    async def _reassert(self, kv: Any, why: str) -> None:
+        """Write our record back over the key we still lead by, unless it changed since read."""
+        assert self._lease_id is not None
+        client = self._client
+        sent_at = time.monotonic()
+        ok, _ = await etcd_call(
+            "re-assert leadership",
+            client.transaction(
+                compare=[client.transactions.mod(self._key) == int(kv.mod_revision)],
+                success=[client.transactions.put(self._key, self._record.to_json(),
+                                                 lease=self._lease_id)],
+                failure=[]),
+            self._rpc_timeout_s)
+        if ok:  # a put over an existing key keeps its create revision: the term is unchanged
+            log.warning("conductor %s: the leader key was %s; wrote our record back (term %d)",
+                        self._record.conductor_id, why, int(kv.create_revision))
+            self._win(int(kv.create_revision), sent_at)
+        else:  # changed again since we read it: the next step judges it afresh
             self._set_leading(False)
 
     async def _loop(self) -> None:
@@ -306,12 +406,13 @@ class Election:
                     failing = True
             # Leadership lapses by itself when the lease cannot be confirmed (is_leader);
             # tell the owner as soon as that happens.
-            if self._leading and time.monotonic() >= self._lease_confirmed_until:
+            if self._leading and time.monotonic() >= self._confirmed_until():
                 log.warning("conductor %s: leadership unconfirmed for a whole TTL; stepping down",
                             self._record.conductor_id)
                 self._set_leading(False)
-            wait_s = self._refresh_interval_s if self._leading else self._poll_interval_s
-            wait_s = max(0.0, min(wait_s, next_refresh - time.monotonic()))
+            # The leader checks its key as often as standbys campaign, so a key overwritten
+            # by hand is re-asserted long before a standby would clear it (one TTL).
+            wait_s = max(0.0, min(self._poll_interval_s, next_refresh - time.monotonic()))
             await asyncio.sleep(wait_s)
 
     def _set_leading(self, leading: bool) -> None:

@@ -456,3 +456,44 @@ def test_daemon_restart_under_the_same_id_is_rebuilt_from_its_new_epoch(
 
 async def _eq(value: Awaitable[int], expected: int) -> bool:
     return await value == expected
+
+
+# --------------------------------------------------------------------------- the leader key tampered with
+
+
+def test_leader_key_overwritten_conductor_keeps_scheduling(aio: asyncio.Runner,
+                                                          cluster: Cluster) -> None:
+    """Issue 12: the leader key overwritten by hand (a plain put: no lease) used to make the
+    leader step down with nobody able to win while the key stayed. Now the leader writes its
+    record back and Schedule keeps succeeding."""
+    from kvstore.membership.election import LeaderRecord, read_leader
+
+    cluster.daemon("node-a")
+    cluster.conductor("c-1")
+    cluster.conductor("c-2")
+    chain = tokens(9, 2)
+    cluster.store_chain("node-a", chain)
+    key = cluster.layout.conductor_leader_key.encode()
+
+    async def scenario() -> None:
+        await cluster.engines(prefill("p-a", "node-a"), decode("d-a", "node-a"))
+        async with cluster.client(failover_timeout_s=20.0) as client, \
+                etcd_client(cluster.etcd_url) as etcd:
+            await ready(client, nodes={"node-a"}, prefill_ids={"p-a"})
+            assert (await client.schedule("r-0", MODEL, token_ids=[*chain, 1])).accepted
+            await etcd.put(key, LeaderRecord("ghost", "127.0.0.1:9").to_json())
+
+            async def healed() -> bool:
+                view = await read_leader(etcd, layout=cluster.layout)
+                kv = await etcd.get(key)
+                return view is not None and view.record.conductor_id in cluster.conductors \
+                    and kv is not None and int(kv.lease) != 0
+
+            await wait_until(healed, 20.0, "a conductor holds the leader key again")
+            for i in range(20):
+                reply = await client.schedule(f"r-{i + 1}", MODEL, token_ids=[*chain, 1])
+                assert reply.accepted and reply.prefill_instance == "p-a", reply
+            info = await client.leader_info()
+            assert info.is_leader and info.leader_id in cluster.conductors
+
+    run(aio, scenario(), timeout_s=90.0)

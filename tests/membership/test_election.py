@@ -146,3 +146,69 @@ def test_engine_records_round_trip_and_malformed_values_are_skipped(
                 assert await next_change(changes) == EngineChange("d-1", None)
 
     run(aio, scenario())
+
+
+def test_leader_key_overwritten_or_orphaned_by_hand_heals(
+        aio: asyncio.Runner, etcd_server: LocalEtcd, etcd_layout: KeyLayout) -> None:
+    """Issue 12: a leader key that no live candidate owns must not block leadership.
+
+    Overwritten in place (no lease): the leader writes its record back, same term. Deleted and
+    re-created by hand (a new create revision, no lease), or holding garbage under a lease no
+    candidate has: a standby clears it after one TTL and someone leads again. Every wait is
+    bounded generously against the 2 s TTL."""
+    key = etcd_layout.conductor_leader_key.encode()
+    bound_s = 8 * TTL_S
+
+    async def scenario() -> None:
+        async with etcd_client(etcd_server.client_url) as client:
+            first = Election(client, LeaderRecord("c-1", "127.0.0.1:1001"), ttl_s=TTL_S,
+                             layout=etcd_layout)
+            second = Election(client, LeaderRecord("c-2", "127.0.0.1:1002"), ttl_s=TTL_S,
+                              layout=etcd_layout)
+            await first.start()
+            await second.start()
+            elections = (first, second)
+
+            async def healed(what: str) -> Election:
+                """Exactly one leads, and the key holds its record under its lease."""
+                deadline = time.monotonic() + bound_s
+                while True:
+                    leaders = [e for e in elections if e.is_leader]
+                    kv = await client.get(key)
+                    if len(leaders) == 1 and kv is not None and \
+                            kv.value == leaders[0].record.to_json() and \
+                            int(kv.lease) == leaders[0]._lease_id:
+                        view = await read_leader(client, layout=etcd_layout)
+                        assert view is not None and view.term == leaders[0].term
+                        return leaders[0]
+                    if time.monotonic() > deadline:
+                        raise AssertionError(f"no single leader within {bound_s} s after {what}")
+                    await asyncio.sleep(0.05)
+
+            try:
+                assert first.is_leader
+                term = first.term
+                # A plain put (no lease) of a record that looks like a candidate's.
+                await client.put(key, LeaderRecord("ghost", "127.0.0.1:9").to_json())
+                assert await healed("an overwrite under no lease") is first
+                assert first.term == term  # re-asserted in place: the same term
+                await client.put(key, b"garbage")
+                assert await healed("a garbage overwrite") is first
+                # Deleted and re-created by hand: not the leader's term any more; cleared.
+                await client.delete(key)
+                await client.put(key, b"left over")
+                leader = await healed("a re-created orphan")
+                assert leader.term > term
+                # Garbage under a live lease that no candidate holds.
+                stale = await client.lease(60)
+                try:
+                    await client.delete(key)
+                    await client.put(key, b"not a record", lease=stale.id)
+                    await healed("garbage under a foreign lease")
+                finally:
+                    await client.revoke_lease(stale.id)
+            finally:
+                await first.resign()
+                await second.resign()
+
+    run(aio, scenario(), timeout_s=120.0)
