@@ -189,6 +189,11 @@ class ShmReadLease(ViewReadLease):
         self._chan = chan
         self._lease_id = lease_id
 
+    @property
+    def lease_id(self) -> int:
+        """The peer's id of this lease (only this client's connection can release it)."""
+        return self._lease_id
+
     def release(self) -> None:
         """Unpin the chunk. Idempotent. Raises BufferError while an export of the view (a
         numpy array over it...) is still alive: the view must not outlive the lease."""
