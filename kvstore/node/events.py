@@ -42,7 +42,10 @@ class ChunkEvent:
     kind: EventKind
     key: bytes
     tier: TierKind
-    """STORED: where it was stored; REMOVED: where it was removed from; MOVED: where it is now."""
+    """The chunk's fastest copy. STORED: where it was stored; REMOVED: where it was removed from
+    (every copy goes); MOVED: where it is now. A chunk may also keep a slower NVMe copy (a
+    promotion copies, a durable put writes through): adding or dropping that copy alone is no
+    event, since the fastest copy did not change."""
     size_bytes: int
     parent: bytes | None = None
     from_tier: TierKind | None = None
