@@ -21,7 +21,7 @@ from kvstore.dataplane.transport.shm.frames import (
     ChannelOp,
     pack_keys,
 )
-from kvstore.errors import InvalidArgument, PeerUnavailable, error_from_name
+from kvstore.errors import InvalidArgument, KvtierError, PeerUnavailable, error_from_name
 
 _IOV_MAX = 1024
 
@@ -79,6 +79,9 @@ class LeaseChannel:
             raise PeerUnavailable("lease channel send timed out") from exc
         except OSError as exc:
             self.broken = True
+            refusal = self._closing_reply()
+            if refusal is not None:
+                raise refusal from exc
             raise PeerUnavailable(f"lease channel send failed: {exc}") from exc
         if flags & FLAG_NO_REPLY:
             self.unacknowledged = True
@@ -104,6 +107,22 @@ class LeaseChannel:
         ranges = [RANGE.unpack_from(tail, i * RANGE.size) for i in range(count)]
         self.detail = bytes(tail[count * RANGE.size:])
         return lease_id, ranges
+
+    def _closing_reply(self) -> KvtierError | None:
+        """After a failed send: the error of a closing reply the server left before it hung
+        up (it refused the connection at its limit), if one is waiting."""
+        try:
+            data = self.sock.recv(REPLY.size + 4096, socket.MSG_DONTWAIT)
+        except OSError:
+            return None
+        if len(data) < REPLY.size:
+            return None
+        status, count, detail_len, _ = REPLY.unpack_from(data)
+        if status != STATUS_CLOSING or count:
+            return None
+        name, _, message = data[REPLY.size:REPLY.size + detail_len].decode(
+            errors="replace").partition("\n")
+        return error_from_name(name, message)
 
     def _recv_into(self, view: memoryview) -> None:
         pos = 0
