@@ -192,13 +192,18 @@ class StoreDaemon:
                 max_value_bytes=cfg.server.max_value_bytes,
                 io_timeout_s=cfg.server.tcp_io_timeout_s,
                 reservation_ttl_s=cfg.server.reservation_ttl_s,
-                drain_timeout_s=cfg.shutdown.drain_timeout_s))
+                drain_timeout_s=cfg.shutdown.drain_timeout_s,
+                idle_timeout_s=cfg.server.idle_timeout_s,
+                header_timeout_s=cfg.server.header_timeout_s,
+                max_connections=cfg.server.max_connections))
             tcp_endpoint = self._tcp.start()
             ucx_address = self._start_ucx()
             shm_socket = ""
             if cfg.server.shm_channel:
                 self._shm = ShmServer(self._leases, lease_ttl_s=cfg.server.shm_lease_ttl_s,
-                                      on_reads=self._record_lease_free_reads)
+                                      on_reads=self._record_lease_free_reads,
+                                      header_timeout_s=cfg.server.header_timeout_s,
+                                      max_connections=cfg.server.max_connections)
                 shm_socket = self._shm.start().host  # the abstract address, @kvtier-...
             grpc_port = await self._start_grpc()
             metrics_address = ""
