@@ -710,7 +710,7 @@ class TieredCache:
                     self._drop(kind, key, claim)
                     continue
                 try:
-                    self._move(key, kind, below, claim)
+                    self._move(key, kind, below, claim, entry)
                 except CapacityError:
                     self._drop(kind, key, claim)  # nothing below can take it
         finally:
@@ -739,13 +739,16 @@ class TieredCache:
         self._tiers[kind].remove(key)
         self._count(kind, drops=1)
 
-    def _move(self, key: bytes, src_kind: TierKind, dst_kind: TierKind, claim: Lease) -> None:
+    def _move(self, key: bytes, src_kind: TierKind, dst_kind: TierKind, claim: Lease,
+              entry: IndexEntry | None = None) -> None:
         """Copy a claimed chunk from one tier to another, then retarget the index.
 
         When ``dst_kind`` already holds its backing copy, nothing is copied: the source copy is
-        forgotten. A promotion out of a persistent tier keeps the source as the backing copy."""
+        forgotten. A promotion out of a persistent tier keeps the source as the backing copy.
+        ``entry``: the claimed chunk's snapshot, when the caller already took one."""
         src, dst = self._tiers[src_kind], self._tiers[dst_kind]
-        entry = self._index.get(key)
+        if entry is None:
+            entry = self._index.get(key)
         if entry is None:
             return
         size = entry.size_bytes

@@ -472,12 +472,15 @@ class CacheIndex:
                     raise ChunkExists(f"chunk {key.hex()} is already indexed")
                 seen.add(key)
             total = sum(sizes)
-            for state, kind in ((st, tier), (back, backing)):
-                if state is not None and kind is not None and \
-                        state.used_bytes + total > state.budget.capacity_bytes:
-                    raise CapacityError(
-                        f"{kind.value}: inserting {total} bytes would exceed capacity "
-                        f"({state.used_bytes}/{state.budget.capacity_bytes} bytes used)")
+            if st.used_bytes + total > st.budget.capacity_bytes:
+                raise CapacityError(
+                    f"{tier.value}: inserting {total} bytes would exceed capacity "
+                    f"({st.used_bytes}/{st.budget.capacity_bytes} bytes used)")
+            if backing is not None and back is not None \
+                    and back.used_bytes + total > back.budget.capacity_bytes:
+                raise CapacityError(
+                    f"{backing.value}: a backing copy of {total} bytes would exceed capacity "
+                    f"({back.used_bytes}/{back.budget.capacity_bytes} bytes used)")
             now = self._clock()
             nodes: list[_Node] = []
             up = parent_node
