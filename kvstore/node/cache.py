@@ -25,7 +25,10 @@ Copies: a primary tier, and at most one persistent backing copy
       the policy's order; only when those are not enough it drops backing copies (the chunk stays
       cached in memory, but no longer survives a crash). The background watermark demoter never
       drops backing copies;
-    * ``remove`` and a corrupt read drop every copy; ``persist`` writes only unbacked chunks.
+    * ``remove`` and a corrupt read drop every copy; ``persist`` writes only unbacked chunks;
+    * with durable puts, a chunk written to NVMe (put, write-through or demotion) first gets a
+      copy there of every ancestor that lacks one (a full NVMe may have dropped it), so what
+      NVMe holds stays recoverable after a crash.
 
 Prefix rule
     A chunk is useless without its parent. ``put`` refuses a chunk whose parent is not cached, the
@@ -301,6 +304,8 @@ class TieredCache:
         backing = durable if durable is not None and kind.order < durable.order else None
         if backing is not None:
             self._write_backing(backing, key, src, size, parent)
+        elif kind is durable and parent is not None:
+            self._back_ancestors(kind, parent)
         try:
             info, seconds = self._place(kind, target, key, size,
                                         lambda: _put(target, key, src, parent))
@@ -387,10 +392,63 @@ class TieredCache:
 
     def _write_backing(self, kind: TierKind, key: bytes, src: Buffer, size: int,
                        parent: bytes | None) -> None:
-        """Write the persistent copy of a put into a faster tier (write-through), making room."""
+        """Write the persistent copy of a put into a faster tier (write-through), making room.
+
+        First every ancestor without a copy in ``kind`` gets one (root first): a full tier may
+        have dropped the parent's copy for room, and a copy whose parent has none would be an
+        orphan at the next start."""
+        if parent is not None:
+            self._back_ancestors(kind, parent)
         tier = self._tiers[kind]
         _info, seconds = self._place(kind, tier, key, size, lambda: _put(tier, key, src, parent))
         self._count(kind, bytes_written=size, seconds_writing=seconds)
+
+    def _back_ancestors(self, kind: TierKind, parent: bytes) -> None:
+        missing: list[IndexEntry] = []
+        up: bytes | None = parent
+        while up is not None:
+            entry = self._index.get(up)
+            if entry is None or kind in (entry.tier, entry.backing):
+                break
+            missing.append(entry)
+            up = entry.parent
+        for entry in reversed(missing):
+            try:
+                self._add_backing(kind, entry)
+            except (ChunkBusy, ChunkNotFound) as exc:
+                # Claimed by a mover (a demotion, which writes the copy anyway) or gone.
+                log.debug("ancestor %s of a durable copy not backed now: %s", entry.key.hex(), exc)
+                return
+
+    def _add_backing(self, kind: TierKind, entry: IndexEntry) -> None:
+        """Give a cached chunk a backing copy in ``kind``, read from its primary copy under a
+        pin (so it can neither move nor go meanwhile)."""
+        key, size = entry.key, entry.size_bytes
+        lease = self._index.pin(key, self._config.lease_ttl_s)
+        try:
+            entry = self._index.get(key) or entry
+            if kind in (entry.tier, entry.backing):
+                return  # another put backed it meanwhile
+            host = self._host_memory.get(entry.tier)
+            if host is not None:
+                data: Buffer = host.view(key)
+            else:
+                data = bytearray(size)
+                self._tiers[entry.tier].get_into(key, data)
+            tier = self._tiers[kind]
+            try:
+                _info, seconds = self._place(kind, tier, key, size,
+                                             lambda: _put(tier, key, data, entry.parent))
+            except (ChunkExists, ChunkBusy):
+                return  # a racing put is writing the same copy
+            try:
+                self._index.add_backing(key, kind)
+            except KvtierError:
+                tier.remove(key)
+                raise
+            self._count(kind, bytes_written=size, seconds_writing=seconds)
+        finally:
+            self._index.unpin(lease)
 
     def _host_memory_tier(self, kind: TierKind) -> HostMemoryTier:
         target = self._host_memory.get(kind)
@@ -761,6 +819,8 @@ class TieredCache:
             return
         keep_source = (entry.backing is None and src_kind in self._persistent
                        and dst_kind.order < src_kind.order)
+        if dst_kind is self._durable and parent is not None:
+            self._back_ancestors(dst_kind, parent)
 
         def write() -> ChunkInfo:
             host_dst = self._host_memory.get(dst_kind)

@@ -590,6 +590,32 @@ class CacheIndex:
             node.tier = to_tier
             self._policy.on_move(node, from_tier)
 
+    def add_backing(self, key: bytes, tier: TierKind) -> None:
+        """Record that ``tier`` (slower than the primary tier) now holds a backing copy of
+        ``key`` too. The primary copy does not change, so readers' pins do not stand in the way;
+        the caller holds a pin of its own while it writes the copy.
+
+        Raises ChunkNotFound, ChunkExists (it already has a backing copy), ChunkBusy (a mover
+        claimed it), CapacityError (no room recorded in ``tier``), InvalidArgument.
+        """
+        with self._lock:
+            node = self._require(key)
+            back = self._state(tier)
+            if node.backing is not None:
+                raise ChunkExists(f"chunk {key.hex()} already has a copy in {node.backing.value}")
+            if tier.order <= node.tier.order:
+                raise InvalidArgument(f"a backing copy in {tier.value} must be in a tier slower "
+                                      f"than {node.tier.value}")
+            if self._claimed(node, self._clock()):
+                raise ChunkBusy(f"chunk {key.hex()} is being moved or evicted")
+            if back.used_bytes + node.size_bytes > back.budget.capacity_bytes:
+                raise CapacityError(f"{tier.value}: no room for {node.size_bytes} bytes "
+                                    f"({back.used_bytes}/{back.budget.capacity_bytes} used)")
+            node.backing = tier
+            back.backed[node] = None
+            back.used_bytes += node.size_bytes
+            back.entries += 1
+
     def drop_backing(self, key: bytes, *, lease: Lease | None = None) -> TierKind:
         """Forget ``key``'s backing copy (its tier dropped it); the entry stays cached in its
         primary tier. Returns the tier the copy was in.

@@ -556,3 +556,37 @@ def test_durable_dram_eviction_drops_copies_and_a_full_nvme_drops_backing_copies
         assert_no_orphans(cache)
     finally:
         cache.close()
+
+
+def test_a_durable_child_re_backs_a_parent_whose_nvme_copy_was_dropped(nvme_dir: Path) -> None:
+    """A full NVMe dropped the parent's copy for room (the parent stays in DRAM); a child put
+    later must not leave an NVMe copy whose parent has none: after a crash that child would be
+    dropped as an orphan. The put writes the parent's copy again first."""
+    cache = durable_cache(nvme_dir, dram_bytes=64 * CHUNK, nvme_bytes=MiB)
+    nvme = cache.tier(TierKind.NVME)
+    n = nvme.capacity_bytes // (CHUNK + 4 * KiB)
+    parent = key(0)
+    for i in range(n + 1):  # the last put takes the room of the oldest copy: the parent's
+        slot = cache.reserve(key(i), CHUNK, tier=TierKind.DRAM)
+        slot.buffer[:] = chunk(i)
+        cache.commit(slot, tier=TierKind.DRAM)
+    assert not nvme.contains(parent)
+    assert cache.entry(parent).backing is None  # type: ignore[union-attr]
+    child = key(5000)
+    slot = cache.reserve(child, CHUNK, parent=parent, tier=TierKind.DRAM)
+    slot.buffer[:] = chunk(5000)
+    cache.commit(slot, parent=parent, tier=TierKind.DRAM)
+    cache.put(key(5001), chunk(5001), parent=child)  # an inline put under it, too
+    assert nvme.contains(parent) and nvme.contains(child) and nvme.contains(key(5001))
+    assert cache.entry(parent).backing is TierKind.NVME  # type: ignore[union-attr]
+    assert_no_orphans(cache)
+    cache.close()  # like a kill -9
+
+    reopened = durable_cache(nvme_dir, dram_bytes=64 * CHUNK, nvme_bytes=MiB)
+    try:
+        report = reopened.recover()
+        assert report.dropped_orphans == 0
+        assert read(reopened, key(5001)) == chunk(5001)
+        assert reopened.lookup([parent, child, key(5001)]).length == 3
+    finally:
+        reopened.close()
