@@ -47,7 +47,6 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstore import __version__
 from kvstore._proto.kvtier.v1 import store_pb2 as pb
-from kvstore._proto.kvtier.v1 import store_pb2_grpc as pb_grpc
 from kvstore.dataplane.arena import remove_stale_arenas
 from kvstore.dataplane.dram import DramTier
 from kvstore.dataplane.read_index import slots_for
@@ -185,8 +184,10 @@ class StoreDaemon:
             report = await loop.run_in_executor(self._executor, self._cache.recover)
             log.info("recovered %d chunk(s) %s, dropped %d orphan(s)", report.recovered,
                      {k.value: n for k, n in report.by_tier.items()}, report.dropped_orphans)
-            self._leases = ShmLeases(self._cache)
-            self._backend = CacheLeaseBackend(self._cache, parents=ParentHints())
+            self._leases = ShmLeases(self._cache, max_ttl_s=cfg.server.max_ttl_s,
+                                     max_leases=cfg.server.max_leases)
+            self._backend = CacheLeaseBackend(
+                self._cache, parents=ParentHints(max_ttl_s=cfg.server.max_ttl_s))
             self._tcp = TcpServer(self._backend, TcpServerConfig(
                 host=cfg.server.host, port=cfg.server.tcp_port,
                 max_value_bytes=cfg.server.max_value_bytes,
@@ -298,7 +299,7 @@ class StoreDaemon:
             ("grpc.so_reuseport", 0),
         ])
         self._service = StoreService(self)
-        pb_grpc.add_StoreServicer_to_server(self._service, server)  # type: ignore[no-untyped-call]
+        self._service.register(server)  # decode-safe: bad bytes are INVALID_ARGUMENT
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
