@@ -13,7 +13,7 @@ import pytest
 from kvstore.client import DataPlane, StoreClient, StoreClientConfig
 from kvstore.dataplane.transport.shm import LeaseChannel
 from kvstore.dataplane.transport.shm.frames import ChannelOp
-from kvstore.errors import InvalidArgument, PeerUnavailable
+from kvstore.errors import InvalidArgument, ProtocolError
 from tests.support.common import wait_until
 from tests.support.daemon import DaemonProcess
 
@@ -106,10 +106,12 @@ def test_a_malformed_batch_closes_only_its_connection(client: StoreClient) -> No
     chan = LeaseChannel(client.info.shm_socket)
     try:
         sizes = struct.pack("<2Q", 4 * KiB, 4 * KiB)  # announces 8 KiB of values, sends 4 KiB
-        with pytest.raises(PeerUnavailable):  # the daemon drops a connection that breaks framing
+        # The daemon answers a batch that breaks framing with a closing error, then hangs up.
+        with pytest.raises(ProtocolError, match="add up to"):
             chan.call(ChannelOp.PUT_MANY, keys=[b"pm-bad-1", b"pm-bad-2"],
                       arg=len(sizes) + 4 * KiB,
                       payloads=[memoryview(sizes), memoryview(bytes(4 * KiB))])
+        assert chan.broken
     finally:
         chan.close()
     assert not client.exists(b"pm-bad-1")
