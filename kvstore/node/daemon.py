@@ -384,14 +384,15 @@ class StoreDaemon:
 
     def list_entries(self, key_prefix: bytes, tier: TierKind | None, limit: int
                      ) -> tuple[list[IndexEntry], bool]:
-        """Index entries whose key starts with ``key_prefix`` (in ``tier``), sorted by key;
-        at most ``limit`` (0: all). Returns them and whether more matched."""
-        keys: list[bytes] = []
+        """Index entries whose key starts with ``key_prefix`` (with a copy in ``tier``: its
+        primary or its backing copy), sorted by key, each once; at most ``limit`` (0: all).
+        Returns them and whether more matched."""
+        found: set[bytes] = set()
         for kind, t in self.cache.tiers.items():
             if tier is not None and kind is not tier:
                 continue
-            keys.extend(info.key for info in t.chunks() if info.key.startswith(key_prefix))
-        keys.sort()
+            found.update(info.key for info in t.chunks() if info.key.startswith(key_prefix))
+        keys = sorted(found)
         entries: list[IndexEntry] = []
         for key in keys:
             entry = self.cache.entry(key)

@@ -204,3 +204,20 @@ def test_promoting_chain_roots_out_of_nvme_then_kill_9_loses_no_chain(tmp_path: 
         assert dropped == 0
         assert recovered >= len(on_nvme)
         assert read_back(again, on_nvme) == []
+
+
+def test_a_chunk_with_two_copies_is_listed_once(tmp_path: Path) -> None:
+    """A durable TCP put leaves a DRAM copy and an NVMe copy: List, List by tier and Snapshot
+    name the chunk once (before, every tier holding a copy added it again)."""
+    d = daemon(tmp_path)
+    with running(d):
+        values = put_tcp(d)
+        with connect(d, DataPlane.TCP) as c:
+            assert all(c.inspect(k).tier == pb.TIER_DRAM for k in values)
+            listed = [e.key for e in c.list_chunks(b"tcp-").entries]
+            assert sorted(listed) == sorted(values)
+            for tier in (TierKind.DRAM, TierKind.NVME):
+                assert sorted(e.key for e in c.list_chunks(b"tcp-", tier).entries) == \
+                    sorted(values)
+            _epoch, _seq, entries = c.snapshot()
+            assert sorted(e.key for e in entries) == sorted(values)
