@@ -373,7 +373,7 @@ class ShmServer:
 
     def _handle(self, conn: _Connection, op: int, flags: int, keys: list[bytes], arg: int,
                 ttl_s: float, value: memoryview | None) -> bytes:
-        ttl = ttl_s if ttl_s > 0 else self._lease_ttl_s
+        ttl = self._lease_ttl_s if ttl_s == 0 else ttl_s  # the backend refuses nan, < 0, inf
         try:
             if op == ChannelOp.ACQUIRE_READ:
                 self._refuse_when_draining()
