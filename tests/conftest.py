@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import secrets
+
 import pytest
+
+# The admin CLI's operator session (kvstore.client.daemon_control.operator_session) would
+# otherwise be kept in a file under the user's home; one per test run, in the environment that
+# the CLI subprocesses inherit.
+os.environ.setdefault("KVTIER_SESSION", "tests-" + secrets.token_hex(16))
 
 pytest_plugins = ["tests.support.etcd"]
 
