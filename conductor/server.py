@@ -23,6 +23,16 @@ What the conductor believes, and when it changes
     * Every conductor, leader or not, follows every daemon, so a standby that takes over
       has a current index at once (failover does not wait for a rebuild).
     * Engines are schedulable while their record is in etcd and their ``node_id`` is live.
+    * **No answers from a half-built view** (issue 12). Starting, the conductor follows every
+      registered node and waits for their snapshots (and their engines) before it campaigns.
+      After an etcd outage long enough to expire leases (etcd then deletes every member's key
+      at once and the members write them again), Schedule, ScheduleBatch and Lookup answer
+      UNAVAILABLE (``MembershipError``: retryable) until every node and engine that was live
+      before the outage is back: registered, seen under the create revision etcd now has,
+      snapshot loaded, engines schedulable; or until ``view_rebuild_grace_s`` (a member that
+      died meanwhile never returns). The refusal starts when the election hears from etcd
+      again, or earlier, as soon as etcd removes an expected member. Without it a new leader
+      answered "no prefill instance serves model" for a fraction of a second.
 
 Threading: discovery, event subscriptions and the election run on one asyncio event loop.
 RPCs are served by gRPC's threaded server (a pool of ``rpc_workers`` threads): measured here,
@@ -67,12 +77,22 @@ from conductor.scheduler import (
 from kvstore._proto.kvtier.v1 import store_pb2 as store_pb
 from kvstore._proto.kvtier.v1 import store_pb2_grpc as store_grpc
 from kvstore.dataplane.tier import TierKind
-from kvstore.errors import InvalidArgument, KvtierError
+from kvstore.errors import InvalidArgument, KvtierError, MembershipError
 from kvstore.keys import BlockHasher, Namespace
 from kvstore.membership.election import Election, LeaderRecord, LeaderView
-from kvstore.membership.engines import EngineRecord, EngineRole, EngineWatch
+from kvstore.membership.engines import (
+    EngineRecord,
+    EngineRole,
+    EngineWatch,
+    engine_create_revisions,
+)
 from kvstore.membership.etcd import DEFAULT_LAYOUT, KeyLayout, etcd_client, parse_host_port
-from kvstore.membership.nodes import NodeEventKind, NodeRecord, watch_nodes
+from kvstore.membership.nodes import (
+    NodeEventKind,
+    NodeRecord,
+    node_create_revisions,
+    watch_nodes,
+)
 from kvstore.wire import PB_TO_TIER
 
 log = logging.getLogger(__name__)
@@ -92,6 +112,13 @@ _RECONNECT_MAX_S = 1.0
 _SNAPSHOT_PAGE_ENTRIES = 8192
 _HASHERS_KEPT = 1024
 GRPC_MAX_MESSAGE_BYTES = 16 << 20
+LEASES_MAY_EXPIRE_S = 1.0
+"""An etcd outage shorter than this cannot have expired a registration's lease (leases are at
+least 2 s, refreshed every third of that), so it needs no rebuild of the view."""
+_LEASE_EXPIRY_SETTLE_S = 1.0
+"""After a longer outage, wait this long before comparing the view with etcd: etcd revokes the
+leases that expired while it was away on its 0.5 s expiry tick, one proposal each."""
+_REBUILD_POLL_S = 0.05
 
 
 class ClockMode(enum.Enum):
@@ -134,6 +161,13 @@ class ConductorConfig:
     """Benchmark only: load this many synthetic blocks (keys no request will ever name) into
     the index at start, through its snapshot path, under node ids ``preload-<i>``."""
     clock: ClockMode = ClockMode.WALL
+    view_rebuild_grace_s: float = 5.0
+    """After starting, and after an etcd outage long enough to expire leases, the conductor
+    neither decides nor answers Lookup (UNAVAILABLE) until its view matches etcd again:
+    every member it expects (those etcd lists at start; those it had live before the outage)
+    registered, seen under its current create revision, its snapshot loaded and its engines
+    schedulable. It serves anyway after this many seconds (a member that died meanwhile never
+    comes back), logging who is missing."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, Policy):
@@ -148,6 +182,9 @@ class ConductorConfig:
         if isinstance(self.rpc_workers, bool) or not isinstance(self.rpc_workers, int) \
                 or self.rpc_workers < 1:
             raise InvalidArgument(f"rpc_workers must be an int >= 1, got {self.rpc_workers!r}")
+        if not self.view_rebuild_grace_s > 0:
+            raise InvalidArgument(
+                f"view_rebuild_grace_s must be > 0, got {self.view_rebuild_grace_s!r}")
         if not self.sweep_interval_s > 0:
             raise InvalidArgument(f"sweep_interval_s must be > 0, got {self.sweep_interval_s!r}")
         if isinstance(self.preload_blocks, bool) or not isinstance(self.preload_blocks, int) \
@@ -166,12 +203,32 @@ def _split_listen(listen: str) -> tuple[str, int]:
 class _NodeFollower:
     """One daemon's event stream into the index (a task), with its connection."""
 
-    __slots__ = ("connected", "record", "task")
+    __slots__ = ("connected", "create_revision", "record", "settled", "task")
 
-    def __init__(self, record: NodeRecord) -> None:
+    def __init__(self, record: NodeRecord, create_revision: int) -> None:
         self.record = record
+        self.create_revision = create_revision
+        """Of the node's etcd key when it joined: tells this registration from a later one."""
         self.task: asyncio.Task[None] | None = None
         self.connected = False
+        self.settled = False
+        """The first snapshot attempt ended (loaded, or the daemon did not answer)."""
+
+
+@dataclass(eq=False)
+class _Rebuild:
+    """The view is being rebuilt (see ConductorConfig.view_rebuild_grace_s)."""
+
+    why: str
+    nodes: set[str] | None
+    """Node ids to wait for; None: those registered in etcd."""
+    engines: set[str] | None
+    """Engine instance ids to wait for; None: those in etcd whose node is registered."""
+    gating: bool = False
+    """True while RPCs are refused (not while etcd is away: the view we have is served)."""
+    started: bool = False
+    """The rebuild began; a later short outage does not cancel it."""
+    task: asyncio.Task[None] | None = None
 
 
 class Conductor:
@@ -207,6 +264,9 @@ class Conductor:
         self._ready = asyncio.Event()
         self._stopping = False
         self.leader_changes = 0
+        self._engine_created: dict[str, int] = {}
+        """Create revision of each engine record's key, by instance id."""
+        self._rebuild: _Rebuild | None = None
 
     # ------------------------------------------------------------------ views
 
@@ -222,6 +282,11 @@ class Conductor:
     @property
     def is_leader(self) -> bool:
         return self.election is not None and self.election.is_leader
+
+    def view_unready(self) -> str | None:
+        """Why decisions and lookups must wait (the view is being rebuilt), or None."""
+        rebuild = self._rebuild
+        return rebuild.why if rebuild is not None and rebuild.gating else None
 
     def leader(self) -> LeaderView | None:
         return None if self.election is None else self.election.leader
@@ -304,18 +369,22 @@ class Conductor:
             await node_watch.start()
             engine_watch = EngineWatch(self._etcd, layout=cfg.layout)
             await engine_watch.__aenter__()
+            self._tasks = [
+                loop.create_task(self._follow_membership(node_watch),
+                                 name="kvtier-conductor-nodes"),
+                loop.create_task(self._follow_engines(engine_watch),
+                                 name="kvtier-conductor-engines"),
+                loop.create_task(self._sweep_loop(), name="kvtier-conductor-sweep"),
+            ]
+            # Campaign only with a built view: snapshots of the registered nodes loaded.
+            await self._rebuild_view(_Rebuild("starting", None, None), settle_s=0.0)
             self.election = Election(self._etcd, LeaderRecord(cfg.conductor_id, self.address),
                                      ttl_s=cfg.election_ttl_s, layout=cfg.layout,
-                                     on_change=self._on_leadership)
+                                     on_change=self._on_leadership, on_etcd=self._on_etcd)
             await self.election.start()
         except BaseException:
             await self.stop()
             raise
-        self._tasks = [
-            loop.create_task(self._follow_membership(node_watch), name="kvtier-conductor-nodes"),
-            loop.create_task(self._follow_engines(engine_watch), name="kvtier-conductor-engines"),
-            loop.create_task(self._sweep_loop(), name="kvtier-conductor-sweep"),
-        ]
         return self.address
 
     async def stop(self) -> None:
@@ -326,6 +395,8 @@ class Conductor:
         if self.election is not None:
             await self.election.resign()
         tasks = self._tasks + [f.task for f in self.nodes.values() if f.task is not None]
+        if self._rebuild is not None and self._rebuild.task is not None:
+            tasks.append(self._rebuild.task)
         for task in tasks:
             task.cancel()
         if tasks:
@@ -357,8 +428,110 @@ class Conductor:
             return
         serving = health_pb2.HealthCheckResponse.SERVING
         self._health.set("", serving)
-        self._health.set(SERVICE_NAME, serving if self.is_leader
+        self._health.set(SERVICE_NAME, serving if self.is_leader and self.view_unready() is None
                                else health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    # ------------------------------------------------------------------ rebuilding the view
+
+    def _on_etcd(self, reachable: bool, outage_s: float) -> None:
+        """The election lost etcd, or reached it again after ``outage_s`` seconds."""
+        if not reachable:
+            with self.lock:
+                if self._rebuild is None:
+                    self._rebuild = _Rebuild("etcd was unreachable", set(self.live_nodes()),
+                                             set(self._scheduled))
+                rebuild = self._rebuild
+                rebuild.gating = False  # until etcd is back, serve the view we have
+            if rebuild.task is not None:
+                rebuild.task.cancel()
+                rebuild.task = None
+            self._set_health()
+            return
+        pending = self._rebuild
+        if pending is None or pending.task is not None:
+            return
+        if outage_s < LEASES_MAY_EXPIRE_S and not pending.started:
+            with self.lock:
+                self._rebuild = None
+            log.info("etcd answers again after %.1f s: no lease can have expired", outage_s)
+            return
+        log.warning("etcd answers again after %.1f s: rebuilding the view before deciding",
+                    outage_s)
+        pending.task = asyncio.get_running_loop().create_task(
+            self._rebuild_view(pending, settle_s=_LEASE_EXPIRY_SETTLE_S),
+            name="kvtier-conductor-rebuild")
+
+    async def _rebuild_view(self, rebuild: _Rebuild, settle_s: float) -> None:
+        """Refuse decisions and lookups until the view matches etcd (or the grace ran out)."""
+        assert self._etcd is not None
+        layout = self.config.layout
+        with self.lock:
+            self._rebuild = rebuild
+            rebuild.gating = rebuild.started = True
+        self._set_health()
+        started = time.monotonic()
+        deadline = started + self.config.view_rebuild_grace_s
+        if settle_s:
+            await asyncio.sleep(settle_s)
+        while True:
+            try:
+                nodes = await node_create_revisions(self._etcd, layout=layout)
+                engines = await engine_create_revisions(self._etcd, layout=layout)
+            except MembershipError as exc:
+                missing = [f"etcd ({exc})"]
+            else:
+                with self.lock:
+                    missing = self._not_rebuilt(rebuild, nodes, engines)
+                if not missing:
+                    log.info("view rebuilt (%s) in %.2f s", rebuild.why,
+                             time.monotonic() - started)
+                    break
+            if time.monotonic() >= deadline:
+                log.warning("view rebuild (%s): serving after %.1f s without %s", rebuild.why,
+                            self.config.view_rebuild_grace_s, ", ".join(missing[:8]))
+                break
+            await asyncio.sleep(_REBUILD_POLL_S)
+        with self.lock:
+            if self._rebuild is rebuild:
+                self._rebuild = None
+        self._set_health()
+
+    def _hold_for_rebuild(self, kind: str, member_id: str) -> None:
+        """etcd removed a member we expect back while the election still waits for etcd: etcd
+        is back and expiring the leases that lapsed while it was away. Refuse from now on,
+        not only once the election notices (hold the lock)."""
+        rebuild = self._rebuild
+        if rebuild is None or rebuild.gating:
+            return
+        expected = rebuild.nodes if kind == "node" else rebuild.engines
+        if expected is not None and member_id in expected:
+            log.info("%s %s left etcd after an outage: refusing until the view is rebuilt",
+                     kind, member_id)
+            rebuild.gating = True
+
+    def _not_rebuilt(self, rebuild: _Rebuild, nodes: dict[str, int],
+                     engines: dict[str, tuple[int, EngineRecord]]) -> list[str]:
+        """What the view still lacks of what etcd holds now (hold the lock)."""
+        want_nodes = rebuild.nodes if rebuild.nodes is not None else set(nodes)
+        want_engines = rebuild.engines if rebuild.engines is not None else {
+            i for i, (_, rec) in engines.items() if rec.node_id in nodes}
+        missing = []
+        for node_id in sorted(want_nodes):
+            follower = self.nodes.get(node_id)
+            if node_id not in nodes:
+                missing.append(f"node {node_id} (not registered)")
+            elif follower is None or follower.create_revision != nodes[node_id]:
+                missing.append(f"node {node_id} (its registration not seen yet)")
+            elif not follower.settled:
+                missing.append(f"node {node_id} (snapshot not loaded)")
+        for instance_id in sorted(want_engines):
+            if instance_id not in engines:
+                missing.append(f"engine {instance_id} (not registered)")
+            elif self._engine_created.get(instance_id) != engines[instance_id][0]:
+                missing.append(f"engine {instance_id} (its record not seen yet)")
+            elif instance_id not in self._scheduled:
+                missing.append(f"engine {instance_id} (its node not live)")
+        return missing
 
     # ------------------------------------------------------------------ membership
 
@@ -367,19 +540,22 @@ class Conductor:
             stack.push_async_callback(events.close)
             async for event in events:
                 node_id = event.node_id
+                if event.kind is not NodeEventKind.UPDATED:
+                    with self.lock:
+                        self._hold_for_rebuild("node", node_id)
                 if event.kind is NodeEventKind.LEFT:
                     self._drop_node(node_id, "its etcd key is gone")
                 elif event.kind is NodeEventKind.JOINED or (
                         event.kind is NodeEventKind.UPDATED
                         and self.nodes[node_id].record.grpc_address != event.record.grpc_address):
                     self._drop_node(node_id, "it re-registered")
-                    self._add_node(event.record)
+                    self._add_node(event.record, event.create_revision)
                 else:
                     with self.lock:
                         self.nodes[node_id].record = event.record
 
-    def _add_node(self, record: NodeRecord) -> None:
-        follower = _NodeFollower(record)
+    def _add_node(self, record: NodeRecord, create_revision: int) -> None:
+        follower = _NodeFollower(record, create_revision)
         with self.lock:
             self.nodes[record.node_id] = follower
         follower.task = asyncio.get_running_loop().create_task(
@@ -425,6 +601,7 @@ class Conductor:
                 try:
                     seq, epoch = await self._load_snapshot(stub, node_id)
                     self._set_connected(follower, True)
+                    follower.settled = True
                     backoff_s = _RECONNECT_MIN_S
                     after: int | None = seq
                     while after is not None:
@@ -436,6 +613,7 @@ class Conductor:
                 except KvtierError as exc:  # a snapshot the index refused, a malformed stream
                     log.warning("node %s: %s: %s", node_id, type(exc).__name__, exc)
                     self._set_connected(follower, False, str(exc))
+                follower.settled = True
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(_RECONNECT_MAX_S, backoff_s * 2)
 
@@ -513,10 +691,13 @@ class Conductor:
             async for change in changes:
                 with self.lock:
                     if change.record is None:
+                        self._hold_for_rebuild("engine", change.instance_id)
                         self.engines.pop(change.instance_id, None)
                         self.engine_load.pop(change.instance_id, None)
+                        self._engine_created.pop(change.instance_id, None)
                     else:
                         self.engines[change.instance_id] = change.record
+                        self._engine_created[change.instance_id] = change.create_revision
                     self._hashers.clear()
                     self._sync_instances()
         finally:

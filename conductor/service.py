@@ -26,7 +26,7 @@ from conductor.index import TierCounts
 from conductor.scheduler import Decision, RejectReason, ScheduleRequest
 from kvstore._proto.kvtier.v1 import conductor_pb2 as pb
 from kvstore._proto.kvtier.v1 import conductor_pb2_grpc as pb_grpc
-from kvstore.errors import InvalidArgument, KvtierError
+from kvstore.errors import InvalidArgument, KvtierError, MembershipError
 from kvstore.membership.engines import EngineRole
 from kvstore.wire import (
     ERROR_METADATA_KEY,
@@ -116,6 +116,15 @@ class ConductorService(pb_grpc.ConductorServicer):
                  if view is not None else "no leader is elected right now; retry shortly")
         raise NotLeader(f"conductor {self._c.config.conductor_id} is not the leader: {where}")
 
+    def _require_view(self) -> None:
+        """Refuse (UNAVAILABLE, retryable) while the conductor's view is being rebuilt: an
+        answer from it could say "no instance serves model" while the engines are there."""
+        why = self._c.view_unready()
+        if why is not None:
+            raise MembershipError(
+                f"conductor {self._c.config.conductor_id} is rebuilding its view of the cluster "
+                f"({why}): not answering from a partial view; retry shortly")
+
     def _keys(self, model: str, tenant: str, keys: Any, token_ids: Any) -> tuple[bytes, ...]:
         """The request's chained keys, given as keys or as token ids (never both)."""
         if len(keys) and len(token_ids):
@@ -141,12 +150,14 @@ class ConductorService(pb_grpc.ConductorServicer):
     @_rpc
     def Schedule(self, request: pb.ScheduleRequest, context: Any) -> pb.ScheduleReply:
         self._require_leader()
+        self._require_view()
         return self._schedule(request)
 
     @_rpc
     def ScheduleBatch(self, request: pb.ScheduleBatchRequest, context: Any
                       ) -> pb.ScheduleBatchReply:
         self._require_leader()
+        self._require_view()
         if len(request.items) > MAX_BATCH:
             raise InvalidArgument(f"{len(request.items)} requests; at most {MAX_BATCH} per batch")
         reply = pb.ScheduleBatchReply()
@@ -235,6 +246,7 @@ class ConductorService(pb_grpc.ConductorServicer):
     @_rpc
     def Lookup(self, request: pb.ConductorLookupRequest, context: Any
                      ) -> pb.ConductorLookupReply:
+        self._require_view()
         keys = self._keys(request.model, request.tenant, request.keys, request.token_ids)
         match = self._c.index.match(keys)
         reply = pb.ConductorLookupReply(blocks=len(keys), best_blocks=match.best_length)

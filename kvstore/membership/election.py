@@ -129,7 +129,14 @@ class Election:
 
     def __init__(self, client: aetcd.Client, record: LeaderRecord, *, ttl_s: int = 2,
                  layout: KeyLayout = DEFAULT_LAYOUT, poll_interval_s: float | None = None,
-                 on_change: Callable[[bool], None] | None = None) -> None:
+                 on_change: Callable[[bool], None] | None = None,
+                 on_etcd: Callable[[bool, float], None] | None = None) -> None:
+        """Record settings only. ``on_change(leading)`` on every change of leadership;
+        ``on_etcd(reachable, outage_s)``: ``(False, 0.0)`` when etcd stops answering, or is
+        found to have expired our lease (the outage was long enough to expire leases), and
+        ``(True, outage_s)`` when a step succeeds again after that; ``outage_s`` counts from
+        the send time of the last successful step. Both run in the event loop; their
+        exceptions are logged."""
         if isinstance(ttl_s, bool) or not isinstance(ttl_s, int) or ttl_s < 2:
             raise InvalidArgument(f"ttl_s must be an int >= 2 seconds, got {ttl_s!r}")
         if not isinstance(record, LeaderRecord):
@@ -145,6 +152,9 @@ class Election:
             raise InvalidArgument(f"poll_interval_s must be positive, got {poll_interval_s}")
         self._rpc_timeout_s = self._refresh_interval_s
         self._on_change = on_change
+        self._on_etcd = on_etcd
+        self._last_ok_at = 0.0
+        self._etcd_lost = False
         self._lease_id: int | None = None
         self._lease_confirmed_until = 0.0
         self._key_confirmed_until = 0.0
@@ -198,6 +208,7 @@ class Election:
         """Grant our lease and make the first attempt; raises MembershipError if etcd is down."""
         if self._task is not None:
             raise MembershipError("this election was already started")
+        self._last_ok_at = time.monotonic()
         await self._grant()
         await self._attempt()
         self._task = asyncio.get_running_loop().create_task(
@@ -277,6 +288,9 @@ class Election:
             return
         existing = responses[0][0][1] if responses and responses[0] else None
         if existing is None:  # deleted between compare and get: the next poll will tell
+            if self._leading:
+                log.warning("conductor %s: the leader key vanished during a campaign",
+                            self._record.conductor_id)
             self._leader = None
             self._set_leading(False)
             return
@@ -374,12 +388,15 @@ class Election:
                         self._record.conductor_id, why, int(kv.create_revision))
             self._win(int(kv.create_revision), sent_at)
         else:  # changed again since we read it: the next step judges it afresh
+            log.warning("conductor %s: the leader key changed while we re-asserted it; "
+                        "judging it again", self._record.conductor_id)
             self._set_leading(False)
 
     async def _loop(self) -> None:
         next_refresh = time.monotonic() + self._refresh_interval_s
         failing = False
         while not self._closing:
+            step_at = time.monotonic()
             try:
                 if self._lease_id is None:
                     await self._grant()
@@ -390,6 +407,7 @@ class Election:
                                     self._record.conductor_id)
                         self._lease_id = None
                         self._set_leading(False)
+                        self._note_etcd(False)
                         continue
                     next_refresh = time.monotonic() + self._refresh_interval_s
                 if self._leading:
@@ -399,11 +417,13 @@ class Election:
                 if failing:
                     log.info("conductor %s: etcd answers again", self._record.conductor_id)
                     failing = False
+                self._note_etcd(True, step_at)
             except MembershipError as exc:
                 if not failing:
                     log.warning("conductor %s: election step failed: %s",
                                 self._record.conductor_id, exc)
                     failing = True
+                self._note_etcd(False)
             # Leadership lapses by itself when the lease cannot be confirmed (is_leader);
             # tell the owner as soon as that happens.
             if self._leading and time.monotonic() >= self._confirmed_until():
@@ -414,6 +434,25 @@ class Election:
             # by hand is re-asserted long before a standby would clear it (one TTL).
             wait_s = max(0.0, min(self._poll_interval_s, next_refresh - time.monotonic()))
             await asyncio.sleep(wait_s)
+
+    def _note_etcd(self, ok: bool, step_at: float = 0.0) -> None:
+        """Tell ``on_etcd`` when etcd is lost and when it answers again (see __init__)."""
+        if ok:
+            lost, self._etcd_lost = self._etcd_lost, False
+            outage_s = max(0.0, step_at - self._last_ok_at)
+            self._last_ok_at = step_at
+            if not lost:
+                return
+        elif self._etcd_lost:
+            return
+        else:
+            self._etcd_lost = True
+            outage_s = 0.0
+        if self._on_etcd is not None:
+            try:
+                self._on_etcd(ok, outage_s)
+            except Exception:
+                log.exception("election on_etcd callback failed")
 
     def _set_leading(self, leading: bool) -> None:
         if leading == self._leading:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aetcd
@@ -53,8 +53,8 @@ from kvstore.membership.registration import KeyClaim, Registration, StateCallbac
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EngineChange", "EngineRecord", "EngineRole", "EngineWatch", "engines_prefix",
-           "list_engines", "put_engine_record", "register_engine"]
+__all__ = ["EngineChange", "EngineRecord", "EngineRole", "EngineWatch", "engine_create_revisions",
+           "engines_prefix", "list_engines", "put_engine_record", "register_engine"]
 
 _RETRY_INTERVAL_S = 0.5
 
@@ -193,8 +193,18 @@ async def list_engines(client: aetcd.Client, *, layout: KeyLayout = DEFAULT_LAYO
                        rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S) -> dict[str, EngineRecord]:
     """The registered engines by instance id (in key order: decode, then prefill), malformed
     entries skipped. Raises MembershipError."""
-    current, _ = await _snapshot(client, layout, rpc_timeout_s)
+    current, _, _ = await _snapshot(client, layout, rpc_timeout_s)
     return {record.instance_id: record for record in current.values()}
+
+
+async def engine_create_revisions(client: aetcd.Client, *, layout: KeyLayout = DEFAULT_LAYOUT,
+                                  rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S
+                                  ) -> dict[str, tuple[int, EngineRecord]]:
+    """Every valid engine record with the create revision of its key, by instance id: what a
+    watcher compares (:attr:`EngineChange.create_revision`) to tell whether it has seen the
+    current registration. Raises MembershipError."""
+    current, created, _ = await _snapshot(client, layout, rpc_timeout_s)
+    return {record.instance_id: (created[key], record) for key, record in current.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +213,9 @@ class EngineChange:
 
     instance_id: str
     record: EngineRecord | None
+    create_revision: int = field(default=0, compare=False)
+    """Create revision of the record's key (0 when it left). A record written again after
+    its lease lapsed is reported again with its new create revision, even if unchanged."""
 
 
 def _decode(layout: KeyLayout, key: bytes, value: bytes) -> EngineRecord | None:
@@ -219,16 +232,19 @@ def _decode(layout: KeyLayout, key: bytes, value: bytes) -> EngineRecord | None:
 
 
 async def _snapshot(client: aetcd.Client, layout: KeyLayout, rpc_timeout_s: float
-                    ) -> tuple[dict[bytes, EngineRecord], int]:
-    """Every valid engine record by key, and the revision of the read."""
+                    ) -> tuple[dict[bytes, EngineRecord], dict[bytes, int], int]:
+    """Every valid engine record by key, their keys' create revisions, and the revision of
+    the read."""
     result = await etcd_call("list engines", client.get_prefix(engines_prefix(layout).encode()),
                              rpc_timeout_s)
     current: dict[bytes, EngineRecord] = {}
+    created: dict[bytes, int] = {}
     for kv in result:
         record = _decode(layout, kv.key, kv.value)
         if record is not None:
             current[bytes(kv.key)] = record
-    return current, int(result.header.revision)
+            created[bytes(kv.key)] = int(kv.create_revision)
+    return current, created, int(result.header.revision)
 
 
 class EngineWatch(PrefixWatch[EngineChange]):
@@ -247,26 +263,33 @@ class EngineWatch(PrefixWatch[EngineChange]):
                          retry_interval_s=retry_interval_s)
         self._prefix = engines_prefix(layout).encode()
         self._known: dict[bytes, EngineRecord] = {}
+        self._created: dict[bytes, int] = {}
 
     async def _open(self) -> tuple[Any, list[EngineChange]]:
-        current, revision = await _snapshot(self._client, self._layout, self._rpc_timeout_s)
+        current, created, revision = await _snapshot(self._client, self._layout,
+                                                     self._rpc_timeout_s)
         watch = await etcd_call("watch engines",
                             self._client.watch_prefix(self._prefix, start_revision=revision + 1),
                             self._rpc_timeout_s)
         changes = [EngineChange(rec.instance_id, None) for key, rec in self._known.items()
                    if key not in current]
-        changes += [EngineChange(rec.instance_id, rec) for key, rec in current.items()
-                    if self._known.get(key) != rec]
-        self._known = current
+        changes += [EngineChange(rec.instance_id, rec, created[key])
+                    for key, rec in current.items()
+                    if self._known.get(key) != rec or self._created.get(key) != created[key]]
+        self._known, self._created = current, created
         return watch, changes
 
     def _apply_event(self, event: Any) -> list[EngineChange]:
         key = bytes(event.kv.key)
         if event.kind == aetcd.EventKind.DELETE:
             gone = self._known.pop(key, None)
+            self._created.pop(key, None)
             return [] if gone is None else [EngineChange(gone.instance_id, None)]
         record = _decode(self._layout, event.kv.key, event.kv.value)
-        if record is None or self._known.get(key) == record:
+        create_revision = int(event.kv.create_revision)
+        if record is None or (self._known.get(key) == record
+                              and self._created.get(key) == create_revision):
             return []
         self._known[key] = record
-        return [EngineChange(record.instance_id, record)]
+        self._created[key] = create_revision
+        return [EngineChange(record.instance_id, record, create_revision)]

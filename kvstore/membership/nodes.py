@@ -172,11 +172,14 @@ class NodeEvent:
 
     ``revision`` is the etcd revision of the change (of the snapshot, for the snapshot's
     JOINED events and for changes found by re-listing after a reconnect).
+    ``create_revision`` is the create revision of the node's key (of the key that left, for
+    LEFT): a registration written again after its lease lapsed has a new one.
     """
 
     kind: NodeEventKind
     record: NodeRecord
     revision: int
+    create_revision: int = 0
 
     @property
     def node_id(self) -> str:
@@ -240,6 +243,19 @@ async def list_nodes(
     return {node_id: member.record for node_id, member in members.items()}
 
 
+async def node_create_revisions(
+    client: aetcd.Client,
+    *,
+    layout: KeyLayout = DEFAULT_LAYOUT,
+    rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
+) -> dict[str, int]:
+    """The create revision of every registered node's key, by node id (malformed entries
+    skipped): what a watcher compares to tell whether it has seen the current registration.
+    Raises MembershipError."""
+    members, _ = await _snapshot(client, layout, rpc_timeout_s)
+    return {node_id: member.create_revision for node_id, member in members.items()}
+
+
 # --------------------------------------------------------------------------- discovery
 
 
@@ -251,18 +267,18 @@ def _changes(old: _Member | None, new: _Member, revision: int) -> Iterator[NodeE
     changes nothing yields nothing.
     """
     if old is None:
-        yield NodeEvent(NodeEventKind.JOINED, new.record, revision)
+        yield NodeEvent(NodeEventKind.JOINED, new.record, revision, new.create_revision)
     elif old.create_revision != new.create_revision:
-        yield NodeEvent(NodeEventKind.LEFT, old.record, revision)
-        yield NodeEvent(NodeEventKind.JOINED, new.record, revision)
+        yield NodeEvent(NodeEventKind.LEFT, old.record, revision, old.create_revision)
+        yield NodeEvent(NodeEventKind.JOINED, new.record, revision, new.create_revision)
     elif old.record != new.record:
-        yield NodeEvent(NodeEventKind.UPDATED, new.record, revision)
+        yield NodeEvent(NodeEventKind.UPDATED, new.record, revision, new.create_revision)
 
 
 def _diff(known: dict[str, _Member], current: dict[str, _Member], revision: int) -> list[NodeEvent]:
     """Events that turn ``known`` into ``current`` (LEFT first); then ``known`` = ``current``."""
     events = [
-        NodeEvent(NodeEventKind.LEFT, member.record, revision)
+        NodeEvent(NodeEventKind.LEFT, member.record, revision, member.create_revision)
         for node_id, member in known.items()
         if node_id not in current
     ]
@@ -281,7 +297,8 @@ def _apply(known: dict[str, _Member], layout: KeyLayout, event: aetcd.Event) -> 
         node_id = layout.node_id_of(kv.key.decode(errors="replace"))
         gone = known.pop(node_id, None) if node_id is not None else None
         # A malformed entry was never reported, so it leaves silently.
-        return [] if gone is None else [NodeEvent(NodeEventKind.LEFT, gone.record, revision)]
+        return [] if gone is None else [
+            NodeEvent(NodeEventKind.LEFT, gone.record, revision, gone.create_revision)]
     record = _decode_node(layout, kv.key, kv.value)
     if record is None:  # logged; a node whose update is malformed keeps its last good record
         return []

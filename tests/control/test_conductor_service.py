@@ -497,3 +497,102 @@ def test_leader_key_overwritten_conductor_keeps_scheduling(aio: asyncio.Runner,
             assert info.is_leader and info.leader_id in cluster.conductors
 
     run(aio, scenario(), timeout_s=90.0)
+
+
+# --------------------------------------------------------------------------- etcd frozen: a new term
+
+
+def test_after_etcd_pause_no_decision_from_an_unbuilt_view(
+        aio: asyncio.Runner, tmp_path: Path, private_etcd: LocalEtcd) -> None:
+    """Issue 12: etcd frozen (SIGSTOP) for longer than every lease: on SIGCONT etcd expires
+    the daemons' and the conductors' leases at once, the daemons re-register and a leader is
+    elected again. A leader used to answer from the half-rebuilt view in between ("no
+    prefill instance serves model" while the engines were registered). Polling Schedule on
+    both conductors through the whole change, every reply must be a placement, a refusal by
+    a follower (FAILED_PRECONDITION) or UNAVAILABLE (retryable); never INVALID_ARGUMENT. And
+    every Lookup finds node-a's 3 blocks or is UNAVAILABLE."""
+    layout = KeyLayout("/etcd-pause-view/")
+    cluster = Cluster(tmp_path, private_etcd.client_url, layout)
+    try:
+        cluster.daemon("node-a")
+        cluster.daemon("node-b")
+        conductors = [cluster.conductor("c-1"), cluster.conductor("c-2")]
+        keys = cluster.store_chain("node-a", tokens(3, 3))
+
+        async def scenario() -> None:
+            await cluster.engines(prefill("p-a", "node-a"), prefill("p-b", "node-b"),
+                                  decode("d-a", "node-a"), decode("d-b", "node-b"))
+            async with cluster.client() as client:
+                await ready(client, nodes={"node-a", "node-b"}, prefill_ids={"p-a", "p-b"})
+            channels = [grpc.aio.insecure_channel(c.address) for c in conductors]
+            stubs = [pb_grpc.ConductorStub(ch) for ch in channels]  # type: ignore[no-untyped-call]
+            seen: dict[str, int] = {}
+            wrong: list[str] = []
+            resumed = False
+            accepted_after = 0
+            try:
+                async def poll(i: int) -> None:
+                    nonlocal accepted_after
+                    for stub in stubs:
+                        try:
+                            reply = await stub.Schedule(pb.ScheduleRequest(
+                                request_id=f"r-{i}", model=MODEL, keys=keys, input_tokens=2000),
+                                timeout=5.0)
+                        except grpc.aio.AioRpcError as exc:
+                            code = exc.code()
+                            seen[code.name] = seen.get(code.name, 0) + 1
+                            if code not in (grpc.StatusCode.UNAVAILABLE,
+                                            grpc.StatusCode.FAILED_PRECONDITION,
+                                            grpc.StatusCode.DEADLINE_EXCEEDED):
+                                wrong.append(f"{code.name}: {exc.details()}")
+                            continue
+                        if not reply.accepted or reply.prefill_node not in ("node-a", "node-b"):
+                            wrong.append(f"bad decision: {reply}")
+                        seen["OK"] = seen.get("OK", 0) + 1
+                        if resumed:
+                            accepted_after += 1
+                    for stub in stubs:  # Lookup: any conductor, from a built view only
+                        try:
+                            found = await stub.Lookup(pb.ConductorLookupRequest(keys=keys),
+                                                      timeout=5.0)
+                        except grpc.aio.AioRpcError as exc:
+                            if exc.code() not in (grpc.StatusCode.UNAVAILABLE,
+                                                  grpc.StatusCode.DEADLINE_EXCEEDED):
+                                wrong.append(f"Lookup {exc.code().name}: {exc.details()}")
+                            continue
+                        if found.best_blocks != 3:
+                            wrong.append(f"Lookup from a partial view: {found}")
+
+                for i in range(20):
+                    await poll(i)
+                assert seen.get("OK", 0) >= 20 and not wrong, (seen, wrong)
+                private_etcd.pause()
+                try:
+                    paused_until = time.monotonic() + 3 * 2  # 3 x every lease's TTL (2 s)
+                    i = 20
+                    while time.monotonic() < paused_until:
+                        await poll(i)
+                        i += 1
+                        await asyncio.sleep(0.01)
+                finally:
+                    private_etcd.resume()
+                resumed = True
+                deadline = time.monotonic() + 45.0
+
+                async def poller(worker: int) -> None:  # several in flight: a short window
+                    n = 0
+                    while accepted_after < 200 and time.monotonic() < deadline:
+                        await poll(1_000_000 * (worker + 1) + n)
+                        n += 1
+
+                await asyncio.gather(*(poller(w) for w in range(4)))
+                print(f"replies by status: {seen}")
+                assert not wrong, wrong[:5]
+                assert accepted_after >= 200, f"not serving again within 45 s: {seen}"
+            finally:
+                for ch in channels:
+                    await ch.close()
+
+        run(aio, scenario(), timeout_s=120.0)
+    finally:
+        cluster.close()
