@@ -204,6 +204,7 @@ class StoreDaemon:
                 self._shm = ShmServer(self._leases, lease_ttl_s=cfg.server.shm_lease_ttl_s,
                                       on_reads=self._record_lease_free_reads,
                                       header_timeout_s=cfg.server.header_timeout_s,
+                                      idle_timeout_s=cfg.server.idle_timeout_s,
                                       max_connections=cfg.server.max_connections)
                 shm_socket = self._shm.start().host  # the abstract address, @kvtier-...
             grpc_port = await self._start_grpc()

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import mmap
 import os
 import secrets
@@ -202,15 +203,19 @@ class ShmServer:
     def __init__(self, leases: ArenaLeaseBackend, *, lease_ttl_s: float,
                  name: str | None = None,
                  on_reads: Callable[[list[bytes]], None] | None = None,
-                 header_timeout_s: float = 10.0, max_connections: int = 1024) -> None:
+                 header_timeout_s: float = 10.0, idle_timeout_s: float = 300.0,
+                 max_connections: int = 1024) -> None:
         """``on_reads`` receives the keys of each READS report (module docstring), on the
-        connection's thread. ``header_timeout_s``, ``max_connections``: module docstring,
-        "Bounds"."""
-        if not header_timeout_s > 0:
-            raise InvalidArgument(f"header_timeout_s must be > 0, got {header_timeout_s}")
+        connection's thread. ``header_timeout_s``, ``idle_timeout_s``, ``max_connections``:
+        module docstring, "Bounds"."""
+        for name, value in (("header_timeout_s", header_timeout_s),
+                            ("idle_timeout_s", idle_timeout_s)):
+            if not 0 < value < math.inf:
+                raise InvalidArgument(f"{name} must be finite and > 0, got {value}")
         if max_connections < 1:
             raise InvalidArgument(f"max_connections must be >= 1, got {max_connections}")
         self._header_timeout_s = header_timeout_s
+        self._idle_timeout_s = idle_timeout_s
         self._max_connections = max_connections
         self.refused = 0
         """Connections refused at ``max_connections``."""
