@@ -31,8 +31,9 @@
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <sys/types.h>
+#include <time.h>
 
-#define KVT_ABI 3  /* native.py: ABI; bump with any cfg[]/st[]/signature change */
+#define KVT_ABI 4  /* native.py: ABI; bump with any cfg[]/st[]/signature change */
 
 /* cfg[] indexes (mirrored by kvstore/dataplane/native.py: _CFG_*). */
 enum {
@@ -44,6 +45,7 @@ enum {
     CFG_FRAME_MAGIC, CFG_FRAME_VERSION, CFG_OP_GET, CFG_FLAG_ANY_SIZE, CFG_FLAG_MORE,
     CFG_COPY_READ_MAX, CFG_MAX_VALUE_BYTES, CFG_ATTEMPTS,
     CFG_RING_ENTRIES, CFG_RING_ENTRY_BYTES, CFG_DRAIN_WAIT_MS, CFG_RECV_TICK_US,
+    CFG_HEADER_TIMEOUT_NS,
     CFG_COUNT
 };
 
@@ -60,6 +62,9 @@ enum {
     ST_ERRNO,        /* errno of KVT_RECV_ERROR / KVT_SEND_ERROR */
     ST_SENT,         /* bytes of the failed response that were sent (KVT_SEND_ERROR) */
     ST_SHORT_TICK,   /* the socket's receive timeout is drain_wait_ms now (not the tick) */
+    ST_FRAME_CLOCK,  /* in/out: CLOCK_MONOTONIC ns when the frame at rpos was first seen partial
+                      * (its header_timeout_s runs from there), 0: not timed; the caller takes
+                      * it over after any return but KVT_RING */
     ST_COUNT
 };
 
@@ -71,7 +76,9 @@ enum {
     KVT_RING = 4,        /* the hit ring needs draining (half full, or the peer went quiet) */
     KVT_RECV_ERROR = 5,  /* recv failed: st[ST_ERRNO] */
     KVT_SEND_ERROR = 6,  /* send failed or timed out: st[ST_ERRNO] */
-    KVT_BAD_CONFIG = 7
+    KVT_BAD_CONFIG = 7,
+    KVT_HEADER_TIMEOUT = 8  /* the frame at rpos was not whole cfg[CFG_HEADER_TIMEOUT_NS] after
+                             * ST_FRAME_CLOCK while bytes kept trickling in */
 };
 
 /* The frame header (frames.py). */
@@ -207,6 +214,12 @@ static int send_all(int fd, const uint8_t *buf, size_t n, int flags, int64_t *st
     return 0;
 }
 
+static int64_t monotonic_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);  /* vDSO: no system call; time.monotonic()'s clock */
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
 static int set_rcvtimeo(int fd, int64_t us) {
     struct timeval tv = {.tv_sec = (time_t)(us / 1000000), .tv_usec = (suseconds_t)(us % 1000000)};
     return setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
@@ -218,9 +231,14 @@ static int set_rcvtimeo(int fd, int64_t us) {
  * while the peer is quiet, so hits land within about that long of their answers). That shorter
  * wait is the socket's receive timeout too, switched when the ring gets its first key and back
  * by kvt_serve before it returns (two setsockopt per drain instead of a poll per request: a
- * poll before each receive cost ~2 us per 4 KiB GET here). */
+ * poll before each receive cost ~2 us per 4 KiB GET here).
+ * A frame partly in rbuf is on the clock (ST_FRAME_CLOCK, started at the first receive it
+ * needs after its first bytes, as Python's _fill does): before each further receive the clock
+ * is read, and once header_timeout_ns passed the loop returns KVT_HEADER_TIMEOUT, so bytes
+ * trickling in within a tick each cannot hold the connection. A frame that arrives whole with
+ * the receive that brought its first bytes reads no clock. */
 static int fill(int fd, int64_t *st, uint8_t *rbuf, int64_t rbuf_bytes, int64_t need,
-                int drain_wait_ms, const volatile int32_t *closing) {
+                int drain_wait_ms, int64_t header_timeout_ns, const volatile int32_t *closing) {
     int64_t rpos = st[ST_RPOS], rend = st[ST_REND];
     if (rend - rpos >= need) return 0;
     if (rpos == rend) {
@@ -233,6 +251,13 @@ static int fill(int fd, int64_t *st, uint8_t *rbuf, int64_t rbuf_bytes, int64_t 
     st[ST_RPOS] = rpos;
     st[ST_REND] = rend;
     while (rend - rpos < need) {
+        if (rend > rpos) {  /* a partial frame */
+            const int64_t now = monotonic_ns();
+            if (!st[ST_FRAME_CLOCK])
+                st[ST_FRAME_CLOCK] = now;
+            else if (now - st[ST_FRAME_CLOCK] >= header_timeout_ns)
+                return KVT_HEADER_TIMEOUT;
+        }
         int flags = 0;
         if (*closing) {
             flags = MSG_DONTWAIT;
@@ -273,7 +298,8 @@ static int serve_frames(const int64_t *cfg, int64_t *st, int fd, uint8_t *rbuf,
                         const volatile int32_t *closing) {
     if (cfg[CFG_ABI] != KVT_ABI || out_bytes < FRAME_BYTES + cfg[CFG_COPY_READ_MAX]
             || cfg[CFG_RING_ENTRY_BYTES] < 1 + cfg[CFG_MAX_KEY_BYTES]
-            || rbuf_bytes < FRAME_BYTES + cfg[CFG_MAX_KEY_BYTES])
+            || rbuf_bytes < FRAME_BYTES + cfg[CFG_MAX_KEY_BYTES]
+            || cfg[CFG_HEADER_TIMEOUT_NS] < 1)
         return KVT_BAD_CONFIG;
     const uint32_t magic = (uint32_t)cfg[CFG_FRAME_MAGIC];
     const uint8_t version = (uint8_t)cfg[CFG_FRAME_VERSION], op_get = (uint8_t)cfg[CFG_OP_GET];
@@ -283,9 +309,11 @@ static int serve_frames(const int64_t *cfg, int64_t *st, int fd, uint8_t *rbuf,
     const int64_t copy_max = cfg[CFG_COPY_READ_MAX], max_key = cfg[CFG_MAX_KEY_BYTES];
     const int64_t ring_entries = cfg[CFG_RING_ENTRIES], ring_stride = cfg[CFG_RING_ENTRY_BYTES];
     const int drain_wait_ms = (int)cfg[CFG_DRAIN_WAIT_MS];
+    const int64_t header_timeout_ns = cfg[CFG_HEADER_TIMEOUT_NS];
     for (;;) {
         if (st[ST_RING_COUNT] * 2 >= ring_entries) return KVT_RING;
-        int rc = fill(fd, st, rbuf, rbuf_bytes, FRAME_BYTES, drain_wait_ms, closing);
+        int rc = fill(fd, st, rbuf, rbuf_bytes, FRAME_BYTES, drain_wait_ms, header_timeout_ns,
+                      closing);
         if (rc) return rc;
         const uint8_t *h = rbuf + st[ST_RPOS];
         const uint16_t flags = ld16(h + F_FLAGS), key_len = ld16(h + F_KEY_LEN);
@@ -298,7 +326,8 @@ static int serve_frames(const int64_t *cfg, int64_t *st, int fd, uint8_t *rbuf,
                 || offset + length > max_value
                 || (!(flags & any_size) && (int64_t)total > copy_max))
             return KVT_SLOW;  /* anything but a plain small GET, or a bad header: Python */
-        rc = fill(fd, st, rbuf, rbuf_bytes, FRAME_BYTES + key_len, drain_wait_ms, closing);
+        rc = fill(fd, st, rbuf, rbuf_bytes, FRAME_BYTES + key_len, drain_wait_ms,
+                  header_timeout_ns, closing);
         if (rc) return rc;
         h = rbuf + st[ST_RPOS];  /* fill may have compacted the buffer */
         const uint8_t *key = h + FRAME_BYTES;
@@ -321,6 +350,7 @@ static int serve_frames(const int64_t *cfg, int64_t *st, int fd, uint8_t *rbuf,
         entry[0] = (uint8_t)key_len;
         memcpy(entry + 1, key, key_len);
         st[ST_RPOS] += FRAME_BYTES + key_len;
+        st[ST_FRAME_CLOCK] = 0;  /* whole: the next frame is not on the clock yet */
         st[ST_LAST_FLAGS] = flags;
         st[ST_RING_COUNT]++;
         st[ST_GETS]++;

@@ -49,7 +49,7 @@ from kvstore.errors import InvalidArgument, TierUnavailable
 
 log = logging.getLogger(__name__)
 
-ABI = 3
+ABI = 4
 """Must equal ``KVT_ABI`` in fastpath.c (checked at load); bumped whenever ``cfg[]``/``st[]``
 or a signature changes."""
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -82,9 +82,10 @@ back-to-back requests pay one ``poll`` each instead of a return to Python)."""
  _CFG_STATE_AT, _CFG_KLEN_AT, _CFG_KEY_AT, _CFG_STATE_LIVE, _CFG_STATE_EMPTY,
  _CFG_MAX_KEY_BYTES, _CFG_FRAME_MAGIC, _CFG_FRAME_VERSION, _CFG_OP_GET, _CFG_FLAG_ANY_SIZE,
  _CFG_FLAG_MORE, _CFG_COPY_READ_MAX, _CFG_MAX_VALUE_BYTES, _CFG_ATTEMPTS, _CFG_RING_ENTRIES,
- _CFG_RING_ENTRY_BYTES, _CFG_DRAIN_WAIT_MS, _CFG_RECV_TICK_US, _CFG_COUNT) = range(29)
+ _CFG_RING_ENTRY_BYTES, _CFG_DRAIN_WAIT_MS, _CFG_RECV_TICK_US, _CFG_HEADER_TIMEOUT_NS,
+ _CFG_COUNT) = range(30)
 (ST_RPOS, ST_REND, ST_LAST_FLAGS, ST_GETS, ST_BYTES_SENT, ST_RING_COUNT, ST_RETRIES,
- ST_FALLBACKS, ST_ERRNO, ST_SENT, ST_SHORT_TICK, _ST_COUNT) = range(12)
+ ST_FALLBACKS, ST_ERRNO, ST_SENT, ST_SHORT_TICK, ST_FRAME_CLOCK, _ST_COUNT) = range(13)
 
 class NativeReturn(enum.IntEnum):
     """Why :meth:`NativeLoop.serve` returned (``KVT_*`` in fastpath.c)."""
@@ -100,6 +101,9 @@ class NativeReturn(enum.IntEnum):
     RECV_ERROR = 5
     SEND_ERROR = 6
     BAD_CONFIG = 7
+    HEADER_TIMEOUT = 8
+    """The frame at ``rpos`` was not whole ``header_timeout_s`` after its first bytes (they
+    kept trickling in, so no receive tick passed without one)."""
 
 
 class _Library:
@@ -342,9 +346,12 @@ class NativeReadSource:
         self._arena.close()
 
     def config(self, *, copy_read_max_bytes: int, max_value_bytes: int,
-               recv_tick_s: float = 0.2) -> ctypes.Array[ctypes.c_int64]:
+               recv_tick_s: float = 0.2,
+               header_timeout_s: float = 10.0) -> ctypes.Array[ctypes.c_int64]:
         """The ``cfg[]`` array the C loop reads (fastpath.c). ``recv_tick_s``: the receive
-        timeout the server gives its connections (the loop restores it before returning)."""
+        timeout the server gives its connections (the loop restores it before returning);
+        ``header_timeout_s``: how long a partial frame may take to be whole
+        (``NativeReturn.HEADER_TIMEOUT``)."""
         # Imported here: the transport package imports this module.
         from kvstore.dataplane.transport.frames import MAGIC, VERSION, Flags, Opcode
 
@@ -363,6 +370,7 @@ class NativeReadSource:
         cfg[_CFG_RING_ENTRY_BYTES] = RING_ENTRY_BYTES
         cfg[_CFG_DRAIN_WAIT_MS] = DRAIN_WAIT_MS
         cfg[_CFG_RECV_TICK_US] = max(1, round(recv_tick_s * 1e6))
+        cfg[_CFG_HEADER_TIMEOUT_NS] = max(1, round(header_timeout_s * 1e9))
         return cfg
 
 
@@ -417,6 +425,17 @@ class NativeLoop:
                          self._out_addr, len(self._out), self._ring_addr,
                          ctypes.addressof(self._closing))
         return rc, st[ST_RPOS], st[ST_REND], st[ST_LAST_FLAGS]
+
+    def take_frame_clock(self) -> float:
+        """When the C loop first saw the frame at ``rpos`` partial, as a ``time.monotonic()``
+        value (both read ``CLOCK_MONOTONIC``), or 0.0 when it did not time it; resets it. Call
+        after every return but ``RING``: the frame is the caller's then."""
+        st = self.st
+        started_ns = st[ST_FRAME_CLOCK]
+        if not started_ns:
+            return 0.0
+        st[ST_FRAME_CLOCK] = 0
+        return started_ns / 1e9
 
     def take_hits(self) -> list[bytes]:
         """The keys served since the last call (one per hit), emptying the ring."""

@@ -140,6 +140,47 @@ def test_a_header_and_key_trickling_in_are_cut_at_the_header_timeout() -> None:
         assert server.stats().header_timeouts == 1
 
 
+@pytest.mark.parametrize("whole_header", [False, True], ids=["header", "key"])
+def test_a_get_trickling_into_the_native_loop_is_cut_at_the_header_timeout(
+        whole_header: bool) -> None:
+    """The C small-GET loop keeps receiving while each byte comes within a receive tick (0.2 s),
+    so a frame trickled at 0.1 s per byte never hands it to Python's timeout. The loop itself
+    must cut it with a PROTOCOL answer once ``header_timeout_s`` passed since its first bytes
+    (there was no cut before the frame was whole: 128 bytes at 0.1 s, ~13 s)."""
+    with tcp_server(native=True, header_timeout_s=0.5, io_timeout_s=30) as server, \
+            raw(server) as sock:
+        key = b"k" * 64
+        frame = bytes(pack_header(bytearray(HEADER_BYTES), Opcode.GET, key_len=len(key),
+                                  request_id=7, total_size=5)) + key
+        start = HEADER_BYTES if whole_header else 1
+        stop = threading.Event()
+
+        def trickle() -> None:
+            with contextlib.suppress(OSError):
+                sock.sendall(frame[:start])
+                for byte in frame[start:]:
+                    if stop.wait(0.1):
+                        return
+                    sock.sendall(bytes([byte]))
+
+        sender = threading.Thread(target=trickle, daemon=True)
+        sender.start()
+        try:
+            sock.settimeout(8)  # a bounded wait: the old loop answered nothing within it
+            reply, detail = read_response(sock)
+        finally:
+            stop.set()
+            sender.join(5)
+        assert reply.status == Status.PROTOCOL
+        assert reply.request_id == (7 if whole_header else 0)
+        assert b"header_timeout_s" in detail
+        assert (b"key" if whole_header else b"frame header") in detail
+        assert_closed_by_peer(sock)
+        wait_until(lambda: server.stats().connections_open == 0, 10, "the handler to end")
+        stats = server.stats()
+        assert (stats.header_timeouts, stats.native_gets) == (1, 0)
+
+
 # --- TCP: the connection cap ----------------------------------------------------------------------
 
 

@@ -17,10 +17,10 @@ Bounds (``TcpServerConfig``; docs/transport.md, "Limits"):
 * ``header_timeout_s``: once a frame's first byte arrived, its header and key must be whole
   within that long (a slow sender holds a thread no longer); otherwise a ``PROTOCOL`` frame
   and the close. The clock starts only when a header does not arrive whole with the receive
-  that brought its first bytes (no clock read otherwise). Caveat: while the native loop holds
-  a partial frame it keeps receiving as long as bytes trickle in within a receive tick each,
-  so there a header and key (at most 128 bytes) take at most one tick per byte; Python
-  enforces ``header_timeout_s`` from when it gets the frame (a tick without a byte).
+  that brought its first bytes (no clock read otherwise), and one clock covers the header and
+  the key. The native loop keeps the same clock for a frame it holds partial and returns
+  ``HEADER_TIMEOUT`` when it runs out, however the bytes trickle in; a frame it hands back
+  partial keeps its clock in Python (``NativeLoop.take_frame_clock``).
 * ``io_timeout_s``: the longest stall inside a payload, and the send timeout.
 """
 
@@ -262,7 +262,7 @@ class TcpServer:
         self._native = serving
         self._native_cfg = serving.source.config(
             copy_read_max_bytes=cfg.copy_read_max_bytes, max_value_bytes=cfg.max_value_bytes,
-            recv_tick_s=self._recv_tick_s)
+            recv_tick_s=self._recv_tick_s, header_timeout_s=cfg.header_timeout_s)
         log.info("TCP server: native small-GET loop on (%s)", serving.library.path)
 
     def start(self) -> Endpoint:
@@ -523,6 +523,7 @@ _NATIVE_EOF = int(native.NativeReturn.EOF)
 _NATIVE_RING = int(native.NativeReturn.RING)
 _NATIVE_RECV_ERROR = int(native.NativeReturn.RECV_ERROR)
 _NATIVE_SEND_ERROR = int(native.NativeReturn.SEND_ERROR)
+_NATIVE_HEADER_TIMEOUT = int(native.NativeReturn.HEADER_TIMEOUT)
 
 
 class _ServerConnection:
@@ -570,6 +571,9 @@ class _ServerConnection:
         """Closed after ``idle_timeout_s`` without a request."""
         self.header_timed_out = False
         """Closed because a header or key did not arrive within ``header_timeout_s``."""
+        self._frame_deadline = 0.0
+        """When the frame being read must be whole (header and key: ``_fill``); 0.0 while it
+        is not on the clock. Reset for each frame."""
         self._copy_read_max = copy_max
         self._backend = server._backend
         by_opcode: dict[Opcode, Callable[[Header, ChunkKey], None]] = {
@@ -617,10 +621,11 @@ class _ServerConnection:
         loop = self.native_loop
         try:
             while True:
+                self._frame_deadline = 0.0
                 if loop is not None:
                     # The C loop serves plain small GETs of published chunks and hands back
                     # everything else with the buffer positions at that frame (module
-                    # docstring, "Native small-GET loop").
+                    # docstring, "Native small-GET loop"), and that frame's header clock.
                     header = None
                     outcome = self._run_native(loop, announced)
                     announced = outcome.announced
@@ -663,18 +668,23 @@ class _ServerConnection:
 
     def _run_native(self, loop: native.NativeLoop, announced: bool) -> _NativeOutcome:
         """One call into the C loop (GIL released), then the hits it served are accounted.
-        Raises PeerUnavailable on a receive or send failure."""
+        Raises PeerUnavailable on a receive or send failure, ProtocolError when a frame was not
+        whole within ``header_timeout_s``. A frame it hands back keeps the clock the loop
+        started for it (``_frame_deadline``)."""
         rc, self.rpos, self.rend, last_flags = loop.serve(self.rpos, self.rend,
                                                           MORE if announced else 0)
         announced = bool(last_flags & MORE)
         self._account_native_hits(loop)
+        if rc == _NATIVE_RING:  # called again at once: the frame stays the loop's
+            return _NativeOutcome(announced, again=True, eof=False)
+        started = loop.take_frame_clock()
+        if started:
+            self._frame_deadline = started + self._header_timeout_s
         if rc == _NATIVE_SLOW:
             return _NativeOutcome(announced, again=False, eof=False)
-        if rc == _NATIVE_RING:
-            return _NativeOutcome(announced, again=True, eof=False)
         if rc == _NATIVE_IDLE:
             # Nothing pending and no request announced: wait in C again unless closing. A
-            # partial frame, or an announced one, is read by Python (stall timeout, drain).
+            # partial frame, or an announced one, is read by Python (its header clock, drain).
             again = (self.rpos == self.rend and not announced
                      and not self.server._closing.is_set())
             if again and self._idle_tick():
@@ -682,6 +692,9 @@ class _ServerConnection:
             return _NativeOutcome(announced, again=again, eof=False)
         if rc == _NATIVE_EOF:
             return _NativeOutcome(announced, again=False, eof=True)
+        if rc == _NATIVE_HEADER_TIMEOUT:
+            raise self._header_timeout("frame header" if self.rend - self.rpos < HEADER_BYTES
+                                       else "key")
         err = os.strerror(int(loop.st[native.ST_ERRNO]))
         if rc == _NATIVE_RECV_ERROR:
             raise PeerUnavailable(f"connection failed: {err}")
@@ -748,15 +761,18 @@ class _ServerConnection:
     def _fill(self, size_bytes: int, what: str) -> None:
         """Have at least ``size_bytes`` (<= the buffer: a header and key) unparsed bytes in
         ``rbuf``, receiving as much as arrives. Raises PeerUnavailable on EOF or reset, and
-        ProtocolError when they are not whole within ``header_timeout_s`` (the clock starts
-        here, so a frame that arrived whole costs no clock read)."""
+        ProtocolError when the frame is not whole within ``header_timeout_s`` (its clock starts
+        here unless the frame's header or the native loop started it, so a frame that arrived
+        whole costs no clock read)."""
         if self.rend - self.rpos >= size_bytes:
             return
         if self.rpos + size_bytes > _RECV_BUFFER_BYTES:  # compact: move the rest to the front
             have = self.rend - self.rpos
             self.rbuf[:have] = self.rview[self.rpos:self.rend]
             self.rpos, self.rend = 0, have
-        deadline = time.monotonic() + self._header_timeout_s
+        deadline = self._frame_deadline
+        if not deadline:
+            deadline = self._frame_deadline = time.monotonic() + self._header_timeout_s
         while True:
             try:
                 got = self.sock.recv_into(self.rview[self.rend:], _RECV_BUFFER_BYTES - self.rend)
@@ -771,9 +787,13 @@ class _ServerConnection:
                 if self.rend - self.rpos >= size_bytes:
                     return
             if time.monotonic() >= deadline:
-                self.header_timed_out = True
-                raise ProtocolError(f"{what} not whole {self._header_timeout_s:g} s after its "
-                                    "first bytes (header_timeout_s)")
+                raise self._header_timeout(what)
+
+    def _header_timeout(self, what: str) -> ProtocolError:
+        """The error that ends a connection whose frame was not whole in time."""
+        self.header_timed_out = True
+        return ProtocolError(f"{what} not whole {self._header_timeout_s:g} s after its first "
+                             "bytes (header_timeout_s)")
 
     def _stalled(self, since: float, what: str, exc: BaseException) -> float:
         """One receive tick passed without a byte inside a frame: return when the stall began,
