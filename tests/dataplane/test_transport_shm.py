@@ -11,11 +11,15 @@ eviction) is tested in ``tests/node/test_lease_free.py``, ``test_shm_put_many.py
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import select
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,9 +29,12 @@ import pytest
 from kvstore._proto.kvtier.v1 import store_pb2 as pb
 from kvstore._proto.kvtier.v1 import store_pb2_grpc as pb_grpc
 from kvstore.dataplane import native
+from kvstore.dataplane.dram import DramTier
 from kvstore.dataplane.read_index import lease_free_supported
+from kvstore.dataplane.tier import TierKind
 from kvstore.dataplane.transport.base import Endpoint, TransportKind, TransportServer
 from kvstore.dataplane.transport.shm import LeaseChannel, ShmClient, ShmClientConfig, ShmServer
+from kvstore.dataplane.transport.shm.channel import ChannelClosed
 from kvstore.dataplane.transport.shm.frames import (
     MAX_BODY_BYTES,
     REPLY,
@@ -36,11 +43,14 @@ from kvstore.dataplane.transport.shm.frames import (
     ChannelOp,
 )
 from kvstore.errors import InvalidArgument, PeerUnavailable, ProtocolError
+from kvstore.node.backend import ShmLeases
+from kvstore.node.cache import TieredCache
 from tests.dataplane.transport_conformance import (
     MappedTransportConformance,
     PrivateServer,
     TransportHarness,
 )
+from tests.support.common import wait_until
 from tests.support.daemon import REPO, DaemonProcess
 from tests.support.native import built_extension
 
@@ -298,3 +308,166 @@ def test_a_reply_that_does_not_come_times_out_and_breaks_the_channel() -> None:
             chan.close()
     finally:
         srv.close()
+
+
+# --- idle connections (issue 12: server.idle_timeout_s) -------------------------------------------
+
+
+def _connection_threads() -> list[threading.Thread]:
+    """This process's lease-channel connection threads (named after the peer's pid: ours)."""
+    return [t for t in threading.enumerate() if t.name == f"kvtier-shm-{os.getpid()}"]
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the peer closed ``sock`` (EOF or a reset waits to be read); reads nothing."""
+    if not select.select([sock], [], [], 0)[0]:
+        return False
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_an_idle_lease_channel_connection_is_closed_and_its_thread_ends() -> None:
+    srv = ShmServer(_NoLeases(), lease_ttl_s=10, idle_timeout_s=0.3)  # type: ignore[arg-type]
+    srv.start()
+    try:
+        chan = LeaseChannel(srv.address, io_timeout_s=5)
+        try:
+            chan.call(ChannelOp.PING)
+            assert srv.connection_count() == 1 and len(_connection_threads()) == 1
+            wait_until(lambda: srv.connection_count() == 0, 10, "the idle close")
+            assert srv.idle_closed == 1
+            wait_until(lambda: not _connection_threads(), 10, "its thread to end")
+            assert _closed_by_peer(chan.sock)
+            # What a pool sees on a channel it reused: the request had no reply at all.
+            chan.may_be_stale = True
+            with pytest.raises(ChannelClosed):
+                chan.call(ChannelOp.PING)
+            assert chan.broken
+        finally:
+            chan.close()
+    finally:
+        srv.close()
+    with pytest.raises(InvalidArgument, match="idle_timeout_s"):
+        ShmServer(_NoLeases(), lease_ttl_s=10, idle_timeout_s=math.inf)  # type: ignore[arg-type]
+
+
+@contextlib.contextmanager
+def _leasing_server(idle_timeout_s: float) -> Iterator[ShmServer]:
+    """A lease channel over real leases (``ShmLeases`` over a DRAM tier) holding chunk ``k``."""
+    cache = TieredCache({TierKind.DRAM: DramTier(4 << 20)})
+    leases = ShmLeases(cache)
+    leases.put(b"k", b"v" * 100)
+    srv = ShmServer(leases, lease_ttl_s=10, idle_timeout_s=idle_timeout_s)
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.close()
+        leases.close()
+        cache.close()
+
+
+def test_a_lease_channel_connection_holding_leases_is_not_idle_closed() -> None:
+    """A connection holding a read lease, and one holding a reservation, outlive an idle one
+    whose last request came after theirs; each is idle-closed once it ended what it held."""
+    with _leasing_server(idle_timeout_s=0.3) as srv:
+        reader = LeaseChannel(srv.address, io_timeout_s=5)
+        writer = LeaseChannel(srv.address, io_timeout_s=5)
+        idle = LeaseChannel(srv.address, io_timeout_s=5)
+        try:
+            read_id, _ = reader.call(ChannelOp.ACQUIRE_READ, keys=[b"k"], ttl_s=60)
+            write_id, _ = writer.call(ChannelOp.RESERVE, keys=[b"w", b""], arg=100, ttl_s=60)
+            idle.call(ChannelOp.PING)  # the clock: idle since after the others' last request
+            wait_until(lambda: srv.idle_closed >= 1, 10, "the idle connection's close")
+            assert _closed_by_peer(idle.sock) and srv.connection_count() == 2
+            assert not _closed_by_peer(reader.sock) and not _closed_by_peer(writer.sock)
+            reader.call(ChannelOp.RELEASE, arg=read_id)
+            wait_until(lambda: _closed_by_peer(reader.sock), 10, "the reader's close")
+            assert srv.idle_closed == 2 and not _closed_by_peer(writer.sock)
+            writer.call(ChannelOp.COMMIT, arg=write_id)
+            wait_until(lambda: srv.connection_count() == 0, 10, "the writer's close")
+            assert srv.idle_closed == 3
+        finally:
+            for chan in (reader, writer, idle):
+                chan.close()
+
+
+def test_a_lease_channel_connection_whose_leases_expired_is_idle_closed() -> None:
+    """Leases never ended by a request (their TTL ran out) hold the connection no longer than
+    that TTL: the idle close stays bounded."""
+    with _leasing_server(idle_timeout_s=0.2) as srv:
+        chan = LeaseChannel(srv.address, io_timeout_s=5)
+        try:
+            chan.call(ChannelOp.ACQUIRE_READ, keys=[b"k"], ttl_s=0.6)
+            chan.call(ChannelOp.RESERVE_MANY, keys=[b"a", b"b"], arg=16, ttl_s=0.8,
+                      payload=memoryview(struct.pack("<2Q", 10, 10)))
+            wait_until(lambda: srv.connection_count() == 0, 10, "the close after the TTL")
+            assert srv.idle_closed == 1
+        finally:
+            chan.close()
+
+
+def test_a_shm_client_keeps_working_when_the_daemon_idle_closes_its_connections(
+        tmp_path: Path) -> None:
+    """A real daemon with ``server.idle_timeout_s`` 0.4 s: after each idle close of the pooled
+    lease-channel connections (and of the read reporter's), every kind of call just works: its
+    first request, which finds the connection closed, is sent again on a fresh one."""
+    if not lease_free_supported():
+        pytest.skip("lease-free reads need Linux on x86-64")
+    d = DaemonProcess(tmp_path, "node-shm-idle", dram_bytes="64MiB", nvme=False,
+                      settings={"server.idle_timeout_s": "0.4"})
+    d.start()
+    client = _Daemon(d, "python").client(io_timeout_s=5)
+    try:
+        big = os.urandom(200 * KiB)  # over INLINE_PUT_MAX_BYTES: RESERVE + COMMIT
+        client.put(b"small", b"s" * 100)
+        client.put(b"big", big)
+
+        def all_closed() -> bool:
+            socks = [c.sock for c in client._all]
+            reporter = client._reporter
+            if reporter is not None and reporter._chan is not None:
+                socks.append(reporter._chan.sock)
+            return bool(socks) and all(_closed_by_peer(s) for s in socks)
+
+        calls = [
+            lambda: client.get(b"small") == b"s" * 100,
+            lambda: client.put(b"small-2", b"t" * 100) is None,
+            lambda: client.put(b"big-2", big) is None and client.get(b"big-2") == big,
+            lambda: client.size_of(b"big") == len(big),
+            lambda: client.put_many([b"m1", b"m2", b"m3"], [b"1" * 10, big, b"3" * 10])
+            == [True, True, True],
+            lambda: client.get_many_into([b"m1", b"nope"], [bytearray(10), bytearray(1)])
+            == [10, None],
+            lambda: client.remove(b"m3"),
+        ]
+        for call in calls:
+            wait_until(all_closed, 10, "the daemon to idle-close the client's connections")
+            assert call()
+        wait_until(all_closed, 10, "the next idle close")
+        lease = client.open_read(b"big")
+        try:
+            assert bytes(lease.view) == big
+        finally:
+            lease.release()
+        # The read reporter: its connection was closed too; a report reconnects.
+        with grpc.insecure_channel(d.grpc_address) as channel:
+            stub = pb_grpc.StoreStub(channel)
+
+            def dram_hits() -> int:
+                stats = stub.Stats(pb.StatsRequest(), timeout=10)  # type: ignore[no-untyped-call]
+                return next(int(t.hits) for t in stats.tiers if t.tier == pb.TIER_DRAM)
+
+            client.get_into(b"small", bytearray(100))  # lease-free: its report starts the reporter
+            client.flush_reads()
+            wait_until(all_closed, 10, "the reporter's idle close")
+            hits = dram_hits()
+            out = bytearray(100)
+            assert client.get_into(b"small", out) == 100 and bytes(out) == b"s" * 100
+            client.flush_reads()
+            assert dram_hits() == hits + 1, "the report after the idle close was lost"
+    finally:
+        client.close()
+        d.stop()

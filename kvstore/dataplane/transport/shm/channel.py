@@ -3,10 +3,18 @@
 :class:`LeaseChannel` sends a request and, unless it carries ``FLAG_NO_REPLY``, reads its reply.
 It is used by one thread at a time: :class:`~.client.ShmClient` pools them, its read reporter
 keeps one of its own, and tools and tests may use one directly to speak the protocol.
+
+The server closes a connection that sent no request for its ``idle_timeout_s`` and holds no
+lease (:mod:`.server`, "Bounds"), before reading any byte of a next request. A request that then
+finds the connection closed (the send fails with EPIPE or a reset, or the reply ends or is reset
+before its first byte) raises :class:`ChannelClosed` when the channel is marked
+``may_be_stale``; the pool (:class:`~.client.ShmClient`) marks the channels it reuses and sends
+such a request again once on a fresh connection.
 """
 
 from __future__ import annotations
 
+import errno
 import socket
 import struct
 from collections.abc import Sequence
@@ -24,6 +32,15 @@ from kvstore.dataplane.transport.shm.frames import (
 from kvstore.errors import InvalidArgument, KvtierError, PeerUnavailable, error_from_name
 
 _IOV_MAX = 1024
+_CLOSED_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED})
+
+
+class ChannelClosed(PeerUnavailable):
+    """The server had closed (or reset) this channel's connection before any byte of the reply
+    to the request: raised instead of PeerUnavailable only on a channel marked
+    ``may_be_stale`` (one a pool reused, before its first reply since). The server closes an
+    idle connection only before reading any byte of a next request, so this request had no
+    effect there if that was why (module docstring)."""
 
 
 class LeaseChannel:
@@ -58,6 +75,9 @@ class LeaseChannel:
         self.broken = False
         """A send or receive failed (or a reply was malformed): the connection may be out of
         step and is not reused."""
+        self.may_be_stale = False
+        """Set by a pool that reuses this channel; cleared by the next reply. While set, a
+        request that finds the connection closed raises :class:`ChannelClosed`."""
 
     def send(self, op: ChannelOp, *, flags: int = 0, keys: Sequence[bytes] = (), arg: int = 0,
              ttl_s: float = 0.0, payload: memoryview | None = None,
@@ -82,6 +102,8 @@ class LeaseChannel:
             refusal = self._closing_reply()
             if refusal is not None:
                 raise refusal from exc
+            if self.may_be_stale and exc.errno in _CLOSED_ERRNOS:
+                raise ChannelClosed(f"lease channel send found it closed: {exc}") from exc
             raise PeerUnavailable(f"lease channel send failed: {exc}") from exc
         if flags & FLAG_NO_REPLY:
             self.unacknowledged = True
@@ -92,9 +114,9 @@ class LeaseChannel:
         """Send a request and read its reply: (lease id, ranges). Raises the peer's error."""
         self.send(op, flags=flags, keys=keys, arg=arg, ttl_s=ttl_s, payload=payload,
                   payloads=payloads)
-        self._recv_into(self._reply)
+        self._recv_into(self._reply, first=True)
         status, count, detail_len, lease_id = REPLY.unpack(self._reply)
-        self.unacknowledged = False
+        self.unacknowledged = self.may_be_stale = False
         tail = bytearray(count * RANGE.size + detail_len)
         if tail:
             self._recv_into(memoryview(tail))
@@ -124,13 +146,17 @@ class LeaseChannel:
             errors="replace").partition("\n")
         return error_from_name(name, message)
 
-    def _recv_into(self, view: memoryview) -> None:
+    def _recv_into(self, view: memoryview, *, first: bool = False) -> None:
+        """Fill ``view`` from the socket. ``first``: it is the start of a reply (an EOF or a
+        reset before its first byte is ChannelClosed on a ``may_be_stale`` channel)."""
         pos = 0
         try:
             while pos < len(view):
                 n = self.sock.recv_into(view[pos:], len(view) - pos, socket.MSG_WAITALL)
                 if n == 0:
                     self.broken = True
+                    if first and pos == 0 and self.may_be_stale:
+                        raise ChannelClosed("the peer had closed the lease channel")
                     raise PeerUnavailable("the peer closed the lease channel")
                 pos += n
         except (BlockingIOError, TimeoutError) as exc:
@@ -138,6 +164,8 @@ class LeaseChannel:
             raise PeerUnavailable("lease channel reply timed out") from exc
         except OSError as exc:
             self.broken = True
+            if first and pos == 0 and self.may_be_stale and exc.errno in _CLOSED_ERRNOS:
+                raise ChannelClosed(f"the peer had reset the lease channel: {exc}") from exc
             raise PeerUnavailable(f"lease channel receive failed: {exc}") from exc
 
     def close(self) -> None:

@@ -27,6 +27,20 @@ registered with CUDA when a GPU exists, so the copy is DMA), under the same leas
 
 Thread safety: one client may be used from many threads; channel connections are pooled (one
 per concurrent call), the read index is read without locks.
+
+Idle connections: the peer closes a pooled connection that sent no request for its
+``idle_timeout_s`` while it held no lease, before reading any byte of a next request
+(:mod:`.server`, "Bounds"). The first request of a call on a reused connection that then finds
+it closed (EOF or a reset before any byte of its reply: ``ChannelClosed``) is sent again once on
+a fresh connection, after the other idle ones, which idled as long, are dropped; the caller sees
+nothing. That is safe for every first request: an idle close means the peer never read it;
+otherwise the connection closed because the peer is shutting down or died, and then the fresh
+connection cannot be made (``PeerUnavailable``): the listener closes before the connections
+do. A lease a request took (ACQUIRE_READ, RESERVE, RESERVE_MANY) dies with the connection that
+took it in any case. Later requests of the same call (the COMMIT after a RESERVE, a RELEASE, the
+next batch of ``put_many``) are never resent: a connection with a lease is not idle-closed
+before the lease's TTL, and a connection that dies under one has ended it, so its failure is the
+call's (``PeerUnavailable``).
 """
 
 from __future__ import annotations
@@ -38,7 +52,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 import numpy as np
 
@@ -59,7 +73,7 @@ from kvstore.dataplane.transport.base import (
     TransportKind,
     ViewReadLease,
 )
-from kvstore.dataplane.transport.shm.channel import LeaseChannel
+from kvstore.dataplane.transport.shm.channel import ChannelClosed, LeaseChannel
 from kvstore.dataplane.transport.shm.frames import (
     FLAG_NO_REPLY,
     FLAG_PREFIX,
@@ -90,6 +104,7 @@ chunk into its arena now)."""
 _PAGE_BYTES = 4096
 _BATCH_MAX_KEYS = 512
 """Keys per batched put request (the buffers of one request stay under IOV_MAX)."""
+_T = TypeVar("_T")
 
 
 VIEW_LEASE_TTL_S = 60.0
@@ -399,21 +414,22 @@ class ShmClient:
     def get(self, key: bytes) -> bytearray:
         """The whole chunk in a new buffer (one lease round trip). Raises ChunkNotFound."""
         k = check_key(key)
-        chan = self._checkout()
+        ttl_s = self._config.lease_ttl_s
         try:
-            lease_id, ranges = chan.call(ChannelOp.ACQUIRE_READ, keys=[k],
-                                         ttl_s=self._config.lease_ttl_s)
+            chan, (lease_id, ranges) = self._first(
+                lambda c: c.call(ChannelOp.ACQUIRE_READ, keys=[k], ttl_s=ttl_s))
+        except _FALLBACK as exc:
+            if self._fallback is None:
+                raise
+            log.debug("reading %s through the fallback: %s", k.hex(), exc)
+            return self._fallback().get(k)
+        try:
             offset, size = ranges[0]
             try:
                 out = bytearray(size)
                 copy_bytes(memoryview(out), self._arena.view(offset, size))
             finally:
                 chan.send(ChannelOp.RELEASE, flags=FLAG_NO_REPLY, arg=lease_id)
-        except _FALLBACK as exc:
-            if self._fallback is None:
-                raise
-            log.debug("reading %s through the fallback: %s", k.hex(), exc)
-            return self._fallback().get(k)
         finally:
             self._checkin(chan)
         return out
@@ -437,17 +453,16 @@ class ShmClient:
         limit = self._config.max_value_bytes
         if limit and view.nbytes > limit:
             raise InvalidArgument(f"value of {view.nbytes} bytes exceeds max_value_bytes {limit}")
-        chan = self._checkout()
+        keys = [key, parent or b""]
         if view.nbytes <= INLINE_PUT_MAX_BYTES:  # one round trip beats reserve + commit
-            try:
-                chan.call(ChannelOp.PUT, keys=[key, parent or b""], arg=view.nbytes,
-                          payload=view)
-            finally:
-                self._checkin(chan)
+            chan, _ = self._first(
+                lambda c: c.call(ChannelOp.PUT, keys=keys, arg=view.nbytes, payload=view))
+            self._checkin(chan)
             return
+        ttl_s = self._config.lease_ttl_s
+        chan, (lease_id, ranges) = self._first(
+            lambda c: c.call(ChannelOp.RESERVE, keys=keys, arg=view.nbytes, ttl_s=ttl_s))
         try:
-            lease_id, ranges = chan.call(ChannelOp.RESERVE, keys=[key, parent or b""],
-                                         arg=view.nbytes, ttl_s=self._config.lease_ttl_s)
             offset = ranges[0][0]
             try:
                 copy_bytes(self._arena.view(offset, view.nbytes, readonly=False), view)
@@ -461,11 +476,8 @@ class ShmClient:
 
     def size_of(self, key: bytes) -> int | None:
         k = check_key(key)
-        chan = self._checkout()
-        try:
-            _lease_id, ranges = chan.call(ChannelOp.SIZE_OF, keys=[k])
-        finally:
-            self._checkin(chan)
+        chan, (_lease_id, ranges) = self._first(lambda c: c.call(ChannelOp.SIZE_OF, keys=[k]))
+        self._checkin(chan)
         present, size = ranges[0]
         return size if present else None
 
@@ -477,11 +489,8 @@ class ShmClient:
         ChunkBusy while it is leased (this client's own releases are waited for first)."""
         k = check_key(key)
         self.sync()
-        chan = self._checkout()
-        try:
-            removed, _ranges = chan.call(ChannelOp.REMOVE, keys=[k])
-        finally:
-            self._checkin(chan)
+        chan, (removed, _ranges) = self._first(lambda c: c.call(ChannelOp.REMOVE, keys=[k]))
+        self._checkin(chan)
         return removed == 1
 
     # --- batches ----------------------------------------------------------------------------
@@ -528,10 +537,13 @@ class ShmClient:
                         break
                     body += item
                     j += 1
-                if small:
-                    self._put_many_inline(chan, keys[i:j], views[i:j], stored, i)
-                else:
-                    self._put_many_reserved(chan, keys[i:j], views[i:j], stored, i)
+                batch = self._put_many_inline if small else self._put_many_reserved
+                try:
+                    batch(chan, keys[i:j], views[i:j], stored, i)
+                except ChannelClosed:  # only the first request of a reused channel: resent
+                    self._checkin(chan)
+                    chan = self._fresh_after_closed()
+                    batch(chan, keys[i:j], views[i:j], stored, i)
                 i = j
         finally:
             self._checkin(chan)
@@ -653,15 +665,11 @@ class ShmClient:
         it now: use ``get_into``), InvalidArgument (the peer's ``max_ttl_s`` is lower)."""
         k = check_key(key)
         ttl_s = self._config.lease_ttl_s or VIEW_LEASE_TTL_S
-        chan = self._checkout()
         # Taken before the request: the peer's deadline (its clock when it got the request,
         # plus the same TTL) can only be later.
         deadline_s = time.monotonic() + ttl_s
-        try:
-            lease_id, ranges = chan.call(ChannelOp.ACQUIRE_READ, keys=[k], ttl_s=ttl_s)
-        except BaseException:
-            self._checkin(chan)
-            raise
+        chan, (lease_id, ranges) = self._first(
+            lambda c: c.call(ChannelOp.ACQUIRE_READ, keys=[k], ttl_s=ttl_s))
         return ShmReadLease(self, chan, k, lease_id, self._arena.view(ranges[0][0], ranges[0][1]),
                             deadline_s)
 
@@ -674,13 +682,9 @@ class ShmClient:
         limit = self._config.max_value_bytes
         if limit and size_bytes > limit:
             raise InvalidArgument(f"value of {size_bytes} bytes exceeds max_value_bytes {limit}")
-        chan = self._checkout()
-        try:
-            lease_id, ranges = chan.call(ChannelOp.RESERVE, keys=[k, p], arg=size_bytes,
-                                         ttl_s=self._config.lease_ttl_s)
-        except BaseException:
-            self._checkin(chan)
-            raise
+        ttl_s = self._config.lease_ttl_s
+        chan, (lease_id, ranges) = self._first(
+            lambda c: c.call(ChannelOp.RESERVE, keys=[k, p], arg=size_bytes, ttl_s=ttl_s))
         return ShmWriteLease(self, chan, k, lease_id,
                              self._arena.view(ranges[0][0], size_bytes, readonly=False))
 
@@ -689,10 +693,10 @@ class ShmClient:
     def _get_into_device(self, key: bytes, dst: Any) -> int:
         torch = cuda.torch_module()
         flat = _device_bytes(dst)
-        chan = self._checkout()
+        ttl_s = self._config.lease_ttl_s
+        chan, (lease_id, ranges) = self._first(
+            lambda c: c.call(ChannelOp.ACQUIRE_READ, keys=[key], ttl_s=ttl_s))
         try:
-            lease_id, ranges = chan.call(ChannelOp.ACQUIRE_READ, keys=[key],
-                                         ttl_s=self._config.lease_ttl_s)
             offset, size = ranges[0]
             try:
                 if size != flat.numel():
@@ -780,10 +784,10 @@ class ShmClient:
     # --- leased reads -----------------------------------------------------------------------
 
     def _get_leased(self, key: bytes, out: memoryview) -> int:
-        chan = self._checkout()
+        ttl_s = self._config.lease_ttl_s
+        chan, (lease_id, ranges) = self._first(
+            lambda c: c.call(ChannelOp.ACQUIRE_READ, keys=[key], ttl_s=ttl_s))
         try:
-            lease_id, ranges = chan.call(ChannelOp.ACQUIRE_READ, keys=[key],
-                                         ttl_s=self._config.lease_ttl_s)
             offset, size = ranges[0]
             try:
                 if size != out.nbytes:
@@ -796,10 +800,10 @@ class ShmClient:
         return size
 
     def _load_prefix_shm(self, keys: list[bytes], outs: list[memoryview]) -> int:
-        chan = self._checkout()
+        ttl_s = self._config.lease_ttl_s
+        chan, (lease_id, ranges) = self._first(
+            lambda c: c.call(ChannelOp.ACQUIRE_READ, flags=FLAG_PREFIX, keys=keys, ttl_s=ttl_s))
         try:
-            lease_id, ranges = chan.call(ChannelOp.ACQUIRE_READ, flags=FLAG_PREFIX, keys=keys,
-                                         ttl_s=self._config.lease_ttl_s)
             if not ranges:
                 return 0
             try:
@@ -816,10 +820,10 @@ class ShmClient:
         return len(ranges)
 
     def _get_many_shm(self, keys: list[bytes], outs: list[memoryview]) -> list[int | None]:
-        chan = self._checkout()
+        ttl_s = self._config.lease_ttl_s
+        chan, (lease_id, ranges) = self._first(
+            lambda c: c.call(ChannelOp.ACQUIRE_READ, keys=keys, ttl_s=ttl_s))
         try:
-            lease_id, ranges = chan.call(ChannelOp.ACQUIRE_READ, keys=keys,
-                                         ttl_s=self._config.lease_ttl_s)
             try:
                 for i, (_offset, size) in enumerate(ranges):
                     if size != outs[i].nbytes:
@@ -836,15 +840,52 @@ class ShmClient:
     # --- the channel pool -------------------------------------------------------------------
 
     def _checkout(self) -> LeaseChannel:
+        """A pooled channel (the most recently used: marked ``may_be_stale``) or a new one."""
         with self._lock:
             if self._closed:
                 raise PeerUnavailable("the client is closed")
             if self._idle:
-                return self._idle.pop()
+                chan = self._idle.pop()
+                chan.may_be_stale = True
+                return chan
         chan = LeaseChannel(self._address, io_timeout_s=self._config.io_timeout_s)
         with self._lock:
             self._all.append(chan)
         return chan
+
+    def _first(self, request: Callable[[LeaseChannel], _T]) -> tuple[LeaseChannel, _T]:
+        """A checked-out channel and what ``request`` (the call's first request on it)
+        returned; the caller checks the channel in. When ``request`` finds a reused channel
+        closed by the peer (``ChannelClosed``: module docstring, "Idle connections"), it runs
+        once more on a fresh one. On any failure the channel is checked in and the error
+        raised."""
+        chan = self._checkout()
+        try:
+            return chan, request(chan)
+        except ChannelClosed:
+            self._checkin(chan)  # broken: closed
+        except BaseException:
+            self._checkin(chan)
+            raise
+        chan = self._fresh_after_closed()
+        try:
+            return chan, request(chan)
+        except BaseException:
+            self._checkin(chan)
+            raise
+
+    def _fresh_after_closed(self) -> LeaseChannel:
+        """After ``ChannelClosed``: the other idle channels idled as long (the most recently
+        used one was taken), so they are dropped and a new one is checked out."""
+        log.debug("a pooled lease channel connection to %s was closed by the peer; sending "
+                  "again", self._address)
+        with self._lock:
+            idle, self._idle = self._idle, []
+            for chan in idle:
+                self._all.remove(chan)
+        for chan in idle:
+            chan.close()
+        return self._checkout()
 
     def _checkin(self, chan: LeaseChannel) -> None:
         """Return a channel to the pool; a broken one (or any, once closed) is closed."""
@@ -858,14 +899,18 @@ class ShmClient:
 
     def sync(self) -> None:
         """Wait until the peer has processed every RELEASE this client sent (one PING per
-        channel that has one outstanding). Reports of lease-free reads: :meth:`flush_reads`."""
+        channel that has one outstanding). Reports of lease-free reads: :meth:`flush_reads`.
+        A channel found closed by the peer has nothing left to wait for: its leases ended with
+        the connection (an idle close comes after the peer read everything sent on it)."""
         with self._lock:
             pending = [c for c in self._idle if c.unacknowledged]
             for c in pending:
                 self._idle.remove(c)
+                c.may_be_stale = True
         try:
             for chan in pending:
-                chan.call(ChannelOp.PING)
+                with contextlib.suppress(ChannelClosed):
+                    chan.call(ChannelOp.PING)
         finally:
             for chan in pending:
                 self._checkin(chan)

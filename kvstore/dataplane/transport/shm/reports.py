@@ -10,7 +10,7 @@ import select
 import threading
 from collections import deque
 
-from kvstore.dataplane.transport.shm.channel import LeaseChannel
+from kvstore.dataplane.transport.shm.channel import ChannelClosed, LeaseChannel
 from kvstore.dataplane.transport.shm.frames import FLAG_NO_REPLY, MAX_KEYS, ChannelOp
 from kvstore.errors import PeerUnavailable
 
@@ -22,8 +22,14 @@ class ReadReporter:
     own, every ``interval_s`` or as soon as ``batch`` are waiting, over a connection of its own.
 
     Recording is one ``deque.append`` (thread-safe); the queue is bounded, so a reporter that
-    cannot keep up drops the oldest keys (recency and hit counts are approximate anyway). A
-    failed send (the server is gone) stops reporting; nothing else depends on it.
+    cannot keep up drops the oldest keys (recency and hit counts are approximate anyway).
+
+    The server closes this connection when nothing was reported for its ``idle_timeout_s``
+    (it holds no lease). A send that finds it closed (``ChannelClosed``: EPIPE or a reset)
+    reconnects once and sends the batch again; a batch sent into the socket just as the server
+    closed it is lost (acceptable: it is only hit counting), and then ``flush(wait=True)``
+    returns without it. Any other failure, or one on the fresh connection (the server is gone
+    or stuck), stops reporting; nothing else depends on it and nothing is raised to callers.
     """
 
     MAX_QUEUED = 1 << 16
@@ -74,14 +80,40 @@ class ReadReporter:
                     with contextlib.suppress(IndexError):
                         for _ in range(min(len(self.queue), MAX_KEYS)):
                             keys.append(self.queue.popleft())
-                    if self._chan is None:
-                        self._chan = LeaseChannel(self._address, io_timeout_s=self._io_timeout_s)
-                    self._chan.send(ChannelOp.READS, flags=FLAG_NO_REPLY, keys=keys)
+                    self._send(keys)
                 if wait and self._chan is not None:
-                    self._chan.call(ChannelOp.PING)
+                    try:
+                        self._chan.call(ChannelOp.PING)
+                    except ChannelClosed:  # closed idle: it had processed everything first
+                        self._drop_channel()
+                    else:
+                        self._chan.may_be_stale = True
             except PeerUnavailable as exc:
                 log.info("lease-free read reports stop: %s", exc)
                 self._broken = True
+                self._drop_channel()
+
+    def _send(self, keys: list[bytes]) -> None:
+        """One READS report; a connection found closed is replaced once (class docstring).
+        Raises PeerUnavailable."""
+        chan = self._chan
+        if chan is not None:
+            try:
+                chan.send(ChannelOp.READS, flags=FLAG_NO_REPLY, keys=keys)
+                return
+            except ChannelClosed as exc:
+                log.debug("read report connection closed by the server (%s): reconnecting", exc)
+                self._drop_channel()
+        chan = self._chan = LeaseChannel(self._address, io_timeout_s=self._io_timeout_s)
+        # Only a PING is ever answered on it: a later send that finds it closed (idle) is
+        # ChannelClosed, and reconnects.
+        chan.may_be_stale = True
+        chan.send(ChannelOp.READS, flags=FLAG_NO_REPLY, keys=keys)
+
+    def _drop_channel(self) -> None:
+        if self._chan is not None:
+            self._chan.close()
+            self._chan = None
 
     def close(self) -> None:
         """Flush, stop the thread, close the connection. Idempotent."""
@@ -94,9 +126,7 @@ class ReadReporter:
         self.flush()
         with self._send_lock:
             self._broken = True
-            if self._chan is not None:
-                self._chan.close()
-                self._chan = None
+            self._drop_channel()
         if self.wake_fd >= 0:
             os.close(self.wake_fd)
             self.wake_fd = -1

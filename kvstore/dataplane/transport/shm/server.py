@@ -19,13 +19,23 @@ chunk is there); bulk bytes never pass through here: the client copies them itse
 Bounds: at most ``max_connections`` connections are served at once; one more gets a
 ``STATUS_CLOSING`` reply naming ``CapacityError`` (the limit in its message) and is closed.
 Once a frame's first byte arrived, the whole frame (header and body, at most
-``MAX_BODY_BYTES``) must arrive within ``header_timeout_s``; the socket has a receive timeout
-only while a frame is partial (two ``setsockopt`` per such frame, none per whole one). An idle
-connection is not closed: its leases are tied to it, and a client's pool does not reconnect
-(the cap bounds them). Each connection's frame buffer is an anonymous mapping, unmapped when the
-connection closes: a ``bytearray`` of that size (1 MiB, zero-filled) freed by an exited
-thread stayed in the allocator's per-thread arena, so the server's memory grew with every
-connection that had been open at once.
+``MAX_BODY_BYTES``) must arrive within ``header_timeout_s``. A connection that sent no request
+for ``idle_timeout_s`` and holds no read lease or reservation is closed (counted in
+``idle_closed``); one that holds some is closed once it sent none for the longest TTL among
+them too (each was granted at a request, so by then all have expired). The server counts the
+leases each connection was granted and has not ended by a request (RELEASE, ABORT, a COMMIT
+that succeeded): a few integer operations per lease request, no system call. The count may
+only be too high (an expired lease, a COMMIT that failed), which delays a close to that TTL,
+never too low. Neither bound costs a request anything: the socket's receive timeout is
+``idle_timeout_s`` between frames (set once per connection) and ``header_timeout_s`` only while
+a frame is partial (two ``setsockopt`` per such frame, none per whole one); the idle check runs
+only when the timeout ran out with no byte of a frame here. The idle close happens before any
+byte of a next request was read, so a request that finds its connection closed this way had no
+effect, and the shm client sends it again on a fresh connection (:mod:`.client`). Each
+connection's frame buffer is an anonymous mapping, unmapped when the connection closes: a
+``bytearray`` of that size (1 MiB, zero-filled) freed by an exited thread stayed in the
+allocator's per-thread arena, so the server's memory grew with every connection that had been
+open at once.
 
 Draining: :meth:`ShmChannelServer.close` stops accepting, refuses new ACQUIRE/RESERVE
 (``TierUnavailable``), lets commits, aborts and releases through until no connection holds a
@@ -80,6 +90,11 @@ from kvstore.errors import (
 log = logging.getLogger(__name__)
 
 
+class _IdleTimeout(Exception):
+    """A connection sent no request for as long as it may stay idle (module docstring,
+    "Bounds"): it is to be closed. Raised only between frames, before any byte of the next."""
+
+
 class _FrameReader:
     """Reads request frames from one connection into one preallocated buffer.
 
@@ -90,17 +105,28 @@ class _FrameReader:
     stay valid only until the following call. The buffer is an anonymous ``mmap``: its pages
     become resident only as frames use them, and :meth:`close` returns them to the system
     (module docstring, "Bounds").
+
+    Between frames the socket's receive timeout is ``idle_timeout_s`` (set here, once); when
+    it runs out with no byte of a frame here, ``idle_limit_s()`` says how long this connection
+    may stay idle, and the reader waits the rest of it or raises :class:`_IdleTimeout`.
     """
 
-    __slots__ = ("_buf", "_end", "_sock", "_start", "_timeout_s", "_view")
+    __slots__ = ("_buf", "_end", "_idle_limit_s", "_idle_timeout_s", "_rcvtimeo_s", "_sock",
+                 "_start", "_timeout_s", "_view")
 
-    def __init__(self, sock: socket.socket, frame_timeout_s: float) -> None:
+    def __init__(self, sock: socket.socket, frame_timeout_s: float, idle_timeout_s: float,
+                 idle_limit_s: Callable[[], float]) -> None:
         self._sock = sock
         self._timeout_s = frame_timeout_s
+        self._idle_timeout_s = idle_timeout_s
+        self._idle_limit_s = idle_limit_s
         self._buf = mmap.mmap(-1, REQUEST.size + MAX_BODY_BYTES)
         self._view = memoryview(self._buf)
         self._start = 0
         self._end = 0
+        self._rcvtimeo_s = 0.0
+        """The socket's receive timeout now (``_set_timeout``)."""
+        self._set_timeout(idle_timeout_s)
 
     def close(self) -> None:
         """Unmap the buffer (the views handed out must be gone; if one lives on, the mapping
@@ -113,7 +139,7 @@ class _FrameReader:
 
     def next(self) -> tuple[tuple[int, int, int, int, int, float], memoryview] | None:
         """The next (header fields, body view), or None when the peer closed between frames.
-        Raises ProtocolError (oversized or truncated frame), OSError."""
+        Raises ProtocolError (oversized or truncated frame), _IdleTimeout, OSError."""
         if not self._fill(REQUEST.size):
             return None
         header = REQUEST.unpack_from(self._buf, self._start)
@@ -130,7 +156,8 @@ class _FrameReader:
     def _fill(self, need: int) -> bool:
         """Make ``need`` bytes available from ``_start``; False on a clean close before any
         byte of them arrived. Raises ProtocolError (truncated, or not whole within the frame
-        timeout once its first byte arrived)."""
+        timeout once its first byte arrived), _IdleTimeout (no byte of a frame came for as
+        long as the connection may stay idle)."""
         have = self._end - self._start
         if have >= need:
             return True
@@ -138,12 +165,13 @@ class _FrameReader:
             self._view[:have] = self._view[self._start:self._end]
             self._start, self._end = 0, have
         deadline = 0.0
+        idle_s = 0.0  # waited so far with no byte of a frame here
         try:
             while self._end - self._start < need:
                 if not deadline and self._end > self._start:
                     # Part of a frame is here: from now on the wait is bounded.
                     deadline = time.monotonic() + self._timeout_s
-                    _set_receive_timeout(self._sock, self._timeout_s)
+                    self._set_timeout(self._timeout_s)
                 try:
                     n = self._sock.recv_into(self._view[self._end:])
                 except (BlockingIOError, TimeoutError):
@@ -155,22 +183,31 @@ class _FrameReader:
                                         f"{self._end - self._start} of {need} bytes")
                 if n > 0:
                     self._end += n
+                elif not deadline:
+                    # The idle timeout ran out between frames. The kernel's timer never fires
+                    # early, so idle_s is at most the time really waited.
+                    idle_s += self._rcvtimeo_s
+                    limit_s = self._idle_limit_s()
+                    if idle_s >= limit_s:
+                        raise _IdleTimeout(f"no request for {idle_s:g} s")
+                    self._set_timeout(limit_s - idle_s)  # it holds leases: wait for their TTL
+                    continue
                 if deadline and self._end - self._start < need and \
                         time.monotonic() >= deadline:
                     raise ProtocolError(
                         f"lease channel frame not whole {self._timeout_s:g} s after its first "
                         f"bytes ({self._end - self._start} of {need}; header_timeout_s)")
         finally:
-            if deadline:
-                _set_receive_timeout(self._sock, 0.0)
+            if self._rcvtimeo_s != self._idle_timeout_s:
+                self._set_timeout(self._idle_timeout_s)
         return True
 
-
-def _set_receive_timeout(sock: socket.socket, seconds: float) -> None:
-    """The kernel's ``SO_RCVTIMEO`` (0: none); the socket stays blocking."""
-    sec = int(seconds)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
-                    struct.pack("ll", sec, int((seconds - sec) * 1_000_000)))
+    def _set_timeout(self, seconds: float) -> None:
+        """The kernel's ``SO_RCVTIMEO``; the socket stays blocking."""
+        sec = int(seconds)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                              struct.pack("ll", sec, int((seconds - sec) * 1_000_000)))
+        self._rcvtimeo_s = seconds
 
 
 def _closing_reply(exc: KvtierError) -> bytes:
@@ -187,12 +224,23 @@ def _tail(value: memoryview | None, count: int, op: int) -> memoryview:
 
 
 class _Connection:
-    __slots__ = ("peer", "sock", "thread")
+    __slots__ = ("held", "held_ttl_s", "peer", "sock", "thread")
 
     def __init__(self, sock: socket.socket, peer: str) -> None:
         self.sock = sock
         self.peer = peer
         self.thread: threading.Thread | None = None
+        self.held = 0
+        """Leases granted to this connection and not ended by one of its requests (module
+        docstring, "Bounds": never too low). Only this connection's thread touches it."""
+        self.held_ttl_s = 0.0
+        """The longest TTL of a lease granted to it (all have expired once it sent no request
+        for that long)."""
+
+    def grant(self, count: int, ttl_s: float) -> None:
+        self.held += count
+        if ttl_s > self.held_ttl_s:
+            self.held_ttl_s = ttl_s
 
 
 class ShmServer:
@@ -208,10 +256,10 @@ class ShmServer:
         """``on_reads`` receives the keys of each READS report (module docstring), on the
         connection's thread. ``header_timeout_s``, ``idle_timeout_s``, ``max_connections``:
         module docstring, "Bounds"."""
-        for name, value in (("header_timeout_s", header_timeout_s),
-                            ("idle_timeout_s", idle_timeout_s)):
+        for bound, value in (("header_timeout_s", header_timeout_s),
+                             ("idle_timeout_s", idle_timeout_s)):
             if not 0 < value < math.inf:
-                raise InvalidArgument(f"{name} must be finite and > 0, got {value}")
+                raise InvalidArgument(f"{bound} must be finite and > 0, got {value}")
         if max_connections < 1:
             raise InvalidArgument(f"max_connections must be >= 1, got {max_connections}")
         self._header_timeout_s = header_timeout_s
@@ -219,6 +267,9 @@ class ShmServer:
         self._max_connections = max_connections
         self.refused = 0
         """Connections refused at ``max_connections``."""
+        self.idle_closed = 0
+        """Connections closed after ``idle_timeout_s`` without a request (module docstring,
+        "Bounds")."""
         self._leases = leases
         self._on_reads = on_reads
         self._lease_ttl_s = lease_ttl_s
@@ -337,9 +388,24 @@ class ShmServer:
         # The whole request runs inline on this connection's thread (no hand-off to a pool):
         # a hand-off costs a second thread wake-up, which here is most of a round trip.
         sock = conn.sock
-        reader = _FrameReader(sock, self._header_timeout_s)
+        idle_timeout_s = self._idle_timeout_s
+
+        def idle_limit_s() -> float:
+            """How long this connection may send no request (module docstring, "Bounds")."""
+            return max(idle_timeout_s, conn.held_ttl_s) if conn.held > 0 else idle_timeout_s
+
+        try:
+            reader = _FrameReader(sock, self._header_timeout_s, idle_timeout_s, idle_limit_s)
+        except BaseException:
+            self._end_connection(conn)
+            raise
         try:
             self._serve_frames(conn, reader)
+        except _IdleTimeout as exc:
+            log.info("lease channel %s: %s (idle_timeout_s %g); closing it", conn.peer, exc,
+                     idle_timeout_s)
+            with self._lock:
+                self.idle_closed += 1
         except ProtocolError as exc:
             log.warning("lease channel %s: %s; closing it", conn.peer, exc)
             with contextlib.suppress(OSError):  # best effort: the peer may be gone
@@ -348,13 +414,19 @@ class ShmServer:
             log.debug("lease channel %s closed: %s", conn.peer, exc)
         finally:
             reader.close()  # no frame view is left: they lived in _serve_frames
-            with self._lock:
-                self._connections.discard(conn)
+            self._end_connection(conn)
+
+    def _end_connection(self, conn: _Connection) -> None:
+        """Forget ``conn``, end its leases, close its socket."""
+        with self._lock:
+            self._connections.discard(conn)
+        try:
             reads, writes = self._leases.drop_owner(conn)
             if reads or writes:
                 log.info("lease channel %s closed holding %d read and %d write lease(s): ended",
                          conn.peer, reads, writes)
-            sock.close()
+        finally:
+            conn.sock.close()
 
     def _serve_frames(self, conn: _Connection, reader: _FrameReader) -> None:
         """Serve requests until the peer closes between frames. Raises ProtocolError, OSError."""
@@ -384,10 +456,13 @@ class ShmServer:
                 self._refuse_when_draining()
                 lease_id, ranges = self._leases.acquire_read(
                     keys, ttl, prefix=bool(flags & FLAG_PREFIX), owner=conn)
+                if lease_id:  # (0: an empty prefix, nothing leased)
+                    conn.grant(1, ttl)
                 return REPLY.pack(STATUS_OK, len(ranges), 0, lease_id) + b"".join(
                     RANGE.pack(r.offset, r.size_bytes) for r in ranges)
             if op == ChannelOp.RELEASE:
-                self._leases.release(arg, owner=conn)
+                if self._leases.release(arg, owner=conn):
+                    conn.held -= 1
                 return REPLY.pack(STATUS_OK, 0, 0, arg)
             if op == ChannelOp.RESERVE:
                 self._refuse_when_draining()
@@ -395,12 +470,15 @@ class ShmServer:
                     raise ProtocolError(f"RESERVE carries [key, parent], got {len(keys)} keys")
                 lease_id, offset = self._leases.reserve(keys[0], arg, ttl,
                                                         parent=keys[1] or None, owner=conn)
+                conn.grant(1, ttl)
                 return REPLY.pack(STATUS_OK, 1, 0, lease_id) + RANGE.pack(offset, arg)
             if op == ChannelOp.COMMIT:
                 self._leases.commit(arg, owner=conn)
+                conn.held -= 1
                 return REPLY.pack(STATUS_OK, 0, 0, arg)
             if op == ChannelOp.ABORT:
-                self._leases.abort(arg, owner=conn)
+                if self._leases.abort(arg, owner=conn):
+                    conn.held -= 1
                 return REPLY.pack(STATUS_OK, 0, 0, arg)
             if op == ChannelOp.PUT:
                 self._refuse_when_draining()
@@ -474,6 +552,7 @@ class ShmServer:
                 if lease_id:
                     self._leases.abort(lease_id, owner=conn)
             raise
+        conn.grant(sum(1 for _offset, lease_id in ranges if lease_id), ttl_s)
         return REPLY.pack(STATUS_OK, len(ranges), 0, 0) + b"".join(
             RANGE.pack(offset, lease_id) for offset, lease_id in ranges)
 
@@ -484,6 +563,8 @@ class ShmServer:
                 self._leases.commit(lease_id, owner=conn)
             except KvtierError as exc:
                 first = first or exc
+            else:
+                conn.held -= 1
         if first is not None:
             raise first
         return REPLY.pack(STATUS_OK, 0, 0, 0)
