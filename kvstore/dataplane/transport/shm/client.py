@@ -38,9 +38,10 @@ otherwise the connection closed because the peer is shutting down or died, and t
 connection cannot be made (``PeerUnavailable``): the listener closes before the connections
 do. A lease a request took (ACQUIRE_READ, RESERVE, RESERVE_MANY) dies with the connection that
 took it in any case. Later requests of the same call (the COMMIT after a RESERVE, a RELEASE, the
-next batch of ``put_many``) are never resent: a connection with a lease is not idle-closed
-before the lease's TTL, and a connection that dies under one has ended it, so its failure is the
-call's (``PeerUnavailable``).
+next batch of ``put_many``) are never resent: each follows a reply on the same connection, so it
+finds the connection idle-closed only when the call itself paused for ``idle_timeout_s``
+(holding a lease: for its TTL too), and what the connection held ended with it: that failure is
+the call's (``PeerUnavailable``).
 """
 
 from __future__ import annotations
