@@ -304,8 +304,13 @@ class _ClientConnection:
         return results
 
     def recv_payload(self, view: memoryview, what: str) -> None:
+        """Receive the rest of an answer that has begun: an EOF here is PeerUnavailable, never
+        PeerClosed (which says nothing of the answer came, so the request may be resent)."""
         try:
             recv_exact(self.sock, view, what)
+        except PeerClosed as exc:
+            self.broken = True
+            raise PeerUnavailable(str(exc)) from exc
         except PeerUnavailable:
             self.broken = True
             raise
