@@ -380,8 +380,10 @@ def test_a_lease_channel_connection_holding_leases_is_not_idle_closed() -> None:
             read_id, _ = reader.call(ChannelOp.ACQUIRE_READ, keys=[b"k"], ttl_s=60)
             write_id, _ = writer.call(ChannelOp.RESERVE, keys=[b"w", b""], arg=100, ttl_s=60)
             idle.call(ChannelOp.PING)  # the clock: idle since after the others' last request
-            wait_until(lambda: srv.idle_closed >= 1, 10, "the idle connection's close")
-            assert _closed_by_peer(idle.sock) and srv.connection_count() == 2
+            # The count, the close and the registry entry change one after the other: wait for all.
+            wait_until(lambda: srv.idle_closed >= 1 and _closed_by_peer(idle.sock)
+                       and srv.connection_count() == 2, 10, "the idle connection's close")
+            assert srv.idle_closed == 1
             assert not _closed_by_peer(reader.sock) and not _closed_by_peer(writer.sock)
             reader.call(ChannelOp.RELEASE, arg=read_id)
             wait_until(lambda: _closed_by_peer(reader.sock), 10, "the reader's close")
