@@ -300,11 +300,10 @@ class TieredCache:
             raise InvalidArgument(f"parent {bytes(parent).hex()} of {key.hex()} is not cached: "
                                   "a chunk without its prefix is useless")
         size = _nbytes(src)
-        durable = self._durable
-        backing = durable if durable is not None and kind.order < durable.order else None
+        backing = self._backing_for(kind)
         if backing is not None:
             self._write_backing(backing, key, src, size, parent)
-        elif kind is durable and parent is not None:
+        elif kind is self._durable and parent is not None:
             self._back_ancestors(kind, parent)
         try:
             info, seconds = self._place(kind, target, key, size,
@@ -361,8 +360,7 @@ class TieredCache:
         kind = tier or self._write_tier
         target = self._host_memory_tier(kind)
         key, size = slot.key, slot.size_bytes
-        durable = self._durable
-        backing = durable if durable is not None and kind.order < durable.order else None
+        backing = self._backing_for(kind)
         if backing is not None:
             try:
                 self._write_backing(backing, key, slot.buffer, size, parent)
@@ -449,6 +447,12 @@ class TieredCache:
             self._count(kind, bytes_written=size, seconds_writing=seconds)
         finally:
             self._index.unpin(lease)
+
+    def _backing_for(self, kind: TierKind) -> TierKind | None:
+        """The tier a durable put into ``kind`` also writes (write-through), or None: the
+        durable tier when ``write_tier`` is persistent and ``kind`` is faster than it."""
+        durable = self._durable
+        return durable if durable is not None and kind.order < durable.order else None
 
     def _host_memory_tier(self, kind: TierKind) -> HostMemoryTier:
         target = self._host_memory.get(kind)
