@@ -29,29 +29,31 @@ ALLOWED: dict[str, set[str]] = {
     "client": {"foundation", "dataplane", "shared"},
     "conductor": {"foundation", "dataplane", "shared"},
     "engine": {"foundation", "dataplane", "shared", "client", "node"},
+    "integrations": {"foundation", "dataplane", "shared", "client"},
     "planner": {"foundation", "dataplane", "shared", "node", "client", "conductor"},
     "cluster": {"foundation", "dataplane", "shared", "node", "client", "conductor", "engine",
-                "planner"},
+                "integrations", "planner"},
     "bench": {"foundation", "dataplane", "shared", "node", "client", "conductor", "engine",
-              "planner", "cluster"},
+              "integrations", "planner", "cluster"},
     "cli": {"foundation", "dataplane", "shared", "node", "client", "conductor", "engine",
-            "planner", "cluster", "bench"},
+            "integrations", "planner", "cluster", "bench"},
 }
 """Which boxes each box may import (itself always). Data plane at the bottom, then what several
 boxes share (wire codes, etcd membership), then node, client and conductor side by side, the
-engines, the offline tools, the local cluster, the benchmarks and the command line on top."""
+engines and the integrations into other engines (vLLM's KV connector), the offline tools, the local cluster, the benchmarks and the command line on top."""
 
 RESTRICTED: dict[str, set[str]] = {
     "grpc": {"shared", "node", "client", "conductor", "engine", "planner", "cluster", "bench",
              "cli", "foundation"},
     "aetcd": {"shared", "conductor", "planner", "bench", "cli", "cluster"},
     "matplotlib": {"planner"},
-    "torch": {"dataplane", "client", "engine", "cluster", "bench", "cli"},
+    "torch": {"dataplane", "client", "engine", "integrations", "cluster", "bench", "cli"},
+    "vllm": {"integrations", "cluster", "bench"},
 }
 """Third-party packages and the boxes that may import them: the data plane speaks neither gRPC nor
 etcd; only membership (in the shared box) talks to etcd for the node, the client and the engines;
 plotting stays in the offline planner; the daemon and the conductor never need torch (the
-torch-free image)."""
+torch-free image); only the vLLM integration (and the jobs that run vLLM) imports vllm."""
 
 
 def box_of(module: str) -> str:
@@ -65,7 +67,7 @@ def box_of(module: str) -> str:
         return "foundation"
     if second in ("wire", "membership"):
         return "shared"
-    if second in ("dataplane", "node", "client", "engine", "cluster", "cli"):
+    if second in ("dataplane", "node", "client", "engine", "integrations", "cluster", "cli"):
         return second
     raise AssertionError(f"module {module} belongs to no box: add it to box_of and the docs")
 
