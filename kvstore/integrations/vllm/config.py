@@ -1,0 +1,169 @@
+"""Configuration of :class:`~kvstore.integrations.vllm.connector.KvtierConnector`.
+
+Load it in vLLM with::
+
+    KVTransferConfig(kv_connector="KvtierConnector",
+                     kv_connector_module_path="kvstore.integrations.vllm.connector",
+                     kv_role="kv_both",                  # or kv_producer (save only), kv_consumer (load only)
+                     kv_load_failure_policy="recompute",  # required: a failed load is recomputed
+                     kv_connector_extra_config={"daemon": "127.0.0.1:50051"})
+
+Keys of ``kv_connector_extra_config`` (unknown keys are an error). Every key can be overridden
+by the environment variable ``KVTIER_VLLM_<KEY>`` (upper case: ``KVTIER_VLLM_DAEMON``,
+``KVTIER_VLLM_LOOKUP_TIMEOUT_S``); the environment wins over the extra config.
+
+==========================  ==========  =====================================================
+key                         default     meaning
+==========================  ==========  =====================================================
+``daemon``                  --          ``host:port`` of a kvtier daemon's gRPC service.
+``etcd``                    --          etcd endpoint (``http://host:port``) instead of
+                                        ``daemon``: use the daemon registered there on this
+                                        host (or ``node_id``). Exactly one of the two.
+``node_id``                 ""          with ``etcd``: the daemon to use.
+``model``                   vLLM's      model name (and ``@revision``) folded into the key
+                                        namespace; default ``model_config.model`` plus
+                                        ``@<revision>`` when vLLM has one. Instances that
+                                        should share KV must agree on it (a local path
+                                        counts: give the same name everywhere).
+``tenant``                  ""          the namespace tenant of requests without a
+                                        ``cache_salt``; a request's ``cache_salt`` is its
+                                        tenant (it is inside vLLM's block hash too).
+``data_plane``              ``auto``    ``auto`` | ``shm`` | ``tcp``: to the daemon.
+``lookup_timeout_s``        1.0         bound on a scheduler-side lookup; a daemon that does
+                                        not answer in time counts as 0 hits.
+``load_timeout_s``          10.0        bound on a step's loads (worker); blocks not in by
+                                        then are reported as load errors and recomputed.
+``save_timeout_s``          30.0        bound on a save's puts; a save still running then is
+                                        given up (its blocks are freed, nothing is lost but
+                                        the reuse).
+``save``                    ``all``     ``all``: store every full block vLLM computed (up to
+                                        ``num_computed_tokens``); ``none``: load only.
+                                        ``kv_role="kv_consumer"`` forces ``none``;
+                                        ``kv_role="kv_producer"`` never loads.
+``reconnect_interval_s``    2.0         after the daemon failed (down, restarted), how long
+                                        before the connector tries it again (in the
+                                        background: vLLM never waits for a reconnect).
+``workers``                 2           client threads for copies and transfers (worker).
+``staging_pool_mib``        64          pooled staging buffers kept by the worker's client.
+==========================  ==========  =====================================================
+
+Checked at start (``ConfigError`` with the reason, so a mistake that would give 0% hits is
+never silent): one of ``daemon``/``etcd``; positive timeouts; vLLM's
+``prefix_caching_hash_algo`` is ``sha256`` or ``sha256_cbor`` (32-byte hashes used as keys
+without rehashing; ``sha256_cbor`` also lets non-vLLM components compute the same keys);
+``kv_load_failure_policy == "recompute"`` (else a daemon failure fails requests); one KV-cache
+group of full attention. Logged at start: the namespace (model, dtype, block size, layers,
+TP rank/size) and vLLM's hash seed, which every process that should share must agree on.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvstore.errors import ConfigError
+
+__all__ = ["ENV_PREFIX", "ConnectorConfig", "DataPlaneName", "SaveMode"]
+
+ENV_PREFIX = "KVTIER_VLLM_"
+
+
+class SaveMode(enum.Enum):
+    ALL = "all"
+    NONE = "none"
+
+
+class DataPlaneName(enum.Enum):
+    AUTO = "auto"
+    SHM = "shm"
+    TCP = "tcp"
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    """The connector's settings; build with :meth:`from_extra_config`."""
+
+    daemon: str = ""
+    etcd: str = ""
+    node_id: str = ""
+    model: str = ""
+    tenant: str = ""
+    data_plane: DataPlaneName = DataPlaneName.AUTO
+    lookup_timeout_s: float = 1.0
+    load_timeout_s: float = 10.0
+    save_timeout_s: float = 30.0
+    save: SaveMode = SaveMode.ALL
+    reconnect_interval_s: float = 2.0
+    workers: int = 2
+    staging_pool_mib: int = 64
+
+    def __post_init__(self) -> None:
+        if bool(self.daemon) == bool(self.etcd):
+            raise ConfigError("kvtier connector: set exactly one of 'daemon' (host:port of a "
+                              "kvtier daemon's gRPC) and 'etcd' (an etcd endpoint) in "
+                              "kv_connector_extra_config or KVTIER_VLLM_DAEMON/KVTIER_VLLM_ETCD")
+        if self.daemon:
+            host, sep, port = self.daemon.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ConfigError(f"kvtier connector: 'daemon' must be host:port, got "
+                                  f"{self.daemon!r}")
+        if self.node_id and not self.etcd:
+            raise ConfigError("kvtier connector: 'node_id' needs 'etcd'")
+        for name in ("lookup_timeout_s", "load_timeout_s", "save_timeout_s",
+                     "reconnect_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"kvtier connector: {name!r} must be > 0, got "
+                                  f"{getattr(self, name)!r}")
+        if self.workers < 1 or self.staging_pool_mib < 0:
+            raise ConfigError("kvtier connector: 'workers' must be >= 1 and "
+                              "'staging_pool_mib' >= 0")
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None,
+                          environ: Mapping[str, str] | None = None) -> ConnectorConfig:
+        """Parse ``kv_connector_extra_config`` with ``KVTIER_VLLM_<KEY>`` overrides from
+        ``environ`` (default ``os.environ``). Raises ConfigError for an unknown key or a bad
+        value."""
+        env = os.environ if environ is None else environ
+        known = {f.name: f for f in fields(cls)}
+        raw: dict[str, Any] = dict(extra or {})
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            raise ConfigError(f"kvtier connector: unknown kv_connector_extra_config keys "
+                              f"{unknown}; accepted: {sorted(known)}")
+        for name in known:
+            value = env.get(ENV_PREFIX + name.upper())
+            if value is not None:
+                raw[name] = value
+        values: dict[str, Any] = {}
+        for name, value in raw.items():
+            values[name] = _coerce(name, known[name].default, value)
+        return cls(**values)
+
+
+def _coerce(name: str, default: Any, value: Any) -> Any:
+    """``value`` as the type of the field's ``default`` (strings from the environment too)."""
+    try:
+        if isinstance(default, enum.Enum):
+            return type(default)(str(value).strip().lower())
+        if isinstance(default, bool):  # (no bool fields yet; kept strict if one comes)
+            text = str(value).strip().lower()
+            if text not in ("true", "false", "1", "0"):
+                raise ValueError(value)
+            return text in ("true", "1")
+        if isinstance(default, int):
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(value)
+            return int(value)
+        if isinstance(default, float):
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return float(value)
+        if not isinstance(value, str):
+            raise ValueError(value)
+        return value.strip()
+    except ValueError as exc:
+        raise ConfigError(f"kvtier connector: bad value {value!r} for {name!r}") from exc
