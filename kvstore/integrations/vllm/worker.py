@@ -1,0 +1,203 @@
+"""The worker half of the connector (runs in vLLM's Worker process, one per TP rank).
+
+Per step: ``start_load_kv`` starts one batched load (``KVClient.load_many``) of every request
+the metadata names, into vLLM's own blocks through :class:`GuardedKV`, and one batched save
+(``begin_save_many``); ``wait_for_layer_load(l)`` waits (bounded by the step's load deadline)
+until layer ``l`` is in; ``save_kv_layer(l)`` queues layer ``l``'s copy out of vLLM's blocks;
+``wait_for_save`` waits for the copies (the puts run on after the step: the staging is ours);
+``get_block_ids_with_load_errors`` names the vLLM blocks of every block that did not arrive
+(missing, corrupt, daemon dead, timed out), and vLLM recomputes them. A load given up is closed
+first, so it can never write a block vLLM recomputes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvstore.client.handles import BatchSave, LoadHandle
+from kvstore.client.kv_client import KVClient
+from kvstore.client.kvlayout import KVLayout
+from kvstore.client.requests import BlockKeys, LoadRequest, SaveRequest
+from kvstore.errors import ConfigError, KvtierError
+from kvstore.integrations.vllm.config import ConnectorConfig
+from kvstore.integrations.vllm.layout import GuardedKV, engine_kv_for, layout_of
+from kvstore.integrations.vllm.metadata import KvtierConnectorMetadata, LoadSpec
+from kvstore.integrations.vllm.session import ClientSession
+from kvstore.integrations.vllm.spec import ConnectorSpec
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["WorkerSide"]
+
+
+@dataclass
+class _Load:
+    spec: LoadSpec
+    guard: GuardedKV
+    handle: LoadHandle | None  # None: never started (no daemon)
+    given_up: bool = False
+
+
+class WorkerSide:
+    def __init__(self, config: ConnectorConfig, spec: ConnectorSpec,
+                 session: ClientSession) -> None:
+        self.config = config
+        self.spec = spec
+        self.session = session
+        self.kv_caches: list[torch.Tensor] = []
+        self.layout: KVLayout | None = None
+        self._layer_index = {name: i for i, name in enumerate(spec.layer_names)}
+        self._loads: list[_Load] = []
+        self._deadline = 0.0
+        self._saver: BatchSave | None = None
+        self._saver_client: KVClient | None = None
+        self._copies: list[cf.Future[None] | None] = []
+        self._errors: set[int] = set()
+        self.stats = {"loaded_blocks": 0, "failed_blocks": 0, "saved_blocks": 0,
+                      "save_failed_blocks": 0}
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        missing = [n for n in self.spec.layer_names if n not in kv_caches]
+        if missing:
+            raise ConfigError(f"kvtier connector: vLLM registered no KV cache for {missing}")
+        self.kv_caches = [kv_caches[n] for n in self.spec.layer_names]
+        self.layout = layout_of(self.kv_caches, self.spec.num_kv_heads, self.spec.head_dim,
+                                self.spec.block_tokens)
+
+    # --- loads ------------------------------------------------------------------------------
+
+    def start_load_kv(self, meta: KvtierConnectorMetadata) -> None:
+        self._finish_loads()  # a previous step's loads, if vLLM never asked for their errors
+        self._deadline = time.monotonic() + self.config.load_timeout_s
+        if self.layout is None:
+            raise ConfigError("kvtier connector: start_load_kv before register_kv_caches")
+        client = self.session.get() if meta.loads else None
+        loads = [_Load(s, GuardedKV(engine_kv_for(self.kv_caches, s.block_ids, self.layout)),
+                       None) for s in meta.loads]
+        if client is not None and loads:
+            handles: list[LoadHandle | None]
+            try:
+                handles = list(client.load_many([
+                    LoadRequest(BlockKeys(ld.spec.keys), ld.guard, ld.spec.first_block,
+                                ld.spec.num_blocks) for ld in loads]))
+            except KvtierError as exc:  # a bad spec is a bug here; the blocks are recomputed
+                log.error("kvtier connector: load_many refused: %s", exc)
+                handles = [None] * len(loads)
+            for ld, h in zip(loads, handles, strict=True):
+                ld.handle = h
+        self._loads = loads
+        self._start_save(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        for ld in self._loads:
+            if ld.handle is None or ld.given_up:
+                continue
+            try:
+                ld.handle.wait_for_layer(layer, max(0.0, self._deadline - time.monotonic()))
+            except TimeoutError:
+                self._give_up(ld, f"layer {layer} not loaded within "
+                                  f"{self.config.load_timeout_s} s")
+
+    def _give_up(self, ld: _Load, why: str) -> None:
+        ld.guard.close()  # from here on the load cannot write vLLM's blocks
+        ld.given_up = True
+        log.warning("kvtier connector: load of %s given up: %s", ld.spec.req_id, why)
+
+    def _finish_loads(self) -> None:
+        """Collect the step's loads: every block that did not arrive becomes a load error."""
+        loads, self._loads = self._loads, []
+        for ld in loads:
+            failed: Sequence[int]
+            spec = ld.spec
+            if ld.handle is None:
+                failed = range(spec.first_block, spec.first_block + spec.num_blocks)
+            else:
+                try:
+                    res = ld.handle.result(max(0.0, self._deadline - time.monotonic())
+                                           if not ld.given_up else 0.0)
+                except cf.TimeoutError:
+                    res = None
+                if res is None or ld.given_up:
+                    if not ld.given_up:
+                        self._give_up(ld, "not done by the load deadline")
+                    failed = range(spec.first_block, spec.first_block + spec.num_blocks)
+                else:
+                    failed = res.failed_blocks
+                    self.stats["loaded_blocks"] += res.loaded_blocks
+                    if res.error and "PeerUnavailable" in res.error:
+                        client = self.session.get()
+                        if client is not None:
+                            self.session.failed(client, res.error)
+            self.stats["failed_blocks"] += len(failed)
+            self._errors.update(spec.block_ids[b] for b in failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_loads()
+        errors, self._errors = self._errors, set()
+        return errors
+
+    # --- saves ------------------------------------------------------------------------------
+
+    def _start_save(self, meta: KvtierConnectorMetadata) -> None:
+        self._saver, self._saver_client, self._copies = None, None, []
+        if not meta.saves or self.layout is None:
+            return
+        client = self.session.get()
+        if client is None:
+            return
+        try:
+            self._saver = client.begin_save_many([
+                SaveRequest(BlockKeys(s.keys), engine_kv_for(self.kv_caches, s.block_ids,
+                                                             self.layout), s.first_block)
+                for s in meta.saves])
+        except KvtierError as exc:
+            log.error("kvtier connector: begin_save_many refused: %s", exc)
+            return
+        self._saver_client = client
+        self._copies = [None] * self.spec.num_layers
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        layer = self._layer_index.get(layer_name)
+        if self._saver is None or layer is None or self._copies[layer] is not None:
+            return
+        self._copies[layer] = self._saver.save_layer(layer)
+
+    def wait_for_save(self) -> None:
+        saver, self._saver = self._saver, None
+        if saver is None:
+            return
+        for layer, fut in enumerate(self._copies):
+            if fut is None:  # a layer vLLM did not hand over: copy it now
+                self._copies[layer] = saver.save_layer(layer)
+        for fut in self._copies:
+            assert fut is not None
+            fut.result()  # local copies out of vLLM's blocks; they raise only on a bug
+        self._copies = []
+        saver.finish().add_done_callback(self._saved)
+
+    def _saved(self, fut: cf.Future[list]) -> None:  # type: ignore[type-arg]
+        try:
+            results = fut.result()
+        except KvtierError as exc:
+            log.warning("kvtier connector: save failed: %s", exc)
+            return
+        for r in results:
+            self.stats["saved_blocks"] += len(r.stored_blocks)
+            self.stats["save_failed_blocks"] += len(r.failed_blocks)
+            if r.error and "PeerUnavailable" in r.error and self._saver_client is not None:
+                self.session.failed(self._saver_client, r.error)
+
+    def close(self) -> None:
+        self._finish_loads()
+        self.session.close()
