@@ -33,9 +33,9 @@ key                         default     meaning
                                         not answer in time counts as 0 hits.
 ``load_timeout_s``          10.0        bound on a step's loads (worker); blocks not in by
                                         then are reported as load errors and recomputed.
-``save_timeout_s``          30.0        bound on a save's puts; a save still running then is
-                                        given up (its blocks are freed, nothing is lost but
-                                        the reuse).
+``save_timeout_s``          30.0        accepted and validated, NOT enforced yet: saves copy
+                                        out of vLLM's blocks within the step and their puts
+                                        run on in the background (KVClient cannot cancel).
 ``save``                    ``all``     ``all``: store every full block vLLM computed (up to
                                         ``num_computed_tokens``); ``none``: load only.
                                         ``kv_role="kv_consumer"`` forces ``none``;
