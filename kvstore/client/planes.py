@@ -32,7 +32,7 @@ from kvstore.client.store_config import DataPlane, StoreClientConfig
 from kvstore.dataplane import cuda
 from kvstore.dataplane.arena import host_byte_view, is_cuda_tensor
 from kvstore.dataplane.tier import Buffer, ChunkKey, check_key
-from kvstore.dataplane.transport.base import ReadLease
+from kvstore.dataplane.transport.base import ReadLease, put_each
 from kvstore.dataplane.transport.shm import LeaseFreeCounters, ShmClient
 from kvstore.dataplane.transport.tcp import TcpClient
 from kvstore.dataplane.transport.ucx import UcxClient, ucx_unavailable
@@ -53,7 +53,8 @@ class ValuePlane(Protocol):
 
     def put(self, key: bytes, src: Buffer, *, parent: bytes | None = None) -> None: ...
 
-    def put_many(self, keys: Sequence[bytes], srcs: Sequence[Buffer]) -> list[bool]: ...
+    def put_many(self, keys: Sequence[bytes], srcs: Sequence[Buffer],
+                 parents: Sequence[bytes | None] | None = None) -> list[bool]: ...
 
     def get_many_into(self, keys: Sequence[bytes], dsts: Sequence[Buffer]
                       ) -> list[int | None]: ...
@@ -136,8 +137,18 @@ class RemotePlane:
             self._control.call("SetParents", pb.SetParentsRequest(keys=[k], parents=[p]))
         self._remote_put(k, view)
 
-    def put_many(self, keys: Sequence[bytes], srcs: Sequence[Buffer]) -> list[bool]:
-        return self.tcp_client().put_many(keys, srcs)
+    def put_many(self, keys: Sequence[bytes], srcs: Sequence[Buffer],
+                 parents: Sequence[bytes | None] | None = None) -> list[bool]:
+        """Roots: pipelined TCP puts. With parents: TCP frames carry none, and a batch may spread
+        over connections (unordered), so one :meth:`put` per item in order (inline over gRPC
+        when small, else ``SetParents`` and a TCP put): the same results (``put_each``)."""
+        if parents is None or all(p is None for p in parents):
+            return self.tcp_client().put_many(keys, srcs)
+        if len(parents) != len(keys) or len(srcs) != len(keys):
+            raise InvalidArgument(f"{len(keys)} keys, {len(srcs)} values, {len(parents)} "
+                                  "parents")
+        return put_each([check_key(k) for k in keys], srcs,
+                        [None if p is None else check_key(p) for p in parents], self.put)
 
     def get_many_into(self, keys: Sequence[bytes], dsts: Sequence[Buffer]) -> list[int | None]:
         return self.tcp_client().get_many_into(keys, dsts)

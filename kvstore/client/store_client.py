@@ -142,10 +142,25 @@ class StoreClient(DaemonControl):
         """
         return self.plane.get_into(key, dst)
 
-    def put_many(self, keys: Sequence[bytes], srcs: Sequence[Buffer]) -> list[bool]:
-        """Store several root chunks; ``False`` where the key was already stored. Other
-        refusals raise (after the values before them were stored)."""
-        return self.plane.put_many(keys, srcs)
+    def put_many(self, keys: Sequence[bytes], srcs: Sequence[Buffer],
+                 parents: Sequence[bytes | None] | None = None) -> list[bool]:
+        """Store several chunks, ``keys[i]`` a child of ``parents[i]`` (None, or no
+        ``parents``: a root); ``True`` where stored, ``False`` where the key was already stored.
+
+        A parent must be cached already or be an earlier item of the same call (parent-first:
+        one step's chain is ``parents = [last_saved_or_None, keys[0], ..., keys[-2]]``). Items
+        are stored in order. An item refused otherwise (CapacityError, an uncached parent,
+        TooManyLeases...) is not stored, nor is anything under it in the batch (its prefix is not
+        cached, so nothing orphaned becomes visible); every other item is stored, then the
+        first refusal is raised. Over shared memory the whole batch is one pipelined exchange
+        on one connection: PUT_MANY requests for values up to 64 KiB; for larger ones
+        RESERVE_MANY, one copy from ``srcs`` straight into the arena, COMMIT_MANY (the daemon
+        reserves the next part while this client copies). Over TCP/UCX: roots are pipelined
+        TCP puts; with parents, one put per item (``SetParents`` or an inline gRPC put).
+        Raises InvalidArgument (bad key, empty value, lengths differ) before anything is sent,
+        PeerUnavailable.
+        """
+        return self.plane.put_many(keys, srcs, parents)
 
     def get_many_into(self, keys: Sequence[bytes], dsts: Sequence[Buffer]) -> list[int | None]:
         """Fill ``dsts[i]`` with chunk ``keys[i]``; None where it is not stored. Over shared

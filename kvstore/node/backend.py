@@ -60,6 +60,7 @@ from kvstore.errors import (
     SizeMismatch,
     TierUnavailable,
     TooManyLeases,
+    short_key,
 )
 from kvstore.node.cache import TieredCache
 from kvstore.node.index import Lease
@@ -380,6 +381,8 @@ class _WriteRecord:
     owner: object | None
     deadline: float
     offset: int
+    parent_pending: bool = False
+    """The parent was an open reservation of the same owner at reserve time: checked at commit."""
 
 
 class ShmLeases:
@@ -401,6 +404,9 @@ class ShmLeases:
         self._lock = threading.Lock()
         self._reads: dict[int, _ReadRecord] = {}
         self._writes: dict[int, _WriteRecord] = {}
+        self._writing: dict[bytes, int] = {}
+        """Key -> lease id of every open reservation (a key has at most one: the cache refuses
+        a second reserve of a key being written)."""
         self._ids = LeaseIds()
         self.max_ttl_s = max_ttl_s
         self.budget = budget if budget is not None else LeaseBudget(max_leases)
@@ -515,10 +521,14 @@ class ShmLeases:
         check_ttl(ttl_s, self.max_ttl_s)
         k = check_key(key)
         p = None if parent is None else check_key(parent)
+        pending = p is not None and self._reserved_by(p, owner)
         deadline = time.monotonic() + ttl_s
         self.budget.take()
         try:
-            slot = self._cache.reserve(k, size_bytes, parent=p, tier=TierKind.DRAM)
+            # A parent still being written by this owner (a chain reserved parent-first) is
+            # not cached yet: the cache's check moves to commit (commit).
+            slot = self._cache.reserve(k, size_bytes, parent=None if pending else p,
+                                       tier=TierKind.DRAM)
         except BaseException:
             self.budget.give()
             raise
@@ -530,8 +540,16 @@ class ShmLeases:
             raise
         with self._lock:
             lease_id = self._new_id_locked()
-            self._writes[lease_id] = _WriteRecord(slot, p, owner, deadline, offset)
+            self._writes[lease_id] = _WriteRecord(slot, p, owner, deadline, offset, pending)
+            self._writing[k] = lease_id
         return lease_id, offset
+
+    def _reserved_by(self, key: bytes, owner: object | None) -> bool:
+        """Whether ``key`` is an open reservation of ``owner``."""
+        with self._lock:
+            lease_id = self._writing.get(key)
+            rec = None if lease_id is None else self._writes.get(lease_id)
+            return rec is not None and rec.owner == owner
 
     def size_of(self, key: bytes) -> int | None:
         """The committed chunk's size (in any tier), or None."""
@@ -561,6 +579,14 @@ class ShmLeases:
         freed)."""
         rec = self._pop_write(lease_id, owner)
         self.budget.give()
+        if rec.parent_pending and self._cache.entry(rec.parent or b"") is None:
+            # Its parent's reservation failed, was aborted or expired, or the parent was
+            # dropped since: publishing it would break the prefix rule (and, with write-through,
+            # write an orphan to NVMe first).
+            self._cache.abort(rec.slot, tier=TierKind.DRAM)
+            raise InvalidArgument(f"parent {short_key(rec.parent or b'')} of "
+                                  f"{short_key(rec.slot.key)} is not cached: a chunk without "
+                                  "its prefix is useless")
         try:
             self._cache.commit(rec.slot, parent=rec.parent, tier=TierKind.DRAM)
         except BaseException:
@@ -594,7 +620,12 @@ class ShmLeases:
                 raise InvalidArgument(f"write lease {lease_id} is unknown (committed, aborted, "
                                       "expired, or another session's)")
             del self._writes[lease_id]
+            self._forget_key_locked(rec, lease_id)
             return rec
+
+    def _forget_key_locked(self, rec: _WriteRecord, lease_id: int) -> None:
+        if self._writing.get(rec.slot.key) == lease_id:
+            del self._writing[rec.slot.key]
 
     def drop_owner(self, owner: object) -> tuple[int, int]:
         """End every lease of ``owner`` (its connection closed); return (reads, writes) ended."""
@@ -628,6 +659,8 @@ class ShmLeases:
         for lease_id in writes:
             with self._lock:
                 write = self._writes.pop(lease_id, None)
+                if write is not None:
+                    self._forget_key_locked(write, lease_id)
             if write is not None:
                 self._end_write(write)
                 ended_writes += 1

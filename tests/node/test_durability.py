@@ -114,6 +114,17 @@ def put_shm_many(d: DaemonProcess) -> Values:
     return values
 
 
+def put_shm_many_with_parents(d: DaemonProcess) -> Values:
+    with connect(d, DataPlane.SHM) as c:
+        # One chain in one put_many: inline (small) and reserved (large) items, parent-first.
+        items = chain(b"many-chain", [200 * KiB, 8 * KiB, 1 * MiB, 300 * KiB, 4 * KiB], 100)
+        keys = [k for k, _p, _v in items]
+        assert c.put_many(keys, [v for _k, _p, v in items],
+                          parents=[p for _k, p, _v in items]) == [True] * len(items)
+        assert c.inspect(keys[-1]).parent == keys[-2]
+    return {k: v for k, _p, v in items}
+
+
 def put_ucx(d: DaemonProcess) -> Values:
     with connect(d, DataPlane.UCX) as c:
         values = {b"ucx-%d" % i: value(90 + i, 2 * MiB + i) for i in range(3)}
@@ -129,6 +140,7 @@ PUT_PATHS: dict[str, Callable[[DaemonProcess], Values]] = {
     "tcp-with-parents": put_tcp_with_parents,
     "shm-reserve-commit": put_shm,
     "shm-put-many": put_shm_many,
+    "shm-put-many-with-parents": put_shm_many_with_parents,
     "ucx": put_ucx,
 }
 

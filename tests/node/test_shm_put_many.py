@@ -1,6 +1,7 @@
 """Batched same-host puts: ``StoreClient.put_many`` sends runs of small values in PUT_MANY requests
-and reserves / commits runs of large ones with one RESERVE_MANY and one COMMIT_MANY, against a real
-daemon process."""
+and reserves / commits runs of large ones with pipelined RESERVE_MANY and COMMIT_MANY requests,
+against a real daemon process. With ``parents``: a chain in one call lands parent-first, a failed
+item fails what hangs under it in the batch and nothing else, and nothing orphaned is visible."""
 
 from __future__ import annotations
 
@@ -12,8 +13,13 @@ import pytest
 
 from kvstore.client import DataPlane, StoreClient, StoreClientConfig
 from kvstore.dataplane.transport.shm import LeaseChannel
-from kvstore.dataplane.transport.shm.frames import ChannelOp
-from kvstore.errors import InvalidArgument, ProtocolError
+from kvstore.dataplane.transport.shm.frames import (
+    FLAG_PARENTS,
+    ITEM_FAILED,
+    ITEM_STORED,
+    ChannelOp,
+)
+from kvstore.errors import CapacityError, ChunkNotFound, InvalidArgument, ProtocolError
 from tests.support.common import wait_until
 from tests.support.daemon import DaemonProcess
 
@@ -116,3 +122,153 @@ def test_a_malformed_batch_closes_only_its_connection(client: StoreClient) -> No
         chan.close()
     assert not client.exists(b"pm-bad-1")
     client.put(b"pm-after-bad", value(10, 4 * KiB))  # the daemon still serves
+
+
+# --- parents ---------------------------------------------------------------------------------
+
+
+def parent_of(client: StoreClient, key: bytes) -> bytes | None:
+    entry = client.inspect(key)
+    return entry.parent or None
+
+
+def absent(client: StoreClient, key: bytes) -> bool:
+    try:
+        client.inspect(key)
+    except ChunkNotFound:
+        return True
+    return False
+
+
+def chain_keys(prefix: bytes, n: int) -> list[bytes]:
+    return [b"%s-%d" % (prefix, i) for i in range(n)]
+
+
+def test_a_chain_in_one_call_lands_with_every_parent(client: StoreClient) -> None:
+    client.put(b"pc-base", value(400, 8 * KiB))
+    sizes = [8 * KiB, 256 * KiB, 1 * MiB, 4 * KiB, 64 * KiB, 512 * KiB, 16 * KiB, 2 * MiB,
+             128 * KiB, 100 * KiB, 300 * KiB, 12 * KiB]  # inline and reserved runs, parts of 8
+    keys = chain_keys(b"pc", len(sizes))
+    parents: list[bytes | None] = [b"pc-base", *keys[:-1]]
+    vals = [value(410 + i, s) for i, s in enumerate(sizes)]
+    assert client.put_many(keys, vals, parents=parents) == [True] * len(keys)
+    for key, parent, v, size in zip(keys, parents, vals, sizes, strict=True):
+        assert parent_of(client, key) == parent
+        assert np.array_equal(read(client, key, size), v)
+    assert client.lookup([b"pc-base", *keys]).length == len(keys) + 1
+    assert client.stats().shm_leases_open == 0
+
+
+def test_a_failed_parent_fails_its_descendants_and_only_them(client: StoreClient) -> None:
+    # 40 MiB cannot fit in the 32 MiB arena: the chain's second block is refused (CapacityError),
+    # so its descendants cannot be stored; the block before it and the other chain are.
+    keys = chain_keys(b"pf", 4)
+    other = chain_keys(b"pf-other", 3)
+    vals = [value(500, 256 * KiB), value(501, 40 * MiB), value(502, 256 * KiB),
+            value(503, 8 * KiB), value(504, 8 * KiB), value(505, 300 * KiB), value(506, 4 * KiB)]
+    batch_keys = [keys[0], other[0], keys[1], other[1], keys[2], other[2], keys[3]]
+    batch_vals = [vals[0], vals[4], vals[1], vals[5], vals[2], vals[6], vals[3]]
+    parents = [None, None, keys[0], other[0], keys[1], other[1], keys[2]]
+    with pytest.raises(CapacityError):
+        client.put_many(batch_keys, batch_vals, parents=parents)
+    assert parent_of(client, keys[0]) is None
+    assert np.array_equal(read(client, keys[0], 256 * KiB), vals[0])
+    for key in keys[1:]:
+        assert absent(client, key)  # nothing orphaned is visible
+    assert [parent_of(client, k) for k in other] == [None, other[0], other[1]]
+    assert np.array_equal(read(client, other[2], 4 * KiB), vals[6])
+    assert client.stats().shm_leases_open == 0
+
+
+def test_an_uncached_parent_fails_the_chain_under_it_small_and_large(client: StoreClient) -> None:
+    for size, tag in ((8 * KiB, b"s"), (256 * KiB, b"l")):
+        keys = chain_keys(b"pu-" + tag, 3)
+        root = b"pu-root-" + tag
+        with pytest.raises(InvalidArgument, match="not cached"):
+            client.put_many([*keys, root], [value(600 + i, size) for i in range(4)],
+                            parents=[b"pu-never-stored", keys[0], keys[1], None])
+        assert all(absent(client, k) for k in keys)
+        assert np.array_equal(read(client, root, size), value(603, size))
+
+
+def test_a_child_before_its_parent_is_refused(client: StoreClient) -> None:
+    # Parent-first is the rule: the daemon stores in order, so a child listed first finds no
+    # parent (and the parent, a root, is stored).
+    with pytest.raises(InvalidArgument, match="not cached"):
+        client.put_many([b"po-child", b"po-parent"], [value(700, 256 * KiB), value(701, 8 * KiB)],
+                        parents=[b"po-parent", None])
+    assert absent(client, b"po-child")
+    assert parent_of(client, b"po-parent") is None
+
+
+def test_mixed_roots_and_chains_with_an_item_already_stored(client: StoreClient) -> None:
+    a, b = chain_keys(b"pm-a", 3), chain_keys(b"pm-b", 3)
+    client.put(a[0], value(800, 64 * KiB))
+    client.put(a[1], value(801, 64 * KiB), parent=a[0])  # already stored: False, children land
+    keys = [a[0], b[0], b"pm-root-1", a[1], b[1], a[2], b"pm-root-2", b[2]]
+    parents = [None, None, None, a[0], b[0], a[1], None, b[1]]
+    sizes = [64 * KiB, 2 * KiB, 1 * MiB, 64 * KiB, 512 * KiB, 8 * KiB, 256 * KiB, 4 * KiB]
+    vals = [value(810 + i, s) for i, s in enumerate(sizes)]
+    assert client.put_many(keys, vals, parents=parents) == [False, True, True, False, True, True,
+                                                            True, True]
+    for key, parent in zip(keys, parents, strict=True):
+        assert parent_of(client, key) == parent
+    for i in (1, 2, 4, 5, 6, 7):
+        assert np.array_equal(read(client, keys[i], sizes[i]), vals[i])
+
+
+def test_parents_over_tcp_give_the_same_results(daemon: DaemonProcess) -> None:
+    with StoreClient.connect(daemon.grpc_address,
+                             StoreClientConfig(data_plane=DataPlane.TCP)) as tcp:
+        keys = chain_keys(b"pt", 4)
+        sizes = [8 * KiB, 256 * KiB, 2 * KiB, 1 * MiB]
+        vals = [value(900 + i, s) for i, s in enumerate(sizes)]
+        parents: list[bytes | None] = [None, *keys[:-1]]
+        assert tcp.put_many(keys, vals, parents=parents) == [True] * 4
+        assert tcp.put_many(keys[:2], vals[:2], parents=parents[:2]) == [False, False]
+        for key, parent, v, size in zip(keys, parents, vals, sizes, strict=True):
+            assert parent_of(tcp, key) == parent
+            assert np.array_equal(read(tcp, key, size), v)
+        with pytest.raises(InvalidArgument, match="not cached"):
+            tcp.put_many([b"pt-x", b"pt-y"], [value(1, 300 * KiB), value(2, 300 * KiB)],
+                         parents=[b"pt-never", b"pt-x"])
+        assert absent(tcp, b"pt-x") and absent(tcp, b"pt-y")
+
+
+def test_a_child_whose_parent_reservation_was_not_committed_is_aborted(
+        client: StoreClient) -> None:
+    chan = LeaseChannel(client.info.shm_socket)
+    try:
+        sizes = struct.pack("<2Q", 128 * KiB, 128 * KiB)
+        _lease, ranges = chan.call(ChannelOp.RESERVE_MANY, flags=FLAG_PARENTS,
+                                   keys=[b"pr-parent", b"", b"pr-child", b"pr-parent"],
+                                   arg=len(sizes), payload=memoryview(sizes))
+        assert chan.detail == bytes([ITEM_STORED, ITEM_STORED])
+        (_o1, parent_lease), (_o2, child_lease) = ranges
+        ids = struct.pack("<Q", child_lease)  # the child alone: its parent is not cached
+        chan.call(ChannelOp.COMMIT_MANY, flags=FLAG_PARENTS, arg=len(ids),
+                  payload=memoryview(ids))
+        assert chan.detail[0] == ITEM_FAILED and b"not cached" in chan.detail[1:]
+        assert absent(client, b"pr-child")
+        ids = struct.pack("<Q", parent_lease)
+        chan.call(ChannelOp.COMMIT_MANY, flags=FLAG_PARENTS, arg=len(ids),
+                  payload=memoryview(ids))
+        assert chan.detail == bytes([ITEM_STORED])
+    finally:
+        chan.close()
+    assert parent_of(client, b"pr-parent") is None and absent(client, b"pr-child")
+    wait_until(lambda: client.stats().shm_leases_open == 0, what="the leases to end")
+
+
+def test_a_batch_with_parents_and_an_odd_key_count_closes_only_its_connection(
+        client: StoreClient) -> None:
+    chan = LeaseChannel(client.info.shm_socket)
+    try:
+        sizes = struct.pack("<Q", 128 * KiB)
+        with pytest.raises(ProtocolError, match="pairs"):
+            chan.call(ChannelOp.RESERVE_MANY, flags=FLAG_PARENTS, keys=[b"pp-1"],
+                      arg=len(sizes), payload=memoryview(sizes))
+        assert chan.broken
+    finally:
+        chan.close()
+    client.put(b"pp-after", value(11, 4 * KiB))

@@ -106,12 +106,12 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from kvstore.dataplane.tier import Buffer, ChunkKey
-from kvstore.errors import InvalidArgument, LeaseExpired
+from kvstore.errors import ChunkExists, InvalidArgument, KvtierError, LeaseExpired, TransportError
 
 
 class TransportKind(enum.Enum):
@@ -311,13 +311,16 @@ class ArenaLeaseBackend(Protocol):
 
     def reserve(self, key: bytes, size_bytes: int, ttl_s: float, *,
                 parent: bytes | None = None, owner: object | None = None) -> tuple[int, int]:
-        """An invisible slot of ``size_bytes``: (lease id, arena offset). Raises ChunkExists,
-        ChunkBusy, CapacityError, InvalidArgument."""
+        """An invisible slot of ``size_bytes``: (lease id, arena offset). ``parent`` must be
+        cached, or be the key of an open reservation of the same ``owner`` (a chain reserved
+        parent-first in one batch): then it is checked when this one is committed. Raises
+        ChunkExists, ChunkBusy, CapacityError, InvalidArgument (an uncached parent)."""
         ...
 
     def commit(self, lease_id: int, *, owner: object | None = None) -> object:
         """Make a reserved chunk visible. Raises InvalidArgument (unknown lease, or another
-        owner's) and the errors of storing it (the slot is then freed)."""
+        owner's; its parent is not cached now) and the errors of storing it (the slot is then
+        freed)."""
         ...
 
     def abort(self, lease_id: int, *, owner: object | None = None) -> bool:
@@ -443,3 +446,34 @@ class TransportServer(Protocol):
         """Stop accepting, let in-flight transfers finish for up to ``drain_timeout_s``, then cut
         the rest (their write leases are aborted). Idempotent."""
         ...
+
+
+def put_each(keys: Sequence[bytes], srcs: Sequence[Buffer], parents: Sequence[bytes | None],
+             put: Callable[..., None]) -> list[bool]:
+    """A batch put (``put_many``'s results) as one ``put(key, src, parent=...)`` per item, in
+    order, for planes without a batch that carries parents: True where stored, False where the
+    key was already stored. An item refused otherwise is not stored, nor anything under it in
+    the batch (its put would only be refused again: its parent is not cached); the rest are,
+    and then the first refusal is raised. A transport failure (``TransportError``) is raised at
+    once."""
+    stored = [False] * len(keys)
+    failed: set[bytes] = set()
+    first: KvtierError | None = None
+    for i, (key, src, parent) in enumerate(zip(keys, srcs, parents, strict=True)):
+        if parent is not None and parent in failed:
+            failed.add(key)
+            continue
+        try:
+            put(key, src, parent=parent)
+        except ChunkExists:
+            continue
+        except TransportError:
+            raise
+        except KvtierError as exc:
+            failed.add(key)
+            first = first or exc
+            continue
+        stored[i] = True
+    if first is not None:
+        raise first
+    return stored

@@ -114,6 +114,12 @@ class LeaseChannel:
         """Send a request and read its reply: (lease id, ranges). Raises the peer's error."""
         self.send(op, flags=flags, keys=keys, arg=arg, ttl_s=ttl_s, payload=payload,
                   payloads=payloads)
+        return self.recv_reply()
+
+    def recv_reply(self) -> tuple[int, list[tuple[int, int]]]:
+        """Read the reply to the oldest request sent and not answered yet (requests may be
+        pipelined: replies come in order): (lease id, ranges); its detail in :attr:`detail`.
+        Raises the peer's error."""
         self._recv_into(self._reply, first=True)
         status, count, detail_len, lease_id = REPLY.unpack(self._reply)
         self.unacknowledged = self.may_be_stale = False

@@ -13,8 +13,10 @@ moves every byte itself with one memcpy:
   for a reply.
 * ``put`` = RESERVE (an invisible slot) + one memcpy into the arena + COMMIT; values up to
   ``INLINE_PUT_MAX_BYTES`` (64 KiB) travel inside one PUT request instead (one round trip).
-  Batches: runs of small values in PUT_MANY requests, runs of large ones in one RESERVE_MANY,
-  the copies and one COMMIT_MANY.
+  Batches (``put_many``, with parents: a chain in one call, parent-first): runs of values up
+  to 16 KiB in PUT_MANY requests, runs of larger ones in pipelined RESERVE_MANY requests, one
+  copy each into the arena and COMMIT_MANY requests (docs/transport.md, "Batched same-host
+  puts").
 * A chunk the arena cannot take right now (``CapacityError``, ``ChunkBusy``) is read through
   the ``fallback`` transport when one is given (the daemon's TCP plane), else the error is
   raised.
@@ -41,7 +43,9 @@ took it in any case. Later requests of the same call (the COMMIT after a RESERVE
 next batch of ``put_many``) are never resent: each follows a reply on the same connection, so it
 finds the connection idle-closed only when the call itself paused for ``idle_timeout_s``
 (holding a lease: for its TTL too), and what the connection held ended with it: that failure is
-the call's (``PeerUnavailable``).
+the call's (``PeerUnavailable``). ``put_many`` sends all RESERVE_MANY parts of a run before
+their first reply, and a ChannelClosed can come only before that reply, when the peer read none
+of them: the run is sent again, as a first request is.
 """
 
 from __future__ import annotations
@@ -73,12 +77,15 @@ from kvstore.dataplane.transport.base import (
     Endpoint,
     TransportKind,
     ViewReadLease,
+    put_each,
 )
 from kvstore.dataplane.transport.shm.channel import ChannelClosed, LeaseChannel
 from kvstore.dataplane.transport.shm.frames import (
     FLAG_NO_REPLY,
+    FLAG_PARENTS,
     FLAG_PREFIX,
     INLINE_PUT_MAX_BYTES,
+    ITEM_STORED,
     MAX_BODY_BYTES,
     MAX_KEYS,
     REQUEST,
@@ -88,13 +95,13 @@ from kvstore.dataplane.transport.shm.reports import ReadReporter
 from kvstore.errors import (
     CapacityError,
     ChunkBusy,
-    ChunkExists,
     ChunkNotFound,
     InvalidArgument,
     KvtierError,
     PeerUnavailable,
     SizeMismatch,
     TierUnavailable,
+    error_from_name,
 )
 
 log = logging.getLogger(__name__)
@@ -105,7 +112,31 @@ chunk into its arena now)."""
 _PAGE_BYTES = 4096
 _BATCH_MAX_KEYS = 512
 """Keys per batched put request (the buffers of one request stay under IOV_MAX)."""
+_BATCH_INLINE_MAX_BYTES = 16 << 10
+"""Batched values up to this size travel inside PUT_MANY requests; larger ones are reserved,
+copied once and committed (measured: for 32 x 64 KiB values inline cost ~3x the reserved path:
+two more copies, the socket's and the daemon's)."""
+_PIPELINE_ITEMS = 8
+"""Items per RESERVE_MANY / COMMIT_MANY of a pipelined batch of large values: the daemon
+reserves the next part while the client copies this one."""
 _T = TypeVar("_T")
+
+
+def _pairs(keys: list[bytes], parents: list[bytes | None]) -> list[bytes]:
+    """The [key, parent (empty: none)] pairs of a FLAG_PARENTS request."""
+    out: list[bytes] = []
+    for key, parent in zip(keys, parents, strict=True):
+        out.append(key)
+        out.append(parent or b"")
+    return out
+
+
+def _item_error(detail: bytes, count: int) -> KvtierError | None:
+    """The first failure a per-item reply carries after its ``count`` status bytes, or None."""
+    if len(detail) <= count:
+        return None
+    name, _, message = detail[count:].decode(errors="replace").partition("\n")
+    return error_from_name(name, message)
 
 
 VIEW_LEASE_TTL_S = 60.0
@@ -496,89 +527,133 @@ class ShmClient:
 
     # --- batches ----------------------------------------------------------------------------
 
-    def put_many(self, keys: Sequence[bytes], srcs: Sequence[Buffer]) -> list[bool]:
-        """Store several root chunks; ``False`` where the key was already stored. Other
-        refusals raise (PUT_MANY: after the values before them were stored; RESERVE_MANY: all
-        or nothing)."""
+    def put_many(self, keys: Sequence[bytes], srcs: Sequence[Buffer],
+                 parents: Sequence[bytes | None] | None = None) -> list[bool]:
+        """Store several chunks, ``keys[i]`` a child of ``parents[i]`` (None or no
+        ``parents``: a root). ``True`` where stored, ``False`` where the key was already stored.
+
+        A parent must be cached or be an earlier item of the batch (parent-first: a chain is
+        ``parents = [p, keys[0], keys[1], ...]``); the daemon stores the items in order. An item
+        refused for another reason (CapacityError, an uncached parent...) is not stored, nor
+        is anything under it in the batch (its prefix is not cached); the other items are, and
+        then the first refusal is raised. Values up to ``INLINE_PUT_MAX_BYTES`` travel in
+        PUT_MANY requests; larger ones are reserved with RESERVE_MANY requests, copied straight
+        from ``srcs`` into the arena and published with COMMIT_MANY, pipelined on one
+        connection (the daemon reserves the next part while this client copies the previous
+        one) and with one round trip's wait in all."""
         if len(keys) != len(srcs):
             raise InvalidArgument(f"{len(keys)} keys but {len(srcs)} values")
+        if parents is not None and len(parents) != len(keys):
+            raise InvalidArgument(f"{len(keys)} keys but {len(parents)} parents")
         checked: list[bytes] = [check_key(k) for k in keys]
+        pars: list[bytes | None] = [None] * len(checked) if parents is None else \
+            [None if p is None else check_key(p) for p in parents]
         if any(is_cuda_tensor(s) for s in srcs):
-            stored: list[bool] = []
-            for key, src in zip(checked, srcs, strict=True):
-                try:
-                    self.put(key, src)
-                    stored.append(True)
-                except ChunkExists:
-                    stored.append(False)
-            return stored
+            return put_each(checked, srcs, pars, self.put)
         views = [host_byte_view(s) for s in srcs]
         if any(v.nbytes == 0 for v in views):
             raise InvalidArgument("cannot store an empty chunk")
         limit = self._config.max_value_bytes
         if limit and any(v.nbytes > limit for v in views):
             raise InvalidArgument(f"a value exceeds max_value_bytes {limit}")
-        return self._put_many(checked, views)
+        return self._put_many(checked, pars, views)
 
-    def _put_many(self, keys: list[bytes], views: list[memoryview]) -> list[bool]:
+    def _put_many(self, keys: list[bytes], parents: list[bytes | None],
+                  views: list[memoryview]) -> list[bool]:
         """Runs of small values travel inside PUT_MANY requests (one round trip per ~1 MiB),
-        runs of large ones are reserved with one RESERVE_MANY, copied, and published with one
-        COMMIT_MANY."""
+        runs of large ones are reserved, copied and committed (:meth:`_put_many_reserved`).
+        Runs go in order on one connection, so a run's items may be children of an earlier
+        run's."""
         stored = [False] * len(keys)
+        first: KvtierError | None = None
         chan = self._checkout()
         try:
             i = 0
             while i < len(keys):
-                small = views[i].nbytes <= INLINE_PUT_MAX_BYTES
+                small = views[i].nbytes <= _BATCH_INLINE_MAX_BYTES
                 j, body = i, 0
                 while j < len(keys) and j - i < _BATCH_MAX_KEYS \
-                        and (views[j].nbytes <= INLINE_PUT_MAX_BYTES) == small:
-                    item = 9 + len(keys[j]) + (views[j].nbytes if small else 0)
+                        and (views[j].nbytes <= _BATCH_INLINE_MAX_BYTES) == small:
+                    item = 10 + len(keys[j]) + len(parents[j] or b"") \
+                        + (views[j].nbytes if small else 0)
                     if small and j > i and body + item > MAX_BODY_BYTES - REQUEST.size:
                         break
                     body += item
                     j += 1
                 batch = self._put_many_inline if small else self._put_many_reserved
+                run = (keys[i:j], parents[i:j], views[i:j], stored, i)
                 try:
-                    batch(chan, keys[i:j], views[i:j], stored, i)
-                except ChannelClosed:  # only the first request of a reused channel: resent
+                    failed = batch(chan, *run)
+                except ChannelClosed:  # only before the first reply of a reused channel: resent
                     self._checkin(chan)
                     chan = self._fresh_after_closed()
-                    batch(chan, keys[i:j], views[i:j], stored, i)
+                    failed = batch(chan, *run)
+                first = first or failed
                 i = j
         finally:
             self._checkin(chan)
+        if first is not None:
+            raise first
         return stored
 
-    def _put_many_inline(self, chan: LeaseChannel, keys: list[bytes], views: list[memoryview],
-                         stored: list[bool], at: int) -> None:
+    def _put_many_inline(self, chan: LeaseChannel, keys: list[bytes],
+                         parents: list[bytes | None], views: list[memoryview],
+                         stored: list[bool], at: int) -> KvtierError | None:
         sizes = struct.pack(f"<{len(views)}Q", *(v.nbytes for v in views))
         tail = len(sizes) + sum(v.nbytes for v in views)
-        chan.call(ChannelOp.PUT_MANY, keys=keys, arg=tail,
+        chan.call(ChannelOp.PUT_MANY, flags=FLAG_PARENTS, keys=_pairs(keys, parents), arg=tail,
                   payloads=[memoryview(sizes), *views])
-        for k, existed in enumerate(chan.detail):
-            stored[at + k] = not existed
+        detail = chan.detail
+        for k in range(len(keys)):
+            stored[at + k] = detail[k] == ITEM_STORED
+        return _item_error(detail, len(keys))
 
     def _put_many_reserved(self, chan: LeaseChannel, keys: list[bytes],
-                           views: list[memoryview], stored: list[bool], at: int) -> None:
-        sizes = struct.pack(f"<{len(views)}Q", *(v.nbytes for v in views))
-        _lease_id, ranges = chan.call(ChannelOp.RESERVE_MANY, keys=keys, arg=len(sizes),
-                                      ttl_s=self._config.lease_ttl_s, payload=memoryview(sizes))
-        lease_ids = [lease_id for _offset, lease_id in ranges if lease_id]
+                           parents: list[bytes | None], views: list[memoryview],
+                           stored: list[bool], at: int) -> KvtierError | None:
+        """RESERVE_MANY for every part of ``_PIPELINE_ITEMS`` items, sent at once; then per
+        part its reply, the copies into the reserved ranges and its COMMIT_MANY (not waited
+        for); then the commits' replies. The daemon serves one connection's requests in order,
+        so it reserves part k + 1 while this client copies part k, and commits a chain's
+        parents before their children. A failure in between leaves the connection out of step:
+        it is closed, which ends its open reservations (never visible)."""
+        ttl_s = self._config.lease_ttl_s
+        parts = [(a, min(a + _PIPELINE_ITEMS, len(keys)))
+                 for a in range(0, len(keys), _PIPELINE_ITEMS)]
+        first: KvtierError | None = None
+        committing: list[list[int]] = []
         try:
-            for view, (offset, lease_id) in zip(views, ranges, strict=True):
-                if lease_id:
-                    copy_bytes(self._arena.view(offset, view.nbytes, readonly=False), view)
+            for a, b in parts:
+                sizes = struct.pack(f"<{b - a}Q", *(v.nbytes for v in views[a:b]))
+                chan.send(ChannelOp.RESERVE_MANY, flags=FLAG_PARENTS,
+                          keys=_pairs(keys[a:b], parents[a:b]), arg=len(sizes), ttl_s=ttl_s,
+                          payload=memoryview(sizes))
+            for a, b in parts:
+                _lease_id, ranges = chan.recv_reply()
+                first = first or _item_error(chan.detail, b - a)
+                items: list[int] = []
+                ids: list[int] = []
+                for k, (offset, lease_id) in enumerate(ranges):
+                    if lease_id:
+                        view = views[a + k]
+                        copy_bytes(self._arena.view(offset, view.nbytes, readonly=False), view)
+                        items.append(a + k)
+                        ids.append(lease_id)
+                if ids:
+                    packed = struct.pack(f"<{len(ids)}Q", *ids)
+                    chan.send(ChannelOp.COMMIT_MANY, flags=FLAG_PARENTS, arg=len(packed),
+                              payload=memoryview(packed))
+                    committing.append(items)
+            for items in committing:
+                chan.recv_reply()
+                detail = chan.detail
+                for k, item in enumerate(items):
+                    stored[at + item] = detail[k] == ITEM_STORED
+                first = first or _item_error(detail, len(items))
         except BaseException:
-            with contextlib.suppress(KvtierError):  # the peer aborts them on disconnect too
-                for lease_id in lease_ids:
-                    chan.call(ChannelOp.ABORT, arg=lease_id)
+            chan.broken = True  # requests may be outstanding: closed at checkin
             raise
-        if lease_ids:
-            ids = struct.pack(f"<{len(lease_ids)}Q", *lease_ids)
-            chan.call(ChannelOp.COMMIT_MANY, arg=len(ids), payload=memoryview(ids))
-        for k, (_offset, lease_id) in enumerate(ranges):
-            stored[at + k] = bool(lease_id)
+        return first
 
     def get_many_into(self, keys: Sequence[bytes], dsts: Sequence[Buffer]) -> list[int | None]:
         """Fill ``dsts[i]`` with chunk ``keys[i]``; None where it is not stored. Published

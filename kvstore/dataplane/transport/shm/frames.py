@@ -51,16 +51,26 @@ class ChannelOp(enum.IntEnum):
     in batches, usually with FLAG_NO_REPLY: the daemon counts them as hits and refreshes
     their recency for eviction."""
     PUT_MANY = 9
-    """keys = root chunks; the body's tail (``argument`` bytes) is one u64 size per key, then
-    the values back to back. Stored in order; the reply's detail is one byte per key (0:
-    stored, 1: already stored). Another refusal is an error reply, after the earlier values
-    were stored."""
+    """keys = root chunks (FLAG_PARENTS: [key, parent (empty: none)] per item); the body's tail
+    (``argument`` bytes) is one u64 size per item, then the values back to back. Stored in
+    order, so an item may name an earlier item of the request as its parent. The reply's detail
+    is one byte per item (:data:`ITEM_STORED`, :data:`ITEM_EXISTS`; FLAG_PARENTS also
+    :data:`ITEM_FAILED`, and then the first failure as ``"<ErrorClass>\\n<message>"`` after the
+    status bytes). Without FLAG_PARENTS another refusal is an error reply, after the earlier
+    values were stored."""
     RESERVE_MANY = 10
-    """keys = root chunks; tail = one u64 size per key -> one RANGE per key as (arena offset,
-    lease id), lease id 0 where the key is already stored. All or nothing otherwise."""
+    """keys as PUT_MANY's; tail = one u64 size per item -> one RANGE per item as (arena offset,
+    lease id), lease id 0 where the item is not reserved. Without FLAG_PARENTS: all or nothing,
+    0 only where the key is already stored. FLAG_PARENTS: per item, the detail as PUT_MANY's
+    (``ITEM_STORED``: reserved). An item's parent may be an open reservation of the same
+    connection (an earlier item of this or an earlier request): its parent is then checked when
+    it is committed."""
     COMMIT_MANY = 11
-    """no keys; tail = u64 lease ids -> every one is committed; the first failure (if any) is
-    the error reply."""
+    """no keys; tail = u64 lease ids -> each is committed, in order (a parent's before its
+    child's). Without FLAG_PARENTS the first failure (if any) is the error reply; with it the
+    detail is one status byte per id (``ITEM_STORED``: committed, ``ITEM_FAILED``) and then the
+    first failure. A reservation whose parent is not cached when it comes to be committed (the
+    parent's reservation failed or was aborted) is aborted and fails."""
     SIZE_OF = 12
     """keys -> one RANGE per key: (1, size) when it is committed, (0, 0) when not."""
     REMOVE = 13
@@ -70,6 +80,17 @@ class ChannelOp(enum.IntEnum):
 
 FLAG_PREFIX = 1
 FLAG_NO_REPLY = 2
+FLAG_PARENTS = 4
+"""PUT_MANY, RESERVE_MANY: the keys are [key, parent] pairs and the outcome is per item;
+COMMIT_MANY: the outcome is per lease id (detail: one status byte each, then the first failure).
+"""
+
+ITEM_STORED = 0
+ITEM_EXISTS = 1
+"""The key was already stored: nothing was written for it (not a failure)."""
+ITEM_FAILED = 2
+"""Refused (capacity, an uncached parent, too many leases...): the first such error follows
+the status bytes."""
 
 STATUS_OK = 0
 STATUS_ERROR = 1

@@ -63,7 +63,10 @@ from collections.abc import Callable
 from kvstore.dataplane.transport.base import ArenaLeaseBackend, Endpoint, TransportKind
 from kvstore.dataplane.transport.shm.frames import (
     FLAG_NO_REPLY,
+    FLAG_PARENTS,
     FLAG_PREFIX,
+    ITEM_EXISTS,
+    ITEM_FAILED,
     MAX_BODY_BYTES,
     MAX_KEYS,
     RANGE,
@@ -221,6 +224,26 @@ def _tail(value: memoryview | None, count: int, op: int) -> memoryview:
     if value is None or len(value) < 8 * count:
         raise ProtocolError(f"op {op}: the body's tail is too short for {count} entries")
     return value
+
+
+def _items(keys: list[bytes], flags: int, op: int) -> list[tuple[bytes, bytes | None]]:
+    """A batch op's (key, parent) items: pairs with FLAG_PARENTS (an empty parent: a root),
+    else roots."""
+    if not flags & FLAG_PARENTS:
+        return [(key, None) for key in keys]
+    if len(keys) % 2:
+        raise ProtocolError(f"op {op} with FLAG_PARENTS carries [key, parent] pairs, got "
+                            f"{len(keys)} keys")
+    return [(keys[i], keys[i + 1] or None) for i in range(0, len(keys), 2)]
+
+
+def _per_item_reply(count: int, ranges: bytes, status: bytearray,
+                    first: KvtierError | None) -> bytes:
+    """An OK reply whose detail is one status byte per item, then the first failure."""
+    detail = bytes(status)
+    if first is not None:
+        detail += f"{error_name(first)}\n{first}".encode()
+    return REPLY.pack(STATUS_OK, count, len(detail), 0) + ranges + detail
 
 
 class _Connection:
@@ -490,13 +513,18 @@ class ShmServer:
                 return REPLY.pack(STATUS_OK, 0, 0, 0)
             if op == ChannelOp.PUT_MANY:
                 self._refuse_when_draining()
-                return self._put_many(keys, _tail(value, len(keys), op))
+                items = _items(keys, flags, op)
+                return self._put_many(items, _tail(value, len(items), op),
+                                      per_item=bool(flags & FLAG_PARENTS))
             if op == ChannelOp.RESERVE_MANY:
                 self._refuse_when_draining()
-                return self._reserve_many(conn, keys, _tail(value, len(keys), op), ttl)
+                items = _items(keys, flags, op)
+                return self._reserve_many(conn, items, _tail(value, len(items), op), ttl,
+                                          per_item=bool(flags & FLAG_PARENTS))
             if op == ChannelOp.COMMIT_MANY:
                 ids = _tail(value, arg // 8, op)
-                return self._commit_many(conn, struct.unpack_from(f"<{len(ids) // 8}Q", ids))
+                return self._commit_many(conn, struct.unpack_from(f"<{len(ids) // 8}Q", ids),
+                                         per_item=bool(flags & FLAG_PARENTS))
             if op == ChannelOp.READS:
                 if self._on_reads is not None and keys:
                     self._on_reads(keys)
@@ -518,32 +546,54 @@ class ShmServer:
             detail = f"{error_name(exc)}\n{exc}".encode()
             return REPLY.pack(STATUS_ERROR, 0, len(detail), 0) + detail
 
-    def _put_many(self, keys: list[bytes], tail: memoryview) -> bytes:
-        sizes = struct.unpack_from(f"<{len(keys)}Q", tail)
-        pos = 8 * len(keys)
+    def _put_many(self, items: list[tuple[bytes, bytes | None]], tail: memoryview, *,
+                  per_item: bool) -> bytes:
+        sizes = struct.unpack_from(f"<{len(items)}Q", tail)
+        pos = 8 * len(items)
         if pos + sum(sizes) != len(tail):
             raise ProtocolError(f"PUT_MANY sizes add up to {sum(sizes)} bytes, the body holds "
                                 f"{len(tail) - pos}")
-        existed = bytearray(len(keys))
-        for i, (key, size) in enumerate(zip(keys, sizes, strict=True)):
+        status = bytearray(len(items))
+        first: KvtierError | None = None
+        for i, ((key, parent), size) in enumerate(zip(items, sizes, strict=True)):
             try:
-                self._leases.put(key, tail[pos:pos + size])
+                # In order: an item whose parent is an earlier item finds it cached (or, when
+                # that one failed, fails too: its prefix is not cached).
+                self._leases.put(key, tail[pos:pos + size], parent=parent)
             except ChunkExists:
-                existed[i] = 1
+                status[i] = ITEM_EXISTS
+            except KvtierError as exc:
+                if not per_item:
+                    raise
+                status[i] = ITEM_FAILED
+                first = first or exc
             pos += size
-        return REPLY.pack(STATUS_OK, 0, len(keys), 0) + bytes(existed)
+        return _per_item_reply(0, b"", status, first)
 
-    def _reserve_many(self, conn: _Connection, keys: list[bytes], tail: memoryview,
-                      ttl_s: float) -> bytes:
-        if len(tail) != 8 * len(keys):
-            raise ProtocolError(f"RESERVE_MANY of {len(keys)} keys with {len(tail)} size bytes")
-        sizes = struct.unpack_from(f"<{len(keys)}Q", tail)
+    def _reserve_many(self, conn: _Connection, items: list[tuple[bytes, bytes | None]],
+                      tail: memoryview, ttl_s: float, *, per_item: bool) -> bytes:
+        if len(tail) != 8 * len(items):
+            raise ProtocolError(f"RESERVE_MANY of {len(items)} items with {len(tail)} size "
+                                "bytes")
+        sizes = struct.unpack_from(f"<{len(items)}Q", tail)
         ranges: list[tuple[int, int]] = []
+        status = bytearray(len(items))
+        first: KvtierError | None = None
         try:
-            for key, size in zip(keys, sizes, strict=True):
+            for i, ((key, parent), size) in enumerate(zip(items, sizes, strict=True)):
                 try:
-                    lease_id, offset = self._leases.reserve(key, size, ttl_s, owner=conn)
+                    # A parent reserved earlier by this connection (this request or an
+                    # earlier one) is accepted: the backend checks it at commit.
+                    lease_id, offset = self._leases.reserve(key, size, ttl_s, parent=parent,
+                                                            owner=conn)
                 except ChunkExists:
+                    status[i] = ITEM_EXISTS
+                    ranges.append((0, 0))
+                except KvtierError as exc:
+                    if not per_item:
+                        raise
+                    status[i] = ITEM_FAILED
+                    first = first or exc
                     ranges.append((0, 0))
                 else:
                     ranges.append((offset, lease_id))
@@ -553,21 +603,28 @@ class ShmServer:
                     self._leases.abort(lease_id, owner=conn)
             raise
         conn.grant(sum(1 for _offset, lease_id in ranges if lease_id), ttl_s)
-        return REPLY.pack(STATUS_OK, len(ranges), 0, 0) + b"".join(
-            RANGE.pack(offset, lease_id) for offset, lease_id in ranges)
+        head = b"".join(RANGE.pack(offset, lease_id) for offset, lease_id in ranges)
+        if not per_item:
+            return REPLY.pack(STATUS_OK, len(ranges), 0, 0) + head
+        return _per_item_reply(len(ranges), head, status, first)
 
-    def _commit_many(self, conn: _Connection, lease_ids: tuple[int, ...]) -> bytes:
+    def _commit_many(self, conn: _Connection, lease_ids: tuple[int, ...], *,
+                     per_item: bool) -> bytes:
+        status = bytearray(len(lease_ids))
         first: KvtierError | None = None
-        for lease_id in lease_ids:
+        for i, lease_id in enumerate(lease_ids):
             try:
                 self._leases.commit(lease_id, owner=conn)
             except KvtierError as exc:
+                status[i] = ITEM_FAILED
                 first = first or exc
             else:
-                conn.held -= 1
-        if first is not None:
-            raise first
-        return REPLY.pack(STATUS_OK, 0, 0, 0)
+                conn.held -= 1  # (a failed commit may have ended it: too high is safe)
+        if not per_item:
+            if first is not None:
+                raise first
+            return REPLY.pack(STATUS_OK, 0, 0, 0)
+        return _per_item_reply(0, b"", status, first)
 
     def _refuse_when_draining(self) -> None:
         if self._draining:
