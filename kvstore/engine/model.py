@@ -60,7 +60,7 @@ def build_reference_model(spec: ModelSpec | None = None, dtype: torch.dtype | No
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(spec.seed)
-        model: Any = LlamaForCausalLM(config)
+        model: Any = LlamaForCausalLM(config)  # type: ignore[no-untyped-call,unused-ignore]
     finally:
         torch.random.set_rng_state(generator_state)
     if dtype is not None:

@@ -129,7 +129,7 @@ def _resync(read_at: ReadAt, pos: int, limit: int, segment_id: int, segment_byte
         candidates = np.flatnonzero(words == RECORD_MAGIC_U32).tolist()
         del words
         for idx in candidates:
-            at = idx * ALIGN_BYTES
+            at = int(idx) * ALIGN_BYTES
             check, _ = decode_record_header(window.view[at:at + HEADER_BYTES],
                                             segment_id=segment_id, offset=pos + at,
                                             segment_bytes=segment_bytes)
