@@ -23,7 +23,6 @@ with that reason (only then).
 from __future__ import annotations
 
 import importlib.util
-import json
 import random
 import threading
 from collections.abc import Iterator
@@ -33,7 +32,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.daemon import DaemonProcess, kvtier
+from tests.support.common import wait_until
+from tests.support.daemon import DaemonProcess
 from tests.support.vllm import GenerateResult, TinyLlama, VllmProcess, tiny_llama_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -224,26 +224,28 @@ def _connector_instance(model_dir: Path, work: Path, name: str,
                                       "enable_chunked_prefill": True})
 
 
+def _daemon_stats(daemon: DaemonProcess) -> dict[str, Any]:
+    """The daemon's ``kvtier stats`` document (over gRPC, from this process)."""
+    from kvstore.client.store_client import DataPlane, StoreClient, StoreClientConfig
+    from kvstore.wire import stats_doc
+
+    client = StoreClient.connect(daemon.grpc_address, StoreClientConfig(
+        data_plane=DataPlane.TCP, rpc_timeout_s=5.0))
+    try:
+        return stats_doc(client.stats(), daemon.grpc_address)
+    finally:
+        client.close()
+
+
 def _stored_chunks(daemon: DaemonProcess) -> int:
-    result = kvtier("stats", "--address", daemon.grpc_address, "--json")
-    assert result.returncode == 0, result.stderr
-    doc = json.loads(result.stdout)
-    return _count_chunks(doc)
+    return sum(int(t["chunks"]) for t in _daemon_stats(daemon)["tiers"])
 
 
-def _count_chunks(doc: Any) -> int:
-    """Sum of every ``chunks`` figure in the stats document (per node and tier)."""
-    if isinstance(doc, dict):
-        total = 0
-        for key, value in doc.items():
-            if key == "chunks" and isinstance(value, int):
-                total += value
-            else:
-                total += _count_chunks(value)
-        return total
-    if isinstance(doc, list):
-        return sum(_count_chunks(v) for v in doc)
-    return 0
+def _served(daemon: DaemonProcess) -> int:
+    """Lookups and reads the daemon answered so far (grows once B asks it anything)."""
+    doc = _daemon_stats(daemon)
+    return int(doc["hits"]) + int(doc["misses"]) + sum(int(t["bytes_read"])
+                                                       for t in doc["tiers"])
 
 
 @pytest.fixture(scope="module")
@@ -389,15 +391,21 @@ def test_daemon_killed_mid_run_outputs_unchanged_and_requests_complete(
         except BaseException as exc:  # re-raised below, in the test's thread
             results["error"] = exc
 
+    before = _served(daemon)
     worker = threading.Thread(target=serve)
     worker.start()
-    daemon.kill()  # while the batch is being looked up, loaded or prefilled
+    # Kill it once B's batch has reached it (or the batch is already done: then the daemon
+    # dies between requests instead, which the second half covers anyway).
+    wait_until(lambda: not worker.is_alive() or _served(daemon) > before, timeout_s=120,
+               what="B's batch reaching the daemon", poll_s=0.05)
+    mid_run = worker.is_alive()
+    daemon.kill()
     worker.join(300)
     assert not worker.is_alive(), "the batch did not complete after the daemon died"
     if "error" in results:
         raise results["error"]
     batch: GenerateResult = results["batch"]
-    assert batch.token_ids == [reference[n] for n in names]
+    assert batch.token_ids == [reference[n] for n in names], f"killed mid-run: {mid_run}"
     # With the daemon gone for good, B serves at full recompute, one request after another.
     for name in ("fresh", "on+tail"):
         again = instance_b.generate([queries[name].tokens], max_tokens=MAX_TOKENS)
