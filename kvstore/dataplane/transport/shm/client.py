@@ -117,9 +117,25 @@ _BATCH_INLINE_MAX_BYTES = 16 << 10
 copied once and committed (measured: for 32 x 64 KiB values inline cost ~3x the reserved path:
 two more copies, the socket's and the daemon's)."""
 _PIPELINE_ITEMS = 8
-"""Items per RESERVE_MANY / COMMIT_MANY of a pipelined batch of large values: the daemon
-reserves the next part while the client copies this one."""
+"""Most items per RESERVE_MANY / COMMIT_MANY of a pipelined batch of large values (the daemon
+reserves the next part while the client copies this one; :func:`_pipeline_parts`)."""
 _T = TypeVar("_T")
+
+
+def _pipeline_parts(n: int) -> list[tuple[int, int]]:
+    """The [a, b) parts of a pipelined run of ``n`` large values: 2 items first (the client
+    copies as soon as the daemon reserved those), then doubling up to ``_PIPELINE_ITEMS``, and
+    a last part of at most 2 (its COMMIT_MANY is what the call waits for at the end)."""
+    parts: list[tuple[int, int]] = []
+    a, size = 0, 2
+    while a < n:
+        b = min(n, a + size)
+        parts.append((a, b))
+        a, size = b, min(2 * size, _PIPELINE_ITEMS)
+    a, b = parts[-1]
+    if b - a > 2:
+        parts[-1:] = [(a, b - 2), (b - 2, b)]
+    return parts
 
 
 def _pairs(keys: list[bytes], parents: list[bytes | None]) -> list[bytes]:
@@ -618,8 +634,7 @@ class ShmClient:
         parents before their children. A failure in between leaves the connection out of step:
         it is closed, which ends its open reservations (never visible)."""
         ttl_s = self._config.lease_ttl_s
-        parts = [(a, min(a + _PIPELINE_ITEMS, len(keys)))
-                 for a in range(0, len(keys), _PIPELINE_ITEMS)]
+        parts = _pipeline_parts(len(keys))
         first: KvtierError | None = None
         committing: list[list[int]] = []
         try:
