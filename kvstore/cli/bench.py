@@ -47,6 +47,20 @@ def datapath(
     bench_datapath.main(json_path, quick)
 
 
+@app.command("put-batch")
+def put_batch(
+    quick: bool = typer.Option(False, "--quick", help="Fewer rounds per size (smoke run)."),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write the results as JSON here."),
+) -> None:
+    """A step's chained blocks in one same-host put_many, beside a memcpy of the same bytes."""
+    from bench import put_batch as bench_put_batch
+
+    argv = ["--quick"] if quick else []
+    if json_path is not None:
+        argv += ["--json", str(json_path)]
+    bench_put_batch.main(argv)
+
+
 @app.command()
 def schedule(
     trace: list[str] | None = typer.Option(
