@@ -42,12 +42,14 @@ whole process group, SIGTERM and then SIGKILL, waits until no process of the gro
 and unlinks the ``/dev/shm/psm_*`` segments (Python shared memory: vLLM's message queues)
 that processes of the group had mapped or open: they are recorded after start, after every
 request and just before the signals, because after a SIGKILL nobody else removes them.
+Instances still running when the interpreter exits are killed the same way (``atexit``).
 The child's stdout and stderr go to ``<work_dir>/<name>.log`` (:meth:`VllmProcess.log_tail`).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import hashlib
 import json
@@ -203,6 +205,8 @@ class VllmProcess:
     """One ``vllm.LLM`` in a child process of its own process group (see the module docstring).
 
     ``engine_kwargs`` are added to (and override) the defaults passed to ``LLM(...)``.
+    ``dtype`` is explicit because vLLM on CPU runs a float32 checkpoint in bfloat16 under
+    ``"auto"``.
     """
 
     def __init__(self, model_dir: Path, work_dir: Path, name: str, *, block_size: int = 32,
@@ -272,6 +276,7 @@ class VllmProcess:
             finally:
                 os.close(req_r)
                 os.close(resp_w)
+        _LIVE.add(self)
         self._requests = os.fdopen(req_w, "w")
         self._responses = resp_r
         try:
@@ -323,6 +328,7 @@ class VllmProcess:
         for name in self._shm_seen:
             with contextlib.suppress(FileNotFoundError):
                 (SHM_DIR / name).unlink()
+        _LIVE.discard(self)
 
     def log_tail(self, lines: int = 60) -> str:
         try:
@@ -406,6 +412,17 @@ class VllmProcess:
     def _record_shm(self) -> None:
         if self.proc is not None:
             self._shm_seen |= _shm_used_by(_group_pids(self.proc.pid))
+
+
+_LIVE: set[VllmProcess] = set()
+"""Started and not yet killed: killed at interpreter exit if a test run ends without teardown
+(pytest interrupted between tests, a fixture finalizer that never ran)."""
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for llm in list(_LIVE):
+        llm.kill_group(timeout_s=5.0)
 
 
 def _group_pids(pgid: int) -> list[int]:
