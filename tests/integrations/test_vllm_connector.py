@@ -4,7 +4,10 @@ random-LlamaConfig config.json only)."""
 
 from __future__ import annotations
 
+import os
 import pickle
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,6 +49,7 @@ from kvstore.integrations.vllm.metadata import (
     LoadSpec,
     SaveSpec,
 )
+from kvstore.integrations.vllm.stats import KvtierConnectorStats
 from tests.support.daemon import DaemonProcess
 
 BLOCK = 32
@@ -76,7 +80,8 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
 
 
 def make_config(model_dir: Path, extra: dict[str, Any], *,
-                policy: str = "recompute", algo: str = "sha256_cbor") -> VllmConfig:
+                policy: str = "recompute", algo: str = "sha256_cbor",
+                prefix_caching: bool = True) -> VllmConfig:
     model_config = ModelConfig(model=str(model_dir), dtype="bfloat16", seed=0,
                                max_model_len=1024, skip_tokenizer_init=True)
     return VllmConfig(
@@ -84,7 +89,7 @@ def make_config(model_dir: Path, extra: dict[str, Any], *,
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024,
                                          max_model_len=1024, enable_chunked_prefill=True,
                                          is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True,
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching,
                                  prefix_caching_hash_algo=algo),
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvtierConnector",
@@ -319,7 +324,7 @@ def test_dead_daemon_gives_zero_hits_and_load_errors(model_dir: Path, tmp_path: 
         out2 = sched2.schedule()
         assert out2.kv_connector_metadata.loads == []
         assert out2.num_scheduled_tokens["y"] == 3 * BLOCK
-        assert sched2.connector._scheduler.stats["lookup_failures"] == 1
+        assert sched2.connector._scheduler.stats.get("lookup_errors") == 1
         # A connector started while the daemon is down serves at full recompute too.
         sched3 = make_scheduler(make_config(model_dir, extra))
         req3 = make_request("z", tokens)
@@ -332,3 +337,235 @@ def test_dead_daemon_gives_zero_hits_and_load_errors(model_dir: Path, tmp_path: 
         worker2.shutdown()
     finally:
         d.stop()
+
+
+# --- stats ---------------------------------------------------------------------------------
+
+CHUNK_BYTES = KVLayout(LAYERS, KV_HEADS, HEAD_DIM, BLOCK, torch.bfloat16).chunk_bytes
+
+
+def worker_stats(worker: KvtierConnector) -> KvtierConnectorStats:
+    stats = worker.get_kv_connector_stats()
+    assert isinstance(stats, KvtierConnectorStats)
+    return stats
+
+
+def test_stats_count_hits_loads_saves_through_vllms_aggregation(model_dir: Path,
+                                                                 daemon: DaemonProcess) -> None:
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorLogging,
+        KVConnectorProm,
+    )
+    from vllm.v1.outputs import KVConnectorOutput
+
+    extra = {"daemon": daemon.grpc_address}
+    kvc = kv_cache_config()
+    tokens = prompt(4 * BLOCK + 3, base=31)
+    sched_a = make_scheduler(make_config(model_dir, extra))
+    worker_a = KvtierConnector(make_config(model_dir, extra), KVConnectorRole.WORKER, kvc)
+    worker_a.register_kv_caches(cpu_kv_caches(21))
+    run_prefill(sched_a, worker_a, [make_request("sa", tokens)])
+    worker_a.shutdown()  # the puts are done
+    saved = worker_stats(worker_a)
+    assert saved.get("saved_blocks") == 4 and saved.get("saved_bytes") == 4 * CHUNK_BYTES
+    assert saved.get("save_failed_blocks") == 0 and saved.get("save_seconds") > 0
+    assert worker_a.get_kv_connector_stats() is None  # taken: a fresh interval
+
+    cfg_b = make_config(model_dir, extra)
+    sched_b = make_scheduler(cfg_b)
+    worker_b = KvtierConnector(make_config(model_dir, extra), KVConnectorRole.WORKER, kvc)
+    worker_b.register_kv_caches(cpu_kv_caches(22))
+    req = make_request("sb", tokens[: 3 * BLOCK] + prompt(20, base=32))
+    sched_b.add_request(req)
+    out = sched_b.schedule()
+    errors = worker_step(worker_b, out.kv_connector_metadata)
+    assert errors == set()
+    loaded = worker_stats(worker_b)
+    assert loaded.get("loaded_blocks") == 3 and loaded.get("loaded_bytes") == 3 * CHUNK_BYTES
+    assert loaded.get("load_error_blocks") == 0 and loaded.get("load_seconds") > 0
+    # As vLLM does it: the worker's stats ride the model-runner output; the scheduler adds
+    # its own (the lookup and hits) and ships to_dict() in SchedulerStats.
+    runner = runner_output([req])
+    runner.kv_connector_output = KVConnectorOutput(kv_connector_stats=loaded)
+    outputs = sched_b.update_from_output(out, runner)
+    shipped = next(o.scheduler_stats for o in outputs.values() if o.scheduler_stats)
+    data = shipped.kv_connector_stats
+    assert data is not None
+    assert data["lookups"] == 1 and data["hit_blocks"] == 3 and data["hit_tokens"] == 3 * BLOCK
+    assert data["loaded_blocks"] == 3 and "lookup_errors" not in data
+    # The logger process rebuilds it, aggregates two intervals and reduces.
+    logging_ = KVConnectorLogging(cfg_b.kv_transfer_config)
+    logging_.observe(data)
+    logging_.observe(saved.to_dict())
+    acc = logging_.transfer_stats_accumulator
+    assert isinstance(acc, KvtierConnectorStats)
+    reduced = acc.reduce()
+    assert reduced["hit_blocks"] == 3 and reduced["loaded_blocks"] == 3
+    assert reduced["saved_blocks"] == 4 and reduced["saved_bytes"] == 4 * CHUNK_BYTES
+    assert reduced["load_ms_per_block"] > 0 and reduced["lookup_errors"] == 0
+    lines: list[str] = []
+    logging_.log(lambda fmt, text: lines.append(fmt % text))
+    assert lines and "hit_blocks=3" in lines[0]
+    # Prometheus, with vLLM's KVConnectorProm on a registry of our own.
+    registry = CollectorRegistry()
+
+    def bound(cls: type) -> type:
+        return type(cls.__name__, (cls,), {"__init__": lambda self, *a, **k: cls.__init__(
+            self, *a, registry=registry, **k)})
+
+    class Prom(KVConnectorProm):
+        _gauge_cls, _counter_cls, _histogram_cls = bound(Gauge), bound(Counter), bound(Histogram)
+
+    prom = Prom(cfg_b, ["engine"], {0: ["0"]})
+    prom.observe(data, 0)
+    prom.observe(saved.to_dict(), 0)
+    assert registry.get_sample_value("vllm:kvtier_hit_blocks_total", {"engine": "0"}) == 3
+    assert registry.get_sample_value("vllm:kvtier_saved_bytes_total",
+                                     {"engine": "0"}) == 4 * CHUNK_BYTES
+    worker_b.shutdown()
+    for s in (sched_a, sched_b):
+        s.connector.shutdown()
+
+
+# --- a stopped (slow) daemon, then a restarted one -----------------------------------------
+
+
+def wait_until(what: str, check: Any, timeout_s: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(0.05)
+
+
+def test_stopped_daemon_is_bounded_and_reuse_resumes(model_dir: Path, tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path, "node-stopped", dram_bytes="8MiB", nvme=False)
+    d.start()
+    extra = {"daemon": d.grpc_address, "lookup_timeout_s": 0.5, "load_timeout_s": 1.0,
+             "save_timeout_s": 0.3, "reconnect_interval_s": 0.2}
+    kvc = kv_cache_config()
+    tokens = prompt(4 * BLOCK + 1, base=41)
+    stopped = False
+    restarted: DaemonProcess | None = None
+    try:
+        sched = make_scheduler(make_config(model_dir, extra))
+        worker = KvtierConnector(make_config(model_dir, extra), KVConnectorRole.WORKER, kvc)
+        worker.register_kv_caches(cpu_kv_caches(5))
+        run_prefill(sched, worker, [make_request("p", tokens)])
+        worker.shutdown()
+
+        sched2 = make_scheduler(make_config(model_dir, extra))
+        # Over TCP every byte needs the daemon (same-host shm reads of committed chunks are
+        # lease-free: they complete from the mapped arena even while the daemon is stopped).
+        worker2 = KvtierConnector(make_config(model_dir, {**extra, "data_plane": "tcp"}),
+                                  KVConnectorRole.WORKER, kvc)
+        worker2.register_kv_caches(cpu_kv_caches(6))
+        req = make_request("q", tokens[: 4 * BLOCK] + prompt(2 * BLOCK + 5, base=42))
+        sched2.add_request(req)
+        out = sched2.schedule()
+        meta = out.kv_connector_metadata
+        assert [(ld.first_block, ld.num_blocks) for ld in meta.loads] == [(0, 4)]
+        assert [(s.first_block, len(s.keys)) for s in meta.saves] == [(4, 6)]
+        os.kill(d.pid, signal.SIGSTOP)
+        stopped = True
+        # Loads give up at load_timeout_s: every block is a load error (vLLM recomputes).
+        errors = worker_step(worker2, meta)
+        assert errors == set(meta.loads[0].target_block_ids)
+        sched2.update_from_output(out, runner_output([req], errors))
+        # A lookup is 0 hits within lookup_timeout_s; the scheduler goes on.
+        req2 = make_request("r", prompt(3 * BLOCK, base=43))
+        sched2.add_request(req2)
+        out2 = sched2.schedule()
+        assert out2.kv_connector_metadata.loads == []
+        assert out2.num_scheduled_tokens["r"] == 3 * BLOCK
+        sched_stats = sched2.connector.get_kv_connector_stats()
+        assert isinstance(sched_stats, KvtierConnectorStats)
+        assert sched_stats.get("lookup_errors") == 1 and sched_stats.get("lookup_timeouts") == 1
+        # The step's puts are not done by save_timeout_s: counted failed, no longer tracked.
+        w2 = worker2._worker
+        assert w2 is not None
+        wait_until("saves expired", lambda: w2.saves_in_flight() == 0)
+        stats = worker_stats(worker2)
+        assert stats.get("load_error_blocks") == 4 and stats.get("load_timeouts") == 1
+        assert stats.get("loaded_blocks") == 0
+        assert stats.get("save_timeouts") == 1 and stats.get("save_failed_blocks") == 2
+        assert stats.get("saved_blocks") == 0
+
+        os.kill(d.pid, signal.SIGCONT)
+        stopped = False
+        # Reuse resumes: the same scheduler half finds the 4 blocks again (after its
+        # background reconnect), and the same worker half loads them.
+        wait_until("hits after SIGCONT", lambda: sched2.connector.get_num_new_matched_tokens(
+            make_request("probe", tokens), 0)[0] == 4 * BLOCK)
+        wait_until("worker reconnected", lambda: w2.session.get() is not None)
+        sched3 = make_scheduler(make_config(model_dir, extra))
+        _out3, meta3, errors3 = run_prefill(sched3, worker2, [make_request("s", tokens)])
+        assert [(ld.first_block, ld.num_blocks) for ld in meta3.loads] == [(0, 4)]
+        assert errors3 == set() and worker_stats(worker2).get("loaded_blocks") == 4
+
+        # A restarted daemon (same address, empty store): misses, then reuse of what is saved
+        # after the restart, through the same connector halves.
+        port = d.grpc_address.rpartition(":")[2]
+        d.kill()
+        restarted = DaemonProcess(tmp_path / "again", "node-stopped", dram_bytes="8MiB",
+                                  nvme=False, settings={"server.grpc_port": port})
+        restarted.start()
+        fresh = prompt(3 * BLOCK + 2, base=44)
+        schedulers = []
+
+        def save_then_hit() -> bool:
+            # The first save after the restart may fail on the old connection (the worker then
+            # reconnects in the background); a later one lands, and the scheduler half sees it.
+            sched_n = make_scheduler(make_config(model_dir, extra))
+            schedulers.append(sched_n)
+            run_prefill(sched_n, worker2, [make_request(f"t{len(schedulers)}", fresh)])
+            wait_until("save settled", lambda: w2.saves_in_flight() == 0)
+            n, _ = sched2.connector.get_num_new_matched_tokens(
+                make_request(f"probe-t{len(schedulers)}", fresh), 0)
+            return n == 3 * BLOCK
+
+        wait_until("reuse after a restart", save_then_hit)
+        for s in (sched, sched2, sched3, *schedulers):
+            s.connector.shutdown()
+        worker2.shutdown()
+    finally:
+        if stopped:
+            os.kill(d.pid, signal.SIGCONT)
+        d.stop()
+        if restarted is not None:
+            restarted.stop()
+
+
+def test_prefix_caching_off_is_a_warning_and_hits_still_work(model_dir: Path,
+                                                             daemon: DaemonProcess,
+                                                             caplog: pytest.LogCaptureFixture
+                                                             ) -> None:
+    from kvstore.integrations.vllm.connector import PREFIX_CACHING_OFF
+
+    extra = {"daemon": daemon.grpc_address}
+    with caplog.at_level("WARNING", logger="kvstore.integrations.vllm.connector"):
+        sched = make_scheduler(make_config(model_dir, extra, prefix_caching=False))
+    assert PREFIX_CACHING_OFF in caplog.text
+    tokens = prompt(3 * BLOCK + 10, base=51)
+    sched_a = make_scheduler(make_config(model_dir, extra))
+    worker_a = KvtierConnector(make_config(model_dir, extra), KVConnectorRole.WORKER,
+                               kv_cache_config())
+    worker_a.register_kv_caches(cpu_kv_caches(51))
+    run_prefill(sched_a, worker_a, [make_request("pa", tokens)])
+    worker_a.shutdown()
+    sched_a.connector.shutdown()
+    # vLLM 0.32's EngineCore hashes blocks when a connector is set (make_request does the
+    # same), so an instance without prefix caching still finds them.
+    sched.add_request(make_request("pc", tokens[: 3 * BLOCK] + prompt(5, base=50)))
+    out = sched.schedule()
+    assert [(ld.first_block, ld.num_blocks) for ld in out.kv_connector_metadata.loads] == [(0, 3)]
+    # A request vLLM did not hash (a vLLM hashing only with prefix caching on): 0 hits, said once.
+    unhashed = Request(request_id="nh", prompt_token_ids=tokens, pooling_params=None,
+                       sampling_params=SamplingParams(max_tokens=1), block_hasher=None)
+    with caplog.at_level("ERROR", logger="kvstore.integrations.vllm.scheduler"):
+        assert sched.connector.get_num_new_matched_tokens(unhashed, 0) == (0, False)
+    assert "no block hashes" in caplog.text
+    sched.connector.shutdown()

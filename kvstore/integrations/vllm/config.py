@@ -33,9 +33,10 @@ key                         default     meaning
                                         not answer in time counts as 0 hits.
 ``load_timeout_s``          10.0        bound on a step's loads (worker); blocks not in by
                                         then are reported as load errors and recomputed.
-``save_timeout_s``          30.0        accepted and validated, NOT enforced yet: saves copy
-                                        out of vLLM's blocks within the step and their puts
-                                        run on in the background (KVClient cannot cancel).
+``save_timeout_s``          30.0        a step's puts not done by then count as failed
+                                        (``save_timeouts``) and are no longer tracked; vLLM
+                                        never waits for puts (KVClient cannot cancel them:
+                                        they end on their own, atomically per chunk).
 ``save``                    ``all``     ``all``: store every full block vLLM computed (up to
                                         ``num_computed_tokens``); ``none``: load only.
                                         ``kv_role="kv_consumer"`` forces ``none``;

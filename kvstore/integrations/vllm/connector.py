@@ -27,12 +27,19 @@ from kvstore.integrations.vllm.metadata import KvtierConnectorMetadata
 from kvstore.integrations.vllm.scheduler import SchedulerSide
 from kvstore.integrations.vllm.session import ClientSession
 from kvstore.integrations.vllm.spec import ConnectorSpec
+from kvstore.integrations.vllm.stats import KvtierConnectorStats, KvtierPromMetrics
 from kvstore.integrations.vllm.worker import WorkerSide
 from kvstore.keys import HashMode, Namespace
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -41,7 +48,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KvtierConnector"]
+__all__ = ["PREFIX_CACHING_OFF", "KvtierConnector"]
+
+PREFIX_CACHING_OFF = (
+    "kvtier connector: vLLM's prefix caching is off (enable_prefix_caching=False). vLLM "
+    "0.32 still hashes every request's blocks when a KV connector is set, so kvtier loads "
+    "and saves work, but vLLM reuses nothing from its own KV cache: a prefix it just "
+    "computed is loaded from kvtier again. Turn it on unless that is what you want; a vLLM "
+    "that hashes only with prefix caching on gives no kvtier hits at all (logged as 'no "
+    "block hashes' on the first such request).")
 
 
 def _vllm_hash_seed() -> str:
@@ -78,6 +93,8 @@ class KvtierConnector(KVConnectorBase_V1):
                  spec.dtype, spec.block_tokens, spec.num_layers, spec.num_kv_heads,
                  spec.head_dim, spec.tp_rank, spec.tp_size, spec.hash_algo, seed,
                  cfg.daemon or f"etcd {cfg.etcd}")
+        if not vllm_config.cache_config.enable_prefix_caching:
+            log.warning(PREFIX_CACHING_OFF)
         layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_tokens,
                           spec.dtype)
         scheduler = role is KVConnectorRole.SCHEDULER
@@ -130,6 +147,26 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._w().get_block_ids_with_load_errors()
+
+    # --- stats (both halves; vLLM aggregates the workers' with the scheduler's) ----------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._scheduler is not None:
+            return self._scheduler.take_stats()
+        return self._w().take_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
+        return KvtierConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig,
+                           metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVConnectorPromMetrics | None:
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # --- scheduler side ---------------------------------------------------------------------
 

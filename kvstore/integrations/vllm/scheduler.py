@@ -11,6 +11,7 @@ never delays freeing.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,7 @@ from kvstore.integrations.vllm.config import ConnectorConfig, SaveMode
 from kvstore.integrations.vllm.metadata import KvtierConnectorMetadata, LoadSpec, SaveSpec
 from kvstore.integrations.vllm.session import ClientSession
 from kvstore.integrations.vllm.spec import ConnectorSpec
+from kvstore.integrations.vllm.stats import KvtierConnectorStats
 from kvstore.keys import BlockHasher, HashMode, Namespace, PrefixKey
 
 if TYPE_CHECKING:
@@ -57,7 +59,9 @@ class SchedulerSide:
         self._reqs: dict[str, _Tracked] = {}
         self._loads: list[LoadSpec] = []
         self._warned_hashes = False
-        self.stats = {"lookups": 0, "lookup_failures": 0, "hit_blocks": 0}
+        self._warned_unhashed = False
+        self.stats = KvtierConnectorStats()
+        """This interval's lookups and hits (vLLM takes them each step)."""
 
     # --- keys -------------------------------------------------------------------------------
 
@@ -79,6 +83,13 @@ class SchedulerSide:
         """Full blocks with a hash; 0 (and one warning) when vLLM's hashes are not per block."""
         B = self.spec.block_tokens
         n = len(request.block_hashes)
+        if n == 0 and request.num_tokens >= B:
+            if not self._warned_unhashed:
+                log.error("kvtier connector: request %s has %d tokens but no block hashes "
+                          "(this vLLM hashes blocks only with prefix caching on?): no reuse "
+                          "through kvtier", request.request_id, request.num_tokens)
+                self._warned_unhashed = True
+            return 0
         if n > request.num_tokens // B:
             if not self._warned_hashes:
                 log.error("kvtier connector: request %s has %d block hashes for %d tokens of "
@@ -106,11 +117,15 @@ class SchedulerSide:
         if client is None:
             return 0, False
         keys = self.keys_of(request, usable)
-        self.stats["lookups"] += 1
+        self.stats.add("lookups")
+        t0 = time.monotonic()
         try:
             match = client.lookup(BlockKeys(keys))
         except KvtierError as exc:  # dead, slow or restarted daemon: recompute
-            self.stats["lookup_failures"] += 1
+            self.stats.add("lookup_errors")
+            if ("DEADLINE_EXCEEDED" in str(exc)
+                    or time.monotonic() - t0 >= self.config.lookup_timeout_s):
+                self.stats.add("lookup_timeouts")
             self.session.failed(client, f"lookup: {type(exc).__name__}: {exc}")
             return 0, False
         hit = min(match.blocks, usable)
@@ -119,7 +134,8 @@ class SchedulerSide:
         if hit <= first:
             return 0, False
         tracked.load_blocks = hit - first
-        self.stats["hit_blocks"] += hit - first
+        self.stats.add("hit_blocks", hit - first)
+        self.stats.add("hit_tokens", hit * B - num_computed_tokens)
         return hit * B - num_computed_tokens, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
@@ -188,6 +204,9 @@ class SchedulerSide:
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._reqs.pop(request.request_id, None)
         return False, None  # saves copy out of vLLM's blocks within their step
+
+    def take_stats(self) -> KvtierConnectorStats | None:
+        return self.stats.take()
 
     def close(self) -> None:
         self.session.close()

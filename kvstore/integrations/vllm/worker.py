@@ -4,7 +4,10 @@ Per step: ``start_load_kv`` starts one batched load (``KVClient.load_many``) of 
 the metadata names, into vLLM's own blocks through :class:`GuardedKV`, and one batched save
 (``begin_save_many``); ``wait_for_layer_load(l)`` waits (bounded by the step's load deadline)
 until layer ``l`` is in; ``save_kv_layer(l)`` queues layer ``l``'s copy out of vLLM's blocks;
-``wait_for_save`` waits for the copies (the puts run on after the step: the staging is ours);
+``wait_for_save`` waits for the copies (the puts run on after the step: the staging is ours;
+puts not done within ``save_timeout_s`` are counted as failed and no longer tracked; each chunk
+is committed atomically by the daemon, so a late or abandoned put never leaves half a block
+visible);
 ``get_block_ids_with_load_errors`` names the vLLM blocks of every block that did not arrive
 (missing, corrupt, daemon dead, timed out), and vLLM recomputes them. A load given up is closed
 first, so it can never write a block vLLM recomputes.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +33,7 @@ from kvstore.integrations.vllm.layout import GuardedKV, engine_kv_for, layout_of
 from kvstore.integrations.vllm.metadata import KvtierConnectorMetadata, LoadSpec
 from kvstore.integrations.vllm.session import ClientSession
 from kvstore.integrations.vllm.spec import ConnectorSpec
+from kvstore.integrations.vllm.stats import KvtierConnectorStats
 
 if TYPE_CHECKING:
     import torch
@@ -46,6 +51,18 @@ class _Load:
     given_up: bool = False
 
 
+@dataclass
+class _PendingSave:
+    """One step's puts in flight: done (counted by the callback) or expired (counted failed at
+    its deadline; a late result is then ignored), never both."""
+
+    blocks: int
+    deadline: float
+    started: float
+    client: KVClient
+    settled: bool = False
+
+
 class WorkerSide:
     def __init__(self, config: ConnectorConfig, spec: ConnectorSpec,
                  session: ClientSession) -> None:
@@ -61,8 +78,11 @@ class WorkerSide:
         self._saver_client: KVClient | None = None
         self._copies: list[cf.Future[None] | None] = []
         self._errors: set[int] = set()
-        self.stats = {"loaded_blocks": 0, "failed_blocks": 0, "saved_blocks": 0,
-                      "save_failed_blocks": 0}
+        self._save_blocks = 0
+        self._lock = threading.Lock()  # guards stats and _pending (put callbacks run on pool threads)
+        self._pending: list[_PendingSave] = []
+        self.stats = KvtierConnectorStats()
+        """This interval's loads and saves (vLLM takes them each step)."""
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         missing = [n for n in self.spec.layer_names if n not in kv_caches]
@@ -117,6 +137,7 @@ class WorkerSide:
     def _finish_loads(self) -> None:
         """Collect the step's loads: every block that did not arrive becomes a load error."""
         loads, self._loads = self._loads, []
+        longest_s = 0.0
         for ld in loads:
             failed: Sequence[int]
             spec = ld.spec
@@ -134,13 +155,21 @@ class WorkerSide:
                     failed = range(spec.first_block, spec.first_block + spec.num_blocks)
                 else:
                     failed = res.failed_blocks
-                    self.stats["loaded_blocks"] += res.loaded_blocks
+                    longest_s = max(longest_s, res.transfer_s + res.scatter_s)
+                    with self._lock:
+                        self.stats.add("loaded_blocks", res.loaded_blocks)
+                        self.stats.add("loaded_bytes", res.loaded_bytes)
                     if res.error and "PeerUnavailable" in res.error:
                         client = self.session.get()
                         if client is not None:
                             self.session.failed(client, res.error)
-            self.stats["failed_blocks"] += len(failed)
+            with self._lock:
+                self.stats.add("load_error_blocks", len(failed))
+                self.stats.add("load_timeouts", int(ld.given_up))
             self._errors.update(spec.block_ids[b] for b in failed)
+        if longest_s:
+            with self._lock:
+                self.stats.add("load_seconds", longest_s)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._finish_loads()
@@ -151,6 +180,7 @@ class WorkerSide:
 
     def _start_save(self, meta: KvtierConnectorMetadata) -> None:
         self._saver, self._saver_client, self._copies = None, None, []
+        self._expire_saves()
         if not meta.saves or self.layout is None:
             return
         client = self.session.get()
@@ -165,6 +195,7 @@ class WorkerSide:
             log.error("kvtier connector: begin_save_many refused: %s", exc)
             return
         self._saver_client = client
+        self._save_blocks = sum(len(s.keys) - s.first_block for s in meta.saves)
         self._copies = [None] * self.spec.num_layers
 
     def save_kv_layer(self, layer_name: str) -> None:
@@ -184,20 +215,82 @@ class WorkerSide:
             assert fut is not None
             fut.result()  # local copies out of vLLM's blocks; they raise only on a bug
         self._copies = []
-        saver.finish().add_done_callback(self._saved)
+        now = time.monotonic()
+        assert self._saver_client is not None
+        pending = _PendingSave(self._save_blocks, now + self.config.save_timeout_s, now,
+                               self._saver_client)
+        with self._lock:
+            self._pending.append(pending)
+        saver.finish().add_done_callback(lambda fut: self._saved(pending, fut))
 
-    def _saved(self, fut: cf.Future[list]) -> None:  # type: ignore[type-arg]
+    def _saved(self, pending: _PendingSave, fut: cf.Future[list]) -> None:  # type: ignore[type-arg]
+        now = time.monotonic()
+        elapsed_s = now - pending.started
         try:
             results = fut.result()
         except KvtierError as exc:
             log.warning("kvtier connector: save failed: %s", exc)
-            return
-        for r in results:
-            self.stats["saved_blocks"] += len(r.stored_blocks)
-            self.stats["save_failed_blocks"] += len(r.failed_blocks)
-            if r.error and "PeerUnavailable" in r.error and self._saver_client is not None:
-                self.session.failed(self._saver_client, r.error)
+            results = None
+        with self._lock:
+            late = pending.settled
+            pending.settled = True
+            if not late:
+                self._pending.remove(pending)
+                if now >= pending.deadline:  # ended past its deadline before anyone looked
+                    late = True
+                    self.stats.add("save_timeouts")
+                    self.stats.add("save_failed_blocks", pending.blocks)
+                elif results is None:
+                    self.stats.add("save_failed_blocks", pending.blocks)
+                else:
+                    # gather_s: the step's copies out of vLLM's blocks (one figure per step)
+                    self.stats.add("save_seconds",
+                                   (results[0].gather_s if results else 0.0) + elapsed_s)
+                    for r in results:
+                        self.stats.add("saved_blocks", len(r.stored_blocks))
+                        self.stats.add("saved_bytes", r.stored_bytes)
+                        self.stats.add("save_failed_blocks", len(r.failed_blocks))
+        if late:
+            log.info("kvtier connector: a save given up at save_timeout_s ended after %.1f s",
+                     elapsed_s)
+        for r in results or ():
+            if r.error and "PeerUnavailable" in r.error:
+                self.session.failed(pending.client, r.error)
+                break
+
+    def _expire_saves(self, now: float | None = None) -> None:
+        """Count the puts past ``save_timeout_s`` as failed; their results are ignored."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            expired = [p for p in self._pending if now >= p.deadline]
+            for p in expired:
+                p.settled = True
+                self._pending.remove(p)
+                self.stats.add("save_timeouts")
+                self.stats.add("save_failed_blocks", p.blocks)
+        for p in expired:
+            log.warning("kvtier connector: %d blocks not saved within save_timeout_s=%s: "
+                        "counted as failed", p.blocks, self.config.save_timeout_s)
+
+    def take_stats(self) -> KvtierConnectorStats | None:
+        self._expire_saves()
+        with self._lock:
+            return self.stats.take()
+
+    def saves_in_flight(self) -> int:
+        """Saves neither done nor past ``save_timeout_s``."""
+        self._expire_saves()
+        with self._lock:
+            return len(self._pending)
 
     def close(self) -> None:
+        """Collect the loads; wait for the saves in flight until their deadlines at most."""
         self._finish_loads()
+        while True:
+            with self._lock:
+                left = [p.deadline for p in self._pending]
+            if not left:
+                break
+            time.sleep(min(0.05, max(0.0, min(left) - time.monotonic())))
+            self._expire_saves()
         self.session.close()

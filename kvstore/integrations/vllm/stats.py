@@ -1,0 +1,136 @@
+"""The connector's per-step stats, through vLLM's own mechanism.
+
+Both halves count into a :class:`KvtierConnectorStats` (a flat dict of counters): the scheduler
+half its lookups and hits, each worker its loads and saves. vLLM collects them every step
+(``get_kv_connector_stats`` on each half; the scheduler ``aggregate``\\ s the workers' objects,
+one per TP rank, with its own), sends ``to_dict()`` to the logger process, rebuilds the object
+there with ``KvtierConnector.build_kv_connector_stats`` and ``aggregate``\\ s the steps of a log
+interval; ``reduce()`` is what vLLM logs ("KV Transfer metrics: ..."), and
+:class:`KvtierPromMetrics` adds every counter to a Prometheus counter
+``vllm:kvtier_<name>_total`` per engine.
+
+Counters (all sums, so aggregation across steps and TP ranks is addition; bytes and blocks
+summed over TP ranks are the bytes each rank moved for its shard):
+
+==========================  =====================================================================
+``lookups``                 scheduler lookups asked of the daemon
+``lookup_errors``           lookups that failed (daemon down, restarted, refused): 0 hits
+``lookup_timeouts``         of those, lookups not answered within ``lookup_timeout_s``
+``hit_blocks``              blocks vLLM did not hold that kvtier reported (offered to vLLM)
+``hit_tokens``              the same in tokens
+``loaded_blocks``           blocks written into vLLM's KV cache (worker)
+``loaded_bytes``            their bytes
+``load_seconds``            per step, the longest fetch + scatter of the step's loads
+``load_error_blocks``       blocks reported to vLLM as load errors (missing, corrupt, timed out,
+                            daemon gone): recomputed
+``load_timeouts``           loads given up at ``load_timeout_s``
+``saved_blocks``            blocks the daemon committed (blocks it held already excluded)
+``saved_bytes``             their bytes
+``save_seconds``            per step: copy out of vLLM's blocks + the step's puts
+``save_failed_blocks``      blocks whose put failed or timed out
+``save_timeouts``           steps whose puts were not done within ``save_timeout_s``
+==========================  =====================================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+
+__all__ = ["COUNTERS", "KvtierConnectorStats", "KvtierPromMetrics"]
+
+COUNTERS: dict[str, str] = {
+    "lookups": "Scheduler lookups asked of the kvtier daemon.",
+    "lookup_errors": "kvtier lookups that failed (counted as 0 hits).",
+    "lookup_timeouts": "kvtier lookups not answered within lookup_timeout_s.",
+    "hit_blocks": "Blocks vLLM did not hold that kvtier offered (external hits).",
+    "hit_tokens": "Tokens vLLM did not hold that kvtier offered (external hits).",
+    "loaded_blocks": "Blocks loaded from kvtier into vLLM's KV cache.",
+    "loaded_bytes": "Bytes loaded from kvtier into vLLM's KV cache.",
+    "load_seconds": "Time spent loading from kvtier (per step, its longest load).",
+    "load_error_blocks": "Blocks reported to vLLM as load errors (recomputed).",
+    "load_timeouts": "kvtier loads given up at load_timeout_s.",
+    "saved_blocks": "Blocks saved to kvtier (newly committed).",
+    "saved_bytes": "Bytes saved to kvtier (newly committed).",
+    "save_seconds": "Time spent saving to kvtier (copy out + puts, per step).",
+    "save_failed_blocks": "Blocks whose save to kvtier failed or timed out.",
+    "save_timeouts": "Steps whose kvtier saves were not done within save_timeout_s.",
+}
+_FLOATS = frozenset({"load_seconds", "save_seconds"})
+
+
+@dataclass
+class KvtierConnectorStats(KVConnectorStats):
+    """Counters of one interval (``data``: name -> number; absent = 0). Not thread-safe: the
+    worker half guards its object with a lock."""
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.data) - set(COUNTERS))
+        if unknown:
+            raise ValueError(f"unknown kvtier connector stats {unknown}")
+
+    def add(self, name: str, value: float = 1) -> None:
+        if name not in COUNTERS:
+            raise KeyError(name)
+        if value:
+            self.data[name] = self.data.get(name, 0) + value
+
+    def get(self, name: str) -> float:
+        return float(self.data.get(name, 0))
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+    def aggregate(self, other: KVConnectorStats) -> KvtierConnectorStats:
+        for name, value in other.data.items():
+            self.add(name, value)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {}
+        for name in COUNTERS:
+            value = self.data.get(name, 0)
+            out[name] = round(float(value), 6) if name in _FLOATS else int(value)
+        loaded, saved = out["loaded_blocks"], out["saved_blocks"]
+        out["load_ms_per_block"] = round(1e3 * out["load_seconds"] / loaded, 3) if loaded else 0
+        out["save_ms_per_block"] = round(1e3 * out["save_seconds"] / saved, 3) if saved else 0
+        return out
+
+    def take(self) -> KvtierConnectorStats | None:
+        """This interval's stats (None when nothing happened), and a fresh interval."""
+        if self.is_empty():
+            return None
+        out = KvtierConnectorStats(data=self.data)
+        self.data = {}
+        return out
+
+
+class KvtierPromMetrics(KVConnectorPromMetrics):
+    """One Prometheus counter per stat, ``vllm:kvtier_<name>`` (exported with ``_total``),
+    labelled with vLLM's per-engine labels."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, dict[int, Any]] = {}
+        for name, doc in COUNTERS.items():
+            counter = self._counter_cls(name=f"vllm:kvtier_{name}", documentation=doc,
+                                        labelnames=labelnames)
+            self._counters[name] = {idx: counter.labels(*values)
+                                    for idx, values in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in (transfer_stats_data or {}).items():
+            per_engine = self._counters.get(name)
+            if per_engine is not None and value:
+                per_engine[engine_idx].inc(value)
