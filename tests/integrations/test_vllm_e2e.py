@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib.util
 import random
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,10 +92,12 @@ def _queries(outputs: dict[str, list[int]]) -> dict[str, Query]:
         "off+tail": Query(s["off"] + _tokens(102, 30)),
         "off-diverge": Query(s["off"][:140] + _tokens(103, 60)),   # differs inside block 5
         "long+tail": Query(s["long"] + _tokens(104, 100)),
+        "long-head": Query(s["long"][:130] + _tokens(112, 30)),
         "turn2": Query(s["turn1"] + outputs["turn1"] + _tokens(105, 50)),
         "turn3": Query(s["turn1"] + outputs["turn1"] + _tokens(105, 50)
                        + outputs.get("turn2", []) + _tokens(106, 20)),
         "fresh": Query(_tokens(107, 150)),
+        "resume": Query(_tokens(113, 140)),
         "tenant-b": Query(s["tenant"] + _tokens(108, 40), salt="tenant-b"),
         "tenant-a": Query(s["tenant"] + _tokens(109, 40), salt="tenant-a"),
         "tenant-none": Query(s["tenant"] + _tokens(110, 40)),
@@ -293,7 +296,11 @@ def instance_b(model_dir: Path, saved_by_a: SavePhase, daemon: DaemonProcess,
         llm.close()
 
 
-def _ask(llm: VllmProcess, name: str, query: Query) -> GenerateResult:
+def _ask(llm: VllmProcess, name: str, query: Query, *, reset: bool = True) -> GenerateResult:
+    """One request on B; ``reset`` first empties B's own prefix cache, so that what it holds
+    from earlier tests cannot stand in for kvtier (B's saves to kvtier stay)."""
+    if reset:
+        assert llm.reset_prefix_cache()
     result = llm.generate([query.tokens], max_tokens=MAX_TOKENS, cache_salt=query.salt)
     assert result.outputs[0].token_ids == REFERENCE[name], \
         f"{name}: output differs from the no-connector reference"
@@ -318,8 +325,23 @@ def test_cold_instance_b_loads_shared_prefixes_from_kvtier(
     assert expected >= 4 * BLOCK
     result = _ask(instance_b, name, query)
     assert result.external_hit_tokens == expected, (name, result.counters)
+    assert result.local_hit_tokens == 0
     assert result.outputs[0].num_cached_tokens == expected
     assert result.counters["vllm:prompt_tokens"] == len(query.tokens)
+
+
+@needs_connector
+def test_own_prefix_cache_and_kvtier_hits_add_up(instance_b: VllmProcess,
+                                                 reference: dict[str, list[int]]) -> None:
+    queries = _queries(reference)
+    head = _ask(instance_b, "long-head", queries["long-head"])
+    assert head.external_hit_tokens == 4 * BLOCK
+    # B now holds long's first 4 blocks itself; kvtier gives the next 8.
+    full = _ask(instance_b, "long+tail", queries["long+tail"], reset=False)
+    assert full.local_hit_tokens == 4 * BLOCK, full.counters
+    assert full.external_hit_tokens == _expected_external(queries["long+tail"], 4 * BLOCK) \
+        == 8 * BLOCK
+    assert full.outputs[0].num_cached_tokens == 12 * BLOCK
 
 
 @needs_connector
@@ -344,8 +366,11 @@ def test_a_prompt_extending_a_conversation_reuses_its_decoded_blocks_too(
     assert result.external_hit_tokens == expected, result.counters
     # turn3 extends turn2 on B itself: B's own prefix cache (or kvtier) serves turn2's blocks.
     turn3 = queries["turn3"]
-    result3 = _ask(instance_b, "turn3", turn3)
+    result3 = _ask(instance_b, "turn3", turn3, reset=False)
     assert result3.outputs[0].num_cached_tokens >= len(turn2.tokens) // BLOCK * BLOCK
+    # And with B's own cache emptied, what B itself saved of turn2 comes back from kvtier.
+    result3 = _ask(instance_b, "turn3", turn3)
+    assert result3.external_hit_tokens >= len(turn2.tokens) // BLOCK * BLOCK, result3.counters
 
 
 @needs_connector
@@ -407,7 +432,36 @@ def test_daemon_killed_mid_run_outputs_unchanged_and_requests_complete(
     batch: GenerateResult = results["batch"]
     assert batch.token_ids == [reference[n] for n in names], f"killed mid-run: {mid_run}"
     # With the daemon gone for good, B serves at full recompute, one request after another.
+    assert instance_b.reset_prefix_cache()
     for name in ("fresh", "on+tail"):
         again = instance_b.generate([queries[name].tokens], max_tokens=MAX_TOKENS)
         assert again.token_ids == [reference[name]], name
     assert instance_b.alive()
+
+
+@needs_connector
+def test_reuse_resumes_when_the_daemon_is_back(
+        instance_b: VllmProcess, daemon: DaemonProcess, reference: dict[str, list[int]],
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """After the kill above, a new (empty) daemon on the same gRPC port: B reconnects by
+    itself, saves again and hits again."""
+    daemon.kill()  # already dead when run after the test above
+    port = daemon.grpc_address.rsplit(":", 1)[1]
+    reborn = DaemonProcess(tmp_path_factory.mktemp("kvtier-daemon-2"), "vllm-e2e-2",
+                           dram_bytes="128MiB", nvme=False,
+                           settings={"server.grpc_port": port})
+    reborn.start()
+    try:
+        assert reborn.grpc_address == daemon.grpc_address
+        query = _queries(reference)["resume"]
+        hits = 0
+        for _ in range(40):  # bounded: reconnect_interval_s is 0.5 s
+            result = _ask(instance_b, "resume", query)  # B's own cache emptied each time
+            hits = result.external_hit_tokens
+            if hits:
+                break
+            time.sleep(0.5)
+        assert hits == len(query.tokens) // BLOCK * BLOCK, \
+            f"no kvtier hits after the daemon came back; B's log:\n{instance_b.log_tail()}"
+    finally:
+        reborn.stop()
