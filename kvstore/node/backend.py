@@ -57,6 +57,7 @@ from kvstore.errors import (
     ChunkNotFound,
     InvalidArgument,
     InvariantViolation,
+    KvtierError,
     SizeMismatch,
     TierUnavailable,
     TooManyLeases,
@@ -134,6 +135,13 @@ class LeaseBudget:
                                     "leases and reservations (server.max_leases); release some "
                                     "or retry once they expire")
             self._held += 1
+
+    def take_up_to(self, n: int) -> int:
+        """Count up to ``n`` more leases, as many as the budget has left; return how many."""
+        with self._lock:
+            granted = max(0, min(n, self.max_leases - self._held))
+            self._held += granted
+            return granted
 
     def give(self, n: int = 1) -> None:
         """Count ``n`` leases as ended."""
@@ -544,12 +552,126 @@ class ShmLeases:
             self._writing[k] = lease_id
         return lease_id, offset
 
+    def reserve_many(self, items: Sequence[tuple[bytes, bytes | None]], sizes_bytes: Sequence[int],
+                     ttl_s: float, *, owner: object | None = None
+                     ) -> list[tuple[int, int] | KvtierError]:
+        """:meth:`reserve` for a batch of ``(key, parent)`` items, in order, with one outcome
+        per item: (lease id, arena offset), or the error ``reserve`` would have raised for it.
+
+        A parent may be an open reservation of ``owner`` (an earlier request's, or an earlier
+        item's of this batch): it is checked at commit. A child of an item that failed here
+        fails too (its prefix is not cached). Raises only for a TTL :func:`check_ttl` refuses.
+        One lock round, one budget count and one ``TieredCache.reserve_many`` for the batch.
+        """
+        check_ttl(ttl_s, self.max_ttl_s)
+        n = len(items)
+        if len(sizes_bytes) != n:
+            raise InvalidArgument(f"{n} items but {len(sizes_bytes)} sizes")
+        out: list[tuple[int, int] | KvtierError | None] = [None] * n
+        keys: list[bytes] = []
+        parents: list[bytes | None] = []
+        for i, (key, parent) in enumerate(items):
+            k: bytes = b""
+            p: bytes | None = None
+            try:
+                k = check_key(key)
+                p = None if parent is None else check_key(parent)
+            except InvalidArgument as exc:
+                out[i] = exc
+            keys.append(k)
+            parents.append(p)
+        with self._lock:
+            pending = [p is not None and self._reserved_by_locked(p, owner) for p in parents]
+        deadline = time.monotonic() + ttl_s
+        wanted = [i for i in range(n) if out[i] is None]
+        # A parent still being written by this owner (reserved parent-first) is not cached
+        # yet: the cache's check moves to commit, as in ``reserve``.
+        slots = self._cache.reserve_many(
+            [keys[i] for i in wanted], [sizes_bytes[i] for i in wanted],
+            [None if pending[i] else parents[i] for i in wanted], tier=TierKind.DRAM)
+        got: list[tuple[int, WriteSlot]] = []
+        for i, slot in zip(wanted, slots, strict=True):
+            if isinstance(slot, KvtierError):
+                out[i] = slot
+            else:
+                got.append((i, slot))
+        # Only items that got a slot take a lease (as ``reserve``: a failed item holds none).
+        # Past the budget the rest are freed in order, so no kept item's parent in the batch
+        # is one of them.
+        granted = self.budget.take_up_to(len(got))
+        for i, slot in got[granted:]:
+            self._cache.abort(slot, tier=TierKind.DRAM)
+            out[i] = TooManyLeases(f"the daemon already holds {self.budget.max_leases} pins, "
+                                   "read leases and reservations (server.max_leases); release "
+                                   "some or retry once they expire")
+        records: list[tuple[int, _WriteRecord]] = []
+        reserved: set[bytes] = set()
+        try:
+            for i, slot in got[:granted]:
+                p = parents[i]
+                in_batch = p is not None and p in reserved
+                records.append((i, _WriteRecord(slot, p, owner, deadline, _slot_offset(slot),
+                                                pending[i] or in_batch)))
+                reserved.add(slot.key)
+        except BaseException:
+            for _i, slot in got[:granted]:
+                self._cache.abort(slot, tier=TierKind.DRAM)
+            self.budget.give(granted)
+            raise
+        with self._lock:
+            for i, rec in records:
+                lease_id = self._new_id_locked()
+                self._writes[lease_id] = rec
+                self._writing[rec.slot.key] = lease_id
+                out[i] = (lease_id, rec.offset)
+        return [r for r in out if r is not None]
+
+    def commit_many(self, lease_ids: Sequence[int], *, owner: object | None = None
+                    ) -> list[KvtierError | None]:
+        """:meth:`commit` for a batch, in order, with one outcome per lease: None (published)
+        or the error ``commit`` would have raised (the slot is then freed). A chunk whose
+        parent is neither cached nor committed earlier in this batch is freed unpublished;
+        one ``TieredCache.commit_many`` for the batch."""
+        out: list[KvtierError | None] = [None] * len(lease_ids)
+        recs: list[tuple[int, _WriteRecord]] = []
+        with self._lock:
+            for i, lease_id in enumerate(lease_ids):
+                rec = self._writes.get(lease_id)
+                if rec is None or rec.owner != owner:
+                    out[i] = _unknown_write(lease_id)
+                    continue
+                del self._writes[lease_id]
+                self._forget_key_locked(rec, lease_id)
+                recs.append((i, rec))
+        if recs:
+            self.budget.give(len(recs))
+        try:
+            results = self._cache.commit_many([rec.slot for _i, rec in recs],
+                                              [rec.parent for _i, rec in recs],
+                                              tier=TierKind.DRAM)
+        except BaseException:
+            for _i, rec in recs:
+                self._cache.abort(rec.slot, tier=TierKind.DRAM)  # (a no-op once committed)
+            raise
+        written = 0
+        for (i, rec), result in zip(recs, results, strict=True):
+            if isinstance(result, KvtierError):
+                out[i] = result
+            else:
+                written += rec.slot.size_bytes
+        with self._lock:
+            self.bytes_written += written
+        return out
+
     def _reserved_by(self, key: bytes, owner: object | None) -> bool:
         """Whether ``key`` is an open reservation of ``owner``."""
         with self._lock:
-            lease_id = self._writing.get(key)
-            rec = None if lease_id is None else self._writes.get(lease_id)
-            return rec is not None and rec.owner == owner
+            return self._reserved_by_locked(key, owner)
+
+    def _reserved_by_locked(self, key: bytes, owner: object | None) -> bool:
+        lease_id = self._writing.get(key)
+        rec = None if lease_id is None else self._writes.get(lease_id)
+        return rec is not None and rec.owner == owner
 
     def size_of(self, key: bytes) -> int | None:
         """The committed chunk's size (in any tier), or None."""
@@ -617,8 +739,7 @@ class ShmLeases:
             rec = self._writes.get(lease_id)
             # Another owner's lease reads as unknown: the reply tells a prober nothing.
             if rec is None or rec.owner != owner:
-                raise InvalidArgument(f"write lease {lease_id} is unknown (committed, aborted, "
-                                      "expired, or another session's)")
+                raise _unknown_write(lease_id)
             del self._writes[lease_id]
             self._forget_key_locked(rec, lease_id)
             return rec
@@ -665,6 +786,12 @@ class ShmLeases:
                 self._end_write(write)
                 ended_writes += 1
         return ended_reads, ended_writes
+
+
+def _unknown_write(lease_id: int) -> InvalidArgument:
+    # Another owner's lease reads as unknown too: the reply tells a prober nothing.
+    return InvalidArgument(f"write lease {lease_id} is unknown (committed, aborted, expired, "
+                           "or another session's)")
 
 
 def _slot_offset(slot: WriteSlot) -> int:

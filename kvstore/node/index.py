@@ -97,6 +97,7 @@ from kvstore.errors import (
     ConfigError,
     InvalidArgument,
     InvariantViolation,
+    KvtierError,
 )
 from kvstore.node.policies import EvictionPolicy, PolicyName, make_policy
 
@@ -504,6 +505,62 @@ class CacheIndex:
                 back.entries += n
             for node in reversed(nodes):
                 self._policy.on_insert(node)
+
+    def insert_many(self, items: Sequence[tuple[bytes, bytes | None, int, int | None]],
+                    tier: TierKind) -> list[KvtierError | None]:
+        """Insert ``(key, parent, size_bytes, checksum)`` items in order under one lock round,
+        each as ``insert`` would (a parent may be an earlier item), with one outcome per item:
+        None, or the error ``insert`` would have raised (that item is not indexed, and an item
+        under it then fails too: its parent is not cached). The policy is notified per item,
+        in order, as by one ``insert`` each."""
+        out: list[KvtierError | None] = []
+        with self._lock:
+            # ``insert_chain``'s checks for one key, inlined: this runs per block of a batch.
+            st = self._state(tier)
+            entries = self._entries
+            capacity = st.budget.capacity_bytes
+            on_insert = self._policy.on_insert
+            now = self._clock()
+            for key, parent, size, checksum in items:
+                if not isinstance(key, bytes) or not key:
+                    out.append(InvalidArgument(f"keys must be non-empty bytes, got {key!r}"))
+                    continue
+                if not isinstance(size, int) or size <= 0:
+                    out.append(InvalidArgument(f"size_bytes must be a positive int, got {size!r}"))
+                    continue
+                up: _Node | None = None
+                if parent is not None:
+                    up = entries.get(parent)
+                    if up is None:
+                        out.append(InvalidArgument(
+                            f"parent {bytes(parent).hex()} of {key.hex()} is not cached: a chunk "
+                            "without its prefix is useless"))
+                        continue
+                if key in entries:
+                    out.append(ChunkExists(f"chunk {key.hex()} is already indexed"))
+                    continue
+                if st.used_bytes + size > capacity:
+                    out.append(CapacityError(
+                        f"{tier.value}: inserting {size} bytes would exceed capacity "
+                        f"({st.used_bytes}/{capacity} bytes used)"))
+                    continue
+                node = _Node(key, up, tier, size, checksum, now)
+                if up is not None:
+                    if up.children is None:
+                        up.children = set()
+                    up.children.add(node)
+                entries[key] = node
+                st.used_bytes += size
+                st.entries += 1
+                on_insert(node)
+                out.append(None)
+        return out
+
+    def present(self, keys: Iterable[bytes]) -> set[bytes]:
+        """Which of ``keys`` are cached (any tier), in one lock round."""
+        with self._lock:
+            entries = self._entries
+            return {k for k in keys if k in entries}
 
     def admit_count(self, keys: Sequence[bytes], parent: bytes | None, tier: TierKind,
                     size_bytes: int) -> int:

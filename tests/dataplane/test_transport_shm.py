@@ -240,6 +240,13 @@ class _NoLeases:
     def commit(self, lease_id: int, *, owner: object | None = None) -> object:
         raise InvalidArgument("unknown lease")
 
+    def reserve_many(self, items: list[tuple[bytes, bytes | None]], sizes_bytes: list[int],
+                     ttl_s: float, *, owner: object | None = None) -> list[object]:
+        return [InvalidArgument("no room here") for _item in items]
+
+    def commit_many(self, lease_ids: list[int], *, owner: object | None = None) -> list[object]:
+        return [InvalidArgument("unknown lease") for _lease_id in lease_ids]
+
     def abort(self, lease_id: int, *, owner: object | None = None) -> bool:
         return False
 

@@ -249,3 +249,68 @@ def test_expired_leases_are_ended(small: TieredCache) -> None:
     with pytest.raises(InvalidArgument):
         leases.commit(write_id)
     assert small.entry(b"w") is None
+
+
+def test_shm_reserve_many_commit_many_store_a_chain_owned_and_counted(
+        small: TieredCache, changes: list[ChunkChange]) -> None:
+    """One batch of a chain (parents reserved earlier in the same batch): one lease each,
+    counted in the budget until committed, only the owner commits, one STORED each in order."""
+    leases = ShmLeases(small, max_leases=8)
+    arena = ShmArena.attach(leases.arena_name, access=ArenaAccess.READ_WRITE)
+    owner, other = object(), object()
+    try:
+        items = [(b"c0", None), (b"c1", b"c0"), (b"c2", b"c1")]
+        out = leases.reserve_many(items, [CHUNK] * 3, 10, owner=owner)
+        assert all(isinstance(o, tuple) for o in out)
+        assert leases.budget.held == 3 and leases.open_count() == (0, 3)
+        for i, (_lease_id, offset) in enumerate(out):  # type: ignore[misc]
+            arena.view(offset, CHUNK, readonly=False)[:] = data(i)
+        ids = [o[0] for o in out]  # type: ignore[index]
+        assert all(isinstance(e, InvalidArgument) for e in leases.commit_many(ids, owner=other))
+        assert leases.open_count() == (0, 3) and small.entry(b"c0") is None
+        changes.clear()
+        assert leases.commit_many(ids, owner=owner) == [None] * 3
+        assert leases.budget.held == 0 and leases.open_count() == (0, 0)
+        assert [(c.kind, c.key) for c in changes] == [(ChunkChangeKind.STORED, k)
+                                                      for k in (b"c0", b"c1", b"c2")]
+        assert small.entry(b"c2").parent == b"c1"  # type: ignore[union-attr]
+        assert leases.bytes_written == 3 * CHUNK
+        assert all(isinstance(e, InvalidArgument) for e in leases.commit_many(ids, owner=owner))
+    finally:
+        arena.close()
+
+
+def test_shm_reserve_many_fails_items_past_the_lease_budget_and_their_children(
+        small: TieredCache) -> None:
+    leases = ShmLeases(small, max_leases=2)
+    small.put(b"e", data(9))
+    items = [(b"e", None), (b"d0", None), (b"d1", b"d0"), (b"d2", b"d1"), (b"x", b"missing")]
+    out = leases.reserve_many(items, [CHUNK] * 5, 10)
+    assert isinstance(out[0], ChunkExists)
+    assert isinstance(out[1], tuple) and isinstance(out[2], tuple)
+    assert type(out[3]).__name__ == "TooManyLeases"
+    assert isinstance(out[4], InvalidArgument)
+    assert leases.budget.held == 2 and leases.open_count() == (0, 2)
+    assert leases.commit_many([out[1][0], out[2][0]]) == [None, None]  # type: ignore[index]
+    assert leases.budget.held == 0
+    assert small.entry(b"d1").parent == b"d0"  # type: ignore[union-attr]
+
+
+def test_shm_commit_many_frees_a_child_whose_parent_reservation_was_aborted(
+        small: TieredCache) -> None:
+    """The parent was reserved by an earlier request of the same owner and aborted: the child,
+    and its child in the same batch, are freed unpublished; a sibling root stores."""
+    leases = ShmLeases(small)
+    owner = object()
+    [(parent_id, _)] = leases.reserve_many([(b"p", None)], [CHUNK], 10, owner=owner)  # type: ignore[misc]
+    out = leases.reserve_many([(b"q", b"p"), (b"r", b"q"), (b"s", None)], [CHUNK] * 3, 10,
+                              owner=owner)
+    assert all(isinstance(o, tuple) for o in out)
+    assert leases.abort(parent_id, owner=owner)
+    errors = leases.commit_many([o[0] for o in out], owner=owner)  # type: ignore[index]
+    assert isinstance(errors[0], InvalidArgument) and isinstance(errors[1], InvalidArgument)
+    assert errors[2] is None
+    assert small.entry(b"q") is None and small.entry(b"r") is None
+    assert small.entry(b"s") is not None
+    assert small.tiers[TierKind.DRAM].stats().used_bytes == CHUNK
+    assert leases.budget.held == 0 and leases.open_count() == (0, 0)

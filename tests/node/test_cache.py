@@ -590,3 +590,164 @@ def test_a_durable_child_re_backs_a_parent_whose_nvme_copy_was_dropped(nvme_dir:
         assert reopened.lookup([parent, child, key(5001)]).length == 3
     finally:
         reopened.close()
+
+
+# -- batches: reserve_many / commit_many (the shm RESERVE_MANY / COMMIT_MANY path, issue 13) --------
+
+
+def fill(slots: list[object], first: int = 0) -> list[object]:
+    for i, slot in enumerate(slots):
+        slot.buffer[:] = chunk(first + i)  # type: ignore[attr-defined]
+    return slots
+
+
+def test_reserve_many_commit_many_store_a_chain_with_one_event_per_chunk_in_order(
+        nvme_dir: Path) -> None:
+    changes: list[ChunkChange] = []
+    cache = make_cache(nvme_dir, observer=changes.append)
+    try:
+        keys = chain_keys(6)
+        slots = cache.reserve_many(keys, [CHUNK] * 6, [None, *keys[:-1]], tier=TierKind.DRAM)
+        fill(slots)
+        assert all(k not in cache for k in keys)  # invisible until committed
+        infos = cache.commit_many(slots, [None, *keys[:-1]], tier=TierKind.DRAM)  # type: ignore[arg-type]
+        assert [i.key for i in infos] == keys  # type: ignore[union-attr]
+        assert [(c.kind, c.key, c.tier, c.parent) for c in changes] == [
+            (ChunkChangeKind.STORED, k, TierKind.DRAM, p) for k, p in zip(keys, [None, *keys[:-1]],
+                                                                          strict=True)]
+        assert [read(cache, k) for k in keys] == [chunk(i) for i in range(6)]
+        assert cache.entry(keys[3]).parent == keys[2]  # type: ignore[union-attr]
+        counters = {r.kind: r.counters for r in cache.report()}[TierKind.DRAM]
+        assert (counters.puts, counters.bytes_written) == (6, 6 * CHUNK)
+        assert_no_orphans(cache)
+    finally:
+        cache.close()
+
+
+def test_a_failure_in_the_middle_of_a_batch_fails_its_descendants_only(nvme_dir: Path) -> None:
+    """Item 2 exists already (not a failure: its child may follow it), item 3 is refused (bad
+    size): item 4, its child, and item 5 under that fail too; a second root stores."""
+    cache = make_cache(nvme_dir)
+    try:
+        cache.put(key(2), chunk(2), parent=None)
+        keys = [key(0), key(1), key(2), key(3), key(4), key(5), key(9)]
+        parents = [None, key(0), None, key(2), key(3), key(4), None]
+        sizes = [CHUNK, CHUNK, CHUNK, 0, CHUNK, CHUNK, CHUNK]
+        out = cache.reserve_many(keys, sizes, parents, tier=TierKind.DRAM)
+        assert isinstance(out[2], ChunkExists)
+        assert isinstance(out[3], InvalidArgument)
+        assert isinstance(out[4], InvalidArgument) and "parent" in str(out[4])
+        assert isinstance(out[5], InvalidArgument) and "parent" in str(out[5])
+        ok = [(k, p, s) for k, p, s in zip(keys, parents, out, strict=True)
+              if not isinstance(s, Exception)]
+        assert [k for k, _p, _s in ok] == [key(0), key(1), key(9)]
+        # Committing in an order where the child comes first: it is freed, not published.
+        slots = [ok[1][2], ok[0][2], ok[2][2]]
+        fill(slots)
+        infos = cache.commit_many(slots, [key(0), None, None], tier=TierKind.DRAM)  # type: ignore[arg-type]
+        assert isinstance(infos[0], InvalidArgument) and not isinstance(infos[1], Exception)
+        assert key(1) not in cache and key(0) in cache and key(9) in cache
+        assert not cache.tier(TierKind.DRAM).contains(key(1))
+        assert cache.index.usage(TierKind.DRAM).used_bytes == 3 * CHUNK
+        assert cache.tier(TierKind.DRAM).stats().used_bytes == 3 * CHUNK
+        assert_no_orphans(cache)
+    finally:
+        cache.close()
+
+
+def test_commit_many_refuses_a_chunk_whose_parent_was_dropped_meanwhile(nvme_dir: Path) -> None:
+    cache = make_cache(nvme_dir)
+    try:
+        cache.put(key(0), chunk(0))
+        slots = cache.reserve_many([key(1), key(2), key(3)], [CHUNK] * 3,
+                                   [key(0), key(1), None], tier=TierKind.DRAM)
+        fill(slots)
+        cache.remove(key(0))  # the parent goes between reserve and commit
+        out = cache.commit_many(slots, [key(0), key(1), None], tier=TierKind.DRAM)  # type: ignore[arg-type]
+        assert isinstance(out[0], InvalidArgument) and isinstance(out[1], InvalidArgument)
+        assert not isinstance(out[2], Exception)
+        assert read(cache, key(3)) == chunk(2)
+        assert len(cache) == 1
+        assert cache.tier(TierKind.DRAM).stats().used_bytes == CHUNK
+        assert_no_orphans(cache)
+    finally:
+        cache.close()
+
+
+def test_reserve_many_evicts_once_for_the_whole_batch(nvme_dir: Path) -> None:
+    cache = make_cache(nvme_dir, dram_bytes=8 * CHUNK)
+    try:
+        old = chain_keys(8, start=100)
+        assert cache.put_chain(old, [chunk(i) for i in range(8)]) == 8
+        keys = chain_keys(4)
+        slots = cache.reserve_many(keys, [CHUNK] * 4, [None, *keys[:-1]], tier=TierKind.DRAM)
+        assert not any(isinstance(s, Exception) for s in slots)
+        fill(slots)
+        cache.commit_many(slots, [None, *keys[:-1]], tier=TierKind.DRAM)  # type: ignore[arg-type]
+        assert [cache.entry(k).tier for k in old[4:]] == [TierKind.DRAM] * 4  # type: ignore[union-attr]
+        assert [cache.entry(k).tier for k in old[:4]] == [TierKind.NVME] * 4  # type: ignore[union-attr]
+        assert [read(cache, k) for k in keys] == [chunk(i) for i in range(4)]
+        assert_no_orphans(cache)
+    finally:
+        cache.close()
+
+
+def test_a_durable_commit_many_writes_each_chunk_to_nvme_before_publishing_it(
+        nvme_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """write_tier=nvme: each chunk's NVMe record exists when its DRAM slot is published (the
+    write-through comes first), one STORED event per chunk, and the chain survives a restart."""
+    changes: list[ChunkChange] = []
+    cache = durable_cache(nvme_dir, observer=changes.append)
+    dram, nvme = cache.tier(TierKind.DRAM), cache.tier(TierKind.NVME)
+    on_nvme: list[bool] = []
+    publish = dram.commit  # type: ignore[attr-defined]
+
+    def checked_publish(slot: object) -> object:
+        on_nvme.append(nvme.contains(slot.key))  # type: ignore[attr-defined]
+        return publish(slot)
+
+    monkeypatch.setattr(dram, "commit", checked_publish)
+    try:
+        keys = chain_keys(4)
+        parents = [None, *keys[:-1]]
+        slots = cache.reserve_many(keys, [CHUNK] * 4, parents, tier=TierKind.DRAM)
+        fill(slots)
+        assert not any(cache.tier(TierKind.NVME).contains(k) for k in keys)
+        out = cache.commit_many(slots, parents, tier=TierKind.DRAM)  # type: ignore[arg-type]
+        assert not any(isinstance(o, Exception) for o in out)
+        assert on_nvme == [True] * 4
+        assert [c.key for c in changes] == keys
+        for k in keys:
+            entry = cache.entry(k)
+            assert entry is not None
+            assert (entry.tier, entry.backing) == (TierKind.DRAM, TierKind.NVME)
+        assert_no_orphans(cache)
+    finally:
+        cache.close()
+    reopened = durable_cache(nvme_dir)
+    try:
+        assert reopened.recover().recovered == 4
+        assert [read(reopened, k) for k in keys] == [chunk(i) for i in range(4)]
+    finally:
+        reopened.close()
+
+
+def test_a_durable_commit_many_that_cannot_reach_nvme_fails_that_chunk_and_its_children(
+        nvme_dir: Path) -> None:
+    cache = durable_cache(nvme_dir, dram_bytes=64 * CHUNK, nvme_bytes=MiB)
+    try:
+        keys = [key(0), key(1), key(2), key(3)]
+        parents = [None, key(0), key(1), None]
+        sizes = [CHUNK, 2 * MiB - 4 * KiB, CHUNK, CHUNK]  # key(1) is larger than NVMe
+        slots = cache.reserve_many(keys, sizes, parents, tier=TierKind.DRAM)
+        assert not any(isinstance(s, Exception) for s in slots)
+        out = cache.commit_many(slots, parents, tier=TierKind.DRAM)  # type: ignore[arg-type]
+        assert isinstance(out[1], CapacityError) and isinstance(out[2], InvalidArgument)
+        assert not isinstance(out[0], Exception) and not isinstance(out[3], Exception)
+        assert sorted(cache.tier(TierKind.NVME).contains(k) for k in keys) == [False, False,
+                                                                               True, True]
+        assert key(1) not in cache and key(2) not in cache
+        assert cache.tier(TierKind.DRAM).stats().used_bytes == 2 * CHUNK
+        assert_no_orphans(cache)
+    finally:
+        cache.close()

@@ -668,3 +668,24 @@ TestIndexModelS3FIFO = _machine(PolicyName.S3FIFO).TestCase
 TestIndexModelS3FIFO.settings = _SETTINGS
 TestIndexModelMQ = _machine(PolicyName.MQ).TestCase
 TestIndexModelMQ.settings = _SETTINGS
+
+
+def test_insert_many_gives_one_outcome_per_item_and_fails_the_children_of_a_failure() -> None:
+    index = one_tier(100)
+    index.insert(k("x"), None, DRAM, 10)
+    out = index.insert_many([(k("a"), None, 10, 1), (k("b"), k("a"), 10, None),
+                             (k("x"), None, 10, None),         # already indexed
+                             (k("c"), k("b"), 0, None),         # bad size
+                             (k("d"), k("c"), 10, None),        # its parent failed
+                             (k("e"), k("x"), 70, None),        # fits exactly
+                             (k("f"), None, 1, None)], DRAM)    # over capacity
+    kinds = [None if e is None else type(e) for e in out]
+    assert kinds == [None, None, ChunkExists, InvalidArgument, InvalidArgument, None,
+                     CapacityError]
+    assert index.get(k("b")).parent == k("a")  # type: ignore[union-attr]
+    assert index.get(k("a")).checksum == 1  # type: ignore[union-attr]
+    usage = index.usage(DRAM)
+    assert (usage.used_bytes, usage.entries) == (100, 4)
+    assert index.present([k("a"), k("c"), k("e"), k("zz")]) == {k("a"), k("e")}
+    # The policy saw every insert: LRU plans the oldest leaves first (a, b inserted before e).
+    assert index.plan_eviction(DRAM, 10) == [k("b")]

@@ -323,6 +323,22 @@ class ArenaLeaseBackend(Protocol):
         freed)."""
         ...
 
+    def reserve_many(self, items: Sequence[tuple[bytes, bytes | None]], sizes_bytes: Sequence[int],
+                     ttl_s: float, *, owner: object | None = None
+                     ) -> list[tuple[int, int] | KvtierError]:
+        """``reserve`` for a batch of ``(key, parent)`` items, in order: per item (lease id,
+        arena offset) or the error ``reserve`` would have raised. A parent may be an earlier
+        item of the batch; a child of an item that failed fails too. Raises only for a bad
+        ``ttl_s``."""
+        ...
+
+    def commit_many(self, lease_ids: Sequence[int], *, owner: object | None = None
+                    ) -> list[KvtierError | None]:
+        """``commit`` for a batch, in order: per lease None (visible) or the error ``commit``
+        would have raised (the slot is then freed). A chunk whose parent is neither cached nor
+        committed earlier in the batch is freed unpublished."""
+        ...
+
     def abort(self, lease_id: int, *, owner: object | None = None) -> bool:
         """Free a reserved slot; the chunk never becomes visible. False when unknown."""
         ...

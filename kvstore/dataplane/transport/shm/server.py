@@ -579,29 +579,26 @@ class ShmServer:
         ranges: list[tuple[int, int]] = []
         status = bytearray(len(items))
         first: KvtierError | None = None
-        try:
-            for i, ((key, parent), size) in enumerate(zip(items, sizes, strict=True)):
-                try:
-                    # A parent reserved earlier by this connection (this request or an
-                    # earlier one) is accepted: the backend checks it at commit.
-                    lease_id, offset = self._leases.reserve(key, size, ttl_s, parent=parent,
-                                                            owner=conn)
-                except ChunkExists:
-                    status[i] = ITEM_EXISTS
-                    ranges.append((0, 0))
-                except KvtierError as exc:
-                    if not per_item:
-                        raise
-                    status[i] = ITEM_FAILED
-                    first = first or exc
-                    ranges.append((0, 0))
-                else:
-                    ranges.append((offset, lease_id))
-        except BaseException:
+        # One batch call (one lock round, one eviction plan for the batch): a parent reserved
+        # earlier by this connection (this request or an earlier one) is accepted and checked
+        # at commit; a child of an item that failed fails too.
+        results = self._leases.reserve_many(items, sizes, ttl_s, owner=conn)
+        for i, result in enumerate(results):
+            if isinstance(result, tuple):
+                lease_id, offset = result
+                ranges.append((offset, lease_id))
+                continue
+            ranges.append((0, 0))
+            if isinstance(result, ChunkExists):
+                status[i] = ITEM_EXISTS
+            else:
+                status[i] = ITEM_FAILED
+                first = first or result
+        if first is not None and not per_item:
             for _offset, lease_id in ranges:
                 if lease_id:
                     self._leases.abort(lease_id, owner=conn)
-            raise
+            raise first
         conn.grant(sum(1 for _offset, lease_id in ranges if lease_id), ttl_s)
         head = b"".join(RANGE.pack(offset, lease_id) for offset, lease_id in ranges)
         if not per_item:
@@ -612,12 +609,10 @@ class ShmServer:
                      per_item: bool) -> bytes:
         status = bytearray(len(lease_ids))
         first: KvtierError | None = None
-        for i, lease_id in enumerate(lease_ids):
-            try:
-                self._leases.commit(lease_id, owner=conn)
-            except KvtierError as exc:
+        for i, err in enumerate(self._leases.commit_many(lease_ids, owner=conn)):
+            if err is not None:
                 status[i] = ITEM_FAILED
-                first = first or exc
+                first = first or err
             else:
                 conn.held -= 1  # (a failed commit may have ended it: too high is safe)
         if not per_item:
