@@ -93,6 +93,7 @@ def _queries(outputs: dict[str, list[int]]) -> dict[str, Query]:
         "off-diverge": Query(s["off"][:140] + _tokens(103, 60)),   # differs inside block 5
         "long+tail": Query(s["long"] + _tokens(104, 100)),
         "long-head": Query(s["long"][:130] + _tokens(112, 30)),
+        "long+tail2": Query(s["long"] + _tokens(114, 60)),
         "turn2": Query(s["turn1"] + outputs["turn1"] + _tokens(105, 50)),
         "turn3": Query(s["turn1"] + outputs["turn1"] + _tokens(105, 50)
                        + outputs.get("turn2", []) + _tokens(106, 20)),
@@ -336,10 +337,11 @@ def test_own_prefix_cache_and_kvtier_hits_add_up(instance_b: VllmProcess,
     queries = _queries(reference)
     head = _ask(instance_b, "long-head", queries["long-head"])
     assert head.external_hit_tokens == 4 * BLOCK
-    # B now holds long's first 4 blocks itself; kvtier gives the next 8.
-    full = _ask(instance_b, "long+tail", queries["long+tail"], reset=False)
+    # B now holds long's first 4 blocks itself; kvtier gives the next 8 (a prompt B has not
+    # served before: what B saved itself is not in _expected_external).
+    full = _ask(instance_b, "long+tail2", queries["long+tail2"], reset=False)
     assert full.local_hit_tokens == 4 * BLOCK, full.counters
-    assert full.external_hit_tokens == _expected_external(queries["long+tail"], 4 * BLOCK) \
+    assert full.external_hit_tokens == _expected_external(queries["long+tail2"], 4 * BLOCK) \
         == 8 * BLOCK
     assert full.outputs[0].num_cached_tokens == 12 * BLOCK
 
