@@ -28,7 +28,7 @@ from kvstore.errors import ConfigError, InvalidArgument
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CpuBlocksKV", "GuardedKV", "engine_kv_for", "layout_of"]
+__all__ = ["CpuBlocksKV", "GuardedKV", "InferenceModeKV", "engine_kv_for", "layout_of"]
 
 
 def _is_cpu_layout(t: torch.Tensor, layout: KVLayout) -> bool:
@@ -109,10 +109,35 @@ class CpuBlocksKV:
 
 def engine_kv_for(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
                   layout: KVLayout) -> EngineKV:
-    """The layout of vLLM's tensors for one request's blocks (CPU or ``[2, blocks, ...]``)."""
+    """The layout of vLLM's tensors for one request's blocks (CPU or ``[2, blocks, ...]``),
+    copying under ``torch.inference_mode`` (:class:`InferenceModeKV`)."""
     if _is_cpu_layout(kv_caches[0], layout):
-        return CpuBlocksKV(kv_caches, block_ids, layout)
-    return PagedKV(kv_caches, list(block_ids), layout)
+        return InferenceModeKV(CpuBlocksKV(kv_caches, block_ids, layout))
+    return InferenceModeKV(PagedKV(kv_caches, list(block_ids), layout))
+
+
+class InferenceModeKV:
+    """vLLM allocates its KV caches as inference tensors, which torch lets be updated only in
+    inference mode. The client copies on its own threads (where vLLM's mode does not reach), so
+    every gather and scatter enters it here; without it the first save or load raised
+    ``RuntimeError: Inplace update to inference tensor outside InferenceMode`` inside vLLM."""
+
+    __slots__ = ("_inner",)
+
+    def __init__(self, inner: EngineKV) -> None:
+        self._inner = inner
+
+    def gather_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
+        import torch
+
+        with torch.inference_mode():
+            self._inner.gather_layer(layer, blocks, chunks)
+
+    def scatter_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
+        import torch
+
+        with torch.inference_mode():
+            self._inner.scatter_layer(layer, blocks, chunks)
 
 
 class GuardedKV:

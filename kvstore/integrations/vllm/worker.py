@@ -211,10 +211,18 @@ class WorkerSide:
         for layer, fut in enumerate(self._copies):
             if fut is None:  # a layer vLLM did not hand over: copy it now
                 self._copies[layer] = saver.save_layer(layer)
-        for fut in self._copies:
-            assert fut is not None
-            fut.result()  # local copies out of vLLM's blocks; they raise only on a bug
-        self._copies = []
+        copies, self._copies = self._copies, []
+        try:
+            for fut in copies:
+                assert fut is not None
+                fut.result()  # local copies out of vLLM's blocks; they raise only on a bug
+        except Exception:  # never into vLLM's engine loop: this step's blocks are not saved
+            log.exception("kvtier connector: copying a step's blocks for saving failed")
+            for fut in copies:
+                if fut is not None:
+                    fut.cancel()
+            self.stats.add("save_failed_blocks", self._save_blocks)
+            return
         now = time.monotonic()
         assert self._saver_client is not None
         pending = _PendingSave(self._save_blocks, now + self.config.save_timeout_s, now,
