@@ -163,13 +163,10 @@ def test_leader_key_overwritten_or_orphaned_by_hand_heals(
 
     async def scenario() -> None:
         async with etcd_client(etcd_server.client_url) as client:
-            # A TTL far above the wait below: a takeover within it can only come from the
-            # revoked lease, never from the key expiring (no timing is asserted).
-            long_ttl_s = 60
-            first = Election(client, LeaderRecord("c-1", "127.0.0.1:1001"), ttl_s=long_ttl_s,
-                             layout=etcd_layout, poll_interval_s=0.1)
-            second = Election(client, LeaderRecord("c-2", "127.0.0.1:1002"),
-                              ttl_s=long_ttl_s, layout=etcd_layout, poll_interval_s=0.1)
+            first = Election(client, LeaderRecord("c-1", "127.0.0.1:1001"), ttl_s=TTL_S,
+                             layout=etcd_layout)
+            second = Election(client, LeaderRecord("c-2", "127.0.0.1:1002"), ttl_s=TTL_S,
+                              layout=etcd_layout)
             await first.start()
             await second.start()
             elections = (first, second)
