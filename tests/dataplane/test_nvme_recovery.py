@@ -37,7 +37,7 @@ from kvstore.dataplane.nvme.format import (
 from kvstore.dataplane.nvme.tier import NvmeTier
 from kvstore.errors import ChunkNotFound
 from tests.dataplane.tier_conformance import KiB, MiB, read_back
-from tests.support.common import payload
+from tests.support.common import flip_byte, payload
 
 
 def open_tier(directory: Path, **overrides: object) -> NvmeTier:
@@ -192,14 +192,6 @@ def _location(directory: Path, key: bytes) -> tuple[Path, int, int]:
         return loc.path, loc.header_offset, loc.payload_offset
 
 
-def _flip_byte(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x5A]))
-        os.fsync(f.fileno())
-
 
 def _assert_holds(tier: NvmeTier, expected: dict[bytes, bytes]) -> None:
     assert {info.key for info in tier.chunks()} == set(expected)
@@ -237,7 +229,7 @@ def test_flipped_header_byte_loses_that_record_and_resyncs_past_it(tmp_path: Pat
     directory = tmp_path / "t"
     stored = _put_all(directory, SIZES)
     path, header_at, _ = _location(directory, b"b")  # a record in the middle of the chain
-    _flip_byte(path, header_at + 60)  # inside the key
+    flip_byte(path, header_at + 60, mask=0x5A)  # inside the key
     del stored[b"b"]
     with open_tier(directory) as tier:
         report = tier.recovery
@@ -254,7 +246,7 @@ def test_flipped_payload_byte_is_caught_at_open(tmp_path: Path, verify: OpenVeri
     directory = tmp_path / "t"
     stored = _put_all(directory, SIZES)
     path, _, payload_at = _location(directory, b"c")
-    _flip_byte(path, payload_at + 123_456)
+    flip_byte(path, payload_at + 123_456, mask=0x5A)
     del stored[b"c"]
     with open_tier(directory, open_verify=verify) as tier:
         assert tier.recovery.corrupt_dropped == 1
@@ -347,7 +339,7 @@ def test_a_live_header_off_the_chain_is_ignored(tmp_path: Path) -> None:
 def test_damaged_segment_header_keeps_the_records(tmp_path: Path) -> None:
     directory = tmp_path / "t"
     stored = _put_all(directory, SIZES)
-    _flip_byte(directory / SEGMENT_NAME.format(1), 10)
+    flip_byte(directory / SEGMENT_NAME.format(1), 10, mask=0x5A)
     for expected_damage in (1, 0):
         with open_tier(directory) as tier:
             assert tier.recovery.damaged_segment_headers == expected_damage

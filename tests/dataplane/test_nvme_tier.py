@@ -38,6 +38,7 @@ from kvstore.errors import (
     TierUnavailable,
 )
 from tests.dataplane.tier_conformance import KiB, MiB, TierConformance, payload, read_back
+from tests.support.common import flip_byte
 from tests.support.smallfs import fill, free_bytes, small_filesystem, total_bytes
 
 TierFactory = Callable[[int], Tier]
@@ -245,7 +246,7 @@ def test_corrupt_payload_is_dropped_never_returned(tmp_path: Path, verify: OpenV
         tier.put(b"new", payload(10 * KiB, seed=2))
         loc = tier.record_location(b"old")
         assert loc is not None
-    _flip_byte(loc.path, loc.payload_offset + 200 * KiB)
+    flip_byte(loc.path, loc.payload_offset + 200 * KiB)
     # NEWEST with 1: only "new" is verified at open, so "old" is caught by the read.
     with open_tier(directory, open_verify=verify, open_verify_newest=1) as tier:
         assert tier.recovery.corrupt_dropped == 0
@@ -279,7 +280,7 @@ def test_corruption_found_at_open_is_counted_in_the_stats(tmp_path: Path, where:
         loc = tier.record_location(b"victim")
         assert loc is not None
     offset = loc.payload_offset + 1000 if where == "payload" else loc.header_offset + 100
-    _flip_byte(loc.path, offset)
+    flip_byte(loc.path, offset)
     with open_tier(directory) as tier:
         assert not tier.contains(b"victim")
         assert tier.recovery.corrupt_found == 1
@@ -625,13 +626,4 @@ def test_a_put_with_no_room_left_by_a_quarantine_is_refused(
         assert {i.key for i in tier.chunks()} == {b"a"}
         tier.put(b"c", payload(64 * KiB, seed=3))  # the reopen freed the quarantine
 
-
-def _flip_byte(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0xFF]))
-        f.flush()
-        os.fsync(f.fileno())
 

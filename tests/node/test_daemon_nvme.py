@@ -3,7 +3,6 @@ what Stats (and the metrics) say must be true, and no acknowledged chunk vanishe
 
 from __future__ import annotations
 
-import os
 import urllib.request
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from kvstore.client import StoreClient
 from kvstore.dataplane.nvme.config import NvmeTierConfig
 from kvstore.dataplane.nvme.tier import NvmeTier
 from kvstore.errors import ChunkNotFound
+from tests.support.common import flip_byte
 from tests.support.daemon import DaemonProcess
 from tests.support.smallfs import small_filesystem, total_bytes
 
@@ -73,15 +73,6 @@ def test_an_nvme_tier_larger_than_its_filesystem(tmp_path: Path) -> None:
             d.stop()
 
 
-def _flip_byte(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0xFF]))
-        f.flush()
-        os.fsync(f.fileno())
-
 
 def test_corruption_found_at_open_shows_in_stats_and_metrics(tmp_path: Path) -> None:
     settings = {"cache.write_tier": "nvme", "metrics.enabled": "true", "metrics.port": "0"}
@@ -103,7 +94,7 @@ def test_corruption_found_at_open_shows_in_stats_and_metrics(tmp_path: Path) -> 
     with NvmeTier.open(NvmeTierConfig(directory=nvme_dir, capacity_bytes=64 * MiB)) as tier:
         loc = tier.record_location(b"c1")
         assert loc is not None
-    _flip_byte(loc.path, loc.payload_offset + 1000)
+    flip_byte(loc.path, loc.payload_offset + 1000)
 
     d = DaemonProcess(tmp_path, "n-corrupt", settings=settings)
     d.start()

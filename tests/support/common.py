@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import struct
 import subprocess
 import sys
@@ -17,6 +18,17 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def payload(size_bytes: int, seed: int) -> bytes:
     """Deterministic, incompressible bytes (so compression cannot hide a wrong copy)."""
     return np.random.default_rng(seed).integers(0, 256, size_bytes, dtype=np.uint8).tobytes()
+
+
+def flip_byte(path: Path, offset: int, mask: int = 0xFF) -> None:
+    """XOR one byte of a file with ``mask`` in place, durably (what a disk that rots does)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ mask]))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 VERSION_HEADER = struct.Struct("<QQ")
