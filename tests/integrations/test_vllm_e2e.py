@@ -15,14 +15,10 @@ two busy cores), one instance at a time:
    (``vllm:external_prefix_cache_hits``) and ``num_cached_tokens``; outputs equal the
    reference. Both connector instances run chunked prefill with a 96-token step budget.
 3. the daemon killed while B serves, then gone: requests complete, outputs unchanged.
-
-If ``kvstore.integrations.vllm.connector`` does not exist yet, the phase-2/3 tests are skipped
-with that reason (only then).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import threading
 import time
@@ -196,17 +192,6 @@ def test_greedy_outputs_agree_across_two_instances_without_a_connector(
 # Phases 2 and 3: the connector
 
 
-def _connector_present() -> bool:
-    try:
-        return importlib.util.find_spec(CONNECTOR_MODULE) is not None
-    except ModuleNotFoundError:
-        return False
-
-
-needs_connector = pytest.mark.skipif(not _connector_present(),
-                                     reason=f"{CONNECTOR_MODULE} does not exist yet")
-
-
 def _kv_transfer_config(daemon: DaemonProcess) -> dict[str, Any]:
     return {
         "kv_connector": "KvtierConnector",
@@ -254,8 +239,6 @@ def _served(daemon: DaemonProcess) -> int:
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    if not _connector_present():
-        pytest.skip(f"{CONNECTOR_MODULE} does not exist yet")
     node = DaemonProcess(tmp_path_factory.mktemp("kvtier-daemon"), "vllm-e2e",
                          dram_bytes="128MiB", nvme=False)
     node.start()
@@ -308,7 +291,6 @@ def _ask(llm: VllmProcess, name: str, query: Query, *, reset: bool = True) -> Ge
     return result
 
 
-@needs_connector
 def test_instance_a_saves_through_kvtier_and_its_outputs_are_unchanged(
         saved_by_a: SavePhase, reference: dict[str, list[int]]) -> None:
     for name, result in saved_by_a.results.items():
@@ -317,7 +299,6 @@ def test_instance_a_saves_through_kvtier_and_its_outputs_are_unchanged(
     assert saved_by_a.chunks_after > 0, f"A stored nothing; A's log:\n{saved_by_a.log}"
 
 
-@needs_connector
 @pytest.mark.parametrize("name", ["on+tail", "off+tail", "off-diverge", "long+tail"])
 def test_cold_instance_b_loads_shared_prefixes_from_kvtier(
         instance_b: VllmProcess, reference: dict[str, list[int]], name: str) -> None:
@@ -331,7 +312,6 @@ def test_cold_instance_b_loads_shared_prefixes_from_kvtier(
     assert result.counters["vllm:prompt_tokens"] == len(query.tokens)
 
 
-@needs_connector
 def test_own_prefix_cache_and_kvtier_hits_add_up(instance_b: VllmProcess,
                                                  reference: dict[str, list[int]]) -> None:
     queries = _queries(reference)
@@ -346,7 +326,6 @@ def test_own_prefix_cache_and_kvtier_hits_add_up(instance_b: VllmProcess,
     assert full.outputs[0].num_cached_tokens == 12 * BLOCK
 
 
-@needs_connector
 def test_a_fully_stored_prompt_still_computes_its_last_token(
         instance_b: VllmProcess, reference: dict[str, list[int]]) -> None:
     query = _queries(reference)["on-same"]
@@ -356,7 +335,6 @@ def test_a_fully_stored_prompt_still_computes_its_last_token(
     assert result.outputs[0].num_cached_tokens == 3 * BLOCK
 
 
-@needs_connector
 def test_a_prompt_extending_a_conversation_reuses_its_decoded_blocks_too(
         instance_b: VllmProcess, reference: dict[str, list[int]]) -> None:
     queries = _queries(reference)
@@ -375,7 +353,6 @@ def test_a_prompt_extending_a_conversation_reuses_its_decoded_blocks_too(
     assert result3.external_hit_tokens >= len(turn2.tokens) // BLOCK * BLOCK, result3.counters
 
 
-@needs_connector
 def test_a_prompt_nobody_stored_is_a_miss(instance_b: VllmProcess,
                                           reference: dict[str, list[int]]) -> None:
     query = _queries(reference)["fresh"]
@@ -384,7 +361,6 @@ def test_a_prompt_nobody_stored_is_a_miss(instance_b: VllmProcess,
     assert result.outputs[0].num_cached_tokens == 0
 
 
-@needs_connector
 def test_two_tenants_share_nothing(instance_b: VllmProcess,
                                    reference: dict[str, list[int]]) -> None:
     queries = _queries(reference)
@@ -402,7 +378,6 @@ def test_two_tenants_share_nothing(instance_b: VllmProcess,
     assert result.external_hit_tokens == _expected_external(owner) == 5 * BLOCK
 
 
-@needs_connector
 def test_daemon_killed_mid_run_outputs_unchanged_and_requests_complete(
         instance_b: VllmProcess, daemon: DaemonProcess,
         reference: dict[str, list[int]]) -> None:
@@ -441,7 +416,6 @@ def test_daemon_killed_mid_run_outputs_unchanged_and_requests_complete(
     assert instance_b.alive()
 
 
-@needs_connector
 def test_reuse_resumes_when_the_daemon_is_back(
         instance_b: VllmProcess, daemon: DaemonProcess, reference: dict[str, list[int]],
         tmp_path_factory: pytest.TempPathFactory) -> None:
