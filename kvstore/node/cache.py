@@ -187,6 +187,11 @@ class TierReport:
     stats: TierStats
     counters: TierCounters
 
+    @property
+    def corrupt(self) -> int:
+        """Corrupt chunks found: by reads since start, and by the tier when it opened."""
+        return self.counters.corrupt + self.stats.corrupt_at_open
+
 
 @dataclass(frozen=True, slots=True)
 class RecoveryReport:

@@ -442,7 +442,7 @@ class StoreDaemon:
                 used_bytes=s.used_bytes, chunks=s.chunks, largest_free_bytes=s.largest_free_bytes,
                 hits=c.hits, puts=c.puts, bytes_written=c.bytes_written, bytes_read=c.bytes_read,
                 demotions_out=c.demotions_out, promotions_in=c.promotions_in, drops=c.drops,
-                corrupt=c.corrupt + s.corrupt_at_open))
+                corrupt=report.corrupt))
         tcp_open = self._tcp.stats().connections_open if self._tcp is not None else 0
         return pb.StatsResponse(
             node_id=self.config.node_id, epoch=self.events.epoch, tiers=tiers,

@@ -87,7 +87,7 @@ class _ScrapeCollector(Collector):
             c = report.counters
             for name, value in (("hits", c.hits), ("puts", c.puts), ("evictions", c.drops),
                                 ("demotions", c.demotions_out), ("promotions", c.promotions_in),
-                                ("corrupt", c.corrupt + report.stats.corrupt_at_open)):
+                                ("corrupt", report.corrupt)):
                 counters[name].add_metric([tier], value)
             moved.add_metric([f"tier_{tier}", "read"], c.bytes_read)
             moved.add_metric([f"tier_{tier}", "write"], c.bytes_written)
