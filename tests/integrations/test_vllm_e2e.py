@@ -1,4 +1,4 @@
-"""kvtier as vLLM's KV connector, end to end: real vLLM instances (tests/support/vllm.py), a
+"""kvtier as vLLM's KV connector, end to end: real vLLM instances (kvstore/cluster/vllm_instance.py), a
 real kvtier daemon (tests/support/daemon.py), a tiny random-weight Llama made locally.
 
 The phases share their instances (module-scoped fixtures; a vLLM start costs about a minute on
@@ -29,9 +29,14 @@ from typing import Any
 
 import pytest
 
+from kvstore.cluster.vllm_instance import (
+    GenerateResult,
+    TinyLlama,
+    VllmProcess,
+    tiny_llama_checkpoint,
+)
 from tests.support.common import wait_until
 from tests.support.daemon import DaemonProcess
-from tests.support.vllm import GenerateResult, TinyLlama, VllmProcess, tiny_llama_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

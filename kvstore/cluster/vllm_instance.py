@@ -1,7 +1,8 @@
-"""Real vLLM instances for tests: a tiny local checkpoint and one ``LLM`` per child process.
+"""Real vLLM instances, each in its own child process: a tiny local checkpoint and one ``LLM``
+per child (used by the tests, ``kvtier bench vllm`` and the local cluster).
 
-vLLM is imported only in the children (``python -m tests.support.vllm ...``), never in the
-pytest process.
+vLLM is imported only in the children (``python -m kvstore.cluster.vllm_instance ...``), never in
+the calling process.
 
 The model: :func:`tiny_llama_checkpoint` writes a random-weight Llama-architecture model
 (``LlamaConfig`` + ``LlamaForCausalLM`` from ``torch.manual_seed``, ``save_pretrained``, no
@@ -118,7 +119,7 @@ def tiny_llama_checkpoint(spec: TinyLlama | None = None, root: Path | None = Non
     root.mkdir(parents=True, exist_ok=True)
     staging = root / f".staging-{os.getpid()}-{time.monotonic_ns()}"
     try:
-        subprocess.run([sys.executable, "-m", "tests.support.vllm", "build-model",
+        subprocess.run([sys.executable, "-m", "kvstore.cluster.vllm_instance", "build-model",
                         "--out", str(staging), "--spec", json.dumps(asdict(spec))],
                        cwd=REPO, env=_child_env({}), check=True, timeout=timeout_s,
                        capture_output=True, text=True)
@@ -264,7 +265,7 @@ class VllmProcess:
         req_r, req_w = os.pipe()
         resp_r, resp_w = os.pipe()
         config = {"model": str(self.model_dir), "engine_kwargs": self.engine_kwargs}
-        cmd = [sys.executable, "-m", "tests.support.vllm", "serve", "--requests-fd", str(req_r),
+        cmd = [sys.executable, "-m", "kvstore.cluster.vllm_instance", "serve", "--requests-fd", str(req_r),
                "--responses-fd", str(resp_w), "--config", json.dumps(config)]
         began = time.monotonic()
         with self.log_path.open("ab") as log:
@@ -534,7 +535,7 @@ def _serve(requests_fd: int, responses_fd: int, config: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tests.support.vllm")
+    parser = argparse.ArgumentParser(prog="python -m kvstore.cluster.vllm_instance")
     commands = parser.add_subparsers(dest="command", required=True)
     build = commands.add_parser("build-model")
     build.add_argument("--out", type=Path, required=True)
