@@ -29,6 +29,7 @@ from vllm.config import (
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256_cbor
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -120,10 +121,11 @@ def make_request(req_id: str, tokens: list[int], salt: str | None = None) -> Req
                    block_hasher=get_request_block_hasher(BLOCK, sha256_cbor))
 
 
-def runner_output(reqs: list[Request], invalid: set[int] | None = None) -> ModelRunnerOutput:
+def runner_output(reqs: list[Request] | list[str],
+                  invalid: set[int] | None = None) -> ModelRunnerOutput:
     from vllm.v1.outputs import KVConnectorOutput
 
-    ids = [r.request_id for r in reqs]
+    ids = [r if isinstance(r, str) else r.request_id for r in reqs]
     return ModelRunnerOutput(
         req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
         sampled_token_ids=[[7] for _ in ids], logprobs=None, prompt_logprobs_dict={},
@@ -151,6 +153,36 @@ def worker_step(worker: KvtierConnector, meta: KvtierConnectorMetadata) -> set[i
     errors = worker.get_block_ids_with_load_errors()
     worker.clear_connector_metadata()
     return errors
+
+
+def schedule(sched: Scheduler, *req_ids: str, timeout_s: float = 30.0,
+             shipped: list[dict[str, Any]] | None = None) -> SchedulerOutput:
+    """``sched.schedule()`` until a step schedules ``req_ids``: a request whose kvtier lookup
+    is in flight waits (the connector answers None, vLLM asks again next step). The steps in
+    between get a model output for what they scheduled; the connector stats they ship go to
+    ``shipped``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        out = sched.schedule()
+        if all(r in out.num_scheduled_tokens for r in req_ids):
+            return out
+        assert time.monotonic() < deadline, f"{req_ids} not scheduled within {timeout_s} s"
+        outputs = sched.update_from_output(out, runner_output(list(out.num_scheduled_tokens)))
+        for o in outputs.values():
+            if shipped is not None and o.scheduler_stats and o.scheduler_stats.kv_connector_stats:
+                shipped.append(o.scheduler_stats.kv_connector_stats)
+        time.sleep(0.01)
+
+
+def matched(connector: KvtierConnector, request: Request, timeout_s: float = 30.0) -> int:
+    """``get_num_new_matched_tokens(request, 0)`` once it is known (not None)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        n, _ = connector.get_num_new_matched_tokens(request, 0)
+        if n is not None:
+            return n
+        assert time.monotonic() < deadline, f"no answer for {request.request_id}"
+        time.sleep(0.01)
 
 
 def prompt(n: int, base: int = 1) -> list[int]:
@@ -231,7 +263,7 @@ def test_metadata_round_trips_through_pickle() -> None:
 def run_prefill(sched: Scheduler, worker: KvtierConnector, reqs: list[Request]) -> Any:
     for r in reqs:
         sched.add_request(r)
-    out = sched.schedule()
+    out = schedule(sched, *(r.request_id for r in reqs))
     meta = out.kv_connector_metadata
     assert isinstance(meta, KvtierConnectorMetadata)
     errors = worker_step(worker, meta)
@@ -276,7 +308,7 @@ def test_blocks_saved_by_one_instance_are_hits_for_another(model_dir: Path,
     sched_c = make_scheduler(make_config(model_dir, extra))
     req_c = make_request("c", tokens[: 3 * BLOCK])
     sched_c.add_request(req_c)
-    out_c = sched_c.schedule()
+    out_c = schedule(sched_c, "c")
     meta_c = out_c.kv_connector_metadata
     assert [(ld.first_block, ld.num_blocks) for ld in meta_c.loads] == [(0, 2)]
     assert out_c.num_scheduled_tokens["c"] == BLOCK
@@ -285,7 +317,7 @@ def test_blocks_saved_by_one_instance_are_hits_for_another(model_dir: Path,
     sched_d = make_scheduler(make_config(model_dir, extra))
     req_d = make_request("d", tokens, salt="other")
     sched_d.add_request(req_d)
-    assert sched_d.schedule().kv_connector_metadata.loads == []
+    assert schedule(sched_d, "d").kv_connector_metadata.loads == []
     for c in (worker_b,):
         c.shutdown()
     for s in (sched_a, sched_b, sched_c, sched_d):
@@ -311,7 +343,7 @@ def test_dead_daemon_gives_zero_hits_and_load_errors(model_dir: Path, tmp_path: 
         worker2.register_kv_caches(cpu_kv_caches(4))
         req = make_request("x", tokens)
         sched2.add_request(req)
-        out = sched2.schedule()
+        out = schedule(sched2, "x")
         meta = out.kv_connector_metadata
         assert [(ld.first_block, ld.num_blocks) for ld in meta.loads] == [(0, 4)]
         d.kill()  # dies between the lookup and the load
@@ -321,7 +353,7 @@ def test_dead_daemon_gives_zero_hits_and_load_errors(model_dir: Path, tmp_path: 
         # A request vLLM does not hold: the lookup fails (dead daemon), 0 hits, no exception.
         req2 = make_request("y", prompt(3 * BLOCK, base=8))
         sched2.add_request(req2)
-        out2 = sched2.schedule()
+        out2 = schedule(sched2, "y")
         assert out2.kv_connector_metadata.loads == []
         assert out2.num_scheduled_tokens["y"] == 3 * BLOCK
         assert sched2.connector._scheduler.stats.get("lookup_errors") == 1
@@ -329,7 +361,7 @@ def test_dead_daemon_gives_zero_hits_and_load_errors(model_dir: Path, tmp_path: 
         sched3 = make_scheduler(make_config(model_dir, extra))
         req3 = make_request("z", tokens)
         sched3.add_request(req3)
-        out3 = sched3.schedule()
+        out3 = schedule(sched3, "z")
         assert out3.kv_connector_metadata.loads == []
         assert out3.num_scheduled_tokens["z"] == len(tokens)
         for s in (sched, sched2, sched3):
@@ -378,7 +410,8 @@ def test_stats_count_hits_loads_saves_through_vllms_aggregation(model_dir: Path,
     worker_b.register_kv_caches(cpu_kv_caches(22))
     req = make_request("sb", tokens[: 3 * BLOCK] + prompt(20, base=32))
     sched_b.add_request(req)
-    out = sched_b.schedule()
+    shipped: list[dict[str, Any]] = []
+    out = schedule(sched_b, "sb", shipped=shipped)
     errors = worker_step(worker_b, out.kv_connector_metadata)
     assert errors == set()
     loaded = worker_stats(worker_b)
@@ -389,9 +422,12 @@ def test_stats_count_hits_loads_saves_through_vllms_aggregation(model_dir: Path,
     runner = runner_output([req])
     runner.kv_connector_output = KVConnectorOutput(kv_connector_stats=loaded)
     outputs = sched_b.update_from_output(out, runner)
-    shipped = next(o.scheduler_stats for o in outputs.values() if o.scheduler_stats)
-    data = shipped.kv_connector_stats
-    assert data is not None
+    last = next(o.scheduler_stats for o in outputs.values() if o.scheduler_stats)
+    assert last.kv_connector_stats is not None
+    data: dict[str, Any] = {}
+    for step in [*shipped, last.kv_connector_stats]:  # the steps the lookup was in flight
+        for name, value in step.items():
+            data[name] = data.get(name, 0) + value
     assert data["lookups"] == 1 and data["hit_blocks"] == 3 and data["hit_tokens"] == 3 * BLOCK
     assert data["loaded_blocks"] == 3 and "lookup_errors" not in data
     # The logger process rebuilds it, aggregates two intervals and reduces.
@@ -465,7 +501,7 @@ def test_stopped_daemon_is_bounded_and_reuse_resumes(model_dir: Path, tmp_path: 
         worker2.register_kv_caches(cpu_kv_caches(6))
         req = make_request("q", tokens[: 4 * BLOCK] + prompt(2 * BLOCK + 5, base=42))
         sched2.add_request(req)
-        out = sched2.schedule()
+        out = schedule(sched2, "q")
         meta = out.kv_connector_metadata
         assert [(ld.first_block, ld.num_blocks) for ld in meta.loads] == [(0, 4)]
         assert [(s.first_block, len(s.keys)) for s in meta.saves] == [(4, 6)]
@@ -478,7 +514,7 @@ def test_stopped_daemon_is_bounded_and_reuse_resumes(model_dir: Path, tmp_path: 
         # A lookup is 0 hits within lookup_timeout_s; the scheduler goes on.
         req2 = make_request("r", prompt(3 * BLOCK, base=43))
         sched2.add_request(req2)
-        out2 = sched2.schedule()
+        out2 = schedule(sched2, "r")
         assert out2.kv_connector_metadata.loads == []
         assert out2.num_scheduled_tokens["r"] == 3 * BLOCK
         sched_stats = sched2.connector.get_kv_connector_stats()
@@ -498,8 +534,9 @@ def test_stopped_daemon_is_bounded_and_reuse_resumes(model_dir: Path, tmp_path: 
         stopped = False
         # Reuse resumes: the same scheduler half finds the 4 blocks again (after its
         # background reconnect), and the same worker half loads them.
-        wait_until("hits after SIGCONT", lambda: sched2.connector.get_num_new_matched_tokens(
-            make_request("probe", tokens), 0)[0] == 4 * BLOCK)
+        probes = iter(range(10**6))
+        wait_until("hits after SIGCONT", lambda: matched(
+            sched2.connector, make_request(f"probe{next(probes)}", tokens)) == 4 * BLOCK)
         wait_until("worker reconnected", lambda: w2.session.get() is not None)
         sched3 = make_scheduler(make_config(model_dir, extra))
         _out3, meta3, errors3 = run_prefill(sched3, worker2, [make_request("s", tokens)])
@@ -523,8 +560,7 @@ def test_stopped_daemon_is_bounded_and_reuse_resumes(model_dir: Path, tmp_path: 
             schedulers.append(sched_n)
             run_prefill(sched_n, worker2, [make_request(f"t{len(schedulers)}", fresh)])
             wait_until("save settled", lambda: w2.saves_in_flight() == 0)
-            n, _ = sched2.connector.get_num_new_matched_tokens(
-                make_request(f"probe-t{len(schedulers)}", fresh), 0)
+            n = matched(sched2.connector, make_request(f"probe-t{len(schedulers)}", fresh))
             return n == 3 * BLOCK
 
         wait_until("reuse after a restart", save_then_hit)
@@ -560,7 +596,7 @@ def test_prefix_caching_off_is_a_warning_and_hits_still_work(model_dir: Path,
     # vLLM 0.32's EngineCore hashes blocks when a connector is set (make_request does the
     # same), so an instance without prefix caching still finds them.
     sched.add_request(make_request("pc", tokens[: 3 * BLOCK] + prompt(5, base=50)))
-    out = sched.schedule()
+    out = schedule(sched, "pc")
     assert [(ld.first_block, ld.num_blocks) for ld in out.kv_connector_metadata.loads] == [(0, 3)]
     # A request vLLM did not hash (a vLLM hashing only with prefix caching on): 0 hits, said once.
     unhashed = Request(request_id="nh", prompt_token_ids=tokens, pooling_params=None,

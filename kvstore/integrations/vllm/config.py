@@ -31,6 +31,11 @@ key                         default     meaning
 ``data_plane``              ``auto``    ``auto`` | ``shm`` | ``tcp``: to the daemon.
 ``lookup_timeout_s``        1.0         bound on a scheduler-side lookup; a daemon that does
                                         not answer in time counts as 0 hits.
+``lookup_async``            ``true``    lookups run off vLLM's engine loop: the scheduler is
+                                        told "ask again" (``None``) until the daemon answered
+                                        or ``lookup_timeout_s`` passed; ``false``: the
+                                        scheduler waits for each lookup (up to
+                                        ``lookup_timeout_s``), one step sooner per hit.
 ``load_timeout_s``          10.0        bound on a step's loads (worker); blocks not in by
                                         then are reported as load errors and recomputed.
 ``save_timeout_s``          30.0        a step's puts not done by then count as failed
@@ -94,6 +99,7 @@ class ConnectorConfig:
     tenant: str = ""
     data_plane: DataPlaneName = DataPlaneName.AUTO
     lookup_timeout_s: float = 1.0
+    lookup_async: bool = True
     load_timeout_s: float = 10.0
     save_timeout_s: float = 30.0
     save: SaveMode = SaveMode.ALL
@@ -118,6 +124,9 @@ class ConnectorConfig:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"kvtier connector: {name!r} must be > 0, got "
                                   f"{getattr(self, name)!r}")
+        if not isinstance(self.lookup_async, bool):
+            raise ConfigError(f"kvtier connector: 'lookup_async' must be true or false, got "
+                              f"{self.lookup_async!r}")
         if self.workers < 1 or self.staging_pool_mib < 0:
             raise ConfigError("kvtier connector: 'workers' must be >= 1 and "
                               "'staging_pool_mib' >= 0")
@@ -150,7 +159,9 @@ def _coerce(name: str, default: Any, value: Any) -> Any:
     try:
         if isinstance(default, enum.Enum):
             return type(default)(str(value).strip().lower())
-        if isinstance(default, bool):  # (no bool fields yet; kept strict if one comes)
+        if isinstance(default, bool):  # strict: true/false/1/0 only ("no" is not truthy)
+            if isinstance(value, bool):
+                return value
             text = str(value).strip().lower()
             if text not in ("true", "false", "1", "0"):
                 raise ValueError(value)

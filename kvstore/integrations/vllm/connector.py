@@ -4,7 +4,10 @@
 vLLM builds one instance per role: the scheduler half (:mod:`.scheduler`) in EngineCore, the
 worker half (:mod:`.worker`) in each Worker; this class only dispatches. Settings are in
 :mod:`.config`. No kvtier failure escapes into vLLM: lookups become 0 hits, loads become load
-errors (recomputed, with ``kv_load_failure_policy="recompute"``), saves are skipped.
+errors (recomputed, with ``kv_load_failure_policy="recompute"``), failed saves are reported to
+the scheduler half (``build_connector_worker_meta`` -> ``update_connector_output``), which
+saves them again. Saves copy out of vLLM's blocks within the step, so ``request_finished``
+never delays freeing and ``get_finished`` reports nothing (vLLM's defaults).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from kvstore.client.kv_client import KVClient, KVClientConfig
 from kvstore.client.kvlayout import KVLayout
 from kvstore.client.store_config import DataPlane
 from kvstore.integrations.vllm.config import ConnectorConfig
-from kvstore.integrations.vllm.metadata import KvtierConnectorMetadata
+from kvstore.integrations.vllm.metadata import KvtierConnectorMetadata, KvtierWorkerMetadata
 from kvstore.integrations.vllm.scheduler import SchedulerSide
 from kvstore.integrations.vllm.session import ClientSession
 from kvstore.integrations.vllm.spec import ConnectorSpec
@@ -32,8 +35,11 @@ from kvstore.integrations.vllm.worker import WorkerSide
 from kvstore.keys import HashMode, Namespace
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
         KVConnectorStats,
@@ -44,6 +50,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -60,11 +67,22 @@ PREFIX_CACHING_OFF = (
 
 
 def _vllm_hash_seed() -> str:
+    """The seed vLLM derives NONE_HASH from (for the sha256 algorithms kvtier accepts).
+    EngineCore builds the scheduler (and this connector) before it calls ``init_none_hash``,
+    so PYTHONHASHSEED is read here as ``resolve_none_hash_seed`` will (it wins when set)."""
+    env = os.environ.get("PYTHONHASHSEED")
+    if env is not None:
+        return env
     try:
         from vllm.v1.core.kv_cache_utils import get_none_hash_seed
-    except ImportError:  # older vLLM: the seed is PYTHONHASHSEED or the fixed default
-        return os.environ.get("PYTHONHASHSEED", "")
+    except ImportError:  # older vLLM: the fixed default
+        return "vllm-none-hash"
     return str(get_none_hash_seed())
+
+
+def _kv_events_on(vllm_config: VllmConfig) -> bool:
+    events = getattr(vllm_config, "kv_events_config", None)
+    return bool(events is not None and events.enable_kv_cache_events)
 
 
 def _tp_rank(role: KVConnectorRole) -> int:
@@ -117,7 +135,8 @@ class KvtierConnector(KVConnectorBase_V1):
         if scheduler:
             self._scheduler = SchedulerSide(cfg, spec, session, seed,
                                             load=ktc.kv_role != "kv_producer",
-                                            save=ktc.kv_role != "kv_consumer")
+                                            save=ktc.kv_role != "kv_consumer",
+                                            kv_events=_kv_events_on(vllm_config))
         else:
             self._worker = WorkerSide(cfg, spec, session)
 
@@ -147,6 +166,9 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._w().get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KvtierWorkerMetadata | None:
+        return self._w().build_connector_worker_meta()
 
     # --- stats (both halves; vLLM aggregates the workers' with the scheduler's) ----------------
 
@@ -184,6 +206,12 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._s().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._s().update_connector_output(connector_output)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self._s().take_events()
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

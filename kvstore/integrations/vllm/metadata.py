@@ -1,20 +1,30 @@
-"""What the scheduler half tells the worker half each step: plain, picklable data.
+"""What the two halves tell each other: plain, picklable data.
 
-Keys travel as bytes (kvtier chunk keys, computed once on the scheduler side from vLLM's
-``request.block_hashes``); block ids are vLLM's block ids of the request's logical blocks,
-from block 0.
+Scheduler -> worker, each step (:class:`KvtierConnectorMetadata`): keys travel as bytes (kvtier
+chunk keys, computed once on the scheduler side from vLLM's ``request.block_hashes``); block ids
+are vLLM's block ids of the request's logical blocks, from block 0.
+
+Worker -> scheduler, each step (:class:`KvtierWorkerMetadata`, through vLLM's
+``KVConnectorOutput.kv_connector_worker_meta``): how the saves that ended since the last step
+ended. Every :class:`SaveSpec` a worker received is reported exactly once by that worker, as
+saved or as failed (put refused, daemon gone, skipped for want of a daemon, past
+``save_timeout_s``), in the step it ended in or a later one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 from kvstore.errors import InvalidArgument
 from kvstore.keys import PrefixKey
 
-__all__ = ["KvtierConnectorMetadata", "LoadSpec", "SaveSpec"]
+__all__ = ["KvtierConnectorMetadata", "KvtierWorkerMetadata", "LoadSpec", "SaveFailure",
+           "SaveSpec"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,12 +55,14 @@ class LoadSpec:
 @dataclass(frozen=True, slots=True)
 class SaveSpec:
     """Save logical blocks ``[first_block, len(keys))`` of request ``req_id`` from vLLM
-    blocks ``block_ids``; blocks before ``first_block`` are in the store already."""
+    blocks ``block_ids``; blocks before ``first_block`` are in the store already. ``seq``
+    numbers the request's saves (the worker reports each by it)."""
 
     req_id: str
     keys: tuple[PrefixKey, ...]
     block_ids: tuple[int, ...]
     first_block: int
+    seq: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.first_block < len(self.keys) <= len(self.block_ids):
@@ -64,3 +76,28 @@ class KvtierConnectorMetadata(KVConnectorMetadata):
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class SaveFailure:
+    """Save ``seq`` of ``req_id`` did not store blocks ``[first_failed_block, ...)``."""
+
+    req_id: str
+    seq: int
+    first_failed_block: int
+
+
+@dataclass
+class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
+    """The saves that ended since the worker's last report. vLLM aggregates the TP ranks'
+    objects of a step with :meth:`aggregate` (concatenation: one entry per rank and save)."""
+
+    saved: list[tuple[str, int]] = field(default_factory=list)
+    """(req_id, seq) of saves whose blocks the daemon holds now (stored or already there)."""
+    failed: list[SaveFailure] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KvtierWorkerMetadata:
+        assert isinstance(other, KvtierWorkerMetadata), type(other)
+        self.saved.extend(other.saved)
+        self.failed.extend(other.failed)
+        return self

@@ -2,36 +2,123 @@
 
 Per request it keeps the kvtier keys of its full blocks (vLLM's ``request.block_hashes`` behind
 the namespace prefix of the request's tenant: no token is rehashed), how many leading blocks
-the store held at lookup time (the first block a save must store), and its vLLM block ids.
-Lookups are synchronous, bounded by ``lookup_timeout_s``; any kvtier failure is 0 hits.
+the store holds (found by the lookup or saved since: the first block a save must store), and
+its vLLM block ids.
+
+**Lookups** run off vLLM's engine loop (``lookup_async``, the default): the first
+``get_num_new_matched_tokens`` of a request starts the daemon lookup on a background thread and
+answers ``None``, which vLLM 0.32's scheduler takes as "ask again": the request stays WAITING
+(skipped this step, not failed) and is asked again at the next step; once the daemon answered,
+the hit. A lookup that fails, or is not answered within ``lookup_timeout_s`` of its start, is
+0 hits (vLLM recomputes at full speed; the late answer is ignored). The answer is kept until
+vLLM admits the request (it may ask several times when it cannot place the request yet); a
+request that comes back later (preempted) is looked up afresh. A request finished or aborted
+with its lookup in flight is forgotten (the lookup is cancelled, or ends unread). With
+``lookup_async=false`` each lookup is one call on the engine loop, bounded by
+``lookup_timeout_s``. Any kvtier failure is 0 hits.
+
+**Saves** are planned here (``stored_blocks`` advances when a save is scheduled) and reported
+back by the workers (``KVConnectorOutput.kv_connector_worker_meta``, see
+:mod:`.metadata`): a save that failed rolls ``stored_blocks`` back to its first failed block,
+so the request's next step saves from there again (at most ``MAX_SAVE_RETRIES`` times per
+request; a request that finished first cannot be saved again: its blocks are vLLM's again).
 Saves copy out of vLLM's blocks within the step (``wait_for_save``), so ``request_finished``
-never delays freeing.
+never delays freeing and ``get_finished`` has nothing to report.
+
+**KV events**: with vLLM's KV events on, every save all TP ranks confirmed becomes a
+``BlockStored`` event (``medium="KVTIER"``, vLLM's own block hashes) from ``take_events``, so a
+KV-event-driven router sees what kvtier holds.
+
+At start the model's manifest in the daemon is checked (:mod:`.manifest`): another instance of
+the model with another block size, hash algorithm or hash seed is an ERROR and counts
+``config_mismatch``.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvstore.client.kv_client import KVClient
 from kvstore.client.requests import BlockKeys
 from kvstore.errors import KvtierError
 from kvstore.integrations.vllm.config import ConnectorConfig, SaveMode
-from kvstore.integrations.vllm.metadata import KvtierConnectorMetadata, LoadSpec, SaveSpec
+from kvstore.integrations.vllm.manifest import check_manifest
+from kvstore.integrations.vllm.metadata import (
+    KvtierConnectorMetadata,
+    KvtierWorkerMetadata,
+    LoadSpec,
+    SaveFailure,
+    SaveSpec,
+)
 from kvstore.integrations.vllm.session import ClientSession
 from kvstore.integrations.vllm.spec import ConnectorSpec
 from kvstore.integrations.vllm.stats import KvtierConnectorStats
 from kvstore.keys import BlockHasher, HashMode, Namespace, PrefixKey
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SchedulerSide"]
+__all__ = ["KV_EVENT_MEDIUM", "MAX_SAVE_RETRIES", "SchedulerSide"]
+
+MAX_SAVE_RETRIES = 3
+"""Failed saves of one request saved again at most this often (a daemon that keeps failing
+must not make every step of a long request re-send its blocks)."""
+KV_EVENT_MEDIUM = "KVTIER"
+_MAX_PENDING_EVENTS = 4096
+_LOOKUP_THREADS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    """A lookup's outcome (made on a lookup thread, read on the engine loop)."""
+
+    blocks: int
+    error: str | None = None
+    timed_out: bool = False
+
+
+@dataclass
+class _Lookup:
+    num_keys: int
+    """Blocks asked about (a request asked about more blocks is looked up again)."""
+    future: cf.Future[_Answer] | None
+    deadline: float
+    found: int | None = None
+    """Leading blocks the daemon holds, once known."""
+
+
+@dataclass
+class _Save:
+    first_block: int
+    end_block: int
+    confirmed: int = 0
+    """TP ranks that reported it saved."""
+
+
+@dataclass
+class _Counts:
+    """One request's figures, logged (debug) when it finishes."""
+
+    hit_blocks: int = 0
+    load_blocks: int = 0
+    load_error_blocks: int = 0
+    save_blocks: int = 0
+    saved_blocks: int = 0
+    save_failures: int = 0
+    save_retries: int = 0
 
 
 @dataclass
@@ -44,24 +131,51 @@ class _Tracked:
     load_blocks: int = 0
     """Blocks of the last lookup's hit beyond ``local_tokens`` (loaded if vLLM agrees)."""
     block_ids: list[int] = field(default_factory=list)
+    lookup: _Lookup | None = None
+    """The lookup of the current admission attempt (cleared when vLLM admits the request)."""
+    saves: dict[int, _Save] = field(default_factory=dict)
+    """Every save scheduled for the request, by seq."""
+    save_seq: int = 0
+    loading: set[int] = field(default_factory=set)
+    """vLLM block ids of the last load, until the step's load errors are in."""
+    counts: _Counts = field(default_factory=_Counts)
+
+
+@dataclass
+class _PendingEvent:
+    event: Any  # vllm.distributed.kv_events.BlockStored
+    confirmed: int = 0
 
 
 class SchedulerSide:
     def __init__(self, config: ConnectorConfig, spec: ConnectorSpec, session: ClientSession,
-                 vllm_hash_seed: str, *, load: bool, save: bool) -> None:
+                 vllm_hash_seed: str, *, load: bool, save: bool, kv_events: bool = False
+                 ) -> None:
         self.config = config
         self.spec = spec
         self.session = session
         self.load_enabled = load
         self.save_enabled = save and config.save is SaveMode.ALL
+        self.kv_events = kv_events
         self._seed = vllm_hash_seed
         self._hashers: dict[str, BlockHasher] = {}
         self._reqs: dict[str, _Tracked] = {}
         self._loads: list[LoadSpec] = []
         self._warned_hashes = False
         self._warned_unhashed = False
+        self._pool = cf.ThreadPoolExecutor(_LOOKUP_THREADS, thread_name_prefix="kvtier-lookup")
+        self._events: list[KVCacheEvent] = []
+        self._pending_events: dict[tuple[str, int], _PendingEvent] = {}
+        self._bg_lock = threading.Lock()  # guards the two below (lookup threads write them)
+        self._bg_counts: dict[str, int] = {}
+        self._manifest_client: KVClient | None = None
+        self.mismatches: list[str] = []
+        """Differences the manifest check found (also logged and counted)."""
         self.stats = KvtierConnectorStats()
         """This interval's lookups and hits (vLLM takes them each step)."""
+        client = session.get()
+        if client is not None:  # at start (bounded by the RPC timeout); else with a lookup
+            self._ensure_manifest(client)
 
     # --- keys -------------------------------------------------------------------------------
 
@@ -99,13 +213,94 @@ class SchedulerSide:
             return 0
         return n
 
+    # --- lookups ----------------------------------------------------------------------------
+
+    def _ensure_manifest(self, client: KVClient) -> None:
+        """Check the model's manifest once per client (a new client may be a new daemon)."""
+        with self._bg_lock:
+            if self._manifest_client is client:
+                return
+            self._manifest_client = client  # (a failed check is tried again with the next)
+        diffs = check_manifest(client.store, self.spec, self._seed)
+        with self._bg_lock:
+            if diffs is None:
+                if self._manifest_client is client:
+                    self._manifest_client = None
+            elif diffs:
+                self.mismatches.extend(diffs)
+                self._bg_counts["config_mismatch"] = self._bg_counts.get("config_mismatch", 0) + 1
+
+    def _lookup(self, keys: tuple[PrefixKey, ...]) -> _Answer:
+        """One daemon lookup (on a lookup thread, or on the engine loop when synchronous)."""
+        client = self.session.get()
+        if client is None:
+            return _Answer(0)
+        self._ensure_manifest(client)
+        t0 = time.monotonic()
+        try:
+            return _Answer(client.lookup(BlockKeys(keys)).blocks)
+        except KvtierError as exc:  # dead, slow or restarted daemon: recompute
+            timed_out = ("DEADLINE_EXCEEDED" in str(exc)
+                         or time.monotonic() - t0 >= self.config.lookup_timeout_s)
+            self.session.failed(client, f"lookup: {type(exc).__name__}: {exc}")
+            return _Answer(0, f"{type(exc).__name__}: {exc}", timed_out)
+
+    def _settle(self, answer: _Answer) -> int:
+        if answer.error is not None:
+            self.stats.add("lookup_errors")
+            if answer.timed_out:
+                self.stats.add("lookup_timeouts")
+        return answer.blocks
+
+    def _found(self, tracked: _Tracked, usable: int) -> int | None:
+        """Leading blocks of the request's first ``usable`` the daemon holds; None while the
+        lookup is in flight."""
+        lk = tracked.lookup
+        if lk is not None and lk.num_keys == usable:
+            if lk.found is not None:  # asked again before vLLM could admit the request
+                return lk.found
+            assert lk.future is not None
+            if lk.future.done():
+                lk.found = self._settle(lk.future.result())
+                return lk.found
+            if time.monotonic() < lk.deadline:
+                return None
+            # Not answered in time: 0 hits. The thread ends on its own (the RPC is bounded
+            # by the same timeout); its answer is never read.
+            lk.future.cancel()
+            lk.found = 0
+            self.stats.add("lookup_errors")
+            self.stats.add("lookup_timeouts")
+            log.warning("kvtier connector: lookup of %s not answered within lookup_timeout_s="
+                        "%s: 0 hits", tracked.request.request_id, self.config.lookup_timeout_s)
+            return 0
+        if lk is not None and lk.future is not None:
+            lk.future.cancel()  # the request grew: what it asked no longer matters
+        if self.session.get() is None:
+            tracked.lookup = None
+            return 0  # no daemon now: nothing to wait for
+        keys = self.keys_of(tracked.request, usable)
+        self.stats.add("lookups")
+        if not self.config.lookup_async:
+            tracked.lookup = _Lookup(usable, None, 0.0, self._settle(self._lookup(keys)))
+            return tracked.lookup.found
+        tracked.lookup = _Lookup(usable, self._pool.submit(self._lookup, keys),
+                                 time.monotonic() + self.config.lookup_timeout_s)
+        return None
+
     # --- vLLM's calls -----------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Request,
-                                   num_computed_tokens: int) -> tuple[int, bool]:
+    def _track(self, request: Request) -> _Tracked:
         tracked = self._reqs.get(request.request_id)
         if tracked is None:
             tracked = self._reqs[request.request_id] = _Tracked(request)
+        else:
+            tracked.request = request
+        return tracked
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        tracked = self._track(request)
         tracked.load_blocks = 0
         tracked.local_tokens = num_computed_tokens
         B = self.spec.block_tokens
@@ -113,36 +308,22 @@ class SchedulerSide:
         usable = min(self._full_blocks(request), max(request.num_tokens - 1, 0) // B)
         if not self.load_enabled or usable * B <= num_computed_tokens:
             return 0, False
-        client = self.session.get()
-        if client is None:
-            return 0, False
-        keys = self.keys_of(request, usable)
-        self.stats.add("lookups")
-        t0 = time.monotonic()
-        try:
-            match = client.lookup(BlockKeys(keys))
-        except KvtierError as exc:  # dead, slow or restarted daemon: recompute
-            self.stats.add("lookup_errors")
-            if ("DEADLINE_EXCEEDED" in str(exc)
-                    or time.monotonic() - t0 >= self.config.lookup_timeout_s):
-                self.stats.add("lookup_timeouts")
-            self.session.failed(client, f"lookup: {type(exc).__name__}: {exc}")
-            return 0, False
-        hit = min(match.blocks, usable)
+        found = self._found(tracked, usable)
+        if found is None:
+            self.stats.add("lookups_deferred")
+            return None, False  # vLLM keeps the request WAITING and asks again next step
+        hit = min(found, usable)
         tracked.stored_blocks = max(tracked.stored_blocks, hit)
         first = num_computed_tokens // B
         if hit <= first:
             return 0, False
         tracked.load_blocks = hit - first
-        self.stats.add("hit_blocks", hit - first)
-        self.stats.add("hit_tokens", hit * B - num_computed_tokens)
         return hit * B - num_computed_tokens, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
-        tracked = self._reqs.get(request.request_id)
-        if tracked is None:
-            tracked = self._reqs[request.request_id] = _Tracked(request)
+        tracked = self._track(request)
+        tracked.lookup = None  # admitted: a later admission (after a preemption) asks afresh
         block_ids = list(blocks.get_block_ids()[0])
         tracked.block_ids = block_ids
         if num_external_tokens <= 0 or tracked.load_blocks <= 0:
@@ -152,8 +333,14 @@ class SchedulerSide:
         first = tracked.local_tokens // B
         n = min(tracked.load_blocks, num_external_tokens // B)
         if n > 0 and first + n <= len(block_ids):
-            self._loads.append(LoadSpec(request.request_id, self.keys_of(request, first + n),
-                                        tuple(block_ids[:first + n]), first, n))
+            spec = LoadSpec(request.request_id, self.keys_of(request, first + n),
+                            tuple(block_ids[:first + n]), first, n)
+            self._loads.append(spec)
+            tracked.loading = set(spec.target_block_ids)
+            tracked.counts.hit_blocks += n
+            tracked.counts.load_blocks += n
+            self.stats.add("hit_blocks", n)
+            self.stats.add("hit_tokens", num_external_tokens)
         tracked.load_blocks = 0
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvtierConnectorMetadata:
@@ -193,22 +380,122 @@ class SchedulerSide:
         request = tracked.request
         B = self.spec.block_tokens
         end = min(done_tokens // B, self._full_blocks(request), len(tracked.block_ids))
-        if end <= tracked.stored_blocks:
+        first = tracked.stored_blocks
+        if end <= first:
             return None
+        tracked.save_seq += 1
+        seq = tracked.save_seq
         spec = SaveSpec(req_id, self.keys_of(request, end), tuple(tracked.block_ids[:end]),
-                        tracked.stored_blocks)
+                        first, seq)
+        tracked.saves[seq] = _Save(first, end)
+        tracked.counts.save_blocks += end - first
         tracked.stored_blocks = end
+        if self.kv_events:
+            self._pending_events[(req_id, seq)] = _PendingEvent(
+                self._stored_event(request, first, end))
+            if len(self._pending_events) > _MAX_PENDING_EVENTS:  # reports lost (a dead worker)
+                del self._pending_events[next(iter(self._pending_events))]
         return spec
+
+    def _stored_event(self, request: Request, first: int, end: int) -> KVCacheEvent:
+        from vllm.distributed.kv_events import BlockStored
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        B = self.spec.block_tokens
+        hashes = request.block_hashes
+        lora = request.lora_request
+        return BlockStored(
+            block_hashes=[maybe_convert_block_hash(h) for h in hashes[first:end]],
+            parent_block_hash=maybe_convert_block_hash(hashes[first - 1]) if first else None,
+            token_ids=list(request.all_token_ids[first * B:end * B]), block_size=B,
+            lora_id=lora.adapter_id if lora else None, medium=KV_EVENT_MEDIUM,
+            lora_name=lora.name if lora else None, group_idx=0)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """The workers' reports of one step: saves that ended, blocks that failed to load."""
+        invalid = connector_output.invalid_block_ids
+        for tracked in self._reqs.values():
+            if tracked.loading:
+                if invalid:
+                    tracked.counts.load_error_blocks += len(tracked.loading & invalid)
+                tracked.loading = set()
+        meta = connector_output.kv_connector_worker_meta
+        if not isinstance(meta, KvtierWorkerMetadata):
+            return
+        for req_id, seq in meta.saved:
+            self._save_confirmed(req_id, seq)
+        for failure in meta.failed:
+            self._save_failed(failure)
+
+    def _save_confirmed(self, req_id: str, seq: int) -> None:
+        tp = self.spec.tp_size
+        tracked = self._reqs.get(req_id)
+        save = None if tracked is None else tracked.saves.get(seq)
+        if save is not None:
+            save.confirmed += 1
+            if save.confirmed == tp:
+                assert tracked is not None
+                tracked.counts.saved_blocks += save.end_block - save.first_block
+        pending = self._pending_events.get((req_id, seq))
+        if pending is not None:
+            pending.confirmed += 1
+            if pending.confirmed == tp:
+                del self._pending_events[(req_id, seq)]
+                self._events.append(pending.event)
+
+    def _save_failed(self, failure: SaveFailure) -> None:
+        """Roll ``stored_blocks`` back so the request's next step saves the blocks again."""
+        self._pending_events.pop((failure.req_id, failure.seq), None)
+        tracked = self._reqs.get(failure.req_id)
+        if tracked is None:  # finished: its blocks are vLLM's again
+            return
+        tracked.counts.save_failures += 1
+        block = failure.first_failed_block
+        if block >= tracked.stored_blocks:
+            return  # rolled back below it already
+        if any(seq > failure.seq and s.first_block <= block for seq, s in tracked.saves.items()):
+            return  # a later save (a retry) covers the block
+        if tracked.counts.save_retries >= MAX_SAVE_RETRIES:
+            log.warning("kvtier connector: saving blocks %d.. of %s failed %d times: not tried "
+                        "again", block, failure.req_id, tracked.counts.save_retries + 1)
+            return
+        tracked.counts.save_retries += 1
+        self.stats.add("save_retry_blocks", tracked.stored_blocks - block)
+        log.info("kvtier connector: save %d of %s failed from block %d: saved again with its "
+                 "next step", failure.seq, failure.req_id, block)
+        tracked.stored_blocks = block
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._reqs.pop(request.request_id, None)
-        return False, None  # saves copy out of vLLM's blocks within their step
+        tracked = self._reqs.pop(request.request_id, None)
+        if tracked is not None:
+            if tracked.lookup is not None and tracked.lookup.future is not None:
+                tracked.lookup.future.cancel()  # aborted while asking: forget it
+            c = tracked.counts
+            log.debug("kvtier connector: request %s: %d blocks from kvtier (%d load errors), "
+                      "%d blocks to save, %d saved, %d failed saves (%d retried)",
+                      request.request_id, c.load_blocks, c.load_error_blocks, c.save_blocks,
+                      c.saved_blocks, c.save_failures, c.save_retries)
+        # Saves copy out of vLLM's blocks within their step: vLLM may free them now.
+        return False, None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def pending_lookups(self) -> int:
+        """Lookups in flight (started, not yet answered nor given up)."""
+        return sum(1 for t in self._reqs.values() if t.lookup is not None
+                   and t.lookup.found is None and t.lookup.future is not None
+                   and not t.lookup.future.done())
 
     def take_stats(self) -> KvtierConnectorStats | None:
+        with self._bg_lock:
+            counts, self._bg_counts = self._bg_counts, {}
+        for name, value in counts.items():
+            self.stats.add(name, value)
         return self.stats.take()
 
     def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self.session.close()
-
-

@@ -13,11 +13,16 @@ Counters (all sums, so aggregation across steps and TP ranks is addition; bytes 
 summed over TP ranks are the bytes each rank moved for its shard):
 
 ==========================  =====================================================================
-``lookups``                 scheduler lookups asked of the daemon
-``lookup_errors``           lookups that failed (daemon down, restarted, refused): 0 hits
+``lookups``                 scheduler lookups asked of the daemon (one per request admission
+                            attempt: vLLM asking again reuses the answer)
+``lookups_deferred``        scheduler asks answered "ask again" (``None``) while the lookup
+                            was in flight (``lookup_async``)
+``lookup_errors``           lookups that failed (daemon down, restarted, refused) or were not
+                            answered in time: 0 hits
 ``lookup_timeouts``         of those, lookups not answered within ``lookup_timeout_s``
-``hit_blocks``              blocks vLLM did not hold that kvtier reported (offered to vLLM)
-``hit_tokens``              the same in tokens
+``hit_blocks``              blocks vLLM did not hold that kvtier held and vLLM took (scheduled
+                            to load; = ``loaded_blocks`` + ``load_error_blocks``)
+``hit_tokens``              the tokens vLLM took from kvtier
 ``loaded_blocks``           blocks written into vLLM's KV cache (worker)
 ``loaded_bytes``            their bytes
 ``load_seconds``            per step, the longest fetch + scatter of the step's loads
@@ -29,6 +34,9 @@ summed over TP ranks are the bytes each rank moved for its shard):
 ``save_seconds``            per step: copy out of vLLM's blocks + the step's puts
 ``save_failed_blocks``      blocks whose put failed or timed out
 ``save_timeouts``           steps whose puts were not done within ``save_timeout_s``
+``save_retry_blocks``       blocks of failed saves the scheduler half scheduled again
+``config_mismatch``         connector starts (or reconnects) that found another instance of the
+                            model with another block size, hash algorithm or hash seed
 ==========================  =====================================================================
 """
 
@@ -48,10 +56,11 @@ __all__ = ["COUNTERS", "KvtierConnectorStats", "KvtierPromMetrics"]
 
 COUNTERS: dict[str, str] = {
     "lookups": "Scheduler lookups asked of the kvtier daemon.",
+    "lookups_deferred": "Scheduler asks answered 'ask again' while a kvtier lookup ran.",
     "lookup_errors": "kvtier lookups that failed (counted as 0 hits).",
     "lookup_timeouts": "kvtier lookups not answered within lookup_timeout_s.",
-    "hit_blocks": "Blocks vLLM did not hold that kvtier offered (external hits).",
-    "hit_tokens": "Tokens vLLM did not hold that kvtier offered (external hits).",
+    "hit_blocks": "Blocks vLLM did not hold that it took from kvtier (external hits).",
+    "hit_tokens": "Tokens vLLM did not hold that it took from kvtier (external hits).",
     "loaded_blocks": "Blocks loaded from kvtier into vLLM's KV cache.",
     "loaded_bytes": "Bytes loaded from kvtier into vLLM's KV cache.",
     "load_seconds": "Time spent loading from kvtier (per step, its longest load).",
@@ -62,6 +71,9 @@ COUNTERS: dict[str, str] = {
     "save_seconds": "Time spent saving to kvtier (copy out + puts, per step).",
     "save_failed_blocks": "Blocks whose save to kvtier failed or timed out.",
     "save_timeouts": "Steps whose kvtier saves were not done within save_timeout_s.",
+    "save_retry_blocks": "Blocks of failed kvtier saves scheduled to be saved again.",
+    "config_mismatch": "Starts that found the model in kvtier with another block size, hash "
+                       "algorithm or seed.",
 }
 _FLOATS = frozenset({"load_seconds", "save_seconds"})
 

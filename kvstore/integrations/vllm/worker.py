@@ -11,6 +11,12 @@ visible);
 ``get_block_ids_with_load_errors`` names the vLLM blocks of every block that did not arrive
 (missing, corrupt, daemon dead, timed out), and vLLM recomputes them. A load given up is closed
 first, so it can never write a block vLLM recomputes.
+
+How each save ended goes back to the scheduler half in ``build_connector_worker_meta``
+(:class:`~kvstore.integrations.vllm.metadata.KvtierWorkerMetadata`): every save the metadata
+named is reported once, as saved or failed (refused, daemon gone, skipped for want of a
+daemon, copy failed, past ``save_timeout_s``), so the scheduler half can save a failed one
+again. Saves never hold vLLM's blocks past the step (``get_finished`` has nothing to report).
 """
 
 from __future__ import annotations
@@ -30,7 +36,13 @@ from kvstore.client.requests import BlockKeys, LoadRequest, SaveRequest
 from kvstore.errors import ConfigError, KvtierError
 from kvstore.integrations.vllm.config import ConnectorConfig
 from kvstore.integrations.vllm.layout import GuardedKV, engine_kv_for, layout_of
-from kvstore.integrations.vllm.metadata import KvtierConnectorMetadata, LoadSpec
+from kvstore.integrations.vllm.metadata import (
+    KvtierConnectorMetadata,
+    KvtierWorkerMetadata,
+    LoadSpec,
+    SaveFailure,
+    SaveSpec,
+)
 from kvstore.integrations.vllm.session import ClientSession
 from kvstore.integrations.vllm.spec import ConnectorSpec
 from kvstore.integrations.vllm.stats import KvtierConnectorStats
@@ -60,6 +72,8 @@ class _PendingSave:
     deadline: float
     started: float
     client: KVClient
+    specs: list[tuple[str, int, int]]
+    """(req_id, seq, first_block) of each save of the step, in the order of the results."""
     settled: bool = False
 
 
@@ -83,6 +97,9 @@ class WorkerSide:
         """Done when the last step's puts ended: the next step's start after it."""
         self._lock = threading.Lock()  # guards stats and _pending (put callbacks run on pool threads)
         self._pending: list[_PendingSave] = []
+        self._save_specs: list[tuple[str, int, int]] = []
+        self._report = KvtierWorkerMetadata()
+        """Saves ended since the last build_connector_worker_meta (guarded by _lock)."""
         self.stats = KvtierConnectorStats()
         """This interval's loads and saves (vLLM takes them each step)."""
 
@@ -180,13 +197,21 @@ class WorkerSide:
 
     # --- saves ------------------------------------------------------------------------------
 
+    def _failed(self, specs: Sequence[tuple[str, int, int]], blocks: int = 0) -> None:
+        """Report ``specs`` (req_id, seq, first_block) as not saved (caller holds _lock)."""
+        self._report.failed.extend(SaveFailure(r, q, f) for r, q, f in specs)
+        self.stats.add("save_failed_blocks", blocks)
+
     def _start_save(self, meta: KvtierConnectorMetadata) -> None:
         self._saver, self._saver_client, self._copies = None, None, []
         self._expire_saves()
+        self._save_specs = [(s.req_id, s.seq, s.first_block) for s in meta.saves]
         if not meta.saves or self.layout is None:
             return
         client = self.session.get()
-        if client is None:
+        if client is None:  # no daemon now: not saved (the scheduler half tries again)
+            with self._lock:
+                self._failed(self._save_specs, _blocks(meta.saves))
             return
         try:
             self._saver = client.begin_save_many([
@@ -195,9 +220,11 @@ class WorkerSide:
                 for s in meta.saves])
         except KvtierError as exc:
             log.error("kvtier connector: begin_save_many refused: %s", exc)
+            with self._lock:
+                self._failed(self._save_specs, _blocks(meta.saves))
             return
         self._saver_client = client
-        self._save_blocks = sum(len(s.keys) - s.first_block for s in meta.saves)
+        self._save_blocks = _blocks(meta.saves)
         self._copies = [None] * self.spec.num_layers
 
     def save_kv_layer(self, layer_name: str) -> None:
@@ -223,12 +250,13 @@ class WorkerSide:
             for fut in copies:
                 if fut is not None:
                     fut.cancel()
-            self.stats.add("save_failed_blocks", self._save_blocks)
+            with self._lock:
+                self._failed(self._save_specs, self._save_blocks)
             return
         now = time.monotonic()
         assert self._saver_client is not None
         pending = _PendingSave(self._save_blocks, now + self.config.save_timeout_s, now,
-                               self._saver_client)
+                               self._saver_client, self._save_specs)
         with self._lock:
             self._pending.append(pending)
             prev, done = self._save_tail, cf.Future()  # type: ignore[var-annotated]
@@ -273,17 +301,21 @@ class WorkerSide:
                 if now >= pending.deadline:  # ended past its deadline before anyone looked
                     late = True
                     self.stats.add("save_timeouts")
-                    self.stats.add("save_failed_blocks", pending.blocks)
+                    self._failed(pending.specs, pending.blocks)
                 elif results is None:
-                    self.stats.add("save_failed_blocks", pending.blocks)
+                    self._failed(pending.specs, pending.blocks)
                 else:
                     # gather_s: the step's copies out of vLLM's blocks (one figure per step)
                     self.stats.add("save_seconds",
                                    (results[0].gather_s if results else 0.0) + elapsed_s)
-                    for r in results:
+                    for r, (req_id, seq, _first) in zip(results, pending.specs, strict=True):
                         self.stats.add("saved_blocks", len(r.stored_blocks))
                         self.stats.add("saved_bytes", r.stored_bytes)
-                        self.stats.add("save_failed_blocks", len(r.failed_blocks))
+                        if r.failed_blocks:
+                            self._failed([(req_id, seq, min(r.failed_blocks))],
+                                         len(r.failed_blocks))
+                        else:
+                            self._report.saved.append((req_id, seq))
         if late:
             log.info("kvtier connector: a save given up at save_timeout_s ended after %.1f s",
                      elapsed_s)
@@ -301,10 +333,20 @@ class WorkerSide:
                 p.settled = True
                 self._pending.remove(p)
                 self.stats.add("save_timeouts")
-                self.stats.add("save_failed_blocks", p.blocks)
+                self._failed(p.specs, p.blocks)
         for p in expired:
             log.warning("kvtier connector: %d blocks not saved within save_timeout_s=%s: "
                         "counted as failed", p.blocks, self.config.save_timeout_s)
+
+    def build_connector_worker_meta(self) -> KvtierWorkerMetadata | None:
+        """How the saves that ended since the last call ended (None: none did)."""
+        self._expire_saves()
+        with self._lock:
+            report = self._report
+            if not report.saved and not report.failed:
+                return None
+            self._report = KvtierWorkerMetadata()
+        return report
 
     def take_stats(self) -> KvtierConnectorStats | None:
         self._expire_saves()
@@ -328,3 +370,7 @@ class WorkerSide:
             time.sleep(min(0.05, max(0.0, min(left) - time.monotonic())))
             self._expire_saves()
         self.session.close()
+
+
+def _blocks(saves: Sequence[SaveSpec]) -> int:
+    return sum(len(s.keys) - s.first_block for s in saves)
