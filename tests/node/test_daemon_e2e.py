@@ -27,7 +27,7 @@ from kvstore.errors import (
     ProtocolError,
     SizeMismatch,
 )
-from tests.support.daemon import DaemonProcess, kvtier, run_python
+from tests.support.daemon import DaemonProcess, kvtier, kvtier_here, run_python
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -339,8 +339,9 @@ def test_admin_cli_against_a_live_daemon(daemon: DaemonProcess, shm: StoreClient
     shm.put(b"\xc1\x02", value(2, 2048), parent=b"\xc1\x01")
     shm.put(b"\xc1\x03", value(3, 2048))
 
+    # Every command in this process: an interpreter per command cost about 20 s in all.
     def run(*args: str) -> object:
-        result = kvtier(*args, "--address", addr, "--json")
+        result = kvtier_here(*args, "--address", addr, "--json")
         assert result.returncode == 0, result.stderr
         return json.loads(result.stdout)
 
@@ -362,11 +363,11 @@ def test_admin_cli_against_a_live_daemon(daemon: DaemonProcess, shm: StoreClient
     assert run("evict", "--prefix", "c1")["removed_chunks"] == 1  # type: ignore[index]
     demoted = run("evict", "--tier", "dram", "--bytes", "4096")
     assert isinstance(demoted, dict) and demoted["freed_bytes"] >= 4096
-    table = kvtier("stats", "--address", addr)
+    table = kvtier_here("stats", "--address", addr)
     assert table.returncode == 0 and "dram" in table.stdout and "node-e2e" in table.stdout
-    bad = kvtier("inspect", "zz", "--address", addr)
+    bad = kvtier_here("inspect", "zz", "--address", addr)
     assert bad.returncode == 2
-    missing = kvtier("inspect", "abcdef", "--address", addr)
+    missing = kvtier_here("inspect", "abcdef", "--address", addr)
     assert missing.returncode == 1 and "ChunkNotFound" in missing.stderr
 
 
