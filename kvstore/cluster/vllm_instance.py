@@ -22,6 +22,7 @@ in it too) and talks to it over two pipes, one JSON object a line::
         result = llm.generate([[1, 2, 3, ...], ...], max_tokens=8, cache_salt="tenant-a")
         result.outputs[0].token_ids          # greedy (temperature 0, ignore_eos) token ids
         result.outputs[0].num_cached_tokens  # vLLM's per-request figure: local + external
+        result.outputs[0].ttft_s             # vLLM's own per-request metrics (None if absent)
         result.counters["vllm:external_prefix_cache_hits"]   # this call's delta, in tokens
         llm.reset_prefix_cache()             # empty vLLM's own prefix cache (idle only)
     # __exit__ = close(): a "shutdown" request, then SIGTERM and SIGKILL to the whole group
@@ -37,6 +38,14 @@ Every child runs with ``prefix_caching_hash_algo="sha256_cbor"``, ``enforce_eage
 block-hash chain from it, so every instance's hashes agree), ``kv_cache_memory_bytes`` set
 (vLLM on CPU otherwise reserves most of RAM) and ``block_size`` a multiple of 32 (CPU). The
 environment's ``KVTIER_*`` variables are not passed on; ``env=`` adds variables.
+``python=`` runs the child with another interpreter (a venv holding another vLLM build or a
+peer's connector, e.g. LMCache's): the child needs only the standard library of this module
+and vLLM, and finds this module through ``PYTHONPATH``.
+
+Per-request timings come from vLLM's own ``RequestOutput.metrics`` (``RequestStateStats``,
+kept because stats logging is on): ``ttft_s`` is ``first_token_latency`` (front-end arrival to
+the first token), ``prefill_s`` the engine's scheduled-to-first-token, ``decode_s`` first to
+last token, so ``tpot_s = decode_s / (generated - 1)``.
 
 Teardown (:meth:`VllmProcess.close`, also when a test failed or the child hung) signals the
 whole process group, SIGTERM and then SIGKILL, waits until no process of the group is left,
@@ -94,6 +103,16 @@ class TinyLlama:
     dtype: str = "float32"
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads or \
+                self.num_attention_heads % self.num_kv_heads:
+            raise ValueError(f"{self}: hidden_size must divide into num_attention_heads, and "
+                             f"those into num_kv_heads")
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
+        """K and V of one token over all layers, in vLLM's KV cache (float32: 4 bytes)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
     def key(self) -> str:
         """A short digest of every field: the checkpoint's directory name."""
         blob = json.dumps(asdict(self), sort_keys=True).encode()
@@ -102,6 +121,12 @@ class TinyLlama:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+
+PREFILL_BOUND = TinyLlama(hidden_size=768, intermediate_size=2048, num_layers=8,
+                          num_attention_heads=12, num_kv_heads=4)
+"""A bigger random Llama (~50M parameters) for ``kvtier bench vllm``: on one CPU thread its
+prefill of a few hundred tokens takes most of a request of 8 output tokens."""
 
 
 def default_cache_root() -> Path:
@@ -167,6 +192,21 @@ class RequestResult:
     """vLLM's ``RequestOutput.num_cached_tokens``: prompt tokens not prefilled (own prefix
     cache plus the connector's)."""
     kv_transfer_params: dict[str, Any] | None = None
+    ttft_s: float | None = None
+    """vLLM's ``first_token_latency``: arrival in the front end to the first token."""
+    prefill_s: float | None = None
+    """Engine-core time from first scheduled to the first token."""
+    decode_s: float | None = None
+    """Engine-core time from the first to the last token."""
+    queued_s: float | None = None
+    """Engine-core time from queued to first scheduled."""
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first (None with fewer than 2 tokens)."""
+        if self.decode_s is None or len(self.token_ids) < 2:
+            return None
+        return self.decode_s / (len(self.token_ids) - 1)
 
 
 @dataclass(frozen=True)
@@ -215,7 +255,7 @@ class VllmProcess:
                  enable_prefix_caching: bool = True, dtype: str = "float32",
                  kv_transfer_config: dict[str, Any] | None = None,
                  engine_kwargs: dict[str, Any] | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, python: str | Path | None = None) -> None:
         if block_size % 32:
             raise ValueError(f"block_size {block_size}: vLLM on CPU needs a multiple of 32")
         self.model_dir = model_dir
@@ -234,6 +274,7 @@ class VllmProcess:
         kwargs.update(engine_kwargs or {})
         self.engine_kwargs = kwargs
         self.env = dict(env or {})
+        self.python = str(python) if python is not None else sys.executable
         self.proc: subprocess.Popen[bytes] | None = None
         self._requests: TextIO | None = None
         self._responses: int | None = None
@@ -265,7 +306,7 @@ class VllmProcess:
         req_r, req_w = os.pipe()
         resp_r, resp_w = os.pipe()
         config = {"model": str(self.model_dir), "engine_kwargs": self.engine_kwargs}
-        cmd = [sys.executable, "-m", "kvstore.cluster.vllm_instance", "serve", "--requests-fd", str(req_r),
+        cmd = [self.python, "-m", "kvstore.cluster.vllm_instance", "serve", "--requests-fd", str(req_r),
                "--responses-fd", str(resp_w), "--config", json.dumps(config)]
         began = time.monotonic()
         with self.log_path.open("ab") as log:
@@ -474,13 +515,36 @@ def _shm_used_by(pids: list[int]) -> set[str]:
 
 
 def _counters(llm: Any) -> dict[str, float]:
-    from vllm.v1.metrics.reader import Counter
+    """Every ``vllm:`` counter of this process, summed over labels, as floats.
+
+    Read from prometheus_client's registry rather than ``llm.get_metrics()``, whose reader
+    truncates counter values to ``int`` (a seconds counter such as
+    ``vllm:kvtier_load_seconds`` would read 0). Names are the families' (no ``_total``), as
+    ``get_metrics()`` gives them.
+    """
+    del llm  # the registry is process-wide; the LLM only had to be constructed
+    from prometheus_client import REGISTRY
 
     totals: dict[str, float] = {}
-    for metric in llm.get_metrics():
-        if isinstance(metric, Counter):
-            totals[metric.name] = totals.get(metric.name, 0) + metric.value
+    for family in REGISTRY.collect():
+        if family.type != "counter" or not family.name.startswith("vllm:"):
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                totals[family.name] = totals.get(family.name, 0.0) + float(sample.value)
     return totals
+
+
+def _timings(metrics: Any) -> dict[str, float]:
+    """The per-request figures of vLLM's ``RequestStateStats`` (empty when vLLM kept none)."""
+    if metrics is None or not getattr(metrics, "first_token_ts", 0.0):
+        return {}
+    out = {"ttft_s": float(metrics.first_token_latency),
+           "prefill_s": float(metrics.first_token_ts - metrics.scheduled_ts),
+           "decode_s": float(metrics.last_token_ts - metrics.first_token_ts)}
+    if metrics.queued_ts:
+        out["queued_s"] = float(metrics.scheduled_ts - metrics.queued_ts)
+    return out
 
 
 def _serve(requests_fd: int, responses_fd: int, config: dict[str, Any]) -> None:
@@ -518,7 +582,8 @@ def _serve(requests_fd: int, responses_fd: int, config: dict[str, Any]) -> None:
                 send({"ok": True, "counters": {k: v - before.get(k, 0) for k, v in after.items()},
                       "outputs": [{"token_ids": list(o.outputs[0].token_ids),
                                    "num_cached_tokens": int(o.num_cached_tokens or 0),
-                                   "kv_transfer_params": o.kv_transfer_params}
+                                   "kv_transfer_params": o.kv_transfer_params,
+                                   **_timings(o.metrics)}
                                   for o in outputs]})
             elif op == "reset_prefix_cache":
                 send({"ok": True, "reset": bool(llm.reset_prefix_cache())})
