@@ -58,8 +58,11 @@ never silent): one of ``daemon``/``etcd``; positive timeouts; vLLM's
 ``prefix_caching_hash_algo`` is ``sha256`` or ``sha256_cbor`` (32-byte hashes used as keys
 without rehashing; ``sha256_cbor`` also lets non-vLLM components compute the same keys);
 ``kv_load_failure_policy == "recompute"`` (else a daemon failure fails requests); one KV-cache
-group of full attention. Logged at start: the namespace (model, dtype, block size, layers,
-TP rank/size) and vLLM's hash seed, which every process that should share must agree on.
+group of full attention. Reported at start (an ERROR and ``config_mismatch``, see
+:mod:`kvstore.integrations.vllm.manifest`): another instance of the model, on the same daemon,
+with another block size, hash algorithm or hash seed. Logged at start: the namespace (model,
+dtype, block size, layers, TP rank/size) and vLLM's hash seed, which every process that should
+share must agree on.
 """
 
 from __future__ import annotations

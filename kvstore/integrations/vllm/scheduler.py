@@ -112,8 +112,8 @@ class _Save:
 class _Counts:
     """One request's figures, logged (debug) when it finishes."""
 
-    hit_blocks: int = 0
     load_blocks: int = 0
+    """Blocks taken from kvtier (scheduled to load)."""
     load_error_blocks: int = 0
     save_blocks: int = 0
     saved_blocks: int = 0
@@ -161,6 +161,8 @@ class SchedulerSide:
         self._hashers: dict[str, BlockHasher] = {}
         self._reqs: dict[str, _Tracked] = {}
         self._loads: list[LoadSpec] = []
+        self._loading: set[str] = set()
+        """Requests whose loads this step's worker output reports on."""
         self._warned_hashes = False
         self._warned_unhashed = False
         self._pool = cf.ThreadPoolExecutor(_LOOKUP_THREADS, thread_name_prefix="kvtier-lookup")
@@ -261,7 +263,13 @@ class SchedulerSide:
                 return lk.found
             assert lk.future is not None
             if lk.future.done():
-                lk.found = self._settle(lk.future.result())
+                try:
+                    answer = lk.future.result()
+                except Exception as exc:  # a bug on the lookup thread: never into vLLM
+                    log.error("kvtier connector: lookup of %s failed: %r: 0 hits",
+                              tracked.request.request_id, exc, exc_info=exc)
+                    answer = _Answer(0, repr(exc))
+                lk.found = self._settle(answer)
                 return lk.found
             if time.monotonic() < lk.deadline:
                 return None
@@ -337,7 +345,7 @@ class SchedulerSide:
                             tuple(block_ids[:first + n]), first, n)
             self._loads.append(spec)
             tracked.loading = set(spec.target_block_ids)
-            tracked.counts.hit_blocks += n
+            self._loading.add(request.request_id)
             tracked.counts.load_blocks += n
             self.stats.add("hit_blocks", n)
             self.stats.add("hit_tokens", num_external_tokens)
@@ -414,11 +422,12 @@ class SchedulerSide:
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """The workers' reports of one step: saves that ended, blocks that failed to load."""
         invalid = connector_output.invalid_block_ids
-        for tracked in self._reqs.values():
-            if tracked.loading:
-                if invalid:
-                    tracked.counts.load_error_blocks += len(tracked.loading & invalid)
+        for req_id in self._loading:  # this step's loads (per request, for its log line)
+            tracked = self._reqs.get(req_id)
+            if tracked is not None:
+                tracked.counts.load_error_blocks += len(tracked.loading & invalid)
                 tracked.loading = set()
+        self._loading.clear()
         meta = connector_output.kv_connector_worker_meta
         if not isinstance(meta, KvtierWorkerMetadata):
             return

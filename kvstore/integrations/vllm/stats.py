@@ -32,7 +32,8 @@ summed over TP ranks are the bytes each rank moved for its shard):
 ``saved_blocks``            blocks the daemon committed (blocks it held already excluded)
 ``saved_bytes``             their bytes
 ``save_seconds``            per step: copy out of vLLM's blocks + the step's puts
-``save_failed_blocks``      blocks whose put failed or timed out
+``save_failed_blocks``      blocks not saved: put failed or timed out, copy failed, or skipped
+                            for want of a daemon (the scheduler half saves them again)
 ``save_timeouts``           steps whose puts were not done within ``save_timeout_s``
 ``save_retry_blocks``       blocks of failed saves the scheduler half scheduled again
 ``config_mismatch``         connector starts (or reconnects) that found another instance of the
@@ -69,7 +70,7 @@ COUNTERS: dict[str, str] = {
     "saved_blocks": "Blocks saved to kvtier (newly committed).",
     "saved_bytes": "Bytes saved to kvtier (newly committed).",
     "save_seconds": "Time spent saving to kvtier (copy out + puts, per step).",
-    "save_failed_blocks": "Blocks whose save to kvtier failed or timed out.",
+    "save_failed_blocks": "Blocks not saved to kvtier (failed, timed out or no daemon).",
     "save_timeouts": "Steps whose kvtier saves were not done within save_timeout_s.",
     "save_retry_blocks": "Blocks of failed kvtier saves scheduled to be saved again.",
     "config_mismatch": "Starts that found the model in kvtier with another block size, hash "
