@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstore.dataplane.allocator import ExtentAllocator
@@ -48,6 +49,7 @@ from kvstore.errors import (
     ChunkCorrupt,
     InvalidArgument,
     InvariantViolation,
+    KvtierError,
     SizeMismatch,
     TierUnavailable,
 )
@@ -286,6 +288,94 @@ class DramTier(ExtentTableTier):
             self._table.free_raw(slot._offset)
         slot._finish(_SlotState.COMMITTED)
         return ChunkInfo(slot.key, slot.size_bytes, TierKind.DRAM)
+
+    def reserve_many(self, keys: Sequence[bytes], sizes_bytes: Sequence[int]
+                     ) -> list[DramSlot | KvtierError]:
+        """:meth:`reserve` for a batch, in order, in one table lock round: per item a slot, or
+        the error ``reserve`` would have raised for it (the item then holds nothing). Raises
+        InvalidArgument (lengths differ), TierUnavailable (closed)."""
+        if len(keys) != len(sizes_bytes):
+            raise InvalidArgument(f"{len(keys)} keys but {len(sizes_bytes)} sizes")
+        out: list[DramSlot | KvtierError | None] = [None] * len(keys)
+        wanted: list[tuple[ChunkKey, int, object]] = []
+        at: list[int] = []
+        for i, (key, size) in enumerate(zip(keys, sizes_bytes, strict=True)):
+            try:
+                k = check_key(key)
+                if not isinstance(size, int) or size < 1:
+                    raise InvalidArgument(f"slot size must be a positive int, got {size!r}")
+            except InvalidArgument as exc:
+                out[i] = exc
+                continue
+            wanted.append((k, size, object()))
+            at.append(i)
+        view = self._arena.view
+        for i, (key, size, token), got in zip(at, wanted, self._table.begin_write_many(wanted),
+                                              strict=True):
+            if isinstance(got, KvtierError):
+                out[i] = got
+                continue
+            try:
+                buffer = view(got, size, readonly=False)
+            except KvtierError as exc:  # (a broken allocator: the range is off the arena)
+                self._table.abort_write(key, token, got)
+                out[i] = exc
+                continue
+            out[i] = DramSlot(self, key, got, size, buffer, token)
+        return [r for r in out if r is not None]
+
+    def commit_many(self, slots: Sequence[DramSlot], after: Sequence[int] | None = None
+                    ) -> list[ChunkInfo | KvtierError]:
+        """:meth:`commit` for a batch, in order: per slot its info, or the error ``commit``
+        would have raised (InvalidArgument for a foreign or finished slot). ``after[i]`` >= 0:
+        slot ``i`` is committed only if slot ``after[i]`` (an earlier one: its parent) was,
+        else it fails with InvalidArgument. A slot that failed is unchanged (still pending:
+        the caller aborts it). Without compression in one table lock round; with it, slot by
+        slot."""
+        if after is not None and len(after) != len(slots):
+            raise InvalidArgument(f"{len(slots)} slots but {len(after)} parent positions")
+        if self._codec is not None:
+            out: list[ChunkInfo | KvtierError] = []
+            for i, slot in enumerate(slots):
+                first = -1 if after is None else after[i]
+                if first >= 0 and (first >= i or isinstance(out[first], KvtierError)):
+                    out.append(InvalidArgument(f"slot {slot.key.hex()} must follow the slot "
+                                               "before it in the batch, which failed"))
+                    continue
+                try:
+                    out.append(self.commit(slot))
+                except KvtierError as exc:
+                    out.append(exc)
+            return out
+        results: list[ChunkInfo | KvtierError | None] = [None] * len(slots)
+        wanted: list[tuple[ChunkKey, object, int, int]] = []
+        at: list[int] = []
+        where = [-1] * len(slots)  # a slot's position in ``wanted``
+        order: list[int] | None = None if after is None else []
+        for i, slot in enumerate(slots):
+            if not isinstance(slot, DramSlot) or slot._tier is not self:
+                results[i] = InvalidArgument("slot was not reserved from this tier")
+            elif slot._state is not _SlotState.PENDING:
+                results[i] = InvalidArgument(f"slot {slot.key.hex()} is {slot._state.value}, "
+                                             "not pending")
+            elif after is not None and order is not None and after[i] >= 0 \
+                    and where[after[i]] < 0:
+                results[i] = InvalidArgument(f"slot {slot.key.hex()} must follow the slot "
+                                             "before it in the batch, which failed")
+            else:
+                if after is not None and order is not None:
+                    order.append(where[after[i]] if after[i] >= 0 else -1)
+                where[i] = len(wanted)
+                wanted.append((slot._key, slot._token, slot._offset, slot._size_bytes))
+                at.append(i)
+        for i, extent in zip(at, self._table.commit_raw_many(wanted, order), strict=True):
+            if isinstance(extent, KvtierError):
+                results[i] = extent
+                continue
+            slot = slots[i]
+            slot._finish(_SlotState.COMMITTED)
+            results[i] = ChunkInfo(slot._key, slot._size_bytes, TierKind.DRAM)
+        return [r for r in results if r is not None]
 
     def abort(self, slot: DramSlot) -> None:
         """Free an uncommitted slot. Idempotent; a no-op on a committed slot."""

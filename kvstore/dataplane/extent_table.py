@@ -10,17 +10,19 @@ the table.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 from kvstore.dataplane.allocator import ExtentAllocator
 from kvstore.dataplane.compress import CodecKind
 from kvstore.dataplane.tier import ChunkInfo, ChunkKey, TierKind, TierStats, check_key
 from kvstore.errors import (
+    CapacityError,
     ChunkBusy,
     ChunkExists,
     ChunkNotFound,
     InvalidArgument,
+    KvtierError,
     TierUnavailable,
 )
 
@@ -151,6 +153,64 @@ class ExtentTable:
             if self._publisher is not None and codec is CodecKind.NONE:
                 self._publisher.publish(key, offset, size_bytes)
             return extent
+
+    def begin_write_many(self, items: Sequence[tuple[ChunkKey, int, object]]
+                         ) -> list[int | KvtierError]:
+        """:meth:`begin_write` for each ``(key, stored_bytes, token)``, in order, in one lock
+        round: per item the offset, or the error ``begin_write`` would have raised for it
+        (ChunkExists, ChunkBusy, CapacityError; the item then holds nothing). A key twice in
+        ``items`` is ChunkBusy the second time. Raises TierUnavailable (closed)."""
+        out: list[int | KvtierError] = []
+        with self._lock:
+            self._check_open()
+            committed, pending, allocate = self._committed, self._pending, self._allocator.allocate
+            for key, stored_bytes, token in items:
+                if key in committed:
+                    out.append(ChunkExists(f"chunk {key.hex()} is already stored in "
+                                           f"{self._where}"))
+                elif key in pending:
+                    out.append(ChunkBusy(f"chunk {key.hex()} is being written to {self._where}"))
+                else:
+                    try:
+                        offset = allocate(stored_bytes)
+                    except CapacityError as exc:
+                        out.append(exc)
+                        continue
+                    pending[key] = token
+                    out.append(offset)
+        return out
+
+    def commit_raw_many(self, items: Sequence[tuple[ChunkKey, object, int, int]],
+                        after: Sequence[int] | None = None) -> list[Extent | InvalidArgument]:
+        """:meth:`commit_write` of raw (``CodecKind.NONE``) writes, each ``(key, token, offset,
+        size_bytes)``, in order, in one lock round: per item its extent (published), or
+        InvalidArgument where the write is not pending under that token, or where ``after[i]``
+        (the position in ``items`` of an item that must be committed first: a parent; -1 for
+        none) failed. A failed item stays as it was (pending: the caller aborts it), so a
+        child is never published, not even for a moment, without its parent. Raises
+        TierUnavailable (closed)."""
+        out: list[Extent | InvalidArgument] = []
+        none = CodecKind.NONE
+        with self._lock:
+            self._check_open()
+            committed, pending, publisher = self._committed, self._pending, self._publisher
+            for i, (key, token, offset, size_bytes) in enumerate(items):
+                first = -1 if after is None else after[i]
+                if first >= 0 and (first >= i or not isinstance(out[first], Extent)):
+                    out.append(InvalidArgument(f"write of {key.hex()} must follow the write "
+                                               "before it in the batch, which failed"))
+                    continue
+                if pending.get(key) is not token:
+                    out.append(InvalidArgument(f"write of {key.hex()} is not pending "
+                                               "(committed or aborted)"))
+                    continue
+                del pending[key]
+                extent = Extent(key, offset, size_bytes, size_bytes, none)
+                committed[key] = extent
+                if publisher is not None:
+                    publisher.publish(key, offset, size_bytes)
+                out.append(extent)
+        return out
 
     def abort_write(self, key: ChunkKey, token: object, offset: int) -> bool:
         """Drop a pending write and free its space; False when it was not pending (idempotent)."""

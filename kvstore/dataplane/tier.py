@@ -43,7 +43,7 @@ Eviction
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NewType, Protocol, runtime_checkable
 
@@ -82,6 +82,10 @@ _TIER_ORDER = {kind: i for i, kind in enumerate(_TIERS_BY_ORDER)}
 
 def check_key(key: bytes) -> ChunkKey:
     """Validate a key's type and length; return it typed as a ``ChunkKey``."""
+    if type(key) is bytes and 0 < len(key) <= MAX_KEY_BYTES:
+        # The common case, on every hot path (several times per chunk of a batch): no copy, no
+        # NewType call (ChunkKey(k) is k).
+        return key  # type: ignore[return-value]
     if not isinstance(key, bytes | bytearray):
         raise InvalidArgument(f"chunk key must be bytes, not {type(key).__name__}")
     if not 1 <= len(key) <= MAX_KEY_BYTES:
@@ -181,6 +185,25 @@ class HostMemoryTier(Tier, Protocol):
 
     def abort(self, slot: WriteSlot) -> None:
         """Free an uncommitted slot. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class BatchHostMemoryTier(HostMemoryTier, Protocol):
+    """A host-memory tier that reserves and commits a batch in one bookkeeping round. Per item
+    the outcome is what ``reserve``/``commit`` would have returned or raised for it (an item that
+    failed holds nothing); items are handled in order."""
+
+    def reserve_many(self, keys: Sequence[bytes], sizes_bytes: Sequence[int]
+                     ) -> list[Any]:
+        """Per item a ``WriteSlot`` or the ``KvtierError`` ``reserve`` would have raised."""
+        ...
+
+    def commit_many(self, slots: Sequence[Any], after: Sequence[int] | None = None
+                    ) -> list[Any]:
+        """Per slot a ``ChunkInfo`` or the ``KvtierError`` ``commit`` would have raised. With
+        ``after``, slot ``i`` is committed only if the earlier slot ``after[i]`` (>= 0) was,
+        else it fails; a slot that failed is left as it was (the caller aborts it)."""
         ...
 
 

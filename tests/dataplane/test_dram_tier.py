@@ -14,9 +14,10 @@ import pytest
 from kvstore.dataplane.arena import ArenaAccess, PinMode, ShmArena
 from kvstore.dataplane.compress import CodecKind, CodecSpec
 from kvstore.dataplane.cuda import cuda_available
-from kvstore.dataplane.dram import DramTier
+from kvstore.dataplane.dram import DramSlot, DramTier
 from kvstore.dataplane.tier import HostMemoryTier, Tier
 from kvstore.errors import (
+    CapacityError,
     ChunkBusy,
     ChunkCorrupt,
     ChunkExists,
@@ -324,3 +325,89 @@ def test_with_a_gpu_the_arena_is_pinned_by_default() -> None:
         assert t.pinned is True
         t.put(b"k", payload(4096, seed=1))
         assert read_back(t, b"k") == payload(4096, seed=1)
+
+
+# --- batches: reserve_many / commit_many (one table lock round each) -----------------------
+
+
+@pytest.fixture(params=["raw", "zstd"])
+def batch_tier(request: pytest.FixtureRequest) -> Iterator[DramTier]:
+    """The batch paths with and without compression (compressed commits go slot by slot)."""
+    codec = CodecSpec(CodecKind.ZSTD, shuffle_bytes=2) if request.param == "zstd" else None
+    t = DramTier(1 * MiB, codec=codec, read_index_slots=64)
+    yield t
+    t.close()
+
+
+def test_reserve_many_gives_each_item_its_own_outcome(batch_tier: DramTier) -> None:
+    batch_tier.put(b"b-stored", payload(4 * KiB, seed=1))
+    out = batch_tier.reserve_many(
+        [b"b-0", b"b-stored", b"b-1", b"b-1", b"", b"b-2", b"b-huge", b"b-3"],
+        [8 * KiB, 4 * KiB, 8 * KiB, 8 * KiB, 8 * KiB, 0, 4 * MiB, 8 * KiB])
+    assert isinstance(out[1], ChunkExists)
+    assert isinstance(out[3], ChunkBusy)  # the same key twice: the second is being written
+    assert isinstance(out[4], InvalidArgument) and isinstance(out[5], InvalidArgument)
+    assert isinstance(out[6], CapacityError)
+    slots = [out[0], out[2], out[7]]
+    assert all(isinstance(s, DramSlot) for s in slots)
+    assert not batch_tier.contains(b"b-0")  # invisible until committed
+    for i, slot in enumerate(slots):
+        slot.buffer[:] = payload(8 * KiB, seed=10 + i)  # type: ignore[union-attr]
+    infos = batch_tier.commit_many(slots)  # type: ignore[arg-type]
+    assert [i.key for i in infos] == [b"b-0", b"b-1", b"b-3"]  # type: ignore[union-attr]
+    for i, key in enumerate([b"b-0", b"b-1", b"b-3"]):
+        assert read_back(batch_tier, key) == payload(8 * KiB, seed=10 + i)
+    with pytest.raises(InvalidArgument):
+        batch_tier.reserve_many([b"b-4"], [])
+
+
+def test_commit_many_fails_finished_and_foreign_slots_only(batch_tier: DramTier) -> None:
+    other = DramTier(1 * MiB)
+    try:
+        a, b, c = batch_tier.reserve_many([b"c-a", b"c-b", b"c-c"], [4 * KiB] * 3)
+        foreign = other.reserve(b"c-f", 4 * KiB)
+        batch_tier.abort(b)  # type: ignore[arg-type]
+        for s in (a, c):
+            s.buffer[:] = payload(4 * KiB, seed=3)  # type: ignore[union-attr]
+        out = batch_tier.commit_many([a, b, foreign, c])  # type: ignore[list-item]
+        assert isinstance(out[1], InvalidArgument) and isinstance(out[2], InvalidArgument)
+        assert batch_tier.contains(b"c-a") and batch_tier.contains(b"c-c")
+        assert not batch_tier.contains(b"c-b") and not other.contains(b"c-f")
+        again = batch_tier.commit_many([a])  # type: ignore[list-item]
+        assert isinstance(again[0], InvalidArgument)  # committed already: unchanged
+        other.abort(foreign)
+    finally:
+        other.close()
+
+
+def test_commit_many_never_publishes_a_child_whose_parent_failed(batch_tier: DramTier) -> None:
+    """``after``: a slot is committed only after the earlier slot it names; one whose parent
+    failed stays pending (not readable, not in the read index) for the caller to abort."""
+    p, c, g, r = batch_tier.reserve_many([b"a-p", b"a-c", b"a-g", b"a-r"], [4 * KiB] * 4)
+    batch_tier.abort(p)  # type: ignore[arg-type]
+    out = batch_tier.commit_many([p, c, g, r], [-1, 0, 1, -1])  # type: ignore[list-item]
+    assert all(isinstance(o, InvalidArgument) for o in out[:3])
+    assert not isinstance(out[3], Exception)
+    index = batch_tier.read_index
+    for key in (b"a-p", b"a-c", b"a-g"):
+        assert not batch_tier.contains(key)
+        assert index is None or index.location(key) is None
+    for slot in (c, g):
+        batch_tier.abort(slot)  # type: ignore[arg-type]
+    assert batch_tier.stats().used_bytes == 4 * KiB  # only a-r holds space
+    with pytest.raises(InvalidArgument):
+        batch_tier.commit_many([r], [])  # type: ignore[list-item]
+
+
+def test_a_batch_commit_publishes_in_the_read_index() -> None:
+    t = DramTier(1 * MiB, read_index_slots=64)
+    try:
+        slots = t.reserve_many([b"ri-0", b"ri-1"], [8 * KiB, 12 * KiB])
+        t.commit_many(slots)  # type: ignore[arg-type]
+        index = t.read_index
+        assert index is not None
+        for key, size in ((b"ri-0", 8 * KiB), (b"ri-1", 12 * KiB)):
+            loc = t.locate(key)
+            assert loc is not None and index.location(key) == (loc.offset, size)
+    finally:
+        t.close()
