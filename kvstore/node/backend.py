@@ -40,6 +40,7 @@ import itertools
 import logging
 import math
 import secrets
+import struct
 import threading
 import time
 from collections.abc import Container, Sequence
@@ -109,6 +110,24 @@ class LeaseIds:
             lease_id = int.from_bytes(digest, "little") >> 1
             if lease_id and lease_id not in live:
                 return lease_id
+
+    def new_many(self, n: int, live: Container[int]) -> list[int]:
+        """``n`` ids as :meth:`new`'s, distinct, from one keyed hash per 8 (a 64-byte digest
+        of a counter split into 8-byte words: as unguessable as one hash per id, ~8x cheaper;
+        measured 3.8 µs per BLAKE2b call here)."""
+        out: list[int] = []
+        seen: set[int] = set()
+        while len(out) < n:
+            digest = hashlib.blake2b(b"many" + next(self._counter).to_bytes(8, "little"),
+                                     key=self._key, digest_size=64).digest()
+            for word in struct.unpack("<8Q", digest):
+                lease_id = word >> 1
+                if lease_id and lease_id not in live and lease_id not in seen:
+                    seen.add(lease_id)
+                    out.append(lease_id)
+                    if len(out) == n:
+                        break
+        return out
 
 
 class LeaseBudget:
@@ -619,10 +638,13 @@ class ShmLeases:
             self.budget.give(granted)
             raise
         with self._lock:
-            for i, rec in records:
-                lease_id = self._new_id_locked()
-                self._writes[lease_id] = rec
-                self._writing[rec.slot.key] = lease_id
+            writes, writing = self._writes, self._writing
+            ids = self._ids.new_many(len(records), self._reads)
+            for (i, rec), lease_id in zip(records, ids, strict=True):
+                if lease_id in writes:
+                    lease_id = self._new_id_locked()
+                writes[lease_id] = rec
+                writing[rec.slot.key] = lease_id
                 out[i] = (lease_id, rec.offset)
         return [r for r in out if r is not None]
 
@@ -635,13 +657,16 @@ class ShmLeases:
         out: list[KvtierError | None] = [None] * len(lease_ids)
         recs: list[tuple[int, _WriteRecord]] = []
         with self._lock:
+            writes, writing = self._writes, self._writing
             for i, lease_id in enumerate(lease_ids):
-                rec = self._writes.get(lease_id)
+                rec = writes.get(lease_id)
                 if rec is None or rec.owner != owner:
                     out[i] = _unknown_write(lease_id)
                     continue
-                del self._writes[lease_id]
-                self._forget_key_locked(rec, lease_id)
+                del writes[lease_id]
+                key = rec.slot.key
+                if writing.get(key) == lease_id:  # (_forget_key_locked, inlined: per block)
+                    del writing[key]
                 recs.append((i, rec))
         if recs:
             self.budget.give(len(recs))

@@ -83,9 +83,10 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvstore.dataplane.tier import (
+    BatchHostMemoryTier,
     Buffer,
     ChunkInfo,
     HostMemoryTier,
@@ -116,7 +117,7 @@ _MAX_ROOM_ATTEMPTS = 8
 little more (alignment, record headers, fragmentation), so a put that the index admits can still
 find the tier full and evicts again."""
 
-
+_R = TypeVar("_R")
 _T = TypeVar("_T")
 
 _PIN_IN_ATTEMPTS = 8
@@ -231,6 +232,10 @@ class TieredCache:
         # decide once per tier, not per put.
         self._host_memory: dict[TierKind, HostMemoryTier] = {
             kind: tier for kind, tier in self._tiers.items() if isinstance(tier, HostMemoryTier)}
+        self._batch_memory: dict[TierKind, BatchHostMemoryTier] = {
+            kind: tier for kind, tier in self._host_memory.items()
+            if isinstance(tier, BatchHostMemoryTier)}
+        """The host-memory tiers that reserve and commit a batch in one round."""
         self._counters = {kind: TierCounters() for kind in self._tiers}
         self._counter_lock = threading.Lock()
         self.misses = 0
@@ -369,6 +374,11 @@ class TieredCache:
         backing = self._backing_for(kind)
         if backing is not None:
             try:
+                _ = slot.buffer.nbytes  # released once the slot was committed or aborted
+            except ValueError:
+                raise InvalidArgument(f"slot {key.hex()} is not pending (committed or "
+                                      "aborted)") from None
+            try:
                 self._write_backing(backing, key, slot.buffer, size, parent)
             except BaseException:
                 target.abort(slot)
@@ -432,28 +442,50 @@ class TieredCache:
                 self._evict(kind, shortfall)
             except CapacityError as exc:  # each item below makes what room it can
                 log.debug("batch reserve of %d bytes in %s: %s", total, kind.value, exc)
-        reserved: set[bytes] = set()
-        for i, (key, size, parent) in enumerate(zip(checked, sizes_bytes, parents, strict=True)):
+        # In order, what each item gets if the items before it are reserved (a child of a
+        # refused item is refused: its prefix is not cached)...
+        todo: list[int] = []
+        expected: set[bytes] = set()
+        for i, (key, parent) in enumerate(zip(checked, parents, strict=True)):
             if out[i] is not None:
                 continue
             if key in present:
                 out[i] = ChunkExists(f"chunk {key.hex()} is already cached")
                 continue
+            if parent is not None and parent not in present and parent not in expected:
+                out[i] = _orphan_error(key, parent)
+                continue
+            todo.append(i)
+            expected.add(key)
+        # ...then one tier call for them (room made above), and in order again: an item the
+        # tier refused for room makes what room it can alone, and a child of an item that
+        # failed after all gives its slot back.
+        keys_todo = [checked[i] for i in todo]
+        sizes_todo = [sizes_bytes[i] for i in todo]
+        got: list[WriteSlot | KvtierError]
+        batch = self._batch_memory.get(kind)
+        if batch is not None:
+            got = batch.reserve_many(keys_todo, sizes_todo)
+        else:
+            got = [_try(target.reserve, key, size) for key, size in zip(keys_todo, sizes_todo,
+                                                                        strict=True)]
+        reserved: set[bytes] = set()
+        for i, result in zip(todo, got, strict=True):
+            key, size, parent = checked[i], sizes_bytes[i], parents[i]
             if parent is not None and parent not in present and parent not in reserved:
-                out[i] = InvalidArgument(f"parent {bytes(parent).hex()} of {key.hex()} is not "
-                                         "cached: a chunk without its prefix is useless")
+                if not isinstance(result, KvtierError):
+                    target.abort(result)
+                out[i] = _orphan_error(key, parent)
                 continue
-            try:
+            if isinstance(result, CapacityError):
                 try:
-                    slot: WriteSlot = target.reserve(key, size)  # room made above: no _place
-                except CapacityError:
-                    slot, _seconds = self._place(kind, target, key, size,
-                                                 functools.partial(target.reserve, key, size))
-            except KvtierError as exc:
-                out[i] = exc
-                continue
-            out[i] = slot
-            reserved.add(key)
+                    result, _seconds = self._place(kind, target, key, size,
+                                                   functools.partial(target.reserve, key, size))
+                except KvtierError as exc:
+                    result = exc
+            out[i] = result
+            if not isinstance(result, KvtierError):
+                reserved.add(key)
         return [r for r in out if r is not None]
 
     def commit_many(self, slots: Sequence[WriteSlot], parents: Sequence[bytes | None], *,
@@ -495,25 +527,48 @@ class TieredCache:
                 else:
                     done.add(slot.key)
             return out
+        # In order, which slots can be published if the slots before them are...
+        results: list[ChunkInfo | KvtierError | None] = []
+        todo: list[int] = []
+        after: list[int] = []  # per slot of ``todo``: its parent's position there, or -1
+        position: dict[bytes, int] = {}
+        for slot, parent in zip(slots, parents, strict=True):
+            if parent is not None and parent not in done and parent not in present:
+                results.append(orphan(slot, parent))
+                continue
+            after.append(-1 if parent is None or parent in present else position[parent])
+            position[slot.key] = len(todo)
+            todo.append(len(results))
+            results.append(None)
+            done.add(slot.key)
+        # ...then one tier call for them, and in order again: a slot the tier refused is
+        # freed, and a child of a slot that failed after all is unpublished (never indexed).
         published: list[tuple[int, ChunkInfo]] = []
         try:
-            for slot, parent in zip(slots, parents, strict=True):
-                if parent is not None and parent not in done and parent not in present:
-                    out.append(orphan(slot, parent))
-                    continue
-                try:
-                    info = target.commit(slot)
-                except KvtierError as exc:
-                    target.abort(slot)
-                    out.append(exc)
-                    continue
-                published.append((len(out), info))
-                out.append(info)
-                done.add(slot.key)
+            todo_slots = [slots[i] for i in todo]
+            infos: list[ChunkInfo | KvtierError]
+            batch = self._batch_memory.get(kind)
+            if batch is not None:
+                # The tier commits a child only after its parent (never published without it).
+                infos = batch.commit_many(todo_slots, after)
+            else:
+                infos = []
+                for slot, first in zip(todo_slots, after, strict=True):
+                    infos.append(_orphan_error(slot.key, todo_slots[first].key)
+                                 if first >= 0 and isinstance(infos[first], KvtierError)
+                                 else _try(target.commit, slot))
+            for i, info in zip(todo, infos, strict=True):
+                if isinstance(info, KvtierError):
+                    target.abort(slots[i])
+                    results[i] = info
+                else:
+                    published.append((i, info))
+                    results[i] = info
         except BaseException:
             for _i, info in published:
                 target.remove(info.key)
             raise
+        out = [r for r in results if r is not None]
         errors = self._index.insert_many(
             [(info.key, parents[i], info.size_bytes, info.checksum) for i, info in published], kind)
         stored: list[tuple[ChunkInfo, bytes | None]] = []
@@ -1062,6 +1117,19 @@ class TieredCache:
             c = self._counters[kind]
             for name, delta in deltas.items():
                 setattr(c, name, getattr(c, name) + delta)
+
+
+def _orphan_error(key: bytes, parent: bytes) -> InvalidArgument:
+    return InvalidArgument(f"parent {bytes(parent).hex()} of {key.hex()} is not cached: a "
+                           "chunk without its prefix is useless")
+
+
+def _try(call: Callable[..., _R], *args: Any) -> _R | KvtierError:
+    """``call(*args)``, or the KvtierError it raised (a per-item outcome of a batch)."""
+    try:
+        return call(*args)
+    except KvtierError as exc:
+        return exc
 
 
 def _nbytes(buf: Buffer) -> int:

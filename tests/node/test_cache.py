@@ -751,3 +751,32 @@ def test_a_durable_commit_many_that_cannot_reach_nvme_fails_that_chunk_and_its_c
         assert_no_orphans(cache)
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize("write_tier", [TierKind.DRAM, TierKind.NVME])
+def test_commit_many_frees_the_descendants_of_a_slot_the_tier_refuses(
+        nvme_dir: Path, write_tier: TierKind) -> None:
+    """A parent's slot that can no longer be committed (aborted meanwhile) fails, and its child
+    and grandchild in the same batch are freed, never published (not indexed, not in the tier,
+    not in the read index), while an unrelated root is stored; with write_tier=nvme too (each
+    chunk written through before it is published)."""
+    changes: list[ChunkChange] = []
+    cache = make_cache(nvme_dir, observer=changes.append, write_tier=write_tier)
+    try:
+        keys = [*chain_keys(3), key(50)]
+        parents = [None, keys[0], keys[1], None]
+        slots = cache.reserve_many(keys, [CHUNK] * 4, parents, tier=TierKind.DRAM)
+        fill(slots)  # type: ignore[arg-type]
+        cache.abort(slots[0], tier=TierKind.DRAM)  # type: ignore[arg-type]
+        out = cache.commit_many(slots, parents, tier=TierKind.DRAM)  # type: ignore[arg-type]
+        assert all(isinstance(o, InvalidArgument) for o in out[:3])
+        assert not isinstance(out[3], Exception)
+        dram = cache.tier(TierKind.DRAM)
+        for k in keys[:3]:
+            assert k not in cache and not dram.contains(k)
+        assert read(cache, key(50)) == chunk(3)
+        assert [c.key for c in changes] == [key(50)]
+        assert dram.stats().used_bytes == CHUNK
+        assert_no_orphans(cache)
+    finally:
+        cache.close()
