@@ -272,3 +272,83 @@ def test_a_batch_with_parents_and_an_odd_key_count_closes_only_its_connection(
     finally:
         chan.close()
     client.put(b"pp-after", value(11, 4 * KiB))
+
+
+# --- pipelined parts sized by bytes ----------------------------------------------------------
+
+
+def test_pipeline_parts_cover_the_run_in_order_and_end_with_a_short_part() -> None:
+    from kvstore.dataplane.transport.shm.client import _pipeline_parts
+
+    for n in (1, 2, 3, 7, 32, 100):
+        for size in (20 * KiB, 64 * KiB, 256 * KiB, 4 * MiB):
+            parts = _pipeline_parts(n, size)
+            assert [a for a, _b in parts] == [0, *(b for _a, b in parts[:-1])]
+            assert parts[-1][1] == n and all(b > a for a, b in parts)
+            assert parts[-1][1] - parts[-1][0] <= 2
+    assert _pipeline_parts(32, 256 * KiB) == [(0, 2), (2, 6), (6, 14), (14, 22), (22, 30),
+                                              (30, 32)]
+    assert len(_pipeline_parts(32, 64 * KiB)) < len(_pipeline_parts(32, 256 * KiB))
+
+
+def test_a_chain_of_small_blocks_in_large_parts_lands_whole(client: StoreClient) -> None:
+    keys = chain_keys(b"pp64", 40)
+    vals = [value(700 + i, 64 * KiB) for i in range(40)]
+    assert client.put_many(keys, vals, parents=[None, *keys[:-1]]) == [True] * 40
+    for i, key in enumerate(keys):
+        assert parent_of(client, key) == (keys[i - 1] if i else None)
+        assert np.array_equal(read(client, key, 64 * KiB), vals[i])
+    assert client.stats().shm_leases_open == 0
+
+
+def test_commit_many_commits_only_this_connections_leases(client: StoreClient) -> None:
+    """Unknown ids and another connection's fail per item; the valid ones commit, and the
+    other connection's reservation stays its own (it commits it afterwards)."""
+    alice, bob = LeaseChannel(client.info.shm_socket), LeaseChannel(client.info.shm_socket)
+    try:
+        sizes = struct.pack("<2Q", 128 * KiB, 128 * KiB)
+        _l, ranges = alice.call(ChannelOp.RESERVE_MANY, flags=FLAG_PARENTS,
+                                keys=[b"own-a1", b"", b"own-a2", b""], arg=len(sizes),
+                                payload=memoryview(sizes))
+        (_o1, a1), (_o2, a2) = ranges
+        one = struct.pack("<Q", 128 * KiB)
+        _l, ((_o3, b1),) = bob.call(ChannelOp.RESERVE_MANY, flags=FLAG_PARENTS,
+                                    keys=[b"own-b1", b""], arg=len(one),
+                                    payload=memoryview(one))
+        ids = struct.pack("<4Q", a1, b1, 12345, a2)
+        alice.call(ChannelOp.COMMIT_MANY, flags=FLAG_PARENTS, arg=len(ids),
+                   payload=memoryview(ids))
+        assert alice.detail[:4] == bytes([ITEM_STORED, ITEM_FAILED, ITEM_FAILED, ITEM_STORED])
+        assert b"unknown" in alice.detail[4:]
+        assert client.exists(b"own-a1") and client.exists(b"own-a2")
+        assert not client.exists(b"own-b1")
+        ids = struct.pack("<Q", b1)
+        bob.call(ChannelOp.COMMIT_MANY, flags=FLAG_PARENTS, arg=len(ids),
+                 payload=memoryview(ids))
+        assert bob.detail == bytes([ITEM_STORED]) and client.exists(b"own-b1")
+    finally:
+        alice.close()
+        bob.close()
+    wait_until(lambda: client.stats().shm_leases_open == 0, what="the leases to end")
+
+
+def test_a_client_gone_between_parts_leaves_no_reservation_and_no_orphan(
+        client: StoreClient) -> None:
+    """The first part of a chain committed, the second reserved and its connection closed
+    before COMMIT_MANY: the first part stays, the second never becomes visible."""
+    chan = LeaseChannel(client.info.shm_socket)
+    keys = chain_keys(b"gone", 4)
+    pairs = [keys[0], b"", keys[1], keys[0], keys[2], keys[1], keys[3], keys[2]]
+    sizes = struct.pack("<2Q", 64 * KiB, 64 * KiB)
+    _l, first = chan.call(ChannelOp.RESERVE_MANY, flags=FLAG_PARENTS, keys=pairs[:4],
+                          arg=len(sizes), payload=memoryview(sizes))
+    _l, second = chan.call(ChannelOp.RESERVE_MANY, flags=FLAG_PARENTS, keys=pairs[4:],
+                           arg=len(sizes), payload=memoryview(sizes))
+    ids = struct.pack("<2Q", *(lease for _o, lease in first))
+    chan.call(ChannelOp.COMMIT_MANY, flags=FLAG_PARENTS, arg=len(ids), payload=memoryview(ids))
+    assert chan.detail == bytes([ITEM_STORED, ITEM_STORED]) and len(second) == 2
+    chan.close()
+    wait_until(lambda: client.stats().shm_leases_open == 0, what="the reservations to end")
+    assert parent_of(client, keys[1]) == keys[0]
+    assert absent(client, keys[2]) and absent(client, keys[3])
+    client.put(keys[2], value(9, 64 * KiB), parent=keys[1])  # the key is free again

@@ -576,34 +576,36 @@ class ShmServer:
             raise ProtocolError(f"RESERVE_MANY of {len(items)} items with {len(tail)} size "
                                 "bytes")
         sizes = struct.unpack_from(f"<{len(items)}Q", tail)
-        ranges: list[tuple[int, int]] = []
+        flat: list[int] = []  # (offset, lease id) per item, packed at once below
         status = bytearray(len(items))
         first: KvtierError | None = None
+        granted = 0
         # One batch call (one lock round, one eviction plan for the batch): a parent reserved
         # earlier by this connection (this request or an earlier one) is accepted and checked
         # at commit; a child of an item that failed fails too.
         results = self._leases.reserve_many(items, sizes, ttl_s, owner=conn)
         for i, result in enumerate(results):
-            if isinstance(result, tuple):
+            if not isinstance(result, KvtierError):
                 lease_id, offset = result
-                ranges.append((offset, lease_id))
+                flat += (offset, lease_id)
+                granted += 1
                 continue
-            ranges.append((0, 0))
+            flat += (0, 0)
             if isinstance(result, ChunkExists):
                 status[i] = ITEM_EXISTS
             else:
                 status[i] = ITEM_FAILED
                 first = first or result
         if first is not None and not per_item:
-            for _offset, lease_id in ranges:
+            for lease_id in flat[1::2]:
                 if lease_id:
                     self._leases.abort(lease_id, owner=conn)
             raise first
-        conn.grant(sum(1 for _offset, lease_id in ranges if lease_id), ttl_s)
-        head = b"".join(RANGE.pack(offset, lease_id) for offset, lease_id in ranges)
+        conn.grant(granted, ttl_s)
+        head = struct.pack(f"<{len(flat)}Q", *flat)  # RANGE per item
         if not per_item:
-            return REPLY.pack(STATUS_OK, len(ranges), 0, 0) + head
-        return _per_item_reply(len(ranges), head, status, first)
+            return REPLY.pack(STATUS_OK, len(results), 0, 0) + head
+        return _per_item_reply(len(results), head, status, first)
 
     def _commit_many(self, conn: _Connection, lease_ids: tuple[int, ...], *,
                      per_item: bool) -> bytes:
