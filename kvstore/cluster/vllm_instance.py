@@ -520,18 +520,29 @@ def _counters(llm: Any) -> dict[str, float]:
     Read from prometheus_client's registry rather than ``llm.get_metrics()``, whose reader
     truncates counter values to ``int`` (a seconds counter such as
     ``vllm:kvtier_load_seconds`` would read 0). Names are the families' (no ``_total``), as
-    ``get_metrics()`` gives them.
+    ``get_metrics()`` gives them. Metrics labelled with an ``operation`` (vLLM's Mooncake
+    store connector: ``load_get``, ``save_put``, ...) are also kept per operation, as
+    ``<name>[<operation>]``, and so are the ``_sum`` of such histograms (their seconds).
     """
     del llm  # the registry is process-wide; the LLM only had to be constructed
     from prometheus_client import REGISTRY
 
     totals: dict[str, float] = {}
+
+    def add(name: str, value: float) -> None:
+        totals[name] = totals.get(name, 0.0) + value
+
     for family in REGISTRY.collect():
-        if family.type != "counter" or not family.name.startswith("vllm:"):
+        if not family.name.startswith("vllm:") or family.type not in ("counter", "histogram"):
             continue
         for sample in family.samples:
-            if sample.name.endswith("_total"):
-                totals[family.name] = totals.get(family.name, 0.0) + float(sample.value)
+            operation = sample.labels.get("operation")
+            if family.type == "counter" and sample.name.endswith("_total"):
+                add(family.name, float(sample.value))
+                if operation is not None:
+                    add(f"{family.name}[{operation}]", float(sample.value))
+            elif operation is not None and sample.name.endswith("_sum"):
+                add(f"{family.name}_sum[{operation}]", float(sample.value))
     return totals
 
 
