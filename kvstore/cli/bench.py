@@ -181,3 +181,21 @@ def e2e_argv(*, quick: bool, json_path: Path | None, rate: float, new_tokens: in
                                               "--colocated-threads", str(colocated_threads)]
             + (["--no-colocated"] if no_colocated else [])
             + (["--json", str(json_path)] if json_path else []))
+
+
+@app.command("vllm")
+def vllm_serving(
+    quick: bool = typer.Option(False, "--quick", help="10 conversations of the trace (26 requests; full: 30, 99)."),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write the results as JSON here."),
+    modes: str = typer.Option("vllm-alone,kvtier,lmcache,mooncake", "--modes",
+                              help="Comma-separated modes (vllm-alone always runs)."),
+    keep: Path | None = typer.Option(None, "--keep", help="Keep instance logs in this directory."),
+) -> None:
+    """Real vLLM on the conversation trace: alone, with kvtier, with LMCache and Mooncake (TTFT,
+    TPOT, prefill tokens, hits, KV bytes and load cost beside memcpy, cold overhead, outputs)."""
+    from bench import vllm_serving as bench_vllm_serving
+
+    argv = (["--quick"] if quick else []) + ["--modes", modes]
+    argv += ["--json", str(json_path)] if json_path is not None else []
+    argv += ["--keep", str(keep)] if keep is not None else []
+    bench_vllm_serving.main(argv)
