@@ -753,15 +753,19 @@ def test_a_durable_commit_many_that_cannot_reach_nvme_fails_that_chunk_and_its_c
         cache.close()
 
 
+@pytest.mark.parametrize("tier_batch", [True, False], ids=["tier-batch", "per-item"])
 @pytest.mark.parametrize("write_tier", [TierKind.DRAM, TierKind.NVME])
 def test_commit_many_frees_the_descendants_of_a_slot_the_tier_refuses(
-        nvme_dir: Path, write_tier: TierKind) -> None:
+        nvme_dir: Path, write_tier: TierKind, tier_batch: bool) -> None:
     """A parent's slot that can no longer be committed (aborted meanwhile) fails, and its child
     and grandchild in the same batch are freed, never published (not indexed, not in the tier,
     not in the read index), while an unrelated root is stored; with write_tier=nvme too (each
-    chunk written through before it is published)."""
+    chunk written through before it is published), and through the per-item path a tier
+    without batch calls gets (HBM)."""
     changes: list[ChunkChange] = []
     cache = make_cache(nvme_dir, observer=changes.append, write_tier=write_tier)
+    if not tier_batch:
+        cache._batch_memory.clear()  # as for a host-memory tier without reserve_many
     try:
         keys = [*chain_keys(3), key(50)]
         parents = [None, keys[0], keys[1], None]
