@@ -414,6 +414,41 @@ def test_failed_save_is_rolled_back_and_saved_again(
         s.connector.shutdown()  # type: ignore[union-attr]
 
 
+def test_a_client_closed_under_a_step_is_a_failed_save_not_a_crash(
+        model_dir: Path, daemon: DaemonProcess) -> None:
+    """The session closes a failed daemon's client in the background, possibly while a step
+    holds a save begun on it: the step's save is dropped and reported, vLLM's forward never
+    sees the client's RuntimeError (end to end, that error killed vLLM's worker)."""
+    cfg = create_vllm_config(model_dir, {"daemon": daemon.grpc_address})
+    sched = create_scheduler(cfg)
+    worker, _ = create_worker(cfg, 131)
+    sched.add_request(create_request("c", prompt(2 * BLOCK + 5, base=131), max_tokens=20))
+    out = sched.schedule()
+    while "c" not in out.num_scheduled_tokens:
+        update(sched, out)
+        time.sleep(0.01)
+        out = sched.schedule()
+    meta = out.kv_connector_metadata
+    assert [(s.first_block, len(s.keys)) for s in meta.saves] == [(0, 2)]
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)  # type: ignore[arg-type]
+    client = worker_side(worker).session.get()
+    assert client is not None
+    client.close()  # as the session's background close does after a daemon failure
+    for name in LAYER_NAMES:
+        worker.wait_for_layer_load(name)
+        worker.save_kv_layer(name, torch.empty(0), None)
+    worker.wait_for_save()
+    report = worker.build_connector_worker_meta()
+    worker.clear_connector_metadata()
+    assert isinstance(report, KvtierWorkerMetadata)
+    assert report.failed == [SaveFailure("c", 1, 0)] and report.saved == []
+    update(sched, out, KVConnectorOutput(kv_connector_worker_meta=report))
+    assert side(sched)._reqs["c"].stored_blocks == 0  # saved again with its next step
+    worker.shutdown()
+    sched.connector.shutdown()  # type: ignore[union-attr]
+
+
 def test_failure_reports_roll_back_once_and_aggregate_over_tp_ranks(
         model_dir: Path, daemon: DaemonProcess) -> None:
     """The worker->scheduler report through vLLM's KVConnectorOutput, as vLLM aggregates

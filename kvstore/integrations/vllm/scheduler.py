@@ -246,6 +246,10 @@ class SchedulerSide:
                          or time.monotonic() - t0 >= self.config.lookup_timeout_s)
             self.session.failed(client, f"lookup: {type(exc).__name__}: {exc}")
             return _Answer(0, f"{type(exc).__name__}: {exc}", timed_out)
+        except (ValueError, RuntimeError) as exc:
+            # Another lookup thread's failure closed this client under this call (gRPC: "closed
+            # channel"); the session has dropped it already.
+            return _Answer(0, f"{type(exc).__name__}: {exc}")
 
     def _settle(self, answer: _Answer) -> int:
         if answer.error is not None:

@@ -54,6 +54,12 @@ log = logging.getLogger(__name__)
 
 __all__ = ["WorkerSide"]
 
+CLIENT_ERRORS = (KvtierError, RuntimeError)
+"""What a client call may raise here without a bug: a kvtier error, or RuntimeError ("cannot
+schedule new futures after shutdown") from a client the session closed under this step after
+its daemon failed (seen end to end: a daemon killed mid-batch killed vLLM's worker through
+``save_kv_layer``)."""
+
 
 @dataclass
 class _Load:
@@ -127,8 +133,9 @@ class WorkerSide:
                 handles = list(client.load_many([
                     LoadRequest(BlockKeys(ld.spec.keys), ld.guard, ld.spec.first_block,
                                 ld.spec.num_blocks) for ld in loads]))
-            except KvtierError as exc:  # a bad spec is a bug here; the blocks are recomputed
-                log.error("kvtier connector: load_many refused: %s", exc)
+            except CLIENT_ERRORS as exc:  # closed client, or a bad spec (a bug): recomputed
+                log.error("kvtier connector: load_many refused: %s: %s", type(exc).__name__,
+                          exc)
                 handles = [None] * len(loads)
             for ld, h in zip(loads, handles, strict=True):
                 ld.handle = h
@@ -218,8 +225,9 @@ class WorkerSide:
                 SaveRequest(BlockKeys(s.keys), engine_kv_for(self.kv_caches, s.block_ids,
                                                              self.layout), s.first_block)
                 for s in meta.saves])
-        except KvtierError as exc:
-            log.error("kvtier connector: begin_save_many refused: %s", exc)
+        except CLIENT_ERRORS as exc:
+            log.error("kvtier connector: begin_save_many refused: %s: %s", type(exc).__name__,
+                      exc)
             with self._lock:
                 self._failed(self._save_specs, _blocks(meta.saves))
             return
@@ -227,19 +235,37 @@ class WorkerSide:
         self._save_blocks = _blocks(meta.saves)
         self._copies = [None] * self.spec.num_layers
 
+    def _drop_save(self, exc: BaseException) -> None:
+        """This step's save cannot go on (its client was closed under it): not saved."""
+        log.warning("kvtier connector: a step's save dropped: %s: %s", type(exc).__name__, exc)
+        for fut in self._copies:
+            if fut is not None:
+                fut.cancel()
+        self._saver, self._copies = None, []
+        with self._lock:
+            self._failed(self._save_specs, self._save_blocks)
+
     def save_kv_layer(self, layer_name: str) -> None:
         layer = self._layer_index.get(layer_name)
         if self._saver is None or layer is None or self._copies[layer] is not None:
             return
-        self._copies[layer] = self._saver.save_layer(layer)
+        try:
+            self._copies[layer] = self._saver.save_layer(layer)
+        except CLIENT_ERRORS as exc:  # never into vLLM's forward
+            self._drop_save(exc)
 
     def wait_for_save(self) -> None:
-        saver, self._saver = self._saver, None
+        saver = self._saver
         if saver is None:
             return
         for layer, fut in enumerate(self._copies):
             if fut is None:  # a layer vLLM did not hand over: copy it now
-                self._copies[layer] = saver.save_layer(layer)
+                try:
+                    self._copies[layer] = saver.save_layer(layer)
+                except CLIENT_ERRORS as exc:
+                    self._drop_save(exc)
+                    return
+        self._saver = None
         copies, self._copies = self._copies, []
         try:
             for fut in copies:
@@ -290,8 +316,8 @@ class WorkerSide:
         elapsed_s = now - pending.started
         try:
             results = fut.result()
-        except KvtierError as exc:
-            log.warning("kvtier connector: save failed: %s", exc)
+        except CLIENT_ERRORS as exc:
+            log.warning("kvtier connector: save failed: %s: %s", type(exc).__name__, exc)
             results = None
         with self._lock:
             late = pending.settled
