@@ -8,18 +8,29 @@ two busy cores), one instance at a time:
    every prompt this module uses, ``base-2`` (prefix caching on, the prompts in reverse order)
    serves them again; greedy outputs must agree. ``base-1``'s outputs are the reference.
 2. with the connector: instance ``A`` (``kv_both``) serves the ``SAVED`` prompts and saves them
-   through the daemon, and is closed; instance ``B`` starts cold (an empty prefix cache of its
+   through the daemon (which writes every chunk to NVMe, ``cache.write_tier=nvme``, and keeps a
+   clean copy in DRAM), and is closed; instance ``B`` starts cold (an empty prefix cache of its
    own) and serves prompts that share prefixes with them. Each B request's expected external
    hit is computed from what A computed (prompt plus all but the last generated token, full
    blocks only, never the whole prompt) and checked with vLLM's own counter
    (``vllm:external_prefix_cache_hits``) and ``num_cached_tokens``; outputs equal the
    reference. Both connector instances run chunked prefill with a 96-token step budget.
-3. the daemon killed while B serves, then gone: requests complete, outputs unchanged.
+3. payload bytes of two stored blocks flipped in the NVMe segment files across a daemon restart
+   (so no DRAM copy is left): one found at open, one at its first read; neither is ever loaded,
+   vLLM recomputes them, the daemon counts each once.
+4. the daemon stopped (SIGSTOP) while B serves: requests complete within the connector's
+   timeouts with unchanged outputs; after SIGCONT B gets hits again.
+5. the daemon killed while B serves, then gone: requests complete, outputs unchanged; a new
+   daemon on the same port: B reconnects by itself and reuse resumes.
+
+One instance at a time, and as few as the phases allow: B serves every phase after 2.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -30,12 +41,13 @@ from typing import Any
 import pytest
 
 from kvstore.cluster.vllm_instance import (
+    HASH_SEED,
     GenerateResult,
     TinyLlama,
     VllmProcess,
     tiny_llama_checkpoint,
 )
-from tests.support.common import wait_until
+from tests.support.common import flip_byte, wait_until
 from tests.support.daemon import DaemonProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -63,6 +75,8 @@ class Saved:
 
 
 SAVED: dict[str, Saved] = {
+    # First: A's oldest records, so that a daemon restart does not verify them at open.
+    "rot-read": Saved(_tokens(11, 6 * BLOCK + 12)),
     "on": Saved(_tokens(1, 4 * BLOCK)),            # ends on a block boundary
     "off": Saved(_tokens(2, 4 * BLOCK + 22)),      # ends inside a block
     "long": Saved(_tokens(3, 12 * BLOCK + 16)),    # several chunks of prefill
@@ -73,6 +87,7 @@ SAVED: dict[str, Saved] = {
     "kill1": Saved(_tokens(8, 6 * BLOCK + 9)),
     "kill2": Saved(_tokens(9, 4 * BLOCK + 30)),
     "kill3": Saved(_tokens(10, 7 * BLOCK + 1)),
+    **{f"slow{i}": Saved(_tokens(12 + i, (4 + i) * BLOCK + 5)) for i in range(4)},
 }
 
 
@@ -105,6 +120,12 @@ def _queries(outputs: dict[str, list[int]]) -> dict[str, Query]:
         "tenant-none": Query(s["tenant"] + _tokens(110, 40)),
         "nosalt-as-a": Query(s["nosalt"] + _tokens(111, 40), salt="tenant-a"),
         **{f"kill{i}+tail": Query(s[f"kill{i}"] + _tokens(120 + i, 33)) for i in range(4)},
+        **{f"slow{i}+tail": Query(s[f"slow{i}"] + _tokens(130 + i, 35)) for i in range(4)},
+        "slow0+other": Query(s["slow0"] + _tokens(134, 20)),
+        "rot-read+tail": Query(s["rot-read"] + _tokens(140, 30)),
+        "rot-read+tail2": Query(s["rot-read"] + _tokens(141, 25)),
+        "rot-open": Query(_tokens(142, 6 * BLOCK + 3)),      # B saves it just before a restart
+        "rot-open+tail": Query(_tokens(142, 6 * BLOCK + 3) + _tokens(143, 30)),
     }
 
 
@@ -245,7 +266,7 @@ def _served(daemon: DaemonProcess) -> int:
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     node = DaemonProcess(tmp_path_factory.mktemp("kvtier-daemon"), "vllm-e2e",
-                         dram_bytes="128MiB", nvme=False)
+                         dram_bytes="128MiB", settings={"cache.write_tier": "nvme"})
     node.start()
     try:
         yield node
@@ -381,6 +402,210 @@ def test_two_tenants_share_nothing(instance_b: VllmProcess,
     owner = queries["tenant-a"]
     result = _ask(instance_b, "tenant-a", owner)
     assert result.external_hit_tokens == _expected_external(owner) == 5 * BLOCK
+
+
+def _nvme_chunks(daemon: DaemonProcess) -> int:
+    return sum(int(t["chunks"]) for t in _daemon_stats(daemon)["tiers"] if t["tier"] == "nvme")
+
+
+def _nvme_corrupt(daemon: DaemonProcess) -> int:
+    return sum(int(t["corrupt"]) for t in _daemon_stats(daemon)["tiers"] if t["tier"] == "nvme")
+
+
+def _block_keys(tokens: list[int], salt: str | None = None) -> list[bytes]:
+    """kvtier's keys of the full blocks of ``tokens`` (as the connector makes them from vLLM's
+    sha256_cbor block hashes: kvtier computes the same hashes)."""
+    from kvstore.keys import BlockHasher, HashMode, KVDtype, KVFingerprint, Namespace
+
+    fingerprint = KVFingerprint(model=MODEL_NAME, dtype=KVDtype(SPEC.dtype),
+                                num_layers=SPEC.num_layers, num_kv_heads=SPEC.num_kv_heads,
+                                head_dim=SPEC.head_dim, block_size_tokens=BLOCK)
+    hasher = BlockHasher(Namespace(fingerprint, salt or ""), mode=HashMode.SHA256_CBOR,
+                         vllm_hash_seed=HASH_SEED)
+    return [bytes(key) for key in hasher.hash_blocks(tokens)]
+
+
+@dataclass(frozen=True)
+class _Record:
+    path: Path
+    payload_offset: int
+    seq: int
+
+
+def _nvme_records(directory: Path) -> dict[bytes, _Record]:
+    """Every LIVE record in the daemon's segment files, by key (a hop along each segment's
+    header chain; the daemon is stopped)."""
+    from kvstore.dataplane.nvme.format import (
+        HEADER_BYTES,
+        RecordKind,
+        decode_record_header,
+        decode_segment_header,
+    )
+
+    records: dict[bytes, _Record] = {}
+    for path in sorted(directory.glob("seg-*.kvt")):
+        data = path.read_bytes()
+        segment = decode_segment_header(data[:HEADER_BYTES])
+        assert segment is not None, path
+        pos = HEADER_BYTES
+        while pos + HEADER_BYTES <= min(segment.segment_bytes, len(data)):
+            _, header = decode_record_header(data[pos:pos + HEADER_BYTES],
+                                             segment_id=segment.segment_id, offset=pos,
+                                             segment_bytes=segment.segment_bytes)
+            assert header is not None, f"broken header chain in {path} at {pos}"
+            if header.kind is RecordKind.LIVE:
+                records[header.key] = _Record(path, pos + HEADER_BYTES, header.seq)
+            pos = header.end
+    return records
+
+
+LOAD_ERRORS = "vllm:kvtier_load_error_blocks"
+"""The connector's counter of blocks reported to vLLM as not loaded (recomputed)."""
+
+
+def _until_reused(llm: VllmProcess, name: str, query: Query, expected: int) -> GenerateResult:
+    """Ask ``query`` (B's own cache emptied each time) until it gets ``expected`` external
+    hits and loads them all: after a daemon failure both halves of the connector (scheduler
+    and worker) reconnect by themselves, each after reconnect_interval_s (0.5 s here)."""
+    result = None
+    for _ in range(40):
+        result = _ask(llm, name, query)
+        if result.external_hit_tokens == expected and not result.counters.get(LOAD_ERRORS):
+            return result
+        time.sleep(0.5)
+    raise AssertionError(f"{name}: never {expected} hits loaded ({result and result.counters})"
+                         f"; log:\n{llm.log_tail()}")
+
+
+ROT_READ_BLOCK = 2
+"""The block of ``rot-read`` (saved by A, among the oldest records) whose payload is flipped:
+a daemon restart does not verify it, the first read does."""
+ROT_OPEN_BLOCK = 3
+"""The block of ``rot-open`` (saved by B just before the restart: among the newest records,
+which the restart verifies) whose payload is flipped."""
+
+
+def test_blocks_rotted_on_nvme_are_never_loaded_and_are_recomputed(
+        instance_b: VllmProcess, daemon: DaemonProcess,
+        reference: dict[str, list[int]]) -> None:
+    """The daemon writes every chunk to NVMe (``cache.write_tier=nvme``). It is stopped, one
+    payload byte of two stored blocks is flipped in the segment files, and it is restarted on
+    the same port and directory (so no DRAM copy is left). The block among the newest records
+    is found at open (it and its descendants are dropped: B's lookup stops before it); the
+    older one at its first read (B's lookup offers it, its load fails, vLLM recomputes it, and
+    the next lookup stops before it). Outputs equal the reference throughout, and the daemon
+    counts each corrupt block once."""
+    from kvstore.dataplane.nvme.config import NvmeTierConfig
+
+    queries = _queries(reference)
+    rot_open = queries["rot-open"]
+    open_blocks = (len(rot_open.tokens) + MAX_TOKENS - 1) // BLOCK  # what B computes
+    chunks_before = _nvme_chunks(daemon)
+    _ask(instance_b, "rot-open", rot_open)
+    wait_until(lambda: _nvme_chunks(daemon) >= chunks_before + open_blocks, timeout_s=60,
+               what="B's saves of rot-open on NVMe")
+    assert _nvme_corrupt(daemon) == 0
+
+    daemon.stop()
+    records = _nvme_records(Path(daemon.settings["nvme.directory"]))
+    saved = SAVED["rot-read"]
+    read_keys = _block_keys(saved.tokens + REFERENCE["rot-read"][:-1])
+    open_keys = _block_keys(rot_open.tokens + REFERENCE["rot-open"][:-1])
+    assert len(open_keys) == open_blocks
+    missing = [i for i, k in enumerate(read_keys + open_keys) if k not in records]
+    assert not missing, f"blocks not on NVMe (or the test's keys differ): {missing}"
+    verified_at_open = NvmeTierConfig.__dataclass_fields__["open_verify_newest"].default
+    newer = sorted((r.seq for r in records.values()), reverse=True)
+    read_rec = records[read_keys[ROT_READ_BLOCK]]
+    open_rec = records[open_keys[ROT_OPEN_BLOCK]]
+    assert read_rec.seq < newer[verified_at_open - 1], "rot-read would be verified at open"
+    assert open_rec.seq >= newer[verified_at_open - 1], "rot-open would not be verified at open"
+    for rec in (read_rec, open_rec):
+        flip_byte(rec.path, rec.payload_offset + 1000)
+
+    port = daemon.grpc_address.rsplit(":", 1)[1]
+    address = daemon.grpc_address
+    daemon.settings["server.grpc_port"] = port
+    daemon.start()
+    assert daemon.grpc_address == address
+    assert _nvme_corrupt(daemon) == 1, "the open did not count the newest record's corruption"
+
+    # B reconnects by itself: wait until it loads an intact stored prefix again.
+    warm = queries["on-same"]
+    _until_reused(instance_b, "on-same", warm, _expected_external(warm))
+
+    # Found at open: the lookup stops before the corrupt block; nothing fails to load.
+    result = _ask(instance_b, "rot-open+tail", queries["rot-open+tail"])
+    assert result.external_hit_tokens == ROT_OPEN_BLOCK * BLOCK, result.counters
+    assert result.counters.get(LOAD_ERRORS, 0) == 0, result.counters
+    assert result.outputs[0].num_cached_tokens == ROT_OPEN_BLOCK * BLOCK
+
+    # Found at read: offered by the lookup (vLLM counts the offer), not loaded, recomputed.
+    query = queries["rot-read+tail"]
+    offered = _expected_external(query)
+    assert offered == 6 * BLOCK
+    result = _ask(instance_b, "rot-read+tail", query)
+    assert result.external_hit_tokens == offered, result.counters
+    # Every offered block is either loaded (a prefix ending before the corrupt block) or
+    # reported to vLLM as a load error. (Today the batch load stops at 0 of the 6: the intact
+    # blocks before the corrupt one are recomputed too.)
+    loaded = result.counters.get("vllm:kvtier_loaded_blocks", 0)
+    errors = result.counters.get(LOAD_ERRORS, 0)
+    assert loaded <= ROT_READ_BLOCK and loaded + errors == offered // BLOCK, result.counters
+    assert _nvme_corrupt(daemon) == 2, "the read did not count the corrupt block"
+    # It stays dropped: the next lookup of that prefix stops before it.
+    result = _ask(instance_b, "rot-read+tail2", queries["rot-read+tail2"])
+    assert result.external_hit_tokens == ROT_READ_BLOCK * BLOCK, result.counters
+    assert result.counters.get(LOAD_ERRORS, 0) == 0, result.counters
+    assert _nvme_corrupt(daemon) == 2
+
+
+def test_a_stopped_daemon_delays_requests_only_up_to_the_timeouts_and_reuse_resumes(
+        instance_b: VllmProcess, daemon: DaemonProcess,
+        reference: dict[str, list[int]]) -> None:
+    """SIGSTOP the daemon while a batch that needs it runs: every lookup, load and save is
+    bounded (lookup_timeout_s, load_timeout_s, save_timeout_s), so the batch and a request
+    sent while it is still stopped complete with the reference outputs; after SIGCONT the
+    connector uses it again and a cold request gets A's blocks. (No timing is asserted.)"""
+    queries = _queries(reference)
+    names = [f"slow{i}+tail" for i in range(3)]
+    results: dict[str, Any] = {}
+
+    def serve() -> None:
+        try:
+            results["batch"] = instance_b.generate([queries[n].tokens for n in names],
+                                                   max_tokens=MAX_TOKENS, timeout_s=400)
+        except BaseException as exc:  # re-raised below, in the test's thread
+            results["error"] = exc
+
+    assert instance_b.reset_prefix_cache()
+    before = _served(daemon)
+    worker = threading.Thread(target=serve)
+    worker.start()
+    wait_until(lambda: not worker.is_alive() or _served(daemon) > before, timeout_s=120,
+               what="B's batch reaching the daemon", poll_s=0.05)
+    mid_run = worker.is_alive()
+    os.kill(daemon.pid, signal.SIGSTOP)
+    try:
+        worker.join(450)
+        assert not worker.is_alive(), "the batch did not complete while the daemon was stopped"
+        if "error" in results:
+            raise results["error"]
+        batch: GenerateResult = results["batch"]
+        assert batch.token_ids == [reference[n] for n in names], f"stopped mid-run: {mid_run}"
+        # Still stopped: a request that starts now (its lookup meets the stopped daemon).
+        assert instance_b.reset_prefix_cache()
+        alone = instance_b.generate([queries["slow3+tail"].tokens], max_tokens=MAX_TOKENS,
+                                    timeout_s=400)
+        assert alone.token_ids == [reference["slow3+tail"]]
+        assert daemon.proc is not None and daemon.proc.poll() is None
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+    # Resumed: a prompt sharing only slow0's stored prefix gets exactly A's blocks of it.
+    query = queries["slow0+other"]
+    expected = _expected_external(query)
+    assert expected == 4 * BLOCK
+    _until_reused(instance_b, "slow0+other", query, expected)
 
 
 def test_daemon_killed_mid_run_outputs_unchanged_and_requests_complete(
