@@ -87,6 +87,7 @@ from tests.dataplane.test_native_fastpath import (
 )
 from tests.dataplane.test_read_index import Pair, keys_hashing_to
 from tests.support.native import built_extension, built_library
+from tests.support.sanitized_build import Artifact, build_key, cached_build
 
 KiB = 1 << 10
 
@@ -969,8 +970,16 @@ _SANITIZE = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefin
              "-fno-sanitize-recover=undefined", "-Wall", "-shared", "-fPIC"]
 
 
+def _sanitized_artifacts() -> list[Artifact]:
+    include = sysconfig.get_paths()["include"]
+    return [Artifact(native.LIBRARY_PATH.name, (native.SOURCE_PATH,), tuple(_SANITIZE)),
+            Artifact(native.EXTENSION_PATH.name, (native.EXTENSION_SOURCE_PATH,),
+                     (*_SANITIZE, f"-I{include}"))]
+
+
 def _sanitized_build(tmp: Path) -> dict[str, str] | str:
-    """Both native artifacts built with ASan and UBSan into ``tmp``; the environment that
+    """Both native artifacts built with ASan and UBSan (``tests/support/sanitized_build.py``:
+    built once per machine and source version) and copied into ``tmp``; the environment that
     loads them (or why it cannot be done here)."""
     cc = shutil.which("gcc")
     if cc is None:
@@ -979,15 +988,14 @@ def _sanitized_build(tmp: Path) -> dict[str, str] | str:
                              text=True, check=False).stdout.strip()
     if not libasan or not Path(libasan).is_file():
         return "gcc has no libasan.so"
-    include = sysconfig.get_paths()["include"]
-    for sources, out, extra in (
-            ([native.SOURCE_PATH], tmp / native.LIBRARY_PATH.name, []),
-            ([native.EXTENSION_SOURCE_PATH], tmp / native.EXTENSION_PATH.name,
-             [f"-I{include}"])):
-        done = subprocess.run([cc, *_SANITIZE, *extra, "-o", str(out), *map(str, sources)],
-                              capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            return f"a sanitizer build failed: {done.stderr.strip()[:500]}"
+    artifacts = _sanitized_artifacts()
+    built = cached_build(cc, artifacts, native.SOURCE_PATH.parent)
+    if isinstance(built, str):
+        return built
+    for artifact in artifacts:
+        # A copy, not the cached file: its fresh mtime keeps native.load from calling it older
+        # than a source that was touched but not changed (the key is of contents).
+        shutil.copy(built / artifact.output_name, tmp / artifact.output_name)
     env = dict(os.environ)
     env.update({native.ENV_DIR: str(tmp), "LD_PRELOAD": str(Path(libasan).resolve()),
                 "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0:exitcode=86",
@@ -1040,9 +1048,11 @@ def test_the_fuzzers_pass_under_address_and_undefined_behaviour_sanitizers(
     assert "not caught" not in control.stdout, "the sanitized build missed a known overflow"
     assert "ERROR: AddressSanitizer" in control.stderr and "fastpath.c" in control.stderr, \
         control.stderr[-3000:]
+    # --noconftest: tests/conftest.py imports torch to decide on gpu skips (none here), which
+    # under the sanitizers' allocator took 13 s of the run (measured; 5 s without them).
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p",
-         "no:logging", "--tb=short", __file__, "-k", "not sanitizers"],
+         "no:logging", "--noconftest", "--tb=short", __file__, "-k", "not sanitizers"],
         capture_output=True, text=True, timeout=600, env=env, cwd=native.REPO_ROOT,
         check=False)
     report = done.stdout[-3000:] + done.stderr[-6000:]
@@ -1051,3 +1061,54 @@ def test_the_fuzzers_pass_under_address_and_undefined_behaviour_sanitizers(
     assert done.returncode == 0, report
     summary = done.stdout.strip().splitlines()[-1]
     assert re.search(r"\b6 passed\b", summary) and "skipped" not in summary, report
+
+
+def test_the_sanitizers_build_is_cached_by_sources_flags_and_compiler(tmp_path: Path) -> None:
+    """The cache key of the sanitized build changes with any byte of any C source or header
+    (an include too), with the flags and with the compiler; the same inputs give the same key,
+    and a cached build is reused, not rebuilt."""
+    cc = shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no gcc")
+    src = tmp_path / "native"
+    shutil.copytree(native.SOURCE_PATH.parent, src, ignore=shutil.ignore_patterns("build"))
+    (src / "build").mkdir()
+    (src / "build" / "ignored.h").write_text("/* build outputs are not sources */\n")
+    artifacts = [Artifact("lib.so", (src / "fastpath.c",), ("-O1", "-shared", "-fPIC"))]
+    key = build_key(cc, artifacts, src)
+    assert build_key(cc, artifacts, src) == key
+    keys = {key}
+    for changed in ("fastpath.c", "pyfast.c", "third_party/xxhash.h"):
+        path = src / changed
+        original = path.read_bytes()
+        path.write_bytes(original + b"\n")
+        keys.add(build_key(cc, artifacts, src))
+        path.write_bytes(original)
+        assert build_key(cc, artifacts, src) == key
+    keys.add(build_key(cc, [Artifact("lib.so", (src / "fastpath.c",), ("-O2", "-shared",
+                                                                        "-fPIC"))], src))
+    fake_cc = tmp_path / "cc"
+    fake_cc.write_text(f"#!/bin/sh\nif [ \"$1\" = --version ]; then echo other 1.0; exit; fi\n"
+                       f"exec {cc} \"$@\"\n")
+    fake_cc.chmod(0o755)
+    keys.add(build_key(str(fake_cc), artifacts, src))
+    assert len(keys) == 6, "a source, include, flag or compiler change kept the key"
+
+    # The build itself on a one-line source (fastpath.c takes seconds to compile).
+    (src / "tiny.c").write_text("int kvt_tiny(void) { return 1; }\n")
+    artifacts = [Artifact("lib.so", (src / "tiny.c",), ("-shared", "-fPIC"))]
+    key = build_key(cc, artifacts, src)
+    built = cached_build(cc, artifacts, src, root=tmp_path / "cache")
+    assert isinstance(built, Path) and (built / "lib.so").is_file(), built
+    assert built.name == key and built.parent == tmp_path / "cache" / "native-fuzz"
+    assert [p.name for p in built.parent.iterdir()] == [key]  # no staging left behind
+    stamp = (built / "lib.so").stat().st_mtime_ns
+    assert cached_build(cc, artifacts, src, root=tmp_path / "cache") == built
+    assert (built / "lib.so").stat().st_mtime_ns == stamp  # reused, not rebuilt
+    (src / "tiny.c").write_text("int kvt_tiny(void) { return 2; }\n")
+    rebuilt = cached_build(cc, artifacts, src, root=tmp_path / "cache")
+    assert isinstance(rebuilt, Path) and rebuilt != built and (rebuilt / "lib.so").is_file()
+    (src / "tiny.c").write_text("this is not C\n")
+    failed = cached_build(cc, artifacts, src, root=tmp_path / "cache")
+    assert isinstance(failed, str) and "build failed" in failed
+    assert sorted(p.name for p in built.parent.iterdir()) == sorted([key, rebuilt.name])
