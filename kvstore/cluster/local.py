@@ -20,19 +20,29 @@ Children run in their own session, so a Ctrl-C in the terminal reaches only the 
 then stops them in that order; and under ``setpriv --pdeathsig TERM`` (when ``setpriv``
 exists), so a parent killed with SIGKILL does not leave them running.
 
+**Start.** Every child is spawned at once after etcd; the workers (started through
+``_WORKER_PRELUDE``) import torch and transformers, most of their start, while the conductor
+and the daemons start, then read their daemon's gRPC address from stdin. Ready lines are
+awaited together (``_wait_ready``): the first child that exits without one, or the
+``start_timeout_s`` deadline, fails the start with that child's log tail, and everything
+already started is stopped.
+
 ``start`` is the only method with side effects; the constructor records settings.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import selectors
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -91,16 +101,36 @@ class ClusterSpec:
         return [f"prefill-{i}" for i in range(len(self.prefill_nodes))]
 
 
-class _Child:
-    """One child process that prints ``<ready_prefix>{json}`` once it serves."""
+_WORKER_PRELUDE = """
+import sys
+import torch, transformers  # most of a worker's start: imported while the daemons start
+from transformers import LlamaConfig, LlamaForCausalLM
+from kvstore.engine.worker.cli import main
+daemon = sys.stdin.readline().strip()
+if not daemon:
+    sys.exit("no daemon address on stdin: the cluster's start was abandoned")
+sys.exit(main([*sys.argv[1:], "--daemon", daemon]))
+"""
+"""A worker's entry when its daemon's address is not known yet: the imports first, then
+``kvstore.engine.worker``'s ``main`` with ``--daemon`` read from stdin (see
+:meth:`LocalCluster.start`)."""
 
-    def __init__(self, name: str, argv: list[str], ready_prefix: str, log_path: Path) -> None:
+
+class _Child:
+    """One child process that prints ``<ready_prefix>{json}`` once it serves.
+
+    ``stdin_line``: the child reads one line from stdin (:meth:`send_line`) before it serves."""
+
+    def __init__(self, name: str, argv: list[str], ready_prefix: str, log_path: Path, *,
+                 stdin_line: bool = False) -> None:
         self.name = name
         self.argv = argv
         self.ready_prefix = ready_prefix
         self.log_path = log_path
-        self.proc: subprocess.Popen[str] | None = None
+        self.stdin_line = stdin_line
+        self.proc: subprocess.Popen[bytes] | None = None
         self.ready: dict[str, object] = {}
+        self._out = b""
 
     def spawn(self) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
@@ -112,20 +142,42 @@ class _Child:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log: IO[str]
         with self.log_path.open("a") as log:
-            self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                         stderr=log, text=True, start_new_session=True)
+            self.proc = subprocess.Popen(
+                argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log,
+                stdin=subprocess.PIPE if self.stdin_line else subprocess.DEVNULL,
+                start_new_session=True)
 
-    def wait_ready(self, deadline: float) -> dict[str, object]:
+    def send_line(self, line: str) -> None:
+        """Write the one line the child waits for and close its stdin."""
+        assert self.proc is not None and self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(line.encode() + b"\n")
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass  # it exited: waiting for its ready line reports that, with its log
+
+    def read_ready(self) -> bool:
+        """Read what the child's stdout has now (call when it is readable): True once the ready
+        line came, False while it has not; PeerUnavailable if stdout ended without it."""
         assert self.proc is not None and self.proc.stdout is not None
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
+        chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
+        self._out += chunk
+        *lines, self._out = self._out.split(b"\n")
+        for raw in lines:
+            line = raw.decode(errors="replace")
             if line.startswith(self.ready_prefix):
                 self.ready = json.loads(line[len(self.ready_prefix):])
-                return self.ready
-        raise PeerUnavailable(f"{self.name} did not become ready (exit code "
-                              f"{self.proc.poll()}); log {self.log_path}:\n{self.log_tail()}")
+                return True
+        if not chunk:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(2)  # stdout closed: it is exiting, for the exit code
+            raise self.not_ready("exit code")
+        return False
+
+    def not_ready(self, why: str) -> PeerUnavailable:
+        assert self.proc is not None
+        return PeerUnavailable(f"{self.name} did not become ready ({why} {self.proc.poll()}); "
+                               f"log {self.log_path}:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -145,9 +197,31 @@ class _Child:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             code = self.proc.wait(10)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+        for pipe in (self.proc.stdout, self.proc.stdin):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
         return code
+
+
+def _wait_ready(children: Sequence[_Child], deadline: float) -> None:
+    """Wait for every child's ready line at once. The first child whose stdout ends without
+    one (it exited), or the deadline with children still silent, raises PeerUnavailable with
+    that child's log tail."""
+    pending = list(children)
+    with selectors.DefaultSelector() as selector:
+        for child in pending:
+            assert child.proc is not None and child.proc.stdout is not None
+            selector.register(child.proc.stdout, selectors.EVENT_READ, child)
+        while pending:
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                raise pending[0].not_ready("start timeout; still running, exit code")
+            for key, _ in selector.select(left_s):
+                child = key.data
+                if child.read_ready():
+                    selector.unregister(key.fileobj)
+                    pending.remove(child)
 
 
 class LocalCluster:
@@ -184,20 +258,21 @@ class LocalCluster:
             self._etcd = etcd
             etcd.start()
             self.etcd_endpoint = etcd.client_url
+            # Everything at once: the workers import torch and transformers (most of their
+            # start) while etcd's first clients, the conductor and the daemons start, then
+            # read their daemon's address (ephemeral ports) from stdin.
             first = [self._conductor_child()] + [self._daemon_child(n) for n in NODES]
-            for child in first:
-                child.spawn()
-            for child in first:
-                child.wait_ready(deadline)
-            self.daemon_addresses = {n: str(self.children[n].ready["grpc_address"])
-                                     for n in NODES}
             workers = [self._worker_child(name, "prefill", node) for name, node in
                        zip(spec.prefill_instances, spec.prefill_nodes, strict=True)]
             workers.append(self._worker_child("decode-0", "decode", "node-b"))
-            for child in workers:
+            for child in (*first, *workers):
                 child.spawn()
-            for child in workers:
-                child.wait_ready(deadline)
+            _wait_ready(first, deadline)
+            self.daemon_addresses = {n: str(self.children[n].ready["grpc_address"])
+                                     for n in NODES}
+            for child, node in zip(workers, [*spec.prefill_nodes, "node-b"], strict=True):
+                child.send_line(self.daemon_addresses[node])
+            _wait_ready(workers, deadline)
             asyncio.run(self._wait_schedulable(deadline))
         except BaseException:
             self.stop()
@@ -236,13 +311,13 @@ class LocalCluster:
 
         spec = self.spec
         child = _Child(instance_id, self._py(
-            "-m", "kvstore.engine.worker", "--role", role, "--instance-id", instance_id,
-            "--node-id", node_id, "--daemon", self.daemon_addresses[node_id],
+            "-c", _WORKER_PRELUDE, "--role", role, "--instance-id", instance_id,
+            "--node-id", node_id,
             "--etcd", self.etcd_endpoint, "--prefix", spec.prefix,
             "--model-name", spec.model_name, "--spec-json", json.dumps(asdict(spec.spec)),
             "--block-tokens", str(spec.block_tokens), "--threads", str(spec.torch_threads),
             "--device", spec.device, "--max-decode-batch", str(spec.max_decode_batch)),
-            READY_PREFIX, self.logs_dir / f"{instance_id}.log")
+            READY_PREFIX, self.logs_dir / f"{instance_id}.log", stdin_line=True)
         self.children[instance_id] = child
         return child
 
