@@ -102,9 +102,17 @@ class CpuBlocksKV:
         chunks.copy_(picked.transpose(1, 2))  # -> [n, 2, H, B, D]
 
     def scatter_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
-        dst = self._blocks(layer)
-        src = chunks.to(dst.device, non_blocking=True).transpose(1, 2).contiguous()
-        dst.index_copy_(0, self._ids_for(blocks), src)
+        # One 3-d copy per block ([k|v, heads, tokens*dim] -> [heads, k|v, tokens*dim]). The
+        # whole-layer form (transpose + contiguous + index_copy_ over [n, 2, H, B, D]) ran at
+        # ~0.1 GB/s here, 50x slower than these copies: torch's 5-d strided copy loop.
+        lay = self.layout
+        t = self.kv_caches[layer]
+        dst = t.view(t.shape[0], lay.num_kv_heads, 2, lay.block_tokens * lay.head_dim)
+        ids = self._ids_for(blocks).tolist()
+        src = chunks.to(t.device, non_blocking=True)
+        src = src.reshape(len(ids), 2, lay.num_kv_heads, lay.block_tokens * lay.head_dim)
+        for i, b in enumerate(ids):
+            dst[b].copy_(src[i].transpose(0, 1))
 
 
 def engine_kv_for(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
