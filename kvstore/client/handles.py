@@ -13,7 +13,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 from kvstore.client.layouts import EngineKV
@@ -196,14 +196,16 @@ class BatchSave:
         self._copies[layer] = fut
         return fut
 
-    def finish(self) -> cf.Future[list[SaveResult]]:
-        """Put every request's chunks once every layer's copy is done. Raises InvalidArgument
-        when a layer was never given."""
+    def finish(self, skip: Collection[int] = ()) -> cf.Future[list[SaveResult]]:
+        """Put every request's chunks once every layer's copy is done, but those of the
+        requests at the indices ``skip``: nothing of theirs is put, their results fail every
+        block ("skipped"). Raises InvalidArgument when a layer was never given."""
         missing = [i for i, c in enumerate(self._copies) if c is None]
         if missing:
             raise InvalidArgument(f"layers {missing} were never saved")
         if self._finished is None:
             copies = [c for c in self._copies if c is not None]
+            skipped = frozenset(skip)
 
             def put(group: list[int]) -> list[SaveResult]:
                 try:
@@ -212,6 +214,7 @@ class BatchSave:
                     gather_s = sum(self._gather_s)
                     return [self._client._put_chain(self._parts[i][0], self._parts[i][1],
                                                     self._held[i][0], gather_s)
+                            if i not in skipped else _skipped(self._parts[i], gather_s)
                             for i in group]
                 finally:
                     for i in group:
@@ -223,6 +226,11 @@ class BatchSave:
             self._finished = _gather_futures(
                 [self._client._pool.submit(put, g) for g in groups])
         return self._finished
+
+def _skipped(part: tuple[list[PrefixKey], int, EngineKV], gather_s: float) -> SaveResult:
+    keys, first, _source = part
+    return SaveResult((), (), tuple(range(first, len(keys))), "skipped", 0, gather_s, 0.0)
+
 
 def split_even(sizes: Sequence[int], parts: int) -> list[list[int]]:
     """Indices of ``sizes`` cut into at most ``parts`` contiguous non-empty groups of about

@@ -48,12 +48,14 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
+from kvstore.client.store_client import StoreClient
 from kvstore.errors import ConfigError
 from kvstore.integrations.vllm.config import ConnectorConfig
 from kvstore.integrations.vllm.connector import KvtierConnector
 from kvstore.integrations.vllm.metadata import (
     KvtierConnectorMetadata,
     KvtierWorkerMetadata,
+    LoadFailure,
     SaveFailure,
 )
 from kvstore.integrations.vllm.scheduler import KV_EVENT_MEDIUM, SchedulerSide
@@ -409,6 +411,57 @@ def test_failed_save_is_rolled_back_and_saved_again(
     probe.add_request(create_request("probe-f", tokens))
     hit = steps_until("probe scheduled", probe, lambda o: "probe-f" in o.num_scheduled_tokens)
     assert [(ld.first_block, ld.num_blocks) for ld in hit.kv_connector_metadata.loads] == [(0, 3)]
+    worker.shutdown()
+    for s in (sched, probe):
+        s.connector.shutdown()  # type: ignore[union-attr]
+
+
+def test_blocks_that_failed_to_load_are_saved_once_recomputed(
+        model_dir: Path, daemon: DaemonProcess) -> None:
+    """A chunk gone between the lookup and the load (removed here, as an eviction would):
+    blocks 1.. do not arrive, vLLM recomputes them, and the step that recomputes them saves
+    them; what the request computed in the step of the failed load (over blocks that did not
+    arrive) is never put. A cold instance then finds the whole prefix (it once found 1 block:
+    the hit counted as stored, the recomputed blocks were never saved, and the daemon refused
+    every later block of the prefix: "parent is not cached")."""
+    head = prompt(4 * BLOCK + 5, base=141)
+    save_blocks(model_dir, daemon, head, seed=141)
+    cfg = create_vllm_config(model_dir, {"daemon": daemon.grpc_address})
+    sched = create_scheduler(cfg)
+    worker, _ = create_worker(cfg, 142)
+    tokens = head[: 4 * BLOCK] + prompt(2 * BLOCK + 5, base=143)
+    req = create_request("r", tokens, max_tokens=20)
+    sched.add_request(req)
+    out = sched.schedule()
+    while "r" not in out.num_scheduled_tokens:  # the lookup in flight
+        update(sched, out, execute(worker, out))
+        time.sleep(0.01)
+        out = sched.schedule()
+    meta = out.kv_connector_metadata
+    assert [(ld.first_block, ld.num_blocks) for ld in meta.loads] == [(0, 4)]
+    assert [(s.first_block, len(s.keys)) for s in meta.saves] == [(4, 6)]
+    with StoreClient.connect(daemon.grpc_address) as store:
+        assert len(store.remove(side(sched).keys_of(req, 2)[1])) >= 1  # block 1 and after it
+    kv = execute(worker, out)
+    assert kv.invalid_block_ids == set(meta.loads[0].block_ids[1:4])
+    report = kv.kv_connector_worker_meta
+    assert isinstance(report, KvtierWorkerMetadata)
+    assert report.load_failed == [LoadFailure("r", 1)]
+    update(sched, out, kv)
+    assert side(sched)._reqs["r"].stored_blocks == 1
+    # vLLM recomputes blocks 1..; that step saves them (and the step's blocks 4, 5 again).
+    out = step(sched, worker)
+    assert out.num_scheduled_tokens["r"] == len(tokens) - BLOCK
+    assert [(s.first_block, len(s.keys)) for s in out.kv_connector_metadata.saves] == [(1, 6)]
+    wait_until("saved", lambda: worker_side(worker).saves_in_flight() == 0)
+    step(sched, worker)  # carries the save reports
+    stats = shipped(sched)
+    assert stats.get("load_resave_blocks") == 5 and stats.get("load_error_blocks") == 3
+    assert stats.get("save_failed_blocks") == 2  # the failed load's step: not put
+    probe = create_scheduler(create_vllm_config(model_dir, {"daemon": daemon.grpc_address}))
+    probe.add_request(create_request("probe-r", tokens))
+    hit = steps_until("probe scheduled", probe, lambda o: "probe-r" in o.num_scheduled_tokens)
+    assert [(ld.first_block, ld.num_blocks) for ld in hit.kv_connector_metadata.loads] == [(0, 6)]
     worker.shutdown()
     for s in (sched, probe):
         s.connector.shutdown()  # type: ignore[union-attr]

@@ -8,7 +8,9 @@ Worker -> scheduler, each step (:class:`KvtierWorkerMetadata`, through vLLM's
 ``KVConnectorOutput.kv_connector_worker_meta``): how the saves that ended since the last step
 ended. Every :class:`SaveSpec` a worker received is reported exactly once by that worker, as
 saved or as failed (put refused, daemon gone, skipped for want of a daemon, past
-``save_timeout_s``), in the step it ended in or a later one.
+``save_timeout_s``, or computed in a step whose load of the request failed), in the step it
+ended in or a later one; and every :class:`LoadSpec` with a block that did not arrive, by its
+first such block (:class:`LoadFailure`), in the step of the load.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvstore.errors import InvalidArgument
 from kvstore.keys import PrefixKey
 
-__all__ = ["KvtierConnectorMetadata", "KvtierWorkerMetadata", "LoadSpec", "SaveFailure",
-           "SaveSpec"]
+__all__ = ["KvtierConnectorMetadata", "KvtierWorkerMetadata", "LoadFailure", "LoadSpec",
+           "SaveFailure", "SaveSpec"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,17 +89,29 @@ class SaveFailure:
     first_failed_block: int
 
 
+@dataclass(frozen=True, slots=True)
+class LoadFailure:
+    """The load of ``req_id`` did not bring block ``first_failed_block`` (nor any after it):
+    vLLM recomputes blocks ``[first_failed_block, ...)``, so the store lacks them."""
+
+    req_id: str
+    first_failed_block: int
+
+
 @dataclass
 class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
-    """The saves that ended since the worker's last report. vLLM aggregates the TP ranks'
-    objects of a step with :meth:`aggregate` (concatenation: one entry per rank and save)."""
+    """The saves that ended since the worker's last report, and the step's failed loads. vLLM
+    aggregates the TP ranks' objects of a step with :meth:`aggregate` (concatenation: one entry
+    per rank and save or load)."""
 
     saved: list[tuple[str, int]] = field(default_factory=list)
     """(req_id, seq) of saves whose blocks the daemon holds now (stored or already there)."""
     failed: list[SaveFailure] = field(default_factory=list)
+    load_failed: list[LoadFailure] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KvtierWorkerMetadata:
         assert isinstance(other, KvtierWorkerMetadata), type(other)
         self.saved.extend(other.saved)
         self.failed.extend(other.failed)
+        self.load_failed.extend(other.load_failed)
         return self

@@ -22,6 +22,11 @@ back by the workers (``KVConnectorOutput.kv_connector_worker_meta``, see
 :mod:`.metadata`): a save that failed rolls ``stored_blocks`` back to its first failed block,
 so the request's next step saves from there again (at most ``MAX_SAVE_RETRIES`` times per
 request; a request that finished first cannot be saved again: its blocks are vLLM's again).
+A load that failed from block k (corrupt, evicted since the lookup, daemon gone) rolls
+``stored_blocks`` back to k as well: vLLM recomputes blocks k.. in a later step, and that step's
+save stores them (the workers never put what a request computed in the step of its failed
+load: it attended to blocks that did not arrive). Without it the store kept a hole at k and
+refused every later block of the prefix ("parent is not cached").
 Saves copy out of vLLM's blocks within the step (``wait_for_save``), so ``request_finished``
 never delays freeing and ``get_finished`` has nothing to report.
 
@@ -51,6 +56,7 @@ from kvstore.integrations.vllm.manifest import check_manifest
 from kvstore.integrations.vllm.metadata import (
     KvtierConnectorMetadata,
     KvtierWorkerMetadata,
+    LoadFailure,
     LoadSpec,
     SaveFailure,
     SaveSpec,
@@ -439,6 +445,8 @@ class SchedulerSide:
             self._save_confirmed(req_id, seq)
         for failure in meta.failed:
             self._save_failed(failure)
+        for load_failure in meta.load_failed:
+            self._load_failed(load_failure)
 
     def _save_confirmed(self, req_id: str, seq: int) -> None:
         tp = self.spec.tp_size
@@ -476,6 +484,18 @@ class SchedulerSide:
         self.stats.add("save_retry_blocks", tracked.stored_blocks - block)
         log.info("kvtier connector: save %d of %s failed from block %d: saved again with its "
                  "next step", failure.seq, failure.req_id, block)
+        tracked.stored_blocks = block
+
+    def _load_failed(self, failure: LoadFailure) -> None:
+        """Roll ``stored_blocks`` back to the first block that did not arrive: vLLM recomputes
+        it and the blocks after it, and the step that does saves them."""
+        tracked = self._reqs.get(failure.req_id)
+        block = failure.first_failed_block
+        if tracked is None or block >= tracked.stored_blocks:
+            return  # finished, or rolled back below it already (another TP rank's report)
+        self.stats.add("load_resave_blocks", tracked.stored_blocks - block)
+        log.info("kvtier connector: load of %s failed from block %d: its recomputed blocks are "
+                 "saved", failure.req_id, block)
         tracked.stored_blocks = block
 
     def request_finished(self, request: Request,

@@ -36,6 +36,8 @@ summed over TP ranks are the bytes each rank moved for its shard):
                             for want of a daemon (the scheduler half saves them again)
 ``save_timeouts``           steps whose puts were not done within ``save_timeout_s``
 ``save_retry_blocks``       blocks of failed saves the scheduler half scheduled again
+``load_resave_blocks``      blocks of failed loads the scheduler half saves again once vLLM
+                            recomputed them
 ``config_mismatch``         connector starts (or reconnects) that found another instance of the
                             model with another block size, hash algorithm or hash seed
 ==========================  =====================================================================
@@ -73,6 +75,7 @@ COUNTERS: dict[str, str] = {
     "save_failed_blocks": "Blocks not saved to kvtier (failed, timed out or no daemon).",
     "save_timeouts": "Steps whose kvtier saves were not done within save_timeout_s.",
     "save_retry_blocks": "Blocks of failed kvtier saves scheduled to be saved again.",
+    "load_resave_blocks": "Blocks of failed kvtier loads saved again once recomputed.",
     "config_mismatch": "Starts that found the model in kvtier with another block size, hash "
                        "algorithm or seed.",
 }

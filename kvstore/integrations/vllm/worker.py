@@ -10,9 +10,12 @@ is committed atomically by the daemon, so a late or abandoned put never leaves h
 visible);
 ``get_block_ids_with_load_errors`` names the vLLM blocks of every block that did not arrive
 (missing, corrupt, daemon dead, timed out), and vLLM recomputes them. A load given up is closed
-first, so it can never write a block vLLM recomputes.
+first, so it can never write a block vLLM recomputes. A request whose load failed this step is
+not saved this step (its new KV was computed over the blocks that did not arrive): its save is
+reported failed, its load by the first block that did not arrive, and the scheduler half saves
+the recomputed blocks with a later step.
 
-How each save ended goes back to the scheduler half in ``build_connector_worker_meta``
+How each save and each failed load ended goes back to the scheduler half in ``build_connector_worker_meta``
 (:class:`~kvstore.integrations.vllm.metadata.KvtierWorkerMetadata`): every save the metadata
 named is reported once, as saved or failed (refused, daemon gone, skipped for want of a
 daemon, copy failed, past ``save_timeout_s``), so the scheduler half can save a failed one
@@ -39,6 +42,7 @@ from kvstore.integrations.vllm.layout import GuardedKV, engine_kv_for, layout_of
 from kvstore.integrations.vllm.metadata import (
     KvtierConnectorMetadata,
     KvtierWorkerMetadata,
+    LoadFailure,
     LoadSpec,
     SaveFailure,
     SaveSpec,
@@ -98,6 +102,8 @@ class WorkerSide:
         self._saver_client: KVClient | None = None
         self._copies: list[cf.Future[None] | None] = []
         self._errors: set[int] = set()
+        self._load_failed: set[str] = set()
+        """Requests whose load failed this step (their save of the step is not put)."""
         self._save_blocks = 0
         self._save_tail: cf.Future[None] | None = None
         """Done when the last step's puts ended: the next step's start after it."""
@@ -121,6 +127,7 @@ class WorkerSide:
 
     def start_load_kv(self, meta: KvtierConnectorMetadata) -> None:
         self._finish_loads()  # a previous step's loads, if vLLM never asked for their errors
+        self._load_failed = set()
         self._deadline = time.monotonic() + self.config.load_timeout_s
         if self.layout is None:
             raise ConfigError("kvtier connector: start_load_kv before register_kv_caches")
@@ -193,6 +200,10 @@ class WorkerSide:
                 self.stats.add("load_error_blocks", len(failed))
                 self.stats.add("load_timeouts", int(ld.given_up))
             self._errors.update(spec.block_ids[b] for b in failed)
+            if failed:
+                self._load_failed.add(spec.req_id)
+                with self._lock:
+                    self._report.load_failed.append(LoadFailure(spec.req_id, min(failed)))
         if longest_s:
             with self._lock:
                 self.stats.add("load_seconds", longest_s)
@@ -258,6 +269,11 @@ class WorkerSide:
         saver = self._saver
         if saver is None:
             return
+        # The forward waited for every layer of the loads: collect them now, so that the KV a
+        # request computed over blocks that did not arrive is never put.
+        self._finish_loads()
+        skip = [i for i, (req_id, _seq, _first) in enumerate(self._save_specs)
+                if req_id in self._load_failed]
         for layer, fut in enumerate(self._copies):
             if fut is None:  # a layer vLLM did not hand over: copy it now
                 try:
@@ -296,7 +312,7 @@ class WorkerSide:
 
         def launch(_prev: object = None) -> None:
             try:
-                fut = saver.finish()
+                fut = saver.finish(skip)
             except Exception as exc:  # never into vLLM's engine loop
                 log.exception("kvtier connector: starting a step's save failed")
                 fut = cf.Future()
@@ -365,11 +381,12 @@ class WorkerSide:
                         "counted as failed", p.blocks, self.config.save_timeout_s)
 
     def build_connector_worker_meta(self) -> KvtierWorkerMetadata | None:
-        """How the saves that ended since the last call ended (None: none did)."""
+        """How the saves that ended since the last call ended, and the step's failed loads
+        (None: nothing to report)."""
         self._expire_saves()
         with self._lock:
             report = self._report
-            if not report.saved and not report.failed:
+            if not report.saved and not report.failed and not report.load_failed:
                 return None
             self._report = KvtierWorkerMetadata()
         return report
