@@ -84,11 +84,13 @@ from kvstore.client.store_client import (
 )
 from kvstore.errors import (
     ChunkExists,
+    ChunkNotFound,
     InvalidArgument,
     KvtierError,
     MembershipError,
     PeerUnavailable,
     SizeMismatch,
+    TransportError,
 )
 from kvstore.keys import BlockHasher, HashMode, Namespace, PrefixKey
 
@@ -477,6 +479,26 @@ class KVClient:
                 handle._fail(f"{type(exc).__name__}: {exc}")
             raise
 
+    def _get_each(self, keys: list[PrefixKey], rows: list[torch.Tensor], start: int, end: int,
+                  got: list[int | None], why_at: dict[int, str], call_error: str
+                  ) -> tuple[int, TransportError | None]:
+        """Read ``keys[start:end]`` into ``rows`` one by one, into ``got`` (None: not there or
+        unreadable, with why in ``why_at``; a chunk missing now is explained by
+        ``call_error``, the batch call's: the daemon drops a chunk it found corrupt, with its
+        descendants); return (index reached, the transport error that stopped it or None)."""
+        for i in range(start, end):
+            try:
+                got[i] = self.store.get_into(keys[i], rows[i])
+            except ChunkNotFound:
+                got[i] = None
+                why_at[i] = call_error
+            except TransportError as exc:
+                return i, exc
+            except KvtierError as exc:  # corrupt, unreadable, wrong size: this block only
+                got[i] = None
+                why_at[i] = _describe(exc)
+        return end, None
+
     def _load_many(self, jobs: list[tuple[LoadHandle, list[PrefixKey], EngineKV]]) -> None:
         # One pooled staging buffer per request, not one for the step: the destinations of a
         # batched read need not be contiguous, and per-request sizes reuse the buffers single
@@ -488,16 +510,30 @@ class KVClient:
             rows = [row for view, _buf in held for row in view]
             total = len(flat)
             got: list[int | None] = [None] * total
+            why_at: dict[int, str] = {}  # flat index -> why it did not arrive (per key)
             t0 = time.perf_counter()
             pos, error, step = 0, None, self.config.batch_blocks
             while pos < total:
                 end = min(pos + step, total)
                 try:
                     got[pos:end] = self.store.get_many_into(flat[pos:end], rows[pos:end])
-                except KvtierError as exc:  # dead daemon, size mismatch: the rest failed
+                except TransportError as exc:  # dead daemon: the rest failed
                     error = _describe(exc)
                     log.warning("batch load stopped at %d of %d blocks: %s", pos, total, error)
                     break
+                except KvtierError as exc:
+                    # One chunk of the call is corrupt or unreadable (a per-key error that
+                    # fails the whole call): read the call's chunks one by one, so that the
+                    # blocks before it, and the other requests' blocks, still arrive.
+                    log.warning("batch load of blocks %d..%d of %d: %s: read one by one", pos,
+                                end, total, _describe(exc))
+                    stopped, exc_t = self._get_each(flat, rows, pos, end, got, why_at,
+                                                    _describe(exc))
+                    if exc_t is not None:
+                        error, pos = _describe(exc_t), stopped
+                        log.warning("batch load stopped at %d of %d blocks: %s", pos, total,
+                                    error)
+                        break
                 pos = end
             t1 = time.perf_counter()
             loaded: list[int] = []
@@ -524,7 +560,9 @@ class KVClient:
                 failed = tuple(range(first + n, first + len(keys)))
                 # The batch error explains this request's stop only if it stopped where the
                 # fetch did (a plain miss before it is a miss).
-                why = error if failed and offset + n >= pos else None
+                why = why_at.get(offset + n) if failed else None
+                if why is None and failed and offset + n >= pos:
+                    why = error
                 handle._finish(LoadResult(first, len(keys), n, failed, why,
                                           n * self.layout.chunk_bytes, t1 - t0, t2 - t1))
                 handle._finish_replication(None)
