@@ -492,8 +492,8 @@ def test_blocks_rotted_on_nvme_are_never_loaded_and_are_recomputed(
     payload byte of two stored blocks is flipped in the segment files, and it is restarted on
     the same port and directory (so no DRAM copy is left). The block among the newest records
     is found at open (it and its descendants are dropped: B's lookup stops before it); the
-    older one at its first read (B's lookup offers it, its load fails, vLLM recomputes it, and
-    the next lookup stops before it). Outputs equal the reference throughout, and the daemon
+    older one at its first read (B's lookup offers it, the blocks before it load, it fails,
+    vLLM recomputes it and the connector saves it again: the next lookup finds it). Outputs equal the reference throughout, and the daemon
     counts each corrupt block once."""
     from kvstore.dataplane.nvme.config import NvmeTierConfig
 
@@ -546,16 +546,17 @@ def test_blocks_rotted_on_nvme_are_never_loaded_and_are_recomputed(
     assert offered == 6 * BLOCK
     result = _ask(instance_b, "rot-read+tail", query)
     assert result.external_hit_tokens == offered, result.counters
-    # Every offered block is either loaded (a prefix ending before the corrupt block) or
-    # reported to vLLM as a load error. (Today the batch load stops at 0 of the 6: the intact
-    # blocks before the corrupt one are recomputed too.)
+    # The blocks before the corrupt one are loaded; it and the offered blocks after it are
+    # reported to vLLM as load errors (the batch load once stopped at 0 of the 6).
     loaded = result.counters.get("vllm:kvtier_loaded_blocks", 0)
     errors = result.counters.get(LOAD_ERRORS, 0)
-    assert loaded <= ROT_READ_BLOCK and loaded + errors == offered // BLOCK, result.counters
+    assert loaded == ROT_READ_BLOCK and loaded + errors == offered // BLOCK, result.counters
     assert _nvme_corrupt(daemon) == 2, "the read did not count the corrupt block"
-    # It stays dropped: the next lookup of that prefix stops before it.
+    # The daemon dropped it (and its descendants); the connector saved the blocks vLLM
+    # recomputed, so the next lookup of that prefix finds all 6 shared blocks again (it once
+    # stopped before the corrupt block: the recomputed blocks were never saved).
     result = _ask(instance_b, "rot-read+tail2", queries["rot-read+tail2"])
-    assert result.external_hit_tokens == ROT_READ_BLOCK * BLOCK, result.counters
+    assert result.external_hit_tokens == 6 * BLOCK, result.counters
     assert result.counters.get(LOAD_ERRORS, 0) == 0, result.counters
     assert _nvme_corrupt(daemon) == 2
 
