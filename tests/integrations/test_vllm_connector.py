@@ -18,27 +18,11 @@ pytest.importorskip("vllm")
 
 import torch
 from vllm import SamplingParams
-from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.utils.hashing import sha256_cbor
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-)
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
-from vllm.v1.structured_output import StructuredOutputManager
 
 from kvstore.client.kvlayout import KVLayout
 from kvstore.errors import ConfigError
@@ -52,23 +36,24 @@ from kvstore.integrations.vllm.metadata import (
 )
 from kvstore.integrations.vllm.stats import KvtierConnectorStats
 from tests.support.daemon import DaemonProcess
-
-BLOCK = 32
-LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 16
-NUM_BLOCKS = 64
-LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+from tests.support.vllm_unit import (
+    BLOCK,
+    HEAD_DIM,
+    KV_HEADS,
+    LAYER_NAMES,
+    LAYERS,
+    cpu_kv_caches,
+    create_kv_cache_config,
+    create_request,
+    create_scheduler,
+    create_vllm_config,
+    write_model_config,
+)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import LlamaConfig
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
-                num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=KV_HEADS,
-                head_dim=HEAD_DIM, max_position_embeddings=1024,
-                torch_dtype="bfloat16").save_pretrained(path)
-    return path
+    return write_model_config(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="module")
@@ -78,47 +63,6 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     d.start()
     yield d
     d.stop()
-
-
-def make_config(model_dir: Path, extra: dict[str, Any], *,
-                policy: str = "recompute", algo: str = "sha256_cbor",
-                prefix_caching: bool = True) -> VllmConfig:
-    model_config = ModelConfig(model=str(model_dir), dtype="bfloat16", seed=0,
-                               max_model_len=1024, skip_tokenizer_init=True)
-    return VllmConfig(
-        model_config=model_config,
-        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024,
-                                         max_model_len=1024, enable_chunked_prefill=True,
-                                         is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching,
-                                 prefix_caching_hash_algo=algo),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KvtierConnector",
-            kv_connector_module_path="kvstore.integrations.vllm.connector",
-            kv_role="kv_both", kv_load_failure_policy=policy,
-            kv_connector_extra_config=extra),
-        device_config=DeviceConfig("cpu"))
-
-
-def kv_cache_config() -> KVCacheConfig:
-    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(LAYER_NAMES, FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS,
-                                                        head_size=HEAD_DIM,
-                                                        dtype=torch.bfloat16))])
-
-
-def make_scheduler(cfg: VllmConfig) -> Scheduler:
-    cfg.cache_config.num_gpu_blocks = NUM_BLOCKS
-    return Scheduler(vllm_config=cfg, kv_cache_config=kv_cache_config(), log_stats=True,
-                     structured_output_manager=StructuredOutputManager(cfg), block_size=BLOCK)
-
-
-def make_request(req_id: str, tokens: list[int], salt: str | None = None) -> Request:
-    init_none_hash(sha256_cbor)
-    params = SamplingParams(max_tokens=4, ignore_eos=True)
-    return Request(request_id=req_id, prompt_token_ids=tokens, sampling_params=params,
-                   pooling_params=None, cache_salt=salt,
-                   block_hasher=get_request_block_hasher(BLOCK, sha256_cbor))
 
 
 def runner_output(reqs: list[Request] | list[str],
@@ -132,14 +76,6 @@ def runner_output(reqs: list[Request] | list[str],
         pooler_output=None,
         kv_connector_output=None if invalid is None else KVConnectorOutput(
             invalid_block_ids=invalid))
-
-
-def cpu_kv_caches(seed: int) -> dict[str, torch.Tensor]:
-    """As CPU vLLM allocates them: one buffer, per-layer [blocks, heads, block, 2*head] views."""
-    g = torch.Generator().manual_seed(seed)
-    whole = torch.randn((LAYERS, NUM_BLOCKS, KV_HEADS, BLOCK, 2 * HEAD_DIM), generator=g)
-    whole = whole.to(torch.bfloat16)
-    return {name: whole[i] for i, name in enumerate(LAYER_NAMES)}
 
 
 def worker_step(worker: KvtierConnector, meta: KvtierConnectorMetadata) -> set[int]:
@@ -208,11 +144,11 @@ def test_config_environment_overrides_and_loud_errors() -> None:
 def test_start_rejects_settings_that_would_fail_or_miss(model_dir: Path) -> None:
     extra = {"daemon": "127.0.0.1:1"}
     with pytest.raises(ConfigError, match="kv_load_failure_policy"):
-        KvtierConnector(make_config(model_dir, extra, policy="fail"), KVConnectorRole.SCHEDULER,
-                        kv_cache_config())
+        KvtierConnector(create_vllm_config(model_dir, extra, policy="fail"), KVConnectorRole.SCHEDULER,
+                        create_kv_cache_config())
     with pytest.raises(ConfigError, match="prefix_caching_hash_algo"):
-        KvtierConnector(make_config(model_dir, extra, algo="xxhash"),
-                        KVConnectorRole.SCHEDULER, kv_cache_config())
+        KvtierConnector(create_vllm_config(model_dir, extra, algo="xxhash"),
+                        KVConnectorRole.SCHEDULER, create_kv_cache_config())
 
 
 # --- layout and metadata -------------------------------------------------------------------
@@ -274,14 +210,14 @@ def run_prefill(sched: Scheduler, worker: KvtierConnector, reqs: list[Request]) 
 def test_blocks_saved_by_one_instance_are_hits_for_another(model_dir: Path,
                                                            daemon: DaemonProcess) -> None:
     extra = {"daemon": daemon.grpc_address}
-    kvc = kv_cache_config()
+    kvc = create_kv_cache_config()
     # Instance A: prefill 3 full blocks + 10 tokens; the 3 blocks are saved.
-    sched_a = make_scheduler(make_config(model_dir, extra))
-    worker_a = KvtierConnector(make_config(model_dir, extra), KVConnectorRole.WORKER, kvc)
+    sched_a = create_scheduler(create_vllm_config(model_dir, extra))
+    worker_a = KvtierConnector(create_vllm_config(model_dir, extra), KVConnectorRole.WORKER, kvc)
     caches_a = cpu_kv_caches(11)
     worker_a.register_kv_caches(caches_a)
     tokens = prompt(3 * BLOCK + 10)
-    req_a = make_request("a", tokens)
+    req_a = create_request("a", tokens)
     _out_a, meta_a, _ = run_prefill(sched_a, worker_a, [req_a])
     assert [(s.first_block, len(s.keys)) for s in meta_a.saves] == [(0, 3)]
     saved_ids = meta_a.saves[0].block_ids[:3]
@@ -289,11 +225,11 @@ def test_blocks_saved_by_one_instance_are_hits_for_another(model_dir: Path,
 
     # Instance B, cold: the same prefix + more is an external hit of 3 blocks, loaded
     # into B's own blocks byte for byte.
-    sched_b = make_scheduler(make_config(model_dir, extra))
-    worker_b = KvtierConnector(make_config(model_dir, extra), KVConnectorRole.WORKER, kvc)
+    sched_b = create_scheduler(create_vllm_config(model_dir, extra))
+    worker_b = KvtierConnector(create_vllm_config(model_dir, extra), KVConnectorRole.WORKER, kvc)
     caches_b = {n: torch.zeros_like(t) for n, t in cpu_kv_caches(0).items()}
     worker_b.register_kv_caches(caches_b)
-    req_b = make_request("b", tokens[: 3 * BLOCK] + prompt(40, base=9))
+    req_b = create_request("b", tokens[: 3 * BLOCK] + prompt(40, base=9))
     out_b, meta_b, errors = run_prefill(sched_b, worker_b, [req_b])
     assert errors == set()
     assert [(ld.first_block, ld.num_blocks) for ld in meta_b.loads] == [(0, 3)]
@@ -305,8 +241,8 @@ def test_blocks_saved_by_one_instance_are_hits_for_another(model_dir: Path,
     assert [(s.first_block, len(s.keys)) for s in meta_b.saves] == [(3, 4)]
 
     # A prompt that is exactly the cached blocks: never the whole prompt (one token computed).
-    sched_c = make_scheduler(make_config(model_dir, extra))
-    req_c = make_request("c", tokens[: 3 * BLOCK])
+    sched_c = create_scheduler(create_vllm_config(model_dir, extra))
+    req_c = create_request("c", tokens[: 3 * BLOCK])
     sched_c.add_request(req_c)
     out_c = schedule(sched_c, "c")
     meta_c = out_c.kv_connector_metadata
@@ -314,8 +250,8 @@ def test_blocks_saved_by_one_instance_are_hits_for_another(model_dir: Path,
     assert out_c.num_scheduled_tokens["c"] == BLOCK
 
     # Another tenant (cache_salt) shares nothing.
-    sched_d = make_scheduler(make_config(model_dir, extra))
-    req_d = make_request("d", tokens, salt="other")
+    sched_d = create_scheduler(create_vllm_config(model_dir, extra))
+    req_d = create_request("d", tokens, salt="other")
     sched_d.add_request(req_d)
     assert schedule(sched_d, "d").kv_connector_metadata.loads == []
     for c in (worker_b,):
@@ -329,19 +265,19 @@ def test_dead_daemon_gives_zero_hits_and_load_errors(model_dir: Path, tmp_path: 
     d.start()
     extra = {"daemon": d.grpc_address, "lookup_timeout_s": 1.0, "load_timeout_s": 2.0,
              "reconnect_interval_s": 60}
-    kvc = kv_cache_config()
+    kvc = create_kv_cache_config()
     try:
-        sched = make_scheduler(make_config(model_dir, extra))
-        worker = KvtierConnector(make_config(model_dir, extra), KVConnectorRole.WORKER, kvc)
+        sched = create_scheduler(create_vllm_config(model_dir, extra))
+        worker = KvtierConnector(create_vllm_config(model_dir, extra), KVConnectorRole.WORKER, kvc)
         worker.register_kv_caches(cpu_kv_caches(3))
         tokens = prompt(4 * BLOCK + 1, base=5)
-        run_prefill(sched, worker, [make_request("w", tokens)])
+        run_prefill(sched, worker, [create_request("w", tokens)])
         worker.shutdown()
         # The blocks are there: a lookup finds them.
-        sched2 = make_scheduler(make_config(model_dir, extra))
-        worker2 = KvtierConnector(make_config(model_dir, extra), KVConnectorRole.WORKER, kvc)
+        sched2 = create_scheduler(create_vllm_config(model_dir, extra))
+        worker2 = KvtierConnector(create_vllm_config(model_dir, extra), KVConnectorRole.WORKER, kvc)
         worker2.register_kv_caches(cpu_kv_caches(4))
-        req = make_request("x", tokens)
+        req = create_request("x", tokens)
         sched2.add_request(req)
         out = schedule(sched2, "x")
         meta = out.kv_connector_metadata
@@ -351,15 +287,15 @@ def test_dead_daemon_gives_zero_hits_and_load_errors(model_dir: Path, tmp_path: 
         assert errors == set(meta.loads[0].target_block_ids)
         sched2.update_from_output(out, runner_output([req], errors))  # vLLM recomputes
         # A request vLLM does not hold: the lookup fails (dead daemon), 0 hits, no exception.
-        req2 = make_request("y", prompt(3 * BLOCK, base=8))
+        req2 = create_request("y", prompt(3 * BLOCK, base=8))
         sched2.add_request(req2)
         out2 = schedule(sched2, "y")
         assert out2.kv_connector_metadata.loads == []
         assert out2.num_scheduled_tokens["y"] == 3 * BLOCK
         assert sched2.connector._scheduler.stats.get("lookup_errors") == 1
         # A connector started while the daemon is down serves at full recompute too.
-        sched3 = make_scheduler(make_config(model_dir, extra))
-        req3 = make_request("z", tokens)
+        sched3 = create_scheduler(create_vllm_config(model_dir, extra))
+        req3 = create_request("z", tokens)
         sched3.add_request(req3)
         out3 = schedule(sched3, "z")
         assert out3.kv_connector_metadata.loads == []
@@ -392,23 +328,23 @@ def test_stats_count_hits_loads_saves_through_vllms_aggregation(model_dir: Path,
     from vllm.v1.outputs import KVConnectorOutput
 
     extra = {"daemon": daemon.grpc_address}
-    kvc = kv_cache_config()
+    kvc = create_kv_cache_config()
     tokens = prompt(4 * BLOCK + 3, base=31)
-    sched_a = make_scheduler(make_config(model_dir, extra))
-    worker_a = KvtierConnector(make_config(model_dir, extra), KVConnectorRole.WORKER, kvc)
+    sched_a = create_scheduler(create_vllm_config(model_dir, extra))
+    worker_a = KvtierConnector(create_vllm_config(model_dir, extra), KVConnectorRole.WORKER, kvc)
     worker_a.register_kv_caches(cpu_kv_caches(21))
-    run_prefill(sched_a, worker_a, [make_request("sa", tokens)])
+    run_prefill(sched_a, worker_a, [create_request("sa", tokens)])
     worker_a.shutdown()  # the puts are done
     saved = worker_stats(worker_a)
     assert saved.get("saved_blocks") == 4 and saved.get("saved_bytes") == 4 * CHUNK_BYTES
     assert saved.get("save_failed_blocks") == 0 and saved.get("save_seconds") > 0
     assert worker_a.get_kv_connector_stats() is None  # taken: a fresh interval
 
-    cfg_b = make_config(model_dir, extra)
-    sched_b = make_scheduler(cfg_b)
-    worker_b = KvtierConnector(make_config(model_dir, extra), KVConnectorRole.WORKER, kvc)
+    cfg_b = create_vllm_config(model_dir, extra)
+    sched_b = create_scheduler(cfg_b)
+    worker_b = KvtierConnector(create_vllm_config(model_dir, extra), KVConnectorRole.WORKER, kvc)
     worker_b.register_kv_caches(cpu_kv_caches(22))
-    req = make_request("sb", tokens[: 3 * BLOCK] + prompt(20, base=32))
+    req = create_request("sb", tokens[: 3 * BLOCK] + prompt(20, base=32))
     sched_b.add_request(req)
     shipped: list[dict[str, Any]] = []
     out = schedule(sched_b, "sb", shipped=shipped)
@@ -482,24 +418,24 @@ def test_stopped_daemon_is_bounded_and_reuse_resumes(model_dir: Path, tmp_path: 
     d.start()
     extra = {"daemon": d.grpc_address, "lookup_timeout_s": 0.5, "load_timeout_s": 1.0,
              "save_timeout_s": 0.3, "reconnect_interval_s": 0.2}
-    kvc = kv_cache_config()
+    kvc = create_kv_cache_config()
     tokens = prompt(4 * BLOCK + 1, base=41)
     stopped = False
     restarted: DaemonProcess | None = None
     try:
-        sched = make_scheduler(make_config(model_dir, extra))
-        worker = KvtierConnector(make_config(model_dir, extra), KVConnectorRole.WORKER, kvc)
+        sched = create_scheduler(create_vllm_config(model_dir, extra))
+        worker = KvtierConnector(create_vllm_config(model_dir, extra), KVConnectorRole.WORKER, kvc)
         worker.register_kv_caches(cpu_kv_caches(5))
-        run_prefill(sched, worker, [make_request("p", tokens)])
+        run_prefill(sched, worker, [create_request("p", tokens)])
         worker.shutdown()
 
-        sched2 = make_scheduler(make_config(model_dir, extra))
+        sched2 = create_scheduler(create_vllm_config(model_dir, extra))
         # Over TCP every byte needs the daemon (same-host shm reads of committed chunks are
         # lease-free: they complete from the mapped arena even while the daemon is stopped).
-        worker2 = KvtierConnector(make_config(model_dir, {**extra, "data_plane": "tcp"}),
+        worker2 = KvtierConnector(create_vllm_config(model_dir, {**extra, "data_plane": "tcp"}),
                                   KVConnectorRole.WORKER, kvc)
         worker2.register_kv_caches(cpu_kv_caches(6))
-        req = make_request("q", tokens[: 4 * BLOCK] + prompt(2 * BLOCK + 5, base=42))
+        req = create_request("q", tokens[: 4 * BLOCK] + prompt(2 * BLOCK + 5, base=42))
         sched2.add_request(req)
         out = schedule(sched2, "q")
         meta = out.kv_connector_metadata
@@ -512,7 +448,7 @@ def test_stopped_daemon_is_bounded_and_reuse_resumes(model_dir: Path, tmp_path: 
         assert errors == set(meta.loads[0].target_block_ids)
         sched2.update_from_output(out, runner_output([req], errors))
         # A lookup is 0 hits within lookup_timeout_s; the scheduler goes on.
-        req2 = make_request("r", prompt(3 * BLOCK, base=43))
+        req2 = create_request("r", prompt(3 * BLOCK, base=43))
         sched2.add_request(req2)
         out2 = schedule(sched2, "r")
         assert out2.kv_connector_metadata.loads == []
@@ -537,10 +473,10 @@ def test_stopped_daemon_is_bounded_and_reuse_resumes(model_dir: Path, tmp_path: 
         # background reconnect), and the same worker half loads them.
         probes = iter(range(10**6))
         wait_until("hits after SIGCONT", lambda: matched(
-            sched2.connector, make_request(f"probe{next(probes)}", tokens)) == 4 * BLOCK)
+            sched2.connector, create_request(f"probe{next(probes)}", tokens)) == 4 * BLOCK)
         wait_until("worker reconnected", lambda: w2.session.get() is not None)
-        sched3 = make_scheduler(make_config(model_dir, extra))
-        _out3, meta3, errors3 = run_prefill(sched3, worker2, [make_request("s", tokens)])
+        sched3 = create_scheduler(create_vllm_config(model_dir, extra))
+        _out3, meta3, errors3 = run_prefill(sched3, worker2, [create_request("s", tokens)])
         assert [(ld.first_block, ld.num_blocks) for ld in meta3.loads] == [(0, 4)]
         assert errors3 == set() and worker_stats(worker2).get("loaded_blocks") == 4
 
@@ -557,11 +493,11 @@ def test_stopped_daemon_is_bounded_and_reuse_resumes(model_dir: Path, tmp_path: 
         def save_then_hit() -> bool:
             # The first save after the restart may fail on the old connection (the worker then
             # reconnects in the background); a later one lands, and the scheduler half sees it.
-            sched_n = make_scheduler(make_config(model_dir, extra))
+            sched_n = create_scheduler(create_vllm_config(model_dir, extra))
             schedulers.append(sched_n)
-            run_prefill(sched_n, worker2, [make_request(f"t{len(schedulers)}", fresh)])
+            run_prefill(sched_n, worker2, [create_request(f"t{len(schedulers)}", fresh)])
             wait_until("save settled", lambda: w2.saves_in_flight() == 0)
-            n = matched(sched2.connector, make_request(f"probe-t{len(schedulers)}", fresh))
+            n = matched(sched2.connector, create_request(f"probe-t{len(schedulers)}", fresh))
             return n == 3 * BLOCK
 
         wait_until("reuse after a restart", save_then_hit)
@@ -584,19 +520,19 @@ def test_prefix_caching_off_is_a_warning_and_hits_still_work(model_dir: Path,
 
     extra = {"daemon": daemon.grpc_address}
     with caplog.at_level("WARNING", logger="kvstore.integrations.vllm.connector"):
-        sched = make_scheduler(make_config(model_dir, extra, prefix_caching=False))
+        sched = create_scheduler(create_vllm_config(model_dir, extra, prefix_caching=False))
     assert PREFIX_CACHING_OFF in caplog.text
     tokens = prompt(3 * BLOCK + 10, base=51)
-    sched_a = make_scheduler(make_config(model_dir, extra))
-    worker_a = KvtierConnector(make_config(model_dir, extra), KVConnectorRole.WORKER,
-                               kv_cache_config())
+    sched_a = create_scheduler(create_vllm_config(model_dir, extra))
+    worker_a = KvtierConnector(create_vllm_config(model_dir, extra), KVConnectorRole.WORKER,
+                               create_kv_cache_config())
     worker_a.register_kv_caches(cpu_kv_caches(51))
-    run_prefill(sched_a, worker_a, [make_request("pa", tokens)])
+    run_prefill(sched_a, worker_a, [create_request("pa", tokens)])
     worker_a.shutdown()
     sched_a.connector.shutdown()
     # vLLM 0.32's EngineCore hashes blocks when a connector is set (make_request does the
     # same), so an instance without prefix caching still finds them.
-    sched.add_request(make_request("pc", tokens[: 3 * BLOCK] + prompt(5, base=50)))
+    sched.add_request(create_request("pc", tokens[: 3 * BLOCK] + prompt(5, base=50)))
     out = schedule(sched, "pc")
     assert [(ld.first_block, ld.num_blocks) for ld in out.kv_connector_metadata.loads] == [(0, 3)]
     # A request vLLM did not hash (a vLLM hashing only with prefix caching on): 0 hits, said once.

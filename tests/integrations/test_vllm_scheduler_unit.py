@@ -23,30 +23,18 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch
-from vllm import SamplingParams
 from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    KVEventsConfig,
-    KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
     VllmConfig,
 )
 from vllm.distributed.kv_events import BlockStored, KVEventBatch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.utils.hashing import sha256_cbor
 from vllm.v1.core.kv_cache_utils import (
-    get_request_block_hasher,
-    init_none_hash,
     maybe_convert_block_hash,
 )
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-from vllm.v1.request import Request, RequestStatus
-from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.request import RequestStatus
 
 from kvstore.client.store_client import StoreClient
 from kvstore.errors import ConfigError
@@ -62,26 +50,26 @@ from kvstore.integrations.vllm.scheduler import KV_EVENT_MEDIUM, SchedulerSide
 from kvstore.integrations.vllm.stats import KvtierConnectorStats
 from kvstore.integrations.vllm.worker import WorkerSide
 from tests.support.daemon import DaemonProcess
-
-BLOCK = 32
-LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 16
-NUM_BLOCKS = 64
-LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-
+from tests.support.vllm_unit import (
+    BLOCK,
+    HEAD_DIM,
+    KV_HEADS,
+    LAYER_NAMES,
+    LAYERS,
+    NUM_BLOCKS,
+    create_kv_cache_config,
+    create_request,
+    create_scheduler,
+    create_vllm_config,
+    write_model_config,
+)
 
 # --- vLLM's unit-test helpers, for this connector --------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import LlamaConfig
-
-    path = tmp_path_factory.mktemp("tiny-llama-unit")
-    LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
-                num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=KV_HEADS,
-                head_dim=HEAD_DIM, max_position_embeddings=1024,
-                torch_dtype="bfloat16").save_pretrained(path)
-    return path
+    return write_model_config(tmp_path_factory.mktemp("tiny-llama-unit"))
 
 
 @pytest.fixture(scope="module")
@@ -108,41 +96,6 @@ def stop_daemon(daemon: DaemonProcess) -> Iterator[Callable[[bool], None]]:
         os.kill(daemon.pid, signal.SIGCONT)
 
 
-def create_vllm_config(model_dir: Path, extra: dict[str, Any], *, block_size: int = BLOCK,
-                       algo: str = "sha256_cbor", kv_events: bool = False) -> VllmConfig:
-    model_config = ModelConfig(model=str(model_dir), dtype="bfloat16", seed=0,
-                               max_model_len=1024, skip_tokenizer_init=True)
-    return VllmConfig(
-        model_config=model_config,
-        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024,
-                                         max_model_len=1024, enable_chunked_prefill=True,
-                                         is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True,
-                                 prefix_caching_hash_algo=algo),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KvtierConnector",
-            kv_connector_module_path="kvstore.integrations.vllm.connector",
-            kv_role="kv_both", kv_load_failure_policy="recompute",
-            kv_connector_extra_config=extra),
-        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null")
-        if kv_events else None,
-        device_config=DeviceConfig("cpu"))
-
-
-def create_kv_cache_config(block_size: int = BLOCK) -> KVCacheConfig:
-    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(LAYER_NAMES, FullAttentionSpec(block_size=block_size,
-                                                        num_kv_heads=KV_HEADS,
-                                                        head_size=HEAD_DIM,
-                                                        dtype=torch.bfloat16))])
-
-
-def create_scheduler(cfg: VllmConfig) -> Scheduler:
-    cfg.cache_config.num_gpu_blocks = NUM_BLOCKS
-    return Scheduler(vllm_config=cfg, kv_cache_config=create_kv_cache_config(), log_stats=True,
-                     structured_output_manager=StructuredOutputManager(cfg), block_size=BLOCK)
-
-
 def create_worker(cfg: VllmConfig, seed: int) -> tuple[KvtierConnector, dict[str, torch.Tensor]]:
     worker = KvtierConnector(cfg, KVConnectorRole.WORKER, create_kv_cache_config())
     g = torch.Generator().manual_seed(seed)
@@ -150,13 +103,6 @@ def create_worker(cfg: VllmConfig, seed: int) -> tuple[KvtierConnector, dict[str
     caches = {n: t for n, t in zip(LAYER_NAMES, whole.to(torch.bfloat16), strict=True)}
     worker.register_kv_caches(caches)
     return worker, caches
-
-
-def create_request(req_id: str, tokens: list[int], max_tokens: int = 4) -> Request:
-    init_none_hash(sha256_cbor)
-    return Request(request_id=req_id, prompt_token_ids=tokens,
-                   sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                   pooling_params=None, block_hasher=get_request_block_hasher(BLOCK, sha256_cbor))
 
 
 def create_model_runner_output(out: SchedulerOutput,
