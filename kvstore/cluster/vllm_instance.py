@@ -75,7 +75,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TextIO
+from typing import Any, Self, TextIO
 
 REPO = Path(__file__).resolve().parents[2]
 HASH_SEED = "0"
@@ -242,50 +242,30 @@ def _child_env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-class VllmProcess:
-    """One ``vllm.LLM`` in a child process of its own process group (see the module docstring).
+class ProcessGroupChild:
+    """A child process that leads its own process group (``start_new_session``), with its log
+    file, and the teardown both vLLM launchers share: :meth:`kill_group` signals the whole
+    group, SIGTERM and then SIGKILL, until no process of it is left, and unlinks the
+    ``/dev/shm/psm_*`` segments processes of the group were seen to use (:meth:`_record_shm`,
+    called after start and after every request, and just before the signals). Children still
+    running at interpreter exit are killed the same way."""
 
-    ``engine_kwargs`` are added to (and override) the defaults passed to ``LLM(...)``.
-    ``dtype`` is explicit because vLLM on CPU runs a float32 checkpoint in bfloat16 under
-    ``"auto"``.
-    """
-
-    def __init__(self, model_dir: Path, work_dir: Path, name: str, *, block_size: int = 32,
-                 max_model_len: int = 1024, kv_cache_memory_bytes: int = 32 << 20,
-                 enable_prefix_caching: bool = True, dtype: str = "float32",
-                 kv_transfer_config: dict[str, Any] | None = None,
-                 engine_kwargs: dict[str, Any] | None = None,
-                 env: dict[str, str] | None = None, python: str | Path | None = None) -> None:
-        if block_size % 32:
-            raise ValueError(f"block_size {block_size}: vLLM on CPU needs a multiple of 32")
-        self.model_dir = model_dir
+    def __init__(self, work_dir: Path, name: str) -> None:
         self.work_dir = work_dir
         self.name = name
         self.log_path = work_dir / f"{name}.log"
-        kwargs: dict[str, Any] = {
-            "block_size": block_size, "max_model_len": max_model_len,
-            "kv_cache_memory_bytes": kv_cache_memory_bytes,
-            "enable_prefix_caching": enable_prefix_caching, "dtype": dtype,
-            "prefix_caching_hash_algo": "sha256_cbor", "enforce_eager": True,
-            "skip_tokenizer_init": True, "disable_log_stats": False, "seed": 0,
-        }
-        if kv_transfer_config is not None:
-            kwargs["kv_transfer_config"] = kv_transfer_config
-        kwargs.update(engine_kwargs or {})
-        self.engine_kwargs = kwargs
-        self.env = dict(env or {})
-        self.python = str(python) if python is not None else sys.executable
         self.proc: subprocess.Popen[bytes] | None = None
-        self._requests: TextIO | None = None
-        self._responses: int | None = None
-        self._buffer = b""
         self._shm_seen: set[str] = set()
         self.start_s: float | None = None
-        """Seconds from spawning the child to its ready line."""
+        """Seconds from spawning the child until it was ready."""
 
-    # -- lifecycle -----------------------------------------------------------------------
+    def start(self, timeout_s: float = 240.0) -> None:
+        raise NotImplementedError
 
-    def __enter__(self) -> VllmProcess:
+    def close(self, timeout_s: float = 30.0) -> None:
+        self.kill_group(timeout_s=timeout_s)
+
+    def __enter__(self) -> Self:
         self.start()
         return self
 
@@ -301,24 +281,111 @@ class VllmProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def start(self, timeout_s: float = 240.0) -> None:
+    def _spawn(self, cmd: list[str], env: dict[str, str], **popen: Any) -> None:
+        """Start ``cmd`` in a new session (its own process group), output to the log."""
         self.work_dir.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+                                         stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True, **popen)
+        _LIVE.add(self)
+
+    def kill_group(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM the whole process group, SIGKILL what is left after ``timeout_s``."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # start_new_session: the child leads its own group
+        self._record_shm()
+        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
+            if not _group_pids(pgid) and self.proc.poll() is not None:
+                break
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, sig)
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline:
+                self.proc.poll()  # reap the leader, else it stays a zombie in the group
+                if not _group_pids(pgid):
+                    break
+                time.sleep(0.1)
+        self.proc.poll()
+        self._closed()
+        for name in self._shm_seen:
+            with contextlib.suppress(FileNotFoundError):
+                (SHM_DIR / name).unlink()
+        _LIVE.discard(self)
+
+    def _closed(self) -> None:
+        """Called by :meth:`kill_group` once the group is gone: release what the caller holds."""
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def group_pids(self) -> list[int]:
+        return [] if self.proc is None else _group_pids(self.proc.pid)
+
+    @property
+    def shm_segments(self) -> set[str]:
+        """The ``/dev/shm/psm_*`` names the group was seen to use."""
+        return set(self._shm_seen)
+
+    def _record_shm(self) -> None:
+        if self.proc is not None:
+            self._shm_seen |= _shm_used_by(_group_pids(self.proc.pid))
+
+
+class VllmProcess(ProcessGroupChild):
+    """One ``vllm.LLM`` in a child process of its own process group (see the module docstring).
+
+    ``engine_kwargs`` are added to (and override) the defaults passed to ``LLM(...)``.
+    ``dtype`` is explicit because vLLM on CPU runs a float32 checkpoint in bfloat16 under
+    ``"auto"``.
+    """
+
+    def __init__(self, model_dir: Path, work_dir: Path, name: str, *, block_size: int = 32,
+                 max_model_len: int = 1024, kv_cache_memory_bytes: int = 32 << 20,
+                 enable_prefix_caching: bool = True, dtype: str = "float32",
+                 kv_transfer_config: dict[str, Any] | None = None,
+                 engine_kwargs: dict[str, Any] | None = None,
+                 env: dict[str, str] | None = None, python: str | Path | None = None) -> None:
+        if block_size % 32:
+            raise ValueError(f"block_size {block_size}: vLLM on CPU needs a multiple of 32")
+        super().__init__(work_dir, name)
+        self.model_dir = model_dir
+        kwargs: dict[str, Any] = {
+            "block_size": block_size, "max_model_len": max_model_len,
+            "kv_cache_memory_bytes": kv_cache_memory_bytes,
+            "enable_prefix_caching": enable_prefix_caching, "dtype": dtype,
+            "prefix_caching_hash_algo": "sha256_cbor", "enforce_eager": True,
+            "skip_tokenizer_init": True, "disable_log_stats": False, "seed": 0,
+        }
+        if kv_transfer_config is not None:
+            kwargs["kv_transfer_config"] = kv_transfer_config
+        kwargs.update(engine_kwargs or {})
+        self.engine_kwargs = kwargs
+        self.env = dict(env or {})
+        self.python = str(python) if python is not None else sys.executable
+        self._requests: TextIO | None = None
+        self._responses: int | None = None
+        self._buffer = b""
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 240.0) -> None:
         req_r, req_w = os.pipe()
         resp_r, resp_w = os.pipe()
         config = {"model": str(self.model_dir), "engine_kwargs": self.engine_kwargs}
         cmd = [self.python, "-m", "kvstore.cluster.vllm_instance", "serve", "--requests-fd", str(req_r),
                "--responses-fd", str(resp_w), "--config", json.dumps(config)]
         began = time.monotonic()
-        with self.log_path.open("ab") as log:
-            try:
-                self.proc = subprocess.Popen(cmd, cwd=REPO, env=_child_env(self.env),
-                                             stdin=subprocess.DEVNULL, stdout=log,
-                                             stderr=subprocess.STDOUT, pass_fds=(req_r, resp_w),
-                                             start_new_session=True)
-            finally:
-                os.close(req_r)
-                os.close(resp_w)
-        _LIVE.add(self)
+        try:
+            self._spawn(cmd, _child_env(self.env), pass_fds=(req_r, resp_w))
+        finally:
+            os.close(req_r)
+            os.close(resp_w)
         self._requests = os.fdopen(req_w, "w")
         self._responses = resp_r
         try:
@@ -341,51 +408,14 @@ class VllmProcess:
                 self._call({"op": "shutdown"}, timeout_s=timeout_s)
         self.kill_group(timeout_s=timeout_s)
 
-    def kill_group(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM the whole process group, SIGKILL what is left after ``timeout_s``."""
-        if self.proc is None:
-            return
-        pgid = self.proc.pid  # start_new_session: the child leads its own group
-        self._record_shm()
-        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
-            if not _group_pids(pgid) and self.proc.poll() is not None:
-                break
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, sig)
-            deadline = time.monotonic() + wait_s
-            while time.monotonic() < deadline:
-                self.proc.poll()  # reap the leader, else it stays a zombie in the group
-                if not _group_pids(pgid):
-                    break
-                time.sleep(0.1)
-        self.proc.poll()
-        for f in (self._requests,):
-            if f is not None:
-                with contextlib.suppress(OSError):
-                    f.close()
+    def _closed(self) -> None:
+        if self._requests is not None:
+            with contextlib.suppress(OSError):
+                self._requests.close()
         self._requests = None
         if self._responses is not None:
             os.close(self._responses)
             self._responses = None
-        for name in self._shm_seen:
-            with contextlib.suppress(FileNotFoundError):
-                (SHM_DIR / name).unlink()
-        _LIVE.discard(self)
-
-    def log_tail(self, lines: int = 60) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
-
-    def group_pids(self) -> list[int]:
-        return [] if self.proc is None else _group_pids(self.proc.pid)
-
-    @property
-    def shm_segments(self) -> set[str]:
-        """The ``/dev/shm/psm_*`` names the group was seen to use."""
-        return set(self._shm_seen)
 
     # -- requests --------------------------------------------------------------------------
 
@@ -451,20 +481,16 @@ class VllmProcess:
         result: dict[str, Any] = json.loads(line)
         return result
 
-    def _record_shm(self) -> None:
-        if self.proc is not None:
-            self._shm_seen |= _shm_used_by(_group_pids(self.proc.pid))
 
-
-_LIVE: set[VllmProcess] = set()
+_LIVE: set[ProcessGroupChild] = set()
 """Started and not yet killed: killed at interpreter exit if a test run ends without teardown
 (pytest interrupted between tests, a fixture finalizer that never ran)."""
 
 
 @atexit.register
 def _kill_leftovers() -> None:
-    for llm in list(_LIVE):
-        llm.kill_group(timeout_s=5.0)
+    for child in list(_LIVE):
+        child.kill_group(timeout_s=5.0)
 
 
 def _group_pids(pgid: int) -> list[int]:

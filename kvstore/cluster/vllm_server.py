@@ -28,13 +28,8 @@ unlinked. Servers still running at interpreter exit are killed the same way. Out
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import json
-import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 import urllib.error
@@ -42,16 +37,9 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
-from kvstore.cluster.vllm_instance import (
-    HASH_SEED,
-    REPO,
-    SHM_DIR,
-    _group_pids,
-    _shm_used_by,
-)
+from kvstore.cluster.vllm_instance import ProcessGroupChild, _child_env
 
 __all__ = ["SERVER_MODULE", "Completion", "VllmServer", "VllmServerError", "free_port"]
 
@@ -84,17 +72,7 @@ class Completion:
     raw: dict[str, Any]
 
 
-def _server_env(extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    env["PYTHONPATH"] = str(REPO)
-    env["PYTHONHASHSEED"] = HASH_SEED
-    env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
-    env["TOKENIZERS_PARALLELISM"] = "false"
-    env.update(extra)
-    return env
-
-
-class VllmServer:
+class VllmServer(ProcessGroupChild):
     """One ``vllm serve`` process group (see the module docstring).
 
     ``extra_args`` are appended to the command line (a later flag overrides an earlier one).
@@ -108,14 +86,12 @@ class VllmServer:
                  extra_args: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
         if block_size % 32:
             raise ValueError(f"block_size {block_size}: vLLM on CPU needs a multiple of 32")
+        super().__init__(work_dir, name)
         self.model_dir = model_dir
-        self.work_dir = work_dir
-        self.name = name
         self.host = host
         self.port = port
         """The listening port; None until :meth:`start` picks a free one."""
         self.model_name = model_name
-        self.log_path = work_dir / f"{name}.log"
         self.args: list[str] = [
             "--served-model-name", model_name, "--block-size", str(block_size),
             "--max-model-len", str(max_model_len),
@@ -127,34 +103,14 @@ class VllmServer:
             self.args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         self.args += list(extra_args)
         self.env = dict(env or {})
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._shm_seen: set[str] = set()
-        self.start_s: float | None = None
-        """Seconds from spawning the server to its first healthy answer."""
 
     # -- lifecycle -----------------------------------------------------------------------
-
-    def __enter__(self) -> VllmServer:
-        self.start()
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()
 
     @property
     def base_url(self) -> str:
         if self.port is None:
             raise VllmServerError(f"{self.name} has not been started")
         return f"http://{self.host}:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
     def command(self) -> list[str]:
         """The command line: ``vllm serve``'s server and flags, run with this interpreter
@@ -170,14 +126,9 @@ class VllmServer:
             raise VllmServerError(f"{self.name} is already running")
         if self.port is None:
             self.port = free_port(self.host)
-        self.work_dir.mkdir(parents=True, exist_ok=True)
         self._shm_seen = set()
         began = time.monotonic()
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(self.command(), cwd=REPO, env=_server_env(self.env),
-                                         stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
-        _LIVE.add(self)
+        self._spawn(self.command(), _child_env(self.env))
         try:
             self.wait_ready(timeout_s)
         except BaseException:
@@ -209,45 +160,7 @@ class VllmServer:
     def close(self, timeout_s: float = 30.0) -> None:
         """SIGTERM the whole process group (vLLM shuts down gracefully on it), SIGKILL what
         is left after ``timeout_s``; unlink the group's shared-memory segments."""
-        if self.proc is None:
-            return
-        pgid = self.proc.pid  # start_new_session: the server leads its own group
-        self._record_shm()
-        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
-            if not _group_pids(pgid) and self.proc.poll() is not None:
-                break
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, sig)
-            deadline = time.monotonic() + wait_s
-            while time.monotonic() < deadline:
-                self.proc.poll()  # reap the leader, else it stays a zombie in the group
-                if not _group_pids(pgid):
-                    break
-                time.sleep(0.1)
-        self.proc.poll()
-        for name in self._shm_seen:
-            with contextlib.suppress(FileNotFoundError):
-                (SHM_DIR / name).unlink()
-        _LIVE.discard(self)
-
-    def log_tail(self, lines: int = 60) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
-
-    def group_pids(self) -> list[int]:
-        return [] if self.proc is None else _group_pids(self.proc.pid)
-
-    @property
-    def shm_segments(self) -> set[str]:
-        """The ``/dev/shm/psm_*`` names the group was seen to use."""
-        return set(self._shm_seen)
-
-    def _record_shm(self) -> None:
-        if self.proc is not None:
-            self._shm_seen |= _shm_used_by(_group_pids(self.proc.pid))
+        self.kill_group(timeout_s=timeout_s)
 
     # -- requests --------------------------------------------------------------------------
 
@@ -302,13 +215,3 @@ class VllmServer:
             except ValueError:
                 continue
         return values
-
-
-_LIVE: set[VllmServer] = set()
-"""Started and not yet closed: killed at interpreter exit."""
-
-
-@atexit.register
-def _kill_leftovers() -> None:
-    for server in list(_LIVE):
-        server.close(timeout_s=5.0)
