@@ -22,7 +22,7 @@ Chunks are per *block*, not per layer
     bytes arrive before the last layer's, but they multiply keys (index entries, events, lease
     round trips) by the number of layers, and they split a prefix into L chains the daemon can
     evict independently. Measured on this machine (``bench/kv_client.py``, see
-    ``docs/vllm-connector.md``): per-layer chunks of a 4 MiB block move several times slower
+    ``docs/kv-client.md``): per-layer chunks of a 4 MiB block move several times slower
     through the daemon than whole-block chunks. So the layer pipeline lives on the engine's side
     of the store: a save copies each layer out of the engine's buffers as soon as the engine is
     done with it (:meth:`LayerwiseSave.save_layer`) and puts whole chunks once every layer is
