@@ -561,6 +561,43 @@ def test_blocks_rotted_on_nvme_are_never_loaded_and_are_recomputed(
     assert _nvme_corrupt(daemon) == 2
 
 
+class _BackgroundBatch:
+    """``instance.generate(prompts)`` on a thread of its own, started once the test is ready
+    to fault the daemon: :meth:`start` returns when the batch has reached the daemon (or is
+    already done), with ``mid_run`` saying which; :meth:`result` joins it and re-raises, in the
+    test's thread, what the batch raised."""
+
+    def __init__(self, instance: VllmProcess, daemon: DaemonProcess,
+                 prompts: list[list[int]], timeout_s: float = 180.0) -> None:
+        self._results: dict[str, Any] = {}
+        self._daemon = daemon
+
+        def serve() -> None:
+            try:
+                self._results["batch"] = instance.generate(prompts, max_tokens=MAX_TOKENS,
+                                                           timeout_s=timeout_s)
+            except BaseException as exc:  # re-raised by result(), in the test's thread
+                self._results["error"] = exc
+
+        self._thread = threading.Thread(target=serve)
+        self.mid_run = False
+
+    def start(self) -> None:
+        before = _served(self._daemon)
+        self._thread.start()
+        wait_until(lambda: not self._thread.is_alive() or _served(self._daemon) > before,
+                   timeout_s=120, what="the batch reaching the daemon", poll_s=0.05)
+        self.mid_run = self._thread.is_alive()
+
+    def result(self, timeout_s: float, why: str) -> GenerateResult:
+        self._thread.join(timeout_s)
+        assert not self._thread.is_alive(), f"the batch did not complete {why}"
+        if "error" in self._results:
+            raise self._results["error"]
+        batch: GenerateResult = self._results["batch"]
+        return batch
+
+
 def test_a_stopped_daemon_delays_requests_only_up_to_the_timeouts_and_reuse_resumes(
         instance_b: VllmProcess, daemon: DaemonProcess,
         reference: dict[str, list[int]]) -> None:
@@ -570,30 +607,13 @@ def test_a_stopped_daemon_delays_requests_only_up_to_the_timeouts_and_reuse_resu
     connector uses it again and a cold request gets A's blocks. (No timing is asserted.)"""
     queries = _queries(reference)
     names = [f"slow{i}+tail" for i in range(3)]
-    results: dict[str, Any] = {}
-
-    def serve() -> None:
-        try:
-            results["batch"] = instance_b.generate([queries[n].tokens for n in names],
-                                                   max_tokens=MAX_TOKENS, timeout_s=400)
-        except BaseException as exc:  # re-raised below, in the test's thread
-            results["error"] = exc
-
     assert instance_b.reset_prefix_cache()
-    before = _served(daemon)
-    worker = threading.Thread(target=serve)
-    worker.start()
-    wait_until(lambda: not worker.is_alive() or _served(daemon) > before, timeout_s=120,
-               what="B's batch reaching the daemon", poll_s=0.05)
-    mid_run = worker.is_alive()
+    run = _BackgroundBatch(instance_b, daemon, [queries[n].tokens for n in names], timeout_s=400)
+    run.start()
     os.kill(daemon.pid, signal.SIGSTOP)
     try:
-        worker.join(450)
-        assert not worker.is_alive(), "the batch did not complete while the daemon was stopped"
-        if "error" in results:
-            raise results["error"]
-        batch: GenerateResult = results["batch"]
-        assert batch.token_ids == [reference[n] for n in names], f"stopped mid-run: {mid_run}"
+        batch = run.result(450, "while the daemon was stopped")
+        assert batch.token_ids == [reference[n] for n in names], f"stopped mid-run: {run.mid_run}"
         # Still stopped: a request that starts now (its lookup meets the stopped daemon).
         assert instance_b.reset_prefix_cache()
         alone = instance_b.generate([queries["slow3+tail"].tokens], max_tokens=MAX_TOKENS,
@@ -615,30 +635,13 @@ def test_daemon_killed_mid_run_outputs_unchanged_and_requests_complete(
     """Last in the module: it kills the shared daemon."""
     queries = _queries(reference)
     names = [f"kill{i}+tail" for i in range(4)]
-    results: dict[str, Any] = {}
-
-    def serve() -> None:
-        try:
-            results["batch"] = instance_b.generate([queries[n].tokens for n in names],
-                                                   max_tokens=MAX_TOKENS)
-        except BaseException as exc:  # re-raised below, in the test's thread
-            results["error"] = exc
-
-    before = _served(daemon)
-    worker = threading.Thread(target=serve)
-    worker.start()
+    run = _BackgroundBatch(instance_b, daemon, [queries[n].tokens for n in names])
     # Kill it once B's batch has reached it (or the batch is already done: then the daemon
     # dies between requests instead, which the second half covers anyway).
-    wait_until(lambda: not worker.is_alive() or _served(daemon) > before, timeout_s=120,
-               what="B's batch reaching the daemon", poll_s=0.05)
-    mid_run = worker.is_alive()
+    run.start()
     daemon.kill()
-    worker.join(300)
-    assert not worker.is_alive(), "the batch did not complete after the daemon died"
-    if "error" in results:
-        raise results["error"]
-    batch: GenerateResult = results["batch"]
-    assert batch.token_ids == [reference[n] for n in names], f"killed mid-run: {mid_run}"
+    batch = run.result(300, "after the daemon died")
+    assert batch.token_ids == [reference[n] for n in names], f"killed mid-run: {run.mid_run}"
     # With the daemon gone for good, B serves at full recompute, one request after another.
     assert instance_b.reset_prefix_cache()
     for name in ("fresh", "on+tail"):
