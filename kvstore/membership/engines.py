@@ -16,6 +16,11 @@ current records (the gateway), :class:`EngineWatch` follows them (the conductor)
 prefill tokens, running decode batch, KV in use) changes per request: engines send it to the
 conductor over gRPC (``ReportLoad``), not through etcd.
 
+vLLM servers do not speak etcd: a sidecar (:mod:`kvstore.membership.vllm_registration`,
+``kvtier vllm-register``) holds their record, which says where the server answers HTTP
+(``http_url``) and where it publishes its KV cache events (:class:`VllmKvEvents`): the
+conductor subscribes there to learn what the engine holds in its own prefix cache.
+
 Contracts
     * A malformed value (bad JSON, unknown role, id that does not match its key) is logged and
       skipped, never raised: one broken writer cannot take discovery down.
@@ -33,6 +38,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,8 +59,13 @@ from kvstore.membership.registration import KeyClaim, Registration, StateCallbac
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EngineChange", "EngineRecord", "EngineRole", "EngineWatch", "engine_create_revisions",
-           "engines_prefix", "list_engines", "put_engine_record", "register_engine"]
+__all__ = ["VLLM_DEFAULT_HASH_SEED", "EngineChange", "EngineRecord", "EngineRole", "EngineWatch",
+           "VllmKvEvents", "engine_create_revisions", "engines_prefix", "list_engines",
+           "put_engine_record", "register_engine"]
+
+VLLM_DEFAULT_HASH_SEED = "vllm-none-hash"
+"""The seed of vLLM's block-hash chain (``NONE_HASH``) when ``PYTHONHASHSEED`` is unset and the
+hash algorithm is cryptographic (``sha256``, ``sha256_cbor``)."""
 
 _RETRY_INTERVAL_S = 0.5
 
@@ -89,6 +100,98 @@ def _fingerprint_from_dict(doc: Any) -> KVFingerprint:
         raise InvalidArgument(f"invalid kv_fingerprint: {exc}") from exc
 
 
+def _check_zmq_endpoint(name: str, value: object) -> None:
+    """A ZMQ endpoint a subscriber can *connect* to: ``tcp://host:port`` or ``ipc://path``
+    (no wildcard: ``tcp://*:5557`` is how the publisher binds, not where to reach it)."""
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{name} must be a ZMQ endpoint string, got {value!r}")
+    if value.startswith("ipc://") and len(value) > len("ipc://"):
+        return
+    if value.startswith("tcp://") and "*" not in value:
+        parse_host_port(value[len("tcp://"):])
+        return
+    raise InvalidArgument(f"{name} must be tcp://host:port or ipc://path (an address to connect "
+                          f"to, no wildcard), got {value!r}")
+
+
+@dataclass(frozen=True)
+class VllmKvEvents:
+    """Where and how a vLLM engine publishes its KV cache events (``KVEventsConfig``).
+
+    ``endpoint`` is the ZMQ PUB socket and ``replay_endpoint`` its ROUTER for missed batches,
+    both as a subscriber connects to them. ``hash_algo`` is vLLM's
+    ``prefix_caching_hash_algo`` and ``hash_seed`` the seed of its ``NONE_HASH`` (the server's
+    ``PYTHONHASHSEED``, else :data:`VLLM_DEFAULT_HASH_SEED`); the conductor can compute the
+    same block hashes from token ids only for ``sha256_cbor`` (any other algorithm is kept, so
+    a record from a vLLM with a newer algorithm still parses, and reported as a mismatch).
+    ``int_block_hashes``: the events carry the last 8 bytes of each digest as an int (vLLM's
+    default) instead of the 32-byte digest (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``).
+    ``num_blocks``: the engine's KV cache size in blocks (0: unknown), which bounds what the
+    conductor keeps for it.
+    """
+
+    endpoint: str
+    block_size_tokens: int
+    replay_endpoint: str | None = None
+    topic: str = ""
+    hash_algo: str = "sha256_cbor"
+    hash_seed: str = VLLM_DEFAULT_HASH_SEED
+    int_block_hashes: bool = True
+    num_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        _check_zmq_endpoint("endpoint", self.endpoint)
+        if self.replay_endpoint is not None:
+            _check_zmq_endpoint("replay_endpoint", self.replay_endpoint)
+        for name in ("block_size_tokens", "num_blocks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (
+                    name == "block_size_tokens" and value == 0):
+                raise InvalidArgument(f"{name} must be an int > 0 (num_blocks: >= 0), "
+                                      f"got {value!r}")
+        for name in ("topic", "hash_seed"):
+            if not isinstance(getattr(self, name), str):
+                raise InvalidArgument(f"{name} must be a str, got {getattr(self, name)!r}")
+        if not isinstance(self.hash_algo, str) or not self.hash_algo:
+            raise InvalidArgument(f"hash_algo must be a non-empty str, got {self.hash_algo!r}")
+        if not isinstance(self.int_block_hashes, bool):
+            raise InvalidArgument(
+                f"int_block_hashes must be a bool, got {self.int_block_hashes!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint,
+                "topic": self.topic, "hash_algo": self.hash_algo, "hash_seed": self.hash_seed,
+                "block_size_tokens": self.block_size_tokens,
+                "int_block_hashes": self.int_block_hashes, "num_blocks": self.num_blocks}
+
+    @classmethod
+    def from_dict(cls, doc: Any) -> VllmKvEvents:
+        if not isinstance(doc, dict):
+            raise InvalidArgument("vllm_kv_events must be an object")
+        try:
+            return cls(endpoint=doc["endpoint"], block_size_tokens=doc["block_size_tokens"],
+                       replay_endpoint=doc.get("replay_endpoint"), topic=doc.get("topic", ""),
+                       hash_algo=doc.get("hash_algo", "sha256_cbor"),
+                       hash_seed=doc.get("hash_seed", VLLM_DEFAULT_HASH_SEED),
+                       int_block_hashes=doc.get("int_block_hashes", True),
+                       num_blocks=doc.get("num_blocks", 0))
+        except KeyError as exc:
+            raise InvalidArgument(f"vllm_kv_events lacks field {exc.args[0]!r}") from exc
+
+
+def _check_http_url(value: object) -> None:
+    if not isinstance(value, str):
+        raise InvalidArgument(f"http_url must be a string, got {value!r}")
+    parsed = urllib.parse.urlsplit(value)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.query \
+            or parsed.fragment:
+        raise InvalidArgument(f"http_url must be http(s)://host[:port][/path], got {value!r}")
+    try:
+        parsed.port  # noqa: B018  (raises ValueError for a bad port)
+    except ValueError as exc:
+        raise InvalidArgument(f"http_url has a bad port: {value!r}") from exc
+
+
 @dataclass(frozen=True)
 class EngineRecord:
     """One engine instance as published under ``engines/<role>/<instance_id>``.
@@ -99,6 +202,10 @@ class EngineRecord:
     engines, ignored for prefill). ``kv_fingerprint`` lets the conductor hash token ids into
     the same chained keys the engine stores (optional: without it, requests for this model
     must carry keys). ``address`` is the engine's own endpoint, informational.
+    ``http_url`` is where an HTTP engine (a ``vllm serve``) answers, e.g.
+    ``http://10.0.0.5:8000`` (the front door proxies there); ``vllm_kv_events``, when set,
+    where it publishes its KV cache events (the conductor follows its own prefix cache).
+    Both optional: records written before they existed parse unchanged.
     """
 
     instance_id: str
@@ -108,6 +215,8 @@ class EngineRecord:
     kv_capacity_tokens: int = 0
     address: str | None = None
     kv_fingerprint: KVFingerprint | None = None
+    http_url: str | None = None
+    vllm_kv_events: VllmKvEvents | None = None
 
     def __post_init__(self) -> None:
         check_id("instance_id", self.instance_id)
@@ -130,16 +239,24 @@ class EngineRecord:
                 raise InvalidArgument(
                     f"kv_fingerprint names model {self.kv_fingerprint.model!r}, the record "
                     f"{self.model!r}")
+        if self.http_url is not None:
+            _check_http_url(self.http_url)
+        if self.vllm_kv_events is not None and not isinstance(self.vllm_kv_events, VllmKvEvents):
+            raise InvalidArgument("vllm_kv_events must be a VllmKvEvents or None")
 
     def key(self, layout: KeyLayout = DEFAULT_LAYOUT) -> str:
         return layout.engine_key(self.role.value, self.instance_id)
 
     def to_json(self) -> bytes:
-        doc = {"schema": 1, "instance_id": self.instance_id, "role": self.role.value,
+        doc: dict[str, Any] = {"schema": 1, "instance_id": self.instance_id, "role": self.role.value,
                "model": self.model, "node_id": self.node_id,
                "kv_capacity_tokens": self.kv_capacity_tokens, "address": self.address,
                "kv_fingerprint": (None if self.kv_fingerprint is None
                                   else _fingerprint_to_dict(self.kv_fingerprint))}
+        if self.http_url is not None:
+            doc["http_url"] = self.http_url
+        if self.vllm_kv_events is not None:
+            doc["vllm_kv_events"] = self.vllm_kv_events.to_dict()
         return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
 
     @classmethod
@@ -153,11 +270,14 @@ class EngineRecord:
             raise InvalidArgument("engine record must be a JSON object")
         try:
             fp = doc.get("kv_fingerprint")
+            events = doc.get("vllm_kv_events")
             return cls(instance_id=doc["instance_id"], role=EngineRole(doc["role"]),
                        model=doc["model"], node_id=doc["node_id"],
                        kv_capacity_tokens=doc.get("kv_capacity_tokens", 0),
                        address=doc.get("address"),
-                       kv_fingerprint=None if fp is None else _fingerprint_from_dict(fp))
+                       kv_fingerprint=None if fp is None else _fingerprint_from_dict(fp),
+                       http_url=doc.get("http_url"),
+                       vllm_kv_events=None if events is None else VllmKvEvents.from_dict(events))
         except KeyError as exc:
             raise InvalidArgument(f"engine record lacks field {exc.args[0]!r}") from exc
         except ValueError as exc:  # EngineRole("x"); InvalidArgument is a ValueError too
