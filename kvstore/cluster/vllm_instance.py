@@ -5,10 +5,14 @@ vLLM is imported only in the children (``python -m kvstore.cluster.vllm_instance
 the calling process.
 
 The model: :func:`tiny_llama_checkpoint` writes a random-weight Llama-architecture model
-(``LlamaConfig`` + ``LlamaForCausalLM`` from ``torch.manual_seed``, ``save_pretrained``, no
-tokenizer) once per :class:`TinyLlama` spec into ``~/.cache/kvtier-tests/tiny-llama-<key>``
-(``KVTIER_TEST_CACHE`` moves the root), built in a fresh interpreter and renamed into place,
-so concurrent test runs never see half a checkpoint. Nothing is downloaded. It runs in float32
+(``LlamaConfig`` + ``LlamaForCausalLM`` from ``torch.manual_seed``, ``save_pretrained``) and a
+byte-level BPE tokenizer with a chat template trained here
+(:mod:`kvstore.cluster.tiny_tokenizer`: ``tokenizer.json``, ``tokenizer_config.json``) once per
+:class:`TinyLlama` spec into ``~/.cache/kvtier-tests/tiny-llama-<key>`` (``KVTIER_TEST_CACHE``
+moves the root), built in a fresh interpreter and renamed into place, so concurrent test runs
+never see half a checkpoint. Nothing is downloaded. The processes here still run with
+``skip_tokenizer_init`` and token-id prompts; ``vllm serve DIR`` without it
+(:class:`~kvstore.cluster.vllm_server.VllmServer` with ``tokenizer=True``) takes text and chat. It runs in float32
 with weights drawn wider than Hugging Face's default (``initializer_range`` 0.1): the top two
 logits are then rarely close, so greedy output does not flip on the last-bit differences
 between computing a prefix in one pass and loading it from a cache.
@@ -114,8 +118,12 @@ class TinyLlama:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
     def key(self) -> str:
-        """A short digest of every field: the checkpoint's directory name."""
-        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        """A short digest of every field and of the tokenizer's corpus and version (what the
+        files written depend on): the checkpoint's directory name."""
+        from kvstore.cluster.tiny_tokenizer import corpus_digest
+
+        blob = json.dumps({**asdict(self), "tokenizer": corpus_digest()},
+                          sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
     @property
@@ -165,6 +173,8 @@ def _build_model(out: Path, spec: TinyLlama) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from kvstore.cluster.tiny_tokenizer import write_tokenizer
+
     torch.manual_seed(spec.seed)
     config = LlamaConfig(
         vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
@@ -176,6 +186,7 @@ def _build_model(out: Path, spec: TinyLlama) -> None:
     model = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]
     model = model.to(getattr(torch, spec.dtype)).eval()
     model.save_pretrained(out)
+    write_tokenizer(out, spec.vocab_size, spec.max_position_embeddings)
     (out / "DONE").write_text(json.dumps(asdict(spec)) + "\n")
 
 

@@ -4,8 +4,8 @@
 ``vllm serve`` command runs) with the CPU settings every kvtier vLLM process uses (the same as
 :class:`~kvstore.cluster.vllm_instance.VllmProcess`: ``--enforce-eager``, a block size that is a
 multiple of 32, ``--kv-cache-memory-bytes``, ``--prefix-caching-hash-algo sha256_cbor``,
-``--skip-tokenizer-init``, float32, ``PYTHONHASHSEED`` = :data:`HASH_SEED`) on a free loopback
-port::
+``--skip-tokenizer-init`` unless ``tokenizer=True``, float32, ``PYTHONHASHSEED`` =
+:data:`HASH_SEED`) on a free loopback port::
 
     with VllmServer(model_dir, work_dir, "s1", kv_transfer_config={...}) as server:  # start()
         server.base_url                  # http://127.0.0.1:<port>
@@ -13,9 +13,18 @@ port::
         server.metrics()["vllm:external_prefix_cache_hits_total"]
     # __exit__ = close(): SIGTERM, then SIGKILL, to the whole process group
 
-With ``--skip-tokenizer-init`` the server takes token-id prompts (``"prompt": [ids...]``) and,
-asked with ``"return_token_ids": true``, answers the generated ids in
-``choices[0].token_ids`` (its ``text`` is empty: there is no tokenizer).
+With ``--skip-tokenizer-init`` (the default) the server takes token-id prompts
+(``"prompt": [ids...]``) and, asked with ``"return_token_ids": true``, answers the generated ids
+in ``choices[0].token_ids`` (its ``text`` is empty: there is no tokenizer). With
+``tokenizer=True`` it loads the model directory's tokenizer (the tiny checkpoints carry one:
+:mod:`kvstore.cluster.tiny_tokenizer`) and also takes text prompts (:meth:`complete_text`),
+chat messages rendered with the tokenizer's chat template (:meth:`chat`) and ``/tokenize``
+(:meth:`tokenize`); token-id prompts keep working::
+
+    with VllmServer(model_dir, work_dir, "t", tokenizer=True) as server:
+        server.complete_text("Hello", max_tokens=8).text
+        server.chat([{"role": "user", "content": "Hello"}], max_tokens=8).text
+        server.tokenize(messages=[...])          # the prompt's token ids, as vLLM renders it
 
 :meth:`start` returns once ``GET /health`` answers 200 (the engine is up). Teardown is the one
 of :class:`VllmProcess`: the server leads its own process group (``start_new_session``; vLLM's
@@ -64,26 +73,47 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 @dataclass(frozen=True)
 class Completion:
-    """One ``/v1/completions`` answer (the first choice)."""
+    """One ``/v1/completions`` or ``/v1/chat/completions`` answer (the first choice)."""
 
     token_ids: list[int]
     prompt_tokens: int
     finish_reason: str | None
     raw: dict[str, Any]
+    text: str = ""
+    """The generated text (a chat answer's ``message.content``); empty without a tokenizer."""
+    prompt_token_ids: list[int] | None = None
+    """The prompt as vLLM tokenized it (None where the answer does not carry it)."""
+
+    @classmethod
+    def from_answer(cls, answer: dict[str, Any]) -> Completion:
+        choice = answer["choices"][0]
+        if "message" in choice:
+            text = choice["message"].get("content") or ""
+            prompt_ids = answer.get("prompt_token_ids")
+        else:
+            text = choice.get("text") or ""
+            prompt_ids = choice.get("prompt_token_ids")
+        return cls(token_ids=[int(t) for t in choice.get("token_ids") or ()],
+                   prompt_tokens=int(answer["usage"]["prompt_tokens"]),
+                   finish_reason=choice.get("finish_reason"), raw=answer, text=text,
+                   prompt_token_ids=None if prompt_ids is None else [int(t) for t in prompt_ids])
 
 
 class VllmServer(ProcessGroupChild):
     """One ``vllm serve`` process group (see the module docstring).
 
-    ``extra_args`` are appended to the command line (a later flag overrides an earlier one).
+    ``extra_args`` are appended to the command line (a later flag overrides an earlier one,
+    e.g. ``--kv-events-config JSON``); ``env`` adds environment variables.
     ``model_name`` is ``--served-model-name`` (what requests name in ``"model"``).
+    ``tokenizer``: load the model directory's tokenizer instead of ``--skip-tokenizer-init``.
     """
 
     def __init__(self, model_dir: Path, work_dir: Path, name: str, *, host: str = "127.0.0.1",
                  port: int | None = None, model_name: str = "model", block_size: int = 32,
                  max_model_len: int = 1024, kv_cache_memory_bytes: int = 32 << 20,
                  dtype: str = "float32", kv_transfer_config: dict[str, Any] | None = None,
-                 extra_args: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
+                 extra_args: Sequence[str] = (), env: dict[str, str] | None = None,
+                 tokenizer: bool = False) -> None:
         if block_size % 32:
             raise ValueError(f"block_size {block_size}: vLLM on CPU needs a multiple of 32")
         super().__init__(work_dir, name)
@@ -92,13 +122,16 @@ class VllmServer(ProcessGroupChild):
         self.port = port
         """The listening port; None until :meth:`start` picks a free one."""
         self.model_name = model_name
+        self.tokenizer = tokenizer
         self.args: list[str] = [
             "--served-model-name", model_name, "--block-size", str(block_size),
             "--max-model-len", str(max_model_len),
             "--kv-cache-memory-bytes", str(kv_cache_memory_bytes), "--dtype", dtype,
-            "--enforce-eager", "--skip-tokenizer-init", "--enable-prefix-caching",
+            "--enforce-eager", "--enable-prefix-caching",
             "--prefix-caching-hash-algo", "sha256_cbor", "--seed", "0",
         ]
+        if not tokenizer:
+            self.args.append("--skip-tokenizer-init")
         if kv_transfer_config is not None:
             self.args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         self.args += list(extra_args)
@@ -184,21 +217,51 @@ class VllmServer(ProcessGroupChild):
             self._record_shm()
         return payload
 
-    def complete(self, prompt: Sequence[int], *, max_tokens: int = 8,
+    def complete(self, prompt: Sequence[int] | str, *, max_tokens: int = 8,
                  cache_salt: str | None = None, timeout_s: float = 180.0,
                  **fields: Any) -> Completion:
-        """Greedy ``/v1/completions`` of a token-id prompt (temperature 0, ``ignore_eos``);
-        ``fields`` are added to the request body."""
-        body: dict[str, Any] = {"model": self.model_name, "prompt": list(prompt),
+        """Greedy ``/v1/completions`` of a token-id prompt (or a text one, with a tokenizer;
+        temperature 0, ``ignore_eos``); ``fields`` are added to the request body."""
+        body: dict[str, Any] = {"model": self.model_name,
+                                "prompt": prompt if isinstance(prompt, str) else list(prompt),
                                 "max_tokens": max_tokens, "temperature": 0.0,
                                 "ignore_eos": True, "return_token_ids": True, **fields}
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
-        answer = json.loads(self.request("POST", "/v1/completions", body, timeout_s))
-        choice = answer["choices"][0]
-        return Completion(token_ids=[int(t) for t in choice["token_ids"]],
-                          prompt_tokens=int(answer["usage"]["prompt_tokens"]),
-                          finish_reason=choice.get("finish_reason"), raw=answer)
+        return Completion.from_answer(
+            json.loads(self.request("POST", "/v1/completions", body, timeout_s)))
+
+    def complete_text(self, prompt: str, *, max_tokens: int = 8, timeout_s: float = 180.0,
+                      **fields: Any) -> Completion:
+        """Greedy ``/v1/completions`` of a text prompt (needs ``tokenizer=True``); the answer
+        carries the prompt's and the output's token ids."""
+        return self.complete(prompt, max_tokens=max_tokens, timeout_s=timeout_s, **fields)
+
+    def chat(self, messages: Sequence[dict[str, Any]], *, max_tokens: int = 8,
+             timeout_s: float = 180.0, **fields: Any) -> Completion:
+        """Greedy ``/v1/chat/completions`` (needs ``tokenizer=True``); ``fields`` are added
+        to the request body."""
+        body: dict[str, Any] = {"model": self.model_name, "messages": list(messages),
+                                "max_tokens": max_tokens, "temperature": 0.0,
+                                "ignore_eos": True, "return_token_ids": True, **fields}
+        return Completion.from_answer(
+            json.loads(self.request("POST", "/v1/chat/completions", body, timeout_s)))
+
+    def tokenize(self, *, prompt: str | None = None,
+                 messages: Sequence[dict[str, Any]] | None = None, timeout_s: float = 60.0,
+                 **fields: Any) -> list[int]:
+        """vLLM's ``POST /tokenize`` of a text prompt or of chat messages (rendered with the
+        chat template, ``add_generation_prompt`` true unless ``fields`` say otherwise)."""
+        if (prompt is None) == (messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        body: dict[str, Any] = {"model": self.model_name, **fields}
+        if prompt is not None:
+            body["prompt"] = prompt
+        else:
+            body["messages"] = list(messages or ())
+            body.setdefault("add_generation_prompt", True)
+        answer = json.loads(self.request("POST", "/tokenize", body, timeout_s))
+        return [int(t) for t in answer["tokens"]]
 
     def metrics(self, timeout_s: float = 30.0) -> dict[str, float]:
         """``GET /metrics`` as sample name -> value, summed over label sets (counters end in
