@@ -21,7 +21,8 @@ ids do. Outputs are ``MAX_TOKENS`` greedy tokens (``ignore_eos``), not the trace
 not replayed: on 2 cores vLLM runs the model on one thread, so concurrency would only queue).
 Every mode runs two vLLM instances of the same model and settings, request ``i`` to instance
 ``i % 2``, with a vLLM KV cache of ``VLLM_KV_BYTES`` each (a few requests' worth: the trace's
-reuse spans more than one instance's cache holds, as a GPU's would):
+reuse spans more than one instance's cache holds, as a GPU's would), and instance ``i``'s
+model thread bound to core ``i`` in every mode (:func:`model_core_env` says why):
 
 1. ``vllm-alone``: no connector; each instance has only its own prefix cache.
 2. ``kvtier``: ``KvtierConnector`` to one ``kvtier daemon`` (DRAM tier of ``STORE_BYTES``) over
@@ -544,10 +545,27 @@ class Setup:
     log: Callable[[str], None]
     memcpy: Memcpy
 
-    def instance(self, name: str, **kwargs: Any) -> VllmProcess:
+    def instance(self, name: str, index: int, *, env: dict[str, str] | None = None,
+                 **kwargs: Any) -> VllmProcess:
+        """Instance ``index`` of a mode; its model thread is bound to its own core
+        (:func:`model_core_env`), the same in every mode."""
         return VllmProcess(self.model_dir, self.work, name, block_size=BLOCK_TOKENS,
                            max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=VLLM_KV_BYTES,
-                           **kwargs)
+                           env={**model_core_env(index), **(env or {})}, **kwargs)
+
+
+def model_core_env(index: int, cpus: int | None = None) -> dict[str, str]:
+    """Bind instance ``index``'s model (vLLM's OpenMP threads) to core ``index % cpus``: one
+    core per instance, in every mode alike, as each instance would have its own accelerator.
+
+    Left to itself vLLM on CPU reserves one core for its front end plus one more whenever a
+    KV connector is configured (``ompmultiprocessing.py``: "reserve at one more core for
+    nixl_connector"); on 2 cores that leaves no core to reserve, so every connector instance
+    ran its model on both cores with 2 OpenMP threads while ``vllm-alone``'s two instances
+    shared core 0 with one thread each: the modes were not like for like (measured here: a
+    512-token all-miss prefill 440 ms with the connector against 1120 ms without)."""
+    n = cpus or os.cpu_count() or 1
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(index % n)}
 
 
 def _start_all(llms: Sequence[VllmProcess], result: ModeResult, tag: str) -> None:
@@ -567,7 +585,7 @@ def _start_all(llms: Sequence[VllmProcess], result: ModeResult, tag: str) -> Non
 @contextlib.contextmanager
 def _instances(setup: Setup, mode: Mode, result: ModeResult, **kwargs: Any
                ) -> Iterator[list[VllmProcess]]:
-    llms = [setup.instance(f"{mode.value}-{i}", **kwargs) for i in range(2)]
+    llms = [setup.instance(f"{mode.value}-{i}", i, **kwargs) for i in range(2)]
     try:
         _start_all(llms, result, mode.value)
         yield llms
@@ -612,7 +630,7 @@ def _run_cold(setup: Setup, llm: VllmProcess, baseline: VllmProcess | None,
 def run_alone(setup: Setup, stack: contextlib.ExitStack) -> tuple[ModeResult, VllmProcess]:
     """The baseline; its first instance stays up (on ``stack``) for the cold comparisons."""
     result = ModeResult(Mode.VLLM_ALONE.value)
-    llms = [setup.instance(f"{Mode.VLLM_ALONE.value}-{i}") for i in range(2)]
+    llms = [setup.instance(f"{Mode.VLLM_ALONE.value}-{i}", i) for i in range(2)]
     for llm in llms:
         stack.callback(llm.close)
     _start_all(llms, result, Mode.VLLM_ALONE.value)

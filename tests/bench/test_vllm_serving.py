@@ -140,3 +140,12 @@ def test_connector_counters_under_kvtier_names() -> None:
     assert mooncake["loaded_bytes"] == 4096 and mooncake["load_seconds"] == 0.5
     assert mooncake["saved_bytes"] == 0
     assert vs._connector_counters({"vllm:prefix_cache_hits": 1.0}) == {}
+
+
+def test_each_instance_binds_its_model_to_its_own_core_in_every_mode() -> None:
+    # vLLM alone would share core 0 between both instances while a connector instance took
+    # both cores: the binding is what makes the modes like for like (model_core_env).
+    assert [vs.model_core_env(i, cpus=2) for i in range(3)] == [
+        {"VLLM_CPU_OMP_THREADS_BIND": "0"}, {"VLLM_CPU_OMP_THREADS_BIND": "1"},
+        {"VLLM_CPU_OMP_THREADS_BIND": "0"}]
+    assert vs.model_core_env(1, cpus=1) == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
