@@ -30,17 +30,19 @@ ALLOWED: dict[str, set[str]] = {
     "conductor": {"foundation", "dataplane", "shared"},
     "engine": {"foundation", "dataplane", "shared", "client", "node"},
     "integrations": {"foundation", "dataplane", "shared", "client"},
+    "frontdoor": {"foundation", "dataplane", "shared", "client"},
     "planner": {"foundation", "dataplane", "shared", "node", "client", "conductor"},
     "cluster": {"foundation", "dataplane", "shared", "node", "client", "conductor", "engine",
-                "integrations", "planner"},
+                "integrations", "frontdoor", "planner"},
     "bench": {"foundation", "dataplane", "shared", "node", "client", "conductor", "engine",
-              "integrations", "planner", "cluster"},
+              "integrations", "frontdoor", "planner", "cluster"},
     "cli": {"foundation", "dataplane", "shared", "node", "client", "conductor", "engine",
-            "integrations", "planner", "cluster", "bench"},
+            "integrations", "frontdoor", "planner", "cluster", "bench"},
 }
 """Which boxes each box may import (itself always). Data plane at the bottom, then what several
 boxes share (wire codes, etcd membership), then node, client and conductor side by side, the
-engines and the integrations into other engines (vLLM's KV connector), the offline tools, the local cluster, the benchmarks and the command line on top."""
+engines, the integrations into other engines (vLLM's KV connector) and the front door (the HTTP
+endpoint in front of vLLM servers), the offline tools, the local cluster, the benchmarks and the command line on top."""
 
 RESTRICTED: dict[str, set[str]] = {
     "grpc": {"shared", "node", "client", "conductor", "engine", "planner", "cluster", "bench",
@@ -67,7 +69,8 @@ def box_of(module: str) -> str:
         return "foundation"
     if second in ("wire", "membership"):
         return "shared"
-    if second in ("dataplane", "node", "client", "engine", "integrations", "cluster", "cli"):
+    if second in ("dataplane", "node", "client", "engine", "integrations", "frontdoor",
+                  "cluster", "cli"):
         return second
     raise AssertionError(f"module {module} belongs to no box: add it to box_of and the docs")
 
@@ -266,6 +269,11 @@ def test_no_runtime_import_cycle() -> None:
     ("conductor.scheduler", "planner.sim"),
     ("conductor.server", "kvstore.client.store_client"),
     ("kvstore.node.service", "matplotlib.pyplot"),
+    ("kvstore.frontdoor.server", "vllm.entrypoints.openai.api_server"),
+    ("kvstore.frontdoor.router", "conductor.scheduler"),
+    ("kvstore.frontdoor.router", "kvstore.node.cache"),
+    ("kvstore.frontdoor.server", "kvstore.engine.gateway"),
+    ("kvstore.integrations.vllm.connector", "kvstore.frontdoor.router"),
 ])
 def test_the_rules_catch_a_forbidden_arrow(source: str, target: str) -> None:
     """A positive control: each of these would break a rule, so the checks are not vacuous."""

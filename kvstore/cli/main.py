@@ -10,6 +10,7 @@ from kvstore.cli import admin as admin_cli
 from kvstore.cli import bench as bench_cli
 from kvstore.cli import conductor as conductor_cli
 from kvstore.cli import daemon as daemon_cli
+from kvstore.cli import frontdoor as frontdoor_cli
 from kvstore.cli import plan as plan_cli
 from kvstore.cli import run as run_cli
 
@@ -25,6 +26,7 @@ app.command(name="run")(run_cli.run)
 app.add_typer(plan_cli.app, name="plan")
 app.command(name="daemon")(daemon_cli.daemon)
 app.command(name="conductor")(conductor_cli.conductor)
+app.command(name="frontdoor")(frontdoor_cli.frontdoor)
 admin_cli.register(app)
 
 

@@ -1,0 +1,98 @@
+"""``kvtier frontdoor``: the OpenAI-compatible endpoint in front of ``vllm serve`` instances
+(docs/frontdoor.md), until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import typer
+
+from kvstore.errors import KvtierError
+
+
+def frontdoor(
+    backend: list[str] = typer.Option(
+        ..., "--backend",
+        help="A vLLM server: URL (http://host:port) or NAME=URL; repeat for several. With "
+             "--router conductor, NAME is the instance id the conductor answers."),
+    model_dir: Path = typer.Option(
+        ..., "--model-dir",
+        help="The model directory the backends serve (its tokenizer.json, tokenizer_config.json)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    port: int = typer.Option(8000, "--port", help="Port to listen on (0: any free port)."),
+    router: str = typer.Option("round-robin", "--router", help="round-robin | conductor"),
+    etcd: str | None = typer.Option(None, "--etcd",
+                                    help="etcd endpoint (--router conductor finds the leader)."),
+    prefix: str = typer.Option("/kvtier/", "--prefix", help="etcd key prefix of the cluster."),
+    conductor_model: str | None = typer.Option(
+        None, "--conductor-model", help="The model name the conductor knows the engines by."),
+    read_timeout_s: float = typer.Option(600.0, "--read-timeout-s",
+                                         help="Longest wait for a backend's next bytes."),
+    log_level: str = typer.Option("INFO", "--log-level"),
+) -> None:
+    """Serve /v1/completions, /v1/chat/completions (streaming too), /v1/models and /health,
+    routing each request to one of the backends.
+
+    Prints `KVTIER-FRONTDOOR-READY {json}` with its URL once it serves.
+    """
+    from kvstore.frontdoor import (
+        Backend,
+        BackendPool,
+        ConductorRouter,
+        FrontDoor,
+        PromptTokenizer,
+        Router,
+    )
+    from kvstore.frontdoor.server import READY_PREFIX
+    from kvstore.membership.etcd import KeyLayout
+
+    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        pool = BackendPool([Backend.parse(spec) for spec in backend])
+        tokenizer = PromptTokenizer.from_model_dir(model_dir)
+        if router not in ("round-robin", "conductor"):
+            raise KvtierError(f"--router {router!r}: want round-robin or conductor")
+        if router == "conductor" and (etcd is None or not conductor_model):
+            raise KvtierError("--router conductor needs --etcd and --conductor-model")
+    except KvtierError as exc:
+        typer.echo(f"kvtier frontdoor: {exc}", err=True)
+        raise typer.Exit(2) from exc
+
+    async def main() -> None:
+        conductor = None
+        chosen: Router | None = None
+        if router == "conductor":
+            from kvstore.client.conductor_client import ConductorClient
+
+            assert etcd is not None and conductor_model
+            conductor = ConductorClient(etcd_endpoint=etcd, layout=KeyLayout(prefix))
+            chosen = ConductorRouter(conductor, pool, conductor_model)
+        door = FrontDoor(pool, tokenizer, router=chosen, host=host, port=port,
+                         read_timeout_s=read_timeout_s)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        try:
+            await door.start()
+            typer.echo(READY_PREFIX + json.dumps(
+                {"url": door.url, "port": door.port, "router": router,
+                 "backends": {b.name: b.url for b in pool.all()}}))
+            sys.stdout.flush()
+            await stop.wait()
+        finally:
+            await door.close()
+            if conductor is not None:
+                await conductor.close()
+
+    try:
+        asyncio.run(main())
+    except (KvtierError, OSError) as exc:  # OSError: the port is taken
+        typer.echo(f"kvtier frontdoor: {type(exc).__name__}: {exc}", err=True)
+        raise typer.Exit(1) from exc

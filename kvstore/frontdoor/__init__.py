@@ -1,0 +1,22 @@
+"""The front door: the OpenAI-compatible HTTP endpoint clients point at, in front of ``vllm
+serve`` instances (docs/frontdoor.md). It tokenizes each prompt as vLLM will, asks a router
+(round robin, or the conductor) for a backend, and proxies the request, streaming included.
+
+It uses the client box (the conductor's client) and membership, never the node or the
+conductor's internals, and never imports vLLM: it only speaks HTTP to it.
+"""
+
+from kvstore.frontdoor.router import (
+    Backend,
+    BackendPool,
+    ConductorRouter,
+    Rejection,
+    RoundRobinRouter,
+    Router,
+    RouteRequest,
+)
+from kvstore.frontdoor.server import FrontDoor
+from kvstore.frontdoor.tokenizer import PromptTokenizer
+
+__all__ = ["Backend", "BackendPool", "ConductorRouter", "FrontDoor", "PromptTokenizer",
+           "Rejection", "RoundRobinRouter", "RouteRequest", "Router"]

@@ -1,0 +1,206 @@
+"""Where the front door sends a request: the backends it knows and the routers that pick one.
+
+A :class:`Router` gets the prompt's token ids (as vLLM will compute them:
+:mod:`kvstore.frontdoor.tokenizer`) and a :class:`RouteRequest`, and answers a
+:class:`Backend` or a :class:`Rejection` (an HTTP status and a reason the client sees). Two
+implementations:
+
+* :class:`RoundRobinRouter`: the healthy backends in turn; no token ids needed.
+* :class:`ConductorRouter`: the conductor's ``Schedule`` with the token ids (the conductor
+  hashes them into block keys and picks the instance with the best predicted TTFT); the
+  instance it names is looked up by name in the pool. A rejection (an SLO it cannot meet, no
+  decode room) becomes 429 or 503 with the conductor's message; a conductor that cannot place
+  the request (no leader, a model no engine of it registered) is 503.
+
+:class:`BackendPool` holds the backends and their health: the front door marks one down when a
+request to it fails to connect, and up again when its ``/health`` answers (a probe loop in the
+server). Backends come from a list today (``kvtier frontdoor --backend URL``);
+:meth:`BackendPool.replace` is the seam for a watcher of etcd engine records (vLLM instances
+registered with their HTTP address) that adds and removes them at run time.
+
+All of it runs on one asyncio loop; nothing here is thread-safe.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from urllib.parse import urlsplit
+
+from kvstore._proto.kvtier.v1 import conductor_pb2 as pb
+from kvstore.errors import InvalidArgument, KvtierError, MembershipError
+
+if TYPE_CHECKING:  # the round-robin front door needs neither gRPC nor the client package
+    from kvstore.client.conductor_client import ConductorClient
+
+__all__ = ["Backend", "BackendPool", "ConductorRouter", "Rejection", "RoundRobinRouter",
+           "RouteRequest", "Router"]
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    """One ``vllm serve`` instance: ``name`` is its instance id (what the conductor answers),
+    ``url`` its base URL (``http://host:port``, no path)."""
+
+    name: str
+    url: str
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.netloc or \
+                parts.path not in ("", "/"):
+            raise InvalidArgument(f"backend URL {self.url!r}: want http://host:port")
+        if not self.name:
+            raise InvalidArgument("a backend needs a name")
+        object.__setattr__(self, "url", self.url.rstrip("/"))
+
+    @classmethod
+    def parse(cls, spec: str) -> Backend:
+        """``URL`` (named after its host:port) or ``NAME=URL``."""
+        name, sep, url = spec.partition("=")
+        if not sep or "://" in name:
+            url, name = spec, urlsplit(spec).netloc
+        return cls(name=name, url=url)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What a router may know about a request besides its token ids."""
+
+    request_id: str
+    endpoint: str
+    """``/v1/completions`` or ``/v1/chat/completions``."""
+    model: str
+    max_tokens: int | None
+    stream: bool
+    tenant: str = ""
+    """The request's ``cache_salt`` (blocks of different salts never match)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """No backend for this request: ``status`` is the HTTP status the client gets (429: the
+    targets cannot be met now; 503: nothing can serve it), ``reason`` the message."""
+
+    status: int
+    reason: str
+    code: str = "rejected"
+    """A short machine-readable kind (the OpenAI error's ``code``)."""
+
+
+@runtime_checkable
+class Router(Protocol):
+    """Picks a backend for one request.
+
+    ``route`` answers a backend of the pool it was built with (healthy when it last knew), or
+    a :class:`Rejection`; it does not raise for a request it cannot place. It may be called by
+    many concurrent requests of one event loop. ``token_ids`` is the whole prompt, in vLLM's
+    tokenization; the router must not keep a reference to it past the call.
+    """
+
+    async def route(self, token_ids: Sequence[int], request: RouteRequest
+                    ) -> Backend | Rejection: ...
+
+
+class BackendPool:
+    """The backends, in order, with a healthy flag each (all healthy at first)."""
+
+    def __init__(self, backends: Iterable[Backend] = ()) -> None:
+        self._backends: dict[str, Backend] = {}
+        self._down: set[str] = set()
+        self.replace(backends)
+
+    def replace(self, backends: Iterable[Backend]) -> None:
+        """Set the backends (a watcher of etcd records calls this); names stay down if they
+        were. InvalidArgument for a name given twice."""
+        new: dict[str, Backend] = {}
+        for backend in backends:
+            if backend.name in new:
+                raise InvalidArgument(f"backend name {backend.name!r} given twice")
+            new[backend.name] = backend
+        self._backends = new
+        self._down &= set(new)
+
+    def all(self) -> list[Backend]:
+        return list(self._backends.values())
+
+    def healthy(self) -> list[Backend]:
+        return [b for b in self._backends.values() if b.name not in self._down]
+
+    def is_healthy(self, backend: Backend) -> bool:
+        return backend.name in self._backends and backend.name not in self._down
+
+    def get(self, name: str) -> Backend | None:
+        return self._backends.get(name)
+
+    def mark_down(self, backend: Backend) -> None:
+        if backend.name in self._backends:
+            self._down.add(backend.name)
+
+    def mark_up(self, backend: Backend) -> None:
+        self._down.discard(backend.name)
+
+    def down(self) -> list[Backend]:
+        return [b for b in self._backends.values() if b.name in self._down]
+
+
+class RoundRobinRouter:
+    """The pool's healthy backends in turn (a backend marked down is skipped until it is up
+    again); 503 when none is healthy."""
+
+    def __init__(self, pool: BackendPool) -> None:
+        self.pool = pool
+        self._turn = itertools.count()
+
+    async def route(self, token_ids: Sequence[int], request: RouteRequest
+                    ) -> Backend | Rejection:
+        healthy = self.pool.healthy()
+        if not healthy:
+            return Rejection(503, "no healthy backend", "no_backend")
+        return healthy[next(self._turn) % len(healthy)]
+
+
+_REJECT_STATUS: dict[int, int] = {pb.REJECT_TTFT_SLO: 429, pb.REJECT_TPOT_SLO: 429,
+                  pb.REJECT_DECODE_KV_FULL: 503}
+"""The conductor's ``RejectReason`` -> HTTP status: an SLO that cannot be met now (TTFT,
+TPOT) is 429, no decode instance with room for the KV is 503."""
+_REJECT_CODE: dict[int, str] = {pb.REJECT_TTFT_SLO: "ttft_slo", pb.REJECT_TPOT_SLO: "tpot_slo",
+                pb.REJECT_DECODE_KV_FULL: "decode_kv_full"}
+
+
+class ConductorRouter:
+    """Asks the conductor's ``Schedule`` (see the module docstring). ``model`` is the model
+    name the conductor knows the engines by (not necessarily vLLM's served name)."""
+
+    def __init__(self, conductor: ConductorClient, pool: BackendPool, model: str) -> None:
+        if not model:
+            raise InvalidArgument("the conductor router needs the conductor's model name")
+        self.conductor = conductor
+        self.pool = pool
+        self.model = model
+
+    async def route(self, token_ids: Sequence[int], request: RouteRequest
+                    ) -> Backend | Rejection:
+        try:
+            reply = await self.conductor.schedule(
+                request.request_id, self.model, token_ids=token_ids, tenant=request.tenant,
+                input_tokens=len(token_ids), expected_output_tokens=request.max_tokens or 0)
+        except MembershipError as exc:
+            return Rejection(503, f"no conductor answered: {exc}", "no_conductor")
+        except KvtierError as exc:  # InvalidArgument: e.g. no engine of this model registered
+            return Rejection(503, f"the conductor cannot place the request: {exc}",
+                             "not_placed")
+        if not reply.accepted:
+            return Rejection(_REJECT_STATUS.get(int(reply.reason), 503),
+                             f"rejected by the conductor: {reply.message}",
+                             _REJECT_CODE.get(int(reply.reason), "rejected"))
+        backend = self.pool.get(reply.prefill_instance)
+        if backend is None:
+            return Rejection(503, f"the conductor chose instance {reply.prefill_instance!r}, "
+                                  f"which the front door has no backend for", "unknown_backend")
+        if not self.pool.is_healthy(backend):
+            return Rejection(503, f"the conductor chose instance {backend.name!r}, which is "
+                                  f"down", "backend_down")
+        return backend
