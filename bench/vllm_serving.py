@@ -334,6 +334,43 @@ def identical_outputs(results: Sequence[ModeResult], reference: str = Mode.VLLM_
         for name, r in by_mode.items()}
 
 
+@dataclass(frozen=True)
+class PrefillModel:
+    """TTFT of a request that computes ``p`` prompt tokens after ``c`` cached ones, fitted on
+    ``vllm-alone``'s requests (least squares): ``a + b * p + d * p * (c + p / 2)`` (a fixed
+    step cost, the per-token layers, attention over the context). Applied to another mode's
+    requests it is that mode's TTFT **if its loads cost nothing**: the limit a connector can
+    reach with the hits it got."""
+
+    a_s: float
+    b_s: float
+    d_s: float
+
+    def ttft_s(self, prefill_tokens: int, cached_tokens: int) -> float:
+        p, c = prefill_tokens, cached_tokens
+        return self.a_s + self.b_s * p + self.d_s * p * (c + p / 2)
+
+    @classmethod
+    def fit(cls, records: Sequence[RequestRecord]) -> PrefillModel | None:
+        import numpy as np
+
+        rows = [(r.prompt_tokens - r.cached_tokens, r.cached_tokens, r.ttft_s)
+                for r in records if r.ttft_s is not None]
+        if len(rows) < 4:
+            return None
+        x = np.array([[1.0, p, p * (c + p / 2)] for p, c, _t in rows])
+        y = np.array([t for _p, _c, t in rows])
+        (a, b, d), *_ = np.linalg.lstsq(x, y, rcond=None)
+        return cls(float(a), float(b), float(d))
+
+
+def floor_ttft_mean_s(model: PrefillModel, records: Sequence[RequestRecord]) -> float | None:
+    """Mean TTFT ``records`` would have with free loads (:class:`PrefillModel`)."""
+    values = [model.ttft_s(r.prompt_tokens - r.cached_tokens, r.cached_tokens)
+              for r in records if r.ttft_s is not None]
+    return statistics.fmean(values) if values else None
+
+
 GOALS = {"ttft_speedup_vs_vllm_alone": 2.0, "load_vs_memcpy": 2.0,
          "ttft_ratio_vs_lmcache": 1.5, "cold_overhead": 0.05}
 
@@ -343,6 +380,13 @@ def assemble(results: Sequence[ModeResult], reuse: Reuse, config: dict[str, Any]
     """The JSON document: header, workload, one summary per mode, the headline ratios and
     each goal met or not (``None`` where a figure is missing)."""
     summaries = {r.mode: summarize(r) for r in results}
+    alone_result = next((r for r in results if r.mode == Mode.VLLM_ALONE.value and r.ok), None)
+    model = PrefillModel.fit(alone_result.requests) if alone_result is not None else None
+    for r in (r for r in results if r.ok):
+        floor = floor_ttft_mean_s(model, r.requests) if model is not None else None
+        mean = summaries[r.mode].get("ttft_mean_s")
+        summaries[r.mode]["ttft_free_load_mean_s"] = floor
+        summaries[r.mode]["ttft_vs_free_load"] = mean / floor if mean and floor else None
     kv = summaries.get(Mode.KVTIER.value, {})
     alone = summaries.get(Mode.VLLM_ALONE.value, {})
     lm = summaries.get(Mode.LMCACHE.value, {})
@@ -355,6 +399,7 @@ def assemble(results: Sequence[ModeResult], reuse: Reuse, config: dict[str, Any]
     doc: dict[str, Any] = {**header, "config": config,
                            "workload": {**asdict(reuse), "reuse_ratio": reuse.reuse_ratio,
                                         "cross_instance_share": reuse.cross_instance_share},
+                           "prefill_model": None if model is None else asdict(model),
                            "modes": summaries,
                            "outputs_identical_by_mode": same,
                            "outputs_identical": bool(same) and all(same.values()) and
@@ -393,21 +438,23 @@ def format_table(doc: dict[str, Any]) -> str:
              f"{w['reuse_ratio']:.0%} of blocks, {w['cross_instance_share']:.0%} of those only on "
              f"the other instance",
              "",
-             "| mode | TTFT mean / p50 / p99 ms | TPOT ms | prefill tokens | ext. hit | "
-             "KV loaded / saved MiB | load / save ms per block | cold TTFT ms (alone) | "
-             "same output |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| mode | TTFT mean / p50 / p99 ms | TTFT if loads were free ms (ratio) | TPOT ms | "
+             "prefill tokens | ext. hit | KV loaded / saved MiB | load / save ms per block | "
+             "cold TTFT ms (alone) | same output |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     same = doc["outputs_identical_by_mode"]
     for name, s in doc["modes"].items():
         if s["status"] != "ok":
-            lines.append(f"| {name} | {s['status']} | | | | | | | |")
+            lines.append(f"| {name} | {s['status']} | | | | | | | | |")
             continue
         cold = "-" if "cold_ttft_mean_s" not in s else \
             f"{_ms(s['cold_ttft_mean_s'])} ({_ms(s['cold_baseline_ttft_mean_s'])}, " \
             f"{s['cold_overhead']:+.1%})"
+        ratio = s.get("ttft_vs_free_load")
+        free = _ms(s.get("ttft_free_load_mean_s")) + ("" if ratio is None else f" ({ratio:.2f}x)")
         lines.append(
             f"| {name} | {_ms(s['ttft_mean_s'])} / {_ms(s['ttft_p50_s'])} / "
-            f"{_ms(s['ttft_p99_s'])} | {_ms(s['tpot_mean_s'])} | {s['prefill_tokens']} / "
+            f"{_ms(s['ttft_p99_s'])} | {free} | {_ms(s['tpot_mean_s'])} | {s['prefill_tokens']} / "
             f"{s['prompt_tokens']} | {s['external_hit_ratio']:.0%} | "
             f"{_mib(s['kv_loaded_bytes'])} / {_mib(s['kv_saved_bytes'])} | "
             f"{_ms(s['load_s_per_block'])} / {_ms(s['save_s_per_block'])} | {cold} | "

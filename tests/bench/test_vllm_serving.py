@@ -149,3 +149,29 @@ def test_each_instance_binds_its_model_to_its_own_core_in_every_mode() -> None:
         {"VLLM_CPU_OMP_THREADS_BIND": "0"}, {"VLLM_CPU_OMP_THREADS_BIND": "1"},
         {"VLLM_CPU_OMP_THREADS_BIND": "0"}]
     assert vs.model_core_env(1, cpus=1) == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+
+
+def _prefilled(prompt: int, cached: int, ttft: float) -> vs.RequestRecord:
+    return vs.RequestRecord(prompt_tokens=prompt, cached_tokens=cached, external_hit_tokens=0,
+                            local_hit_tokens=cached, ttft_s=ttft, tpot_s=0.01, wall_s=ttft,
+                            token_ids=[1])
+
+
+def test_the_free_load_floor_is_alone_s_prefill_cost_at_each_mode_s_hits() -> None:
+    truth = vs.PrefillModel(a_s=0.02, b_s=1e-3, d_s=1e-7)
+    shapes = [(300, 0), (600, 100), (900, 32), (1000, 800), (128, 64), (700, 350)]
+    alone = vs.ModeResult("vllm-alone", requests=[
+        _prefilled(n, c, truth.ttft_s(n - c, c)) for n, c in shapes])
+    fitted = vs.PrefillModel.fit(alone.requests)
+    assert fitted is not None
+    assert (fitted.a_s, fitted.b_s, fitted.d_s) == pytest.approx((0.02, 1e-3, 1e-7), rel=1e-6)
+    # kvtier took 500 of 600 tokens from the store and was 20 ms slower than free loads.
+    free = truth.ttft_s(100, 500)
+    kv = vs.ModeResult("kvtier", requests=[_prefilled(600, 500, free + 0.02)])
+    doc = vs.assemble([alone, kv], vs.reuse_of([]), {}, {})
+    s = doc["modes"]["kvtier"]
+    assert s["ttft_free_load_mean_s"] == pytest.approx(free)
+    assert s["ttft_vs_free_load"] == pytest.approx((free + 0.02) / free)
+    assert doc["modes"]["vllm-alone"]["ttft_vs_free_load"] == pytest.approx(1.0)
+    assert f"({(free + 0.02) / free:.2f}x)" in vs.format_table(doc)
+    assert vs.PrefillModel.fit(alone.requests[:3]) is None  # too few to fit three terms
