@@ -20,6 +20,12 @@ prefill instance the scheduler estimates the time to first token
   calibrated bandwidth (:class:`~conductor.calibration.LinkCalibration`), plus
   the wait behind transfers already scheduled out of the same source node.
 
+An engine's own prefix cache (vLLM's, learned from its KV events:
+:mod:`conductor.engine_index`) is passed per decision as ``engine_cached_tokens``: those
+leading tokens cost the instance nothing (they are in its GPU memory already), so the tokens
+it reuses are the larger of its own cached prefix and its node's; store blocks it already
+holds are not loaded again.
+
 Policies (:class:`Policy`), compared by ``kvtier bench schedule``:
 
 * ``RANDOM``: any prefill instance; the engine still reuses its node's prefix.
@@ -302,6 +308,9 @@ class Decision:
     ttft: TtftEstimate | None = None
     tpot_s: float | None = None
     ticket: int = 0
+    engine_cached_tokens: int = 0
+    """Leading prompt tokens the prefill instance holds in its own prefix cache (counted in
+    the reuse; 0 when unknown)."""
 
     @property
     def estimated_ttft_s(self) -> float | None:
@@ -409,6 +418,7 @@ class _Option:
     fetch: FetchPlan | None
     new_tokens: int
     prior_tokens: int
+    engine_cached_tokens: int = 0
 
 
 
@@ -503,8 +513,12 @@ class Scheduler:
 
     # -- scheduling --------------------------------------------------------------
 
-    def schedule(self, request: ScheduleRequest, now_s: float) -> Decision:
+    def schedule(self, request: ScheduleRequest, now_s: float,
+                 engine_cached_tokens: Mapping[str, int] | None = None) -> Decision:
         """Decide where ``request`` runs. Accepted decisions reserve queue, link and KV room.
+
+        ``engine_cached_tokens``: per prefill instance, the leading prompt tokens it holds in
+        its own prefix cache (free to reuse; instances not named hold none).
 
         Raises InvalidArgument for a malformed request or a model no registered
         prefill or decode instance serves.
@@ -527,7 +541,7 @@ class Scheduler:
                 f"{request.model!r} (prefill instances serve: {', '.join(served) or 'nothing'})")
 
         match = self._index.match(request.keys)
-        option = self._choose_prefill(request, match, prefills, now_s)
+        option = self._choose_prefill(request, match, prefills, now_s, engine_cached_tokens or {})
         ttft = option.ttft
         rid = request.request_id
 
@@ -583,23 +597,25 @@ class Scheduler:
             prefill_node=pst.instance.node_id, decode_instance=dstate.instance.instance_id,
             prefix_blocks=option.prefix_blocks, local_blocks=option.local_blocks,
             local_tiers=option.local_tiers, fetch=option.fetch, replicate=hint, ttft=ttft,
-            tpot_s=tpot_s, ticket=ticket)
+            tpot_s=tpot_s, ticket=ticket, engine_cached_tokens=option.engine_cached_tokens)
 
     def _reject(self, request_id: str, reason: RejectReason, message: str, option: _Option,
                 tpot_s: float | None) -> Decision:
         self.rejected[reason] += 1
         return Decision(request_id=request_id, accepted=False, reason=reason, message=message,
                         prefix_blocks=option.prefix_blocks, local_blocks=option.local_blocks,
-                        ttft=option.ttft, tpot_s=tpot_s)
+                        ttft=option.ttft, tpot_s=tpot_s,
+                        engine_cached_tokens=option.engine_cached_tokens)
 
     # -- the cost model --------------------------------------------------------------
 
-    def _tokens(self, input_tokens: int, reused_blocks: int) -> tuple[int, int]:
-        """(tokens to compute, tokens reused) when ``reused_blocks`` leading blocks are cached.
+    @staticmethod
+    def _tokens_reused(input_tokens: int, reused_tokens: int) -> tuple[int, int]:
+        """(tokens to compute, tokens reused) with ``reused_tokens`` leading tokens cached.
 
         At least one token is always computed (the engine needs its logits).
         """
-        prior = min(reused_blocks * self._config.block_size_tokens, input_tokens - 1)
+        prior = min(reused_tokens, input_tokens - 1)
         return input_tokens - prior, prior
 
     def prefill_estimate_s(self, instance_id: str, new_tokens: int, prior_tokens: int) -> float:
@@ -631,7 +647,8 @@ class Scheduler:
         return nodes[0], best
 
     def _choose_prefill(self, request: ScheduleRequest, match: GlobalMatch,
-                        prefills: list[_PrefillState], now_s: float) -> _Option:
+                        prefills: list[_PrefillState], now_s: float,
+                        engine_cached: Mapping[str, int]) -> _Option:
         # Candidates are ranked on plain floats and tuples; only the winner becomes an
         # _Option. The latency model is pure, so its answers are memoized for this call:
         # instances on nodes with equal prefixes ask it the same question.
@@ -645,65 +662,75 @@ class Scheduler:
         source = self._fetch_source(match) if policy is Policy.GLOBAL_CACHE else None
         threshold = self._config.kvcache_balancing_threshold
         input_tokens = request.input_tokens
+        block = self._config.block_size_tokens
         block_bytes = self._config.block_size_bytes
         model_s: dict[int, float] = {}
         load_by_node: dict[str, float] = {}
         factor = self.prefill_speed.factor
         best: tuple[float, float, str] | None = None
-        best_plan: tuple[_PrefillState, int, str | None, float, float, float] | None = None
-        # best_plan: (instance, blocks reused, fetch source or None, transfer, compute, load)
+        best_plan: tuple[_PrefillState, int, str | None, float, float, float, int] | None = None
+        # best_plan: (instance, blocks reused, fetch source or None, transfer, compute, load,
+        #             tokens reused)
         for st in pool:
             node = st.instance.node_id
             local = match.length(node)
+            own = min(engine_cached.get(st.instance.instance_id, 0), input_tokens)
             load_s = load_by_node.get(node)
             if load_s is None:
                 load_s = self._load_s(match.tier_counts(node)) if local else 0.0
                 load_by_node[node] = load_s
+            if own and local:  # store blocks the engine holds itself are not loaded again
+                load_s *= max(0, local * block - own) / (local * block)
             queue_s = st.busy_until_s - now_s
             if queue_s < 0.0:
                 queue_s = 0.0
             speed = factor(st.instance.instance_id)
-            # Option 1: reuse the local prefix only.
-            compute_s = speed * self._model_prefill_s(input_tokens, local, model_s)
+            # Option 1: reuse the local prefix (the engine's own cache, its node's) only.
+            reused_tokens = max(local * block, own)
+            compute_s = speed * self._model_prefill_s(input_tokens, reused_tokens, model_s)
             rank = (queue_s + max(compute_s, load_s), queue_s, st.instance.instance_id)
-            plan: tuple[_PrefillState, int, str | None, float, float, float] = (
-                st, local, None, 0.0, compute_s, load_s)
+            plan: tuple[_PrefillState, int, str | None, float, float, float, int] = (
+                st, local, None, 0.0, compute_s, load_s, reused_tokens)
             # Option 2 (GLOBAL_CACHE): fetch the rest of the longest prefix from its holder.
             if source is not None:
                 src, best_len = source
-                if (src != node and best_len > local
+                if (src != node and best_len > local and best_len * block > own
                         and (local == 0 or best_len >= threshold * local)):
                     transfer_s = self._transfer_s(src, node, (best_len - local) * block_bytes,
                                                   now_s + queue_s)
-                    fetch_compute_s = speed * self._model_prefill_s(input_tokens, best_len, model_s)
+                    fetch_tokens = best_len * block
+                    fetch_compute_s = speed * self._model_prefill_s(input_tokens, fetch_tokens,
+                                                                    model_s)
                     fetch_rank = (queue_s + transfer_s + max(fetch_compute_s, load_s), queue_s,
                                   st.instance.instance_id)
                     if fetch_rank < rank:
                         rank = fetch_rank
-                        plan = (st, best_len, src, transfer_s, fetch_compute_s, load_s)
+                        plan = (st, best_len, src, transfer_s, fetch_compute_s, load_s,
+                                fetch_tokens)
             if best is None or rank < best:
                 best, best_plan = rank, plan
         if best is None or best_plan is None:
             raise InvariantViolation("a model with prefill instances produced no option")
-        st, reused, src_node, transfer_s, compute_s, load_s = best_plan
+        st, reused, src_node, transfer_s, compute_s, load_s, reused_tokens = best_plan
         node = st.instance.node_id
         local = match.length(node)
         fetch = None
         if src_node is not None:
             fetch = FetchPlan(src_node, node, local, reused, (reused - local) * block_bytes)
-        new_tokens, prior_tokens = self._tokens(input_tokens, reused)
+        new_tokens, prior_tokens = self._tokens_reused(input_tokens, reused_tokens)
         ttft = TtftEstimate(best[1], transfer_s, compute_s, load_s)
         tiers = match.tier_counts(node) if local else TierCounts()
-        return _Option(st, ttft, local, tiers, reused, fetch, new_tokens, prior_tokens)
+        own = min(engine_cached.get(st.instance.instance_id, 0), input_tokens)
+        return _Option(st, ttft, local, tiers, reused, fetch, new_tokens, prior_tokens, own)
 
-    def _model_prefill_s(self, input_tokens: int, reused_blocks: int,
+    def _model_prefill_s(self, input_tokens: int, reused_tokens: int,
                          memo: dict[int, float]) -> float:
-        """The latency model's prefill time with ``reused_blocks`` cached (memoized per call)."""
-        cached = memo.get(reused_blocks)
+        """The latency model's prefill time with ``reused_tokens`` cached (memoized per call)."""
+        cached = memo.get(reused_tokens)
         if cached is None:
-            new_tokens, prior_tokens = self._tokens(input_tokens, reused_blocks)
+            new_tokens, prior_tokens = self._tokens_reused(input_tokens, reused_tokens)
             cached = self._latency.prefill_s([new_tokens], [prior_tokens])
-            memo[reused_blocks] = cached
+            memo[reused_tokens] = cached
         return cached
 
     def _choose_decode(self, decodes: list[_DecodeState], input_tokens: int, kv_tokens: int,

@@ -6,6 +6,7 @@
     etcd engines/    ──EngineWatch──► engine records ─┐
                                                       ├─► scheduler instances (node alive only)
     etcd conductor/leader ◄──Election──► leading? ────┴─► Schedule served (leader only)
+    vLLM KV events (ZMQ) ──EngineEventFollower──► EngineCacheIndex (each engine's own cache)
 
 What the conductor believes, and when it changes
     * A node is *live* while its key is in etcd AND its event stream is connected (from its
@@ -23,6 +24,10 @@ What the conductor believes, and when it changes
     * Every conductor, leader or not, follows every daemon, so a standby that takes over
       has a current index at once (failover does not wait for a rebuild).
     * Engines are schedulable while their record is in etcd and their ``node_id`` is live.
+    * An engine record with ``vllm_kv_events`` is followed over ZMQ
+      (:mod:`conductor.engine_events`) into :attr:`Conductor.engine_cache`, whatever its
+      node's state; a new registration (its key's create revision changed: a new lease)
+      starts its view over, and the view leaves when the record does (lease expired).
     * **No answers from a half-built view** (issue 12). Starting, the conductor follows every
       registered node and waits for their snapshots (and their engines) before it campaigns.
       After an etcd outage long enough to expire leases (etcd then deletes every member's key
@@ -64,7 +69,10 @@ from typing import Any
 import aetcd
 import grpc
 import xxhash
+import zmq.asyncio
 
+from conductor.engine_events import EngineEventFollower
+from conductor.engine_index import EngineCacheIndex
 from conductor.index import ChunkEvent, ChunkEventKind, EventOutcome, GlobalPrefixIndex
 from conductor.perf.engine_model import default_engine_model
 from conductor.scheduler import (
@@ -267,6 +275,10 @@ class Conductor:
         self._engine_created: dict[str, int] = {}
         """Create revision of each engine record's key, by instance id."""
         self._rebuild: _Rebuild | None = None
+        self.engine_cache = EngineCacheIndex()
+        """Each vLLM engine's own prefix cache, from its KV events (thread-safe by itself)."""
+        self.engine_followers: dict[str, tuple[EngineEventFollower, asyncio.Task[None]]] = {}
+        self._zmq: zmq.asyncio.Context | None = None
 
     # ------------------------------------------------------------------ views
 
@@ -305,6 +317,23 @@ class Conductor:
         if not math.isfinite(at_s) or at_s < 0:
             raise InvalidArgument(f"at_s must be a finite time >= 0, got {at_s!r}")
         return at_s
+
+    def has_engine_events(self, model: str) -> bool:
+        """Whether an engine of ``model`` publishes KV events (its own cache can be matched)."""
+        with self.lock:
+            return any(rec.model == model and rec.vllm_kv_events is not None
+                       for rec in self.engines.values())
+
+    def engine_cached_tokens(self, model: str, tenant: str, token_ids: list[int]
+                             ) -> dict[str, int]:
+        """Per engine of ``model`` followed through KV events: the leading tokens of the
+        prompt it holds in its own prefix cache. Any thread (takes :attr:`lock` briefly)."""
+        with self.lock:
+            instances = {i for i, rec in self.engines.items()
+                         if rec.model == model and rec.vllm_kv_events is not None}
+        if not instances:
+            return {}
+        return self.engine_cache.cached_tokens(token_ids, tenant, instances)
 
     def hasher(self, model: str, tenant: str) -> BlockHasher:
         """The key chain of ``model`` for ``tenant``; InvalidArgument when no engine of the
@@ -395,6 +424,8 @@ class Conductor:
         if self.election is not None:
             await self.election.resign()
         tasks = self._tasks + [f.task for f in self.nodes.values() if f.task is not None]
+        tasks += [task for _, task in self.engine_followers.values()]
+        self.engine_followers = {}
         if self._rebuild is not None and self._rebuild.task is not None:
             tasks.append(self._rebuild.task)
         for task in tasks:
@@ -410,6 +441,9 @@ class Conductor:
             with contextlib.suppress(Exception):  # closing a client whose etcd is gone
                 await self._etcd.close()
             self._etcd = None
+        if self._zmq is not None:
+            self._zmq.destroy(linger=0)
+            self._zmq = None
 
     # ------------------------------------------------------------------ leadership
 
@@ -700,8 +734,45 @@ class Conductor:
                         self._engine_created[change.instance_id] = change.create_revision
                     self._hashers.clear()
                     self._sync_instances()
+                self._sync_engine_events()
         finally:
             await changes.__aexit__(None, None, None)
+
+    def _sync_engine_events(self) -> None:
+        """Follow the KV events of every engine record that has them: a follower per record
+        (a new one when its description or registration changed), none for the others."""
+        with self.lock:
+            wanted = {i: (rec.vllm_kv_events, self._engine_created.get(i, 0))
+                      for i, rec in self.engines.items() if rec.vllm_kv_events is not None}
+        for instance_id, (follower, task) in list(self.engine_followers.items()):
+            want = wanted.get(instance_id)
+            if want == (follower.view.spec, follower.view.generation):
+                continue
+            task.cancel()
+            del self.engine_followers[instance_id]
+            if want is None:
+                self.engine_cache.remove(instance_id)
+                log.info("engine %s left the engine cache index (its record is gone)",
+                         instance_id)
+        if self._stopping:
+            return
+        loop = asyncio.get_running_loop()
+        for instance_id, (spec, generation) in wanted.items():
+            if instance_id in self.engine_followers or spec is None:
+                continue
+            if self._zmq is None:
+                self._zmq = zmq.asyncio.Context()
+            view = self.engine_cache.track(instance_id, spec, generation)
+            follower = EngineEventFollower(self.engine_cache, view, self._zmq)
+            task = loop.create_task(follower.run(), name=f"kvtier-conductor-kv-events-{instance_id}")
+            task.add_done_callback(self._follower_ended)
+            self.engine_followers[instance_id] = (follower, task)
+
+    @staticmethod
+    def _follower_ended(task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s stopped: %r; that engine's cache view no longer changes",
+                      task.get_name(), task.exception(), exc_info=task.exception())
 
     def _sync_instances(self) -> None:
         """Make the scheduler's instances = engine records whose node is live (hold the lock)."""

@@ -132,7 +132,12 @@ class ConductorService(pb_grpc.ConductorServicer):
         if len(token_ids):
             if not model:
                 raise InvalidArgument("token_ids need a model (to find its key namespace)")
-            hasher = self._c.hasher(model, tenant)
+            try:
+                hasher = self._c.hasher(model, tenant)
+            except InvalidArgument:
+                if self._c.has_engine_events(model):
+                    return ()  # no store keys: only the engines' own caches are matched
+                raise
             if len(token_ids) > MAX_KEYS * hasher.block_size_tokens:
                 raise InvalidArgument(f"more than {MAX_KEYS} blocks of token ids")
             return tuple(hasher.hash_blocks(list(token_ids)))
@@ -188,22 +193,30 @@ class ConductorService(pb_grpc.ConductorServicer):
         now_s = c.now_s(request.at_s)
         schedule_request = ScheduleRequest(request.request_id, request.model, keys, input_tokens,
                                            int(request.expected_output_tokens) or None)
+        token_ids = list(request.token_ids)
+        engine_cached = (c.engine_cached_tokens(request.model, request.tenant, token_ids)
+                         if token_ids else {})
         with c.lock:
-            decision = c.scheduler.schedule(schedule_request, now_s)
+            decision = c.scheduler.schedule(schedule_request, now_s, engine_cached)
             if not c.is_leader:
                 # Leadership lapsed while deciding (etcd unreachable, this process paused):
                 # another conductor may lead by now, so this decision must not go out.
                 if decision.accepted:
                     c.scheduler.cancel(decision.ticket)
                 self._require_leader()
-            return self._reply(decision, keys)
+            reply = self._reply(decision, keys)
+        if decision.accepted and decision.prefill_instance in engine_cached:
+            # Its new blocks should show up in that engine's KV events (mismatch detection).
+            c.engine_cache.expect_routed(decision.prefill_instance, token_ids, request.tenant)
+        return reply
 
     def _reply(self, d: Decision, keys: tuple[bytes, ...]) -> pb.ScheduleReply:
         reply = pb.ScheduleReply(
             request_id=d.request_id, accepted=d.accepted, message=d.message,
             prefix_blocks=d.prefix_blocks, local_blocks=d.local_blocks,
             local_tiers=_tiers_pb(d.local_tiers), ticket=d.ticket,
-            conductor_id=self._c.config.conductor_id)
+            conductor_id=self._c.config.conductor_id,
+            engine_cached_tokens=d.engine_cached_tokens)
         if d.reason is not None:
             reply.reason = _REASON[d.reason]
         if d.ttft is not None:
@@ -253,6 +266,14 @@ class ConductorService(pb_grpc.ConductorServicer):
         for node_id, length in sorted(match.lengths.items()):
             reply.nodes.append(pb.NodeMatch(node_id=node_id, blocks=length,
                                             tiers=_tiers_pb(match.tier_counts(node_id))))
+        if len(request.token_ids):
+            cached = self._c.engine_cached_tokens(request.model, request.tenant,
+                                                  list(request.token_ids))
+            for instance_id, tokens in sorted(cached.items()):
+                view = self._c.engine_cache.view(instance_id)
+                reply.engines.append(pb.EngineMatch(
+                    instance_id=instance_id, cached_tokens=tokens,
+                    mismatch=view is not None and bool(view.stats.mismatch)))
         return reply
 
     @_rpc
@@ -330,7 +351,8 @@ class ConductorService(pb_grpc.ConductorServicer):
             leader_address=view.record.address if view else "",
             is_leader=c.is_leader, conductor_id=c.config.conductor_id,
             term=view.term if view else 0, indexed_blocks=len(c.index),
-            live_nodes=live, prefill_instances=prefill, decode_instances=decode)
+            live_nodes=live, prefill_instances=prefill, decode_instances=decode,
+            engine_caches=[pb.EngineCacheInfo(**st.as_dict()) for st in c.engine_cache.stats()])
 
 
 def add_to_server(service: ConductorService, server: grpc.Server) -> Any:

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvtier/v1/conductor.proto\x12\tkvtier.v1\"\xa9\x01\n\x0fScheduleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x0c\n\x04keys\x18\x04 \x03(\x0c\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x14\n\x0cinput_tokens\x18\x06 \x01(\x03\x12\x1e\n\x16\x65xpected_output_tokens\x18\x07 \x01(\x03\x12\x0c\n\x04\x61t_s\x18\x08 \x01(\x01\"5\n\nTierCounts\x12\x0b\n\x03hbm\x18\x01 \x01(\x05\x12\x0c\n\x04\x64ram\x18\x02 \x01(\x05\x12\x0c\n\x04nvme\x18\x03 \x01(\x05\"\xc8\x01\n\tFetchPlan\x12\x10\n\x08src_node\x18\x01 \x01(\t\x12\x10\n\x08\x64st_node\x18\x02 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\x05\x12\x11\n\tend_block\x18\x04 \x01(\x05\x12\x12\n\nsize_bytes\x18\x05 \x01(\x03\x12(\n\tsrc_tiers\x18\x06 \x01(\x0b\x32\x15.kvtier.v1.TierCounts\x12\x18\n\x10src_grpc_address\x18\x07 \x01(\t\x12\x17\n\x0fsrc_tcp_address\x18\x08 \x01(\t\"F\n\x0fReplicationHint\x12\x10\n\x08src_node\x18\x01 \x01(\t\x12\x11\n\tdst_nodes\x18\x02 \x03(\t\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x05\"\xfc\x03\n\rScheduleReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\'\n\x06reason\x18\x03 \x01(\x0e\x32\x17.kvtier.v1.RejectReason\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x18\n\x10prefill_instance\x18\x05 \x01(\t\x12\x14\n\x0cprefill_node\x18\x06 \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\x07 \x01(\t\x12\x15\n\rprefix_blocks\x18\x08 \x01(\x05\x12\x14\n\x0clocal_blocks\x18\t \x01(\x05\x12*\n\x0blocal_tiers\x18\n \x01(\x0b\x32\x15.kvtier.v1.TierCounts\x12#\n\x05\x66\x65tch\x18\x0b \x01(\x0b\x32\x14.kvtier.v1.FetchPlan\x12-\n\treplicate\x18\x0c \x01(\x0b\x32\x1a.kvtier.v1.ReplicationHint\x12\x17\n\x0fttft_estimate_s\x18\r \x01(\x01\x12\x0f\n\x07queue_s\x18\x0e \x01(\x01\x12\x12\n\ntransfer_s\x18\x0f \x01(\x01\x12\x11\n\tprefill_s\x18\x10 \x01(\x01\x12\x0e\n\x06load_s\x18\x11 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x12 \x01(\x01\x12\x0e\n\x06ticket\x18\x13 \x01(\x04\x12\x14\n\x0c\x63onductor_id\x18\x14 \x01(\t\"A\n\x14ScheduleBatchRequest\x12)\n\x05items\x18\x01 \x03(\x0b\x32\x1a.kvtier.v1.ScheduleRequest\"[\n\x11ScheduleBatchItem\x12\'\n\x05reply\x18\x01 \x01(\x0b\x32\x18.kvtier.v1.ScheduleReply\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"A\n\x12ScheduleBatchReply\x12+\n\x05items\x18\x01 \x03(\x0b\x32\x1c.kvtier.v1.ScheduleBatchItem\"X\n\x16\x43onductorLookupRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\"R\n\tNodeMatch\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x05\x12$\n\x05tiers\x18\x03 \x01(\x0b\x32\x15.kvtier.v1.TierCounts\"`\n\x14\x43onductorLookupReply\x12\x0e\n\x06\x62locks\x18\x01 \x01(\x05\x12\x13\n\x0b\x62\x65st_blocks\x18\x02 \x01(\x05\x12#\n\x05nodes\x18\x03 \x03(\x0b\x32\x14.kvtier.v1.NodeMatch\"\x84\x01\n\nEngineLoad\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x1d\n\x15queued_prefill_tokens\x18\x02 \x01(\x03\x12\x1c\n\x14running_decode_batch\x18\x03 \x01(\x05\x12\x16\n\x0ekv_used_tokens\x18\x04 \x01(\x03\x12\x0c\n\x04\x61t_s\x18\x05 \x01(\x01\" \n\x0fReportLoadReply\x12\r\n\x05known\x18\x01 \x01(\x08\"\xa2\x01\n\x10\x43ompletionReport\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x12)\n\x07prefill\x18\x02 \x01(\x0b\x32\x16.kvtier.v1.PrefillDoneH\x00\x12\'\n\x06\x64\x65\x63ode\x18\x03 \x01(\x0b\x32\x15.kvtier.v1.DecodeDoneH\x00\x12\x13\n\tcancelled\x18\x04 \x01(\x08H\x00\x12\x0c\n\x04\x61t_s\x18\x05 \x01(\x01\x42\x07\n\x05phase\"\x7f\n\x0bPrefillDone\x12\x11\n\tprefill_s\x18\x01 \x01(\x01\x12\x17\n\x0f\x63omputed_tokens\x18\x02 \x01(\x03\x12\x15\n\rreused_tokens\x18\x03 \x01(\x03\x12\x12\n\ntransfer_s\x18\x04 \x01(\x01\x12\x19\n\x11transferred_bytes\x18\x05 \x01(\x03\"_\n\nDecodeDone\x12\x15\n\routput_tokens\x18\x01 \x01(\x03\x12\x0e\n\x06tpot_s\x18\x02 \x01(\x01\x12\x12\n\nbatch_size\x18\x03 \x01(\x05\x12\x16\n\x0e\x63ontext_tokens\x18\x04 \x01(\x03\"\x17\n\x15ReportCompletionReply\"\x0f\n\rLeaderRequest\"\xd0\x01\n\x0bLeaderReply\x12\x11\n\tleader_id\x18\x01 \x01(\t\x12\x16\n\x0eleader_address\x18\x02 \x01(\t\x12\x11\n\tis_leader\x18\x03 \x01(\x08\x12\x14\n\x0c\x63onductor_id\x18\x04 \x01(\t\x12\x0c\n\x04term\x18\x05 \x01(\x03\x12\x16\n\x0eindexed_blocks\x18\x06 \x01(\x03\x12\x12\n\nlive_nodes\x18\x07 \x03(\t\x12\x19\n\x11prefill_instances\x18\x08 \x03(\t\x12\x18\n\x10\x64\x65\x63ode_instances\x18\t \x03(\t*d\n\x0cRejectReason\x12\x0f\n\x0bREJECT_NONE\x10\x00\x12\x13\n\x0fREJECT_TTFT_SLO\x10\x01\x12\x13\n\x0fREJECT_TPOT_SLO\x10\x02\x12\x19\n\x15REJECT_DECODE_KV_FULL\x10\x03\x32\xbc\x03\n\tConductor\x12@\n\x08Schedule\x12\x1a.kvtier.v1.ScheduleRequest\x1a\x18.kvtier.v1.ScheduleReply\x12O\n\rScheduleBatch\x12\x1f.kvtier.v1.ScheduleBatchRequest\x1a\x1d.kvtier.v1.ScheduleBatchReply\x12L\n\x06Lookup\x12!.kvtier.v1.ConductorLookupRequest\x1a\x1f.kvtier.v1.ConductorLookupReply\x12?\n\nReportLoad\x12\x15.kvtier.v1.EngineLoad\x1a\x1a.kvtier.v1.ReportLoadReply\x12Q\n\x10ReportCompletion\x12\x1b.kvtier.v1.CompletionReport\x1a .kvtier.v1.ReportCompletionReply\x12:\n\x06Leader\x12\x18.kvtier.v1.LeaderRequest\x1a\x16.kvtier.v1.LeaderReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvtier/v1/conductor.proto\x12\tkvtier.v1\"\xa9\x01\n\x0fScheduleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x0c\n\x04keys\x18\x04 \x03(\x0c\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x14\n\x0cinput_tokens\x18\x06 \x01(\x03\x12\x1e\n\x16\x65xpected_output_tokens\x18\x07 \x01(\x03\x12\x0c\n\x04\x61t_s\x18\x08 \x01(\x01\"5\n\nTierCounts\x12\x0b\n\x03hbm\x18\x01 \x01(\x05\x12\x0c\n\x04\x64ram\x18\x02 \x01(\x05\x12\x0c\n\x04nvme\x18\x03 \x01(\x05\"\xc8\x01\n\tFetchPlan\x12\x10\n\x08src_node\x18\x01 \x01(\t\x12\x10\n\x08\x64st_node\x18\x02 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\x05\x12\x11\n\tend_block\x18\x04 \x01(\x05\x12\x12\n\nsize_bytes\x18\x05 \x01(\x03\x12(\n\tsrc_tiers\x18\x06 \x01(\x0b\x32\x15.kvtier.v1.TierCounts\x12\x18\n\x10src_grpc_address\x18\x07 \x01(\t\x12\x17\n\x0fsrc_tcp_address\x18\x08 \x01(\t\"F\n\x0fReplicationHint\x12\x10\n\x08src_node\x18\x01 \x01(\t\x12\x11\n\tdst_nodes\x18\x02 \x03(\t\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x05\"\x9a\x04\n\rScheduleReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\'\n\x06reason\x18\x03 \x01(\x0e\x32\x17.kvtier.v1.RejectReason\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x18\n\x10prefill_instance\x18\x05 \x01(\t\x12\x14\n\x0cprefill_node\x18\x06 \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\x07 \x01(\t\x12\x15\n\rprefix_blocks\x18\x08 \x01(\x05\x12\x14\n\x0clocal_blocks\x18\t \x01(\x05\x12*\n\x0blocal_tiers\x18\n \x01(\x0b\x32\x15.kvtier.v1.TierCounts\x12#\n\x05\x66\x65tch\x18\x0b \x01(\x0b\x32\x14.kvtier.v1.FetchPlan\x12-\n\treplicate\x18\x0c \x01(\x0b\x32\x1a.kvtier.v1.ReplicationHint\x12\x17\n\x0fttft_estimate_s\x18\r \x01(\x01\x12\x0f\n\x07queue_s\x18\x0e \x01(\x01\x12\x12\n\ntransfer_s\x18\x0f \x01(\x01\x12\x11\n\tprefill_s\x18\x10 \x01(\x01\x12\x0e\n\x06load_s\x18\x11 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x12 \x01(\x01\x12\x0e\n\x06ticket\x18\x13 \x01(\x04\x12\x14\n\x0c\x63onductor_id\x18\x14 \x01(\t\x12\x1c\n\x14\x65ngine_cached_tokens\x18\x15 \x01(\x03\"A\n\x14ScheduleBatchRequest\x12)\n\x05items\x18\x01 \x03(\x0b\x32\x1a.kvtier.v1.ScheduleRequest\"[\n\x11ScheduleBatchItem\x12\'\n\x05reply\x18\x01 \x01(\x0b\x32\x18.kvtier.v1.ScheduleReply\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"A\n\x12ScheduleBatchReply\x12+\n\x05items\x18\x01 \x03(\x0b\x32\x1c.kvtier.v1.ScheduleBatchItem\"X\n\x16\x43onductorLookupRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\"R\n\tNodeMatch\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x05\x12$\n\x05tiers\x18\x03 \x01(\x0b\x32\x15.kvtier.v1.TierCounts\"K\n\x0b\x45ngineMatch\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x15\n\rcached_tokens\x18\x02 \x01(\x03\x12\x10\n\x08mismatch\x18\x03 \x01(\x08\"\x89\x01\n\x14\x43onductorLookupReply\x12\x0e\n\x06\x62locks\x18\x01 \x01(\x05\x12\x13\n\x0b\x62\x65st_blocks\x18\x02 \x01(\x05\x12#\n\x05nodes\x18\x03 \x03(\x0b\x32\x14.kvtier.v1.NodeMatch\x12\'\n\x07\x65ngines\x18\x04 \x03(\x0b\x32\x16.kvtier.v1.EngineMatch\"\x84\x01\n\nEngineLoad\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x1d\n\x15queued_prefill_tokens\x18\x02 \x01(\x03\x12\x1c\n\x14running_decode_batch\x18\x03 \x01(\x05\x12\x16\n\x0ekv_used_tokens\x18\x04 \x01(\x03\x12\x0c\n\x04\x61t_s\x18\x05 \x01(\x01\" \n\x0fReportLoadReply\x12\r\n\x05known\x18\x01 \x01(\x08\"\xa2\x01\n\x10\x43ompletionReport\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x12)\n\x07prefill\x18\x02 \x01(\x0b\x32\x16.kvtier.v1.PrefillDoneH\x00\x12\'\n\x06\x64\x65\x63ode\x18\x03 \x01(\x0b\x32\x15.kvtier.v1.DecodeDoneH\x00\x12\x13\n\tcancelled\x18\x04 \x01(\x08H\x00\x12\x0c\n\x04\x61t_s\x18\x05 \x01(\x01\x42\x07\n\x05phase\"\x7f\n\x0bPrefillDone\x12\x11\n\tprefill_s\x18\x01 \x01(\x01\x12\x17\n\x0f\x63omputed_tokens\x18\x02 \x01(\x03\x12\x15\n\rreused_tokens\x18\x03 \x01(\x03\x12\x12\n\ntransfer_s\x18\x04 \x01(\x01\x12\x19\n\x11transferred_bytes\x18\x05 \x01(\x03\"_\n\nDecodeDone\x12\x15\n\routput_tokens\x18\x01 \x01(\x03\x12\x0e\n\x06tpot_s\x18\x02 \x01(\x01\x12\x12\n\nbatch_size\x18\x03 \x01(\x05\x12\x16\n\x0e\x63ontext_tokens\x18\x04 \x01(\x03\"\x17\n\x15ReportCompletionReply\"\x0f\n\rLeaderRequest\"\x83\x02\n\x0bLeaderReply\x12\x11\n\tleader_id\x18\x01 \x01(\t\x12\x16\n\x0eleader_address\x18\x02 \x01(\t\x12\x11\n\tis_leader\x18\x03 \x01(\x08\x12\x14\n\x0c\x63onductor_id\x18\x04 \x01(\t\x12\x0c\n\x04term\x18\x05 \x01(\x03\x12\x16\n\x0eindexed_blocks\x18\x06 \x01(\x03\x12\x12\n\nlive_nodes\x18\x07 \x03(\t\x12\x19\n\x11prefill_instances\x18\x08 \x03(\t\x12\x18\n\x10\x64\x65\x63ode_instances\x18\t \x03(\t\x12\x31\n\rengine_caches\x18\n \x03(\x0b\x32\x1a.kvtier.v1.EngineCacheInfo\"\xad\x03\n\x0f\x45ngineCacheInfo\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x03\x12\x14\n\x0c\x65xpected_seq\x18\x03 \x01(\x03\x12\x0f\n\x07\x62\x61tches\x18\x04 \x01(\x03\x12\x0e\n\x06\x65vents\x18\x05 \x01(\x03\x12\x0c\n\x04gaps\x18\x06 \x01(\x03\x12\x15\n\rgaps_repaired\x18\x07 \x01(\x03\x12\x18\n\x10replayed_batches\x18\x08 \x01(\x03\x12\x1a\n\x12unrecoverable_gaps\x18\t \x01(\x03\x12\x0e\n\x06resets\x18\n \x01(\x03\x12\x10\n\x08restarts\x18\x0b \x01(\x03\x12\x0f\n\x07\x63leared\x18\x0c \x01(\x03\x12\x11\n\toverflows\x18\r \x01(\x03\x12\x16\n\x0eignored_events\x18\x0e \x01(\x03\x12\x19\n\x11malformed_batches\x18\x0f \x01(\x03\x12\x17\n\x0fverified_blocks\x18\x10 \x01(\x03\x12\x17\n\x0fhash_mismatches\x18\x11 \x01(\x03\x12\x0e\n\x06probes\x18\x12 \x01(\x03\x12\x16\n\x0eprobes_matched\x18\x13 \x01(\x03\x12\x10\n\x08mismatch\x18\x14 \x01(\t*d\n\x0cRejectReason\x12\x0f\n\x0bREJECT_NONE\x10\x00\x12\x13\n\x0fREJECT_TTFT_SLO\x10\x01\x12\x13\n\x0fREJECT_TPOT_SLO\x10\x02\x12\x19\n\x15REJECT_DECODE_KV_FULL\x10\x03\x32\xbc\x03\n\tConductor\x12@\n\x08Schedule\x12\x1a.kvtier.v1.ScheduleRequest\x1a\x18.kvtier.v1.ScheduleReply\x12O\n\rScheduleBatch\x12\x1f.kvtier.v1.ScheduleBatchRequest\x1a\x1d.kvtier.v1.ScheduleBatchReply\x12L\n\x06Lookup\x12!.kvtier.v1.ConductorLookupRequest\x1a\x1f.kvtier.v1.ConductorLookupReply\x12?\n\nReportLoad\x12\x15.kvtier.v1.EngineLoad\x1a\x1a.kvtier.v1.ReportLoadReply\x12Q\n\x10ReportCompletion\x12\x1b.kvtier.v1.CompletionReport\x1a .kvtier.v1.ReportCompletionReply\x12:\n\x06Leader\x12\x18.kvtier.v1.LeaderRequest\x1a\x16.kvtier.v1.LeaderReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvtier.v1.conductor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REJECTREASON']._serialized_start=2365
-  _globals['_REJECTREASON']._serialized_end=2465
+  _globals['_REJECTREASON']._serialized_start=2997
+  _globals['_REJECTREASON']._serialized_end=3097
   _globals['_SCHEDULEREQUEST']._serialized_start=41
   _globals['_SCHEDULEREQUEST']._serialized_end=210
   _globals['_TIERCOUNTS']._serialized_start=212
@@ -42,35 +42,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPLICATIONHINT']._serialized_start=470
   _globals['_REPLICATIONHINT']._serialized_end=540
   _globals['_SCHEDULEREPLY']._serialized_start=543
-  _globals['_SCHEDULEREPLY']._serialized_end=1051
-  _globals['_SCHEDULEBATCHREQUEST']._serialized_start=1053
-  _globals['_SCHEDULEBATCHREQUEST']._serialized_end=1118
-  _globals['_SCHEDULEBATCHITEM']._serialized_start=1120
-  _globals['_SCHEDULEBATCHITEM']._serialized_end=1211
-  _globals['_SCHEDULEBATCHREPLY']._serialized_start=1213
-  _globals['_SCHEDULEBATCHREPLY']._serialized_end=1278
-  _globals['_CONDUCTORLOOKUPREQUEST']._serialized_start=1280
-  _globals['_CONDUCTORLOOKUPREQUEST']._serialized_end=1368
-  _globals['_NODEMATCH']._serialized_start=1370
-  _globals['_NODEMATCH']._serialized_end=1452
-  _globals['_CONDUCTORLOOKUPREPLY']._serialized_start=1454
-  _globals['_CONDUCTORLOOKUPREPLY']._serialized_end=1550
-  _globals['_ENGINELOAD']._serialized_start=1553
-  _globals['_ENGINELOAD']._serialized_end=1685
-  _globals['_REPORTLOADREPLY']._serialized_start=1687
-  _globals['_REPORTLOADREPLY']._serialized_end=1719
-  _globals['_COMPLETIONREPORT']._serialized_start=1722
-  _globals['_COMPLETIONREPORT']._serialized_end=1884
-  _globals['_PREFILLDONE']._serialized_start=1886
-  _globals['_PREFILLDONE']._serialized_end=2013
-  _globals['_DECODEDONE']._serialized_start=2015
-  _globals['_DECODEDONE']._serialized_end=2110
-  _globals['_REPORTCOMPLETIONREPLY']._serialized_start=2112
-  _globals['_REPORTCOMPLETIONREPLY']._serialized_end=2135
-  _globals['_LEADERREQUEST']._serialized_start=2137
-  _globals['_LEADERREQUEST']._serialized_end=2152
-  _globals['_LEADERREPLY']._serialized_start=2155
-  _globals['_LEADERREPLY']._serialized_end=2363
-  _globals['_CONDUCTOR']._serialized_start=2468
-  _globals['_CONDUCTOR']._serialized_end=2912
+  _globals['_SCHEDULEREPLY']._serialized_end=1081
+  _globals['_SCHEDULEBATCHREQUEST']._serialized_start=1083
+  _globals['_SCHEDULEBATCHREQUEST']._serialized_end=1148
+  _globals['_SCHEDULEBATCHITEM']._serialized_start=1150
+  _globals['_SCHEDULEBATCHITEM']._serialized_end=1241
+  _globals['_SCHEDULEBATCHREPLY']._serialized_start=1243
+  _globals['_SCHEDULEBATCHREPLY']._serialized_end=1308
+  _globals['_CONDUCTORLOOKUPREQUEST']._serialized_start=1310
+  _globals['_CONDUCTORLOOKUPREQUEST']._serialized_end=1398
+  _globals['_NODEMATCH']._serialized_start=1400
+  _globals['_NODEMATCH']._serialized_end=1482
+  _globals['_ENGINEMATCH']._serialized_start=1484
+  _globals['_ENGINEMATCH']._serialized_end=1559
+  _globals['_CONDUCTORLOOKUPREPLY']._serialized_start=1562
+  _globals['_CONDUCTORLOOKUPREPLY']._serialized_end=1699
+  _globals['_ENGINELOAD']._serialized_start=1702
+  _globals['_ENGINELOAD']._serialized_end=1834
+  _globals['_REPORTLOADREPLY']._serialized_start=1836
+  _globals['_REPORTLOADREPLY']._serialized_end=1868
+  _globals['_COMPLETIONREPORT']._serialized_start=1871
+  _globals['_COMPLETIONREPORT']._serialized_end=2033
+  _globals['_PREFILLDONE']._serialized_start=2035
+  _globals['_PREFILLDONE']._serialized_end=2162
+  _globals['_DECODEDONE']._serialized_start=2164
+  _globals['_DECODEDONE']._serialized_end=2259
+  _globals['_REPORTCOMPLETIONREPLY']._serialized_start=2261
+  _globals['_REPORTCOMPLETIONREPLY']._serialized_end=2284
+  _globals['_LEADERREQUEST']._serialized_start=2286
+  _globals['_LEADERREQUEST']._serialized_end=2301
+  _globals['_LEADERREPLY']._serialized_start=2304
+  _globals['_LEADERREPLY']._serialized_end=2563
+  _globals['_ENGINECACHEINFO']._serialized_start=2566
+  _globals['_ENGINECACHEINFO']._serialized_end=2995
+  _globals['_CONDUCTOR']._serialized_start=3100
+  _globals['_CONDUCTOR']._serialized_end=3544
 # @@protoc_insertion_point(module_scope)

@@ -79,7 +79,7 @@ class ReplicationHint(_message.Message):
     def __init__(self, src_node: _Optional[str] = ..., dst_nodes: _Optional[_Iterable[str]] = ..., blocks: _Optional[int] = ...) -> None: ...
 
 class ScheduleReply(_message.Message):
-    __slots__ = ("request_id", "accepted", "reason", "message", "prefill_instance", "prefill_node", "decode_instance", "prefix_blocks", "local_blocks", "local_tiers", "fetch", "replicate", "ttft_estimate_s", "queue_s", "transfer_s", "prefill_s", "load_s", "tpot_s", "ticket", "conductor_id")
+    __slots__ = ("request_id", "accepted", "reason", "message", "prefill_instance", "prefill_node", "decode_instance", "prefix_blocks", "local_blocks", "local_tiers", "fetch", "replicate", "ttft_estimate_s", "queue_s", "transfer_s", "prefill_s", "load_s", "tpot_s", "ticket", "conductor_id", "engine_cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class ScheduleReply(_message.Message):
     TPOT_S_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
     CONDUCTOR_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     accepted: bool
     reason: RejectReason
@@ -120,7 +121,8 @@ class ScheduleReply(_message.Message):
     tpot_s: float
     ticket: int
     conductor_id: str
-    def __init__(self, request_id: _Optional[str] = ..., accepted: _Optional[bool] = ..., reason: _Optional[_Union[RejectReason, str]] = ..., message: _Optional[str] = ..., prefill_instance: _Optional[str] = ..., prefill_node: _Optional[str] = ..., decode_instance: _Optional[str] = ..., prefix_blocks: _Optional[int] = ..., local_blocks: _Optional[int] = ..., local_tiers: _Optional[_Union[TierCounts, _Mapping]] = ..., fetch: _Optional[_Union[FetchPlan, _Mapping]] = ..., replicate: _Optional[_Union[ReplicationHint, _Mapping]] = ..., ttft_estimate_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., load_s: _Optional[float] = ..., tpot_s: _Optional[float] = ..., ticket: _Optional[int] = ..., conductor_id: _Optional[str] = ...) -> None: ...
+    engine_cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., accepted: _Optional[bool] = ..., reason: _Optional[_Union[RejectReason, str]] = ..., message: _Optional[str] = ..., prefill_instance: _Optional[str] = ..., prefill_node: _Optional[str] = ..., decode_instance: _Optional[str] = ..., prefix_blocks: _Optional[int] = ..., local_blocks: _Optional[int] = ..., local_tiers: _Optional[_Union[TierCounts, _Mapping]] = ..., fetch: _Optional[_Union[FetchPlan, _Mapping]] = ..., replicate: _Optional[_Union[ReplicationHint, _Mapping]] = ..., ttft_estimate_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., load_s: _Optional[float] = ..., tpot_s: _Optional[float] = ..., ticket: _Optional[int] = ..., conductor_id: _Optional[str] = ..., engine_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class ScheduleBatchRequest(_message.Message):
     __slots__ = ("items",)
@@ -166,15 +168,27 @@ class NodeMatch(_message.Message):
     tiers: TierCounts
     def __init__(self, node_id: _Optional[str] = ..., blocks: _Optional[int] = ..., tiers: _Optional[_Union[TierCounts, _Mapping]] = ...) -> None: ...
 
+class EngineMatch(_message.Message):
+    __slots__ = ("instance_id", "cached_tokens", "mismatch")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MISMATCH_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    cached_tokens: int
+    mismatch: bool
+    def __init__(self, instance_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., mismatch: _Optional[bool] = ...) -> None: ...
+
 class ConductorLookupReply(_message.Message):
-    __slots__ = ("blocks", "best_blocks", "nodes")
+    __slots__ = ("blocks", "best_blocks", "nodes", "engines")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BEST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
     blocks: int
     best_blocks: int
     nodes: _containers.RepeatedCompositeFieldContainer[NodeMatch]
-    def __init__(self, blocks: _Optional[int] = ..., best_blocks: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeMatch, _Mapping]]] = ...) -> None: ...
+    engines: _containers.RepeatedCompositeFieldContainer[EngineMatch]
+    def __init__(self, blocks: _Optional[int] = ..., best_blocks: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeMatch, _Mapping]]] = ..., engines: _Optional[_Iterable[_Union[EngineMatch, _Mapping]]] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
     __slots__ = ("instance_id", "queued_prefill_tokens", "running_decode_batch", "kv_used_tokens", "at_s")
@@ -245,7 +259,7 @@ class LeaderRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LeaderReply(_message.Message):
-    __slots__ = ("leader_id", "leader_address", "is_leader", "conductor_id", "term", "indexed_blocks", "live_nodes", "prefill_instances", "decode_instances")
+    __slots__ = ("leader_id", "leader_address", "is_leader", "conductor_id", "term", "indexed_blocks", "live_nodes", "prefill_instances", "decode_instances", "engine_caches")
     LEADER_ID_FIELD_NUMBER: _ClassVar[int]
     LEADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     IS_LEADER_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +269,7 @@ class LeaderReply(_message.Message):
     LIVE_NODES_FIELD_NUMBER: _ClassVar[int]
     PREFILL_INSTANCES_FIELD_NUMBER: _ClassVar[int]
     DECODE_INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_CACHES_FIELD_NUMBER: _ClassVar[int]
     leader_id: str
     leader_address: str
     is_leader: bool
@@ -264,4 +279,49 @@ class LeaderReply(_message.Message):
     live_nodes: _containers.RepeatedScalarFieldContainer[str]
     prefill_instances: _containers.RepeatedScalarFieldContainer[str]
     decode_instances: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, leader_id: _Optional[str] = ..., leader_address: _Optional[str] = ..., is_leader: _Optional[bool] = ..., conductor_id: _Optional[str] = ..., term: _Optional[int] = ..., indexed_blocks: _Optional[int] = ..., live_nodes: _Optional[_Iterable[str]] = ..., prefill_instances: _Optional[_Iterable[str]] = ..., decode_instances: _Optional[_Iterable[str]] = ...) -> None: ...
+    engine_caches: _containers.RepeatedCompositeFieldContainer[EngineCacheInfo]
+    def __init__(self, leader_id: _Optional[str] = ..., leader_address: _Optional[str] = ..., is_leader: _Optional[bool] = ..., conductor_id: _Optional[str] = ..., term: _Optional[int] = ..., indexed_blocks: _Optional[int] = ..., live_nodes: _Optional[_Iterable[str]] = ..., prefill_instances: _Optional[_Iterable[str]] = ..., decode_instances: _Optional[_Iterable[str]] = ..., engine_caches: _Optional[_Iterable[_Union[EngineCacheInfo, _Mapping]]] = ...) -> None: ...
+
+class EngineCacheInfo(_message.Message):
+    __slots__ = ("instance_id", "blocks", "expected_seq", "batches", "events", "gaps", "gaps_repaired", "replayed_batches", "unrecoverable_gaps", "resets", "restarts", "cleared", "overflows", "ignored_events", "malformed_batches", "verified_blocks", "hash_mismatches", "probes", "probes_matched", "mismatch")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    GAPS_FIELD_NUMBER: _ClassVar[int]
+    GAPS_REPAIRED_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    UNRECOVERABLE_GAPS_FIELD_NUMBER: _ClassVar[int]
+    RESETS_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    OVERFLOWS_FIELD_NUMBER: _ClassVar[int]
+    IGNORED_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    MALFORMED_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HASH_MISMATCHES_FIELD_NUMBER: _ClassVar[int]
+    PROBES_FIELD_NUMBER: _ClassVar[int]
+    PROBES_MATCHED_FIELD_NUMBER: _ClassVar[int]
+    MISMATCH_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    blocks: int
+    expected_seq: int
+    batches: int
+    events: int
+    gaps: int
+    gaps_repaired: int
+    replayed_batches: int
+    unrecoverable_gaps: int
+    resets: int
+    restarts: int
+    cleared: int
+    overflows: int
+    ignored_events: int
+    malformed_batches: int
+    verified_blocks: int
+    hash_mismatches: int
+    probes: int
+    probes_matched: int
+    mismatch: str
+    def __init__(self, instance_id: _Optional[str] = ..., blocks: _Optional[int] = ..., expected_seq: _Optional[int] = ..., batches: _Optional[int] = ..., events: _Optional[int] = ..., gaps: _Optional[int] = ..., gaps_repaired: _Optional[int] = ..., replayed_batches: _Optional[int] = ..., unrecoverable_gaps: _Optional[int] = ..., resets: _Optional[int] = ..., restarts: _Optional[int] = ..., cleared: _Optional[int] = ..., overflows: _Optional[int] = ..., ignored_events: _Optional[int] = ..., malformed_batches: _Optional[int] = ..., verified_blocks: _Optional[int] = ..., hash_mismatches: _Optional[int] = ..., probes: _Optional[int] = ..., probes_matched: _Optional[int] = ..., mismatch: _Optional[str] = ...) -> None: ...
