@@ -33,7 +33,7 @@ from kvstore.dataplane import cuda
 from kvstore.dataplane.arena import host_byte_view, is_cuda_tensor
 from kvstore.dataplane.tier import Buffer, ChunkKey, check_key
 from kvstore.dataplane.transport.base import ReadLease, put_each
-from kvstore.dataplane.transport.shm import LeaseFreeCounters, ShmClient
+from kvstore.dataplane.transport.shm import LeaseFreeCounters, ShmBatchRead, ShmClient
 from kvstore.dataplane.transport.tcp import TcpClient
 from kvstore.dataplane.transport.ucx import UcxClient, ucx_unavailable
 from kvstore.errors import InvalidArgument, PeerUnavailable, TierUnavailable, TransportError
@@ -63,6 +63,11 @@ class ValuePlane(Protocol):
 
     def open_read(self, key: bytes) -> ReadLease:
         """A zero-copy lease (same host only: TierUnavailable elsewhere)."""
+        ...
+
+    def open_read_parts(self, parts: Sequence[Sequence[bytes]]) -> ShmBatchRead:
+        """Zero-copy leases on parts of a batch, pipelined (same host only: TierUnavailable
+        elsewhere)."""
         ...
 
     def sync(self) -> None:
@@ -171,6 +176,9 @@ class RemotePlane:
         return loaded
 
     def open_read(self, key: bytes) -> ReadLease:
+        raise TierUnavailable("zero-copy views need the shared-memory data plane")
+
+    def open_read_parts(self, parts: Sequence[Sequence[bytes]]) -> ShmBatchRead:
         raise TierUnavailable("zero-copy views need the shared-memory data plane")
 
     def sync(self) -> None:

@@ -16,7 +16,8 @@ plane (:class:`DataPlane`; the choice: :mod:`kvstore.client.planes`):
   arena + COMMIT (values up to 64 KiB travel inside one PUT request instead: one round trip).
   Leases belong to the channel connection: if this process dies, the daemon ends them (no
   half-written chunk becomes visible; nothing stays pinned). A chunk DRAM cannot take right now
-  is read over TCP instead.
+  is read over TCP instead. ``read_parts`` leases parts of a batch, pipelined on one connection,
+  for a caller that copies straight out of the arena (``KVClient.load_many``'s one copy).
 * **UCX** when the daemon advertises a UCX worker address (``NodeInfo.ucx_worker_address``)
   and ``ucxx`` imports here (:class:`~kvstore.dataplane.transport.ucx.UcxClient`: tag messages
   received straight into ``dst``; RDMA where the hardware has it). UCX cannot see a dead peer
@@ -68,7 +69,7 @@ from kvstore.client.planes import RemotePlane, ValuePlane, open_plane
 from kvstore.client.store_config import DataPlane, LookupResult, StoreClientConfig
 from kvstore.dataplane.tier import Buffer, TierKind, check_key
 from kvstore.dataplane.transport.base import ReadLease
-from kvstore.dataplane.transport.shm import LeaseFreeCounters
+from kvstore.dataplane.transport.shm import LeaseFreeCounters, ShmBatchRead
 from kvstore.errors import ChunkNotFound, LeaseExpired, short_key
 
 __all__ = ["DataPlane", "LeaseFreeCounters", "LookupResult", "StoreClient", "StoreClientConfig",
@@ -201,6 +202,17 @@ class StoreClient(DaemonControl):
                 raise LeaseExpired(f"read_view of {short_key(lease.key)} outlived its lease "
                                    f"(the deadline passed {now_s - deadline_s:.3f} s before the "
                                    "block ended): bytes read after it may be another chunk's")
+
+    def read_parts(self, parts: Sequence[Sequence[bytes]]) -> ShmBatchRead:
+        """Read leases on the chunks of every part of ``parts``, for copying them straight
+        out of the daemon's arena (:class:`~kvstore.dataplane.transport.shm.ShmBatchRead`:
+        one connection, every part's request sent at once and served in order, so a part is
+        pinned while the caller copies the one before; each part all or nothing, its ranges
+        or its error from ``next_part()``; the caller must ``release()`` it).
+
+        Same host only (TierUnavailable over TCP). Raises InvalidArgument, PeerUnavailable.
+        """
+        return self.plane.open_read_parts(parts)
 
     def get(self, key: bytes) -> bytearray:
         """The whole chunk in a new buffer. Raises ChunkNotFound."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 from kvstore.dataplane.transport.shm.channel import LeaseChannel
 from kvstore.dataplane.transport.shm.client import (
     LeaseFreeCounters,
+    ShmBatchRead,
     ShmClient,
     ShmClientConfig,
     ShmReadLease,
@@ -30,6 +31,7 @@ from kvstore.dataplane.transport.shm.server import ShmServer
 __all__ = [
     "LeaseChannel",
     "LeaseFreeCounters",
+    "ShmBatchRead",
     "ShmClient",
     "ShmClientConfig",
     "ShmReadLease",

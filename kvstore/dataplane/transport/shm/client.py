@@ -17,6 +17,9 @@ moves every byte itself with one memcpy:
   to 16 KiB in PUT_MANY requests, runs of larger ones in pipelined RESERVE_MANY requests, one
   copy each into the arena and COMMIT_MANY requests (docs/transport.md, "Batched same-host
   puts").
+* ``open_read_parts`` leases the parts of a batch (one ACQUIRE_READ each, all sent at once on
+  one connection and served in order) and lends out torch views of the chunks, for a caller that
+  copies them straight into its own buffers (:class:`ShmBatchRead`).
 * A chunk the arena cannot take right now (``CapacityError``, ``ChunkBusy``) is read through
   the ``fallback`` transport when one is given (the daemon's TCP plane), else the error is
   raised.
@@ -97,10 +100,12 @@ from kvstore.errors import (
     ChunkBusy,
     ChunkNotFound,
     InvalidArgument,
+    InvariantViolation,
     KvtierError,
     PeerUnavailable,
     SizeMismatch,
     TierUnavailable,
+    TransportError,
     error_from_name,
 )
 
@@ -278,6 +283,101 @@ class ShmReadLease(ViewReadLease):
             self._client._checkin(self._chan)
 
 
+class ShmBatchRead:
+    """Read leases on several parts of a batch of chunks, taken on one connection
+    (:meth:`ShmClient.open_read_parts`): the ACQUIRE_READ of every part is sent at once and
+    the peer serves them in order, so part ``k + 1`` is pinned while the caller copies part
+    ``k`` (each part all or nothing, one lease each). :meth:`next_part` gives the next part's
+    ``(arena offset, size)`` ranges, in the order of its keys, or raises that part's error
+    (ChunkNotFound, ChunkCorrupt, CapacityError...: the later parts go on; a TransportError
+    ends them all). :meth:`tensors` views ranges as torch tensors, so the caller copies each
+    chunk straight out of the arena into its own buffers. Every lease lasts until
+    :meth:`release` (one RELEASE each, not waited for; a part not read yet closes the
+    connection instead, which ends its lease) or ``deadline_s`` (``time.monotonic()`` when
+    the requests were sent, plus the TTL asked for), whichever comes first: past it the peer
+    may have reused the memory, so a copy that *ended* after it may hold another chunk's
+    bytes (:attr:`expired`, asked after the copy, says so). Views taken cannot be revoked:
+    drop them before :meth:`release`. One thread at a time."""
+
+    __slots__ = ("_chan", "_client", "_deadline_s", "_first", "_lease_ids", "_parts", "_read")
+
+    def __init__(self, client: ShmClient, chan: LeaseChannel, parts: list[list[bytes]],
+                 first: tuple[int, list[tuple[int, int]]] | KvtierError,
+                 deadline_s: float) -> None:
+        self._client = client
+        self._chan: LeaseChannel | None = chan
+        self._parts = parts
+        self._first: tuple[int, list[tuple[int, int]]] | KvtierError | None = first
+        self._read = 0
+        self._lease_ids: list[int] = []
+        self._deadline_s = deadline_s
+
+    @property
+    def parts(self) -> int:
+        return len(self._parts)
+
+    @property
+    def deadline_s(self) -> float:
+        return self._deadline_s
+
+    @property
+    def expired(self) -> bool:
+        """Whether the deadline has passed (ask *after* the copies: see the class docstring)."""
+        return time.monotonic() >= self._deadline_s
+
+    def next_part(self) -> list[tuple[int, int]]:
+        """The ranges of the next part's chunks (its lease is held until :meth:`release`), or
+        its error. Raises InvalidArgument past the last part or once released."""
+        chan = self._chan
+        if chan is None or self._read >= len(self._parts):
+            raise InvalidArgument("no part left in this batch read")
+        keys = self._parts[self._read]
+        self._read += 1
+        if self._first is not None:
+            reply, self._first = self._first, None
+            if isinstance(reply, KvtierError):
+                raise reply
+        else:
+            try:
+                reply = chan.recv_reply()
+            except TransportError:
+                chan.broken = True  # out of step with the peer: closed at release
+                raise
+        lease_id, ranges = reply
+        self._lease_ids.append(lease_id)
+        if len(ranges) != len(keys):
+            raise InvariantViolation(f"ACQUIRE_READ of {len(keys)} keys answered "
+                                     f"{len(ranges)} ranges")
+        return [(int(offset), int(size)) for offset, size in ranges]
+
+    def tensors(self, ranges: Sequence[tuple[int, int]], dtype: Any,
+                shape: tuple[int, ...]) -> list[Any]:
+        """One torch tensor of ``dtype`` and ``shape`` per range (from :meth:`next_part`),
+        viewing the arena (no copy; writable only because the mapping is: never write them).
+        Raises SizeMismatch (no view made) when a range is not exactly that size."""
+        return self._client._arena_tensors(ranges, dtype, shape)
+
+    def release(self) -> None:
+        """End every lease: RELEASE for each part read, and the connection closed when a
+        part was not read (its reply, and so its lease id, never came). Idempotent. May raise
+        PeerUnavailable (the leases ended with the connection anyway)."""
+        chan, self._chan = self._chan, None
+        if chan is None:
+            return
+        try:
+            if self._read < len(self._parts):
+                chan.broken = True
+            else:
+                for lease_id in self._lease_ids:
+                    if lease_id:
+                        chan.send(ChannelOp.RELEASE, flags=FLAG_NO_REPLY, arg=lease_id)
+        except BaseException:
+            chan.broken = True
+            raise
+        finally:
+            self._client._checkin(chan)
+
+
 class ShmWriteLease:
     """A write lease of :meth:`ShmClient.open_write`: an invisible slot of the mapped arena.
     Exactly one of :meth:`commit` / :meth:`abort` ends it (a dead client's is aborted)."""
@@ -352,6 +452,8 @@ class ShmClient:
         self._reader: ReadIndexReader | None = None
         self._reporter: ReadReporter | None = None
         self._lf_hits = self._lf_misses = self._lf_conflicts = 0
+        self._typed: dict[Any, Any] = {}
+        """dtype -> a torch tensor over the whole arena (:meth:`_arena_tensors`)."""
 
     @classmethod
     def connect(cls, address: str, arena_name: str, *, read_index: str = "",
@@ -771,6 +873,63 @@ class ShmClient:
         return ShmReadLease(self, chan, k, lease_id, self._arena.view(ranges[0][0], ranges[0][1]),
                             deadline_s)
 
+    def open_read_parts(self, parts: Sequence[Sequence[bytes]]) -> ShmBatchRead:
+        """Read leases on every part of ``parts`` (lists of keys), pipelined on one
+        connection (:class:`ShmBatchRead`): every ACQUIRE_READ is sent now, the first reply is
+        waited for. Each part is all or nothing (chunks in NVMe are promoted first); TTL
+        ``lease_ttl_s``, or :data:`VIEW_LEASE_TTL_S`. Lease-free reads are not tried: the
+        caller copies out of the arena itself, and only a lease keeps the bytes still during
+        that copy. Raises InvalidArgument (no part, an empty part, a bad key),
+        PeerUnavailable; a part's own refusals come from :meth:`ShmBatchRead.next_part`."""
+        checked: list[list[bytes]] = [[check_key(k) for k in part] for part in parts]
+        if not checked or not all(checked):
+            raise InvalidArgument("open_read_parts needs parts of at least one key")
+        ttl_s = self._config.lease_ttl_s or VIEW_LEASE_TTL_S
+
+        def send_all(chan: LeaseChannel) -> tuple[int, list[tuple[int, int]]] | KvtierError:
+            try:
+                for part in checked:
+                    chan.send(ChannelOp.ACQUIRE_READ, keys=part, ttl_s=ttl_s)
+                return chan.recv_reply()
+            except TransportError:
+                chan.broken = True  # requests may be outstanding: closed at checkin
+                raise
+            except KvtierError as exc:  # the first part's refusal: the rest go on
+                return exc
+
+        deadline_s = time.monotonic() + ttl_s  # before the requests: the peer's is later
+        # A reused connection the peer closed fails before the first reply, when the peer
+        # read none of the requests: _first sends them all again on a fresh one.
+        chan, first = self._first(send_all)
+        return ShmBatchRead(self, chan, checked, first, deadline_s)
+
+    def _arena_tensors(self, ranges: Sequence[tuple[int, int]], dtype: Any,
+                       shape: tuple[int, ...]) -> list[Any]:
+        """Torch views of arena ranges (see :meth:`ShmBatchRead.tensors`)."""
+        torch = cuda.torch_module()
+        elem = torch.empty(0, dtype=dtype).element_size()
+        want = int(np.prod(shape)) * elem
+        for offset, size in ranges:
+            if size != want:
+                raise SizeMismatch(f"batch read of the chunk at arena offset {offset}",
+                                   expected=size, actual=want)
+        typed = self._typed.get(dtype)
+        if typed is None:
+            with self._lock:
+                if self._closed:
+                    raise PeerUnavailable("the client is closed")
+                # One tensor over the whole arena per dtype, made once: a chunk's view is then
+                # one slice and one view (two calls), not four.
+                whole = torch.from_numpy(self._arena.array(0, self._arena.size_bytes))
+                usable = self._arena.size_bytes // elem * elem
+                typed = self._typed.setdefault(dtype, whole[:usable].view(dtype))
+        n = want // elem
+        if any(offset % elem for offset, _size in ranges):  # not aligned: one view each
+            array = self._arena.array
+            return [torch.from_numpy(array(offset, size)).view(dtype).view(shape)
+                    for offset, size in ranges]
+        return [typed[offset // elem:offset // elem + n].view(shape) for offset, _ in ranges]
+
     def open_write(self, key: bytes, size_bytes: int, *, parent: bytes | None = None
                    ) -> ShmWriteLease:
         """An invisible slot of ``size_bytes`` in the mapped arena (``MappedTransport``).
@@ -1025,6 +1184,7 @@ class ShmClient:
             chans, self._all, self._idle = self._all, [], []
             reader, self._reader = self._reader, None
             reporter, self._reporter = self._reporter, None
+            self._typed = {}  # their exports of the mapping go before it is closed
         if reporter is not None:
             reporter.close()
         if reader is not None:
