@@ -28,6 +28,10 @@ Chunks are per *block*, not per layer
     done with it (:meth:`LayerwiseSave.save_layer`) and puts whole chunks once every layer is
     in; a load fetches whole chunks, then scatters them into the engine's buffers one layer at
     a time, so layer ``l``'s attention waits only for layer ``l`` (:meth:`LoadHandle.wait_for_layer`).
+    On the same host, :meth:`KVClient.load_many` into a layout with ``scatter_chunks`` (vLLM's
+    CPU layout) copies once instead: leased parts of the call straight out of the daemon's
+    arena into the engine's buffers, every layer of a block at once (docs/kv-client.md, "One
+    copy on the same host").
 
 Where the rest lives
     The engine's buffers are seen through an :class:`~kvstore.client.layouts.EngineKV`
@@ -82,7 +86,10 @@ from kvstore.client.store_client import (
     StoreClient,
     StoreClientConfig,
 )
+from kvstore.dataplane.transport.shm import ShmBatchRead
 from kvstore.errors import (
+    CapacityError,
+    ChunkBusy,
     ChunkExists,
     ChunkNotFound,
     InvalidArgument,
@@ -153,6 +160,13 @@ class KVClientConfig:
             raise InvalidArgument("workers and load_batch_blocks must be >= 1")
         if self.rpc_timeout_s <= 0:
             raise InvalidArgument("rpc_timeout_s must be > 0")
+
+
+_DIRECT_PART_BLOCKS = 16
+"""Blocks per read lease of a one-copy load (:meth:`KVClient._load_many_direct`): every part's
+request goes at once on one connection and the daemon pins part k + 1 while the client copies
+part k. Measured here (loaded box): one lease of 96 keys of 512 KiB took 1.7-10 ms, up to a
+third of their copies; in parts, the load waits for the first part's only."""
 
 
 # --- the client ---------------------------------------------------------------------------------
@@ -331,9 +345,13 @@ class KVClient:
 
         The requests are cut into ``KVClientConfig.workers`` groups of about equal blocks,
         one executor task each (N single loads would run that many at once too: one task
-        alone measured slower than them on 2 cores). Within a group, layers are scattered
-        layer-major (layer 0 of every request, then layer 1...), so a step's
-        ``wait_for_layer(0)`` on every handle returns first. Ask only for blocks a
+        alone measured slower than them on 2 cores). On shared memory, when every layout of a
+        group has ``scatter_chunks``, the group is copied once, straight out of the daemon's
+        arena (:meth:`_load_many_direct`: read leases on parts of 16 blocks, pipelined on one
+        connection; a request's layers are ready together once its blocks are in). Otherwise
+        the blocks are fetched into staging rows and scattered layer-major (layer 0 of every
+        request, then layer 1...), so a step's ``wait_for_layer(0)`` on every handle returns
+        first. Ask only for blocks a
         :meth:`lookup_many` found: a miss inside a call makes the StoreClient read that call's
         keys one by one. Per request, the result is a prefix as in :meth:`load`.
         """
@@ -500,6 +518,185 @@ class KVClient:
         return end, None
 
     def _load_many(self, jobs: list[tuple[LoadHandle, list[PrefixKey], EngineKV]]) -> None:
+        if self.store.data_plane is DataPlane.SHM:
+            sinks = [getattr(into, "scatter_chunks", None) for _h, _k, into in jobs]
+            if all(sink is not None for sink in sinks):
+                self._load_many_direct(jobs, [s for s in sinks if s is not None])
+                return
+        self._load_many_staged(jobs)
+
+    def _load_many_direct(self, jobs: list[tuple[LoadHandle, list[PrefixKey], EngineKV]],
+                          sinks: list[Callable[[range, range, Sequence[torch.Tensor]], None]]
+                          ) -> None:
+        """The one-copy load (same host, layouts with ``scatter_chunks``; docs/kv-client.md,
+        "One copy"). The keys of all requests are cut into parts of ``_DIRECT_PART_BLOCKS``;
+        every part's read lease is asked for at once on one connection
+        (``StoreClient.read_parts``), and as each part's lease arrives the requests' blocks in
+        it are copied by their layouts straight out of the daemon's arena into the engine's
+        buffers, every layer at once, while the daemon pins the next part. A part the daemon
+        refuses whole (a miss, a corrupt chunk, DRAM full or busy, a chunk of another size) is
+        read into staging rows instead, per key when needed (:meth:`_fetch_staged`), so a
+        per-key error keeps the blocks before it. A copy that ended past the leases' deadline
+        fails its blocks and stops the load (the bytes may be another chunk's: the engine
+        recomputes them). A request's layers are all ready once its last block is in or it
+        stopped; the leases are released before the results are set."""
+        lay = self.layout
+        every = range(lay.num_layers)
+        flat = [k for _h, keys, _i in jobs for k in keys]
+        total = len(flat)
+        size = min(self.config.batch_blocks, _DIRECT_PART_BLOCKS)
+        bounds = [(a, min(a + size, total)) for a in range(0, total, size)]
+        starts: list[int] = []
+        offset = 0
+        for _h, keys, _i in jobs:
+            starts.append(offset)
+            offset += len(keys)
+        reach = [0] * len(jobs)  # leading blocks of each request copied so far
+        taking = [True] * len(jobs)  # whether a request still takes blocks
+        closed = [False] * len(jobs)
+        chunks: list[torch.Tensor | None] = [None] * total
+        why_at: dict[int, str] = {}  # flat index -> why it did not arrive (per key)
+        staged: list[torch.Tensor] = []
+        read: ShmBatchRead | None = None
+        error: str | None = None
+        pos = total  # where a call-wide error stopped the load
+        waited_s = copied_s = 0.0
+
+        def close(k: int) -> None:  # the request's blocks are all in, or it stopped
+            if not closed[k]:
+                closed[k] = True
+                handle = jobs[k][0]
+                handle._fetched.set_result(reach[k])
+                for event in handle._layer_ready:
+                    event.set()
+
+        try:
+            if total:
+                t_ask = time.perf_counter()
+                try:
+                    read = self.store.read_parts([flat[a:b] for a, b in bounds])
+                except TransportError as exc:  # dead daemon: nothing arrives
+                    error, pos = _describe(exc), 0
+                    log.warning("batch load of %d blocks failed: %s", total, error)
+                waited_s += time.perf_counter() - t_ask  # the first part's reply is in
+            j = 0  # the first request that may have blocks in the current part
+            for a, b in bounds if read is not None else ():
+                assert read is not None
+                t_wait = time.perf_counter()
+                leased, stop = True, None
+                try:
+                    chunks[a:b] = read.tensors(read.next_part(), lay.dtype, lay.chunk_shape)
+                except TransportError as exc:  # dead daemon: the rest failed
+                    error, pos = _describe(exc), a
+                    log.warning("batch load stopped at %d of %d blocks: %s", a, total, error)
+                    break
+                except KvtierError as exc:  # refused whole: this part through staging
+                    leased = False
+                    log.debug("batch load of blocks %d..%d: %s: through staging", a, b,
+                              _describe(exc))
+                    # A chunk missing now is explained by this error (the daemon drops a
+                    # chunk it found corrupt, with its descendants); a plain miss is not one.
+                    call_error = None if isinstance(exc, (ChunkNotFound, CapacityError,
+                                                          ChunkBusy)) else _describe(exc)
+                    reached, exc_t = self._fetch_staged(flat, a, b, chunks, why_at, staged,
+                                                        call_error)
+                    if exc_t is not None:
+                        stop = (_describe(exc_t), reached)
+                t_copy = time.perf_counter()
+                waited_s += t_copy - t_wait
+                while j < len(jobs) and starts[j] + len(jobs[j][1]) <= a:
+                    j += 1
+                k = j
+                expired = False
+                while k < len(jobs) and starts[k] < b:
+                    n_k = len(jobs[k][1])
+                    if taking[k]:
+                        lo, hi = starts[k] + reach[k], min(b, starts[k] + n_k)
+                        run = lo
+                        while run < hi and chunks[run] is not None:
+                            run += 1
+                        if run > lo:
+                            first = jobs[k][0].first_block + reach[k]
+                            sinks[k](every, range(first, first + run - lo),
+                                     chunks[lo:run])  # type: ignore[arg-type]  # not None
+                            if leased and read.expired:  # its bytes may be another chunk's
+                                expired = True
+                                break
+                            reach[k] += run - lo
+                        if run < hi:
+                            taking[k] = False  # a block that did not arrive: a prefix ends
+                        if not taking[k] or reach[k] == n_k:
+                            close(k)
+                    k += 1
+                chunks[a:b] = [None] * (b - a)
+                copied_s += time.perf_counter() - t_copy
+                if expired:
+                    error, pos = ("LeaseExpired: the batch read's leases passed their deadline "
+                                  "during the copy"), a
+                    log.warning("batch load stopped at %d of %d blocks: %s", a, total, error)
+                    break
+                if stop is not None:
+                    (error, pos) = stop
+                    log.warning("batch load stopped at %d of %d blocks: %s", pos, total, error)
+                    break
+            chunks.clear()  # the arena views go before their leases
+            if read is not None:
+                # Before the results: a load that returned holds no lease (a remove right
+                # after it must not find its chunks pinned).
+                done: ShmBatchRead = read
+                read = None
+                _release(done)
+            for k, (handle, keys, _into) in enumerate(jobs):
+                close(k)
+                n, first = reach[k], handle.first_block
+                failed = tuple(range(first + n, first + len(keys)))
+                # The call-wide error explains this request's stop only if it stopped where
+                # the load did (a plain miss before it is a miss).
+                why = why_at.get(starts[k] + n) if failed else None
+                if why is None and failed and starts[k] + n >= pos:
+                    why = error
+                handle._finish(LoadResult(first, len(keys), n, failed, why,
+                                          n * lay.chunk_bytes, waited_s, copied_s))
+                handle._finish_replication(None)
+        finally:
+            chunks.clear()
+            if read is not None:
+                _release(read)
+            for buf in staged:
+                self._staging.release(buf)
+
+    def _fetch_staged(self, keys: list[PrefixKey], start: int, end: int,
+                      chunks: list[torch.Tensor | None], why_at: dict[int, str],
+                      staged: list[torch.Tensor], call_error: str | None = None
+                      ) -> tuple[int, TransportError | None]:
+        """Read ``keys[start:end]`` into pooled staging rows (appended to ``staged``), set
+        ``chunks[i]`` to the row of each that arrived and ``why_at[i]`` for per-key errors
+        (a chunk not there is explained by ``call_error`` when one is given); return (index
+        reached, the transport error that stopped it or None)."""
+        view, buf = self._staging.acquire(end - start)
+        staged.append(buf)
+        rows = list(view)
+        sub = keys[start:end]
+        got: list[int | None] = [None] * len(sub)
+        why: dict[int, str] = {}
+        reached, stop_error = len(sub), None
+        try:
+            got = self.store.get_many_into(sub, rows)
+        except TransportError as exc:
+            return start, exc
+        except KvtierError as exc:  # one chunk corrupt or unreadable: one by one
+            reached, stop_error = self._get_each(sub, rows, 0, len(sub), got, why,
+                                                 _describe(exc))
+        for i in range(reached):
+            if got[i] is not None:
+                chunks[start + i] = rows[i]
+            elif call_error is not None:
+                why.setdefault(i, call_error)
+        why_at.update({start + i: w for i, w in why.items()})
+        return start + reached, stop_error
+
+    def _load_many_staged(self, jobs: list[tuple[LoadHandle, list[PrefixKey], EngineKV]]
+                          ) -> None:
         # One pooled staging buffer per request, not one for the step: the destinations of a
         # batched read need not be contiguous, and per-request sizes reuse the buffers single
         # calls left in the pool (one big buffer measured 4x slower: a fresh 128 MiB buffer
@@ -705,6 +902,14 @@ class KVClient:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _release(lease: ShmBatchRead) -> None:
+    """End a batch read's leases; a daemon gone meanwhile ended them already."""
+    try:
+        lease.release()
+    except KvtierError as exc:
+        log.debug("batch read lease release: %s", _describe(exc))
 
 
 def _describe(exc: BaseException) -> str:

@@ -13,6 +13,12 @@ block):
     * :class:`ChunkKV`: kvtier's own chunk layout ``[n_blocks, *chunk_shape]`` (no reshuffle).
     * :class:`HFCacheKV`: a transformers ``DynamicCache`` (a save source only).
 
+A layout may also have ``scatter_chunks(layers, blocks, chunks)`` (see :class:`EngineKV`): the
+one-copy load path, which copies straight out of the daemon's shared-memory arena; the client
+uses it where it is there and not None (:class:`ContiguousKV`, :class:`ChunkKV` and vLLM's CPU
+layout have it; :class:`PagedKV` has not: its destinations may be on a GPU, where a copy out
+of the arena is asynchronous and could outlive the read lease).
+
 Layouts copy; they never keep the chunk tensors they are given. Bad shapes, dtypes or block
 ranges raise ``InvalidArgument``. torch is imported only when a tensor is touched.
 """
@@ -49,6 +55,22 @@ class EngineKV(Protocol):
         """Copy ``chunks`` into layer ``layer`` of ``blocks`` in the engine's buffers."""
         ...
 
+    # Optional (not part of the protocol, found with getattr; a wrapper sets it to None when
+    # what it wraps has none):
+    #   scatter_chunks(layers: range, blocks: range, chunks: Sequence[torch.Tensor]) -> None
+    # copies layers ``layers`` of whole chunks, ``chunks[i]`` being ``[num_layers, 2, kv_heads,
+    # block_tokens, head_dim]`` of block ``blocks[i]`` (views of the daemon's arena, anywhere
+    # in it), into the engine's buffers, synchronously: when it returns the chunks are no
+    # longer read (the client then releases their lease). The one-copy load path.
+
+
+def _check_chunks(layers: range, blocks: range, chunks: Sequence[torch.Tensor],
+                  layout: KVLayout) -> None:
+    if len(chunks) != len(blocks):
+        raise InvalidArgument(f"{len(chunks)} chunks for {len(blocks)} blocks")
+    if not 0 <= layers.start <= layers.stop <= layout.num_layers or layers.step != 1:
+        raise InvalidArgument(f"layers {layers} outside [0, {layout.num_layers})")
+
 
 def _check_dtype(what: str, tensor: torch.Tensor, layout: KVLayout) -> None:
     if tensor.dtype != layout.dtype:
@@ -80,6 +102,14 @@ class ChunkKV:
 
     def scatter_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
         self.tensor[self._rows(blocks), layer].copy_(chunks)
+
+    def scatter_chunks(self, layers: range, blocks: range, chunks: Sequence[torch.Tensor]
+                       ) -> None:
+        _check_chunks(layers, blocks, chunks, self.layout)
+        rows = self._rows(blocks)
+        lo, hi = layers.start, layers.stop
+        for row, chunk in zip(range(rows.start, rows.stop), chunks, strict=True):
+            self.tensor[row, lo:hi].copy_(chunk[lo:hi])
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +145,18 @@ class ContiguousKV:
 
     def scatter_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
         self._tokens(layer, blocks).copy_(chunks)
+
+    def scatter_chunks(self, layers: range, blocks: range, chunks: Sequence[torch.Tensor]
+                       ) -> None:
+        _check_chunks(layers, blocks, chunks, self.layout)
+        B = self.layout.block_tokens
+        if blocks.stop * B > self.tensor.shape[3]:
+            raise InvalidArgument(f"blocks {blocks} need {blocks.stop * B} tokens; the buffer "
+                                  f"has {self.tensor.shape[3]}")
+        lo, hi = layers.start, layers.stop
+        for b, chunk in zip(blocks, chunks, strict=True):
+            # [l, 2, H, B, D] of one block: one strided copy for all its layers
+            self.tensor[lo:hi, :, :, b * B:(b + 1) * B].copy_(chunk[lo:hi])
 
 
 @dataclass(frozen=True, slots=True)
