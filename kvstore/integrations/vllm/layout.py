@@ -20,7 +20,7 @@ overwrite the recomputed KV.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from kvstore.client.kvlayout import KVLayout
@@ -197,6 +197,10 @@ class CpuBlocksKV:
                                 (step, first.stride(0), 2 * run, run, 1), offsets[0])
 
 
+def _has_scatter_chunks(kv: object) -> bool:
+    return getattr(kv, "scatter_chunks", None) is not None
+
+
 def engine_kv_for(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
                   layout: KVLayout) -> EngineKV:
     """The layout of vLLM's tensors for one request's blocks (CPU or ``[2, blocks, ...]``),
@@ -212,13 +216,15 @@ class InferenceModeKV:
     every gather and scatter enters it here; without it the first save or load raised
     ``RuntimeError: Inplace update to inference tensor outside InferenceMode`` inside vLLM."""
 
-    __slots__ = ("_inner", "scatter_chunks")
+    __slots__ = ("_inner",)
 
     def __init__(self, inner: EngineKV) -> None:
         self._inner = inner
-        # The one-copy load path's entry (layouts.py, EngineKV), only where the inner has it.
-        self.scatter_chunks = (self._scatter_chunks if getattr(inner, "scatter_chunks", None)
-                               is not None else None)
+
+    @property
+    def scatter_chunks(self) -> Callable[[range, range, Sequence[torch.Tensor]], None] | None:
+        """The one-copy load path's entry (layouts.py, EngineKV), only where the inner has it."""
+        return self._scatter_chunks if _has_scatter_chunks(self._inner) else None
 
     def gather_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
         import torch
@@ -245,14 +251,17 @@ class GuardedKV:
     ``scatter_chunks``, the one-copy path's) writes the engine's buffers any more (one that was
     running has finished). Saves pass through."""
 
-    __slots__ = ("_closed", "_inner", "_lock", "scatter_chunks")
+    __slots__ = ("_closed", "_inner", "_lock")
 
     def __init__(self, inner: EngineKV) -> None:
         self._inner = inner
         self._lock = threading.Lock()
         self._closed = False
-        self.scatter_chunks = (self._scatter_chunks if getattr(inner, "scatter_chunks", None)
-                               is not None else None)
+
+    @property
+    def scatter_chunks(self) -> Callable[[range, range, Sequence[torch.Tensor]], None] | None:
+        """The one-copy load path's entry, guarded, only where the inner has it."""
+        return self._scatter_chunks if _has_scatter_chunks(self._inner) else None
 
     def close(self) -> None:
         with self._lock:
