@@ -324,6 +324,12 @@ class Conductor:
             return any(rec.model == model and rec.vllm_kv_events is not None
                        for rec in self.engines.values())
 
+    def has_fingerprint(self, model: str) -> bool:
+        """Whether an engine of ``model`` published a KV fingerprint (store keys can be made)."""
+        with self.lock:
+            return any(rec.model == model and rec.kv_fingerprint is not None
+                       for rec in self.engines.values())
+
     def engine_cached_tokens(self, model: str, tenant: str, token_ids: list[int]
                              ) -> dict[str, int]:
         """Per engine of ``model`` followed through KV events: the leading tokens of the

@@ -135,7 +135,7 @@ class ConductorService(pb_grpc.ConductorServicer):
             try:
                 hasher = self._c.hasher(model, tenant)
             except InvalidArgument:
-                if self._c.has_engine_events(model):
+                if self._c.has_engine_events(model) and not self._c.has_fingerprint(model):
                     return ()  # no store keys: only the engines' own caches are matched
                 raise
             if len(token_ids) > MAX_KEYS * hasher.block_size_tokens:
