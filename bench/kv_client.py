@@ -28,6 +28,16 @@ lookup). The saves are layer by layer as in an engine step: layer ``l`` of every
 handed over (``save_layer``) before layer ``l + 1``, then the step's saves are finished.
 ``--batch-only`` skips the first table.
 
+Then the vLLM CPU rows (``--vllm-only`` runs only them): ``--vllm-blocks`` (96) blocks of vLLM's
+CPU layout (``CpuBlocksKV``: per layer ``[num_blocks, heads, block, 2 * head]``, every layer a
+view of one allocation, as vLLM allocates them) for ``kvtier bench vllm``'s model
+(``PREFILL_BOUND``: 8 layers, 4 KV heads, head dim 64, float32, 32-token blocks: 512 KiB
+chunks), in 4 requests with shuffled vLLM block ids: a step's ``begin_save_many`` (gather into
+staging, then ``put_many``) and ``load_many`` through the staging path (fetch into staging rows,
+then a scatter per layer: the path before the one-copy load, forced with a layout that has no
+``scatter_chunks``) and through the one-copy path (one read lease per call, one copy per block
+out of the arena), each as ms and as a multiple of a memcpy of the same bytes in the same run.
+
 The machine is shared and noisy (2 cores): compare ratios within one run.
 """
 
@@ -241,6 +251,100 @@ def measure_batch(plane: DataPlane, address: str, layout: KVLayout, n_requests: 
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
+VLLM_CPU_LAYOUT = KVLayout(num_layers=8, num_kv_heads=4, head_dim=64, block_tokens=32,
+                           dtype=torch.float32)
+"""``kvtier bench vllm``'s model (``kvstore.cluster.vllm_instance.PREFILL_BOUND``) in vLLM's
+CPU blocks of 32 tokens: 64 KiB per layer and block, 512 KiB chunks."""
+
+
+class _StagedOnly:
+    """An engine layout without ``scatter_chunks``: loads into it take the staging path."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def gather_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
+        self._inner.gather_layer(layer, blocks, chunks)
+
+    def scatter_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
+        self._inner.scatter_layer(layer, blocks, chunks)
+
+
+def measure_vllm_cpu(address: str, n_blocks: int, reps: int, n_requests: int = 4
+                     ) -> dict[str, float]:
+    """One step's save and load of ``n_blocks`` blocks in vLLM's CPU layout (module
+    docstring), ms, median of ``reps``; the staged/one-copy order alternates."""
+    from kvstore.integrations.vllm.layout import CpuBlocksKV
+
+    layout = VLLM_CPU_LAYOUT
+    g = torch.Generator().manual_seed(4)
+    total_blocks = 2 * n_blocks + 16
+    shape = (layout.num_layers, total_blocks, layout.num_kv_heads, layout.block_tokens,
+             2 * layout.head_dim)
+    src_all = torch.randn(shape, generator=g)
+    dst_all = torch.zeros(shape)
+    src, dst = list(src_all), list(dst_all)  # per-layer views of one allocation
+    perm = torch.randperm(total_blocks, generator=g).tolist()
+    per = n_blocks // n_requests
+    src_ids = [perm[i * per:(i + 1) * per] for i in range(n_requests)]
+    dst_ids = [perm[n_blocks + i * per:n_blocks + (i + 1) * per] for i in range(n_requests)]
+    flat = layout.empty_chunks(n_requests * per)
+    flat_src = torch.randn(flat.shape, generator=g)
+    samples: dict[str, list[float]] = {}
+    ns = namespace_for(layout, "bench-vllm-cpu")
+    with KVClient.connect(address, layout, ns, KVClientConfig(data_plane=DataPlane.SHM)
+                          ) as client:
+        for rep in range(reps + 1):  # rep 0 warms up, untimed
+            toks = [torch.randint(0, 100_000, (per * layout.block_tokens,), generator=g)
+                    .tolist() for _ in range(n_requests)]
+            t0 = time.perf_counter()
+            flat.copy_(flat_src)
+            timed = {"memcpy": time.perf_counter() - t0}
+            t0 = time.perf_counter()
+            saver = client.begin_save_many([SaveRequest(t, CpuBlocksKV(src, ids, layout))
+                                            for t, ids in zip(toks, src_ids, strict=True)])
+            for layer in range(layout.num_layers):
+                saver.save_layer(layer)
+            saved = saver.finish().result()
+            timed["save"] = time.perf_counter() - t0
+            assert all(len(r.stored_blocks) == per for r in saved), saved
+            timed["save gather"] = saved[0].gather_s
+            for kind in (("staged", "one-copy") if rep % 2 else ("one-copy", "staged")):
+                dst_all.zero_()
+                intos = [CpuBlocksKV(dst, ids, layout) for ids in dst_ids]
+                t0 = time.perf_counter()
+                handles = client.load_many([
+                    LoadRequest(t, into if kind == "one-copy" else _StagedOnly(into))
+                    for t, into in zip(toks, intos, strict=True)])
+                loaded = [h.result() for h in handles]
+                timed[f"load {kind}"] = time.perf_counter() - t0
+                assert all(r.complete for r in loaded), loaded
+                timed[f"load {kind} transfer"] = max(r.transfer_s for r in loaded)
+                timed[f"load {kind} scatter"] = max(r.scatter_s for r in loaded)
+                for s_ids, d_ids in zip(src_ids, dst_ids, strict=True):
+                    assert torch.equal(dst_all[:, d_ids], src_all[:, s_ids])
+            for t in toks:
+                client.store.remove(client.keys(t)[0])
+            if rep == 0:
+                continue
+            for name, seconds in timed.items():
+                samples.setdefault(name, []).append(seconds * 1e3)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def print_vllm_cpu(r: dict[str, float], n_blocks: int) -> None:
+    n_bytes = n_blocks * VLLM_CPU_LAYOUT.chunk_bytes
+    print(f"\nvLLM CPU layout (CpuBlocksKV), one step of {n_blocks} blocks of "
+          f"{VLLM_CPU_LAYOUT.chunk_bytes >> 10} KiB ({n_bytes >> 20} MiB) in 4 requests, shm; "
+          f"ms (x memcpy of the same bytes: cost, lower is better)")
+    print("| op | ms | x memcpy |")
+    print("|---|---|---|")
+    for row in ("memcpy", "save", "save gather", "load staged", "load staged transfer",
+                "load staged scatter", "load one-copy", "load one-copy transfer",
+                "load one-copy scatter"):
+        print(f"| {row} | {r[row]:.2f} | {r[row] / r['memcpy']:.2f} |")
+
+
 def print_batch(results: dict[str, dict[str, float]], layout: KVLayout, n_requests: int,
                 m_blocks: int) -> None:
     n_bytes = n_requests * m_blocks * layout.chunk_bytes
@@ -342,6 +446,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="repetitions (default 5; --quick: 2)")
     parser.add_argument("--batch-only", action="store_true",
                         help="only the cross-request batch rows (and the remote-load rows)")
+    parser.add_argument("--vllm-only", action="store_true",
+                        help="only the vLLM CPU layout rows")
+    parser.add_argument("--vllm-blocks", type=int, default=96,
+                        help="blocks per step in the vLLM CPU rows (a multiple of 4)")
     args = parser.parse_args(argv)
     n_blocks, reps = (8, 2) if args.quick else (32, 5)
     reps = args.reps or reps
@@ -349,7 +457,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     planes = (DataPlane.SHM, DataPlane.TCP)
     torch.set_num_threads(1)
     proc, address = spawn_daemon()
+    if args.vllm_only:
+        try:
+            vllm_cpu = measure_vllm_cpu(address, args.vllm_blocks, reps)
+        finally:
+            proc.terminate()
+            proc.wait(20)
+        load = os.getloadavg()
+        doc = {**run_header("kv_client", dists=("torch",)), "repetitions": reps,
+               "vllm_cpu": {"blocks": args.vllm_blocks,
+                            "chunk_bytes": VLLM_CPU_LAYOUT.chunk_bytes, "ms": vllm_cpu},
+               "loadavg": load}
+        if args.json:
+            args.json.write_text(json.dumps(doc, indent=2))
+        print_vllm_cpu(vllm_cpu, args.vllm_blocks)
+        print(f"\nload average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+        return doc
     try:
+        vllm_cpu = measure_vllm_cpu(address, args.vllm_blocks, reps)
         results = {} if args.batch_only else {
             plane.value: measure(plane, address, n_blocks, reps) for plane in planes}
         batch = {f"{lay.chunk_bytes >> 10}KiB": {
@@ -368,7 +493,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     doc = {**run_header("kv_client", dists=("torch",)), "chunk_bytes": LAYOUT.chunk_bytes,
            "blocks_per_call": n_blocks, "repetitions": reps, "gbps": results,
            "batch": {"requests": n_req, "blocks_per_request": m_blocks, "ms_per_step": batch},
-           "remote_gbps": remote, "loadavg": load}
+           "remote_gbps": remote, "loadavg": load,
+           "vllm_cpu": {"blocks": args.vllm_blocks, "chunk_bytes": VLLM_CPU_LAYOUT.chunk_bytes,
+                        "ms": vllm_cpu}}
     if args.json:
         args.json.write_text(json.dumps(doc, indent=2))
     if results:
@@ -381,6 +508,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("|---|---|")
     for name, rate in remote.items():
         print(f"| {name} | {rate:.2f} ({rate / remote['memcpy']:.2f}) |")
+    print_vllm_cpu(vllm_cpu, args.vllm_blocks)
     print(f"\nload average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     return doc
 
