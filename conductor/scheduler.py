@@ -44,6 +44,13 @@ Predicting the load at arrival, instead of reading it now, is what keeps
 prefill-side and decode-side rejections from oscillating (Mooncake section
 7.4): an admitted burst is seen by the decode check before it lands.
 
+Colocated engines: one instance that runs both phases (a vLLM serving requests end to end,
+the usual deployment) is registered with :meth:`Scheduler.add_colocated_instance` under one id
+in both roles. A decision that picks it for prefill decodes on it too (no KV moves between the
+phases: ``decode_instance == prefill_instance``); a colocated instance without KV room for the
+request is not a prefill candidate. Requests prefilled on a prefill-only instance decode on a
+decode-only one (a colocated instance only when the model has none).
+
 Early rejection: when ``ttft_slo_s`` or ``tpot_slo_s`` is set and the best
 estimate misses it, or no decode instance has KV room, the decision says so
 (``accepted=False`` with a :class:`RejectReason` and a message) and nothing is
@@ -448,6 +455,8 @@ class Scheduler:
         self._decode: dict[str, _DecodeState] = {}
         self._prefill_by_model: dict[str, list[_PrefillState]] = {}
         self._decode_by_model: dict[str, list[_DecodeState]] = {}
+        self._colocated: set[str] = set()
+        """Instances registered in both roles (one engine runs prefill and decode)."""
         self._src_busy_until: dict[str, float] = {}
         """Per source node: when the transfers already scheduled out of it end."""
         self._tickets: dict[int, _Ticket] = {}
@@ -481,6 +490,27 @@ class Scheduler:
             raise InvalidArgument(f"expected a DecodeInstance, got {instance!r}")
         if instance.instance_id in self._prefill or instance.instance_id in self._decode:
             raise InvalidArgument(f"instance {instance.instance_id} is already registered")
+        self._add_decode_state(instance)
+
+    def add_colocated_instance(self, instance: PrefillInstance, kv_capacity_tokens: int) -> None:
+        """Register one engine that runs both phases of its requests (prefill and decode in one
+        instance, e.g. a vLLM serving requests end to end), with room for
+        ``kv_capacity_tokens`` tokens of KV while decoding. It is a prefill and a decode
+        instance under the same id: decisions that prefill on it decode on it (see the module
+        docstring). Raises InvalidArgument if the id is taken or the capacity is bad."""
+        if not isinstance(instance, PrefillInstance):
+            raise InvalidArgument(f"expected a PrefillInstance, got {instance!r}")
+        decode = DecodeInstance(instance.instance_id, instance.node_id, instance.model,
+                                kv_capacity_tokens)  # validates the capacity first
+        self.add_prefill_instance(instance)  # raises if the id is taken in either role
+        self._add_decode_state(decode)
+        self._colocated.add(instance.instance_id)
+
+    def is_colocated(self, instance_id: str) -> bool:
+        """Whether ``instance_id`` runs both phases (:meth:`add_colocated_instance`)."""
+        return instance_id in self._colocated
+
+    def _add_decode_state(self, instance: DecodeInstance) -> None:
         st = _DecodeState(instance)
         self._decode[instance.instance_id] = st
         group = self._decode_by_model.setdefault(instance.model, [])
@@ -497,6 +527,7 @@ class Scheduler:
         if st_d is not None:
             self._decode_by_model[st_d.instance.model].remove(st_d)
             self.decode_speed.forget(instance_id)
+        self._colocated.discard(instance_id)
         if st_p is None and st_d is None:
             return False
         for ticket_id in [t for t, tk in self._tickets.items()
@@ -540,10 +571,23 @@ class Scheduler:
                 f"no {'prefill' if not prefills else 'decode'} instance serves model "
                 f"{request.model!r} (prefill instances serve: {', '.join(served) or 'nothing'})")
 
-        match = self._index.match(request.keys)
-        option = self._choose_prefill(request, match, prefills, now_s, engine_cached_tokens or {})
-        ttft = option.ttft
+        out_tokens = (float(request.expected_output_tokens) if request.expected_output_tokens
+                      else self.output_tokens.value)
+        kv_tokens = request.input_tokens + math.ceil(out_tokens)
         rid = request.request_id
+        match = self._index.match(request.keys)
+        engine_cached = engine_cached_tokens or {}
+        pool = prefills
+        if self._colocated:  # a colocated engine decodes what it prefills: it needs the room
+            pool = [st for st in prefills if st.instance.instance_id not in self._colocated
+                    or self._has_room(self._decode[st.instance.instance_id], kv_tokens)]
+            if not pool:
+                option = self._choose_prefill(request, match, prefills, now_s, engine_cached)
+                return self._reject(rid, RejectReason.DECODE_KV_FULL,
+                                    f"no instance of {request.model!r} has room for "
+                                    f"{kv_tokens} KV tokens", option, None)
+        option = self._choose_prefill(request, match, pool, now_s, engine_cached)
+        ttft = option.ttft
 
         if cfg.ttft_slo_s is not None and ttft.total_s > cfg.ttft_slo_s:
             return self._reject(rid, RejectReason.TTFT_SLO,
@@ -552,11 +596,17 @@ class Scheduler:
                                 f"({cfg.policy.value} policy)",
                                 option, None)
 
-        out_tokens = (float(request.expected_output_tokens) if request.expected_output_tokens
-                      else self.output_tokens.value)
-        kv_tokens = request.input_tokens + math.ceil(out_tokens)
         arrival_s = now_s + ttft.total_s
-        picked = self._choose_decode(decodes, request.input_tokens, kv_tokens, arrival_s)
+        chosen_id = option.state.instance.instance_id
+        picked: tuple[_DecodeState, float] | None
+        if chosen_id in self._colocated:  # the same engine decodes: no KV moves
+            own = self._decode[chosen_id]
+            picked = own, self._tpot_at(own, request.input_tokens, arrival_s)
+        else:
+            if self._colocated:  # prefill-only instances hand over to decode-only ones
+                decodes = [d for d in decodes
+                           if d.instance.instance_id not in self._colocated] or decodes
+            picked = self._choose_decode(decodes, request.input_tokens, kv_tokens, arrival_s)
         if picked is None:
             return self._reject(rid, RejectReason.DECODE_KV_FULL,
                                 f"no decode instance of {request.model!r} has room for "
@@ -736,8 +786,7 @@ class Scheduler:
     def _choose_decode(self, decodes: list[_DecodeState], input_tokens: int, kv_tokens: int,
                        arrival_s: float) -> tuple[_DecodeState, float] | None:
         """The decode instance with the lowest predicted TPOT at ``arrival_s``, and that TPOT."""
-        candidates = [d for d in decodes
-                      if d.kv_committed_tokens() + kv_tokens <= d.instance.kv_capacity_tokens]
+        candidates = [d for d in decodes if self._has_room(d, kv_tokens)]
         if not candidates:
             return None
         if self._config.policy is Policy.RANDOM:
@@ -752,6 +801,10 @@ class Scheduler:
         if best is None:
             raise InvariantViolation("decode candidates produced no choice")
         return best[2], best[0]
+
+    @staticmethod
+    def _has_room(d: _DecodeState, kv_tokens: int) -> bool:
+        return d.kv_committed_tokens() + kv_tokens <= d.instance.kv_capacity_tokens
 
     def _tpot_at(self, d: _DecodeState, input_tokens: int, at_s: float) -> float:
         """Predicted time per output token on ``d`` at ``at_s`` with this request added.
@@ -944,6 +997,8 @@ class Scheduler:
         KV room check counts KV the engine uses beyond our reservations (a report never lowers
         a reservation: running requests still grow). Requests another leader placed, or that
         this scheduler lost track of, become visible this way.
+
+        A colocated instance's report is read both ways (one engine, both figures).
         """
         _check_number("now_s", now_s, low=0.0, strict=False)
         for name, value in (("queued_prefill_tokens", queued_prefill_tokens),
@@ -952,9 +1007,7 @@ class Scheduler:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidArgument(f"{name} must be an int >= 0, got {value!r}")
         st = self._prefill.get(instance_id)
-        if st is not None:
-            if now_s < st.anchored_at_s:
-                return True
+        if st is not None and now_s >= st.anchored_at_s:  # else stale: older than its news
             queue_s = 0.0
             if queued_prefill_tokens:
                 prompt = min(queued_prefill_tokens, self._config.report_prompt_tokens)
@@ -965,8 +1018,9 @@ class Scheduler:
                           if tk.decided_at_s > now_s)
             st.busy_until_s = now_s + queue_s + since_s
             st.anchored_at_s = now_s
+        if st is not None and instance_id not in self._colocated:
             return True
-        d = self._decode.get(instance_id)
+        d = self._decode.get(instance_id)  # a colocated engine's report is both
         if d is None:
             return False
         if d.report is not None and now_s < d.report.at_s:

@@ -74,6 +74,7 @@ import zmq.asyncio
 from conductor.engine_events import EngineEventFollower
 from conductor.engine_index import EngineCacheIndex
 from conductor.index import ChunkEvent, ChunkEventKind, EventOutcome, GlobalPrefixIndex
+from conductor.instances import InstanceKind, PlannedInstance, plan_instances
 from conductor.perf.engine_model import default_engine_model
 from conductor.scheduler import (
     DecodeInstance,
@@ -259,7 +260,11 @@ class Conductor:
         self.engine_load: dict[str, tuple[int, int, int, float]] = {}
         """Latest ReportLoad per instance: (queued prefill tokens, decode batch, KV tokens, at)."""
         self._scheduled: dict[str, EngineRecord] = {}
-        """Engines the scheduler knows now (record present and node live)."""
+        """Engine records the scheduler knows now (record present and node live), by record id."""
+        self._placed: dict[str, PlannedInstance] = {}
+        """The scheduler's instances, by scheduler instance id (``conductor.instances``)."""
+        self._alias: dict[str, str] = {}
+        """Record id -> scheduler instance id (a colocated decode record -> its pair's id)."""
         self._hashers: dict[tuple[str, str], BlockHasher] = {}
         self.election: Election | None = None
         self.address: str | None = None
@@ -781,27 +786,45 @@ class Conductor:
                       task.get_name(), task.exception(), exc_info=task.exception())
 
     def _sync_instances(self) -> None:
-        """Make the scheduler's instances = engine records whose node is live (hold the lock)."""
+        """Make the scheduler's instances = engine records whose node is live, a prefill and
+        a decode record of one server paired into one colocated instance
+        (:func:`conductor.instances.plan_instances`). Hold the lock."""
         live = {n for n, f in self.nodes.items() if f.connected}
-        wanted = {i: rec for i, rec in self.engines.items() if rec.node_id in live}
-        for instance_id, rec in list(self._scheduled.items()):
-            if wanted.get(instance_id) != rec:
+        wanted = plan_instances(self.engines, live)
+        for instance_id, planned in list(self._placed.items()):
+            if wanted.get(instance_id) != planned or any(
+                    self._scheduled.get(r) != self.engines.get(r) for r in planned.records):
                 self.scheduler.remove_instance(instance_id)
-                del self._scheduled[instance_id]
-        for instance_id, rec in wanted.items():
-            if instance_id in self._scheduled:
+                del self._placed[instance_id]
+                for r in planned.records:
+                    self._scheduled.pop(r, None)
+                    self._alias.pop(r, None)
+        for instance_id, planned in wanted.items():
+            if instance_id in self._placed:
                 continue
             try:
-                if rec.role is EngineRole.PREFILL:
+                if planned.kind is InstanceKind.PREFILL:
                     self.scheduler.add_prefill_instance(
-                        PrefillInstance(instance_id, rec.node_id, rec.model))
-                else:
+                        PrefillInstance(instance_id, planned.node_id, planned.model))
+                elif planned.kind is InstanceKind.DECODE:
                     self.scheduler.add_decode_instance(DecodeInstance(
-                        instance_id, rec.node_id, rec.model, rec.kv_capacity_tokens))
-            except InvalidArgument as exc:  # the same id registered under both roles
+                        instance_id, planned.node_id, planned.model, planned.kv_capacity_tokens))
+                else:
+                    self.scheduler.add_colocated_instance(
+                        PrefillInstance(instance_id, planned.node_id, planned.model),
+                        planned.kv_capacity_tokens)
+            except InvalidArgument as exc:
                 log.warning("engine %s not schedulable: %s", instance_id, exc)
                 continue
-            self._scheduled[instance_id] = rec
+            self._placed[instance_id] = planned
+            for r in planned.records:
+                self._scheduled[r] = self.engines[r]
+                self._alias[r] = instance_id
+
+    def scheduler_instance(self, record_id: str) -> str:
+        """The scheduler instance an engine record stands in (a colocated pair's decode
+        record is its prefill record's instance); the id itself when unknown."""
+        return self._alias.get(record_id, record_id)
 
     # ------------------------------------------------------------------ upkeep
 

@@ -294,7 +294,7 @@ class ConductorService(pb_grpc.ConductorServicer):
                 # Every conductor feeds its scheduler: a standby that takes over starts
                 # from the engines' own figures instead of empty queues.
                 c.scheduler.report_load(
-                    request.instance_id, now_s,
+                    c.scheduler_instance(request.instance_id), now_s,
                     queued_prefill_tokens=int(request.queued_prefill_tokens),
                     running_decode_batch=int(request.running_decode_batch),
                     kv_used_tokens=int(request.kv_used_tokens))
