@@ -74,6 +74,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvstore.client.cpus import widen_thread_affinity
 from kvstore.client.discovery import choose_node, discover_nodes
 from kvstore.client.handles import BatchSave, LayerwiseSave, LoadHandle, split_even
 from kvstore.client.kvlayout import KVLayout
@@ -140,6 +141,10 @@ class KVClientConfig:
     replicate_remote: bool = False
     """Default of ``replicate`` in remote loads: put the blocks fetched from another node into
     this client's own daemon afterwards (a replication step; the engine does not wait for it)."""
+    widen_thread_affinity: bool = True
+    """Transfer threads run on every CPU the container allows, not only on the cores of the
+    thread that started them (an engine's model thread bound to its cores):
+    :mod:`kvstore.client.cpus`."""
 
     def __post_init__(self) -> None:
         if self.staging_pool_bytes < 0:
@@ -207,7 +212,9 @@ class KVClient:
         self._node_addresses: dict[str, str] = {}
         self._remote_lock = threading.Lock()
         self._closed = False
-        self._pool = cf.ThreadPoolExecutor(self.config.workers, thread_name_prefix="kvclient")
+        self._pool = cf.ThreadPoolExecutor(
+            self.config.workers, thread_name_prefix="kvclient",
+            initializer=widen_thread_affinity if self.config.widen_thread_affinity else None)
         self._staging = StagingPool(layout, self.config.staging_pool_bytes)
 
     # --- construction -------------------------------------------------------------------------
