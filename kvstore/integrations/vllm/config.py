@@ -49,6 +49,14 @@ key                         default     meaning
 ``reconnect_interval_s``    2.0         after the daemon failed (down, restarted), how long
                                         before the connector tries it again (in the
                                         background: vLLM never waits for a reconnect).
+``pd_wait_timeout_s``       5.0         decode side of prefill/decode disaggregation: how long
+                                        a request handed off by a prefill instance (its
+                                        ``kv_transfer_params`` carry ``kvtier.blocks``) waits
+                                        for the store to hold that many blocks of its prefix
+                                        (the prefill's puts land after its answer) before it
+                                        takes what is there and vLLM computes the rest. The
+                                        request waits like a lookup in flight ("ask again"),
+                                        never the engine loop.
 ``workers``                 2           client threads for copies and transfers (worker).
 ``staging_pool_mib``        64          pooled staging buffers kept by the worker's client.
 ==========================  ==========  =====================================================
@@ -107,6 +115,7 @@ class ConnectorConfig:
     save_timeout_s: float = 30.0
     save: SaveMode = SaveMode.ALL
     reconnect_interval_s: float = 2.0
+    pd_wait_timeout_s: float = 5.0
     workers: int = 2
     staging_pool_mib: int = 64
 
@@ -123,7 +132,7 @@ class ConnectorConfig:
         if self.node_id and not self.etcd:
             raise ConfigError("kvtier connector: 'node_id' needs 'etcd'")
         for name in ("lookup_timeout_s", "load_timeout_s", "save_timeout_s",
-                     "reconnect_interval_s"):
+                     "reconnect_interval_s", "pd_wait_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"kvtier connector: {name!r} must be > 0, got "
                                   f"{getattr(self, name)!r}")

@@ -7,7 +7,10 @@ worker half (:mod:`.worker`) in each Worker; this class only dispatches. Setting
 errors (recomputed, with ``kv_load_failure_policy="recompute"``), failed saves are reported to
 the scheduler half (``build_connector_worker_meta`` -> ``update_connector_output``), which
 saves them again. Saves copy out of vLLM's blocks within the step, so ``request_finished``
-never delays freeing and ``get_finished`` reports nothing (vLLM's defaults).
+never delays freeing and ``get_finished`` reports nothing (vLLM's defaults). For
+prefill/decode disaggregation ``request_finished`` of a ``do_remote_decode`` request returns
+the kvtier hand-off as ``kv_transfer_params``, and a decode request carrying one waits in its
+lookup for the prefill's blocks (:mod:`.scheduler`).
 """
 
 from __future__ import annotations

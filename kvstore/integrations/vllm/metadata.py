@@ -11,11 +11,19 @@ saved or as failed (put refused, daemon gone, skipped for want of a daemon, past
 ``save_timeout_s``, or computed in a step whose load of the request failed), in the step it
 ended in or a later one; and every :class:`LoadSpec` with a block that did not arrive, by its
 first such block (:class:`LoadFailure`), in the step of the load.
+
+Prefill instance -> decode instance, once per request (:class:`PdHandoff`, through vLLM's
+``kv_transfer_params``: the prefill's answer carries them, the P/D proxy passes them on in the
+decode request): how many leading blocks of the prompt the prefill left in kvtier, and the
+kvtier key of the last of them, so the decode can tell a hand-off of another prompt, model or
+hash seed from one whose puts have not landed yet.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
@@ -25,8 +33,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvstore.errors import InvalidArgument
 from kvstore.keys import PrefixKey
 
-__all__ = ["KvtierConnectorMetadata", "KvtierWorkerMetadata", "LoadFailure", "LoadSpec",
-           "SaveFailure", "SaveSpec"]
+__all__ = ["PD_PARAMS_KEY", "KvtierConnectorMetadata", "KvtierWorkerMetadata", "LoadFailure",
+           "LoadSpec", "PdHandoff", "SaveFailure", "SaveSpec"]
+
+PD_PARAMS_KEY = "kvtier"
+"""The entry of ``kv_transfer_params`` that holds a :class:`PdHandoff`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,3 +126,64 @@ class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
         self.failed.extend(other.failed)
         self.load_failed.extend(other.load_failed)
         return self
+
+
+@dataclass(frozen=True, slots=True)
+class PdHandoff:
+    """What a prefill instance hands a decode instance: blocks ``[0, blocks)`` of the prompt
+    are in kvtier, or being put there (the prefill answers before its last puts land), and
+    ``key`` is the kvtier key of block ``blocks - 1`` (None: not checked).
+
+    In ``kv_transfer_params`` (JSON): ``{"do_remote_prefill": true, "do_remote_decode":
+    false, "kvtier": {"blocks": N, "key": "<hex>", "block_tokens": B}}``, vLLM's P/D
+    convention plus kvtier's entry."""
+
+    blocks: int
+    key: bytes | None = None
+    block_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.blocks < 0:
+            raise InvalidArgument(f"a P/D hand-off of {self.blocks} blocks")
+
+    def to_params(self) -> dict[str, Any]:
+        """vLLM's ``kv_transfer_params`` for the decode request."""
+        entry: dict[str, Any] = {"blocks": self.blocks}
+        if self.key is not None:
+            entry["key"] = self.key.hex()
+        if self.block_tokens is not None:
+            entry["block_tokens"] = self.block_tokens
+        return {"do_remote_prefill": True, "do_remote_decode": False, PD_PARAMS_KEY: entry}
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any] | None) -> PdHandoff | None:
+        """The hand-off in a decode request's ``kv_transfer_params``: None unless they say
+        ``do_remote_prefill`` and carry a kvtier entry. InvalidArgument for a malformed entry
+        (the caller treats the request as an ordinary one)."""
+        if not params or not params.get("do_remote_prefill"):
+            return None
+        entry = params.get(PD_PARAMS_KEY)
+        if entry is None:
+            return None
+        if not isinstance(entry, Mapping):
+            raise InvalidArgument(f"kv_transfer_params.{PD_PARAMS_KEY} must be an object, "
+                                  f"got {entry!r}")
+        blocks, key, block_tokens = entry.get("blocks"), entry.get("key"), \
+            entry.get("block_tokens")
+        if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 0:
+            raise InvalidArgument(f"kv_transfer_params.{PD_PARAMS_KEY}.blocks must be an "
+                                  f"integer >= 0, got {blocks!r}")
+        if block_tokens is not None and (not isinstance(block_tokens, int)
+                                         or isinstance(block_tokens, bool)):
+            raise InvalidArgument(f"kv_transfer_params.{PD_PARAMS_KEY}.block_tokens must be "
+                                  f"an integer, got {block_tokens!r}")
+        raw: bytes | None = None
+        if key is not None:
+            try:
+                raw = bytes.fromhex(key) if isinstance(key, str) else None
+            except ValueError:
+                raw = None
+            if raw is None:
+                raise InvalidArgument(f"kv_transfer_params.{PD_PARAMS_KEY}.key must be hex, "
+                                      f"got {key!r}")
+        return cls(blocks, raw, block_tokens)

@@ -30,6 +30,23 @@ refused every later block of the prefix ("parent is not cached").
 Saves copy out of vLLM's blocks within the step (``wait_for_save``), so ``request_finished``
 never delays freeing and ``get_finished`` has nothing to report.
 
+**Prefill/decode disaggregation** (vLLM's convention: the proxy sends the prefill request with
+``kv_transfer_params={"do_remote_decode": true}`` and ``max_tokens=1``, then the decode
+request with the ``kv_transfer_params`` the prefill answered). Prefill side (saves on): a
+request for remote decode that finished normally returns from ``request_finished`` a
+:class:`~.metadata.PdHandoff`: the leading blocks of its prompt the store holds or that are
+being put (``stored_blocks``, less any block whose save failed for good) and the kvtier key of
+the last. Its saves may still be in flight: they were copied out of vLLM's blocks within the
+step, so freeing the blocks need not wait (``delay_free`` stays False), and the answer cannot
+wait (vLLM sends it as the request finishes, whatever ``request_finished`` returns). So the
+decode side waits: a request carrying a hand-off (and ``do_remote_prefill``) whose lookup finds
+fewer blocks than promised is looked up again every ``PD_POLL_INTERVAL_S`` (answering "ask
+again" meanwhile, like a lookup in flight) until the store holds them or
+``pd_wait_timeout_s`` passed since its first ask; then it takes what the store holds and vLLM
+computes the rest. A hand-off whose last key differs from the decode's own key of that block
+(other token ids, model, block size, hash seed or salt) is an ERROR, counted
+(``pd_mismatches``), and not waited for.
+
 **KV events**: with vLLM's KV events on, every save all TP ranks confirmed becomes a
 ``BlockStored`` event (``medium="KVTIER"``, vLLM's own block hashes) from ``take_events``, so a
 KV-event-driven router sees what kvtier holds.
@@ -58,6 +75,7 @@ from kvstore.integrations.vllm.metadata import (
     KvtierWorkerMetadata,
     LoadFailure,
     LoadSpec,
+    PdHandoff,
     SaveFailure,
     SaveSpec,
 )
@@ -77,12 +95,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KV_EVENT_MEDIUM", "MAX_SAVE_RETRIES", "SchedulerSide"]
+__all__ = ["KV_EVENT_MEDIUM", "MAX_SAVE_RETRIES", "PD_POLL_INTERVAL_S", "SchedulerSide"]
 
 MAX_SAVE_RETRIES = 3
 """Failed saves of one request saved again at most this often (a daemon that keeps failing
 must not make every step of a long request re-send its blocks)."""
 KV_EVENT_MEDIUM = "KVTIER"
+PD_POLL_INTERVAL_S = 0.005
+"""A decode request waiting for its prefill's blocks looks them up again this often (one
+small RPC; the prefill's puts normally land within milliseconds of its answer)."""
 _MAX_PENDING_EVENTS = 4096
 _LOOKUP_THREADS = 4
 
@@ -104,6 +125,18 @@ class _Lookup:
     deadline: float
     found: int | None = None
     """Leading blocks the daemon holds, once known."""
+    retry_at: float = 0.0
+    """With neither ``future`` nor ``found``: a P/D wait's next lookup is due then."""
+
+
+@dataclass
+class _PdWait:
+    """A decode request's wait for the blocks its prefill instance handed off."""
+
+    blocks: int
+    """Blocks promised (all of them checked against the request's own keys)."""
+    deadline: float
+    waited: bool = False
 
 
 @dataclass
@@ -145,6 +178,11 @@ class _Tracked:
     loading: set[int] = field(default_factory=set)
     """vLLM block ids of the last load, until the step's load errors are in."""
     counts: _Counts = field(default_factory=_Counts)
+    lost_from: int | None = None
+    """First block whose save failed and is not tried again (a P/D hand-off stops before)."""
+    pd: _PdWait | None = None
+    """Decode side: the hand-off this request waits for (until admitted or given up)."""
+    pd_checked: bool = False
 
 
 @dataclass
@@ -264,47 +302,147 @@ class SchedulerSide:
                 self.stats.add("lookup_timeouts")
         return answer.blocks
 
+    def _answer(self, tracked: _Tracked, lk: _Lookup) -> int | None:
+        """The lookup's answer (0 for a failure or past ``lookup_timeout_s``); None while in
+        flight."""
+        assert lk.future is not None
+        if lk.future.done():
+            try:
+                answer = lk.future.result()
+            except Exception as exc:  # a bug on the lookup thread: never into vLLM
+                log.error("kvtier connector: lookup of %s failed: %r: 0 hits",
+                          tracked.request.request_id, exc, exc_info=exc)
+                answer = _Answer(0, repr(exc))
+            return self._settle(answer)
+        if time.monotonic() < lk.deadline:
+            return None
+        # Not answered in time: 0 hits. The thread ends on its own (the RPC is bounded by the
+        # same timeout); its answer is never read.
+        lk.future.cancel()
+        self.stats.add("lookup_errors")
+        self.stats.add("lookup_timeouts")
+        log.warning("kvtier connector: lookup of %s not answered within lookup_timeout_s="
+                    "%s: 0 hits", tracked.request.request_id, self.config.lookup_timeout_s)
+        return 0
+
     def _found(self, tracked: _Tracked, usable: int) -> int | None:
         """Leading blocks of the request's first ``usable`` the daemon holds; None while the
-        lookup is in flight."""
+        lookup is in flight (or a P/D wait's next lookup is not due)."""
         lk = tracked.lookup
         if lk is not None and lk.num_keys == usable:
             if lk.found is not None:  # asked again before vLLM could admit the request
                 return lk.found
-            assert lk.future is not None
-            if lk.future.done():
-                try:
-                    answer = lk.future.result()
-                except Exception as exc:  # a bug on the lookup thread: never into vLLM
-                    log.error("kvtier connector: lookup of %s failed: %r: 0 hits",
-                              tracked.request.request_id, exc, exc_info=exc)
-                    answer = _Answer(0, repr(exc))
-                lk.found = self._settle(answer)
-                return lk.found
-            if time.monotonic() < lk.deadline:
+            if lk.future is not None:
+                found = self._answer(tracked, lk)
+                if found is None:
+                    return None
+                if not self._pd_wants_more(tracked, found, usable):
+                    lk.found = found
+                    return found
+                lk.future = None
+                lk.retry_at = time.monotonic() + PD_POLL_INTERVAL_S
                 return None
-            # Not answered in time: 0 hits. The thread ends on its own (the RPC is bounded
-            # by the same timeout); its answer is never read.
-            lk.future.cancel()
-            lk.found = 0
-            self.stats.add("lookup_errors")
-            self.stats.add("lookup_timeouts")
-            log.warning("kvtier connector: lookup of %s not answered within lookup_timeout_s="
-                        "%s: 0 hits", tracked.request.request_id, self.config.lookup_timeout_s)
-            return 0
-        if lk is not None and lk.future is not None:
+            if time.monotonic() < lk.retry_at:
+                return None  # P/D: the store is asked again when the poll is due
+        elif lk is not None and lk.future is not None:
             lk.future.cancel()  # the request grew: what it asked no longer matters
         if self.session.get() is None:
             tracked.lookup = None
+            tracked.pd = None
             return 0  # no daemon now: nothing to wait for
         keys = self.keys_of(tracked.request, usable)
         self.stats.add("lookups")
         if not self.config.lookup_async:
-            tracked.lookup = _Lookup(usable, None, 0.0, self._settle(self._lookup(keys)))
-            return tracked.lookup.found
+            found = self._settle(self._lookup(keys))
+            if self._pd_wants_more(tracked, found, usable):
+                tracked.lookup = _Lookup(usable, None, 0.0,
+                                         retry_at=time.monotonic() + PD_POLL_INTERVAL_S)
+                return None
+            tracked.lookup = _Lookup(usable, None, 0.0, found)
+            return found
         tracked.lookup = _Lookup(usable, self._pool.submit(self._lookup, keys),
                                  time.monotonic() + self.config.lookup_timeout_s)
         return None
+
+    # --- P/D hand-offs ----------------------------------------------------------------------
+
+    def _pd_wait_of(self, request: Request) -> _PdWait | None:
+        """The hand-off a decode request carries, checked against its own keys (None: none,
+        malformed, or for other blocks than this request's)."""
+        try:
+            handoff = PdHandoff.from_params(request.kv_transfer_params)
+        except KvtierError as exc:
+            log.error("kvtier connector: request %s: %s: treated as an ordinary request",
+                      request.request_id, exc)
+            self.stats.add("pd_mismatches")
+            return None
+        if handoff is None:
+            return None
+        self.stats.add("pd_received")
+        n = handoff.blocks
+        if n == 0:
+            return None
+        B = self.spec.block_tokens
+        why = None
+        if handoff.block_tokens is not None and handoff.block_tokens != B:
+            why = f"the prefill's blocks are {handoff.block_tokens} tokens, ours {B}"
+        elif n > self._full_blocks(request):
+            why = f"{n} blocks promised, the prompt has {self._full_blocks(request)} full blocks"
+        elif handoff.key is not None and self.keys_of(request, n)[-1] != handoff.key:
+            why = (f"the key of block {n - 1} differs (other token ids, model, block size, "
+                   f"hash seed or cache_salt on the prefill instance)")
+        if why is not None:
+            log.error("kvtier connector: P/D hand-off of request %s does not match it: %s; "
+                      "not waited for", request.request_id, why)
+            self.stats.add("pd_mismatches")
+            return None
+        return _PdWait(n, time.monotonic() + self.config.pd_wait_timeout_s)
+
+    def _pd_wants_more(self, tracked: _Tracked, found: int, usable: int) -> bool:
+        """Whether the request should look up again: it waits for a hand-off that promised
+        more than ``found`` blocks, within ``pd_wait_timeout_s`` (the wait ends otherwise)."""
+        pd = tracked.pd
+        if pd is None:
+            return False
+        target = min(pd.blocks, usable)
+        if found >= target:
+            tracked.pd = None
+            return False
+        if time.monotonic() >= pd.deadline:
+            tracked.pd = None
+            self.stats.add("pd_wait_timeouts")
+            self.stats.add("pd_missing_blocks", target - found)
+            log.warning("kvtier connector: request %s: %d of the %d blocks its prefill handed "
+                        "off are in kvtier after pd_wait_timeout_s=%s: the rest is computed",
+                        tracked.request.request_id, found, target,
+                        self.config.pd_wait_timeout_s)
+            return False
+        if not pd.waited:
+            pd.waited = True
+            self.stats.add("pd_waited")
+        return True
+
+    def _pd_handoff(self, tracked: _Tracked | None, request: Request) -> PdHandoff | None:
+        """Prefill side: the hand-off of a request for remote decode that finished normally
+        (None for any other request)."""
+        params = request.kv_transfer_params
+        if tracked is None or not params or not params.get("do_remote_decode") or \
+                not self.save_enabled:
+            return None
+        from vllm.v1.request import RequestStatus
+
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED,
+                                  RequestStatus.FINISHED_STOPPED):
+            return None  # aborted: nobody decodes it
+        B = self.spec.block_tokens
+        n = min(tracked.stored_blocks, request.num_prompt_tokens // B,
+                len(request.block_hashes))
+        if tracked.lost_from is not None:
+            n = min(n, tracked.lost_from)
+        key = self.keys_of(request, n)[-1] if n else None
+        self.stats.add("pd_sent")
+        self.stats.add("pd_sent_blocks", n)
+        return PdHandoff(n, key, B)
 
     # --- vLLM's calls -----------------------------------------------------------------------
 
@@ -321,6 +459,10 @@ class SchedulerSide:
         tracked = self._track(request)
         tracked.load_blocks = 0
         tracked.local_tokens = num_computed_tokens
+        if not tracked.pd_checked:
+            tracked.pd_checked = True
+            if self.load_enabled:
+                tracked.pd = self._pd_wait_of(request)
         B = self.spec.block_tokens
         # Never the whole prompt: at least one token is left for vLLM to compute.
         usable = min(self._full_blocks(request), max(request.num_tokens - 1, 0) // B)
@@ -342,6 +484,7 @@ class SchedulerSide:
                                  num_external_tokens: int) -> None:
         tracked = self._track(request)
         tracked.lookup = None  # admitted: a later admission (after a preemption) asks afresh
+        tracked.pd = None  # and does not wait for a hand-off again
         block_ids = list(blocks.get_block_ids()[0])
         tracked.block_ids = block_ids
         if num_external_tokens <= 0 or tracked.load_blocks <= 0:
@@ -477,6 +620,8 @@ class SchedulerSide:
         if any(seq > failure.seq and s.first_block <= block for seq, s in tracked.saves.items()):
             return  # a later save (a retry) covers the block
         if tracked.counts.save_retries >= MAX_SAVE_RETRIES:
+            tracked.lost_from = block if tracked.lost_from is None else \
+                min(tracked.lost_from, block)
             log.warning("kvtier connector: saving blocks %d.. of %s failed %d times: not tried "
                         "again", block, failure.req_id, tracked.counts.save_retries + 1)
             return
@@ -501,6 +646,7 @@ class SchedulerSide:
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         tracked = self._reqs.pop(request.request_id, None)
+        handoff = self._pd_handoff(tracked, request)
         if tracked is not None:
             if tracked.lookup is not None and tracked.lookup.future is not None:
                 tracked.lookup.future.cancel()  # aborted while asking: forget it
@@ -509,7 +655,12 @@ class SchedulerSide:
                       "%d blocks to save, %d saved, %d failed saves (%d retried)",
                       request.request_id, c.load_blocks, c.load_error_blocks, c.save_blocks,
                       c.saved_blocks, c.save_failures, c.save_retries)
-        # Saves copy out of vLLM's blocks within their step: vLLM may free them now.
+        # Saves copy out of vLLM's blocks within their step: vLLM may free them now, also for a
+        # hand-off whose puts are still in flight (the decode side waits for them).
+        if handoff is not None:
+            log.debug("kvtier connector: request %s handed off for remote decode: %d blocks",
+                      request.request_id, handoff.blocks)
+            return False, handoff.to_params()
         return False, None
 
     def take_events(self) -> Iterable[KVCacheEvent]:

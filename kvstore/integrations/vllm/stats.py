@@ -40,6 +40,17 @@ summed over TP ranks are the bytes each rank moved for its shard):
                             recomputed them
 ``config_mismatch``         connector starts (or reconnects) that found another instance of the
                             model with another block size, hash algorithm or hash seed
+``pd_sent``                 prefill side of P/D: requests for remote decode (``do_remote_decode``)
+                            answered with a kvtier hand-off (``kv_transfer_params.kvtier``)
+``pd_sent_blocks``          the blocks those hand-offs promised (saved, being saved, or held)
+``pd_received``             decode side: requests that arrived with a kvtier hand-off
+``pd_waited``               of those, requests whose first lookup found fewer blocks than the
+                            hand-off promised and that waited for the prefill's puts
+``pd_wait_timeouts``        of those, requests that stopped waiting at ``pd_wait_timeout_s``
+                            (they take what the store holds; vLLM computes the rest)
+``pd_missing_blocks``       the promised blocks those requests did not find
+``pd_mismatches``           hand-offs whose last block key differs from the decode's own (other
+                            token ids, model, block size, hash seed or salt): no wait
 ==========================  =====================================================================
 """
 
@@ -78,6 +89,13 @@ COUNTERS: dict[str, str] = {
     "load_resave_blocks": "Blocks of failed kvtier loads saved again once recomputed.",
     "config_mismatch": "Starts that found the model in kvtier with another block size, hash "
                        "algorithm or seed.",
+    "pd_sent": "Prefill requests for remote decode answered with a kvtier hand-off.",
+    "pd_sent_blocks": "Blocks promised by kvtier P/D hand-offs sent.",
+    "pd_received": "Decode requests that arrived with a kvtier P/D hand-off.",
+    "pd_waited": "Decode requests that waited for the prefill's blocks to land in kvtier.",
+    "pd_wait_timeouts": "Decode requests that stopped waiting at pd_wait_timeout_s.",
+    "pd_missing_blocks": "Promised P/D blocks not in kvtier when the decode stopped waiting.",
+    "pd_mismatches": "kvtier P/D hand-offs whose block key differs from the decode's own.",
 }
 _FLOATS = frozenset({"load_seconds", "save_seconds"})
 
