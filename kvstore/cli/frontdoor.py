@@ -17,9 +17,17 @@ from kvstore.errors import KvtierError
 
 def frontdoor(
     backend: list[str] = typer.Option(
-        ..., "--backend",
+        [], "--backend",
         help="A vLLM server: URL (http://host:port) or NAME=URL; repeat for several. With "
              "--router conductor, NAME is the instance id the conductor answers."),
+    prefill: list[str] = typer.Option(
+        [], "--prefill",
+        help="P/D mode: a vLLM server that prefills (kvtier connector, kv_producer or "
+             "kv_both): URL or NAME=URL; repeat for several. Needs --decode."),
+    decode: list[str] = typer.Option(
+        [], "--decode",
+        help="P/D mode: a vLLM server that decodes (kvtier connector, kv_consumer or "
+             "kv_both): URL or NAME=URL; repeat for several. Needs --prefill."),
     model_dir: Path = typer.Option(
         ..., "--model-dir",
         help="The model directory the backends serve (its tokenizer.json, tokenizer_config.json)."),
@@ -36,7 +44,8 @@ def frontdoor(
     log_level: str = typer.Option("INFO", "--log-level"),
 ) -> None:
     """Serve /v1/completions, /v1/chat/completions (streaming too), /v1/models and /health,
-    routing each request to one of the backends.
+    routing each request to one of the backends, or (--prefill/--decode) prefilling it on a
+    prefill backend and decoding it on a decode backend through kvtier.
 
     Prints `KVTIER-FRONTDOOR-READY {json}` with its URL once it serves.
     """
@@ -45,6 +54,7 @@ def frontdoor(
         BackendPool,
         ConductorRouter,
         FrontDoor,
+        PdRouter,
         PromptTokenizer,
         Router,
     )
@@ -54,19 +64,29 @@ def frontdoor(
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        pool = BackendPool([Backend.parse(spec) for spec in backend])
+        prefills = [Backend.parse(spec) for spec in prefill]
+        decodes = [Backend.parse(spec) for spec in decode]
+        pool = BackendPool([Backend.parse(spec) for spec in backend] + prefills + decodes)
         tokenizer = PromptTokenizer.from_model_dir(model_dir)
         if router not in ("round-robin", "conductor"):
             raise KvtierError(f"--router {router!r}: want round-robin or conductor")
         if router == "conductor" and (etcd is None or not conductor_model):
             raise KvtierError("--router conductor needs --etcd and --conductor-model")
+        if bool(prefills) != bool(decodes):
+            raise KvtierError("P/D mode needs both --prefill and --decode")
+        if prefills and (backend or router != "round-robin"):
+            raise KvtierError("--prefill/--decode route by themselves: no --backend nor "
+                              "--router with them")
+        if not pool.all():
+            raise KvtierError("no backend: give --backend, or --prefill and --decode")
+        pd_router = PdRouter(pool, prefills, decodes) if prefills else None
     except KvtierError as exc:
         typer.echo(f"kvtier frontdoor: {exc}", err=True)
         raise typer.Exit(2) from exc
 
     async def main() -> None:
         conductor = None
-        chosen: Router | None = None
+        chosen: Router | None = pd_router
         if router == "conductor":
             from kvstore.client.conductor_client import ConductorClient
 
@@ -82,8 +102,10 @@ def frontdoor(
         try:
             await door.start()
             typer.echo(READY_PREFIX + json.dumps(
-                {"url": door.url, "port": door.port, "router": router,
-                 "backends": {b.name: b.url for b in pool.all()}}))
+                {"url": door.url, "port": door.port,
+                 "router": "pd" if pd_router is not None else router,
+                 "backends": {b.name: b.url for b in pool.all()},
+                 "prefill": [b.name for b in prefills], "decode": [b.name for b in decodes]}))
             sys.stdout.flush()
             await stop.wait()
         finally:

@@ -1,6 +1,7 @@
 """The front door: the OpenAI-compatible HTTP endpoint clients point at, in front of ``vllm
 serve`` instances (docs/frontdoor.md). It tokenizes each prompt as vLLM will, asks a router
-(round robin, or the conductor) for a backend, and proxies the request, streaming included.
+(round robin, or the conductor) for a backend, and proxies the request, streaming included;
+in P/D mode it prefills on one backend and decodes on another (``PdRouter``).
 
 It uses the client box (the conductor's client) and membership, never the node or the
 conductor's internals, and never imports vLLM: it only speaks HTTP to it.
@@ -10,6 +11,8 @@ from kvstore.frontdoor.router import (
     Backend,
     BackendPool,
     ConductorRouter,
+    PdPair,
+    PdRouter,
     Rejection,
     RoundRobinRouter,
     Router,
@@ -18,5 +21,5 @@ from kvstore.frontdoor.router import (
 from kvstore.frontdoor.server import FrontDoor
 from kvstore.frontdoor.tokenizer import PromptTokenizer
 
-__all__ = ["Backend", "BackendPool", "ConductorRouter", "FrontDoor", "PromptTokenizer",
-           "Rejection", "RoundRobinRouter", "RouteRequest", "Router"]
+__all__ = ["Backend", "BackendPool", "ConductorRouter", "FrontDoor", "PdPair", "PdRouter",
+           "PromptTokenizer", "Rejection", "RoundRobinRouter", "RouteRequest", "Router"]

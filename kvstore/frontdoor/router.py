@@ -2,8 +2,9 @@
 
 A :class:`Router` gets the prompt's token ids (as vLLM will compute them:
 :mod:`kvstore.frontdoor.tokenizer`) and a :class:`RouteRequest`, and answers a
-:class:`Backend` or a :class:`Rejection` (an HTTP status and a reason the client sees). Two
-implementations:
+:class:`Backend`, a :class:`PdPair` (prefill/decode disaggregation: the front door prefills
+on one backend and decodes on the other) or a :class:`Rejection` (an HTTP status and a reason
+the client sees). Three implementations:
 
 * :class:`RoundRobinRouter`: the healthy backends in turn; no token ids needed.
 * :class:`ConductorRouter`: the conductor's ``Schedule`` with the token ids (the conductor
@@ -11,6 +12,8 @@ implementations:
   instance it names is looked up by name in the pool. A rejection (an SLO it cannot meet, no
   decode room) becomes 429 or 503 with the conductor's message; a conductor that cannot place
   the request (no leader, a model no engine of it registered) is 503.
+* :class:`PdRouter`: a prefill backend and a decode backend, each pool in turn
+  (``kvtier frontdoor --prefill URL --decode URL``).
 
 :class:`BackendPool` holds the backends and their health: the front door marks one down when a
 request to it fails to connect, and up again when its ``/health`` answers (a probe loop in the
@@ -35,8 +38,8 @@ from kvstore.errors import InvalidArgument, KvtierError, MembershipError
 if TYPE_CHECKING:  # the round-robin front door needs neither gRPC nor the client package
     from kvstore.client.conductor_client import ConductorClient
 
-__all__ = ["Backend", "BackendPool", "ConductorRouter", "Rejection", "RoundRobinRouter",
-           "RouteRequest", "Router"]
+__all__ = ["Backend", "BackendPool", "ConductorRouter", "PdPair", "PdRouter", "Rejection",
+           "RoundRobinRouter", "RouteRequest", "Router"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +93,16 @@ class Rejection:
     """A short machine-readable kind (the OpenAI error's ``code``)."""
 
 
+@dataclass(frozen=True, slots=True)
+class PdPair:
+    """Prefill on ``prefill`` (``max_tokens=1``, ``do_remote_decode``), then decode on
+    ``decode`` with the ``kv_transfer_params`` the prefill answered. ``prefill`` None: no
+    prefill backend is healthy, the decode backend computes the prompt itself."""
+
+    prefill: Backend | None
+    decode: Backend
+
+
 @runtime_checkable
 class Router(Protocol):
     """Picks a backend for one request.
@@ -101,7 +114,7 @@ class Router(Protocol):
     """
 
     async def route(self, token_ids: Sequence[int], request: RouteRequest
-                    ) -> Backend | Rejection: ...
+                    ) -> Backend | PdPair | Rejection: ...
 
 
 class BackendPool:
@@ -204,3 +217,35 @@ class ConductorRouter:
             return Rejection(503, f"the conductor chose instance {backend.name!r}, which is "
                                   f"down", "backend_down")
         return backend
+
+
+class PdRouter:
+    """Prefill/decode disaggregation: the healthy ``prefill`` backends in turn, each paired
+    with the healthy ``decode`` backends in turn. Degrades rather than fails: no healthy
+    prefill backend is a pair without one (the decode computes the prompt), no healthy decode
+    backend is a healthy prefill backend alone (it runs the whole request, colocated); 503
+    only when none of either is healthy. Every backend must be in ``pool`` (its health)."""
+
+    def __init__(self, pool: BackendPool, prefill: Sequence[Backend],
+                 decode: Sequence[Backend]) -> None:
+        if not prefill or not decode:
+            raise InvalidArgument("P/D routing needs at least one prefill and one decode "
+                                  "backend")
+        names = {b.name for b in pool.all()}
+        missing = [b.name for b in (*prefill, *decode) if b.name not in names]
+        if missing:
+            raise InvalidArgument(f"P/D backends {missing} are not in the pool")
+        self.pool = pool
+        self.prefill = list(prefill)
+        self.decode = list(decode)
+        self._p_turn = itertools.count()
+        self._d_turn = itertools.count()
+
+    async def route(self, token_ids: Sequence[int], request: RouteRequest
+                    ) -> Backend | PdPair | Rejection:
+        prefill = [b for b in self.prefill if self.pool.is_healthy(b)]
+        decode = [b for b in self.decode if self.pool.is_healthy(b)]
+        p = prefill[next(self._p_turn) % len(prefill)] if prefill else None
+        if not decode:
+            return p if p is not None else Rejection(503, "no healthy backend", "no_backend")
+        return PdPair(p, decode[next(self._d_turn) % len(decode)])

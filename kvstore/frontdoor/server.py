@@ -22,6 +22,18 @@ its ``/health`` answers 200. A backend that stops mid-stream ends the stream wit
 cancels its handler (aiohttp's ``handler_cancellation``), which closes the connection to the
 backend, and vLLM aborts the request.
 
+**P/D mode** (the router answers a :class:`~kvstore.frontdoor.router.PdPair`): the request is
+first sent to the prefill backend with ``max_tokens=1`` (``max_completion_tokens`` too, if
+given), ``"stream": false``, no ``stream_options`` nor ``min_tokens``, and
+``kv_transfer_params={"do_remote_decode": true, "do_remote_prefill": false}`` (what vLLM's
+own P/D proxies send); the ``kv_transfer_params`` it answers (kvtier's connector: how many
+blocks of the prompt it left in the store) are added to the original request, which goes to
+the decode backend and is relayed as above (``x-kvtier-prefill: <name>``). A prefill that
+fails in any way (unreachable, timed out, an error status, no ``kv_transfer_params`` in its
+answer, no healthy prefill backend) is never the client's failure: the original request goes
+to the decode backend as it is, which computes the prompt itself, and the answer says so in
+``x-kvtier-pd-fallback: <reason>`` (counted: ``pd_fallbacks``).
+
 ``GET /v1/models`` is the answer of a healthy backend; ``GET /health`` is 200 with the
 backends' states while at least one is healthy, else 503.
 
@@ -40,7 +52,7 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -50,6 +62,7 @@ from kvstore.errors import InvalidArgument
 from kvstore.frontdoor.router import (
     Backend,
     BackendPool,
+    PdPair,
     Rejection,
     RoundRobinRouter,
     Router,
@@ -57,7 +70,7 @@ from kvstore.frontdoor.router import (
 )
 from kvstore.frontdoor.tokenizer import PromptTokenizer
 
-__all__ = ["READY_PREFIX", "FrontDoor"]
+__all__ = ["READY_PREFIX", "FrontDoor", "prefill_body"]
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +80,12 @@ READY_PREFIX = "KVTIER-FRONTDOOR-READY"
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 BACKEND_HEADER = "x-kvtier-backend"
+PREFILL_HEADER = "x-kvtier-prefill"
+"""P/D: the backend that prefilled the request."""
+PD_FALLBACK_HEADER = "x-kvtier-pd-fallback"
+"""P/D: why the decode backend computed the prompt itself (the prefill hop failed)."""
+PD_PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
+"""The prefill hop's ``kv_transfer_params`` (vLLM's P/D convention)."""
 _CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError,
                    aiohttp.ClientOSError, aiohttp.ConnectionTimeoutError)
 """The backend is gone or unreachable (a read timeout, ``ServerTimeoutError``, is not)."""
@@ -100,7 +119,8 @@ class FrontDoor:
         self._probe: asyncio.Task[None] | None = None
         self.counters: dict[str, int] = {
             "requests": 0, "rejected": 0, "bad_requests": 0, "backend_errors": 0,
-            "client_disconnects": 0, "prompt_token_mismatches": 0}
+            "client_disconnects": 0, "prompt_token_mismatches": 0, "pd_requests": 0,
+            "pd_fallbacks": 0}
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -179,11 +199,73 @@ class FrontDoor:
         if isinstance(decision, Rejection):
             self.counters["rejected"] += 1
             return _error(decision.status, decision.reason, "rejected", decision.code)
+        if isinstance(decision, PdPair):
+            return await self._forward_pd(request, decision, endpoint, body, route,
+                                          len(token_ids))
         return await self._forward(request, decision, endpoint, raw, route, len(token_ids))
 
+    # -- P/D -------------------------------------------------------------------------------
+
+    async def _forward_pd(self, request: web.Request, pair: PdPair, endpoint: str,
+                          body: dict[str, Any], route: RouteRequest, prompt_tokens: int
+                          ) -> web.StreamResponse:
+        """Prefill on ``pair.prefill``, then decode on ``pair.decode`` with the prefill's
+        ``kv_transfer_params``; any prefill failure falls back to the decode alone."""
+        self.counters["pd_requests"] += 1
+        params: dict[str, Any] | None = None
+        if pair.prefill is None:
+            why: str | None = "no-healthy-prefill-backend"
+        else:
+            params, why = await self._prefill(pair.prefill, endpoint, body, route)
+        decode_body = dict(body)
+        if params is not None:
+            decode_body["kv_transfer_params"] = params
+            headers = {PREFILL_HEADER: pair.prefill.name if pair.prefill else ""}
+        else:
+            self.counters["pd_fallbacks"] += 1
+            assert why is not None
+            log.warning("request %s: prefill hop failed (%s): decoded on %s alone",
+                        route.request_id, why, pair.decode.name)
+            headers = {PD_FALLBACK_HEADER: why}
+        return await self._forward(request, pair.decode, endpoint,
+                                   json.dumps(decode_body).encode(), route, prompt_tokens,
+                                   headers)
+
+    async def _prefill(self, backend: Backend, endpoint: str, body: dict[str, Any],
+                       route: RouteRequest) -> tuple[dict[str, Any] | None, str | None]:
+        """The prefill hop: the ``kv_transfer_params`` the backend answered, or None and why
+        not (a short token for the fallback header)."""
+        hop = prefill_body(body)
+        headers = {"Content-Type": "application/json",
+                   "X-Request-Id": route.request_id + "-prefill"}
+        try:
+            async with self.session.post(backend.url + endpoint, data=json.dumps(hop),
+                                         headers=headers) as upstream:
+                status = upstream.status
+                payload = await upstream.read()
+        except _CONNECT_ERRORS as exc:
+            self._backend_down(backend, exc)
+            return None, "prefill-unreachable"
+        except (TimeoutError, aiohttp.ClientPayloadError) as exc:
+            self.counters["backend_errors"] += 1
+            log.warning("prefill backend %s: %s: %s", backend.name, type(exc).__name__, exc)
+            return None, "prefill-failed"
+        if status != 200:
+            return None, f"prefill-status-{status}"
+        try:
+            params = json.loads(payload).get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            return None, "prefill-bad-answer"
+        if not isinstance(params, dict) or not params:
+            return None, "prefill-no-kv-transfer-params"
+        return params, None
+
+    # -- one backend -----------------------------------------------------------------------
+
     async def _forward(self, request: web.Request, backend: Backend, endpoint: str,
-                       raw: bytes, route: RouteRequest, prompt_tokens: int
-                       ) -> web.StreamResponse:
+                       raw: bytes, route: RouteRequest, prompt_tokens: int,
+                       extra_headers: Mapping[str, str] | None = None) -> web.StreamResponse:
+        extra = dict(extra_headers or {})
         headers = {"Content-Type": "application/json", "X-Request-Id": route.request_id}
         try:
             upstream = await self.session.post(backend.url + endpoint, data=raw,
@@ -198,7 +280,8 @@ class FrontDoor:
         try:
             if route.stream and upstream.status == 200 and \
                     upstream.content_type == "text/event-stream":
-                stream, finished = await self._relay_stream(request, backend, upstream)
+                stream, finished = await self._relay_stream(request, backend, upstream,
+                                                            extra)
                 return stream
             else:
                 payload = await upstream.read()
@@ -206,7 +289,7 @@ class FrontDoor:
                     self._check_prompt_tokens(backend, payload, prompt_tokens)
                 response = web.Response(body=payload, status=upstream.status, headers={
                     "Content-Type": upstream.headers.get("Content-Type", "application/json"),
-                    BACKEND_HEADER: backend.name})
+                    BACKEND_HEADER: backend.name, **extra})
             finished = True
             return response
         except _CONNECT_ERRORS as exc:
@@ -225,13 +308,13 @@ class FrontDoor:
                 upstream.close()  # drop the connection: vLLM aborts the request
 
     async def _relay_stream(self, request: web.Request, backend: Backend,
-                            upstream: aiohttp.ClientResponse
+                            upstream: aiohttp.ClientResponse, extra: Mapping[str, str]
                             ) -> tuple[web.StreamResponse, bool]:
         """Relay the SSE bytes as they come; also whether the backend's stream was read to
         its end (False: the client went away and the backend's request must be dropped)."""
         response = web.StreamResponse(status=200, headers={
             "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
-            "Cache-Control": "no-cache", BACKEND_HEADER: backend.name})
+            "Cache-Control": "no-cache", BACKEND_HEADER: backend.name, **extra})
         await response.prepare(request)
         try:
             async for chunk in upstream.content.iter_any():
@@ -308,6 +391,19 @@ class FrontDoor:
                             self.pool.mark_up(backend)
                             log.info("backend %s (%s) is healthy again", backend.name,
                                      backend.url)
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The P/D prefill hop of a request: one token, not streamed, for remote decode."""
+    hop = dict(body)
+    hop["max_tokens"] = 1
+    if "max_completion_tokens" in hop:
+        hop["max_completion_tokens"] = 1
+    hop["stream"] = False
+    hop.pop("stream_options", None)
+    hop.pop("min_tokens", None)
+    hop["kv_transfer_params"] = dict(PD_PREFILL_PARAMS)
+    return hop
 
 
 def _route_request(body: dict[str, Any], endpoint: str) -> RouteRequest:
