@@ -4,7 +4,8 @@ the same greedy answers through the front door as straight from vLLM, the prompt
 the front door routed on equal to vLLM's own, a dead backend, a client that goes away
 mid-stream, bad input, and ``kvtier frontdoor`` itself.
 
-One vLLM server for the whole module; the dead backend is a port nobody listens on."""
+One vLLM server (tests/frontdoor/conftest.py: shared with test_pd.py, with kvtier's connector)
+for the session; the dead backend is a port nobody listens on."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from kvstore.cluster.vllm_instance import REPO, TinyLlama, tiny_llama_checkpoint
+from kvstore.cluster.vllm_instance import REPO
 from kvstore.cluster.vllm_server import VllmServer, free_port
 from kvstore.frontdoor import Backend, BackendPool, FrontDoor, PromptTokenizer
 from kvstore.frontdoor.server import READY_PREFIX
@@ -27,32 +28,10 @@ from tests.frontdoor.support import DoorThread, connection, request, sse_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-SPEC = TinyLlama()
 MODEL = "model"
 MESSAGES = [{"role": "system", "content": "Be brief."},
             {"role": "user", "content": "Tell me a short story about the cache."}]
 TEXT = "Hello, tell me a story about the key value cache"
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return tiny_llama_checkpoint(SPEC)
-
-
-@pytest.fixture(scope="module")
-def vllm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    server = VllmServer(model_dir, tmp_path_factory.mktemp("vllm-frontdoor"), "frontdoor",
-                        model_name=MODEL, tokenizer=True)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.close()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir: Path) -> PromptTokenizer:
-    return PromptTokenizer.from_model_dir(model_dir)
 
 
 @pytest.fixture(scope="module")
