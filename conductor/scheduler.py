@@ -911,7 +911,9 @@ class Scheduler:
         """A request finished decoding: release its decode room and calibrate.
 
         ``tpot_s`` with ``batch_size`` and ``context_tokens`` (the decode batch it
-        ran in) calibrate the decode instance's speed.
+        ran in) calibrate the decode instance's speed. A request whose prefill was never
+        reported (an engine, or a front door, that only sees whole requests end) has
+        prefilled by now: its prefill work leaves the queue estimate (no speed calibration).
         """
         _check_number("now_s", now_s, low=0.0, strict=False)
         tk = self._tickets.pop(ticket, None)
@@ -919,6 +921,11 @@ class Scheduler:
             raise InvalidArgument(f"unknown ticket {ticket}")
         if output_tokens > 0:
             self.output_tokens.observe(output_tokens)
+        if not tk.prefilled:
+            tk.prefilled = True
+            st = self._prefill.get(tk.prefill_id)
+            if st is not None and st.queued.pop(ticket, None) is not None:
+                self._finish_prefill_work(st, tk, now_s)
         d = self._decode.get(tk.decode_id)
         if d is None:
             return

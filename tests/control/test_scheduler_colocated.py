@@ -186,3 +186,16 @@ def test_records_without_a_shared_server_stay_separate() -> None:
         "y2": InstanceKind.PREFILL}
     assert planned["d"].kv_capacity_tokens == 4096 and planned["p"].kv_capacity_tokens == 0
     assert all(p.records == (i,) for i, p in planned.items())
+
+
+def test_a_decode_completion_without_a_prefill_report_ends_both() -> None:
+    # A front door sees only whole requests finish: one DecodeDone must free the queue too.
+    sched = colocated(nodes=("n0",))
+    dec = sched.schedule(req("a", 0, 100, out=10), 0.0)
+    assert sched.queue_s("v0", 0.0) == pytest.approx(0.100)
+    sched.decode_done(dec.ticket, 0.05, output_tokens=10)
+    assert sched.queue_s("v0", 0.05) == 0.0
+    assert sched.outstanding() == 0
+    # and the queue re-anchors on it: the next request starts at once
+    nxt = sched.schedule(req("b", 0, 100, out=10), 0.05)
+    assert nxt.ttft is not None and nxt.ttft.queue_s == 0.0

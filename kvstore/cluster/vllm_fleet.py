@@ -1,0 +1,724 @@
+"""kvtier's main job (``make run``): a vLLM fleet behind the conductor and the front door.
+
+What runs, as child processes of this one (docs/fleet.md)::
+
+    etcd ── conductor ── daemons node-a, node-b (DRAM + a small NVMe tier each)
+                 ▲ KV events (ZMQ ipc://)          ▲ kvtier connector (gRPC + shm)
+    vllm serve v0 (node-a), v1 (node-b): the tiny Llama with its tokenizer, colocated
+    (prefill and decode in one instance), sha256_cbor block hashes, PYTHONHASHSEED fixed
+    [vllm serve alone-0, alone-1: no connector, no events: the vLLM-alone baseline]
+    front door (in this process, aiohttp): the OpenAI endpoint the replay talks to
+
+``v0`` and ``v1`` are registered in etcd by :func:`~kvstore.membership.vllm_registration.
+hold_while_healthy` (in this process) as colocated engines: a prefill record ``v<i>`` with the
+server's ``http_url`` and KV events, and a decode record ``v<i>.decode`` with the same
+``http_url`` (the conductor pairs them: docs/conductor.md, "Colocated engines").
+
+**Modes**, one after another, each under its own ``cache_salt`` (vLLM's prefix cache and
+kvtier's keys both include it, so no mode reuses another's blocks; greedy outputs do not
+depend on it):
+
+* ``vllm-alone``: round robin over ``alone-0``/``alone-1`` (their own prefix caches only).
+  Separate servers because the connector cannot be switched off per request; they start
+  beside the others (in parallel) and cost start time only.
+* ``round-robin+kvtier``: round robin over ``v0``/``v1``; a prefix one instance computed is
+  loaded by the other from kvtier.
+* ``kvtier+conductor``: the front door asks the conductor (``Schedule`` with the token ids),
+  which routes to the instance whose own cache holds the longest prefix (learned from vLLM's
+  KV events) at the best predicted TTFT; what the chosen instance lacks it loads from kvtier.
+* ``pd+kvtier``: prefill on ``v0`` (``max_tokens=1``), decode on ``v1`` with the
+  ``kv_transfer_params`` the prefill answered, the KV moving through kvtier; run only when the
+  front door has a P/D router (``kvstore.frontdoor.router.PdRouter``), else a row saying so.
+
+The replay is closed loop, one request at a time, streaming (TTFT = first token's arrival at
+the client, TPOT = the rest over their count), greedy with ``ignore_eos``; after each request
+of the conductor mode its decision is reported done to the conductor (its reservations
+released). Figures per mode: server ``/metrics`` deltas (vLLM's own prefix-cache hits, the
+connector's external hits, kvtier's bytes loaded and saved), daemon ``Stats`` deltas per tier,
+the front door's routing decision latency, and every request's output token ids, compared
+across modes.
+
+Shutdown: :meth:`Fleet.stop` (also on ``__exit__``: an exception, Ctrl-C, or a failed start)
+stops the front door and the registrations (records revoked), the vLLM servers (their whole
+process groups), the conductor, the daemons, etcd. Children run in their own sessions under
+``setpriv --pdeathsig`` (:mod:`kvstore.cluster.local`), so a Ctrl-C reaches only this process.
+
+The pure parts (:class:`FleetRequest`, :func:`summarize`, :func:`identical_outputs`,
+:func:`tier_deltas`, the tables) are tested without processes; the constructor records
+settings only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import json
+import math
+import shutil
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import aiohttp
+
+from kvstore.cluster.local import _Child, _wait_ready
+from kvstore.cluster.vllm_instance import PREFILL_BOUND, TinyLlama, tiny_llama_checkpoint
+from kvstore.cluster.vllm_server import VllmServer, VllmServerError
+from kvstore.errors import KvtierError, MembershipError, PeerUnavailable
+
+__all__ = ["Fleet", "FleetRequest", "FleetSpec", "Mode", "ModeResult", "RequestRecord",
+           "assemble", "format_tables", "identical_outputs", "run_fleet", "summarize",
+           "tier_deltas"]
+
+MiB = 1 << 20
+NODES = ("node-a", "node-b")
+INSTANCES = ("v0", "v1")
+ALONE = ("alone-0", "alone-1")
+METRICS = {"local_hits": "vllm:prefix_cache_hits_total",
+           "local_queries": "vllm:prefix_cache_queries_total",
+           "external_hits": "vllm:external_prefix_cache_hits_total",
+           "prompt_tokens": "vllm:prompt_tokens_total",
+           "kvtier_loaded_bytes": "vllm:kvtier_loaded_bytes_total",
+           "kvtier_saved_bytes": "vllm:kvtier_saved_bytes_total"}
+"""Server counters read before and after each mode (tokens, or bytes)."""
+
+
+class Mode(enum.Enum):
+    VLLM_ALONE = "vllm-alone"
+    ROUND_ROBIN = "round-robin+kvtier"
+    CONDUCTOR = "kvtier+conductor"
+    PD = "pd+kvtier"
+
+
+# ---------------------------------------------------------------------------------------------
+# What is replayed and measured (pure)
+
+
+@dataclass(frozen=True)
+class FleetRequest:
+    """One prompt of the replay, as token ids (the front door takes them as they are)."""
+
+    label: str
+    token_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            raise ValueError(f"request {self.label}: empty prompt")
+
+
+@dataclass
+class RequestRecord:
+    label: str
+    backend: str
+    prompt_tokens: int
+    cached_tokens: int | None
+    """vLLM's ``num_cached_tokens`` (own prefix cache + connector), from the answer's usage."""
+    ttft_s: float
+    tpot_s: float | None
+    token_ids: list[int]
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    status: str = "ok"
+    """``ok``, or why the mode did not run (then no figure is filled in)."""
+    records: list[RequestRecord] = field(default_factory=list)
+    server_deltas: dict[str, float] = field(default_factory=dict)
+    """Sums over the mode's servers of each :data:`METRICS` counter's increase."""
+    tiers: list[dict[str, Any]] = field(default_factory=list)
+    """Per node and tier: the daemon counters' increase over the mode (:func:`tier_deltas`)."""
+    decision_s: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default); nan when empty."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarize(result: ModeResult) -> dict[str, Any]:
+    """One mode's figures (None where not measured)."""
+    if not result.ok:
+        return {"mode": result.mode, "status": result.status}
+    ttft = [r.ttft_s for r in result.records]
+    tpot = [r.tpot_s for r in result.records if r.tpot_s is not None]
+    d = result.server_deltas
+    queries = d.get("local_queries", 0.0)
+    prompt = sum(r.prompt_tokens for r in result.records)
+    backends: dict[str, int] = {}
+    for r in result.records:
+        backends[r.backend] = backends.get(r.backend, 0) + 1
+    return {
+        "mode": result.mode, "status": "ok", "requests": len(result.records),
+        "prompt_tokens": prompt,
+        "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
+        "ttft_p50_s": percentile(ttft, 50) if ttft else None,
+        "ttft_p99_s": percentile(ttft, 99) if ttft else None,
+        "tpot_mean_s": statistics.fmean(tpot) if tpot else None,
+        "tpot_p99_s": percentile(tpot, 99) if tpot else None,
+        "engine_hit_ratio": d.get("local_hits", 0.0) / queries if queries else None,
+        "kvtier_hit_ratio": d.get("external_hits", 0.0) / queries if queries else None,
+        "kvtier_loaded_bytes": d.get("kvtier_loaded_bytes", 0.0),
+        "kvtier_saved_bytes": d.get("kvtier_saved_bytes", 0.0),
+        "decision_p50_s": percentile(result.decision_s, 50) if result.decision_s else None,
+        "decision_p99_s": percentile(result.decision_s, 99) if result.decision_s else None,
+        "backends": dict(sorted(backends.items())),
+        "wall_s": result.wall_s,
+    }
+
+
+def identical_outputs(results: Sequence[ModeResult]) -> dict[str, int | None]:
+    """Per mode that ran: how many requests' output token ids differ from the first mode that
+    ran (0: identical; None: a mode that did not run)."""
+    ran = [r for r in results if r.ok]
+    if not ran:
+        return {r.mode: None for r in results}
+    reference = {rec.label: rec.token_ids for rec in ran[0].records}
+    out: dict[str, int | None] = {}
+    for r in results:
+        if not r.ok:
+            out[r.mode] = None
+            continue
+        mine = {rec.label: rec.token_ids for rec in r.records}
+        out[r.mode] = sum(mine.get(label) != ids for label, ids in reference.items()) + sum(
+            label not in reference for label in mine)
+    return out
+
+
+_TIER_COUNTERS = ("puts", "hits", "bytes_written", "bytes_read", "demotions", "promotions",
+                  "evictions")
+
+
+def tier_deltas(before: Sequence[Mapping[str, Any]], after: Sequence[Mapping[str, Any]]
+                ) -> list[dict[str, Any]]:
+    """Daemon stats (``kvstore.wire.stats_doc`` of each node) before and after a mode: per node
+    and tier, the increase of each counter, and the bytes used at the end."""
+    old = {(n["node_id"], t["tier"]): t for n in before for t in n["tiers"]}
+    rows = []
+    for node in after:
+        for t in node["tiers"]:
+            prev = old.get((node["node_id"], t["tier"]), {})
+            row: dict[str, Any] = {"node": node["node_id"], "tier": t["tier"],
+                                   "used_bytes": t["used_bytes"]}
+            for name in _TIER_COUNTERS:
+                row[name] = t[name] - prev.get(name, 0)
+            rows.append(row)
+    return rows
+
+
+def parse_sse(lines: Sequence[bytes]) -> list[dict[str, Any]]:
+    """The JSON events of an SSE body's ``data:`` lines (``[DONE]`` and others skipped)."""
+    events = []
+    for raw in lines:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[len(b"data:"):].strip()
+        if payload == b"[DONE]" or not payload:
+            continue
+        events.append(json.loads(payload))
+    return events
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None or math.isnan(value) else f"{value * 1e3:.0f}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def format_tables(doc: Mapping[str, Any]) -> list[Any]:
+    """The rich tables of a run's document (:func:`run_fleet`'s answer)."""
+    from rich.table import Table
+
+    modes = Table(title="vLLM fleet: the same trace slice through each mode")
+    for col in ("mode", "TTFT mean ms", "p50", "p99", "TPOT mean ms", "p99",
+                "own-cache hits", "kvtier hits", "kvtier loaded MiB", "saved MiB",
+                "routing p50 / p99 us", "requests per instance", "outputs"):
+        modes.add_column(col, justify="right")
+    same = doc.get("outputs_differ", {})
+    for s in doc["modes"]:
+        if s["status"] != "ok":
+            modes.add_row(s["mode"], *(["-"] * 11), s["status"])
+            continue
+        dp50, dp99 = s["decision_p50_s"], s["decision_p99_s"]
+        routing = "-" if dp50 is None else f"{dp50 * 1e6:.0f} / {dp99 * 1e6:.0f}"
+        differ = same.get(s["mode"])
+        modes.add_row(
+            s["mode"], _ms(s["ttft_mean_s"]), _ms(s["ttft_p50_s"]), _ms(s["ttft_p99_s"]),
+            "-" if s["tpot_mean_s"] is None else f"{s['tpot_mean_s'] * 1e3:.1f}",
+            "-" if s["tpot_p99_s"] is None else f"{s['tpot_p99_s'] * 1e3:.1f}",
+            _pct(s["engine_hit_ratio"]), _pct(s["kvtier_hit_ratio"]),
+            f"{s['kvtier_loaded_bytes'] / MiB:.1f}", f"{s['kvtier_saved_bytes'] / MiB:.1f}",
+            routing, " ".join(f"{k}:{v}" for k, v in s["backends"].items()),
+            "identical" if differ == 0 else f"{differ} differ")
+    tiers = Table(title="Bytes moved per tier and mode (daemon counters' increase)")
+    for col in ("mode", "node", "tier", "puts", "hits", "MiB written", "MiB read",
+                "demotions", "evictions", "used MiB at end"):
+        tiers.add_column(col, justify="right")
+    for mode, rows in doc.get("tiers", {}).items():
+        for t in rows:
+            tiers.add_row(mode, t["node"], t["tier"], str(t["puts"]), str(t["hits"]),
+                          f"{t['bytes_written'] / MiB:.1f}", f"{t['bytes_read'] / MiB:.1f}",
+                          str(t["demotions"]), str(t["evictions"]),
+                          f"{t['used_bytes'] / MiB:.1f}")
+    return [modes, tiers]
+
+
+# ---------------------------------------------------------------------------------------------
+# The fleet (processes)
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    """What to start and replay. Sizes per daemon / per vLLM instance."""
+
+    work_dir: Path
+    requests: tuple[FleetRequest, ...]
+    modes: tuple[Mode, ...] = tuple(Mode)
+    max_tokens: int = 8
+    model: TinyLlama = PREFILL_BOUND
+    block_tokens: int = 32
+    max_model_len: int = 32 * 32 + 256
+    vllm_kv_bytes: int = 64 * MiB
+    """Each instance's own KV cache (a few requests' worth, as HBM is in production)."""
+    dram_bytes: int = 256 * MiB
+    nvme_bytes: int = 128 * MiB
+    prefix: str = "/kvtier/"
+    instance_env: Callable[[int], dict[str, str]] | None = None
+    """Extra environment of the ``i``-th server of a pair (e.g. bind its model to core i)."""
+    start_timeout_s: float = 600.0
+    stop_timeout_s: float = 15.0
+    conductor_policy: str = "global-cache"
+
+    def __post_init__(self) -> None:
+        if not self.requests:
+            raise ValueError("the fleet needs at least one request to replay")
+        if not self.modes or len(set(self.modes)) != len(self.modes):
+            raise ValueError(f"modes must be distinct and not empty, got {self.modes!r}")
+        if self.max_tokens < 2:
+            raise ValueError("max_tokens must be >= 2 (TPOT needs a second token)")
+        longest = max(len(r.token_ids) for r in self.requests)
+        if longest + self.max_tokens > self.max_model_len:
+            raise ValueError(f"a prompt of {longest} tokens + {self.max_tokens} exceeds "
+                             f"max_model_len {self.max_model_len}")
+
+    @property
+    def model_name(self) -> str:
+        return f"tiny-llama-{self.model.key()}"
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.vllm_kv_bytes // self.model.kv_bytes_per_token()
+
+
+def _pd_router_class() -> Any:
+    """The front door's P/D router, where it exists (another change adds it)."""
+    from kvstore.frontdoor import router
+
+    return getattr(router, "PdRouter", None)
+
+
+class Fleet:
+    """See the module docstring. ``start`` / ``stop`` (or ``with``); :meth:`replay` in between."""
+
+    def __init__(self, spec: FleetSpec, log: Callable[[str], None] = print) -> None:
+        self.spec = spec
+        self.log = log
+        self.children: dict[str, _Child] = {}
+        self.servers: dict[str, VllmServer] = {}
+        self.daemon_addresses: dict[str, str] = {}
+        self.etcd_endpoint = ""
+        self.startup_s = 0.0
+        self._etcd: Any = None
+        self.run_id = uuid.uuid4().hex[:6]
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.spec.work_dir / "logs"
+
+    # -- start and stop ------------------------------------------------------------------
+
+    def start(self) -> None:
+        from kvstore.membership.launcher import LocalEtcd
+
+        spec = self.spec
+        t0 = time.monotonic()
+        deadline = t0 + spec.start_timeout_s
+        work = spec.work_dir
+        for stale in ("etcd", *(f"{n}-nvme" for n in NODES), "events"):
+            shutil.rmtree(work / stale, ignore_errors=True)
+        work.mkdir(parents=True, exist_ok=True)
+        try:
+            model_dir = tiny_llama_checkpoint(spec.model)
+            etcd = LocalEtcd(work_dir=work / "etcd", name="kvtier-fleet")
+            self._etcd = etcd
+            etcd.start()
+            self.etcd_endpoint = etcd.client_url
+            first = [self._conductor_child(), *(self._daemon_child(n) for n in NODES)]
+            for child in first:
+                child.spawn()
+            _wait_ready(first, deadline)
+            self.daemon_addresses = {n: str(self.children[n].ready["grpc_address"])
+                                     for n in NODES}
+            self._make_servers(model_dir)
+            self.log(f"starting {len(self.servers)} vLLM servers side by side "
+                     f"({', '.join(self.servers)}) ...")
+            with ThreadPoolExecutor(len(self.servers)) as pool:
+                futures = [pool.submit(s.start, max(1.0, deadline - time.monotonic()))
+                           for s in self.servers.values()]
+                for future in futures:
+                    future.result()
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.monotonic() - t0
+
+    def _make_servers(self, model_dir: Path) -> None:
+        spec = self.spec
+        events_dir = spec.work_dir / "events"
+        events_dir.mkdir(parents=True, exist_ok=True)
+        common: dict[str, Any] = {
+            "model_name": spec.model_name, "block_size": spec.block_tokens,
+            "max_model_len": spec.max_model_len, "kv_cache_memory_bytes": spec.vllm_kv_bytes,
+            "tokenizer": True, "prompt_tokens_details": True}
+
+        def env(i: int) -> dict[str, str]:
+            return spec.instance_env(i) if spec.instance_env is not None else {}
+
+        for i, (name, node) in enumerate(zip(INSTANCES, NODES, strict=True)):
+            connector = {"kv_connector": "KvtierConnector",
+                         "kv_connector_module_path": "kvstore.integrations.vllm.connector",
+                         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                         "kv_connector_extra_config": {"daemon": self.daemon_addresses[node],
+                                                       "model": spec.model_name}}
+            self.servers[name] = VllmServer(model_dir, self.logs_dir, name,
+                                            kv_transfer_config=connector, kv_events=True,
+                                            events_dir=events_dir, env=env(i), **common)
+        if Mode.VLLM_ALONE in spec.modes:
+            for i, name in enumerate(ALONE):
+                self.servers[name] = VllmServer(model_dir, self.logs_dir, name, env=env(i),
+                                                **common)
+
+    def _conductor_child(self) -> _Child:
+        from conductor.server import READY_PREFIX
+
+        child = _Child("conductor", [
+            _python(), "-m", "kvstore.cli.main", "conductor", "--etcd", self.etcd_endpoint,
+            "--prefix", self.spec.prefix, "--id", "conductor-0",
+            "--block-size-tokens", str(self.spec.block_tokens),
+            "--policy", self.spec.conductor_policy], READY_PREFIX,
+            self.logs_dir / "conductor.log")
+        self.children["conductor"] = child
+        return child
+
+    def _daemon_child(self, node_id: str) -> _Child:
+        spec = self.spec
+        settings = {"node_id": node_id, "dram.capacity_bytes": str(spec.dram_bytes),
+                    "etcd.endpoint": self.etcd_endpoint, "etcd.prefix": spec.prefix,
+                    "etcd.ttl_s": "3", "shutdown.drain_timeout_s": "5"}
+        if spec.nvme_bytes:
+            settings |= {"nvme.directory": str(spec.work_dir / f"{node_id}-nvme"),
+                         "nvme.capacity_bytes": str(spec.nvme_bytes),
+                         "nvme.segment_bytes": str(min(16 * MiB, spec.nvme_bytes))}
+        argv = [_python(), "-m", "kvstore.cli.main", "daemon"]
+        for key, value in settings.items():
+            argv += ["--set", f"{key}={value}"]
+        child = _Child(node_id, argv, "KVTIER-DAEMON-READY ", self.logs_dir / f"{node_id}.log")
+        self.children[node_id] = child
+        return child
+
+    def stop(self) -> None:
+        """Stop everything started, in dependency order (see the module docstring)."""
+        servers = list(self.servers.values())
+        if servers:
+            with ThreadPoolExecutor(len(servers)) as pool:
+                list(pool.map(lambda s: s.close(), servers))
+        for group in (("conductor",), NODES):
+            children = [self.children[n] for n in group if n in self.children]
+            for child in children:
+                child.terminate()
+            for child in children:
+                child.wait_or_kill(self.spec.stop_timeout_s)
+        self.children.clear()
+        if self._etcd is not None:
+            self._etcd.close()
+            self._etcd = None
+
+    def __enter__(self) -> Fleet:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    # -- the replay ----------------------------------------------------------------------
+
+    def records(self) -> dict[str, list[Any]]:
+        """The engine records each connector server is held under (colocated: a prefill and
+        a decode record with the same ``http_url``)."""
+        from kvstore.membership.engines import EngineRecord, EngineRole
+
+        spec = self.spec
+        out: dict[str, list[Any]] = {}
+        for name, node in zip(INSTANCES, NODES, strict=True):
+            server = self.servers[name]
+            out[name] = [
+                EngineRecord(name, EngineRole.PREFILL, spec.model_name, node,
+                             http_url=server.base_url, vllm_kv_events=server.kv_events_spec),
+                EngineRecord(f"{name}.decode", EngineRole.DECODE, spec.model_name, node,
+                             kv_capacity_tokens=spec.kv_capacity_tokens,
+                             http_url=server.base_url)]
+        return out
+
+    def replay(self, progress: Any = None) -> list[ModeResult]:
+        """Run every mode of the spec (see the module docstring); ``progress`` is a rich
+        ``Progress`` (one task per mode) or None."""
+        return asyncio.run(self._replay(progress))
+
+    async def _replay(self, progress: Any) -> list[ModeResult]:
+        from kvstore.membership.etcd import KeyLayout, etcd_client
+        from kvstore.membership.vllm_registration import hold_while_healthy, http_health
+
+        layout = KeyLayout(self.spec.prefix)
+        holders: list[asyncio.Task[None]] = []
+        async with contextlib.AsyncExitStack() as stack:
+            etcd = await stack.enter_async_context(etcd_client(self.etcd_endpoint))
+            for name, recs in self.records().items():
+                holders.append(asyncio.create_task(hold_while_healthy(
+                    etcd, recs, http_health(self.servers[name].base_url), ttl_s=5,
+                    layout=layout, poll_interval_s=1.0), name=f"fleet-register-{name}"))
+            try:
+                await self._wait_schedulable(layout)
+                results = []
+                for mode in self.spec.modes:
+                    try:
+                        results.append(await self._run_mode(mode, progress))
+                    except (KvtierError, VllmServerError, aiohttp.ClientError, OSError,
+                            TimeoutError, ValueError) as exc:
+                        # One mode failing (a backend error, an answer without tokens) is a
+                        # row saying so; the other modes still run, and the run fails.
+                        self.log(f"mode {mode.value} failed: {type(exc).__name__}: {exc}")
+                        results.append(ModeResult(
+                            mode.value, status=f"failed: {type(exc).__name__}: {exc}"[:300]))
+                return results
+            finally:
+                for task in holders:
+                    task.cancel()
+                await asyncio.gather(*holders, return_exceptions=True)
+
+    async def _wait_schedulable(self, layout: Any) -> None:
+        from kvstore.client.conductor_client import ConductorClient
+
+        deadline = time.monotonic() + 60.0
+        async with ConductorClient(etcd_endpoint=self.etcd_endpoint, layout=layout) as client:
+            while True:
+                with contextlib.suppress(MembershipError, PeerUnavailable):
+                    info = await client.leader_info()
+                    if sorted(info.prefill_instances) == list(INSTANCES) and len(
+                            info.decode_instances) == len(INSTANCES) and \
+                            {c.instance_id for c in info.engine_caches} >= set(INSTANCES):
+                        return
+                if time.monotonic() > deadline:
+                    raise MembershipError("the conductor never saw both vLLM instances; "
+                                          f"logs in {self.logs_dir}")
+                await asyncio.sleep(0.2)
+
+    async def _run_mode(self, mode: Mode, progress: Any) -> ModeResult:
+        from kvstore.frontdoor import (
+            Backend,
+            BackendPool,
+            ConductorRouter,
+            FrontDoor,
+            PromptTokenizer,
+            RoundRobinRouter,
+        )
+        from kvstore.frontdoor.instrument import TicketingConductorClient, TimedRouter
+        from kvstore.membership.etcd import KeyLayout
+
+        result = ModeResult(mode.value)
+        names = list(ALONE if mode is Mode.VLLM_ALONE else INSTANCES)
+        pool = BackendPool([Backend(n, self.servers[n].base_url) for n in names])
+        conductor: TicketingConductorClient | None = None
+        inner: Any
+        if mode is Mode.CONDUCTOR:
+            conductor = TicketingConductorClient(etcd_endpoint=self.etcd_endpoint,
+                                                 layout=KeyLayout(self.spec.prefix))
+            inner = ConductorRouter(conductor, pool, self.spec.model_name)
+        elif mode is Mode.PD:
+            pd = _pd_router_class()
+            if pd is None:
+                result.status = "not run: the front door has no P/D mode yet"
+                return result
+            backends = pool.all()
+            inner = pd(pool, backends[:1], backends[1:])
+        else:
+            inner = RoundRobinRouter(pool)
+        router = TimedRouter(inner)
+        tokenizer = PromptTokenizer.from_model_dir(self.servers[names[0]].model_dir)
+        door = FrontDoor(pool, tokenizer, router=router)
+        task = None if progress is None else progress.add_task(mode.value,
+                                                               total=len(self.spec.requests))
+        salt = f"{mode.value}-{self.run_id}"
+        try:
+            await door.start()
+            await self._warm(door.url, names)
+            router.reset()
+            metrics_before = await self._metrics(names)
+            stats_before = await asyncio.to_thread(self._daemon_stats)
+            began = time.perf_counter()
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
+                for request in self.spec.requests:
+                    result.records.append(await self._one(http, door.url, request, salt))
+                    if conductor is not None:
+                        await conductor.finish(self.spec.max_tokens)
+                    if task is not None:
+                        progress.advance(task)
+            result.wall_s = time.perf_counter() - began
+            metrics_after = await self._metrics(names)
+            result.tiers = tier_deltas(stats_before, await asyncio.to_thread(self._daemon_stats))
+            result.server_deltas = {
+                key: sum(metrics_after[n].get(key, 0.0) - metrics_before[n].get(key, 0.0)
+                         for n in names) for key in METRICS}
+            result.decision_s = list(router.decision_s)
+        finally:
+            await door.close()
+            if conductor is not None:
+                await conductor.close()
+        return result
+
+    async def _warm(self, url: str, names: Sequence[str]) -> None:
+        """One untimed request per backend (vLLM's first request is slow), under a salt no
+        mode uses, through the front door."""
+        warm = FleetRequest("warm", tuple(range(3, 3 + 2 * self.spec.block_tokens)))
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
+            for i in range(len(names)):
+                await self._one(http, url, warm, f"warm-{self.run_id}-{i}")
+
+    async def _one(self, http: Any, url: str, request: FleetRequest, salt: str
+                   ) -> RequestRecord:
+        body = {"model": self.spec.model_name, "prompt": list(request.token_ids),
+                "max_tokens": self.spec.max_tokens, "temperature": 0.0, "ignore_eos": True,
+                "return_token_ids": True, "stream": True, "cache_salt": salt,
+                "stream_options": {"include_usage": True}}
+        began = time.perf_counter()
+        first_s: float | None = None
+        last_s = began
+        token_ids: list[int] = []
+        usage: dict[str, Any] = {}
+        async with http.post(url + "/v1/completions", json=body) as answer:
+            if answer.status != 200:
+                raise PeerUnavailable(f"request {request.label}: front door answered "
+                                      f"{answer.status}: {await answer.text()}")
+            backend = answer.headers.get("x-kvtier-backend", "?")
+            buffer = b""
+            async for chunk in answer.content.iter_any():
+                now = time.perf_counter()
+                buffer += chunk
+                *lines, buffer = buffer.split(b"\n")
+                for event in parse_sse(lines):
+                    if "error" in event:
+                        raise PeerUnavailable(f"request {request.label}: {event['error']}")
+                    if event.get("usage"):
+                        usage = event["usage"]
+                    for choice in event.get("choices") or ():
+                        ids = choice.get("token_ids") or []
+                        if ids:
+                            first_s = now if first_s is None else first_s
+                            last_s = now
+                            token_ids += [int(t) for t in ids]
+        if first_s is None:
+            raise PeerUnavailable(f"request {request.label}: no token came back")
+        details = usage.get("prompt_tokens_details") or {}
+        n = len(token_ids)
+        return RequestRecord(
+            request.label, backend, len(request.token_ids), details.get("cached_tokens"),
+            first_s - began, (last_s - first_s) / (n - 1) if n > 1 else None, token_ids)
+
+    async def _metrics(self, names: Sequence[str]) -> dict[str, dict[str, float]]:
+        out = {}
+        for n in names:
+            values = await asyncio.to_thread(self.servers[n].metrics)
+            out[n] = {key: values.get(metric, 0.0) for key, metric in METRICS.items()}
+        return out
+
+    def _daemon_stats(self) -> list[dict[str, Any]]:
+        from kvstore.client.store_client import StoreClient
+        from kvstore.wire import stats_doc
+
+        docs = []
+        for address in self.daemon_addresses.values():
+            with StoreClient.connect(address) as store:
+                docs.append(stats_doc(store.stats(), address))
+        return docs
+
+
+def _python() -> str:
+    return sys.executable
+
+
+def assemble(results: Sequence[ModeResult], spec: FleetSpec, startup_s: float
+             ) -> dict[str, Any]:
+    """The run's document: per mode figures, tiers, output identity, configuration."""
+    summaries = [summarize(r) for r in results]
+    by_mode = {s["mode"]: s for s in summaries}
+    rr = by_mode.get(Mode.ROUND_ROBIN.value, {}).get("ttft_mean_s")
+    routed = by_mode.get(Mode.CONDUCTOR.value, {}).get("ttft_mean_s")
+    alone = by_mode.get(Mode.VLLM_ALONE.value, {}).get("ttft_mean_s")
+    differ = identical_outputs(results)
+    return {
+        "modes": summaries,
+        "tiers": {r.mode: r.tiers for r in results if r.ok},
+        "outputs_differ": differ,
+        "outputs_identical": all(v == 0 for v in differ.values() if v is not None),
+        "failed_modes": [r.mode for r in results if r.status.startswith("failed")],
+        "ttft_speedup_vs_round_robin": rr / routed if rr and routed else None,
+        "ttft_speedup_vs_vllm_alone": alone / routed if alone and routed else None,
+        "startup_s": startup_s,
+        "config": {"requests": len(spec.requests), "max_tokens": spec.max_tokens,
+                   "model": spec.model_name, "block_tokens": spec.block_tokens,
+                   "vllm_kv_bytes": spec.vllm_kv_bytes, "dram_bytes": spec.dram_bytes,
+                   "nvme_bytes": spec.nvme_bytes, "modes": [m.value for m in spec.modes]},
+    }
+
+
+def run_fleet(spec: FleetSpec, *, console: Any = None) -> dict[str, Any]:
+    """Bring the fleet up, replay every mode with a progress bar, print the tables, stop
+    everything (also on Ctrl-C or a failed start); the run's document (:func:`assemble`)."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    console = console or Console(width=160)
+    console.print(f"bringing up a vLLM fleet in {spec.work_dir}: etcd, conductor, daemons "
+                  f"{' and '.join(NODES)}, vLLM {' and '.join(INSTANCES)} (kvtier connector, "
+                  f"KV events)" + (f", {' and '.join(ALONE)} (vLLM alone)"
+                                   if Mode.VLLM_ALONE in spec.modes else "")
+                  + f", the front door; {len(spec.requests)} requests per mode")
+    with Fleet(spec, log=console.print) as fleet:
+        console.print(f"fleet up in {fleet.startup_s:.1f} s (logs in {fleet.logs_dir})")
+        with Progress(console=console) as progress:
+            results = fleet.replay(progress)
+    doc = assemble(results, spec, fleet.startup_s)
+    for table in format_tables(doc):
+        console.print(table)
+    return doc

@@ -1,0 +1,94 @@
+"""Measuring the front door's routing, and telling the conductor that requests ended.
+
+* :class:`TimedRouter` wraps any :class:`~kvstore.frontdoor.router.Router`: the wall time of
+  each ``route`` call (the routing decision's latency at the front door: for the conductor's
+  router one ``Schedule`` RPC, hashing included) and how many decisions named each backend.
+* :class:`TicketingConductorClient` is a :class:`~kvstore.client.conductor_client.
+  ConductorClient` that remembers the ticket of every accepted ``Schedule`` until
+  :meth:`~TicketingConductorClient.finish` reports it done (``ReportCompletion`` with a
+  decode completion: the conductor then releases the request's decode KV reservation and its
+  prefill work). Without completions the conductor's reservations only grow, and an instance
+  whose ``kv_capacity_tokens`` they fill is refused (``DECODE_KV_FULL``).
+
+Why the client and not the front door: the front door's request path does not tell its
+router when a request ended (yet); a caller that knows (the fleet's closed-loop replay, one
+request at a time) reports through this client. The request path calling a router hook at
+the end of each request is the general fix (docs/frontdoor.md, "Not done yet").
+
+asyncio only, one event loop; nothing here is thread-safe.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from kvstore._proto.kvtier.v1 import conductor_pb2 as pb
+from kvstore.client.conductor_client import ConductorClient
+from kvstore.frontdoor.router import Backend, Router, RouteRequest
+
+__all__ = ["TicketingConductorClient", "TimedRouter"]
+
+
+class TimedRouter:
+    """A router that times another's decisions (see the module docstring)."""
+
+    def __init__(self, inner: Router) -> None:
+        self.inner = inner
+        self.decision_s: list[float] = []
+        """Wall seconds of each ``route`` call, in order."""
+        self.backends: Counter[str] = Counter()
+        """Decisions that named each backend (by name)."""
+        self.rejections = 0
+
+    async def route(self, token_ids: Sequence[int], request: RouteRequest) -> Any:
+        # Any on purpose: it answers whatever the wrapped router answers (a Backend,
+        # a Rejection, or another kind of decision a router may add).
+        began = time.perf_counter()
+        decision: Any = await self.inner.route(token_ids, request)
+        self.decision_s.append(time.perf_counter() - began)
+        if isinstance(decision, Backend):
+            self.backends[decision.name] += 1
+        elif hasattr(decision, "status"):  # a Rejection
+            self.rejections += 1
+        return decision
+
+    def reset(self) -> None:
+        self.decision_s.clear()
+        self.backends.clear()
+        self.rejections = 0
+
+
+class TicketingConductorClient(ConductorClient):
+    """A conductor client that keeps the tickets of accepted decisions until reported done."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.outstanding: dict[str, int] = {}
+        """Request id -> ticket of each accepted decision not yet reported done."""
+        self.decisions: list[pb.ScheduleReply] = []
+        """Every accepted reply, in order (for reports: instance, predicted prefix)."""
+
+    async def schedule(self, request_id: str, model: str, *, keys: Sequence[bytes] = (),
+                       token_ids: Sequence[int] = (), tenant: str = "", input_tokens: int = 0,
+                       expected_output_tokens: int = 0, at_s: float = 0.0) -> pb.ScheduleReply:
+        reply = await super().schedule(
+            request_id, model, keys=keys, token_ids=token_ids, tenant=tenant,
+            input_tokens=input_tokens, expected_output_tokens=expected_output_tokens, at_s=at_s)
+        if reply.accepted and reply.ticket:
+            self.outstanding[request_id] = int(reply.ticket)
+            self.decisions.append(reply)
+        return reply
+
+    async def finish(self, output_tokens: int = 0) -> int:
+        """Report every outstanding ticket's request done (``DecodeDone``; ``output_tokens``
+        0: the length is not known); the number reported. KvtierError from the conductor."""
+        done = 0
+        while self.outstanding:
+            _, ticket = self.outstanding.popitem()
+            await self.report_completion(pb.CompletionReport(
+                ticket=ticket, decode=pb.DecodeDone(output_tokens=output_tokens)))
+            done += 1
+        return done

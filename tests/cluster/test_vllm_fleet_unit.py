@@ -1,0 +1,168 @@
+"""The vLLM fleet's pure parts: the trace slice handed to it, its per-mode figures, output
+identity, daemon tier deltas, SSE parsing, and the front door's instruments. No processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from kvstore.cli.run import fleet_requests
+from kvstore.cluster.vllm_fleet import (
+    FleetRequest,
+    FleetSpec,
+    Mode,
+    ModeResult,
+    RequestRecord,
+    assemble,
+    format_tables,
+    identical_outputs,
+    parse_sse,
+    percentile,
+    summarize,
+    tier_deltas,
+)
+from kvstore.frontdoor.instrument import TimedRouter
+from kvstore.frontdoor.router import Backend, Rejection, RouteRequest
+from planner.trace import default_trace_path
+
+
+def rec(label: str, ids: list[int], *, backend: str = "v0", ttft: float = 0.1,
+        tpot: float | None = 0.01, prompt: int = 64) -> RequestRecord:
+    return RequestRecord(label, backend, prompt, None, ttft, tpot, ids)
+
+
+def result(mode: Mode, records: list[RequestRecord], **kw: object) -> ModeResult:
+    return ModeResult(mode.value, records=records, **kw)  # type: ignore[arg-type]
+
+
+def test_the_trace_slice_is_the_benchmarks_conversations_as_token_ids() -> None:
+    trace = default_trace_path()
+    if trace is None:
+        pytest.skip("conversation_trace.jsonl not found")
+    requests = fleet_requests(Path(trace), 3, 1024)
+    assert len(requests) == 8  # 3 conversations with >= 2 requests each, all their requests
+    assert len({r.label for r in requests}) == len(requests)
+    assert all(3 <= t < 1024 for r in requests for t in r.token_ids)
+    # Follow-up turns of a conversation share their leading blocks token for token.
+    by_block = {}
+    for r in requests:
+        by_block.setdefault(r.token_ids[32:64], []).append(r)
+    assert any(len(group) >= 2 for group in by_block.values())
+    assert max(len(r.token_ids) for r in requests) <= 32 * 32
+
+
+def test_summary_figures_are_exact() -> None:
+    r = result(Mode.CONDUCTOR, [rec("a", [1, 2], ttft=0.1, backend="v0"),
+                                rec("b", [3, 4], ttft=0.3, tpot=None, backend="v1"),
+                                rec("c", [5, 6], ttft=0.2, tpot=0.03, backend="v1")],
+               server_deltas={"local_queries": 200.0, "local_hits": 50.0,
+                              "external_hits": 100.0, "kvtier_loaded_bytes": 3.0 * (1 << 20)},
+               decision_s=[0.001, 0.002, 0.003], wall_s=1.5)
+    s = summarize(r)
+    assert s["ttft_mean_s"] == pytest.approx(0.2) and s["ttft_p50_s"] == pytest.approx(0.2)
+    assert s["tpot_mean_s"] == pytest.approx(0.02)
+    assert (s["engine_hit_ratio"], s["kvtier_hit_ratio"]) == (0.25, 0.5)
+    assert s["decision_p50_s"] == pytest.approx(0.002)
+    assert s["backends"] == {"v0": 1, "v1": 2} and s["prompt_tokens"] == 192
+    assert summarize(ModeResult("pd+kvtier", status="not run: why")) == {
+        "mode": "pd+kvtier", "status": "not run: why"}
+
+
+def test_percentile_interpolates_like_numpy() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
+    assert percentile([1.0, 2.0, 3.0, 4.0], 99) == pytest.approx(3.97)
+    assert percentile([5.0], 99) == 5.0
+
+
+def test_outputs_are_compared_with_the_first_mode_that_ran() -> None:
+    alone = result(Mode.VLLM_ALONE, [rec("a", [1, 2]), rec("b", [3, 4])])
+    same = result(Mode.ROUND_ROBIN, [rec("b", [3, 4]), rec("a", [1, 2])])
+    other = result(Mode.CONDUCTOR, [rec("a", [1, 2]), rec("b", [3, 9])])
+    missing = result(Mode.PD, [rec("a", [1, 2])])
+    skipped = ModeResult("x", status="not run: no")
+    assert identical_outputs([skipped, alone, same, other, missing]) == {
+        "x": None, Mode.VLLM_ALONE.value: 0, Mode.ROUND_ROBIN.value: 0,
+        Mode.CONDUCTOR.value: 1, Mode.PD.value: 1}
+
+
+def _node(node: str, **tiers: dict[str, int]) -> dict[str, object]:
+    base = dict.fromkeys(("puts", "hits", "bytes_written", "bytes_read", "demotions",
+                          "promotions", "evictions", "used_bytes"), 0)
+    return {"node_id": node, "tiers": [{"tier": t, **base, **v} for t, v in tiers.items()]}
+
+
+def test_tier_deltas_are_per_node_and_tier_increases() -> None:
+    before = [_node("node-a", dram={"puts": 5, "bytes_written": 100}, nvme={"hits": 1})]
+    after = [_node("node-a", dram={"puts": 7, "bytes_written": 300, "used_bytes": 9},
+                   nvme={"hits": 4, "demotions": 0}),
+             _node("node-b", dram={"puts": 2})]
+    rows = tier_deltas(before, after)
+    assert [(r["node"], r["tier"], r["puts"], r["hits"], r["bytes_written"], r["used_bytes"])
+            for r in rows] == [("node-a", "dram", 2, 0, 200, 9), ("node-a", "nvme", 0, 3, 0, 0),
+                               ("node-b", "dram", 2, 0, 0, 0)]
+
+
+def test_sse_lines_are_parsed_and_done_is_skipped() -> None:
+    lines = [b'data: {"choices": [{"token_ids": [5]}]}', b"", b": keepalive",
+             b'data: {"usage": {"prompt_tokens": 3}}', b"data: [DONE]"]
+    assert parse_sse(lines) == [{"choices": [{"token_ids": [5]}]},
+                                {"usage": {"prompt_tokens": 3}}]
+
+
+def test_the_document_and_tables_carry_every_mode() -> None:
+    spec = FleetSpec(work_dir=Path("/nonexistent"), requests=(FleetRequest("a", (1, 2)),),
+                     modes=(Mode.VLLM_ALONE, Mode.CONDUCTOR, Mode.PD))
+    results = [result(Mode.VLLM_ALONE, [rec("a", [1, 2], ttft=0.4)]),
+               result(Mode.CONDUCTOR, [rec("a", [1, 2], ttft=0.1)], decision_s=[0.0005],
+                      tiers=[{"node": "node-a", "tier": "dram", "puts": 1, "hits": 0,
+                              "bytes_written": 1 << 20, "bytes_read": 0, "demotions": 0,
+                              "evictions": 0, "used_bytes": 1 << 20}]),
+               ModeResult(Mode.PD.value, status="not run: the front door has no P/D mode yet")]
+    doc = assemble(results, spec, 12.5)
+    assert doc["ttft_speedup_vs_vllm_alone"] == pytest.approx(4.0)
+    assert doc["ttft_speedup_vs_round_robin"] is None
+    assert doc["outputs_identical"] is True
+    assert json.loads(json.dumps(doc))["modes"][2]["status"].startswith("not run")
+    modes, tiers = format_tables(doc)
+    assert modes.row_count == 3 and tiers.row_count == 1
+
+
+def test_the_spec_refuses_what_cannot_run() -> None:
+    with pytest.raises(ValueError):
+        FleetSpec(work_dir=Path("/x"), requests=())
+    with pytest.raises(ValueError):
+        FleetSpec(work_dir=Path("/x"), requests=(FleetRequest("a", tuple(range(2000))),))
+    with pytest.raises(ValueError):
+        FleetSpec(work_dir=Path("/x"), requests=(FleetRequest("a", (1,)),),
+                  modes=(Mode.PD, Mode.PD))
+    with pytest.raises(ValueError):
+        FleetRequest("empty", ())
+
+
+class _Fixed:
+    def __init__(self, answers: Sequence[Backend | Rejection]) -> None:
+        self.answers = list(answers)
+
+    async def route(self, token_ids: Sequence[int], request: RouteRequest
+                    ) -> Backend | Rejection:
+        return self.answers.pop(0)
+
+
+def test_the_timed_router_passes_decisions_through_and_counts_them() -> None:
+    b0, b1 = Backend("v0", "http://127.0.0.1:1"), Backend("v1", "http://127.0.0.1:2")
+    no = Rejection(503, "none")
+    timed = TimedRouter(_Fixed([b0, b1, no, b1]))
+    req = RouteRequest("r", "/v1/completions", "m", 8, False)
+
+    async def go() -> list[object]:
+        return [await timed.route([1, 2], req) for _ in range(4)]
+
+    assert asyncio.run(go()) == [b0, b1, no, b1]
+    assert len(timed.decision_s) == 4 and all(s >= 0 for s in timed.decision_s)
+    assert dict(timed.backends) == {"v0": 1, "v1": 2} and timed.rejections == 1
+    timed.reset()
+    assert (timed.decision_s, dict(timed.backends), timed.rejections) == ([], {}, 0)
