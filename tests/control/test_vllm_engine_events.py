@@ -143,7 +143,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, etcd_server: LocalEtcd,
               "replay_endpoint": f"ipc://{work}/replay.sock"}
     llm = VllmProcess(tiny_llama_checkpoint(), work, "vllm-a", block_size=BLOCK,
                       engine_kwargs={"kv_events_config": events},
-                      env={"VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "1"})
+                      env={"VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "1"}, single_process=True)
     daemon = DaemonProcess(work, NODE, etcd_endpoint=etcd_server.client_url,
                            etcd_prefix=layout.prefix, nvme=False)
     conductor = Conductor(ConductorConfig(etcd_endpoint=etcd_server.client_url,
