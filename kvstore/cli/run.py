@@ -39,6 +39,10 @@ def run(requests: int = typer.Option(64, help="--reference: how many trace reque
                                           "(all their requests, in trace order)."),
         modes: str = typer.Option("vllm-alone,round-robin+kvtier,kvtier+conductor,pd+kvtier",
                                   help="Fleet: the modes to run, comma-separated, in order."),
+        per_node_stores: bool = typer.Option(False, "--per-node-stores", help="Fleet: v1's "
+                                             "connector on node-b's daemon instead of "
+                                             "sharing node-a's (nothing then moves between "
+                                             "the instances through kvtier)."),
         json_path: Path = typer.Option(None, "--json", help="Fleet: write the run's figures "
                                        "as JSON here."),
         work_dir: Path = typer.Option(None, help="Cluster or fleet: logs, etcd data and NVMe "
@@ -75,7 +79,8 @@ def run(requests: int = typer.Option(64, help="--reference: how many trace reque
                     concurrency=concurrency, threads=threads)
     else:
         doc = run_vllm_fleet(trace=trace, conversations=conversations, new_tokens=new_tokens,
-                             modes=modes, work_dir=work_dir or Path(".kvtier-run/fleet"))
+                             modes=modes, work_dir=work_dir or Path(".kvtier-run/fleet"),
+                             shared_store=not per_node_stores)
         if json_path is not None:
             json_path.parent.mkdir(parents=True, exist_ok=True)
             json_path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
@@ -98,7 +103,7 @@ def fleet_requests(trace: Path, conversations: int, vocab_size: int) -> list[Fle
 
 
 def run_vllm_fleet(*, trace: Path, conversations: int, new_tokens: int, modes: str,
-                   work_dir: Path) -> dict[str, Any]:
+                   work_dir: Path, shared_store: bool = True) -> dict[str, Any]:
     from bench.vllm_serving import model_core_env
     from kvstore.cluster.vllm_fleet import FleetSpec, Mode, run_fleet
     from kvstore.cluster.vllm_instance import PREFILL_BOUND
@@ -110,5 +115,6 @@ def run_vllm_fleet(*, trace: Path, conversations: int, new_tokens: int, modes: s
                                  param_hint="--modes") from exc
     requests = fleet_requests(trace, conversations, PREFILL_BOUND.vocab_size)
     spec = FleetSpec(work_dir=work_dir.resolve(), requests=tuple(requests), modes=chosen,
-                     max_tokens=max(2, new_tokens), instance_env=model_core_env)
+                     max_tokens=max(2, new_tokens), instance_env=model_core_env,
+                     shared_store=shared_store)
     return run_fleet(spec)

@@ -4,8 +4,10 @@ What runs, as child processes of this one (docs/fleet.md)::
 
     etcd ── conductor ── daemons node-a, node-b (DRAM + a small NVMe tier each)
                  ▲ KV events (ZMQ ipc://)          ▲ kvtier connector (gRPC + shm)
-    vllm serve v0 (node-a), v1 (node-b): the tiny Llama with its tokenizer, colocated
-    (prefill and decode in one instance), sha256_cbor block hashes, PYTHONHASHSEED fixed
+    vllm serve v0, v1: the tiny Llama with its tokenizer, colocated (prefill and decode in
+    one instance), sha256_cbor block hashes, PYTHONHASHSEED fixed; both connectors on
+    node-a's daemon (this machine is one host: FleetSpec.shared_store says why), node-b
+    the second host's store (empty unless shared_store=False puts v1 there)
     [vllm serve alone-0, alone-1: no connector, no events: the vLLM-alone baseline]
     front door (in this process, aiohttp): the OpenAI endpoint the replay talks to
 
@@ -309,6 +311,13 @@ class FleetSpec:
     start_timeout_s: float = 600.0
     stop_timeout_s: float = 15.0
     conductor_policy: str = "global-cache"
+    shared_store: bool = True
+    """Both connectors use ``node-a``'s daemon (this machine is one host, and a host's engines
+    share its store): a prefix one instance saved is there for the other, and P/D's decode
+    finds what the prefill saved. False: ``v1`` uses ``node-b``; the connector reads and writes
+    only its own daemon (kvtier has no cross-node fetch on that path yet), so nothing moves
+    between the instances through kvtier and P/D's decode waits ``pd_wait_timeout_s`` for
+    blocks that never come, then computes the prompt itself."""
 
     def __post_init__(self) -> None:
         if not self.requests:
@@ -325,6 +334,10 @@ class FleetSpec:
     @property
     def model_name(self) -> str:
         return f"tiny-llama-{self.model.key()}"
+
+    def store_of(self, index: int) -> str:
+        """The node (daemon) the ``index``-th connector instance uses."""
+        return NODES[0] if self.shared_store else NODES[index]
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -405,7 +418,8 @@ class Fleet:
         def env(i: int) -> dict[str, str]:
             return spec.instance_env(i) if spec.instance_env is not None else {}
 
-        for i, (name, node) in enumerate(zip(INSTANCES, NODES, strict=True)):
+        for i, name in enumerate(INSTANCES):
+            node = spec.store_of(i)
             connector = {"kv_connector": "KvtierConnector",
                          "kv_connector_module_path": "kvstore.integrations.vllm.connector",
                          "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -481,7 +495,8 @@ class Fleet:
 
         spec = self.spec
         out: dict[str, list[Any]] = {}
-        for name, node in zip(INSTANCES, NODES, strict=True):
+        for i, name in enumerate(INSTANCES):
+            node = spec.store_of(i)
             server = self.servers[name]
             out[name] = [
                 EngineRecord(name, EngineRole.PREFILL, spec.model_name, node,
@@ -631,6 +646,12 @@ class Fleet:
                 raise PeerUnavailable(f"request {request.label}: front door answered "
                                       f"{answer.status}: {await answer.text()}")
             backend = answer.headers.get("x-kvtier-backend", "?")
+            prefill = answer.headers.get("x-kvtier-prefill")
+            fallback = answer.headers.get("x-kvtier-pd-fallback")
+            if prefill:
+                backend = f"{prefill}>{backend}"
+            elif fallback:
+                backend = f"fallback({fallback})>{backend}"
             buffer = b""
             async for chunk in answer.content.iter_any():
                 now = time.perf_counter()
