@@ -139,6 +139,8 @@ class ModeResult:
     tiers: list[dict[str, Any]] = field(default_factory=list)
     """Per node and tier: the daemon counters' increase over the mode (:func:`tier_deltas`)."""
     decision_s: list[float] = field(default_factory=list)
+    placements: list[tuple[str, str]] = field(default_factory=list)
+    """The conductor's accepted decisions (warm-ups included): (prefill, decode) instance."""
     wall_s: float = 0.0
 
     @property
@@ -616,6 +618,9 @@ class Fleet:
                 key: sum(metrics_after[n].get(key, 0.0) - metrics_before[n].get(key, 0.0)
                          for n in names) for key in METRICS}
             result.decision_s = list(router.decision_s)
+            if conductor is not None:
+                result.placements = [(d.prefill_instance, d.decode_instance)
+                                     for d in conductor.decisions]
         finally:
             await door.close()
             if conductor is not None:
