@@ -398,11 +398,17 @@ class Fleet:
             self._make_servers(model_dir)
             self.log(f"starting {len(self.servers)} vLLM servers side by side "
                      f"({', '.join(self.servers)}) ...")
-            with ThreadPoolExecutor(len(self.servers)) as pool:
+            # Not ``with``: leaving it waits for every start, so a Ctrl-C or one failed start
+            # would wait for the others to become healthy before stopping them. The servers
+            # are stopped first (their start threads then fail fast), then the pool.
+            pool = ThreadPoolExecutor(len(self.servers))
+            try:
                 futures = [pool.submit(s.start, max(1.0, deadline - time.monotonic()))
                            for s in self.servers.values()]
                 for future in futures:
                     future.result()
+            finally:
+                pool.shutdown(wait=False, cancel_futures=True)
         except BaseException:
             self.stop()
             raise
