@@ -18,7 +18,8 @@ blocks and vLLM's (and every connector's) chained block hashes agree exactly whe
 ids do. Outputs are ``MAX_TOKENS`` greedy tokens (``ignore_eos``), not the trace's lengths.
 
 **Serving.** Closed loop, one request at a time, in trace order (the timestamps' spacing is
-not replayed: on 2 cores vLLM runs the model on one thread, so concurrency would only queue).
+not replayed: on 2 cores vLLM runs the model on one thread, so concurrency would only queue;
+each request waits ``SETTLE_S`` first, which says why).
 Every mode runs two vLLM instances of the same model and settings, request ``i`` to instance
 ``i % 2``, with a vLLM KV cache of ``VLLM_KV_BYTES`` each (a few requests' worth: the trace's
 reuse spans more than one instance's cache holds, as a GPU's would), and instance ``i``'s
@@ -557,7 +558,16 @@ def _record(request_tokens: int, result: GenerateResult, wall_s: float) -> Reque
                          connector=_connector_counters(result.counters))
 
 
+SETTLE_S = 1.2
+"""Pause before every timed request. After answering, vLLM's CPU worker busy-waits on its
+input queue for 1 s (``SpinCondition(busy_loop_s=1)`` in ``shm_broadcast.py``, not
+configurable): with two instances taking turns on 2 cores, the one that just answered spun a
+whole core through most of the next request on the other (0.6-1.0 CPU-seconds measured per
+request), whatever the mode. The trace's own gaps between turns are minutes."""
+
+
 def _serve_one(llm: VllmProcess, prompt: list[int]) -> RequestRecord:
+    time.sleep(SETTLE_S)
     began = time.monotonic()
     result = llm.generate([prompt], max_tokens=MAX_TOKENS, timeout_s=600.0)
     return _record(len(prompt), result, time.monotonic() - began)
