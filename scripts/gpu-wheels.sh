@@ -34,11 +34,13 @@ WITH_ETCD=${GPU_WHEELS_ETCD:-1}
 #   WANT: installed from the folder (runtime dependencies the run imports, the test runner).
 WANT=(xxhash lz4 zstandard cbor2 typer rich prometheus-client pyyaml
       grpcio grpcio-health-checking grpcio-reflection protobuf aetcd
+      pyzmq msgspec aiohttp
       pytest pytest-timeout hypothesis)
 #   BUILD: the build backend (pyproject [build-system]), for the editable install of kvtier.
 BUILD=(setuptools wheel)
 #   FROM_DEVICE: in the GPU machine's image already (KINDS.md) and large: never carried.
-FROM_DEVICE=(numpy torch transformers)
+#   tokenizers comes with transformers and jinja2 with torch.
+FROM_DEVICE=(numpy torch transformers tokenizers jinja2)
 #   NOT_NEEDED: not imported by the GPU run. matplotlib: planner plots, imported lazily;
 #   tqdm: imported nowhere; grpcio-tools: proto generation and the proto tests only;
 #   cupy-cuda12x: imported nowhere (the device has cupy-cuda13x anyway); ucxx-cu12: the UCX

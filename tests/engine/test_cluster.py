@@ -238,13 +238,13 @@ def test_cluster_stops_every_process(cluster: LocalCluster) -> None:
 
 @pytest.mark.slow
 def test_kvtier_run_serves_a_trace_slice_through_the_cluster(tmp_path: Path) -> None:
-    # The whole `make run` path at a tiny size: its own cluster, both passes, identical
+    # The reference-engine `kvtier run --reference` path at a tiny size: its own cluster, both passes, identical
     # outputs (exit code 0), the report, and no process left behind.
     if find_etcd_binary() is None:
         pytest.skip("etcd binary not found")
     from tests.support.daemon import kvtier
 
-    out = kvtier("run", "--requests", "4", "--max-blocks", "3", "--new-tokens", "3",
+    out = kvtier("run", "--reference", "--requests", "4", "--max-blocks", "3", "--new-tokens", "3",
                  "--work-dir", str(tmp_path), timeout_s=240)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "outputs identical in 4/4 requests" in out.stdout
