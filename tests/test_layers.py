@@ -67,7 +67,7 @@ def box_of(module: str) -> str:
     second = parts[1] if len(parts) > 1 else ""
     if second in ("", "errors", "keys", "_proto"):
         return "foundation"
-    if second in ("wire", "membership"):
+    if second in ("wire", "membership", "security"):
         return "shared"
     if second in ("dataplane", "node", "client", "engine", "integrations", "frontdoor",
                   "cluster", "cli"):

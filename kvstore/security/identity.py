@@ -1,0 +1,65 @@
+"""The authenticated caller of one request, and the tenants and operations it may use.
+
+A :class:`Principal` comes from the caller's credentials (a client certificate or a signed bearer
+token), never from the request body. The services read it with :func:`current_principal` while
+they serve a call; the authentication layer sets it around each handler with :func:`serving_as`.
+A service started without security configuration serves every call as :data:`INSECURE`: an
+operator of every tenant, which is what an unauthenticated loopback-only daemon allows today.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+
+class Role(enum.Enum):
+    """What a caller is. ``ENGINE``: put, get and lookup within its tenants. ``OPERATOR``: the
+    admin operations (stats, ls, inspect, evict, pin, drain) across tenants. ``PEER``: another
+    kvtier component (a daemon or the conductor) acting for the cluster."""
+
+    ENGINE = "engine"
+    OPERATOR = "operator"
+    PEER = "peer"
+
+
+@dataclass(frozen=True)
+class Principal:
+    """An authenticated caller: ``name`` (certificate subject or token subject, for logs and
+    audit), ``role``, and ``tenants``: the tenants it may read and write, ``None`` for every
+    tenant (a shared engine that enforces ``cache_salt`` per request itself, an operator, a
+    peer). ``shared_writer``: it may also write the shared tenant that everyone may read."""
+
+    name: str
+    role: Role
+    tenants: frozenset[str] | None
+    shared_writer: bool = False
+
+    def may_access(self, tenant: str) -> bool:
+        """Whether this caller may read and write ``tenant``'s chunks."""
+        return self.tenants is None or tenant in self.tenants
+
+
+INSECURE = Principal("insecure", Role.OPERATOR, None, shared_writer=True)
+"""The caller of every request on a service that runs without authentication."""
+
+_current: ContextVar[Principal] = ContextVar("kvtier_principal", default=INSECURE)
+
+
+def current_principal() -> Principal:
+    """The principal of the request being served in this context (:data:`INSECURE` outside
+    an authenticated call)."""
+    return _current.get()
+
+
+@contextlib.contextmanager
+def serving_as(principal: Principal) -> Iterator[Principal]:
+    """Serve the enclosed code as ``principal`` (the authentication layer wraps each handler)."""
+    token = _current.set(principal)
+    try:
+        yield principal
+    finally:
+        _current.reset(token)
