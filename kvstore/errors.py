@@ -26,6 +26,8 @@ invariant is a bug and raises :class:`InvariantViolation`.
     │   ├── PeerUnavailable         the peer is dead or unreachable
     │   └── ProtocolError           malformed, oversized or truncated frame
     ├── MembershipError             etcd registration / discovery failed
+    ├── Unauthenticated             no credentials, or credentials that do not verify
+    ├── PermissionDenied            authenticated, but not allowed this operation or tenant
     └── InvariantViolation          a bug in kvtier; please report it
 
 Errors cross process boundaries by class name (:func:`error_name`, :func:`error_from_name`):
@@ -135,6 +137,16 @@ class ProtocolError(TransportError):
 
 class MembershipError(KvtierError):
     """Registration in, or discovery through, etcd failed."""
+
+
+class Unauthenticated(KvtierError):
+    """The caller presented no credentials, or credentials that do not verify (expired,
+    untrusted, revoked, badly signed)."""
+
+
+class PermissionDenied(KvtierError):
+    """The caller is authenticated but may not do this: the wrong role for the operation, or a
+    tenant its identity does not allow."""
 
 
 class InvariantViolation(KvtierError, AssertionError):

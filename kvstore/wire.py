@@ -52,6 +52,8 @@ GRPC_CODE_NAMES: dict[type[KvtierError], str] = {
     errors.TransportError: "UNAVAILABLE",
     errors.MembershipError: "UNAVAILABLE",
     errors.StorageError: "INTERNAL",
+    errors.Unauthenticated: "UNAUTHENTICATED",
+    errors.PermissionDenied: "PERMISSION_DENIED",
     errors.InvariantViolation: "INTERNAL",
 }
 """gRPC status code name per error class (the most specific class listed first wins)."""
