@@ -4,14 +4,21 @@ loop on a thread of its own (the tests speak blocking HTTP to it), and small HTT
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
+import os
+import subprocess
+import sys
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from kvstore.cluster.vllm_instance import REPO
 from kvstore.frontdoor import FrontDoor
+from kvstore.frontdoor.server import READY_PREFIX
 
 
 class DoorThread:
@@ -90,3 +97,23 @@ def sse_events(base_url: str, path: str, body: dict[str, Any], timeout_s: float 
     finally:
         conn.close()
     return resp.status, headers, events
+
+
+@contextlib.contextmanager
+def frontdoor_command(args: list[str], log_path: Path) -> Iterator[dict[str, Any]]:
+    """Run ``kvtier frontdoor ARGS --port 0`` as a child; yield its ready line's document (the
+    URL, backends and router it serves); on leaving it must stop cleanly (exit 0)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    env["PYTHONPATH"] = str(REPO)
+    with log_path.open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli.main", "frontdoor", *args,
+                                 "--port", "0"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=log, text=True)
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            assert line.startswith(READY_PREFIX), log_path.read_text()
+            yield json.loads(line[len(READY_PREFIX):])
+        finally:
+            proc.terminate()
+            assert proc.wait(30) == 0

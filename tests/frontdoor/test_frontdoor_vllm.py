@@ -10,9 +10,6 @@ for the session; the dead backend is a port nobody listens on."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,11 +17,15 @@ from typing import Any
 
 import pytest
 
-from kvstore.cluster.vllm_instance import REPO
 from kvstore.cluster.vllm_server import VllmServer, free_port
 from kvstore.frontdoor import Backend, BackendPool, FrontDoor, PromptTokenizer
-from kvstore.frontdoor.server import READY_PREFIX
-from tests.frontdoor.support import DoorThread, connection, request, sse_events
+from tests.frontdoor.support import (
+    DoorThread,
+    connection,
+    frontdoor_command,
+    request,
+    sse_events,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -221,24 +222,10 @@ def test_a_client_that_leaves_mid_stream_cancels_the_vllm_request(
 
 def test_the_kvtier_frontdoor_command(vllm: VllmServer, model_dir: Path,
                                       tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    env["PYTHONPATH"] = str(REPO)
-    log = (tmp_path / "frontdoor.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvstore.cli.main", "frontdoor", "--backend",
-         f"v0={vllm.base_url}", "--model-dir", str(model_dir), "--port", "0"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.startswith(READY_PREFIX), (tmp_path / "frontdoor.log").read_text()
-        ready = json.loads(line[len(READY_PREFIX):])
+    with frontdoor_command(["--backend", f"v0={vllm.base_url}", "--model-dir", str(model_dir)],
+                           tmp_path / "frontdoor.log") as ready:
         assert ready["backends"] == {"v0": vllm.base_url}
         body = _body(messages=MESSAGES, max_tokens=4)
         status, headers, answer = request(ready["url"], "POST", "/v1/chat/completions", body)
         assert status == 200 and headers["x-kvtier-backend"] == "v0"
         assert answer["choices"][0]["token_ids"] == vllm.chat(MESSAGES, max_tokens=4).token_ids
-    finally:
-        proc.terminate()
-        assert proc.wait(30) == 0
-        log.close()

@@ -14,9 +14,6 @@ vLLM's real Scheduler (tests/integrations/test_vllm_pd_unit.py).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,12 +21,10 @@ from typing import Any
 
 import pytest
 
-from kvstore.cluster.vllm_instance import REPO
 from kvstore.cluster.vllm_server import VllmServer, free_port
 from kvstore.frontdoor import Backend, BackendPool, FrontDoor, PdRouter, PromptTokenizer
-from kvstore.frontdoor.server import READY_PREFIX
 from tests.frontdoor.conftest import MODEL, kv_transfer_config
-from tests.frontdoor.support import DoorThread, request, sse_events
+from tests.frontdoor.support import DoorThread, frontdoor_command, request, sse_events
 from tests.support.daemon import DaemonProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -209,19 +204,9 @@ def test_a_dead_prefill_backend_falls_back_to_the_decode_alone(
 def test_the_kvtier_frontdoor_command_in_pd_mode(
         vllm: VllmServer, decode: VllmServer, model_dir: Path, tokenizer: PromptTokenizer,
         tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    env["PYTHONPATH"] = str(REPO)
-    log = (tmp_path / "frontdoor.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvstore.cli.main", "frontdoor", "--prefill",
-         f"p0={vllm.base_url}", "--decode", f"d0={decode.base_url}", "--model-dir",
-         str(model_dir), "--port", "0"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.startswith(READY_PREFIX), (tmp_path / "frontdoor.log").read_text()
-        ready = json.loads(line[len(READY_PREFIX):])
+    with frontdoor_command(["--prefill", f"p0={vllm.base_url}", "--decode",
+                            f"d0={decode.base_url}", "--model-dir", str(model_dir)],
+                           tmp_path / "frontdoor.log") as ready:
         assert ready["router"] == "pd" and ready["prefill"] == ["p0"] \
             and ready["decode"] == ["d0"]
         body, _ids = _body("/v1/completions", seed=70, tokenizer=tokenizer)
@@ -231,7 +216,3 @@ def test_the_kvtier_frontdoor_command_in_pd_mode(
         assert status == 200 and headers["x-kvtier-prefill"] == "p0"
         assert headers["x-kvtier-backend"] == "d0"
         assert _streamed("/v1/completions", events) == reference
-    finally:
-        proc.terminate()
-        assert proc.wait(30) == 0
-        log.close()
