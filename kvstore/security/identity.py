@@ -63,3 +63,8 @@ def serving_as(principal: Principal) -> Iterator[Principal]:
         yield principal
     finally:
         _current.reset(token)
+
+
+ANONYMOUS = Principal("anonymous", Role.ENGINE, frozenset())
+"""The caller of an unauthenticated health check on a service that authenticates: an engine of
+no tenant, so code that runs under it by mistake may touch nothing."""
