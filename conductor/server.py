@@ -102,6 +102,10 @@ from kvstore.membership.nodes import (
     node_create_revisions,
     watch_nodes,
 )
+from kvstore.security.client import TokenSource, aio_channel, token_source
+from kvstore.security.config import ClientSecurity, ServerSecurity
+from kvstore.security.server import SecureServing
+from kvstore.security.tls import client_credentials
 from kvstore.wire import PB_TO_TIER
 
 log = logging.getLogger(__name__)
@@ -177,12 +181,22 @@ class ConductorConfig:
     registered, seen under its current create revision, its snapshot loaded and its engines
     schedulable. It serves anyway after this many seconds (a member that died meanwhile never
     comes back), logging who is missing."""
+    security: ServerSecurity = field(default_factory=ServerSecurity)
+    """How the conductor's gRPC service authenticates callers (docs/security.md): without it,
+    loopback only; a non-loopback ``listen`` needs mTLS, tokens or ``insecure``."""
+    daemon_security: ClientSecurity = field(default_factory=ClientSecurity)
+    """What the conductor presents to the daemons it follows (a ``peer`` identity: its
+    certificate or token)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, Policy):
             raise InvalidArgument(f"policy must be a Policy, got {self.policy!r}")
         if not isinstance(self.clock, ClockMode):
             raise InvalidArgument(f"clock must be a ClockMode, got {self.clock!r}")
+        if not isinstance(self.security, ServerSecurity) or \
+                not isinstance(self.daemon_security, ClientSecurity):
+            raise InvalidArgument("security must be a ServerSecurity and daemon_security a "
+                                  "ClientSecurity")
         host, port = _split_listen(self.listen)
         del host, port
         if isinstance(self.election_ttl_s, bool) or not isinstance(self.election_ttl_s, int) \
@@ -284,6 +298,9 @@ class Conductor:
         """Each vLLM engine's own prefix cache, from its KV events (thread-safe by itself)."""
         self.engine_followers: dict[str, tuple[EngineEventFollower, asyncio.Task[None]]] = {}
         self._zmq: zmq.asyncio.Context | None = None
+        self.serving: SecureServing | None = None
+        """How the gRPC service authenticates (valid after start)."""
+        self._daemon_token: TokenSource | None = None
 
     # ------------------------------------------------------------------ views
 
@@ -377,23 +394,29 @@ class Conductor:
         """Connect to etcd, serve gRPC, campaign, follow nodes and engines. Returns the address.
 
         Raises MembershipError when etcd cannot be reached, InvalidArgument when the listen
-        address cannot be bound.
+        address cannot be bound, ConfigError when it may not listen there without
+        authentication or its certificates do not load.
         """
         from conductor.service import ConductorService, add_to_server
 
         cfg = self.config
+        host, port = _split_listen(cfg.listen)
+        self.serving = SecureServing(cfg.security, host, "the conductor's gRPC service")
+        if cfg.daemon_security.tls:  # the daemons' channels open later, in tasks: check now
+            client_credentials(cfg.daemon_security)
+        self._daemon_token = token_source(cfg.daemon_security)
         if cfg.preload_blocks:
             self._preload(cfg.preload_blocks)
         self._etcd = etcd_client(cfg.etcd_endpoint)
-        host, port = _split_listen(cfg.listen)
         server = grpc.server(futures.ThreadPoolExecutor(
-            max_workers=cfg.rpc_workers, thread_name_prefix="kvtier-conductor-rpc"), options=[
+            max_workers=cfg.rpc_workers, thread_name_prefix="kvtier-conductor-rpc"),
+            interceptors=self.serving.sync_interceptors(), options=[
             ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
         ])
         self._health = add_to_server(ConductorService(self), server)
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = self.serving.add_port(server, f"{host}:{port}")
         if bound == 0:
             raise InvalidArgument(f"cannot bind the conductor's gRPC service on {cfg.listen}")
         advertise = cfg.advertise_host or (socket.gethostname() if host in ("0.0.0.0", "::")
@@ -637,7 +660,7 @@ class Conductor:
         record = follower.record
         node_id = record.node_id
         backoff_s = _RECONNECT_MIN_S
-        async with grpc.aio.insecure_channel(record.grpc_address, options=[
+        async with aio_channel(record.grpc_address, self.config.daemon_security, options=[
                 ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 1000)]) as channel:
@@ -662,12 +685,17 @@ class Conductor:
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(_RECONNECT_MAX_S, backoff_s * 2)
 
+    def _daemon_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The bearer token the daemons get from this conductor, when it has one."""
+        return () if self._daemon_token is None else (self._daemon_token.metadata(),)
+
     async def _load_snapshot(self, stub: Any, node_id: str) -> tuple[int, str]:
         """Replace the node's index entries with a snapshot; (its seq, its epoch)."""
         loader = None
         try:
             async for page in stub.Snapshot(
-                    store_pb.SnapshotRequest(page_entries=_SNAPSHOT_PAGE_ENTRIES)):
+                    store_pb.SnapshotRequest(page_entries=_SNAPSHOT_PAGE_ENTRIES),
+                    metadata=self._daemon_metadata()):
                 if loader is None:
                     loader = self.index.begin_snapshot(node_id, page.epoch, int(page.seq))
                 entries = [(e.key, PB_TO_TIER[e.tier]) for e in page.entries if e.tier in PB_TO_TIER]
@@ -692,7 +720,8 @@ class Conductor:
         Returns where to re-open from, or None when the daemon ended the stream.
         """
         index = self.index
-        stream = stub.Subscribe(store_pb.SubscribeRequest(from_seq=after, epoch=epoch))
+        stream = stub.Subscribe(store_pb.SubscribeRequest(from_seq=after, epoch=epoch),
+                                metadata=self._daemon_metadata())
         try:
             async for ev in stream:
                 if ev.kind == store_pb.EVENT_RESYNC:

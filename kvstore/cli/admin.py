@@ -5,6 +5,11 @@ instead find every daemon through etcd (``--etcd host:port``). Keys are written 
 store's keys are binary prefix hashes). Every command prints a readable table, or one JSON
 document with ``--json`` (for scripts). Exit status: 0 on success, 1 when a daemon answered
 with an error or could not be reached, 2 for bad arguments.
+
+Credentials (docs/security.md): ``--ca`` (the CA of the daemon's certificate: TLS), ``--cert``
+and ``--key`` (an operator's client certificate: mTLS) or ``--token-file`` (an operator's
+bearer token); each defaults to ``KVTIER_TLS_CA``, ``KVTIER_TLS_CERT``, ``KVTIER_TLS_KEY``,
+``KVTIER_TOKEN_FILE``. A refused call exits 1 with ``Unauthenticated`` or ``PermissionDenied``.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import asyncio
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -22,6 +29,29 @@ from kvstore.errors import KvtierError
 ADDRESS = typer.Option(..., "--address", "-a", help="The daemon's gRPC address, host:port.")
 JSON = typer.Option(False, "--json", help="Print one JSON document instead of a table.")
 TIERS = ("hbm", "dram", "nvme")
+CA = typer.Option(None, "--ca", help="CA of the daemon's certificate (TLS); env KVTIER_TLS_CA.")
+CERT = typer.Option(None, "--cert", help="Client certificate (mTLS); env KVTIER_TLS_CERT.")
+KEY = typer.Option(None, "--key", help="Its private key; env KVTIER_TLS_KEY.")
+TOKEN_FILE = typer.Option(None, "--token-file", help="Bearer token file; env KVTIER_TOKEN_FILE.")
+
+
+@dataclass(frozen=True)
+class _Creds:
+    ca: Path | None
+    cert: Path | None
+    key: Path | None
+    token_file: Path | None
+
+    def security(self, command: str) -> Any:
+        from kvstore.errors import ConfigError
+        from kvstore.security.config import ClientSecurity
+
+        try:
+            return ClientSecurity.from_env().merged(ca_file=self.ca, cert_file=self.cert,
+                                                    key_file=self.key,
+                                                    token_file=self.token_file)
+        except ConfigError as exc:
+            raise _fail(command, exc, 2) from exc
 
 
 def _fail(command: str, exc: Exception, code: int = 1) -> typer.Exit:
@@ -50,13 +80,15 @@ def _tier(name: str | None) -> Any:
 
 
 @contextmanager
-def _client(command: str, address: str) -> Iterator[Any]:
+def _client(command: str, address: str, creds: _Creds) -> Iterator[Any]:
     from kvstore.client.daemon_control import operator_session
     from kvstore.client.store_client import DataPlane, StoreClient, StoreClientConfig
 
+    security = creds.security(command)
     try:  # the operator's session: `kvtier unpin` may end what `kvtier pin` took
         client = StoreClient.connect(address, StoreClientConfig(
-            data_plane=DataPlane.TCP, rpc_timeout_s=10.0, session=operator_session()))
+            data_plane=DataPlane.TCP, rpc_timeout_s=10.0, session=operator_session(),
+            security=security))
     except KvtierError as exc:
         raise _fail(command, exc) from exc
     try:
@@ -149,6 +181,10 @@ def stats(
     etcd: str | None = typer.Option(None, "--etcd", help="Or: every node registered in etcd."),
     prefix: str = typer.Option("/kvtier/", "--prefix", help="The cluster's etcd key prefix."),
     as_json: bool = JSON,
+    ca_file: Path | None = CA,
+    cert_file: Path | None = CERT,
+    key_file: Path | None = KEY,
+    token_file: Path | None = TOKEN_FILE,
 ) -> None:
     """Per node and tier: capacity, used, chunks, hits and hit ratio, evictions, moves."""
     targets = list(address)
@@ -160,7 +196,7 @@ def stats(
 
     doc = []
     for target in targets:
-        with _client("stats", target) as client:
+        with _client("stats", target, _Creds(ca_file, cert_file, key_file, token_file)) as client:
             doc.append(stats_doc(client.stats(), target))
 
     def table() -> None:
@@ -183,10 +219,14 @@ def ls(
     tier: str | None = typer.Option(None, "--tier", help="Only chunks in this tier."),
     limit: int = typer.Option(1000, "--limit", help="At most this many (0: the daemon's cap)."),
     as_json: bool = JSON,
+    ca_file: Path | None = CA,
+    cert_file: Path | None = CERT,
+    key_file: Path | None = KEY,
+    token_file: Path | None = TOKEN_FILE,
 ) -> None:
     """List chunks (sorted by key)."""
     key_prefix = _hex(prefix, "--prefix")
-    with _client("ls", address) as client:
+    with _client("ls", address, _Creds(ca_file, cert_file, key_file, token_file)) as client:
         reply = client.list_chunks(key_prefix, _tier(tier), limit)
     doc = {"entries": [entry_doc(e) for e in reply.entries], "truncated": reply.truncated}
 
@@ -203,10 +243,14 @@ def inspect(
     key: str = typer.Argument(..., help="The chunk's key in hex."),
     address: str = ADDRESS,
     as_json: bool = JSON,
+    ca_file: Path | None = CA,
+    cert_file: Path | None = CERT,
+    key_file: Path | None = KEY,
+    token_file: Path | None = TOKEN_FILE,
 ) -> None:
     """Everything a daemon knows about one chunk."""
     k = _hex(key, "KEY")
-    with _client("inspect", address) as client:
+    with _client("inspect", address, _Creds(ca_file, cert_file, key_file, token_file)) as client:
         doc = entry_doc(client.inspect(k))
     _emit(as_json, doc, lambda: _table(f"chunk {key}", ["field", "value"],
                                        [[name, str(value)] for name, value in doc.items()]))
@@ -219,6 +263,10 @@ def evict(
     prefix: str | None = typer.Option(None, "--prefix",
                                       help="Or: remove every chunk whose hex key starts so."),
     as_json: bool = JSON,
+    ca_file: Path | None = CA,
+    cert_file: Path | None = CERT,
+    key_file: Path | None = KEY,
+    token_file: Path | None = TOKEN_FILE,
 ) -> None:
     """Free bytes in a tier, or remove chunks by key prefix (pinned ones are skipped)."""
     if (prefix is None) == (bytes_ == 0):
@@ -226,7 +274,7 @@ def evict(
                                  param_hint="--bytes")
     if bytes_ and tier is None:
         raise typer.BadParameter("--bytes needs --tier", param_hint="--tier")
-    with _client("evict", address) as client:
+    with _client("evict", address, _Creds(ca_file, cert_file, key_file, token_file)) as client:
         reply = client.evict(tier=_tier(tier), bytes_=bytes_,
                              key_prefix=_hex(prefix, "--prefix") if prefix is not None else b"")
     doc = {"freed_bytes": reply.freed_bytes, "removed_chunks": reply.removed_chunks,
@@ -241,10 +289,14 @@ def pin(
     address: str = ADDRESS,
     ttl_s: float = typer.Option(0.0, "--ttl", help="Seconds (0: the daemon's default)."),
     as_json: bool = JSON,
+    ca_file: Path | None = CA,
+    cert_file: Path | None = CERT,
+    key_file: Path | None = KEY,
+    token_file: Path | None = TOKEN_FILE,
 ) -> None:
     """Pin chunks so they are neither evicted nor moved; prints the lease id for unpin."""
     parsed = [_hex(k, "KEYS") for k in keys]
-    with _client("pin", address) as client:
+    with _client("pin", address, _Creds(ca_file, cert_file, key_file, token_file)) as client:
         lease_id = client.pin(parsed, ttl_s)
     _emit(as_json, {"lease_id": lease_id}, lambda: typer.echo(str(lease_id)))
 
@@ -253,9 +305,13 @@ def unpin(
     lease_id: int = typer.Argument(..., help="The id `kvtier pin` printed."),
     address: str = ADDRESS,
     as_json: bool = JSON,
+    ca_file: Path | None = CA,
+    cert_file: Path | None = CERT,
+    key_file: Path | None = KEY,
+    token_file: Path | None = TOKEN_FILE,
 ) -> None:
     """End a pin (released: false when it had already expired)."""
-    with _client("unpin", address) as client:
+    with _client("unpin", address, _Creds(ca_file, cert_file, key_file, token_file)) as client:
         released = client.unpin(lease_id)
     _emit(as_json, {"released": released}, lambda: typer.echo(
         "released" if released else "not held (expired or unknown)"))
@@ -264,9 +320,13 @@ def unpin(
 def drain(
     address: str = ADDRESS,
     as_json: bool = JSON,
+    ca_file: Path | None = CA,
+    cert_file: Path | None = CERT,
+    key_file: Path | None = KEY,
+    token_file: Path | None = TOKEN_FILE,
 ) -> None:
     """Stop a daemon gracefully: refuse new work, finish transfers, deregister, exit."""
-    with _client("drain", address) as client:
+    with _client("drain", address, _Creds(ca_file, cert_file, key_file, token_file)) as client:
         accepted = client.drain()
     _emit(as_json, {"accepted": accepted}, lambda: typer.echo(
         "draining" if accepted else "already draining"))

@@ -7,10 +7,11 @@ import json
 import logging
 import signal
 import sys
+from pathlib import Path
 
 import typer
 
-from kvstore.errors import KvtierError
+from kvstore.errors import ConfigError, KvtierError
 
 
 def conductor(
@@ -42,11 +43,34 @@ def conductor(
                               help="wall | client: schedule on the callers' at_s times "
                                    "(trace replay on a simulated clock; one driver only)."),
     log_level: str = typer.Option("INFO", "--log-level"),
+    insecure: bool = typer.Option(False, "--insecure", help="Listen on a non-loopback address "
+                                  "WITHOUT authentication (logged as a warning)."),
+    tls_cert: Path | None = typer.Option(None, "--tls-cert", help="This conductor's "
+                                         "certificate (PEM): TLS on its port."),
+    tls_key: Path | None = typer.Option(None, "--tls-key", help="Its private key (PEM)."),
+    client_ca: Path | None = typer.Option(None, "--client-ca", help="CA of client "
+                                          "certificates: mTLS (docs/security.md)."),
+    crl: Path | None = typer.Option(None, "--crl", help="CRL of --client-ca's CA."),
+    revoked_serials: str = typer.Option("", "--revoked-serials",
+                                        help="Client certificate serials to refuse (hex, "
+                                             "comma-separated)."),
+    token_keys: Path | None = typer.Option(None, "--token-keys", help="Directory of Ed25519 "
+                                           "<key id>.pub keys: bearer tokens."),
+    daemon_ca: Path | None = typer.Option(None, "--daemon-ca", help="CA of the daemons' "
+                                          "certificates (default with --client-ca: that CA)."),
+    daemon_cert: Path | None = typer.Option(None, "--daemon-cert", help="Certificate shown to "
+                                            "the daemons (default with --client-ca: "
+                                            "--tls-cert)."),
+    daemon_key: Path | None = typer.Option(None, "--daemon-key", help="Its key (default "
+                                           "with --client-ca: --tls-key)."),
+    daemon_token_file: Path | None = typer.Option(None, "--daemon-token-file",
+                                                  help="A peer token for the daemons."),
 ) -> None:
     """Serve the conductor: discover daemons and engines through etcd, follow the daemons' chunk
     events into the global prefix index, campaign for leadership, and (as leader) schedule.
 
-    Prints `KVTIER-CONDUCTOR-READY {json}` with its id and address once it serves.
+    Prints `KVTIER-CONDUCTOR-READY {json}` with its id and address once it serves. Without
+    --client-ca or --token-keys it listens on loopback only (or with --insecure).
     """
     from conductor.scheduler import Policy
     from conductor.server import (
@@ -57,17 +81,26 @@ def conductor(
         default_conductor_id,
     )
     from kvstore.membership.etcd import KeyLayout
+    from kvstore.security.config import ClientSecurity, ServerSecurity
 
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        security = ServerSecurity(insecure=insecure, cert_file=tls_cert, key_file=tls_key,
+                                  client_ca_file=client_ca, crl_file=crl,
+                                  revoked_serials=revoked_serials, token_keys=token_keys)
+        if client_ca is not None and daemon_ca is None and daemon_cert is None:
+            daemon_ca, daemon_cert, daemon_key = client_ca, tls_cert, tls_key
+        daemon_security = ClientSecurity(ca_file=daemon_ca, cert_file=daemon_cert,
+                                         key_file=daemon_key, token_file=daemon_token_file)
         config = ConductorConfig(
             etcd_endpoint=etcd, conductor_id=conductor_id or default_conductor_id(),
             listen=listen, advertise_host=advertise_host, layout=KeyLayout(prefix),
             policy=Policy(policy),
             ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s, block_size_tokens=block_size_tokens,
             election_ttl_s=election_ttl_s, rpc_workers=rpc_workers,
-            preload_blocks=preload_blocks, clock=ClockMode(clock))
+            preload_blocks=preload_blocks, clock=ClockMode(clock), security=security,
+            daemon_security=daemon_security)
     except (KvtierError, ValueError) as exc:
         typer.echo(f"kvtier conductor: {exc}", err=True)
         raise typer.Exit(2) from exc
@@ -90,6 +123,9 @@ def conductor(
 
     try:
         asyncio.run(main())
+    except ConfigError as exc:  # e.g. a non-loopback address without authentication
+        typer.echo(f"kvtier conductor: ConfigError: {exc}", err=True)
+        raise typer.Exit(2) from exc
     except KvtierError as exc:
         typer.echo(f"kvtier conductor: {type(exc).__name__}: {exc}", err=True)
         raise typer.Exit(1) from exc

@@ -20,6 +20,16 @@ def daemon(
     grpc_port: int | None = typer.Option(None, "--grpc-port", help="--set server.grpc_port=..."),
     tcp_port: int | None = typer.Option(None, "--tcp-port", help="--set server.tcp_port=..."),
     etcd: str | None = typer.Option(None, "--etcd", help="--set etcd.endpoint=host:port"),
+    host: str | None = typer.Option(None, "--host", help="--set server.host=... (a "
+                                    "non-loopback host needs mTLS, tokens or --insecure)."),
+    insecure: bool = typer.Option(False, "--insecure", help="--set security.insecure=true: "
+                                  "listen on a non-loopback host WITHOUT authentication."),
+    tls_cert: Path | None = typer.Option(None, "--tls-cert", help="--set security.cert_file=..."),
+    tls_key: Path | None = typer.Option(None, "--tls-key", help="--set security.key_file=..."),
+    client_ca: Path | None = typer.Option(None, "--client-ca", help="--set "
+                                          "security.client_ca_file=... (mTLS)"),
+    token_keys: Path | None = typer.Option(None, "--token-keys", help="--set "
+                                           "security.token_keys=DIR (bearer tokens)"),
     ready_file: Path | None = typer.Option(
         None, "--ready-file", help="Write the bound addresses (JSON) here once serving."),
     print_config: bool = typer.Option(False, "--print-config",
@@ -27,7 +37,8 @@ def daemon(
 ) -> None:
     """Run a store daemon until SIGTERM/SIGINT or `kvtier drain`; then drain and exit 0.
 
-    Prints `KVTIER-DAEMON-READY {json}` with its addresses once it serves.
+    Prints `KVTIER-DAEMON-READY {json}` with its addresses once it serves. Without security
+    config it listens on loopback only (docs/security.md).
     """
     from kvstore.node.config import load_config
     from kvstore.node.daemon import run_daemon
@@ -39,7 +50,12 @@ def daemon(
             raise typer.BadParameter(f"{item!r} is not section.field=value", param_hint="--set")
         overrides[key.strip()] = value.strip()
     shortcuts: dict[str, object] = {"node_id": node_id, "server.grpc_port": grpc_port,
-                                    "server.tcp_port": tcp_port, "etcd.endpoint": etcd}
+                                    "server.tcp_port": tcp_port, "etcd.endpoint": etcd,
+                                    "server.host": host, "security.cert_file": tls_cert,
+                                    "security.key_file": tls_key,
+                                    "security.client_ca_file": client_ca,
+                                    "security.token_keys": token_keys,
+                                    "security.insecure": "true" if insecure else None}
     overrides.update({k: str(v) for k, v in shortcuts.items() if v is not None})
     try:
         cfg = load_config(config, overrides=overrides)
@@ -55,6 +71,9 @@ def daemon(
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         code = asyncio.run(run_daemon(cfg, ready_file=str(ready_file) if ready_file else None))
+    except ConfigError as exc:  # e.g. a non-loopback host without authentication
+        typer.echo(f"kvtier daemon: ConfigError: {exc}", err=True)
+        raise typer.Exit(2) from exc
     except KvtierError as exc:
         typer.echo(f"kvtier daemon: {type(exc).__name__}: {exc}", err=True)
         raise typer.Exit(1) from exc

@@ -13,6 +13,7 @@ from kvstore.cli import daemon as daemon_cli
 from kvstore.cli import frontdoor as frontdoor_cli
 from kvstore.cli import plan as plan_cli
 from kvstore.cli import run as run_cli
+from kvstore.cli import security as security_cli
 from kvstore.cli import vllm_register as vllm_register_cli
 
 app = typer.Typer(
@@ -30,6 +31,7 @@ app.command(name="conductor")(conductor_cli.conductor)
 app.command(name="frontdoor")(frontdoor_cli.frontdoor)
 admin_cli.register(app)
 app.command(name="vllm-register")(vllm_register_cli.vllm_register)
+app.add_typer(security_cli.app, name="token")
 
 
 @app.command()

@@ -19,6 +19,11 @@ before dying; the dead leader's reservation died with it, so nothing is double-b
 the new leader. Other errors are raised at once as the kvtier error the conductor named
 (``InvalidArgument`` for malformed requests and unknown models).
 
+Credentials (docs/security.md): ``security`` (a
+:class:`~kvstore.security.config.ClientSecurity`; None: from the ``KVTIER_TLS_*`` and
+``KVTIER_TOKEN_FILE`` environment) makes the channels speak TLS with the client's certificate,
+and every call carry its bearer token. A refusal is ``Unauthenticated`` or ``PermissionDenied``.
+
 asyncio (grpc.aio) only; one client may be shared by any number of tasks of one event loop.
 The constructor records settings only; channels and the etcd client open lazily.
 """
@@ -45,6 +50,8 @@ from kvstore.membership.etcd import (
     etcd_client,
     parse_host_port,
 )
+from kvstore.security.client import TokenSource, aio_channel, token_source
+from kvstore.security.config import ClientSecurity
 from kvstore.wire import ERROR_METADATA_KEY, LEADER_METADATA_KEY, error_from_name
 
 __all__ = ["ConductorClient"]
@@ -65,7 +72,7 @@ class ConductorClient:
 
     def __init__(self, *, etcd_endpoint: str | None = None, address: str | None = None,
                  layout: KeyLayout = DEFAULT_LAYOUT, failover_timeout_s: float = 10.0,
-                 rpc_timeout_s: float = 5.0) -> None:
+                 rpc_timeout_s: float = 5.0, security: ClientSecurity | None = None) -> None:
         if (etcd_endpoint is None) == (address is None):
             raise InvalidArgument("give exactly one of etcd_endpoint and address")
         if address is not None:
@@ -81,6 +88,9 @@ class ConductorClient:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, pb_grpc.ConductorStub] = {}
         self._leader: str | None = address
+        self._security = security
+        self._token: TokenSource | None = None
+        self._credentials_loaded = False
         self.failovers = 0
         """How many times a call moved to another conductor (for tests and benchmarks)."""
 
@@ -156,8 +166,8 @@ class ConductorClient:
             try:
                 if address is None:
                     address = await self._discover()
-                return await getattr(self._stub(address), method)(request,
-                                                                  timeout=self._rpc_timeout_s)
+                return await getattr(self._stub(address), method)(
+                    request, timeout=self._rpc_timeout_s, metadata=self._call_metadata())
             except grpc.aio.AioRpcError as exc:
                 last = exc
                 code = exc.code()
@@ -196,12 +206,26 @@ class ConductorClient:
         self._leader = view.record.address
         return view.record.address
 
+    def _client_security(self) -> ClientSecurity:
+        """The credentials, read at the first call (the constructor touches no file)."""
+        if not self._credentials_loaded:
+            if self._security is None:
+                self._security = ClientSecurity.from_env()
+            self._token = token_source(self._security)
+            self._credentials_loaded = True
+        assert self._security is not None
+        return self._security
+
+    def _call_metadata(self) -> tuple[tuple[str, str], ...]:
+        self._client_security()
+        return () if self._token is None else (self._token.metadata(),)
+
     def _stub(self, address: str) -> pb_grpc.ConductorStub:
         # One channel and one stub per conductor, reused by every call (a stub builds a
         # callable per method: tens of microseconds, too much per call).
         stub = self._stubs.get(address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(address, options=[
+            channel = aio_channel(address, self._client_security(), options=[
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 1000)])
             self._channels[address] = channel

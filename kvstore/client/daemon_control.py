@@ -12,6 +12,12 @@ Sessions: every call on the channel carries ``kvtier-session`` metadata
 that session unpin, release, commit or abort what it took; the token survives reconnects of
 the channel. ``kvtier pin`` and ``kvtier unpin`` run as separate processes, so they share the
 operator's session (:func:`operator_session`).
+
+Credentials (docs/security.md): the channel speaks TLS and presents a client certificate, and
+every call carries ``authorization: Bearer <token>``, as ``StoreClientConfig.security`` (or the
+``KVTIER_TLS_*``/``KVTIER_TOKEN_FILE`` environment) says. A refusal is ``Unauthenticated`` or
+``PermissionDenied``; a TLS handshake that fails is ``PeerUnavailable`` or ``Unauthenticated``
+with the likely cause in its message.
 """
 
 from __future__ import annotations
@@ -30,7 +36,10 @@ from kvstore._proto.kvtier.v1 import store_pb2 as pb
 from kvstore._proto.kvtier.v1 import store_pb2_grpc as pb_grpc
 from kvstore.client.store_config import LookupResult, StoreClientConfig
 from kvstore.dataplane.tier import TierKind, check_key
-from kvstore.errors import KvtierError, PeerUnavailable, TransportError
+from kvstore.errors import KvtierError, PeerUnavailable, TransportError, Unauthenticated
+from kvstore.security.client import TokenSource, sync_channel, token_source
+from kvstore.security.config import ClientSecurity
+from kvstore.security.tls import handshake_hint
 from kvstore.wire import (
     ERROR_METADATA_KEY,
     PB_TO_TIER,
@@ -42,8 +51,11 @@ from kvstore.wire import (
 GRPC_MAX_MESSAGE_BYTES = 64 << 20
 
 
-def translate_rpc_error(exc: grpc.RpcError, what: str) -> KvtierError:
-    """The kvtier error a failed call stands for (the daemon names it in trailing metadata)."""
+def translate_rpc_error(exc: grpc.RpcError, what: str,
+                        security: ClientSecurity | None = None) -> KvtierError:
+    """The kvtier error a failed call stands for (the daemon names it in trailing metadata).
+    On a TLS channel (``security``) a connection failure says what the handshake likely
+    refused."""
     call: Any = exc
     name = None
     with contextlib.suppress(AttributeError, TypeError):
@@ -54,6 +66,12 @@ def translate_rpc_error(exc: grpc.RpcError, what: str) -> KvtierError:
     if name:
         return error_from_name(name, details)
     code = call.code() if hasattr(call, "code") else None
+    hint = handshake_hint(details or "", security) \
+        if security is not None and code is grpc.StatusCode.UNAVAILABLE else None
+    if hint is not None:
+        if "CERTIFICATE_VERIFY_FAILED" in (details or ""):
+            return Unauthenticated(f"{what}: {hint}")
+        return PeerUnavailable(f"{what}: {hint}")
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                 grpc.StatusCode.CANCELLED):
         return PeerUnavailable(f"{what}: {code.name}: {details}")
@@ -108,13 +126,17 @@ class _SessionInterceptor(grpc.UnaryUnaryClientInterceptor,  # type: ignore[misc
                           grpc.UnaryStreamClientInterceptor,  # type: ignore[misc]
                           grpc.StreamUnaryClientInterceptor,  # type: ignore[misc]
                           grpc.StreamStreamClientInterceptor):  # type: ignore[misc]
-    """Adds ``kvtier-session`` to the metadata of every call."""
+    """Adds ``kvtier-session`` (and the bearer token, when there is one) to the metadata of
+    every call."""
 
-    def __init__(self, session: str) -> None:
+    def __init__(self, session: str, token: TokenSource | None = None) -> None:
         self._metadatum = (SESSION_METADATA_KEY, session)
+        self._token = token
 
     def _details(self, details: Any) -> Any:
         metadata = [*(details.metadata or ()), self._metadatum]
+        if self._token is not None:
+            metadata.append(self._token.metadata())
         return _ClientCallDetails(details.method, details.timeout, metadata,
                                   details.credentials, details.wait_for_ready,
                                   details.compression)
@@ -128,19 +150,24 @@ class _SessionInterceptor(grpc.UnaryUnaryClientInterceptor,  # type: ignore[misc
 
 def open_channel(address: str, config: StoreClientConfig) -> tuple[grpc.Channel, pb.NodeInfo]:
     """A gRPC channel to ``host:port`` whose calls carry the client's session
-    (``config.session`` or a fresh one), and the daemon's info. Raises PeerUnavailable (no
-    daemon there); the channel is closed on failure."""
-    raw = grpc.insecure_channel(address, options=[
+    (``config.session`` or a fresh one) and credentials (``config.client_security()``), and
+    the daemon's info. Raises PeerUnavailable (no daemon there), Unauthenticated or
+    PermissionDenied (refused), ConfigError (credentials that do not load, a client
+    certificate that expired); the channel is closed on failure."""
+    security = config.client_security()
+    token = token_source(security)
+    raw = sync_channel(address, security, options=[
         ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES)])
-    channel = grpc.intercept_channel(raw, _SessionInterceptor(config.session or new_session()))
+    channel = grpc.intercept_channel(raw, _SessionInterceptor(config.session or new_session(),
+                                                              token))
     try:
         stub = pb_grpc.StoreStub(channel)  # type: ignore[no-untyped-call]
         info = stub.Info(pb.InfoRequest(), timeout=config.rpc_timeout_s,
                          wait_for_ready=config.wait_for_ready)
     except grpc.RpcError as exc:
         channel.close()
-        raise translate_rpc_error(exc, f"Info from {address}") from exc
+        raise translate_rpc_error(exc, f"Info from {address}", security) from exc
     except BaseException:
         channel.close()
         raise
@@ -158,6 +185,7 @@ class DaemonControl:
         self._channel = channel
         self._stub = pb_grpc.StoreStub(channel)  # type: ignore[no-untyped-call]
         self._config = config
+        self._security = config.client_security()
 
     # --- identity ---------------------------------------------------------------------------
 
@@ -266,7 +294,7 @@ class DaemonControl:
         except grpc.RpcError as exc:
             if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
                 return
-            raise translate_rpc_error(exc, "Subscribe") from exc
+            raise translate_rpc_error(exc, "Subscribe", self._security) from exc
         finally:
             stream.cancel()
 
@@ -279,7 +307,7 @@ class DaemonControl:
                 epoch, seq = page.epoch, page.seq
                 entries.extend(page.entries)
         except grpc.RpcError as exc:
-            raise translate_rpc_error(exc, "Snapshot") from exc
+            raise translate_rpc_error(exc, "Snapshot", self._security) from exc
         return epoch, seq, entries
 
     def call(self, method: str, request: Any) -> Any:
@@ -287,7 +315,7 @@ class DaemonControl:
         try:
             return getattr(self._stub, method)(request, timeout=self._config.rpc_timeout_s)
         except grpc.RpcError as exc:
-            raise translate_rpc_error(exc, method) from exc
+            raise translate_rpc_error(exc, method, self._security) from exc
 
     def stub(self) -> pb_grpc.StoreStub:
         """The raw gRPC stub (for calls this class does not wrap)."""

@@ -10,6 +10,7 @@ from kvstore.dataplane.tier import TierKind
 from kvstore.dataplane.transport.shm import ShmClientConfig
 from kvstore.dataplane.transport.shm.frames import MAX_KEYS
 from kvstore.errors import InvalidArgument
+from kvstore.security.config import ClientSecurity
 from kvstore.wire import SESSION_MAX_CHARS, SESSION_MIN_CHARS
 
 
@@ -68,6 +69,11 @@ class StoreClientConfig:
     """Lease-free reads are reported to the daemon (hits, recency) at least this often..."""
     read_report_batch: int = 1024
     """...and as soon as this many are waiting."""
+    security: ClientSecurity | None = None
+    """What the gRPC channel presents (TLS CA, client certificate, bearer token file;
+    docs/security.md). None: :meth:`ClientSecurity.from_env` at connect (``KVTIER_TLS_CA``,
+    ``KVTIER_TLS_CERT``, ``KVTIER_TLS_KEY``, ``KVTIER_TOKEN_FILE``; none set: plaintext
+    without credentials, what a loopback daemon without security config accepts)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.data_plane, DataPlane):
@@ -85,10 +91,16 @@ class StoreClientConfig:
                 or self.ucx_retry_after_s < 0 or self.ucx_min_bytes < 0:
             raise InvalidArgument("ucx_io_timeout_s and ucx_liveness_interval_s must be > 0, "
                                   "ucx_retry_after_s and ucx_min_bytes >= 0")
+        if self.security is not None and not isinstance(self.security, ClientSecurity):
+            raise InvalidArgument(f"security must be a ClientSecurity, got {self.security!r}")
         if self.lease_free_attempts < 1 or self.read_report_interval_s <= 0 \
                 or not 1 <= self.read_report_batch <= MAX_KEYS:
             raise InvalidArgument(f"lease_free_attempts must be >= 1, read_report_interval_s "
                                   f"> 0 and read_report_batch 1..{MAX_KEYS}")
+
+    def client_security(self) -> ClientSecurity:
+        """:attr:`security`, or the environment's when it is None."""
+        return self.security if self.security is not None else ClientSecurity.from_env()
 
     def shm_config(self) -> ShmClientConfig:
         """The shared-memory client's part of this config."""

@@ -15,6 +15,12 @@ File layout (YAML shown; TOML uses ``[dram]`` tables)::
     server: {host: 0.0.0.0, grpc_port: 50051, tcp_port: 50052}
     etcd: {endpoint: 127.0.0.1:2379}
     metrics: {enabled: true, port: 9464}
+    security: {cert_file: /etc/kvtier/daemon.crt, key_file: /etc/kvtier/daemon.key,
+               client_ca_file: /etc/kvtier/ca.crt}
+
+``security`` (:class:`~kvstore.security.config.ServerSecurity`, docs/security.md) authenticates
+the gRPC service: mTLS or bearer tokens. Without it the daemon listens on loopback only; a
+non-loopback ``server.host`` without authentication needs ``security.insecure: true``.
 
 Environment: ``KVTIER_<SECTION>__<FIELD>`` (double underscore between section and field), and
 ``KVTIER_<FIELD>`` for top-level fields (``KVTIER_NODE_ID``). Other ``KVTIER_*`` variables
@@ -48,6 +54,7 @@ import yaml
 from kvstore.dataplane.tier import TierKind
 from kvstore.errors import ConfigError
 from kvstore.node.policies import PolicyName
+from kvstore.security.config import ServerSecurity
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 ENV_PREFIX = "KVTIER_"
@@ -294,6 +301,7 @@ class DaemonConfig:
     etcd: EtcdConfig = field(default_factory=EtcdConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
     shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)
+    security: ServerSecurity = field(default_factory=ServerSecurity)
 
     def __post_init__(self) -> None:
         _require(bool(_ID_RE.match(self.node_id)),

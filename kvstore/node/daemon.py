@@ -11,7 +11,8 @@ What :meth:`StoreDaemon.start` brings up, in order (the constructor only records
    when ``ucxx`` imports and ``server.ucx`` allows (its worker address goes into ``Info`` and
    the etcd record), the same-host lease channel
    (:class:`~kvstore.dataplane.transport.shm.ShmServer` over :class:`~kvstore.node.backend.ShmLeases`),
-   the gRPC service with health checking and reflection,
+   the gRPC service with health checking and reflection (authenticated as ``security`` says:
+   mTLS or bearer tokens, or no authentication on loopback; see docs/security.md),
    and the metrics endpoint when enabled;
 3. background tasks: a reaper (expired same-host leases and pins, every 0.5 s) and a demoter
    (tiers above their high watermark down to their low one);
@@ -62,6 +63,7 @@ from kvstore.node.events import EventLog
 from kvstore.node.index import IndexEntry
 from kvstore.node.metrics import DaemonMetrics, MetricsSnapshot
 from kvstore.node.service import SERVICE_NAME, StoreService
+from kvstore.security.server import SecureServing
 from kvstore.wire import TIER_TO_PB
 
 log = logging.getLogger(__name__)
@@ -129,6 +131,8 @@ class StoreDaemon:
         self._stopping: asyncio.Event | None = None
         self._stopped: asyncio.Event | None = None
         self._drain_task: asyncio.Task[None] | None = None
+        self.serving: SecureServing | None = None
+        """How the gRPC service authenticates (valid after start)."""
 
     # --- parts (valid after start) ------------------------------------------------------------
 
@@ -174,6 +178,9 @@ class StoreDaemon:
         self._stopping = asyncio.Event()
         self._stopped = asyncio.Event()
         self.started_monotonic = time.monotonic()
+        # Refuse an unauthenticated non-loopback bind (ConfigError naming the fix) and load
+        # the certificates before anything is built or bound.
+        self.serving = SecureServing(cfg.security, cfg.server.host, "the daemon's gRPC service")
         swept = remove_stale_arenas()
         if swept:
             log.info("removed %d shared-memory arena(s) of dead processes", len(swept))
@@ -294,7 +301,8 @@ class StoreDaemon:
 
     async def _start_grpc(self) -> int:
         cfg = self.config
-        server = grpc.aio.server(options=[
+        assert self.serving is not None
+        server = grpc.aio.server(interceptors=self.serving.aio_interceptors(), options=[
             ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
@@ -305,7 +313,7 @@ class StoreDaemon:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        port: int = server.add_insecure_port(f"{cfg.server.host}:{cfg.server.grpc_port}")
+        port = self.serving.add_port(server, f"{cfg.server.host}:{cfg.server.grpc_port}")
         if port == 0:
             raise TierUnavailable(f"cannot bind gRPC on {cfg.server.host}:{cfg.server.grpc_port}")
         await server.start()
