@@ -169,6 +169,41 @@ class CpuBlocksKV:
             for b, chunk in zip(ids, chunks, strict=True):
                 dst[b].copy_(chunk[layer].view(2, heads, run).transpose(0, 1))
 
+    def gather_chunks(self, layers: range, blocks: range, chunks: Sequence[torch.Tensor]
+                      ) -> None:
+        """Copy layers ``layers`` of blocks ``blocks`` out of vLLM's blocks into whole chunks
+        (``chunks[i]``: ``[layers, k|v, heads, tokens, dim]`` of block ``blocks[i]``, e.g. a
+        view of a reserved extent of the daemon's arena): the counterpart of
+        :meth:`scatter_chunks`, for a save in one copy. One strided copy per block for every
+        layer of ``layers`` when vLLM's layer tensors are one allocation at one layer stride,
+        otherwise one copy per block and layer. Writes nothing else of the chunks."""
+        lay = self.layout
+        ids = self._ids_for(blocks).tolist()
+        if len(chunks) != len(ids):
+            raise InvalidArgument(f"{len(chunks)} chunks for {len(ids)} blocks")
+        lo, hi = layers.start, layers.stop
+        if not 0 <= lo <= hi <= lay.num_layers or layers.step != 1:
+            raise InvalidArgument(f"layers {layers} outside [0, {lay.num_layers})")
+        heads, run = lay.num_kv_heads, lay.block_tokens * lay.head_dim
+        every = self._all_layers()
+        if every is not None:
+            if (lo, hi) != (0, lay.num_layers):
+                every = every[lo:hi]
+            size, layer = (hi - lo, heads, 2, run), 2 * heads * run
+            stride = (layer, run, heads * run, 1)
+            for b, chunk in zip(ids, chunks, strict=True):
+                # [L, k|v, H, B*D] of the chunk written as [L, H, k|v, B*D] (vLLM's order)
+                dst = chunk.as_strided(size, stride, chunk.storage_offset() + lo * layer) \
+                    if chunk.is_contiguous() else \
+                    chunk[lo:hi].view(hi - lo, 2, heads, run).transpose(1, 2)
+                dst.copy_(every.select(1, b))
+            return
+        for layer_i in layers:
+            t = self.kv_caches[layer_i]
+            src = t.view(t.shape[0], heads, 2, run)
+            for b, chunk in zip(ids, chunks, strict=True):
+                chunk[layer_i].view(2, heads, run).transpose(0, 1).copy_(src[b])
+
     def _all_layers(self) -> torch.Tensor | None:
         """``[layers, num_blocks, heads, k|v, tokens*dim]`` over every layer tensor at once
         (no copy), or None when the layers are not one allocation at one layer stride."""
@@ -232,6 +267,20 @@ class InferenceModeKV:
         with torch.inference_mode():
             self._inner.gather_layer(layer, blocks, chunks)
 
+    @property
+    def gather_chunks(self) -> Callable[[range, range, Sequence[torch.Tensor]], None] | None:
+        """The one-copy save's entry (:meth:`CpuBlocksKV.gather_chunks`), where the inner
+        has it."""
+        return self._gather_chunks if getattr(self._inner, "gather_chunks", None) is not None \
+            else None
+
+    def _gather_chunks(self, layers: range, blocks: range, chunks: Sequence[torch.Tensor]
+                       ) -> None:
+        import torch
+
+        with torch.inference_mode():
+            self._inner.gather_chunks(layers, blocks, chunks)  # type: ignore[attr-defined]
+
     def scatter_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
         import torch
 
@@ -273,6 +322,11 @@ class GuardedKV:
 
     def gather_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
         self._inner.gather_layer(layer, blocks, chunks)
+
+    @property
+    def gather_chunks(self) -> Callable[[range, range, Sequence[torch.Tensor]], None] | None:
+        """The inner's one-copy save entry (saves pass through unguarded), or None."""
+        return getattr(self._inner, "gather_chunks", None)
 
     def scatter_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
         with self._lock:
