@@ -40,6 +40,18 @@ The prefix rule
     an entry and everything under it (for chunks found corrupt or lost).
     docs/eviction.md says why leaves-only rather than subtree drops.
 
+Tenants
+    Every entry records the tenant that owns it (``""``: the default tenant of every
+    unauthenticated client; :data:`SHARED_TENANT`: chunks every tenant may read, such as system
+    prompts). Calls that take ``tenant`` see only the entries that tenant may read: its own and
+    the shared tenant's (``tenant=None``: every entry, for operators and the cache's own work).
+    An entry another tenant owns is *absent* to such a call (``get`` None, a prefix match stops
+    before it, ``pin_many`` and ``remove_subtree`` raise ChunkNotFound), so a guessed or leaked
+    key reveals nothing. An insert names its tenant; its parent must be visible to that tenant
+    (its own or shared): a child of a shared chunk may belong to any tenant, a child of a
+    tenant's chunk belongs to that tenant. An insert of a key that another tenant owns is
+    PermissionDenied (keys are global: one tenant can never replace another's chunk).
+
 Leases
     ``pin*`` hand out SHARED leases (readers: the entry may not be moved or
     removed); ``claim``/``claim_eviction`` hand out EXCLUSIVE leases (a mover:
@@ -98,8 +110,14 @@ from kvstore.errors import (
     InvalidArgument,
     InvariantViolation,
     KvtierError,
+    PermissionDenied,
 )
 from kvstore.node.policies import EvictionPolicy, PolicyName, make_policy
+
+DEFAULT_TENANT = ""
+"""The tenant of a request that names none (every client before tenants existed)."""
+SHARED_TENANT = "kvtier.shared"
+"""The tenant whose chunks every tenant may read; only shared writers may write it."""
 
 Clock = Callable[[], float]
 """Seconds on a monotonic clock; injectable so tests control lease expiry."""
@@ -173,6 +191,8 @@ class IndexEntry:
     """A live lease (shared or exclusive) holds it now."""
     backing: TierKind | None = None
     """A slower tier that holds a second copy (see "Backing copies"); None: ``tier`` only."""
+    tenant: str = DEFAULT_TENANT
+    """The tenant that owns the chunk (see "Tenants")."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,11 +232,12 @@ class _Node:
 
     __slots__ = ("access_count", "backing", "checksum", "children", "depth", "exclusive",
                  "inserted_at_s", "key", "last_access_s", "parent", "shared", "size_bytes",
-                 "tier")
+                 "tenant", "tier")
 
     def __init__(self, key: bytes, parent: _Node | None, tier: TierKind, size_bytes: int,
-                 checksum: int | None, now: float) -> None:
+                 checksum: int | None, now: float, tenant: str = DEFAULT_TENANT) -> None:
         self.key = key
+        self.tenant = tenant
         self.parent = parent
         self.tier = tier
         self.backing: TierKind | None = None
@@ -243,6 +264,18 @@ class _Node:
 
     def n_children(self) -> int:
         return len(self.children) if self.children else 0
+
+
+def visible_to(owner: str, tenant: str | None) -> bool:
+    """Whether a chunk owned by ``owner`` is visible to a call for ``tenant`` (None: every
+    tenant): the tenant's own chunks and the shared tenant's."""
+    return tenant is None or owner in (tenant, SHARED_TENANT)
+
+
+def _visible(node: _Node | None, tenant: str | None) -> _Node | None:
+    if node is None or tenant is None or node.tenant in (tenant, SHARED_TENANT):
+        return node
+    return None
 
 
 class _TierState:
@@ -331,10 +364,11 @@ class CacheIndex:
         with self._lock:
             return key in self._entries
 
-    def get(self, key: bytes) -> IndexEntry | None:
-        """A snapshot of ``key``'s entry, or None when no tier holds it."""
+    def get(self, key: bytes, tenant: str | None = None) -> IndexEntry | None:
+        """A snapshot of ``key``'s entry, or None when no tier holds it (or ``tenant`` may not
+        see it: "Tenants")."""
         with self._lock:
-            node = self._entries.get(key)
+            node = _visible(self._entries.get(key), tenant)
             return None if node is None else self._snapshot(node, self._clock())
 
     def _snapshot(self, node: _Node, now: float) -> IndexEntry:
@@ -343,26 +377,29 @@ class CacheIndex:
             tier=node.tier, size_bytes=node.size_bytes, checksum=node.checksum,
             depth=node.depth, inserted_at_s=node.inserted_at_s,
             last_access_s=node.last_access_s, access_count=node.access_count,
-            children=node.n_children(), pinned=node.held(now), backing=node.backing)
+            children=node.n_children(), pinned=node.held(now), backing=node.backing,
+            tenant=node.tenant)
 
-    def longest_prefix(self, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` are cached, in any tier. Does not count as a hit."""
+    def longest_prefix(self, keys: Sequence[bytes], tenant: str | None = None) -> int:
+        """How many leading ``keys`` are cached (and visible to ``tenant``), in any tier. Does
+        not count as a hit."""
         entries = self._entries
         with self._lock:
             n = 0
             for key in keys:
-                if key not in entries:
+                if _visible(entries.get(key), tenant) is None:
                     break
                 n += 1
             return n
 
-    def match_prefix(self, keys: Sequence[bytes]) -> PrefixMatch:
-        """The longest cached prefix with the tier of each block. Does not count as a hit."""
+    def match_prefix(self, keys: Sequence[bytes], tenant: str | None = None) -> PrefixMatch:
+        """The longest cached prefix (of chunks visible to ``tenant``) with the tier of each
+        block. Does not count as a hit."""
         entries = self._entries
         with self._lock:
             tiers: list[TierKind] = []
             for key in keys:
-                node = entries.get(key)
+                node = _visible(entries.get(key), tenant)
                 if node is None:
                     break
                 tiers.append(node.tier)
@@ -424,21 +461,24 @@ class CacheIndex:
     # -- inserts -------------------------------------------------------------
 
     def insert(self, key: bytes, parent: bytes | None, tier: TierKind, size_bytes: int,
-               checksum: int | None = None, *, backing: TierKind | None = None) -> None:
+               checksum: int | None = None, *, backing: TierKind | None = None,
+               tenant: str = DEFAULT_TENANT) -> None:
         """Record that ``tier`` now holds ``key`` (and ``backing``, a slower tier, a second
         copy: a write-through put). Its parent must be cached (any tier).
 
-        Raises ChunkExists, InvalidArgument (orphan, bad size, unconfigured tier,
-        ``backing`` not slower than ``tier``), CapacityError (a tier's recorded usage
+        ``tenant`` owns it ("Tenants"). Raises ChunkExists, PermissionDenied (another tenant
+        owns ``key``), InvalidArgument (orphan, or a parent ``tenant`` may not see; bad size,
+        unconfigured tier, ``backing`` not slower than ``tier``), CapacityError (a tier's recorded usage
         would exceed its capacity: make room first with ``plan_eviction``/``claim_eviction``).
         """
         self.insert_chain((key,), parent, tier, size_bytes,
-                          None if checksum is None else (checksum,), backing=backing)
+                          None if checksum is None else (checksum,), backing=backing,
+                          tenant=tenant)
 
     def insert_chain(self, keys: Sequence[bytes], parent: bytes | None, tier: TierKind,
                      size_bytes: int | Sequence[int],
                      checksums: Sequence[int | None] | None = None, *,
-                     backing: TierKind | None = None) -> None:
+                     backing: TierKind | None = None, tenant: str = DEFAULT_TENANT) -> None:
         """Insert ``keys[0]`` under ``parent``, ``keys[i]`` under ``keys[i-1]``: all or nothing.
 
         ``size_bytes`` is one size for every key or one per key; ``backing`` as in
@@ -458,7 +498,7 @@ class CacheIndex:
                                       f"slower than {tier.value}")
             parent_node: _Node | None = None
             if parent is not None:
-                parent_node = self._entries.get(parent)
+                parent_node = _visible(self._entries.get(parent), tenant)
                 if parent_node is None:
                     raise InvalidArgument(
                         f"parent {bytes(parent).hex()} of {bytes(keys[0]).hex() if keys else '?'} "
@@ -469,8 +509,9 @@ class CacheIndex:
                     raise InvalidArgument(f"keys must be non-empty bytes, got {key!r}")
                 if not isinstance(size, int) or size <= 0:
                     raise InvalidArgument(f"size_bytes must be a positive int, got {size!r}")
-                if key in self._entries or key in seen:
+                if key in seen:
                     raise ChunkExists(f"chunk {key.hex()} is already indexed")
+                _check_owner(self._entries.get(key), tenant)
                 seen.add(key)
             total = sum(sizes)
             if st.used_bytes + total > st.budget.capacity_bytes:
@@ -487,7 +528,7 @@ class CacheIndex:
             up = parent_node
             for i, key in enumerate(keys):
                 node = _Node(key, up, tier, sizes[i],
-                             None if checksums is None else checksums[i], now)
+                             None if checksums is None else checksums[i], now, tenant)
                 if up is not None:
                     if up.children is None:
                         up.children = set()
@@ -507,7 +548,7 @@ class CacheIndex:
                 self._policy.on_insert(node)
 
     def insert_many(self, items: Sequence[tuple[bytes, bytes | None, int, int | None]],
-                    tier: TierKind) -> list[KvtierError | None]:
+                    tier: TierKind, tenant: str = DEFAULT_TENANT) -> list[KvtierError | None]:
         """Insert ``(key, parent, size_bytes, checksum)`` items in order under one lock round,
         each as ``insert`` would (a parent may be an earlier item), with one outcome per item:
         None, or the error ``insert`` would have raised (that item is not indexed, and an item
@@ -530,21 +571,21 @@ class CacheIndex:
                     continue
                 up: _Node | None = None
                 if parent is not None:
-                    up = entries.get(parent)
+                    up = _visible(entries.get(parent), tenant)
                     if up is None:
                         out.append(InvalidArgument(
                             f"parent {bytes(parent).hex()} of {key.hex()} is not cached: a chunk "
                             "without its prefix is useless"))
                         continue
                 if key in entries:
-                    out.append(ChunkExists(f"chunk {key.hex()} is already indexed"))
+                    out.append(_owner_error(entries[key], tenant))
                     continue
                 if st.used_bytes + size > capacity:
                     out.append(CapacityError(
                         f"{tier.value}: inserting {size} bytes would exceed capacity "
                         f"({st.used_bytes}/{capacity} bytes used)"))
                     continue
-                node = _Node(key, up, tier, size, checksum, now)
+                node = _Node(key, up, tier, size, checksum, now, tenant)
                 if up is not None:
                     if up.children is None:
                         up.children = set()
@@ -556,11 +597,21 @@ class CacheIndex:
                 out.append(None)
         return out
 
-    def present(self, keys: Iterable[bytes]) -> set[bytes]:
-        """Which of ``keys`` are cached (any tier), in one lock round."""
+    def present(self, keys: Iterable[bytes], tenant: str | None = None) -> set[bytes]:
+        """Which of ``keys`` are cached (any tier; visible to ``tenant``), in one lock round."""
         with self._lock:
             entries = self._entries
-            return {k for k in keys if k in entries}
+            return {k for k in keys if _visible(entries.get(k), tenant) is not None}
+
+    def check_writable(self, key: bytes, parent: bytes | None, tenant: str) -> None:
+        """The checks an insert of ``key`` by ``tenant`` makes, before any bytes move: ChunkExists
+        (``tenant`` already sees that key), PermissionDenied (another tenant owns it),
+        InvalidArgument (``parent`` is not cached or not visible to ``tenant``)."""
+        with self._lock:
+            _check_owner(self._entries.get(key), tenant)
+            if parent is not None and _visible(self._entries.get(parent), tenant) is None:
+                raise InvalidArgument(f"parent {bytes(parent).hex()} of {bytes(key).hex()} is "
+                                      "not cached: a chunk without its prefix is useless")
 
     def admit_count(self, keys: Sequence[bytes], parent: bytes | None, tier: TierKind,
                     size_bytes: int) -> int:
@@ -588,8 +639,8 @@ class CacheIndex:
     def _lease_id(self, lease: Lease | None) -> int:
         return -1 if lease is None else lease.lease_id
 
-    def _require(self, key: bytes) -> _Node:
-        node = self._entries.get(key)
+    def _require(self, key: bytes, tenant: str | None = None) -> _Node:
+        node = _visible(self._entries.get(key), tenant)
         if node is None:
             raise ChunkNotFound(bytes(key), "the cache index")
         return node
@@ -717,15 +768,18 @@ class CacheIndex:
             return snap
 
     def remove_subtree(self, key: bytes, *, force: bool = False,
-                       lease: Lease | None = None) -> list[bytes]:
+                       lease: Lease | None = None, tenant: str | None = None) -> list[bytes]:
         """Drop ``key`` and every cached descendant, deepest first; return the dropped keys.
 
         For chunks found corrupt or lost: their descendants are useless. Without
         ``force`` nothing is dropped when any of them is leased (ChunkBusy); with
-        ``force`` leases are ignored (the bytes are gone anyway).
+        ``force`` leases are ignored (the bytes are gone anyway). With ``tenant``, only a
+        chunk that tenant owns: another tenant's (a shared one too) is ChunkNotFound.
         """
         with self._lock:
             root = self._require(key)
+            if tenant is not None and root.tenant != tenant:
+                raise ChunkNotFound(bytes(key), "the cache index")
             now = self._clock()
             order: list[_Node] = []
             stack = [root]
@@ -803,19 +857,22 @@ class CacheIndex:
         """A SHARED lease on one key. Raises ChunkNotFound, ChunkBusy (claimed by a mover)."""
         return self.pin_many((key,), ttl_s)
 
-    def pin_many(self, keys: Iterable[bytes], ttl_s: float) -> Lease:
-        """A SHARED lease on every key, all or nothing. Raises ChunkNotFound, ChunkBusy."""
+    def pin_many(self, keys: Iterable[bytes], ttl_s: float, tenant: str | None = None) -> Lease:
+        """A SHARED lease on every key, all or nothing. Raises ChunkNotFound (also for a key
+        ``tenant`` may not see), ChunkBusy."""
         with self._lock:
             now = self._clock()
             self._reap_leases(now)
-            nodes = [self._require(key) for key in keys]
+            nodes = [self._require(key, tenant) for key in keys]
             for node in nodes:
                 if self._claimed(node, now):
                     raise ChunkBusy(f"chunk {node.key.hex()} is being moved or evicted")
             return self._grant(nodes, LeaseMode.SHARED, ttl_s, now)
 
-    def pin_prefix(self, keys: Sequence[bytes], ttl_s: float) -> Lease | None:
-        """Pin the longest cached, unclaimed prefix of ``keys``; None when it is empty.
+    def pin_prefix(self, keys: Sequence[bytes], ttl_s: float,
+                   tenant: str | None = None) -> Lease | None:
+        """Pin the longest cached, unclaimed prefix of ``keys`` (visible to ``tenant``); None
+        when it is empty.
 
         Match and pin are atomic, so the leased chunks cannot be evicted between
         the lookup and the copy. Not counted as a hit (call ``access_prefix``).
@@ -825,7 +882,7 @@ class CacheIndex:
             self._reap_leases(now)
             nodes: list[_Node] = []
             for key in keys:
-                node = self._entries.get(key)
+                node = _visible(self._entries.get(key), tenant)
                 if node is None or self._claimed(node, now):
                     break
                 nodes.append(node)
@@ -1027,3 +1084,17 @@ class CacheIndex:
                 f"({st.used_bytes}/{st.budget.capacity_bytes} used; the rest is leased"
                 + (" or holds cached children)" if drops else ")"))
         return victims
+
+
+def _owner_error(node: _Node, tenant: str) -> KvtierError:
+    """What an insert by ``tenant`` of ``node``'s key is told: ChunkExists when ``tenant`` may
+    see it, else PermissionDenied (it never replaces another tenant's chunk)."""
+    if _visible(node, tenant) is not None:
+        return ChunkExists(f"chunk {node.key.hex()} is already indexed")
+    return PermissionDenied(f"chunk {node.key.hex()} belongs to another tenant; tenant "
+                            f"{tenant!r} cannot write it")
+
+
+def _check_owner(node: _Node | None, tenant: str) -> None:
+    if node is not None:
+        raise _owner_error(node, tenant)
