@@ -12,6 +12,14 @@ Lifecycle and ownership
       The creating process **owns** the segment and unlinks it on :meth:`close`
       (or at interpreter exit if never closed). A ``SIGKILL`` leaves the segment
       behind; :func:`remove_stale_arenas` sweeps segments of dead processes.
+    * Who may map it: the segment is created ``0600`` (only the daemon's uid can open it;
+      a process of another user cannot map it at all). With ``group`` it is handed to that
+      group and made ``0660`` (``group_access=READ_WRITE``: same-host clients of the group
+      write reserved slots in place) or ``0640`` (``READ_ONLY``), set with ``fchown`` /
+      ``fchmod`` on the new descriptor before any byte is written, so the umask changes
+      nothing and no other mode is ever visible. A process that may map an arena can read
+      every chunk in it, of every tenant: keep tenant groups that must not see each other on
+      separate daemons (separate arenas).
     * :meth:`ShmArena.attach` maps an existing arena read-only (the default) or
       read-write from another local process; it never unlinks.
     * Views handed out (:meth:`view`) keep the mapping alive: if any is still
@@ -88,6 +96,16 @@ def default_arena_name() -> str:
     return f"{ARENA_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
 
 
+def arena_mode(group: int | None, group_access: ArenaAccess = ArenaAccess.READ_WRITE) -> int:
+    """The file mode of a new arena: ``0600``; with a group ``0660`` or ``0640``. Raises
+    InvalidArgument for a bad gid."""
+    if group is None:
+        return 0o600
+    if not isinstance(group, int) or isinstance(group, bool) or group < 0:
+        raise InvalidArgument(f"arena group must be a gid (int >= 0), got {group!r}")
+    return 0o660 if group_access is ArenaAccess.READ_WRITE else 0o640
+
+
 def _shm_path(name: str) -> str:
     if not _NAME_RE.match(name):
         raise InvalidArgument(f"bad shared-memory arena name {name!r} (letters, digits, '._-')")
@@ -154,10 +172,15 @@ class ShmArena:
         name: str | None = None,
         prefault: bool = True,
         pin: PinMode = PinMode.AUTO,
+        group: int | None = None,
+        group_access: ArenaAccess = ArenaAccess.READ_WRITE,
     ) -> ShmArena:
         """Create, reserve, map and pre-fault a new arena of ``size_bytes`` (page-rounded).
 
-        Raises ``InvalidArgument`` (bad size or name, or the name exists),
+        Mode ``0600``; with ``group`` (a gid) the segment belongs to that group and is ``0660``
+        (``group_access`` READ_WRITE) or ``0640`` (READ_ONLY): module docstring.
+
+        Raises ``InvalidArgument`` (bad size, name or group, or the name exists),
         ``CapacityError`` (``/dev/shm`` lacks the room), ``TierUnavailable`` (no
         ``/dev/shm``; or ``PinMode.REQUIRE`` without a GPU).
         """
@@ -168,6 +191,7 @@ class ShmArena:
         path = _shm_path(name)
         if pin is PinMode.REQUIRE and not cuda.cuda_available():
             raise TierUnavailable("PinMode.REQUIRE but no CUDA device is available")
+        mode = arena_mode(group, group_access)
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
         except FileExistsError as exc:
@@ -176,6 +200,13 @@ class ShmArena:
             raise StorageError(f"cannot create {path}: {exc}") from exc
         arena: ShmArena | None = None
         try:
+            try:
+                if group is not None:
+                    os.fchown(fd, -1, group)
+                os.fchmod(fd, mode)  # explicit: the umask only ever narrows O_CREAT's mode
+            except OSError as exc:
+                raise StorageError(f"cannot give {path} to group {group} with mode "
+                                   f"{mode:#o}: {exc}") from exc
             try:
                 os.posix_fallocate(fd, 0, size_bytes)
             except OSError as exc:

@@ -68,6 +68,21 @@ class NvmeTierConfig:
     """Reads of one large chunk keep this many pieces in flight."""
     open_verify: OpenVerify = OpenVerify.NEWEST
     open_verify_newest: int = 64
+    group: int | None = None
+    """Who besides the daemon's uid may read the tier's files. None: nobody (directory
+    ``0700``, files ``0600``). A gid: the directory and files belong to that group, directory
+    ``0750``, files ``0640`` (read-only for the group: an operator's backup or inspection
+    tool; clients never read segment files, the daemon serves them)."""
+
+    @property
+    def directory_mode(self) -> int:
+        """The mode the tier gives its directory (``group``)."""
+        return 0o700 if self.group is None else 0o750
+
+    @property
+    def file_mode(self) -> int:
+        """The mode the tier gives its segment and lock files (``group``)."""
+        return 0o600 if self.group is None else 0o640
 
     def __post_init__(self) -> None:
         if isinstance(self.directory, str):
@@ -95,5 +110,7 @@ class NvmeTierConfig:
             raise ConfigError(f"io_mode must be an IoMode or None, got {self.io_mode!r}")
         if not isinstance(self.preallocation, Preallocation):
             raise ConfigError(f"preallocation must be a Preallocation, got {self.preallocation!r}")
+        if self.group is not None and (not _is_int(self.group) or self.group < 0):
+            raise ConfigError(f"group must be a gid (int >= 0) or None, got {self.group!r}")
         if not isinstance(self.open_verify, OpenVerify):
             raise ConfigError(f"open_verify must be an OpenVerify, got {self.open_verify!r}")

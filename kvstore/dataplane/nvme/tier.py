@@ -109,6 +109,7 @@ from kvstore.errors import (
     ChunkCorrupt,
     ChunkExists,
     ChunkNotFound,
+    ConfigError,
     DiskFull,
     InvalidArgument,
     SizeMismatch,
@@ -175,17 +176,17 @@ class NvmeTier:
         figure becomes :attr:`capacity_bytes`, so the cache's budgets and the daemon's Stats
         are true; below ``MIN_REAL_CAPACITY_BYTES`` the open is refused with ``DiskFull``.
 
+        The directory gets ``config.directory_mode`` (0700, or 0750 for ``config.group``) and
+        existing segment and lock files ``config.file_mode`` (0600 / 0640): only the daemon's
+        uid and the group can open them.
+
         Raises ``TierUnavailable`` when another tier holds the directory or O_DIRECT was
         required but is unsupported, ``ConfigError`` when the segments found exceed the
-        capacity, ``DiskFull`` when the filesystem has no sane room for the tier,
+        capacity or the directory is world-writable, ``DiskFull`` when the filesystem has no sane room for the tier,
         ``StorageError`` when the directory cannot be used.
         """
-        try:
-            config.directory.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise StorageError(f"cannot create NVMe tier directory {config.directory}: "
-                               f"{exc.strerror}") from exc
-        lock_fd = _lock_directory(config.directory)
+        _make_private_directory(config)
+        lock_fd = _lock_directory(config.directory, config.file_mode)
         tier: NvmeTier | None = None
         try:
             existing = [p for p in sorted(config.directory.glob("seg-*.kvt"))
@@ -201,6 +202,7 @@ class NvmeTier:
                                       f"{reason}")
             if config.io_mode is IoMode.BUFFERED:
                 probed, reason = IoMode.BUFFERED, "buffered I/O requested by configuration"
+            _restrict_files(config, existing)
             tier = cls(config, lock_fd=lock_fd, io_mode=probed, io_mode_reason=reason,
                        capacity_bytes=capacity)
             tier._recovery = recover(tier._core, tier._reader, tier._writer)
@@ -527,13 +529,60 @@ def _capacity_the_filesystem_gives(config: NvmeTierConfig) -> int:
     return capacity
 
 
-def _lock_directory(directory: Path) -> int:
+def _make_private_directory(config: NvmeTierConfig) -> None:
+    """Create ``config.directory`` (parents as the umask allows) and give the directory itself
+    ``config.directory_mode`` and ``config.group``, so only the daemon's uid (and the group)
+    can reach the segment files inside, whatever their own modes. A directory others may
+    write to (``/tmp``-like: world-writable) is refused: the tier needs a directory of its
+    own. Raises StorageError, ConfigError."""
+    directory = config.directory
+    try:
+        directory.mkdir(parents=True, exist_ok=True, mode=config.directory_mode)
+        st = directory.stat()
+    except OSError as exc:
+        raise StorageError(f"cannot create NVMe tier directory {directory}: "
+                           f"{exc.strerror}") from exc
+    if st.st_mode & 0o002:
+        raise ConfigError(f"NVMe tier directory {directory} is world-writable "
+                          f"({st.st_mode & 0o7777:#o}): give the tier a directory of its own")
+    try:
+        if config.group is not None and st.st_gid != config.group:
+            os.chown(directory, -1, config.group)
+        if st.st_mode & 0o7777 != config.directory_mode:
+            os.chmod(directory, config.directory_mode)
+    except OSError as exc:
+        raise StorageError(f"cannot restrict NVMe tier directory {directory} to mode "
+                           f"{config.directory_mode:#o} (group {config.group}): "
+                           f"{exc.strerror}") from exc
+
+
+def _restrict_files(config: NvmeTierConfig, segments: list[Path]) -> None:
+    """Give existing segment files ``config.file_mode`` and ``config.group`` (files written
+    by an older version were ``0644``). Raises StorageError."""
+    for path in segments:
+        try:
+            st = path.stat()
+            if config.group is not None and st.st_gid != config.group:
+                os.chown(path, -1, config.group)
+            if st.st_mode & 0o7777 != config.file_mode:
+                os.chmod(path, config.file_mode)
+        except OSError as exc:
+            raise os_error(exc, f"restricting segment {path.name} to mode "
+                               f"{config.file_mode:#o}") from exc
+
+
+def _lock_directory(directory: Path, file_mode: int = 0o600) -> int:
     """Take the directory's exclusive ``flock`` (released by the kernel if the process dies)."""
     path = directory / LOCK_FILE_NAME
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, file_mode)
     except OSError as exc:
         raise os_error(exc, f"opening lock file {path}") from exc
+    try:
+        os.fchmod(fd, file_mode)  # a lock file an older version made 0644
+    except OSError as exc:
+        os.close(fd)
+        raise os_error(exc, f"restricting lock file {path}") from exc
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError as exc:

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import ipaddress
 import logging
 import os
 import secrets
@@ -189,13 +190,42 @@ def ucx_unavailable() -> str | None:
     return None
 
 
-class _Worker:
-    """A UCX context + worker in blocking progress mode, used by one thread at a time."""
+LOOPBACK_NET_DEVICES = "lo"
+"""UCX's ``NET_DEVICES`` for a worker that must stay on this host: only the loopback network
+device. Shared memory and CMA are not network devices, so same-host transfers keep them."""
 
-    def __init__(self) -> None:
+
+def net_devices_for(host: str) -> str | None:
+    """The UCX ``NET_DEVICES`` a worker serving ``host`` uses: :data:`LOOPBACK_NET_DEVICES`
+    for a loopback host (``127.0.0.0/8``, ``::1``, ``localhost``), None (UCX's default: every
+    device, RDMA ones included) otherwise.
+
+    Why: a UCX worker's ``tcp`` transport opens a listening socket on *every* network
+    device's address for connection establishment, whatever address the daemon was told to
+    serve on, so a daemon configured for ``server.host=127.0.0.1`` also listened on the
+    host's external address (measured: ``192.0.2.2:41345`` beside ``127.0.0.1:46993``).
+    Restricting the devices is the only bind UCX has."""
+    name = host.strip("[]").lower()
+    if name == "localhost":
+        return LOOPBACK_NET_DEVICES
+    try:
+        if ipaddress.ip_address(name).is_loopback:
+            return LOOPBACK_NET_DEVICES
+    except ValueError:
+        return None  # a host name: not known to be loopback
+    return None
+
+
+class _Worker:
+    """A UCX context + worker in blocking progress mode, used by one thread at a time.
+    ``net_devices``: UCX's ``NET_DEVICES`` (None: UCX's default, every device)."""
+
+    def __init__(self, net_devices: str | None = None) -> None:
         ucx = _ucx()
         self.ucx = ucx
-        self.context = ucx.UCXContext(feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
+        config = {"NET_DEVICES": net_devices} if net_devices else {}
+        self.context = ucx.UCXContext(config_dict=config,
+                                      feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
         self.worker = ucx.UCXWorker(self.context, enable_delayed_submission=False,
                                     enable_python_future=False)
         self.worker.init_blocking_progress_mode()
@@ -240,8 +270,13 @@ class UcxClientConfig:
     liveness_interval_s: float = 0.5
     inline_put_bytes: int = DEFAULT_INLINE_PUT_BYTES
     max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES
+    net_devices: str | None = None
+    """UCX ``NET_DEVICES`` of the client's workers (None: every device; ``"lo"`` keeps a
+    client of a loopback daemon off the host's external addresses: :func:`net_devices_for`)."""
 
     def __post_init__(self) -> None:
+        if self.net_devices is not None and not self.net_devices:
+            raise InvalidArgument("net_devices must be None or a UCX device list, not empty")
         if not 1 <= self.lanes <= 64:
             raise InvalidArgument(f"lanes must be 1..64, got {self.lanes}")
         if self.io_timeout_s <= 0 or self.liveness_interval_s <= 0:
@@ -259,7 +294,7 @@ class _Lane:
                  liveness: Callable[[], bool] | None) -> None:
         self._config = config
         self._liveness = liveness
-        self.worker = _Worker()
+        self.worker = _Worker(config.net_devices)
         self.client_id = secrets.randbits(32)
         self.seq = 0
         self.broken = False
@@ -388,14 +423,17 @@ class UcxClient:
     def __init__(self, worker_address: bytes, *, lanes: int = 2, io_timeout_s: float = 30.0,
                  liveness: Callable[[], bool] | None = None, liveness_interval_s: float = 0.5,
                  inline_put_bytes: int = DEFAULT_INLINE_PUT_BYTES,
-                 max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES) -> None:
+                 max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+                 net_devices: str | None = None) -> None:
+        """``net_devices``: :attr:`UcxClientConfig.net_devices`."""
         if not worker_address:
             raise InvalidArgument("a UCX worker address must not be empty")
         self._server_address = bytes(worker_address)
         self._config = UcxClientConfig(lanes=lanes, io_timeout_s=io_timeout_s,
                                        liveness_interval_s=liveness_interval_s,
                                        inline_put_bytes=inline_put_bytes,
-                                       max_value_bytes=max_value_bytes)
+                                       max_value_bytes=max_value_bytes,
+                                       net_devices=net_devices)
         self._liveness = liveness
         self._lock = threading.Lock()
         self._idle: list[_Lane] = []
@@ -536,9 +574,14 @@ class UcxClient:
 
 @dataclass(frozen=True, slots=True)
 class UcxServerConfig:
-    """Server tuning. ``host`` is only advertised (UCX has no port to bind)."""
+    """Server tuning. ``host`` is advertised (UCX has no port to bind); ``listen_host`` (None:
+    ``host``) is the address the daemon serves on, and decides which network devices the
+    worker may use (:func:`net_devices_for`: loopback stays loopback). ``net_devices``, when
+    set, is UCX's ``NET_DEVICES`` as given (e.g. ``"mlx5_0:1,eth0"``)."""
 
     host: str = "127.0.0.1"
+    listen_host: str | None = None
+    net_devices: str | None = None
     max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES
     io_timeout_s: float = 30.0
     inline_put_bytes: int = DEFAULT_INLINE_PUT_BYTES
@@ -555,6 +598,10 @@ class UcxServerConfig:
     def __post_init__(self) -> None:
         if not self.host:
             raise InvalidArgument("host must not be empty")
+        if self.listen_host is not None and not self.listen_host:
+            raise InvalidArgument("listen_host must be None or an address, not empty")
+        if self.net_devices is not None and not self.net_devices:
+            raise InvalidArgument("net_devices must be None or a UCX device list, not empty")
         if self.max_value_bytes < 1:
             raise InvalidArgument(f"max_value_bytes must be >= 1, got {self.max_value_bytes}")
         if self.io_timeout_s <= 0 or self.poll_interval_s <= 0 or self.drain_timeout_s < 0:
@@ -669,7 +716,10 @@ class UcxServer:
 
     def _run(self) -> None:
         try:
-            self._w = _Worker()
+            cfg = self._config
+            devices = cfg.net_devices or net_devices_for(cfg.listen_host or cfg.host)
+            self._w = _Worker(devices)
+            log.info("UCX server worker on network devices %s", devices or "all (UCX default)")
             for _ in range(self._config.request_slots):
                 self._slots.append(self._post_slot(None))
         except BaseException as exc:

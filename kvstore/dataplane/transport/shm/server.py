@@ -41,6 +41,15 @@ Draining: :meth:`ShmChannelServer.close` stops accepting, refuses new ACQUIRE/RE
 (``TierUnavailable``), lets commits, aborts and releases through until no connection holds a
 lease or ``drain_timeout_s`` passes, then closes every connection (ending what is left).
 
+Who may connect: the lease channel is an abstract Unix socket (no file, so no file mode
+applies; any process in the host's network namespace can connect). What guards it is the
+kernel's ``SO_PEERCRED``: at accept the peer's uid and primary gid are checked against a
+:class:`~kvstore.dataplane.transport.auth.PeerAllowlist` (default: this process's uid only), and
+a peer not on it gets one ``STATUS_CLOSING`` reply naming ``PermissionDenied`` (the allowlist in
+its message; the client raises it) and the close, with a WARNING log line, before any frame of
+it is read. ``authorize_peer`` (optional) is a further check on the credentials of a peer the
+allowlist allows, raising ``PermissionDenied`` or ``Unauthenticated`` the same way.
+
 Lease-free reads: a client that copied chunks through the read index (no lease, no request)
 reports their keys afterwards in READS requests; the server hands them to ``on_reads`` (the
 daemon counts hits and refreshes recency). They never fail and never get a reply unless asked.
@@ -60,6 +69,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from kvstore.dataplane.transport.auth import PeerAllowlist, PeerCredentials
 from kvstore.dataplane.transport.base import ArenaLeaseBackend, Endpoint, TransportKind
 from kvstore.dataplane.transport.shm.frames import (
     FLAG_NO_REPLY,
@@ -84,9 +94,11 @@ from kvstore.errors import (
     ChunkExists,
     InvalidArgument,
     KvtierError,
+    PermissionDenied,
     ProtocolError,
     TierUnavailable,
     TransportError,
+    Unauthenticated,
     error_name,
 )
 
@@ -275,10 +287,12 @@ class ShmServer:
                  name: str | None = None,
                  on_reads: Callable[[list[bytes]], None] | None = None,
                  header_timeout_s: float = 10.0, idle_timeout_s: float = 300.0,
-                 max_connections: int = 1024) -> None:
+                 max_connections: int = 1024, allowed_peers: PeerAllowlist | None = None,
+                 authorize_peer: Callable[[PeerCredentials], None] | None = None) -> None:
         """``on_reads`` receives the keys of each READS report (module docstring), on the
         connection's thread. ``header_timeout_s``, ``idle_timeout_s``, ``max_connections``:
-        module docstring, "Bounds"."""
+        module docstring, "Bounds". ``allowed_peers`` (default: this process's uid only) and
+        ``authorize_peer``: module docstring, "Who may connect"."""
         for bound, value in (("header_timeout_s", header_timeout_s),
                              ("idle_timeout_s", idle_timeout_s)):
             if not 0 < value < math.inf:
@@ -293,6 +307,10 @@ class ShmServer:
         self.idle_closed = 0
         """Connections closed after ``idle_timeout_s`` without a request (module docstring,
         "Bounds")."""
+        self._allowed = allowed_peers if allowed_peers is not None else PeerAllowlist()
+        self._authorize_peer = authorize_peer
+        self.denied = 0
+        """Connections refused because their peer's credentials are not allowed."""
         self._leases = leases
         self._on_reads = on_reads
         self._lease_ttl_s = lease_ttl_s
@@ -375,10 +393,17 @@ class ShmServer:
                 return  # closed
             try:
                 creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
-                pid = int.from_bytes(creds[:4], "little")
-            except OSError:
-                pid = -1
-            conn = _Connection(sock, f"pid {pid}")
+                peer = PeerCredentials(*struct.unpack("<iII", creds))
+            except (OSError, struct.error):
+                peer = PeerCredentials(-1, 2**32 - 1, 2**32 - 1)  # unknown: allowed by no list
+            pid = peer.pid
+            conn = _Connection(sock, str(peer))
+            refusal = self._check_peer(peer)
+            if refusal is not None:
+                with self._lock:
+                    self.denied += 1
+                self._deny(conn, refusal)
+                continue
             with self._lock:
                 if self._closed:
                     sock.close()
@@ -394,6 +419,33 @@ class ShmServer:
             conn.thread = threading.Thread(target=self._serve, args=(conn,), daemon=True,
                                            name=f"kvtier-shm-{pid}")
             conn.thread.start()
+
+    @property
+    def allowed_peers(self) -> PeerAllowlist:
+        return self._allowed
+
+    def _check_peer(self, peer: PeerCredentials) -> KvtierError | None:
+        """Why ``peer`` may not use the lease channel, or None when it may."""
+        if not self._allowed.allows(peer):
+            return PermissionDenied(
+                f"the lease channel {self.address} refuses {peer}: it serves only "
+                f"{self._allowed.describe()} (the daemon's server.shm_allowed_uids / "
+                "shm_allowed_gids)")
+        if self._authorize_peer is not None:
+            try:
+                self._authorize_peer(peer)
+            except (PermissionDenied, Unauthenticated) as exc:
+                return exc
+        return None
+
+    def _deny(self, conn: _Connection, exc: KvtierError) -> None:
+        """A peer whose credentials are not allowed: a closing reply naming the error (a
+        few dozen bytes into an empty send buffer: never blocks), a log line, the close.
+        Nothing of what it sent is read."""
+        log.warning("lease channel: refusing %s: %s", conn.peer, exc)
+        with contextlib.suppress(OSError):
+            conn.sock.send(_closing_reply(exc), socket.MSG_DONTWAIT)
+        conn.sock.close()
 
     def _refuse(self, conn: _Connection) -> None:
         """One connection over ``max_connections``: a closing ``CapacityError`` reply (a few

@@ -1,0 +1,128 @@
+"""Who may use a data-plane listener: same-host peer allowlists and injected session checks.
+
+The data plane cannot know kvtier's principals (that is :mod:`kvstore.security`, a box above
+it), so its listeners take plain values and hooks that the daemon wires in:
+
+* :class:`PeerAllowlist`: the uids and gids a same-host peer (the lease channel's
+  ``SO_PEERCRED``) may run as. The default allows only the uid of this process: a process of
+  another user on the host is refused before any frame is served.
+* :class:`SessionAuthorizer`: a callable ``authorize(ticket, peer) -> SessionGrant`` that
+  verifies the session ticket a TCP connection presents before any frame is served, raising
+  :class:`~kvstore.errors.Unauthenticated` (no, forged, stale or expired ticket) or
+  :class:`~kvstore.errors.PermissionDenied`. The daemon's is
+  :meth:`kvstore.security.tickets.TicketAuthority.authorize`. Without one a listener serves
+  every connection as :data:`INSECURE_GRANT` (today's loopback behaviour).
+* :func:`current_grant`: the :class:`SessionGrant` of the connection a backend call is serving
+  (each TCP connection runs on its own thread, which sets it once when the ticket verified),
+  so a backend that knows its chunks' tenants can check them per key.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+from kvstore.errors import InvalidArgument
+
+MAX_TICKET_BYTES = 1024
+"""Longest session ticket a listener reads (a ticket rides in one frame's payload)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerCredentials:
+    """A same-host peer as the kernel reports it (``SO_PEERCRED``): its pid, uid and primary
+    gid when it connected."""
+
+    pid: int
+    uid: int
+    gid: int
+
+    def __str__(self) -> str:
+        return f"pid {self.pid} (uid {self.uid}, gid {self.gid})"
+
+
+@dataclass(frozen=True, slots=True)
+class PeerAllowlist:
+    """The uids and gids a same-host peer may run as. ``uids`` defaults to this process's own
+    uid only; ``gids`` to none. A peer is allowed when its uid is listed or its primary gid
+    (the gid ``SO_PEERCRED`` reports) is listed: put engines of another user in a group the
+    daemon allows, or list their uid."""
+
+    uids: frozenset[int] = field(default_factory=lambda: frozenset({os.getuid()}))
+    gids: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        for what, ids in (("uid", self.uids), ("gid", self.gids)):
+            if not isinstance(ids, frozenset):
+                raise InvalidArgument(f"{what}s must be a frozenset of ints, got {ids!r}")
+            for value in ids:
+                if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                    raise InvalidArgument(f"{what}s must hold ints >= 0, got {value!r}")
+
+    @classmethod
+    def of(cls, uids: tuple[int, ...] | list[int] = (), gids: tuple[int, ...] | list[int] = (),
+           *, include_self: bool = True) -> PeerAllowlist:
+        """This process's uid (unless ``include_self`` is False) plus ``uids``; ``gids``."""
+        own = {os.getuid()} if include_self else set()
+        return cls(frozenset(own | set(uids)), frozenset(gids))
+
+    def allows(self, peer: PeerCredentials) -> bool:
+        return peer.uid in self.uids or peer.gid in self.gids
+
+    def describe(self) -> str:
+        """The allowlist for a log line or an error message."""
+        uids = ", ".join(str(u) for u in sorted(self.uids)) or "none"
+        gids = ", ".join(str(g) for g in sorted(self.gids)) or "none"
+        return f"uids {uids}; gids {gids}"
+
+
+@dataclass(frozen=True, slots=True)
+class SessionGrant:
+    """What a verified session ticket allows one data-plane connection: the principal's
+    ``name`` (for logs), its ``role`` (a :class:`kvstore.security.identity.Role` value as a
+    string), its ``tenants`` (None: every tenant) and when the grant ends
+    (``expires_at_unix_s``, wall clock: tickets cross processes). A connection whose grant has
+    ended is closed at its next request."""
+
+    name: str
+    role: str
+    tenants: frozenset[str] | None
+    expires_at_unix_s: float
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise InvalidArgument("a session grant needs the principal's name")
+        if self.tenants is not None and not isinstance(self.tenants, frozenset):
+            raise InvalidArgument(f"tenants must be a frozenset or None, got {self.tenants!r}")
+        if math.isnan(self.expires_at_unix_s):
+            raise InvalidArgument("expires_at_unix_s must be a time, got nan")
+
+    def may_access(self, tenant: str) -> bool:
+        return self.tenants is None or tenant in self.tenants
+
+
+INSECURE_GRANT = SessionGrant("insecure", "operator", None, math.inf)
+"""The grant of every connection to a listener without a :class:`SessionAuthorizer`."""
+
+SessionAuthorizer = Callable[[bytes, str], SessionGrant]
+"""``authorize(ticket, peer)``: verify ``ticket`` (the bytes a connection presented) for the
+peer ``peer`` (``host:port``, for logs and optional binding) and return its grant. Raises
+``Unauthenticated`` (forged, stale, expired, malformed) or ``PermissionDenied``. Called on the
+connection's own thread, once per connection; it must be thread-safe."""
+
+_current_grant: ContextVar[SessionGrant] = ContextVar("kvtier_session_grant",
+                                                       default=INSECURE_GRANT)
+
+
+def current_grant() -> SessionGrant:
+    """The grant of the data-plane connection being served on this thread
+    (:data:`INSECURE_GRANT` on a listener without an authorizer, or outside one)."""
+    return _current_grant.get()
+
+
+def set_current_grant(grant: SessionGrant) -> None:
+    """Set this thread's grant (a listener calls it once on each connection's own thread)."""
+    _current_grant.set(grant)
