@@ -47,11 +47,13 @@ from kvstore.errors import (
     InvalidArgument,
     KvtierError,
     PeerUnavailable,
+    PermissionDenied,
     ProtocolError,
     SizeMismatch,
     StorageError,
     TierUnavailable,
     TransportError,
+    Unauthenticated,
 )
 
 MAGIC = b"KVTR"
@@ -82,6 +84,10 @@ class Opcode(enum.IntEnum):
     """Bytes [offset, offset+length) of a reserved value; the part that completes it commits."""
     PUT_ABORT = 9
     """Drop a reservation (best effort: an abandoned one also expires)."""
+    HELLO = 10
+    """The session ticket (the payload, at most ``MAX_TICKET_BYTES``), as the first frame of a
+    connection to a server that requires one; the response is OK, or ``UNAUTHENTICATED`` /
+    ``PERMISSION_DENIED`` and the close. A server without an authorizer answers OK."""
 
 
 class Flags(enum.IntFlag):
@@ -115,6 +121,9 @@ class Status(enum.IntEnum):
     """The reservation expired, was aborted, or never existed."""
     SHUTTING_DOWN = 13
     INTERNAL = 14
+    UNAUTHENTICATED = 15
+    """No session ticket, or one that does not verify (forged, stale, expired)."""
+    PERMISSION_DENIED = 16
 
 
 # int -> member tables: a dict lookup is several times cheaper than calling the Enum class.
@@ -236,6 +245,8 @@ _STATUS_FOR_ERROR: tuple[tuple[type[KvtierError], Status], ...] = (
     (TierUnavailable, Status.UNAVAILABLE),
     (InvalidArgument, Status.BAD_REQUEST),
     (ProtocolError, Status.PROTOCOL),
+    (Unauthenticated, Status.UNAUTHENTICATED),
+    (PermissionDenied, Status.PERMISSION_DENIED),
 )
 
 
@@ -275,6 +286,10 @@ def error_for_status(header: Header, key: bytes, detail: str, *, expected_size: 
         return InvalidArgument(msg)
     if status is Status.PROTOCOL:
         return ProtocolError(msg)
+    if status is Status.UNAUTHENTICATED:
+        return Unauthenticated(msg)
+    if status is Status.PERMISSION_DENIED:
+        return PermissionDenied(msg)
     if status is Status.SHUTTING_DOWN:
         return PeerUnavailable(msg)
     if status is Status.UNKNOWN_TRANSFER:

@@ -420,7 +420,16 @@ class TcpClient:
                  max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
                  connect_timeout_s: float = 5.0, io_timeout_s: float = 30.0,
                  socket_buffer_bytes: int | None = None,
-                 spin_us: int = DEFAULT_SPIN_US) -> None:
+                 spin_us: int = DEFAULT_SPIN_US,
+                 ticket: bytes | Callable[[], bytes] | None = None) -> None:
+        """``ticket``: the session ticket every new connection presents first (a HELLO
+        frame) to a server that requires one, or a callable returning the current one (called
+        per new connection: it may renew an expiring ticket). A refused ticket fails the call
+        that opened the connection with ``Unauthenticated`` / ``PermissionDenied``."""
+        if ticket is not None and not callable(ticket) and not isinstance(ticket, bytes):
+            raise InvalidArgument(f"ticket must be bytes, a callable or None, got "
+                                  f"{type(ticket).__name__}")
+        self._ticket = ticket
         self._endpoint = Endpoint(TransportKind.TCP, host, port)
         self._config = TcpClientConfig(
             connections=connections, stripe_threshold_bytes=stripe_threshold_bytes,
@@ -850,11 +859,32 @@ class TcpClient:
             raise PeerUnavailable(f"cannot configure the connection to {host}:{port}: {exc}"
                                   ) from exc
         ext = native.load_extension()
-        return _ClientConnection(
+        conn = _ClientConnection(
             sock, self._config.max_value_bytes,
             fast_get=None if ext is None else ext.tcp_get,
             spin_ns=self._config.spin_us * 1000,
             timeout_ms=-1)  # blocking with kernel timeouts (tune): sleep in the receive
+        if self._ticket is not None:
+            self._present_ticket(conn)
+        return conn
+
+    def _present_ticket(self, conn: _ClientConnection) -> None:
+        """Send the session ticket as the connection's first frame and wait for the OK.
+        Raises Unauthenticated / PermissionDenied (refused: the server closes), PeerUnavailable;
+        the connection is closed on any failure."""
+        ticket = self._ticket
+        try:
+            raw = ticket() if callable(ticket) else ticket
+            if not isinstance(raw, bytes):
+                raise InvalidArgument(f"the ticket provider returned {type(raw).__name__}, "
+                                      "not bytes")
+            conn.request(Opcode.HELLO, b"", payload=memoryview(raw))
+        except BaseException:
+            conn.close()
+            raise
+        # The ticket's exchange does not count as a request: the first real one is again
+        # request 1, whose EOF before an answer is the server's (not a stale pool's) doing.
+        conn._ids = itertools.count(1)
 
     @staticmethod
     def _check_payload(header: Header, length: int, offset: int) -> None:

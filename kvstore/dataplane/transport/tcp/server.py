@@ -22,6 +22,20 @@ Bounds (``TcpServerConfig``; docs/transport.md, "Limits"):
   ``HEADER_TIMEOUT`` when it runs out, however the bytes trickle in; a frame it hands back
   partial keeps its clock in Python (``NativeLoop.take_frame_clock``).
 * ``io_timeout_s``: the longest stall inside a payload, and the send timeout.
+
+Session tickets (``authorize``, optional; :mod:`kvstore.dataplane.transport.auth`): with an
+authorizer, the first frame of every connection must be a ``HELLO`` carrying a session ticket,
+whole within ``header_timeout_s`` of the accept. Anything else (another opcode, no frame, a
+ticket the authorizer refuses: missing, forged, stale, expired) is answered with one
+``UNAUTHENTICATED`` (or ``PERMISSION_DENIED``) frame naming the reason, a WARNING log line, and
+the close; no other frame of that connection is read, so nothing is served and nothing is
+touched in the backend. Garbage in place of a header is a ``PROTOCOL`` frame and the close, as
+always. A verified grant is set as the connection thread's :func:`~.auth.current_grant` (a
+backend may check tenants per key) and ends the connection once it expires: the check is one
+wall-clock read per request served in Python and per return of the native loop (at least one
+per receive tick, so an expired connection is closed within a tick of its next request). A
+later ``HELLO`` on the connection renews the grant. Without an authorizer every connection is
+served at once, as :data:`~.auth.INSECURE_GRANT`, and a ``HELLO`` is answered OK.
 """
 
 from __future__ import annotations
@@ -45,6 +59,12 @@ from dataclasses import dataclass, field
 
 from kvstore.dataplane import native
 from kvstore.dataplane.tier import MAX_KEY_BYTES, ChunkKey, check_key
+from kvstore.dataplane.transport.auth import (
+    MAX_TICKET_BYTES,
+    SessionAuthorizer,
+    SessionGrant,
+    set_current_grant,
+)
 from kvstore.dataplane.transport.base import Endpoint, LeaseBackend, TransportKind, WriteLease
 from kvstore.dataplane.transport.frames import (
     DEFAULT_MAX_VALUE_BYTES,
@@ -75,9 +95,11 @@ from kvstore.errors import (
     InvariantViolation,
     KvtierError,
     PeerUnavailable,
+    PermissionDenied,
     ProtocolError,
     SizeMismatch,
     TransportError,
+    Unauthenticated,
 )
 
 log = logging.getLogger(__name__)
@@ -180,6 +202,8 @@ class TcpServerStats:
     header_timeouts: int = 0
     """Connections closed because a frame's header did not arrive within ``header_timeout_s``
     (also counted in ``protocol_errors``)."""
+    connections_unauthenticated: int = 0
+    """Connections refused or closed for their session ticket (none, refused, expired)."""
 
 
 @dataclass(slots=True)
@@ -205,9 +229,13 @@ class TcpServer:
     drains (see ``TransportServer.close``). Usable as a context manager (start/close).
     """
 
-    def __init__(self, backend: LeaseBackend, config: TcpServerConfig | None = None) -> None:
+    def __init__(self, backend: LeaseBackend, config: TcpServerConfig | None = None, *,
+                 authorize: SessionAuthorizer | None = None) -> None:
+        """``authorize``: the session-ticket check every connection passes before any frame
+        is served (module docstring, "Session tickets"); None serves every connection."""
         self._backend = backend
         self._config = config or TcpServerConfig()
+        self._authorize = authorize
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
         self._endpoint: Endpoint | None = None
@@ -351,6 +379,7 @@ class TcpServer:
                 connections_refused=self._counts["connections_refused"],
                 connections_idle_closed=self._counts["connections_idle_closed"],
                 header_timeouts=self._counts["header_timeouts"],
+                connections_unauthenticated=self._counts["connections_unauthenticated"],
             )
 
     # --- threads ------------------------------------------------------------------------------
@@ -567,6 +596,10 @@ class _ServerConnection:
         self._idle_ticks = 0
         """Receive ticks in a row without a request (``_idle_tick``)."""
         self._served_at_tick = 0
+        self.grant: SessionGrant | None = None
+        """The verified grant of this connection's ticket (None: no authorizer, or not yet)."""
+        self._grant_expires_at = math.inf
+        """When ``grant`` ends (wall clock); inf without one."""
         self.idle_closed = False
         """Closed after ``idle_timeout_s`` without a request."""
         self.header_timed_out = False
@@ -620,8 +653,12 @@ class _ServerConnection:
         announced = False
         loop = self.native_loop
         try:
+            if self.server._authorize is not None and not self._authenticate():
+                return  # refused: the finally closes it
             while True:
                 self._frame_deadline = 0.0
+                if self._grant_expires_at < math.inf and self._grant_expired():
+                    break
                 if loop is not None:
                     # The C loop serves plain small GETs of published chunks and hands back
                     # everything else with the buffer positions at that frame (module
@@ -647,6 +684,8 @@ class _ServerConnection:
                 header = decode_header(self.rbuf, self._max_value_bytes, self.rpos)
                 self.rpos += HEADER_BYTES
                 announced = bool(header.flags & MORE)
+                if self._grant_expires_at < math.inf and self._grant_expired():
+                    break
                 self._serve_one(header)
         except PeerUnavailable as exc:
             log.info("connection %s ended mid-frame: %s", self.peer, exc)
@@ -663,6 +702,81 @@ class _ServerConnection:
             with contextlib.suppress(OSError):
                 self.sock.close()
             self.server._forget(self)
+
+    # --- session tickets ----------------------------------------------------------------------
+
+    def _authenticate(self) -> bool:
+        """Read the connection's first frame, which must be a HELLO whose ticket the server's
+        authorizer accepts, whole within ``header_timeout_s`` of the accept. False when the
+        connection was refused (answered, to be closed). Raises ProtocolError (garbage or a
+        slow frame), PeerUnavailable (the peer left)."""
+        self._frame_deadline = time.monotonic() + self._header_timeout_s
+        self._fill(HEADER_BYTES, "session ticket (HELLO)")
+        header = decode_header(self.rbuf, self._max_value_bytes, self.rpos)
+        self.rpos += HEADER_BYTES
+        if header.opcode is not Opcode.HELLO:
+            self._refuse_session(header, Status.UNAUTHENTICATED, Unauthenticated(
+                f"this data plane requires a session ticket (a HELLO frame) before any "
+                f"request; got {header.opcode.name}. Ask the daemon's gRPC service for one"))
+            return False
+        self.counts[header.opcode] += 1
+        return self._hello(header)
+
+    def _hello(self, h: Header) -> bool:
+        """Verify the ticket a HELLO carries and make its grant this connection's. False
+        when it was refused (answered, to be closed)."""
+        if h.key_len or h.payload_len > MAX_TICKET_BYTES:
+            self._refuse_session(h, Status.UNAUTHENTICATED, Unauthenticated(
+                f"malformed HELLO: a {h.key_len}-byte key and a {h.payload_len}-byte ticket "
+                f"(no key, at most {MAX_TICKET_BYTES} bytes)"))
+            return False
+        self._frame_deadline = self._frame_deadline or \
+            time.monotonic() + self._header_timeout_s
+        if h.payload_len:
+            self._fill(h.payload_len, "session ticket")
+        ticket = bytes(self.rview[self.rpos:self.rpos + h.payload_len])
+        self.rpos += h.payload_len
+        authorize = self.server._authorize
+        if authorize is None:
+            self._reply(h)
+            return True
+        try:
+            grant = authorize(ticket, self.peer)
+        except (Unauthenticated, PermissionDenied) as exc:
+            status = Status.PERMISSION_DENIED if isinstance(exc, PermissionDenied) \
+                else Status.UNAUTHENTICATED
+            self._refuse_session(h, status, exc)
+            return False
+        self.grant = grant
+        self._grant_expires_at = grant.expires_at_unix_s
+        set_current_grant(grant)
+        log.debug("data connection %s: session of %s (%s) until %.0f", self.peer, grant.name,
+                  grant.role, grant.expires_at_unix_s)
+        self._reply(h)
+        return True
+
+    def _grant_expired(self) -> bool:
+        """Whether this connection's grant has ended; if so it is answered (request id 0:
+        about the connection) and to be closed."""
+        if time.time() < self._grant_expires_at:
+            return False
+        self._refuse_session(None, Status.UNAUTHENTICATED, Unauthenticated(
+            "the session ticket of this data connection expired; reconnect with a new one"))
+        return True
+
+    def _refuse_session(self, h: Header | None, status: Status, exc: KvtierError) -> None:
+        """The last word to a connection refused for its ticket, then its write side shut and
+        whatever it already sent read and dropped (so the close sends a FIN, not a reset that
+        could discard the answer). The connection is closed by ``serve``'s exit."""
+        log.warning("data connection %s refused: %s", self.peer, exc)
+        with self.server._lock:
+            self.server._counts["connections_unauthenticated"] += 1
+        if h is None:
+            h = Header(Opcode.PING, 0, Status.OK, 0, 0, 0, 0, 0, 0, 0)
+        self._reply_quietly(h, status, str(exc))
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_WR)
+            self.sock.recv(_DRAIN_CHUNK_BYTES, socket.MSG_DONTWAIT)
 
     # --- the native loop ----------------------------------------------------------------------
 
@@ -852,6 +966,14 @@ class _ServerConnection:
             key = bytes(self.rview[self.rpos:self.rpos + h.key_len])
             self.rpos += h.key_len
         self.counts[h.opcode] += 1
+        if h.opcode is Opcode.HELLO:  # a renewal (or, without an authorizer, a no-op)
+            if key:
+                self._drain(h.payload_len)
+                self._reply(h, Status.BAD_REQUEST, detail="HELLO carries no key")
+                return
+            if not self._hello(h):
+                raise PeerUnavailable("session refused")  # ends the connection (answered)
+            return
         if h.payload_len and h.opcode is not Opcode.PUT and h.opcode is not Opcode.PUT_PART:
             self._drain(h.payload_len)
             self._reply(h, Status.BAD_REQUEST, detail=f"{h.opcode.name} carries no payload")
