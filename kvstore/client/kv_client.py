@@ -101,6 +101,7 @@ from kvstore.errors import (
     TransportError,
 )
 from kvstore.keys import BlockHasher, HashMode, Namespace, PrefixKey
+from kvstore.security.config import ClientSecurity
 
 if TYPE_CHECKING:
     import torch
@@ -125,6 +126,9 @@ class KVClientConfig:
     load_batch_blocks: int = 32
     """Blocks fetched per daemon call in a load (one lease round trip each on SHM)."""
     rpc_timeout_s: float = 30.0
+    security: ClientSecurity | None = None
+    """Credentials presented to daemons (docs/security.md); None: the environment's
+    (``KVTIER_TLS_*``, ``KVTIER_TOKEN_FILE``), no credentials when none is set."""
     staging_pool_bytes: int = 256 << 20
     """Chunk-layout staging buffers kept for reuse (pre-touched); more are made on demand."""
     hash_mode: HashMode = HashMode.XXH3_128
@@ -226,7 +230,8 @@ class KVClient:
         """Connect to the daemon at ``host:port``. Raises PeerUnavailable."""
         cfg = config or KVClientConfig()
         store = StoreClient.connect(address, StoreClientConfig(data_plane=cfg.data_plane,
-                                                               rpc_timeout_s=cfg.rpc_timeout_s))
+                                                               rpc_timeout_s=cfg.rpc_timeout_s,
+                                                               security=cfg.security))
         try:
             return cls(store, layout, namespace, cfg, etcd_endpoint=etcd_endpoint,
                        key_layout=key_layout)
@@ -808,7 +813,8 @@ class KVClient:
             return store
         cfg = self.config
         store = StoreClient.connect(address, StoreClientConfig(
-            data_plane=cfg.remote_data_plane, rpc_timeout_s=cfg.rpc_timeout_s))
+            data_plane=cfg.remote_data_plane, rpc_timeout_s=cfg.rpc_timeout_s,
+            security=cfg.security))
         with self._remote_lock:
             kept = None if self._closed else self._remotes.setdefault(address, store)
         if kept is not store:  # closed meanwhile, or another thread connected first
