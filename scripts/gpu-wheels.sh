@@ -34,7 +34,7 @@ WITH_ETCD=${GPU_WHEELS_ETCD:-1}
 #   WANT: installed from the folder (runtime dependencies the run imports, the test runner).
 WANT=(xxhash lz4 zstandard cbor2 typer rich prometheus-client pyyaml
       grpcio grpcio-health-checking grpcio-reflection protobuf aetcd
-      pyzmq msgspec aiohttp
+      pyzmq msgspec aiohttp cryptography
       pytest pytest-timeout hypothesis)
 #   BUILD: the build backend (pyproject [build-system]), for the editable install of kvtier.
 BUILD=(setuptools wheel)
