@@ -41,6 +41,11 @@ from __future__ import annotations
 class KvtierError(Exception):
     """Base class of every error kvtier raises on purpose."""
 
+    batch_outcome: list[bool | None] | None = None
+    """Set on the refusal a batch put (``put_many``) raises after storing what it could: per
+    item ``True`` stored, ``False`` already stored, ``None`` not stored. None on every other
+    error (a transport failure mid-batch leaves the outcome unknown)."""
+
 
 class ConfigError(KvtierError):
     """A configuration value, file or flag is invalid."""

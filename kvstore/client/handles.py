@@ -163,7 +163,9 @@ class BatchSave:
     :class:`SaveResult` per request, in order. A refusal stops
     that request's chain only (the others are still put). Same ownership rules as
     :class:`LayerwiseSave`: after ``save_layer(l)``'s future, the engine may overwrite layer
-    ``l`` of the sources (vLLM's ``wait_for_save`` = every layer's copy future done)."""
+    ``l`` of the sources (vLLM's ``wait_for_save`` = every layer's copy future done). Each flush
+    puts its share of the requests in one ``put_many`` (one pipelined exchange over shared
+    memory)."""
 
     def __init__(self, client: KVClient,
                  parts: list[tuple[list[PrefixKey], int, EngineKV]]) -> None:
@@ -212,9 +214,11 @@ class BatchSave:
                     for c in copies:  # queued before this task: running or done, not waiting
                         c.result()
                     gather_s = sum(self._gather_s)
-                    return [self._client._put_chain(self._parts[i][0], self._parts[i][1],
-                                                    self._held[i][0], gather_s)
-                            if i not in skipped else _skipped(self._parts[i], gather_s)
+                    saving = [i for i in group if i not in skipped]
+                    saved = dict(zip(saving, self._client._put_chains(
+                        [(self._parts[i][0], self._parts[i][1], self._held[i][0])
+                         for i in saving], gather_s), strict=True))
+                    return [saved[i] if i in saved else _skipped(self._parts[i], gather_s)
                             for i in group]
                 finally:
                     for i in group:

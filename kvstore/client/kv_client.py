@@ -91,7 +91,6 @@ from kvstore.dataplane.transport.shm import ShmBatchRead
 from kvstore.errors import (
     CapacityError,
     ChunkBusy,
-    ChunkExists,
     ChunkNotFound,
     InvalidArgument,
     KvtierError,
@@ -877,26 +876,63 @@ class KVClient:
 
     def _put_chain(self, keys: list[PrefixKey], first_block: int, staging: torch.Tensor,
                    gather_s: float) -> SaveResult:
+        """Put ``keys[first_block:]`` from ``staging`` (row i: block ``first_block + i``)."""
+        return self._put_chains([(keys, first_block, staging)], gather_s)[0]
+
+    def _put_chains(self, chains: Sequence[tuple[list[PrefixKey], int, torch.Tensor]],
+                    gather_s: float) -> list[SaveResult]:
+        """Put several requests' new blocks in one ``put_many`` (one pipelined exchange over
+        shared memory): each chain's blocks ``keys[first:]``, parent-first, block i a child of
+        block i - 1. A block another chain of the batch also saves (requests sharing a prefix)
+        is sent once. A refusal stops that chain from the refused block on (what is under it
+        cannot be cached) and leaves the other chains as they went; a transport failure fails
+        every block whose outcome is unknown. Each result's ``put_s`` is the whole batch's."""
         t0 = time.perf_counter()
-        stored: list[int] = []
-        existing: list[int] = []
-        error = None
-        failed_from = len(keys)
-        for i in range(first_block, len(keys)):
-            parent = keys[i - 1] if i else None
+        batch_keys: list[bytes] = []
+        srcs: list[torch.Tensor] = []
+        parents: list[bytes | None] = []
+        slot: dict[bytes, int] = {}  # key -> its item in the batch
+        items: list[list[int]] = []  # per chain, per new block: its item
+        for keys, first, staging in chains:
+            mine = []
+            for i in range(first, len(keys)):
+                key = keys[i]
+                if key not in slot:
+                    slot[key] = len(batch_keys)
+                    batch_keys.append(key)
+                    srcs.append(staging[i - first])
+                    parents.append(keys[i - 1] if i else None)
+                mine.append(slot[key])
+            items.append(mine)
+        outcome: list[bool | None] = [None] * len(batch_keys)
+        error: str | None = None
+        if batch_keys:
             try:
-                self.store.put(keys[i], staging[i - first_block], parent=parent)
-                stored.append(i)
-            except ChunkExists:
-                existing.append(i)
-            except KvtierError as exc:  # full, parent evicted, daemon gone: later blocks too
-                error = f"{type(exc).__name__}: {exc}"
-                log.warning("save stopped at block %d: %s", i, error)
-                failed_from = i
-                break
-        return SaveResult(tuple(stored), tuple(existing), tuple(range(failed_from, len(keys))),
-                          error, len(stored) * self.layout.chunk_bytes, gather_s,
-                          time.perf_counter() - t0)
+                outcome = list(self.store.put_many(batch_keys, srcs, parents))
+            except KvtierError as exc:  # full, parent evicted, daemon gone
+                error = _describe(exc)
+                if exc.batch_outcome is not None:
+                    outcome = exc.batch_outcome
+                log.warning("save of %d blocks: %s", len(batch_keys), error)
+        put_s = time.perf_counter() - t0
+        results = []
+        seen: set[int] = set()
+        for (keys, first, _staging), mine in zip(chains, items, strict=True):
+            stored: list[int] = []
+            existing: list[int] = []
+            failed_from = len(keys)
+            for i, item in zip(range(first, len(keys)), mine, strict=True):
+                got = outcome[item]
+                if got is None:
+                    failed_from = i
+                    break
+                (stored if got and item not in seen else existing).append(i)
+                seen.add(item)
+            failed = tuple(range(failed_from, len(keys)))
+            results.append(SaveResult(tuple(stored), tuple(existing), failed,
+                                      error if failed else None,
+                                      len(stored) * self.layout.chunk_bytes, gather_s, put_s))
+        return results
 
     # --- teardown -----------------------------------------------------------------------------
 

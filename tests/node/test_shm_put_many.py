@@ -169,8 +169,9 @@ def test_a_failed_parent_fails_its_descendants_and_only_them(client: StoreClient
     batch_keys = [keys[0], other[0], keys[1], other[1], keys[2], other[2], keys[3]]
     batch_vals = [vals[0], vals[4], vals[1], vals[5], vals[2], vals[6], vals[3]]
     parents = [None, None, keys[0], other[0], keys[1], other[1], keys[2]]
-    with pytest.raises(CapacityError):
+    with pytest.raises(CapacityError) as refused:
         client.put_many(batch_keys, batch_vals, parents=parents)
+    assert refused.value.batch_outcome == [True, True, None, True, None, True, None]
     assert parent_of(client, keys[0]) is None
     assert np.array_equal(read(client, keys[0], 256 * KiB), vals[0])
     for key in keys[1:]:
@@ -184,9 +185,10 @@ def test_an_uncached_parent_fails_the_chain_under_it_small_and_large(client: Sto
     for size, tag in ((8 * KiB, b"s"), (256 * KiB, b"l")):
         keys = chain_keys(b"pu-" + tag, 3)
         root = b"pu-root-" + tag
-        with pytest.raises(InvalidArgument, match="not cached"):
+        with pytest.raises(InvalidArgument, match="not cached") as refused:
             client.put_many([*keys, root], [value(600 + i, size) for i in range(4)],
                             parents=[b"pu-never-stored", keys[0], keys[1], None])
+        assert refused.value.batch_outcome == [None, None, None, True]
         assert all(absent(client, k) for k in keys)
         assert np.array_equal(read(client, root, size), value(603, size))
 
@@ -217,6 +219,22 @@ def test_mixed_roots_and_chains_with_an_item_already_stored(client: StoreClient)
         assert np.array_equal(read(client, keys[i], sizes[i]), vals[i])
 
 
+@pytest.mark.parametrize("size", [8 * KiB, 256 * KiB])
+def test_a_refusal_reports_every_items_outcome(client: StoreClient, size: int) -> None:
+    # The error a partly refused batch raises says, per item, stored (True), already stored
+    # (False) or not stored (None): what a caller needs to report a step's save.
+    tag = b"%d" % size
+    done = b"po-done-" + tag
+    client.put(done, value(1000, size))
+    keys = [done, b"po-new-" + tag, b"po-orphan-" + tag, b"po-under-" + tag]
+    with pytest.raises(InvalidArgument, match="not cached") as refused:
+        client.put_many(keys, [value(1000 + i, size) for i in range(4)],
+                        parents=[None, done, b"po-never-" + tag, keys[2]])
+    assert refused.value.batch_outcome == [False, True, None, None]
+    assert parent_of(client, keys[1]) == done
+    assert absent(client, keys[2]) and absent(client, keys[3])
+
+
 def test_parents_over_tcp_give_the_same_results(daemon: DaemonProcess) -> None:
     with StoreClient.connect(daemon.grpc_address,
                              StoreClientConfig(data_plane=DataPlane.TCP)) as tcp:
@@ -229,9 +247,11 @@ def test_parents_over_tcp_give_the_same_results(daemon: DaemonProcess) -> None:
         for key, parent, v, size in zip(keys, parents, vals, sizes, strict=True):
             assert parent_of(tcp, key) == parent
             assert np.array_equal(read(tcp, key, size), v)
-        with pytest.raises(InvalidArgument, match="not cached"):
-            tcp.put_many([b"pt-x", b"pt-y"], [value(1, 300 * KiB), value(2, 300 * KiB)],
-                         parents=[b"pt-never", b"pt-x"])
+        with pytest.raises(InvalidArgument, match="not cached") as refused:
+            tcp.put_many([keys[0], b"pt-x", b"pt-y"],
+                         [vals[0], value(1, 300 * KiB), value(2, 300 * KiB)],
+                         parents=[None, b"pt-never", b"pt-x"])
+        assert refused.value.batch_outcome == [False, None, None]
         assert absent(tcp, b"pt-x") and absent(tcp, b"pt-y")
 
 

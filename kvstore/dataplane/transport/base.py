@@ -470,9 +470,9 @@ def put_each(keys: Sequence[bytes], srcs: Sequence[Buffer], parents: Sequence[by
     order, for planes without a batch that carries parents: True where stored, False where the
     key was already stored. An item refused otherwise is not stored, nor anything under it in
     the batch (its put would only be refused again: its parent is not cached); the rest are,
-    and then the first refusal is raised. A transport failure (``TransportError``) is raised at
-    once."""
-    stored = [False] * len(keys)
+    and then the first refusal is raised, with every item's outcome as its ``batch_outcome``.
+    A transport failure (``TransportError``) is raised at once."""
+    outcome: list[bool | None] = [None] * len(keys)
     failed: set[bytes] = set()
     first: KvtierError | None = None
     for i, (key, src, parent) in enumerate(zip(keys, srcs, parents, strict=True)):
@@ -482,6 +482,7 @@ def put_each(keys: Sequence[bytes], srcs: Sequence[Buffer], parents: Sequence[by
         try:
             put(key, src, parent=parent)
         except ChunkExists:
+            outcome[i] = False
             continue
         except TransportError:
             raise
@@ -489,7 +490,15 @@ def put_each(keys: Sequence[bytes], srcs: Sequence[Buffer], parents: Sequence[by
             failed.add(key)
             first = first or exc
             continue
-        stored[i] = True
+        outcome[i] = True
+    return settle_batch(outcome, first)
+
+
+def settle_batch(outcome: list[bool | None], first: KvtierError | None) -> list[bool]:
+    """A batch put's result from its per-item ``outcome`` (True stored, False already stored,
+    None refused): the stored flags, or ``first`` raised with the outcome as its
+    ``batch_outcome`` when an item was refused."""
     if first is not None:
+        first.batch_outcome = outcome
         raise first
-    return stored
+    return [o is True for o in outcome]

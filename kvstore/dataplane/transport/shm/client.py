@@ -81,6 +81,7 @@ from kvstore.dataplane.transport.base import (
     TransportKind,
     ViewReadLease,
     put_each,
+    settle_batch,
 )
 from kvstore.dataplane.transport.shm.channel import ChannelClosed, LeaseChannel
 from kvstore.dataplane.transport.shm.frames import (
@@ -88,6 +89,7 @@ from kvstore.dataplane.transport.shm.frames import (
     FLAG_PARENTS,
     FLAG_PREFIX,
     INLINE_PUT_MAX_BYTES,
+    ITEM_EXISTS,
     ITEM_STORED,
     MAX_BODY_BYTES,
     MAX_KEYS,
@@ -157,6 +159,10 @@ def _pairs(keys: list[bytes], parents: list[bytes | None]) -> list[bytes]:
         out.append(key)
         out.append(parent or b"")
     return out
+
+
+_ITEM_OUTCOME: dict[int, bool] = {ITEM_STORED: True, ITEM_EXISTS: False}
+"""A per-item status byte as a batch put's outcome (absent: refused, None)."""
 
 
 def _item_error(detail: bytes, count: int) -> KvtierError | None:
@@ -665,7 +671,8 @@ class ShmClient:
         PUT_MANY requests; larger ones are reserved with RESERVE_MANY requests, copied straight
         from ``srcs`` into the arena and published with COMMIT_MANY, pipelined on one
         connection (the daemon reserves the next part while this client copies the previous
-        one) and with one round trip's wait in all."""
+        one) and with one round trip's wait in all. The refusal raised carries every item's
+        outcome as its ``batch_outcome`` (:class:`~kvstore.errors.KvtierError`)."""
         if len(keys) != len(srcs):
             raise InvalidArgument(f"{len(keys)} keys but {len(srcs)} values")
         if parents is not None and len(parents) != len(keys):
@@ -688,8 +695,9 @@ class ShmClient:
         """Runs of small values travel inside PUT_MANY requests (one round trip per ~1 MiB),
         runs of large ones are reserved, copied and committed (:meth:`_put_many_reserved`).
         Runs go in order on one connection, so a run's items may be children of an earlier
-        run's."""
-        stored = [False] * len(keys)
+        run's. Each run fills its items' ``outcome`` (True stored, False already stored, None
+        refused)."""
+        outcome: list[bool | None] = [None] * len(keys)
         first: KvtierError | None = None
         chan = self._checkout()
         try:
@@ -706,7 +714,7 @@ class ShmClient:
                     body += item
                     j += 1
                 batch = self._put_many_inline if small else self._put_many_reserved
-                run = (keys[i:j], parents[i:j], views[i:j], stored, i)
+                run = (keys[i:j], parents[i:j], views[i:j], outcome, i)
                 try:
                     failed = batch(chan, *run)
                 except ChannelClosed:  # only before the first reply of a reused channel: resent
@@ -717,25 +725,23 @@ class ShmClient:
                 i = j
         finally:
             self._checkin(chan)
-        if first is not None:
-            raise first
-        return stored
+        return settle_batch(outcome, first)
 
     def _put_many_inline(self, chan: LeaseChannel, keys: list[bytes],
                          parents: list[bytes | None], views: list[memoryview],
-                         stored: list[bool], at: int) -> KvtierError | None:
+                         outcome: list[bool | None], at: int) -> KvtierError | None:
         sizes = struct.pack(f"<{len(views)}Q", *(v.nbytes for v in views))
         tail = len(sizes) + sum(v.nbytes for v in views)
         chan.call(ChannelOp.PUT_MANY, flags=FLAG_PARENTS, keys=_pairs(keys, parents), arg=tail,
                   payloads=[memoryview(sizes), *views])
         detail = chan.detail
         for k in range(len(keys)):
-            stored[at + k] = detail[k] == ITEM_STORED
+            outcome[at + k] = _ITEM_OUTCOME.get(detail[k])
         return _item_error(detail, len(keys))
 
     def _put_many_reserved(self, chan: LeaseChannel, keys: list[bytes],
                            parents: list[bytes | None], views: list[memoryview],
-                           stored: list[bool], at: int) -> KvtierError | None:
+                           outcome: list[bool | None], at: int) -> KvtierError | None:
         """RESERVE_MANY for every part of ``_PIPELINE_ITEMS`` items, sent at once; then per
         part its reply, the copies into the reserved ranges and its COMMIT_MANY (not waited
         for); then the commits' replies. The daemon serves one connection's requests in order,
@@ -754,11 +760,14 @@ class ShmClient:
                           payload=memoryview(sizes))
             for a, b in parts:
                 _lease_id, ranges = chan.recv_reply()
-                first = first or _item_error(chan.detail, b - a)
+                reserved = chan.detail
+                first = first or _item_error(reserved, b - a)
                 items: list[int] = []
                 ids: list[int] = []
                 for k, (offset, lease_id) in enumerate(ranges):
-                    if lease_id:
+                    if reserved[k] == ITEM_EXISTS:
+                        outcome[at + a + k] = False
+                    elif lease_id:
                         view = views[a + k]
                         copy_bytes(self._arena.view(offset, view.nbytes, readonly=False), view)
                         items.append(a + k)
@@ -772,7 +781,7 @@ class ShmClient:
                 chan.recv_reply()
                 detail = chan.detail
                 for k, item in enumerate(items):
-                    stored[at + item] = detail[k] == ITEM_STORED
+                    outcome[at + item] = True if detail[k] == ITEM_STORED else None
                 first = first or _item_error(detail, len(items))
         except BaseException:
             chan.broken = True  # requests may be outstanding: closed at checkin
