@@ -8,18 +8,25 @@ What runs, as child processes of this one (docs/fleet.md)::
     one instance), sha256_cbor block hashes, PYTHONHASHSEED fixed; both connectors on
     node-a's daemon (this machine is one host: FleetSpec.shared_store says why), node-b
     the second host's store (empty unless shared_store=False puts v1 there)
-    [vllm serve alone-0, alone-1: no connector, no events: the vLLM-alone baseline]
+    [vllm serve alone-0, alone-1: no connector; KV events only when events-only runs]
     front door (in this process, aiohttp): the OpenAI endpoint the replay talks to
 
-``v0`` and ``v1`` are registered in etcd by :func:`~kvstore.membership.vllm_registration.
-hold_while_healthy` (in this process) as colocated engines: a prefill record ``v<i>`` with the
-server's ``http_url`` and KV events, and a decode record ``v<i>.decode`` with the same
-``http_url`` (the conductor pairs them: docs/conductor.md, "Colocated engines").
+Only the servers the chosen modes need are started (:func:`servers_for`): ``v0``/``v1`` for
+the kvtier modes, ``alone-0`` for ``vllm-single``, both ``alone-*`` for ``vllm-alone`` and
+``events-only``. For each mode the conductor routes (:data:`ROUTED`) its two servers are
+registered in etcd by :func:`~kvstore.membership.vllm_registration.hold_while_healthy` (in
+this process) as colocated engines, for that mode only: a prefill record ``<name>`` with the
+server's ``http_url`` and KV events, and a decode record ``<name>.decode`` with the same
+``http_url`` (the conductor pairs them: docs/conductor.md, "Colocated engines"); the mode
+starts once the conductor schedules onto exactly those two, and the records are revoked after
+it (so the conductor never routes a request to another mode's server).
 
 **Modes**, one after another, each under its own ``cache_salt`` (vLLM's prefix cache and
 kvtier's keys both include it, so no mode reuses another's blocks; greedy outputs do not
 depend on it):
 
+* ``vllm-single``: every request to ``alone-0``: one colocated vLLM (chunked prefill, vLLM's
+  default) with its own prefix cache only.
 * ``vllm-alone``: round robin over ``alone-0``/``alone-1`` (their own prefix caches only).
   Separate servers because the connector cannot be switched off per request; they start
   beside the others (in parallel) and cost start time only.
@@ -28,13 +35,16 @@ depend on it):
 * ``kvtier+conductor``: the front door asks the conductor (``Schedule`` with the token ids),
   which routes to the instance whose own cache holds the longest prefix (learned from vLLM's
   KV events) at the best predicted TTFT; what the chosen instance lacks it loads from kvtier.
+* ``events-only``: the same conductor routing over ``alone-0``/``alone-1``, which publish KV
+  events but have no connector: prefix matching on vLLM's events with no store (what llm-d's
+  precise prefix-cache scorer does).
 * ``pd+kvtier``: prefill on ``v0`` (``max_tokens=1``), decode on ``v1`` with the
   ``kv_transfer_params`` the prefill answered, the KV moving through kvtier; run only when the
   front door has a P/D router (``kvstore.frontdoor.router.PdRouter``), else a row saying so.
 
 The replay is closed loop, one request at a time, streaming (TTFT = first token's arrival at
 the client, TPOT = the rest over their count), greedy with ``ignore_eos``; after each request
-of the conductor mode its decision is reported done to the conductor (its reservations
+of a mode the conductor routes its decision is reported done to the conductor (its reservations
 released). Figures per mode: server ``/metrics`` deltas (vLLM's own prefix-cache hits, the
 connector's external hits, kvtier's bytes loaded and saved), daemon ``Stats`` deltas per tier,
 the front door's routing decision latency, and every request's output token ids, compared
@@ -45,9 +55,10 @@ stops the front door and the registrations (records revoked), the vLLM servers (
 process groups), the conductor, the daemons, etcd. Children run in their own sessions under
 ``setpriv --pdeathsig`` (:mod:`kvstore.cluster.local`), so a Ctrl-C reaches only this process.
 
-The pure parts (:class:`FleetRequest`, :func:`summarize`, :func:`identical_outputs`,
-:func:`tier_deltas`, the tables) are tested without processes; the constructor records
-settings only.
+The pure parts (:class:`FleetRequest`, :func:`servers_for`, :func:`summarize`,
+:func:`goodput`, :func:`routing_latency`, :func:`working_set_blocks`,
+:func:`identical_outputs`, :func:`tier_deltas`, the tables) are tested without processes; the
+constructor records settings only.
 """
 
 from __future__ import annotations
@@ -62,7 +73,7 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,9 +87,10 @@ from kvstore.cluster.vllm_instance import PREFILL_BOUND, TinyLlama, tiny_llama_c
 from kvstore.cluster.vllm_server import VllmServer, VllmServerError
 from kvstore.errors import KvtierError, MembershipError, PeerUnavailable
 
-__all__ = ["Fleet", "FleetRequest", "FleetSpec", "Mode", "ModeResult", "RequestRecord",
-           "assemble", "format_tables", "identical_outputs", "run_fleet", "summarize",
-           "tier_deltas"]
+__all__ = ["MODE_SERVERS", "ROUTED", "Fleet", "FleetRequest", "FleetSpec", "Mode", "ModeResult",
+           "RequestRecord", "ServerPlan", "Slo", "assemble", "format_tables", "goodput",
+           "identical_outputs", "routing_latency", "run_fleet", "servers_for", "speedup",
+           "summarize", "tier_deltas", "working_set_blocks"]
 
 MiB = 1 << 20
 NODES = ("node-a", "node-b")
@@ -94,10 +106,56 @@ METRICS = {"local_hits": "vllm:prefix_cache_hits_total",
 
 
 class Mode(enum.Enum):
+    VLLM_SINGLE = "vllm-single"
     VLLM_ALONE = "vllm-alone"
     ROUND_ROBIN = "round-robin+kvtier"
     CONDUCTOR = "kvtier+conductor"
+    EVENTS_ONLY = "events-only"
     PD = "pd+kvtier"
+
+
+MODE_SERVERS: dict[Mode, tuple[str, ...]] = {
+    Mode.VLLM_SINGLE: ALONE[:1], Mode.VLLM_ALONE: ALONE, Mode.ROUND_ROBIN: INSTANCES,
+    Mode.CONDUCTOR: INSTANCES, Mode.EVENTS_ONLY: ALONE, Mode.PD: INSTANCES}
+"""The servers each mode sends requests to."""
+
+ROUTED = frozenset({Mode.CONDUCTOR, Mode.EVENTS_ONLY})
+"""Modes the conductor routes: their servers are registered in etcd for the mode only (so the
+conductor never picks a server of another mode)."""
+
+
+@dataclass(frozen=True)
+class ServerPlan:
+    """One vLLM server to start: with the kvtier connector or not, with KV events or not."""
+
+    name: str
+    connector: bool
+    kv_events: bool
+
+
+def servers_for(modes: Sequence[Mode]) -> list[ServerPlan]:
+    """The servers the modes need, and nothing more: ``v0``/``v1`` (connector and KV events)
+    for the kvtier modes; ``alone-0`` (and ``alone-1`` unless only ``vllm-single`` runs)
+    without the connector, with KV events only when ``events-only`` runs (the conductor
+    follows their caches from them)."""
+    names = {n for m in modes for n in MODE_SERVERS[m]}
+    events = Mode.EVENTS_ONLY in modes
+    plans = [ServerPlan(n, True, True) for n in INSTANCES if n in names]
+    plans += [ServerPlan(n, False, events) for n in ALONE if n in names]
+    return plans
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Service-level objectives a request meets when both hold (goodput's definition)."""
+
+    ttft_s: float = 1.0
+    tpot_s: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not (self.ttft_s > 0 and self.tpot_s > 0):
+            raise ValueError(f"SLO targets must be > 0 s, got TTFT {self.ttft_s!r}, "
+                             f"TPOT {self.tpot_s!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,8 +216,40 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def summarize(result: ModeResult) -> dict[str, Any]:
-    """One mode's figures (None where not measured)."""
+def goodput(records: Sequence[RequestRecord], wall_s: float, slo: Slo) -> dict[str, Any]:
+    """How many requests met both objectives (TTFT and TPOT; a request with a single output
+    token has no TPOT and is judged by its TTFT), their fraction, and per second of the mode's
+    wall time (None where there is no request or no time)."""
+    met = sum(r.ttft_s <= slo.ttft_s and (r.tpot_s is None or r.tpot_s <= slo.tpot_s)
+              for r in records)
+    return {"slo_ttft_s": slo.ttft_s, "slo_tpot_s": slo.tpot_s, "slo_met": met,
+            "slo_fraction": met / len(records) if records else None,
+            "goodput_per_s": met / wall_s if records and wall_s > 0 else None}
+
+
+def routing_latency(decision_s: Sequence[float]) -> dict[str, float | int | None]:
+    """The front door's routing decisions: count, p50, p99, max (seconds; None when none)."""
+    if not decision_s:
+        return {"count": 0, "p50_s": None, "p99_s": None, "max_s": None}
+    return {"count": len(decision_s), "p50_s": percentile(decision_s, 50),
+            "p99_s": percentile(decision_s, 99), "max_s": max(decision_s)}
+
+
+def working_set_blocks(requests: Sequence[FleetRequest], block_tokens: int) -> int:
+    """Distinct full blocks of the slice (a block is its whole prefix: vLLM's chained hashes),
+    what a cache would have to hold to miss nothing but first sightings."""
+    if block_tokens <= 0:
+        raise ValueError(f"block_tokens must be > 0, got {block_tokens!r}")
+    seen: set[tuple[int, ...]] = set()
+    for r in requests:
+        for end in range(block_tokens, len(r.token_ids) + 1, block_tokens):
+            seen.add(r.token_ids[:end])
+    return len(seen)
+
+
+def summarize(result: ModeResult, slo: Slo | None = None) -> dict[str, Any]:
+    """One mode's figures (None where not measured), with goodput under ``slo`` (default
+    :class:`Slo`)."""
     if not result.ok:
         return {"mode": result.mode, "status": result.status}
     ttft = [r.ttft_s for r in result.records]
@@ -170,6 +260,7 @@ def summarize(result: ModeResult) -> dict[str, Any]:
     backends: dict[str, int] = {}
     for r in result.records:
         backends[r.backend] = backends.get(r.backend, 0) + 1
+    routing = routing_latency(result.decision_s)
     return {
         "mode": result.mode, "status": "ok", "requests": len(result.records),
         "prompt_tokens": prompt,
@@ -182,10 +273,12 @@ def summarize(result: ModeResult) -> dict[str, Any]:
         "kvtier_hit_ratio": d.get("external_hits", 0.0) / queries if queries else None,
         "kvtier_loaded_bytes": d.get("kvtier_loaded_bytes", 0.0),
         "kvtier_saved_bytes": d.get("kvtier_saved_bytes", 0.0),
-        "decision_p50_s": percentile(result.decision_s, 50) if result.decision_s else None,
-        "decision_p99_s": percentile(result.decision_s, 99) if result.decision_s else None,
+        "tpot_p50_s": percentile(tpot, 50) if tpot else None,
+        "decision_p50_s": routing["p50_s"], "decision_p99_s": routing["p99_s"],
+        "decision_max_s": routing["max_s"],
         "backends": dict(sorted(backends.items())),
         "wall_s": result.wall_s,
+        **goodput(result.records, result.wall_s, slo or Slo()),
     }
 
 
@@ -254,23 +347,28 @@ def format_tables(doc: Mapping[str, Any]) -> list[Any]:
     """The rich tables of a run's document (:func:`run_fleet`'s answer)."""
     from rich.table import Table
 
+    slo = doc.get("config", {}).get("slo", {})
+    slo_label = (f"SLO met (TTFT <= {slo['ttft_s']:g} s, TPOT <= {slo['tpot_s']:g} s)"
+                 if slo else "SLO met")
     modes = Table(title="vLLM fleet: the same trace slice through each mode")
-    for col in ("mode", "TTFT mean ms", "p50", "p99", "TPOT mean ms", "p99",
-                "own-cache hits", "kvtier hits", "kvtier loaded MiB", "saved MiB",
-                "routing p50 / p99 us", "requests per instance", "outputs"):
+    for col in ("mode", "TTFT mean ms", "p50", "p99", "TPOT p50 ms", "p99", slo_label,
+                "goodput req/s", "own-cache hits", "kvtier hits", "kvtier loaded MiB",
+                "saved MiB", "routing p50 / p99 us", "requests per instance", "outputs"):
         modes.add_column(col, justify="right")
     same = doc.get("outputs_differ", {})
     for s in doc["modes"]:
         if s["status"] != "ok":
-            modes.add_row(s["mode"], *(["-"] * 11), s["status"])
+            modes.add_row(s["mode"], *(["-"] * 13), s["status"])
             continue
         dp50, dp99 = s["decision_p50_s"], s["decision_p99_s"]
         routing = "-" if dp50 is None else f"{dp50 * 1e6:.0f} / {dp99 * 1e6:.0f}"
         differ = same.get(s["mode"])
         modes.add_row(
             s["mode"], _ms(s["ttft_mean_s"]), _ms(s["ttft_p50_s"]), _ms(s["ttft_p99_s"]),
-            "-" if s["tpot_mean_s"] is None else f"{s['tpot_mean_s'] * 1e3:.1f}",
+            "-" if s.get("tpot_p50_s") is None else f"{s['tpot_p50_s'] * 1e3:.1f}",
             "-" if s["tpot_p99_s"] is None else f"{s['tpot_p99_s'] * 1e3:.1f}",
+            _pct(s.get("slo_fraction")),
+            "-" if s.get("goodput_per_s") is None else f"{s['goodput_per_s']:.2f}",
             _pct(s["engine_hit_ratio"]), _pct(s["kvtier_hit_ratio"]),
             f"{s['kvtier_loaded_bytes'] / MiB:.1f}", f"{s['kvtier_saved_bytes'] / MiB:.1f}",
             routing, " ".join(f"{k}:{v}" for k, v in s["backends"].items()),
@@ -313,6 +411,8 @@ class FleetSpec:
     start_timeout_s: float = 600.0
     stop_timeout_s: float = 15.0
     conductor_policy: str = "global-cache"
+    slo: Slo = Slo()
+    """The objectives goodput is counted against (:func:`goodput`)."""
     shared_store: bool = True
     """Both connectors use ``node-a``'s daemon (this machine is one host, and a host's engines
     share its store): a prefix one instance saved is there for the other, and P/D's decode
@@ -344,6 +444,11 @@ class FleetSpec:
     @property
     def kv_capacity_tokens(self) -> int:
         return self.vllm_kv_bytes // self.model.kv_bytes_per_token()
+
+    @property
+    def cache_blocks(self) -> int:
+        """Blocks of each instance's own KV cache (``vllm_kv_bytes`` over a block's bytes)."""
+        return self.kv_capacity_tokens // self.block_tokens
 
 
 def _pd_router_class() -> Any:
@@ -426,20 +531,19 @@ class Fleet:
         def env(i: int) -> dict[str, str]:
             return spec.instance_env(i) if spec.instance_env is not None else {}
 
-        for i, name in enumerate(INSTANCES):
-            node = spec.store_of(i)
-            connector = {"kv_connector": "KvtierConnector",
-                         "kv_connector_module_path": "kvstore.integrations.vllm.connector",
-                         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                         "kv_connector_extra_config": {"daemon": self.daemon_addresses[node],
-                                                       "model": spec.model_name}}
-            self.servers[name] = VllmServer(model_dir, self.logs_dir, name,
-                                            kv_transfer_config=connector, kv_events=True,
-                                            events_dir=events_dir, env=env(i), **common)
-        if Mode.VLLM_ALONE in spec.modes:
-            for i, name in enumerate(ALONE):
-                self.servers[name] = VllmServer(model_dir, self.logs_dir, name, env=env(i),
-                                                **common)
+        for plan in servers_for(spec.modes):
+            i = _pair_index(plan.name)
+            connector = None
+            if plan.connector:
+                connector = {"kv_connector": "KvtierConnector",
+                             "kv_connector_module_path": "kvstore.integrations.vllm.connector",
+                             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                             "kv_connector_extra_config": {
+                                 "daemon": self.daemon_addresses[spec.store_of(i)],
+                                 "model": spec.model_name}}
+            self.servers[plan.name] = VllmServer(
+                model_dir, self.logs_dir, plan.name, kv_transfer_config=connector,
+                kv_events=plan.kv_events, events_dir=events_dir, env=env(i), **common)
 
     def _conductor_child(self) -> _Child:
         from conductor.server import READY_PREFIX
@@ -496,16 +600,22 @@ class Fleet:
 
     # -- the replay ----------------------------------------------------------------------
 
-    def records(self) -> dict[str, list[Any]]:
-        """The engine records each connector server is held under (colocated: a prefill and
-        a decode record with the same ``http_url``)."""
+    def records(self, names: Sequence[str] = INSTANCES) -> dict[str, list[Any]]:
+        """The engine records each named server is held under while the conductor routes to
+        it (colocated: a prefill and a decode record with the same ``http_url``). Every named
+        server must publish KV events (the conductor follows its cache from them). The node
+        is the host's store daemon (``node-a`` when shared): the conductor needs a live node;
+        a server without the connector never loads from it."""
         from kvstore.membership.engines import EngineRecord, EngineRole
 
         spec = self.spec
         out: dict[str, list[Any]] = {}
-        for i, name in enumerate(INSTANCES):
-            node = spec.store_of(i)
+        for name in names:
+            node = spec.store_of(_pair_index(name))
             server = self.servers[name]
+            if server.kv_events_spec is None:
+                raise ValueError(f"server {name} publishes no KV events: the conductor "
+                                 "cannot route on its cache")
             out[name] = [
                 EngineRecord(name, EngineRole.PREFILL, spec.model_name, node,
                              http_url=server.base_url, vllm_kv_events=server.kv_events_spec),
@@ -520,37 +630,43 @@ class Fleet:
         return asyncio.run(self._replay(progress))
 
     async def _replay(self, progress: Any) -> list[ModeResult]:
+        results = []
+        for mode in self.spec.modes:
+            try:
+                results.append(await self._run_mode(mode, progress))
+            except (KvtierError, VllmServerError, aiohttp.ClientError, OSError,
+                    TimeoutError, ValueError) as exc:
+                # One mode failing (a backend error, an answer without tokens) is a row
+                # saying so; the other modes still run, and the run fails.
+                self.log(f"mode {mode.value} failed: {type(exc).__name__}: {exc}")
+                results.append(ModeResult(
+                    mode.value, status=f"failed: {type(exc).__name__}: {exc}"[:300]))
+        return results
+
+    @contextlib.asynccontextmanager
+    async def _registered(self, names: Sequence[str]) -> AsyncIterator[None]:
+        """Hold the named servers' records in etcd (:func:`hold_while_healthy`) until the
+        conductor schedules onto exactly them; revoked on leaving, so the next routed mode's
+        conductor sees only its own servers."""
         from kvstore.membership.etcd import KeyLayout, etcd_client
         from kvstore.membership.vllm_registration import hold_while_healthy, http_health
 
         layout = KeyLayout(self.spec.prefix)
         holders: list[asyncio.Task[None]] = []
-        async with contextlib.AsyncExitStack() as stack:
-            etcd = await stack.enter_async_context(etcd_client(self.etcd_endpoint))
-            for name, recs in self.records().items():
+        async with etcd_client(self.etcd_endpoint) as etcd:
+            for name, recs in self.records(names).items():
                 holders.append(asyncio.create_task(hold_while_healthy(
                     etcd, recs, http_health(self.servers[name].base_url), ttl_s=5,
                     layout=layout, poll_interval_s=1.0), name=f"fleet-register-{name}"))
             try:
-                await self._wait_schedulable(layout)
-                results = []
-                for mode in self.spec.modes:
-                    try:
-                        results.append(await self._run_mode(mode, progress))
-                    except (KvtierError, VllmServerError, aiohttp.ClientError, OSError,
-                            TimeoutError, ValueError) as exc:
-                        # One mode failing (a backend error, an answer without tokens) is a
-                        # row saying so; the other modes still run, and the run fails.
-                        self.log(f"mode {mode.value} failed: {type(exc).__name__}: {exc}")
-                        results.append(ModeResult(
-                            mode.value, status=f"failed: {type(exc).__name__}: {exc}"[:300]))
-                return results
+                await self._wait_schedulable(layout, names)
+                yield
             finally:
                 for task in holders:
                     task.cancel()
                 await asyncio.gather(*holders, return_exceptions=True)
 
-    async def _wait_schedulable(self, layout: Any) -> None:
+    async def _wait_schedulable(self, layout: Any, names: Sequence[str]) -> None:
         from kvstore.client.conductor_client import ConductorClient
 
         deadline = time.monotonic() + 60.0
@@ -558,13 +674,13 @@ class Fleet:
             while True:
                 with contextlib.suppress(MembershipError, PeerUnavailable):
                     info = await client.leader_info()
-                    if sorted(info.prefill_instances) == list(INSTANCES) and len(
-                            info.decode_instances) == len(INSTANCES) and \
-                            {c.instance_id for c in info.engine_caches} >= set(INSTANCES):
+                    if sorted(info.prefill_instances) == sorted(names) and len(
+                            info.decode_instances) == len(names) and \
+                            {c.instance_id for c in info.engine_caches} >= set(names):
                         return
                 if time.monotonic() > deadline:
-                    raise MembershipError("the conductor never saw both vLLM instances; "
-                                          f"logs in {self.logs_dir}")
+                    raise MembershipError(f"the conductor never saw exactly {', '.join(names)}"
+                                          f"; logs in {self.logs_dir}")
                 await asyncio.sleep(0.2)
 
     async def _run_mode(self, mode: Mode, progress: Any) -> ModeResult:
@@ -580,11 +696,11 @@ class Fleet:
         from kvstore.membership.etcd import KeyLayout
 
         result = ModeResult(mode.value)
-        names = list(ALONE if mode is Mode.VLLM_ALONE else INSTANCES)
+        names = list(MODE_SERVERS[mode])
         pool = BackendPool([Backend(n, self.servers[n].base_url) for n in names])
         conductor: TicketingConductorClient | None = None
         inner: Any
-        if mode is Mode.CONDUCTOR:
+        if mode in ROUTED:
             conductor = TicketingConductorClient(etcd_endpoint=self.etcd_endpoint,
                                                  layout=KeyLayout(self.spec.prefix))
             inner = ConductorRouter(conductor, pool, self.spec.model_name)
@@ -600,38 +716,44 @@ class Fleet:
         router = TimedRouter(inner)
         tokenizer = PromptTokenizer.from_model_dir(self.servers[names[0]].model_dir)
         door = FrontDoor(pool, tokenizer, router=router)
-        task = None if progress is None else progress.add_task(mode.value,
-                                                               total=len(self.spec.requests))
         salt = f"{mode.value}-{self.run_id}"
-        try:
-            await door.start()
-            await self._warm(door.url, names)
-            router.reset()
-            metrics_before = await self._metrics(names)
-            stats_before = await asyncio.to_thread(self._daemon_stats)
-            began = time.perf_counter()
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
-                for request in self.spec.requests:
-                    result.records.append(await self._one(http, door.url, request, salt))
-                    if conductor is not None:
-                        await conductor.finish(self.spec.max_tokens)
-                    if task is not None:
-                        progress.advance(task)
-            result.wall_s = time.perf_counter() - began
-            metrics_after = await self._metrics(names)
-            result.tiers = tier_deltas(stats_before, await asyncio.to_thread(self._daemon_stats))
-            result.server_deltas = {
-                key: sum(metrics_after[n].get(key, 0.0) - metrics_before[n].get(key, 0.0)
-                         for n in names) for key in METRICS}
-            result.decision_s = list(router.decision_s)
+        async with contextlib.AsyncExitStack() as stack:
             if conductor is not None:
-                result.placements = [(d.prefill_instance, d.decode_instance)
-                                     for d in conductor.decisions]
-        finally:
-            await door.close()
-            if conductor is not None:
-                await conductor.close()
+                stack.push_async_callback(conductor.close)
+            if mode in ROUTED:
+                await stack.enter_async_context(self._registered(names))
+            stack.push_async_callback(door.close)
+            await self._run_requests(result, door, router, conductor, names, salt, progress)
         return result
+
+    async def _run_requests(self, result: ModeResult, door: Any, router: Any,
+                            conductor: Any, names: Sequence[str], salt: str,
+                            progress: Any) -> None:
+        task = None if progress is None else progress.add_task(result.mode,
+                                                               total=len(self.spec.requests))
+        await door.start()
+        await self._warm(door.url, names)
+        router.reset()
+        metrics_before = await self._metrics(names)
+        stats_before = await asyncio.to_thread(self._daemon_stats)
+        began = time.perf_counter()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
+            for request in self.spec.requests:
+                result.records.append(await self._one(http, door.url, request, salt))
+                if conductor is not None:
+                    await conductor.finish(self.spec.max_tokens)
+                if task is not None:
+                    progress.advance(task)
+        result.wall_s = time.perf_counter() - began
+        metrics_after = await self._metrics(names)
+        result.tiers = tier_deltas(stats_before, await asyncio.to_thread(self._daemon_stats))
+        result.server_deltas = {
+            key: sum(metrics_after[n].get(key, 0.0) - metrics_before[n].get(key, 0.0)
+                     for n in names) for key in METRICS}
+        result.decision_s = list(router.decision_s)
+        if conductor is not None:
+            result.placements = [(d.prefill_instance, d.decode_instance)
+                                 for d in conductor.decisions]
 
     async def _warm(self, url: str, names: Sequence[str]) -> None:
         """One untimed request per backend (vLLM's first request is slow), under a salt no
@@ -709,14 +831,32 @@ def _python() -> str:
     return sys.executable
 
 
+def _pair_index(name: str) -> int:
+    """Which of its pair a server is (``v1``, ``alone-1``: 1): its core and its store."""
+    for pair in (INSTANCES, ALONE):
+        if name in pair:
+            return pair.index(name)
+    raise ValueError(f"unknown fleet server {name!r}")
+
+
+def speedup(by_mode: Mapping[str, Mapping[str, Any]], baseline: Mode, of: Mode
+            ) -> float | None:
+    """``baseline``'s mean TTFT over ``of``'s (None unless both ran)."""
+    base = by_mode.get(baseline.value, {}).get("ttft_mean_s")
+    mine = by_mode.get(of.value, {}).get("ttft_mean_s")
+    return base / mine if base and mine else None
+
+
 def assemble(results: Sequence[ModeResult], spec: FleetSpec, startup_s: float
              ) -> dict[str, Any]:
-    """The run's document: per mode figures, tiers, output identity, configuration."""
-    summaries = [summarize(r) for r in results]
+    """The run's document: per mode figures, tiers, output identity, configuration.
+
+    Speedups are mean TTFT ratios against ``kvtier+conductor``: ``..._vs_round_robin`` over
+    ``vllm-alone`` (two instances, round robin, no kvtier: the issue's baseline (b)),
+    ``..._vs_round_robin_kvtier`` over ``round-robin+kvtier``, ``..._vs_events_only`` over
+    ``events-only``, ``..._vs_vllm_single`` over ``vllm-single``."""
+    summaries = [summarize(r, spec.slo) for r in results]
     by_mode = {s["mode"]: s for s in summaries}
-    rr = by_mode.get(Mode.ROUND_ROBIN.value, {}).get("ttft_mean_s")
-    routed = by_mode.get(Mode.CONDUCTOR.value, {}).get("ttft_mean_s")
-    alone = by_mode.get(Mode.VLLM_ALONE.value, {}).get("ttft_mean_s")
     differ = identical_outputs(results)
     return {
         "modes": summaries,
@@ -724,13 +864,20 @@ def assemble(results: Sequence[ModeResult], spec: FleetSpec, startup_s: float
         "outputs_differ": differ,
         "outputs_identical": all(v == 0 for v in differ.values() if v is not None),
         "failed_modes": [r.mode for r in results if r.status.startswith("failed")],
-        "ttft_speedup_vs_round_robin": rr / routed if rr and routed else None,
-        "ttft_speedup_vs_vllm_alone": alone / routed if alone and routed else None,
+        "ttft_speedup_vs_round_robin": speedup(by_mode, Mode.VLLM_ALONE, Mode.CONDUCTOR),
+        "ttft_speedup_vs_round_robin_kvtier": speedup(by_mode, Mode.ROUND_ROBIN,
+                                                      Mode.CONDUCTOR),
+        "ttft_speedup_vs_events_only": speedup(by_mode, Mode.EVENTS_ONLY, Mode.CONDUCTOR),
+        "ttft_speedup_vs_vllm_single": speedup(by_mode, Mode.VLLM_SINGLE, Mode.CONDUCTOR),
         "startup_s": startup_s,
         "config": {"requests": len(spec.requests), "max_tokens": spec.max_tokens,
+                   "prompt_tokens": sum(len(r.token_ids) for r in spec.requests),
                    "model": spec.model_name, "block_tokens": spec.block_tokens,
-                   "vllm_kv_bytes": spec.vllm_kv_bytes, "dram_bytes": spec.dram_bytes,
-                   "nvme_bytes": spec.nvme_bytes, "modes": [m.value for m in spec.modes]},
+                   "vllm_kv_bytes": spec.vllm_kv_bytes, "cache_blocks": spec.cache_blocks,
+                   "working_set_blocks": working_set_blocks(spec.requests, spec.block_tokens),
+                   "dram_bytes": spec.dram_bytes, "nvme_bytes": spec.nvme_bytes,
+                   "slo": {"ttft_s": spec.slo.ttft_s, "tpot_s": spec.slo.tpot_s},
+                   "modes": [m.value for m in spec.modes]},
     }
 
 
@@ -741,11 +888,12 @@ def run_fleet(spec: FleetSpec, *, console: Any = None) -> dict[str, Any]:
     from rich.progress import Progress
 
     console = console or Console(width=160)
+    servers = ", ".join(
+        f"{p.name} ({'kvtier connector' if p.connector else 'no connector'}"
+        f"{', KV events' if p.kv_events else ''})" for p in servers_for(spec.modes))
     console.print(f"bringing up a vLLM fleet in {spec.work_dir}: etcd, conductor, daemons "
-                  f"{' and '.join(NODES)}, vLLM {' and '.join(INSTANCES)} (kvtier connector, "
-                  f"KV events)" + (f", {' and '.join(ALONE)} (vLLM alone)"
-                                   if Mode.VLLM_ALONE in spec.modes else "")
-                  + f", the front door; {len(spec.requests)} requests per mode")
+                  f"{' and '.join(NODES)}, vLLM {servers}, the front door; "
+                  f"{len(spec.requests)} requests per mode")
     with Fleet(spec, log=console.print) as fleet:
         console.print(f"fleet up in {fleet.startup_s:.1f} s (logs in {fleet.logs_dir})")
         with Progress(console=console) as progress:

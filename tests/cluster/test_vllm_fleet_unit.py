@@ -12,18 +12,25 @@ import pytest
 
 from kvstore.cli.run import fleet_requests
 from kvstore.cluster.vllm_fleet import (
+    MODE_SERVERS,
     FleetRequest,
     FleetSpec,
     Mode,
     ModeResult,
     RequestRecord,
+    ServerPlan,
+    Slo,
     assemble,
     format_tables,
+    goodput,
     identical_outputs,
     parse_sse,
     percentile,
+    routing_latency,
+    servers_for,
     summarize,
     tier_deltas,
+    working_set_blocks,
 )
 from kvstore.frontdoor.instrument import TimedRouter
 from kvstore.frontdoor.router import Backend, Rejection, RouteRequest
@@ -123,12 +130,71 @@ def test_the_document_and_tables_carry_every_mode() -> None:
                               "evictions": 0, "used_bytes": 1 << 20}]),
                ModeResult(Mode.PD.value, status="not run: the front door has no P/D mode yet")]
     doc = assemble(results, spec, 12.5)
-    assert doc["ttft_speedup_vs_vllm_alone"] == pytest.approx(4.0)
-    assert doc["ttft_speedup_vs_round_robin"] is None
+    # vllm-alone is the round robin without kvtier (b); no round-robin+kvtier ran.
+    assert doc["ttft_speedup_vs_round_robin"] == pytest.approx(4.0)
+    assert doc["ttft_speedup_vs_round_robin_kvtier"] is None
+    assert doc["ttft_speedup_vs_events_only"] is None
     assert doc["outputs_identical"] is True
     assert json.loads(json.dumps(doc))["modes"][2]["status"].startswith("not run")
     modes, tiers = format_tables(doc)
     assert modes.row_count == 3 and tiers.row_count == 1
+    assert doc["config"]["cache_blocks"] == spec.cache_blocks
+    assert doc["config"]["slo"] == {"ttft_s": 1.0, "tpot_s": 0.1}
+
+
+def test_every_speedup_is_a_baseline_over_the_routed_mode() -> None:
+    spec = FleetSpec(work_dir=Path("/nonexistent"), requests=(FleetRequest("a", (1, 2)),))
+    ttft = {Mode.VLLM_SINGLE: 0.9, Mode.VLLM_ALONE: 0.6, Mode.ROUND_ROBIN: 0.45,
+            Mode.CONDUCTOR: 0.3, Mode.EVENTS_ONLY: 0.75}
+    doc = assemble([result(m, [rec("a", [1, 2], ttft=t)]) for m, t in ttft.items()], spec, 1.0)
+    assert doc["ttft_speedup_vs_round_robin"] == pytest.approx(2.0)
+    assert doc["ttft_speedup_vs_round_robin_kvtier"] == pytest.approx(1.5)
+    assert doc["ttft_speedup_vs_events_only"] == pytest.approx(2.5)
+    assert doc["ttft_speedup_vs_vllm_single"] == pytest.approx(3.0)
+
+
+def test_only_the_servers_the_modes_need_are_started() -> None:
+    assert servers_for([Mode.VLLM_SINGLE]) == [ServerPlan("alone-0", False, False)]
+    assert servers_for([Mode.VLLM_SINGLE, Mode.VLLM_ALONE]) == [
+        ServerPlan("alone-0", False, False), ServerPlan("alone-1", False, False)]
+    # events-only: the same servers without a connector, now publishing KV events.
+    assert servers_for([Mode.VLLM_ALONE, Mode.EVENTS_ONLY]) == [
+        ServerPlan("alone-0", False, True), ServerPlan("alone-1", False, True)]
+    assert servers_for([Mode.PD]) == [ServerPlan("v0", True, True), ServerPlan("v1", True, True)]
+    assert [p.name for p in servers_for(tuple(Mode))] == ["v0", "v1", "alone-0", "alone-1"]
+    assert set(MODE_SERVERS) == set(Mode)
+
+
+def test_goodput_counts_requests_meeting_both_objectives_per_second() -> None:
+    records = [rec("a", [1], ttft=0.5, tpot=0.05), rec("b", [1], ttft=1.0, tpot=0.1),
+               rec("c", [1], ttft=1.2, tpot=0.05), rec("d", [1], ttft=0.2, tpot=0.3),
+               rec("e", [1], ttft=0.3, tpot=None)]
+    g = goodput(records, 2.0, Slo(ttft_s=1.0, tpot_s=0.1))
+    # a, b (on the limits) and e (one token: no TPOT to miss) meet both; c misses TTFT, d TPOT.
+    assert (g["slo_met"], g["slo_fraction"], g["goodput_per_s"]) == (3, 0.6, 1.5)
+    assert goodput([], 1.0, Slo())["slo_fraction"] is None
+    assert goodput(records, 0.0, Slo())["goodput_per_s"] is None
+    with pytest.raises(ValueError):
+        Slo(ttft_s=0)
+    s = summarize(result(Mode.VLLM_SINGLE, records, wall_s=2.0), Slo(2.0, 1.0))
+    assert (s["slo_met"], s["goodput_per_s"]) == (5, 2.5)
+
+
+def test_routing_latency_percentiles() -> None:
+    r = routing_latency([0.004, 0.001, 0.002, 0.003])
+    assert r["count"] == 4 and r["max_s"] == 0.004
+    assert r["p50_s"] == pytest.approx(0.0025) and r["p99_s"] == pytest.approx(0.00397)
+    assert routing_latency([]) == {"count": 0, "p50_s": None, "p99_s": None, "max_s": None}
+
+
+def test_the_working_set_counts_distinct_full_prefix_blocks() -> None:
+    a, b = tuple(range(4)), tuple(range(10, 14))
+    requests = [FleetRequest("1", a + b + (7,)),      # blocks a, a+b (the 7 is no full block)
+                FleetRequest("2", a + b + a),          # a+b+a is new
+                FleetRequest("3", b + a)]              # b and b+a: a prefix differs
+    assert working_set_blocks(requests, 4) == 5
+    with pytest.raises(ValueError):
+        working_set_blocks(requests, 0)
 
 
 def test_the_spec_refuses_what_cannot_run() -> None:
