@@ -199,3 +199,19 @@ def vllm_serving(
     argv += ["--json", str(json_path)] if json_path is not None else []
     argv += ["--keep", str(keep)] if keep is not None else []
     bench_vllm_serving.main(argv)
+
+
+@app.command("fleet")
+def fleet(
+    quick: bool = typer.Option(False, "--quick", help="4 conversations, 32 MiB of KV per instance (full: 10, 64 MiB)."),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write the results as JSON here."),
+) -> None:
+    """The vLLM fleet: one trace slice through one vLLM, two with round robin, the conductor +
+    kvtier, P/D through kvtier and routing on vLLM's KV events alone (TTFT, TPOT, goodput, hits,
+    bytes, routing latency, outputs) beside the planner's prediction."""
+    from bench import fleet as bench_fleet
+
+    argv = (["--quick"] if quick else []) + (["--json", str(json_path)] if json_path else [])
+    code = bench_fleet.main(argv)
+    if code:
+        raise typer.Exit(code)

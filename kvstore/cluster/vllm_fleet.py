@@ -68,6 +68,8 @@ import contextlib
 import enum
 import json
 import math
+import random
+import re
 import shutil
 import statistics
 import sys
@@ -89,7 +91,7 @@ from kvstore.errors import KvtierError, MembershipError, PeerUnavailable
 
 __all__ = ["MODE_SERVERS", "ROUTED", "Fleet", "FleetRequest", "FleetSpec", "Mode", "ModeResult",
            "RequestRecord", "ServerPlan", "Slo", "assemble", "format_tables", "goodput",
-           "identical_outputs", "routing_latency", "run_fleet", "servers_for", "speedup",
+           "identical_outputs", "kv_cache_tokens", "routing_latency", "run_fleet", "servers_for", "speedup",
            "summarize", "tier_deltas", "working_set_blocks"]
 
 MiB = 1 << 20
@@ -101,7 +103,8 @@ METRICS = {"local_hits": "vllm:prefix_cache_hits_total",
            "external_hits": "vllm:external_prefix_cache_hits_total",
            "prompt_tokens": "vllm:prompt_tokens_total",
            "kvtier_loaded_bytes": "vllm:kvtier_loaded_bytes_total",
-           "kvtier_saved_bytes": "vllm:kvtier_saved_bytes_total"}
+           "kvtier_saved_bytes": "vllm:kvtier_saved_bytes_total",
+           "kvtier_load_seconds": "vllm:kvtier_load_seconds_total"}
 """Server counters read before and after each mode (tokens, or bytes)."""
 
 
@@ -273,6 +276,7 @@ def summarize(result: ModeResult, slo: Slo | None = None) -> dict[str, Any]:
         "kvtier_hit_ratio": d.get("external_hits", 0.0) / queries if queries else None,
         "kvtier_loaded_bytes": d.get("kvtier_loaded_bytes", 0.0),
         "kvtier_saved_bytes": d.get("kvtier_saved_bytes", 0.0),
+        "kvtier_load_seconds": d.get("kvtier_load_seconds", 0.0),
         "tpot_p50_s": percentile(tpot, 50) if tpot else None,
         "decision_p50_s": routing["p50_s"], "decision_p99_s": routing["p99_s"],
         "decision_max_s": routing["max_s"],
@@ -319,6 +323,16 @@ def tier_deltas(before: Sequence[Mapping[str, Any]], after: Sequence[Mapping[str
                 row[name] = t[name] - prev.get(name, 0)
             rows.append(row)
     return rows
+
+
+_KV_CACHE_LINE = re.compile(rb"KV cache size: ([\d,]+) tokens")
+
+
+def kv_cache_tokens(log: bytes) -> int | None:
+    """The KV cache size vLLM reports at start (``... KV cache size: 2,048 tokens, ...``),
+    the last one in ``log``; None when it has not said."""
+    found = _KV_CACHE_LINE.findall(log)
+    return int(found[-1].replace(b",", b"")) if found else None
 
 
 def parse_sse(lines: Sequence[bytes]) -> list[dict[str, Any]]:
@@ -754,6 +768,53 @@ class Fleet:
         if conductor is not None:
             result.placements = [(d.prefill_instance, d.decode_instance)
                                  for d in conductor.decisions]
+
+    def cache_tokens(self) -> dict[str, int | None]:
+        """Each server's KV cache in tokens, as vLLM reported it in its log at start."""
+        return {name: kv_cache_tokens(server.log_path.read_bytes())
+                if server.log_path.exists() else None for name, server in self.servers.items()}
+
+    def profile_engine(self, name: str, prompt_tokens: Sequence[int] = (64, 256, 512, 1024),
+                       repeats: int = 2) -> dict[str, Any]:
+        """A ``kvtier.latency-profile/1`` document (docs/planner.md) of server ``name``'s
+        engine, for the planner: each length's all-miss prompt (random token ids, a fresh
+        ``cache_salt`` per request, so no cache holds any of it) sent ``repeats`` times,
+        straight to the server, streamed like the replay. Prefill time = the median TTFT
+        (HTTP and scheduling included, as the replay's TTFT includes them); decode = one
+        point at batch 1: the mean TPOT over all of them. Lengths that do not fit
+        ``max_model_len`` with the output are left out."""
+        lengths = [n for n in prompt_tokens
+                   if n > 0 and n + self.spec.max_tokens <= self.spec.max_model_len]
+        if not lengths or repeats < 1:
+            raise ValueError(f"nothing to profile: lengths {list(prompt_tokens)} within "
+                             f"max_model_len {self.spec.max_model_len}, repeats {repeats}")
+        return asyncio.run(self._profile(name, lengths, repeats))
+
+    async def _profile(self, name: str, lengths: Sequence[int], repeats: int
+                       ) -> dict[str, Any]:
+        url = self.servers[name].base_url
+        rng = random.Random(f"profile-{self.run_id}")
+        vocab = self.spec.model.vocab_size
+        prefill, tpots = [], []
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
+            for n in lengths:
+                ttfts = []
+                for k in range(repeats):
+                    ids = tuple(rng.randrange(3, vocab) for _ in range(n))
+                    rec = await self._one(http, url, FleetRequest(f"profile-{n}", ids),
+                                          f"profile-{self.run_id}-{n}-{k}")
+                    ttfts.append(rec.ttft_s)
+                    if rec.tpot_s is not None:
+                        tpots.append(rec.tpot_s)
+                prefill.append({"tokens": n, "time_ms": round(statistics.median(ttfts) * 1e3, 3)})
+        if not tpots:
+            raise VllmServerError(f"{name}: no answer of the profile had a second token")
+        return {"schema": "kvtier.latency-profile/1", "model": self.spec.model_name,
+                "gpu": f"cpu: vllm serve {name}, its model on one core", "tp": 1,
+                "prefill": prefill,
+                "decode": [{"batch_size": 1, "time_ms": round(statistics.fmean(tpots) * 1e3, 3)}],
+                "method": f"all-miss prompts, {repeats} per length, streamed to {name}: "
+                          "prefill = median TTFT, decode = mean TPOT (batch 1)"}
 
     async def _warm(self, url: str, names: Sequence[str]) -> None:
         """One untimed request per backend (vLLM's first request is slow), under a salt no

@@ -24,6 +24,7 @@ from kvstore.cluster.vllm_fleet import (
     format_tables,
     goodput,
     identical_outputs,
+    kv_cache_tokens,
     parse_sse,
     percentile,
     routing_latency,
@@ -232,3 +233,10 @@ def test_the_timed_router_passes_decisions_through_and_counts_them() -> None:
     assert dict(timed.backends) == {"v0": 1, "v1": 2} and timed.rejections == 1
     timed.reset()
     assert (timed.decision_s, dict(timed.backends), timed.rejections) == ([], {}, 0)
+
+
+def test_the_kv_cache_size_is_read_from_vllms_start_log() -> None:
+    log = (b"INFO 12-03 08:00:01 [kv_cache_utils.py:1234] CPU KV cache size: 4,096 tokens, "
+           b"Maximum concurrency for 1,280 tokens per request: 3.20x\n")
+    assert kv_cache_tokens(b"noise\n" + log) == 4096
+    assert kv_cache_tokens(b"INFO starting\n") is None
