@@ -8,6 +8,8 @@ Both halves live here, behind the transport contracts of :mod:`..base`:
 * :mod:`.server`: :class:`ShmServer`, a ``TransportServer`` serving an ``ArenaLeaseBackend``
   (leases by id, with arena offsets; the daemon's is ``kvstore.node.backend.ShmLeases``) on an
   abstract-namespace Unix socket;
+* :mod:`.writes`: :class:`ShmWriter`, batches a caller writes in place (reserve, write,
+  commit: a save in one copy);
 * :mod:`.frames` the lease channel's wire format, :mod:`.channel` one client connection,
   :mod:`.reports` the reporter of lease-free reads.
 
@@ -27,14 +29,17 @@ from kvstore.dataplane.transport.shm.client import (
     ShmWriteLease,
 )
 from kvstore.dataplane.transport.shm.server import ShmServer
+from kvstore.dataplane.transport.shm.writes import ShmBatchWrite, ShmWriter
 
 __all__ = [
     "LeaseChannel",
     "LeaseFreeCounters",
     "ShmBatchRead",
+    "ShmBatchWrite",
     "ShmClient",
     "ShmClientConfig",
     "ShmReadLease",
     "ShmServer",
     "ShmWriteLease",
+    "ShmWriter",
 ]

@@ -95,8 +95,11 @@ from kvstore.dataplane.transport.shm.frames import (
     MAX_KEYS,
     REQUEST,
     ChannelOp,
+    item_error,
+    key_parent_pairs,
 )
 from kvstore.dataplane.transport.shm.reports import ReadReporter
+from kvstore.dataplane.transport.shm.writes import WRITE_TTL_S, ShmWriter
 from kvstore.errors import (
     CapacityError,
     ChunkBusy,
@@ -108,7 +111,6 @@ from kvstore.errors import (
     SizeMismatch,
     TierUnavailable,
     TransportError,
-    error_from_name,
 )
 
 log = logging.getLogger(__name__)
@@ -152,25 +154,8 @@ def _pipeline_parts(n: int, value_bytes: int) -> list[tuple[int, int]]:
     return parts
 
 
-def _pairs(keys: list[bytes], parents: list[bytes | None]) -> list[bytes]:
-    """The [key, parent (empty: none)] pairs of a FLAG_PARENTS request."""
-    out: list[bytes] = []
-    for key, parent in zip(keys, parents, strict=True):
-        out.append(key)
-        out.append(parent or b"")
-    return out
-
-
 _ITEM_OUTCOME: dict[int, bool] = {ITEM_STORED: True, ITEM_EXISTS: False}
 """A per-item status byte as a batch put's outcome (absent: refused, None)."""
-
-
-def _item_error(detail: bytes, count: int) -> KvtierError | None:
-    """The first failure a per-item reply carries after its ``count`` status bytes, or None."""
-    if len(detail) <= count:
-        return None
-    name, _, message = detail[count:].decode(errors="replace").partition("\n")
-    return error_from_name(name, message)
 
 
 VIEW_LEASE_TTL_S = 60.0
@@ -732,12 +717,12 @@ class ShmClient:
                          outcome: list[bool | None], at: int) -> KvtierError | None:
         sizes = struct.pack(f"<{len(views)}Q", *(v.nbytes for v in views))
         tail = len(sizes) + sum(v.nbytes for v in views)
-        chan.call(ChannelOp.PUT_MANY, flags=FLAG_PARENTS, keys=_pairs(keys, parents), arg=tail,
+        chan.call(ChannelOp.PUT_MANY, flags=FLAG_PARENTS, keys=key_parent_pairs(keys, parents), arg=tail,
                   payloads=[memoryview(sizes), *views])
         detail = chan.detail
         for k in range(len(keys)):
             outcome[at + k] = _ITEM_OUTCOME.get(detail[k])
-        return _item_error(detail, len(keys))
+        return item_error(detail, len(keys))
 
     def _put_many_reserved(self, chan: LeaseChannel, keys: list[bytes],
                            parents: list[bytes | None], views: list[memoryview],
@@ -756,12 +741,12 @@ class ShmClient:
             for a, b in parts:
                 sizes = struct.pack(f"<{b - a}Q", *(v.nbytes for v in views[a:b]))
                 chan.send(ChannelOp.RESERVE_MANY, flags=FLAG_PARENTS,
-                          keys=_pairs(keys[a:b], parents[a:b]), arg=len(sizes), ttl_s=ttl_s,
+                          keys=key_parent_pairs(keys[a:b], parents[a:b]), arg=len(sizes), ttl_s=ttl_s,
                           payload=memoryview(sizes))
             for a, b in parts:
                 _lease_id, ranges = chan.recv_reply()
                 reserved = chan.detail
-                first = first or _item_error(reserved, b - a)
+                first = first or item_error(reserved, b - a)
                 items: list[int] = []
                 ids: list[int] = []
                 for k, (offset, lease_id) in enumerate(ranges):
@@ -782,7 +767,7 @@ class ShmClient:
                 detail = chan.detail
                 for k, item in enumerate(items):
                     outcome[at + item] = True if detail[k] == ITEM_STORED else None
-                first = first or _item_error(detail, len(items))
+                first = first or item_error(detail, len(items))
         except BaseException:
             chan.broken = True  # requests may be outstanding: closed at checkin
             raise
@@ -1114,10 +1099,23 @@ class ShmClient:
                 chan = self._idle.pop()
                 chan.may_be_stale = True
                 return chan
+        return self._new_channel()
+
+    def _new_channel(self) -> LeaseChannel:
+        """A new channel connection, closed with this client (give it back with ``_checkin``)."""
         chan = LeaseChannel(self._address, io_timeout_s=self._config.io_timeout_s)
         with self._lock:
+            if self._closed:
+                chan.close()
+                raise PeerUnavailable("the client is closed")
             self._all.append(chan)
         return chan
+
+    def open_writer(self) -> ShmWriter:
+        """A connection for successive batches written in place (reserve, write, commit), whose
+        reservations may be the parents of a later batch's (:mod:`.writes`); TTL
+        ``lease_ttl_s``, or :data:`~.writes.WRITE_TTL_S`. Close it when done."""
+        return ShmWriter(self, self._config.lease_ttl_s or WRITE_TTL_S)
 
     def _first(self, request: Callable[[LeaseChannel], _T]) -> tuple[LeaseChannel, _T]:
         """A checked-out channel and what ``request`` (the call's first request on it)

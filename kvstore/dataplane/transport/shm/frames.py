@@ -138,3 +138,20 @@ def unpack_keys(body: bytes | memoryview, count: int) -> list[bytes]:
     if pos != len(view):
         raise errors.ProtocolError(f"lease channel body has {len(view) - pos} stray bytes")
     return keys
+
+
+def key_parent_pairs(keys: list[bytes], parents: list[bytes | None]) -> list[bytes]:
+    """The [key, parent (empty: none)] pairs of a FLAG_PARENTS request."""
+    out: list[bytes] = []
+    for key, parent in zip(keys, parents, strict=True):
+        out.append(key)
+        out.append(parent or b"")
+    return out
+
+
+def item_error(detail: bytes, count: int) -> errors.KvtierError | None:
+    """The first failure a per-item reply carries after its ``count`` status bytes, or None."""
+    if len(detail) <= count:
+        return None
+    name, _, message = detail[count:].decode(errors="replace").partition("\n")
+    return errors.error_from_name(name, message)
