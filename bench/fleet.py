@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -375,15 +376,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="logs, etcd data, NVMe files (default: a temporary directory)")
     args = parser.parse_args(argv)
     console = Console(width=200)
-    with tempfile.TemporaryDirectory(prefix="kvtier-fleet-", dir="/tmp") as tmp:
-        # Short: the servers' ipc:// socket paths live under it (AF_UNIX: 107 bytes).
-        work_dir = (args.work_dir or Path(tmp)).resolve()
+    # Short: the servers' ipc:// socket paths live under it (AF_UNIX: 107 bytes). A temporary
+    # one is removed after a run that went well, and kept (with the logs) otherwise.
+    temporary = args.work_dir is None
+    work_dir = (args.work_dir or Path(tempfile.mkdtemp(prefix="kvtier-fleet-", dir="/tmp"))
+                ).resolve()
+    try:
         doc = run(args.quick, args.trace, work_dir, console)
+    except BaseException:
+        console.print(f"bench fleet failed; logs kept in {work_dir / 'logs'}")
+        raise
     report(doc, console)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     failed = doc["failed_modes"] or not doc["outputs_identical"]
+    if failed:
+        console.print(f"logs kept in {work_dir / 'logs'}")
+    elif temporary:
+        shutil.rmtree(work_dir, ignore_errors=True)
     return 1 if failed else 0
 
 
