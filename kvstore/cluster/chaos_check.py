@@ -1,0 +1,325 @@
+"""Checks a recorded history of a fault run against kvtier's invariants (docs/chaos.md).
+
+Pure: no processes, no clock, no I/O. The fault suite (``bench/chaos.py``) records one
+:class:`Record` per request its load generator made, plus the faults it injected, the daemon
+restarts and the membership changes it observed, into a :class:`History`; :func:`check` returns
+every broken invariant as a :class:`Violation` (an empty list: the run was clean) and
+:func:`fault_stats` the per-fault counts the report prints.
+
+Values are a deterministic function of key and version (:func:`chunk_value`), so a read is
+checked byte for byte from its digest alone, with no copy of what was written.
+
+Invariants (one :class:`Invariant` each)
+
+* **no wrong read**: a get that returned bytes (``Result.OK``) returned exactly
+  ``chunk_value(key, version, size)`` of some put of that key *to the same node* that was
+  acknowledged or still undecided (in flight or failed: a put that timed out may have been
+  applied) and that started before the get ended. A node serving bytes it was never sent is a
+  wrong read too.
+* **nothing durable lost**: a put acknowledged as durable before its node was killed is
+  readable on that node after the restart: a get of it there, started after the node came
+  back, that finds nothing (``Result.ABSENT``) is a loss. Durable puts with no such get are
+  counted as unverified (:func:`durable_unverified`), not as losses.
+* **no placement after lease expiry**: no ``SCHEDULE`` record names a node, with its start
+  more than ``placement_grace_s`` after the node's lease expired and before it registered
+  again (:class:`LeaseGap`).
+* **one leader per epoch**: ``LEASE`` records (a conductor acting as leader in an epoch) name
+  at most one node per epoch.
+* **progress**: at least one request started during each fault window completed OK.
+
+Times are seconds on one monotonic clock (``time.monotonic()`` is shared by every process
+of one machine, network namespaces included).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstore.errors import InvalidArgument
+
+__all__ = ["Fault", "FaultStats", "History", "Invariant", "LeaseGap", "Op", "Record", "Restart",
+           "Result", "Violation", "check", "chunk_value", "digest", "durable_unverified",
+           "expected_digest", "fault_stats"]
+
+
+class Op(enum.Enum):
+    PUT = "put"
+    GET = "get"
+    LEASE = "lease"
+    """A conductor acting as leader in ``epoch`` from ``start_s`` to ``end_s``."""
+    SCHEDULE = "schedule"
+    """A decision to send work (a put) to ``node``, made at ``start_s``."""
+
+
+class Result(enum.Enum):
+    OK = "ok"
+    ERR = "err"
+    ABSENT = "absent"
+    """A get that found no chunk (a miss, not an error)."""
+
+
+class Invariant(enum.Enum):
+    WRONG_READ = "wrong_read"
+    DURABLE_LOST = "durable_lost"
+    PLACEMENT_AFTER_EXPIRY = "placement_after_expiry"
+    TWO_LEADERS = "two_leaders"
+    NO_PROGRESS = "no_progress"
+
+
+def chunk_value(key: str, version: int, size_bytes: int) -> bytes:
+    """The bytes a put of ``key`` at ``version`` writes: SHAKE-256 of ``key || version``
+    expanded to ``size_bytes`` (incompressible, and different for every key and version)."""
+    if size_bytes <= 0:
+        raise InvalidArgument(f"size_bytes must be > 0, got {size_bytes}")
+    return hashlib.shake_256(f"{key}\x00{version}".encode()).digest(size_bytes)
+
+
+def digest(data: bytes | memoryview) -> str:
+    """What a record keeps of the bytes a get returned."""
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def expected_digest(key: str, version: int, size_bytes: int) -> str:
+    return digest(chunk_value(key, version, size_bytes))
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One request of the load. ``end_s`` None: it never returned (in flight at the end).
+    ``digest``: of the bytes a get returned (``Result.OK`` gets only). ``durable``: a put the
+    store acknowledged as persisted (to NVMe). ``epoch``: of a ``LEASE`` record."""
+
+    op: Op
+    key: str
+    node: str
+    start_s: float
+    end_s: float | None
+    result: Result
+    version: int = 0
+    size_bytes: int = 0
+    digest: str | None = None
+    durable: bool = False
+    epoch: int = 0
+    error: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.op, Op) or not isinstance(self.result, Result):
+            raise InvalidArgument(f"op and result must be Op and Result, got {self.op!r}, "
+                                  f"{self.result!r}")
+        if not math.isfinite(self.start_s) or (
+                self.end_s is not None and not self.end_s >= self.start_s):
+            raise InvalidArgument(f"record times must be finite with end_s >= start_s, got "
+                                  f"{self.start_s}, {self.end_s}")
+        if self.op is Op.GET and self.result is Result.OK and self.digest is None:
+            raise InvalidArgument(f"an OK get of {self.key!r} needs the digest of its bytes")
+        if self.op is Op.PUT and self.size_bytes <= 0:
+            raise InvalidArgument(f"a put of {self.key!r} needs size_bytes > 0")
+        if self.durable and not (self.op is Op.PUT and self.result is Result.OK):
+            raise InvalidArgument("only an acknowledged (OK) put can be durable")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"op": self.op.value, "key": self.key, "node": self.node, "start_s": self.start_s,
+                "end_s": self.end_s, "result": self.result.value, "version": self.version,
+                "size_bytes": self.size_bytes, "digest": self.digest, "durable": self.durable,
+                "epoch": self.epoch, "error": self.error}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Record:
+        try:
+            return cls(op=Op(d["op"]), key=str(d["key"]), node=str(d["node"]),
+                       start_s=float(d["start_s"]),
+                       end_s=None if d.get("end_s") is None else float(d["end_s"]),
+                       result=Result(d["result"]), version=int(d.get("version", 0)),
+                       size_bytes=int(d.get("size_bytes", 0)), digest=d.get("digest"),
+                       durable=bool(d.get("durable", False)), epoch=int(d.get("epoch", 0)),
+                       error=str(d.get("error", "")))
+        except (KeyError, ValueError, TypeError) as exc:
+            raise InvalidArgument(f"not a history record: {d!r} ({exc})") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """A fault ``name`` on ``node``, injected at ``start_s`` and removed at ``end_s``."""
+
+    name: str
+    node: str
+    start_s: float
+    end_s: float
+
+    def __post_init__(self) -> None:
+        if not self.end_s >= self.start_s:
+            raise InvalidArgument(f"fault {self.name}: end_s {self.end_s} < start_s "
+                                  f"{self.start_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class Restart:
+    """``node``'s daemon died at ``down_s`` (killed) and served again from ``up_s``."""
+
+    node: str
+    down_s: float
+    up_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseGap:
+    """``node``'s membership lease expired at ``expired_s`` (its key left etcd) and it
+    registered again at ``renewed_s`` (None: not before the end)."""
+
+    node: str
+    expired_s: float
+    renewed_s: float | None = None
+
+
+@dataclass
+class History:
+    records: list[Record] = field(default_factory=list)
+    faults: list[Fault] = field(default_factory=list)
+    restarts: list[Restart] = field(default_factory=list)
+    lease_gaps: list[LeaseGap] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    invariant: Invariant
+    message: str
+    record: Record | None = None
+
+
+def check(history: History, *, placement_grace_s: float = 0.5,
+          require_progress: bool = True) -> list[Violation]:
+    """Every broken invariant of ``history`` (see the module docstring); [] when clean."""
+    if not (math.isfinite(placement_grace_s) and placement_grace_s >= 0):
+        raise InvalidArgument(f"placement_grace_s must be finite and >= 0, got "
+                              f"{placement_grace_s}")
+    out = _wrong_reads(history.records)
+    out += _durable_lost(history)
+    out += _placements_after_expiry(history.records, history.lease_gaps, placement_grace_s)
+    out += _two_leaders(history.records)
+    if require_progress:
+        out += _no_progress(history)
+    return out
+
+
+def _puts_by_key_node(records: Iterable[Record]) -> dict[tuple[str, str], list[Record]]:
+    puts: dict[tuple[str, str], list[Record]] = defaultdict(list)
+    for r in records:
+        if r.op is Op.PUT:
+            puts[(r.key, r.node)].append(r)
+    return puts
+
+
+def _wrong_reads(records: Sequence[Record]) -> list[Violation]:
+    puts = _puts_by_key_node(records)
+    out = []
+    for r in records:
+        if r.op is not Op.GET or r.result is not Result.OK:
+            continue
+        end = math.inf if r.end_s is None else r.end_s
+        # A put that failed may still have been applied (the answer was lost): a candidate.
+        candidates = {expected_digest(p.key, p.version, p.size_bytes)
+                      for p in puts.get((r.key, r.node), ()) if p.start_s <= end}
+        if r.digest not in candidates:
+            why = "no put of it reached that node" if not candidates else \
+                f"matches none of {len(candidates)} version(s) put there"
+            out.append(Violation(Invariant.WRONG_READ,
+                                 f"get of {r.key!r} on {r.node} at {r.start_s:.3f} returned "
+                                 f"bytes (digest {r.digest}) that {why}", r))
+    return out
+
+
+def _durable_lost(history: History) -> list[Violation]:
+    out = []
+    for restart in history.restarts:
+        durable = {r.key for r in history.records
+                   if r.durable and r.node == restart.node and r.end_s is not None
+                   and r.end_s <= restart.down_s}
+        for r in history.records:
+            if (r.op is Op.GET and r.node == restart.node and r.key in durable
+                    and r.start_s >= restart.up_s and r.result is Result.ABSENT):
+                out.append(Violation(Invariant.DURABLE_LOST,
+                                     f"{r.key!r} was acknowledged durable on {r.node} before "
+                                     f"the kill at {restart.down_s:.3f}, and a get at "
+                                     f"{r.start_s:.3f} after the restart found nothing", r))
+    return out
+
+
+def durable_unverified(history: History) -> int:
+    """Durable puts acknowledged before a kill that no later get on their node read back OK
+    or found absent (neither kept nor shown lost)."""
+    count = 0
+    for restart in history.restarts:
+        durable = {r.key for r in history.records
+                   if r.durable and r.node == restart.node and r.end_s is not None
+                   and r.end_s <= restart.down_s}
+        seen = {r.key for r in history.records
+                if r.op is Op.GET and r.node == restart.node and r.start_s >= restart.up_s
+                and r.result in (Result.OK, Result.ABSENT)}
+        count += len(durable - seen)
+    return count
+
+
+def _placements_after_expiry(records: Sequence[Record], gaps: Sequence[LeaseGap],
+                             grace_s: float) -> list[Violation]:
+    out = []
+    for gap in gaps:
+        until = math.inf if gap.renewed_s is None else gap.renewed_s
+        for r in records:
+            if (r.op is Op.SCHEDULE and r.node == gap.node
+                    and gap.expired_s + grace_s < r.start_s < until):
+                out.append(Violation(Invariant.PLACEMENT_AFTER_EXPIRY,
+                                     f"work for {r.key!r} placed on {r.node} at "
+                                     f"{r.start_s:.3f}, {r.start_s - gap.expired_s:.3f} s after "
+                                     f"its lease expired", r))
+    return out
+
+
+def _two_leaders(records: Sequence[Record]) -> list[Violation]:
+    leaders: dict[int, set[str]] = defaultdict(set)
+    for r in records:
+        if r.op is Op.LEASE and r.result is Result.OK:
+            leaders[r.epoch].add(r.node)
+    return [Violation(Invariant.TWO_LEADERS,
+                      f"epoch {epoch} had {len(nodes)} leaders: {', '.join(sorted(nodes))}")
+            for epoch, nodes in sorted(leaders.items()) if len(nodes) > 1]
+
+
+def _no_progress(history: History) -> list[Violation]:
+    out = []
+    for fault in history.faults:
+        stats = _window_stats(history.records, fault)
+        if stats.completed == 0:
+            out.append(Violation(Invariant.NO_PROGRESS,
+                                 f"fault {fault.name} on {fault.node}: none of {stats.attempted} "
+                                 f"requests started in [{fault.start_s:.3f}, {fault.end_s:.3f}] "
+                                 f"completed"))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class FaultStats:
+    """Data requests (puts and gets) started inside one fault window."""
+
+    fault: str
+    attempted: int
+    completed: int
+    """Returned: OK, or a get that found nothing (an answer, not a failure)."""
+    failed: int
+    """Returned an error, or never returned."""
+
+
+def _window_stats(records: Sequence[Record], fault: Fault) -> FaultStats:
+    inside = [r for r in records if r.op in (Op.PUT, Op.GET)
+              and fault.start_s <= r.start_s <= fault.end_s]
+    completed = sum(1 for r in inside if r.end_s is not None and r.result is not Result.ERR)
+    return FaultStats(fault.name, len(inside), completed, len(inside) - completed)
+
+
+def fault_stats(history: History) -> list[FaultStats]:
+    return [_window_stats(history.records, f) for f in history.faults]

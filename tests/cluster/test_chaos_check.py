@@ -1,0 +1,174 @@
+"""The history checker of the fault suite on hand-built histories: one clean, and one that breaks
+each invariant (so every check can fail)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.cluster.chaos_check import (
+    Fault,
+    History,
+    Invariant,
+    LeaseGap,
+    Op,
+    Record,
+    Restart,
+    Result,
+    Violation,
+    check,
+    chunk_value,
+    digest,
+    durable_unverified,
+    expected_digest,
+    fault_stats,
+)
+from kvstore.errors import InvalidArgument
+
+SIZE = 4096
+
+
+def put(key: str, node: str, start: float, end: float | None, *, version: int = 0,
+        result: Result = Result.OK, durable: bool = False) -> Record:
+    return Record(Op.PUT, key, node, start, end, result, version=version, size_bytes=SIZE,
+                  durable=durable)
+
+
+def get(key: str, node: str, start: float, end: float | None, *, version: int = 0,
+        result: Result = Result.OK, data: bytes | None = None) -> Record:
+    d = None
+    if result is Result.OK:
+        d = digest(data if data is not None else chunk_value(key, version, SIZE))
+    return Record(Op.GET, key, node, start, end, result, digest=d)
+
+
+def clean() -> History:
+    """Two nodes; n0 is killed at 10 and back at 12; its durable chunk is read back after."""
+    return History(
+        records=[
+            Record(Op.SCHEDULE, "a", "n0", 1.0, 1.0, Result.OK),
+            put("a", "n0", 1.0, 1.1, durable=True),
+            get("a", "n0", 2.0, 2.1),
+            put("b", "n1", 3.0, 3.1, version=2),
+            put("b", "n1", 3.5, None, version=3),           # in flight: a get may see it
+            get("b", "n1", 4.0, 4.1, version=3),
+            get("b", "n1", 4.2, 4.3, version=2),
+            put("c", "n0", 9.9, 10.2, result=Result.ERR),   # lost with the kill: fine
+            get("c", "n0", 12.5, 12.6, result=Result.ABSENT),
+            put("d", "n1", 10.5, 10.6),                     # progress during the fault
+            get("x", "n1", 11.0, 11.1, result=Result.ERR),
+            get("a", "n0", 12.5, 12.6),                     # durable chunk survived
+            Record(Op.SCHEDULE, "e", "n1", 10.5, 10.5, Result.OK),
+            Record(Op.SCHEDULE, "f", "n0", 11.0, 11.0, Result.OK),  # within the grace
+            Record(Op.SCHEDULE, "g", "n0", 13.0, 13.0, Result.OK),  # registered again
+            Record(Op.LEASE, "leader", "c0", 0.0, 9.0, Result.OK, epoch=1),
+            Record(Op.LEASE, "leader", "c0", 9.0, 14.0, Result.OK, epoch=1),
+            Record(Op.LEASE, "leader", "c1", 14.0, 15.0, Result.OK, epoch=2),
+        ],
+        faults=[Fault("kill-daemon", "n0", 10.0, 12.0)],
+        restarts=[Restart("n0", 10.0, 12.0)],
+        lease_gaps=[LeaseGap("n0", 10.8, 12.4)],
+    )
+
+
+def broken(history: History, *extra: Record) -> list[Violation]:
+    history.records.extend(extra)
+    return check(history)
+
+
+def test_a_clean_history_passes() -> None:
+    history = clean()
+    assert check(history) == []
+    assert durable_unverified(history) == 0
+    [stats] = fault_stats(history)
+    assert (stats.attempted, stats.completed, stats.failed) == (2, 1, 1)
+
+
+def test_a_read_of_bytes_no_put_wrote_is_wrong() -> None:
+    bad = get("a", "n0", 5.0, 5.1, data=chunk_value("a", 1, SIZE))  # a version never put
+    [v] = broken(clean(), bad)
+    assert v.invariant is Invariant.WRONG_READ and v.record == bad
+
+
+def test_a_torn_read_is_wrong() -> None:
+    torn = bytearray(chunk_value("a", 0, SIZE))
+    torn[SIZE // 2] ^= 1
+    [v] = broken(clean(), get("a", "n0", 5.0, 5.1, data=bytes(torn)))
+    assert v.invariant is Invariant.WRONG_READ
+
+
+def test_a_read_of_a_version_put_after_the_read_ended_is_wrong() -> None:
+    [v] = broken(clean(), get("b", "n1", 3.2, 3.3, version=3))  # put of v3 starts at 3.5
+    assert v.invariant is Invariant.WRONG_READ
+
+
+def test_bytes_served_by_a_node_they_were_never_put_to_are_wrong() -> None:
+    [v] = broken(clean(), get("a", "n1", 5.0, 5.1))
+    assert v.invariant is Invariant.WRONG_READ and "no put of it reached" in v.message
+
+
+def test_a_durable_chunk_missing_after_the_restart_is_lost() -> None:
+    history = clean()
+    history.records.append(put("h", "n0", 5.0, 5.1, durable=True))
+    assert durable_unverified(history) == 1
+    lost = get("h", "n0", 13.0, 13.1, result=Result.ABSENT)
+    [v] = broken(history, lost)
+    assert v.invariant is Invariant.DURABLE_LOST and v.record == lost
+    assert durable_unverified(history) == 0
+
+
+def test_a_miss_of_a_chunk_not_acknowledged_durable_is_no_loss() -> None:
+    history = clean()
+    history.records += [put("h", "n0", 5.0, 5.1), get("h", "n0", 13.0, 13.1,
+                                                      result=Result.ABSENT)]
+    assert check(history) == []
+
+
+def test_placement_on_a_node_after_its_lease_expired() -> None:
+    late = Record(Op.SCHEDULE, "z", "n0", 11.5, 11.5, Result.OK)  # 0.7 s after expiry
+    [v] = broken(clean(), late)
+    assert v.invariant is Invariant.PLACEMENT_AFTER_EXPIRY and v.record == late
+    history = clean()
+    history.records.append(late)
+    assert check(history, placement_grace_s=1.0) == []
+
+
+def test_placement_on_a_node_that_never_came_back() -> None:
+    history = clean()
+    history.lease_gaps = [LeaseGap("n0", 10.8, None)]
+    [v] = check(history)
+    assert v.invariant is Invariant.PLACEMENT_AFTER_EXPIRY and v.record is not None
+    assert v.record.key == "g"
+
+
+def test_two_leaders_in_one_epoch() -> None:
+    [v] = broken(clean(), Record(Op.LEASE, "leader", "c1", 8.0, 8.5, Result.OK, epoch=1))
+    assert v.invariant is Invariant.TWO_LEADERS and "c0, c1" in v.message
+
+
+def test_no_request_completed_during_a_fault() -> None:
+    history = clean()
+    history.records = [r for r in history.records if r.key != "d"]
+    [v] = check(history)
+    assert v.invariant is Invariant.NO_PROGRESS
+    assert check(history, require_progress=False) == []
+
+
+def test_records_round_trip_and_bad_ones_are_refused() -> None:
+    for r in clean().records:
+        assert Record.from_dict(r.to_dict()) == r
+    with pytest.raises(InvalidArgument, match="not a history record"):
+        Record.from_dict({"op": "scan", "key": "a"})
+    with pytest.raises(InvalidArgument, match="digest"):
+        Record(Op.GET, "a", "n0", 1.0, 2.0, Result.OK)
+    with pytest.raises(InvalidArgument, match="end_s >= start_s"):
+        put("a", "n0", 2.0, 1.0)
+    with pytest.raises(InvalidArgument, match="durable"):
+        put("a", "n0", 1.0, 2.0, result=Result.ERR, durable=True)
+    with pytest.raises(InvalidArgument, match="size_bytes"):
+        chunk_value("a", 0, 0)
+
+
+def test_values_depend_on_key_and_version() -> None:
+    assert chunk_value("a", 0, 64) == chunk_value("a", 0, 64)
+    assert len({chunk_value("a", 0, 64), chunk_value("a", 1, 64), chunk_value("b", 0, 64)}) == 3
+    assert expected_digest("a", 0, 64) == digest(chunk_value("a", 0, 64))
