@@ -1,5 +1,6 @@
 """Transfers in flight: a load's :class:`LoadHandle`, a save fed layer by layer
-(:class:`LayerwiseSave`) and one engine step's saves together (:class:`BatchSave`).
+(:class:`LayerwiseSave`) and one engine step's saves together (:class:`BatchSave`, or
+:class:`DirectBatchSave` where the step's sources can write the daemon's arena themselves).
 
 The :class:`~kvstore.client.kv_client.KVClient` makes them and runs their work on its executor;
 the engine waits on them. Every method is safe from any thread. A load handle is completed by
@@ -18,13 +19,16 @@ from typing import TYPE_CHECKING
 
 from kvstore.client.layouts import EngineKV
 from kvstore.client.results import LoadResult, SaveResult
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, KvtierError
 from kvstore.keys import PrefixKey
 
 if TYPE_CHECKING:
-    from kvstore.client.kv_client import KVClient
+    import torch
 
-__all__ = ["BatchSave", "LayerwiseSave", "LoadHandle"]
+    from kvstore.client.kv_client import KVClient
+    from kvstore.dataplane.transport.shm import ShmBatchWrite
+
+__all__ = ["BatchSave", "ChainBatch", "DirectBatchSave", "LayerwiseSave", "LoadHandle"]
 
 
 class LoadHandle:
@@ -230,6 +234,199 @@ class BatchSave:
             self._finished = _gather_futures(
                 [self._client._pool.submit(put, g) for g in groups])
         return self._finished
+
+class DirectBatchSave:
+    """One engine step's saves in one copy (same host, sources with ``gather_chunks``): the
+    step's new chunks are reserved in the daemon's arena at the start (one RESERVE_MANY
+    exchange on the client's writer connection, :mod:`kvstore.dataplane.transport.shm.writes`),
+    ``save_layer(l)`` copies layer ``l`` of every request's blocks straight out of the
+    engine's buffers into the reserved ranges, and ``finish()`` commits them all (one
+    COMMIT_MANY). Same interface, ownership rules and results as :class:`BatchSave`; a block
+    two requests of the step share is reserved once and written from the first of them.
+    Nothing reserved becomes visible unless every layer was written: a copy that raised, a
+    batch past its reservations' margin, or a skipped request aborts those chunks."""
+
+    def __init__(self, client: KVClient,
+                 parts: list[tuple[list[PrefixKey], int, EngineKV]]) -> None:
+        self._client = client
+        self._parts = parts
+        self._batch = ChainBatch([(keys, first) for keys, first, _s in parts])
+        # Per request, per new block: the reserved chunk it writes (None: another request's,
+        # already stored, refused). Filled by the reservation task.
+        self._targets: list[list[tuple[int, int]]] = []
+        self._chunks: list[torch.Tensor | None] = []
+        self._late = False  # a copy found the reservations past their margin: not committed
+        self._reserved = client._pool.submit(self._reserve)
+        self._copies: list[cf.Future[None] | None] = [None] * client.layout.num_layers
+        self._gather_s = [0.0] * client.layout.num_layers
+        self._finished: cf.Future[list[SaveResult]] | None = None
+
+    def _reserve(self) -> ShmBatchWrite | None:
+        batch = self._batch
+        if not batch.keys:
+            return None
+        lay = self._client.layout
+        reserved = self._client._writer().reserve(
+            batch.keys, [lay.chunk_bytes] * len(batch.keys), batch.parents)
+        self._chunks = reserved.tensors(lay.dtype, lay.chunk_shape)
+        # Which request writes which chunk: the first that has it, for what is reserved.
+        for r, (keys, first, _s) in enumerate(self._parts):
+            self._targets.append([(i, item) for i, item in zip(range(first, len(keys)),
+                                                                batch.items[r], strict=True)
+                                  if batch.owner[item] == (r, i)
+                                  and self._chunks[item] is not None])
+        return reserved
+
+    def save_layer(self, layer: int) -> cf.Future[None]:
+        """Copy layer ``layer`` of every request into the reserved chunks in the background.
+        Raises InvalidArgument for a layer out of range or given twice."""
+        if not 0 <= layer < len(self._copies):
+            raise InvalidArgument(f"layer {layer} out of range [0, {len(self._copies)})")
+        if self._copies[layer] is not None or self._finished is not None:
+            raise InvalidArgument(f"layer {layer} was already saved (or the save is finished)")
+
+        def copy() -> None:
+            try:
+                reserved = self._reserved.result()
+            except KvtierError:
+                return  # nothing reserved: finish() reports it
+            if reserved is None:
+                return
+            if not reserved.writable:
+                self._late = True
+                return
+            t0 = time.perf_counter()
+            layers = range(layer, layer + 1)
+            for (_keys, _first, source), targets in zip(self._parts, self._targets,
+                                                        strict=True):
+                gather = source.gather_chunks  # type: ignore[attr-defined]
+                for blocks, items in _runs(targets):
+                    gather(layers, blocks, [self._chunks[i] for i in items])
+            self._gather_s[layer] = time.perf_counter() - t0
+
+        fut = self._client._pool.submit(copy)
+        self._copies[layer] = fut
+        return fut
+
+    def finish(self, skip: Collection[int] = ()) -> cf.Future[list[SaveResult]]:
+        """Commit every request's chunks once every layer's copy is done, but those of the
+        requests at the indices ``skip`` (aborted: their results fail every block,
+        "skipped"). Raises InvalidArgument when a layer was never given."""
+        missing = [i for i, c in enumerate(self._copies) if c is None]
+        if missing:
+            raise InvalidArgument(f"layers {missing} were never saved")
+        if self._finished is None:
+            copies = [c for c in self._copies if c is not None]
+            skipped = frozenset(skip)
+            self._finished = self._client._pool.submit(self._commit, copies, skipped)
+        return self._finished
+
+    def _commit(self, copies: list[cf.Future[None]], skipped: frozenset[int]
+                ) -> list[SaveResult]:
+        t0 = time.perf_counter()
+        batch = self._batch
+        outcome: list[bool | None] = [None] * len(batch.keys)
+        error: str | None = None
+        reserved: ShmBatchWrite | None = None
+        try:
+            reserved = self._reserved.result()
+            for c in copies:
+                c.result()  # a copy that raised (a bug or bad shapes) raises here
+            if reserved is not None:
+                if self._late:
+                    reserved.abort()
+                    error = "InvalidArgument: the step's copies started past the " \
+                            "reservations' margin: not committed"
+                else:
+                    drop = {item for r in skipped for item in batch.items[r]
+                            if batch.owner[item][0] == r}
+                    outcome = reserved.commit(skip=drop)
+                    if reserved.refusal is not None:
+                        error = describe(reserved.refusal)
+        except KvtierError as exc:  # the daemon is gone, or nothing could be reserved
+            error = describe(exc)
+        except BaseException:
+            if reserved is not None:
+                reserved.abort()
+            raise
+        gather_s = sum(self._gather_s)
+        results = batch.results(outcome, error, self._client.layout.chunk_bytes, gather_s,
+                                time.perf_counter() - t0)
+        return [_skipped(self._parts[r], gather_s) if r in skipped else res
+                for r, res in enumerate(results)]
+
+
+class ChainBatch:
+    """Several requests' new blocks as one batch put: each chain's blocks ``keys[first:]``,
+    parent-first (block i a child of block i - 1), a block another chain of the batch also has
+    (requests sharing a prefix) listed once, owned by the first chain that has it."""
+
+    __slots__ = ("chains", "items", "keys", "owner", "parents")
+
+    def __init__(self, chains: Sequence[tuple[list[PrefixKey], int]]) -> None:
+        self.chains = chains
+        self.keys: list[bytes] = []
+        self.parents: list[bytes | None] = []
+        self.owner: list[tuple[int, int]] = []  # per item: (chain, block) that lists it first
+        self.items: list[list[int]] = []  # per chain, per new block: its item
+        slot: dict[bytes, int] = {}
+        for r, (keys, first) in enumerate(chains):
+            mine = []
+            for i in range(first, len(keys)):
+                key = keys[i]
+                if key not in slot:
+                    slot[key] = len(self.keys)
+                    self.keys.append(key)
+                    self.parents.append(keys[i - 1] if i else None)
+                    self.owner.append((r, i))
+                mine.append(slot[key])
+            self.items.append(mine)
+
+    def results(self, outcome: Sequence[bool | None], error: str | None, chunk_bytes: int,
+                gather_s: float, put_s: float) -> list[SaveResult]:
+        """One SaveResult per chain from the batch's per-item ``outcome`` (True stored, False
+        already stored, None not stored): a chain stops at its first block not stored
+        (nothing under it can be cached); a block stored for an earlier chain is "existing"
+        for the later ones. ``error`` is given to the chains that failed a block."""
+        out = []
+        for r, ((keys, first), mine) in enumerate(zip(self.chains, self.items, strict=True)):
+            stored: list[int] = []
+            existing: list[int] = []
+            failed_from = len(keys)
+            for i, item in zip(range(first, len(keys)), mine, strict=True):
+                got = outcome[item]
+                if got is None:
+                    failed_from = i
+                    break
+                (stored if got and self.owner[item] == (r, i) else existing).append(i)
+            failed = tuple(range(failed_from, len(keys)))
+            out.append(SaveResult(tuple(stored), tuple(existing), failed,
+                                  error if failed else None, len(stored) * chunk_bytes,
+                                  gather_s, put_s))
+        return out
+
+
+def _runs(targets: list[tuple[int, int]]) -> list[tuple[range, list[int]]]:
+    """``(block, item)`` pairs cut into runs of consecutive blocks: (blocks, their items)."""
+    runs: list[tuple[range, list[int]]] = []
+    start = prev = -2
+    items: list[int] = []
+    for block, item in targets:
+        if block != prev + 1:
+            if items:
+                runs.append((range(start, prev + 1), items))
+            start, items = block, []
+        items.append(item)
+        prev = block
+    if items:
+        runs.append((range(start, prev + 1), items))
+    return runs
+
+
+def describe(exc: BaseException) -> str:
+    """``LoadResult.error``/``SaveResult.error`` text: the error class, then its message."""
+    return f"{type(exc).__name__}: {exc}"
+
 
 def _skipped(part: tuple[list[PrefixKey], int, EngineKV], gather_s: float) -> SaveResult:
     keys, first, _source = part

@@ -76,7 +76,15 @@ from typing import TYPE_CHECKING
 
 from kvstore.client.cpus import widen_thread_affinity
 from kvstore.client.discovery import choose_node, discover_nodes
-from kvstore.client.handles import BatchSave, LayerwiseSave, LoadHandle, split_even
+from kvstore.client.handles import (
+    BatchSave,
+    ChainBatch,
+    DirectBatchSave,
+    LayerwiseSave,
+    LoadHandle,
+    split_even,
+)
+from kvstore.client.handles import describe as _describe
 from kvstore.client.kvlayout import KVLayout
 from kvstore.client.layouts import EngineKV
 from kvstore.client.requests import BlockKeys, LoadRequest, RemoteFetch, SaveRequest
@@ -87,7 +95,7 @@ from kvstore.client.store_client import (
     StoreClient,
     StoreClientConfig,
 )
-from kvstore.dataplane.transport.shm import ShmBatchRead
+from kvstore.dataplane.transport.shm import ShmBatchRead, ShmClient, ShmWriter
 from kvstore.errors import (
     CapacityError,
     ChunkBusy,
@@ -97,6 +105,7 @@ from kvstore.errors import (
     MembershipError,
     PeerUnavailable,
     SizeMismatch,
+    TierUnavailable,
     TransportError,
 )
 from kvstore.keys import BlockHasher, HashMode, Namespace, PrefixKey
@@ -144,6 +153,11 @@ class KVClientConfig:
     replicate_remote: bool = False
     """Default of ``replicate`` in remote loads: put the blocks fetched from another node into
     this client's own daemon afterwards (a replication step; the engine does not wait for it)."""
+    one_copy_save: bool = True
+    """Same host, sources with ``gather_chunks``: :meth:`KVClient.begin_save_many` reserves the
+    step's chunks in the daemon's arena and copies the engine's KV straight into them
+    (:class:`~kvstore.client.handles.DirectBatchSave`); False: through staging rows and one
+    ``put_many`` (two copies)."""
     widen_thread_affinity: bool = True
     """Transfer threads run on every CPU the container allows, not only on the cores of the
     thread that started them (an engine's model thread bound to its cores):
@@ -215,6 +229,7 @@ class KVClient:
         self._node_addresses: dict[str, str] = {}
         self._remote_lock = threading.Lock()
         self._closed = False
+        self._shm_writer: ShmWriter | None = None
         self._pool = cf.ThreadPoolExecutor(
             self.config.workers, thread_name_prefix="kvclient",
             initializer=widen_thread_affinity if self.config.widen_thread_affinity else None)
@@ -855,9 +870,13 @@ class KVClient:
             saver.save_layer(layer)
         return saver.finish()
 
-    def begin_save_many(self, requests: Sequence[SaveRequest]) -> BatchSave:
-        """Start layer-by-layer saves of several requests (one engine step) that share one
-        staging buffer, one copy task per layer and one flush (:class:`BatchSave`)."""
+    def begin_save_many(self, requests: Sequence[SaveRequest]
+                        ) -> BatchSave | DirectBatchSave:
+        """Start layer-by-layer saves of several requests (one engine step): one copy task
+        per layer and one flush. On the same host, when every source has ``gather_chunks``
+        (and ``one_copy_save``), the step's chunks are reserved in the daemon's arena and
+        written there directly (:class:`DirectBatchSave`); otherwise through one staging
+        buffer and ``put_many`` (:class:`BatchSave`)."""
         parts: list[tuple[list[PrefixKey], int, EngineKV]] = []
         for req in requests:
             keys = self.keys(req.token_ids)
@@ -865,6 +884,9 @@ class KVClient:
                 raise InvalidArgument(f"first_block {req.first_block} outside "
                                       f"[0, {len(keys)}]")
             parts.append((keys, req.first_block, req.from_))
+        if self.config.one_copy_save and self.store.data_plane is DataPlane.SHM and all(
+                getattr(src, "gather_chunks", None) is not None for _k, _f, src in parts):
+            return DirectBatchSave(self, parts)
         return BatchSave(self, parts)
 
     def save_many(self, requests: Sequence[SaveRequest]) -> cf.Future[list[SaveResult]]:
@@ -882,57 +904,37 @@ class KVClient:
     def _put_chains(self, chains: Sequence[tuple[list[PrefixKey], int, torch.Tensor]],
                     gather_s: float) -> list[SaveResult]:
         """Put several requests' new blocks in one ``put_many`` (one pipelined exchange over
-        shared memory): each chain's blocks ``keys[first:]``, parent-first, block i a child of
-        block i - 1. A block another chain of the batch also saves (requests sharing a prefix)
-        is sent once. A refusal stops that chain from the refused block on (what is under it
-        cannot be cached) and leaves the other chains as they went; a transport failure fails
-        every block whose outcome is unknown. Each result's ``put_s`` is the whole batch's."""
+        shared memory), as a :class:`ChainBatch`: a refusal stops that chain from the refused
+        block on (what is under it cannot be cached) and leaves the other chains as they went;
+        a transport failure fails every block whose outcome is unknown. Each result's
+        ``put_s`` is the whole batch's."""
         t0 = time.perf_counter()
-        batch_keys: list[bytes] = []
-        srcs: list[torch.Tensor] = []
-        parents: list[bytes | None] = []
-        slot: dict[bytes, int] = {}  # key -> its item in the batch
-        items: list[list[int]] = []  # per chain, per new block: its item
-        for keys, first, staging in chains:
-            mine = []
-            for i in range(first, len(keys)):
-                key = keys[i]
-                if key not in slot:
-                    slot[key] = len(batch_keys)
-                    batch_keys.append(key)
-                    srcs.append(staging[i - first])
-                    parents.append(keys[i - 1] if i else None)
-                mine.append(slot[key])
-            items.append(mine)
-        outcome: list[bool | None] = [None] * len(batch_keys)
+        batch = ChainBatch([(keys, first) for keys, first, _s in chains])
+        srcs = [chains[r][2][i - chains[r][1]] for r, i in batch.owner]
+        outcome: list[bool | None] = [None] * len(batch.keys)
         error: str | None = None
-        if batch_keys:
+        if batch.keys:
             try:
-                outcome = list(self.store.put_many(batch_keys, srcs, parents))
+                outcome = list(self.store.put_many(batch.keys, srcs, batch.parents))
             except KvtierError as exc:  # full, parent evicted, daemon gone
                 error = _describe(exc)
                 if exc.batch_outcome is not None:
                     outcome = exc.batch_outcome
-                log.warning("save of %d blocks: %s", len(batch_keys), error)
-        put_s = time.perf_counter() - t0
-        results = []
-        seen: set[int] = set()
-        for (keys, first, _staging), mine in zip(chains, items, strict=True):
-            stored: list[int] = []
-            existing: list[int] = []
-            failed_from = len(keys)
-            for i, item in zip(range(first, len(keys)), mine, strict=True):
-                got = outcome[item]
-                if got is None:
-                    failed_from = i
-                    break
-                (stored if got and item not in seen else existing).append(i)
-                seen.add(item)
-            failed = tuple(range(failed_from, len(keys)))
-            results.append(SaveResult(tuple(stored), tuple(existing), failed,
-                                      error if failed else None,
-                                      len(stored) * self.layout.chunk_bytes, gather_s, put_s))
-        return results
+                log.warning("save of %d blocks: %s", len(batch.keys), error)
+        return batch.results(outcome, error, self.layout.chunk_bytes, gather_s,
+                             time.perf_counter() - t0)
+
+    def _writer(self) -> ShmWriter:
+        """The connection one-copy saves reserve and commit on (made on first use)."""
+        with self._remote_lock:
+            if self._closed:
+                raise PeerUnavailable("the client is closed")
+            if self._shm_writer is None:
+                plane = self.store.plane
+                if not isinstance(plane, ShmClient):
+                    raise TierUnavailable("one-copy saves need the shared-memory plane")
+                self._shm_writer = plane.open_writer()
+            return self._shm_writer
 
     # --- teardown -----------------------------------------------------------------------------
 
@@ -942,6 +944,9 @@ class KVClient:
         with self._remote_lock:
             self._closed = True
             remotes, self._remotes = list(self._remotes.values()), {}
+            writer, self._shm_writer = self._shm_writer, None
+        if writer is not None:
+            writer.close()
         for store in remotes:
             store.close()
         self.store.close()
@@ -959,8 +964,3 @@ def _release(lease: ShmBatchRead) -> None:
         lease.release()
     except KvtierError as exc:
         log.debug("batch read lease release: %s", _describe(exc))
-
-
-def _describe(exc: BaseException) -> str:
-    """``LoadResult.error``/``SaveResult.error`` text: the error class, then its message."""
-    return f"{type(exc).__name__}: {exc}"

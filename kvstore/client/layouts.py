@@ -17,7 +17,9 @@ A layout may also have ``scatter_chunks(layers, blocks, chunks)`` (see :class:`E
 one-copy load path, which copies straight out of the daemon's shared-memory arena; the client
 uses it where it is there and not None (:class:`ContiguousKV`, :class:`ChunkKV` and vLLM's CPU
 layout have it; :class:`PagedKV` has not: its destinations may be on a GPU, where a copy out
-of the arena is asynchronous and could outlive the read lease).
+of the arena is asynchronous and could outlive the read lease). Likewise
+``gather_chunks(layers, blocks, chunks)``, the one-copy save path, which writes straight into
+reserved ranges of the arena (:class:`ContiguousKV`, :class:`ChunkKV` and vLLM's CPU layout).
 
 Layouts copy; they never keep the chunk tensors they are given. Bad shapes, dtypes or block
 ranges raise ``InvalidArgument``. torch is imported only when a tensor is touched.
@@ -62,6 +64,10 @@ class EngineKV(Protocol):
     # block_tokens, head_dim]`` of block ``blocks[i]`` (views of the daemon's arena, anywhere
     # in it), into the engine's buffers, synchronously: when it returns the chunks are no
     # longer read (the client then releases their lease). The one-copy load path.
+    #   gather_chunks(layers: range, blocks: range, chunks: Sequence[torch.Tensor]) -> None
+    # the reverse: copies layers ``layers`` of ``blocks`` out of the engine's buffers into
+    # whole chunks (views of reserved arena ranges), writing nothing else of them,
+    # synchronously. The one-copy save path.
 
 
 def _check_chunks(layers: range, blocks: range, chunks: Sequence[torch.Tensor],
@@ -111,6 +117,14 @@ class ChunkKV:
         for row, chunk in zip(range(rows.start, rows.stop), chunks, strict=True):
             self.tensor[row, lo:hi].copy_(chunk[lo:hi])
 
+    def gather_chunks(self, layers: range, blocks: range, chunks: Sequence[torch.Tensor]
+                      ) -> None:
+        _check_chunks(layers, blocks, chunks, self.layout)
+        rows = self._rows(blocks)
+        lo, hi = layers.start, layers.stop
+        for row, chunk in zip(range(rows.start, rows.stop), chunks, strict=True):
+            chunk[lo:hi].copy_(self.tensor[row, lo:hi])
+
 
 @dataclass(frozen=True, slots=True)
 class ContiguousKV:
@@ -157,6 +171,17 @@ class ContiguousKV:
         for b, chunk in zip(blocks, chunks, strict=True):
             # [l, 2, H, B, D] of one block: one strided copy for all its layers
             self.tensor[lo:hi, :, :, b * B:(b + 1) * B].copy_(chunk[lo:hi])
+
+    def gather_chunks(self, layers: range, blocks: range, chunks: Sequence[torch.Tensor]
+                      ) -> None:
+        _check_chunks(layers, blocks, chunks, self.layout)
+        B = self.layout.block_tokens
+        if blocks.stop * B > self.tensor.shape[3]:
+            raise InvalidArgument(f"blocks {blocks} need {blocks.stop * B} tokens; the buffer "
+                                  f"has {self.tensor.shape[3]}")
+        lo, hi = layers.start, layers.stop
+        for b, chunk in zip(blocks, chunks, strict=True):
+            chunk[lo:hi].copy_(self.tensor[lo:hi, :, :, b * B:(b + 1) * B])
 
 
 @dataclass(frozen=True, slots=True)

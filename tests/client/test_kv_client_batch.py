@@ -34,10 +34,11 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
 
 
 def client_for(daemon: DaemonProcess, tenant: str, plane: DataPlane = DataPlane.AUTO,
-               batch_blocks: int = 256, workers: int = 2) -> KVClient:
+               batch_blocks: int = 256, workers: int = 2, one_copy_save: bool = True
+               ) -> KVClient:
     return KVClient.connect(daemon.grpc_address, LAYOUT, namespace_for(LAYOUT, "m", tenant),
                             KVClientConfig(data_plane=plane, batch_blocks=batch_blocks,
-                                           workers=workers))
+                                           workers=workers, one_copy_save=one_copy_save))
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -147,17 +148,22 @@ def test_a_save_whose_parent_is_gone_fails_alone(daemon: DaemonProcess) -> None:
         assert b.stored_blocks == (0, 1, 2) and b.error is None
 
 
-@pytest.mark.parametrize("plane", [DataPlane.SHM, DataPlane.TCP])
+@pytest.mark.parametrize(("plane", "one_copy"), [(DataPlane.SHM, True), (DataPlane.SHM, False),
+                                               (DataPlane.TCP, True)])
 def test_one_steps_saves_go_in_one_batch_and_a_shared_prefix_is_sent_once(
-        daemon: DaemonProcess, plane: DataPlane, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Two requests of one step share their first two blocks (same tokens, same KV): the step's
-    # chunks go in one put_many (a per-block put would raise here), the shared blocks once.
+        daemon: DaemonProcess, plane: DataPlane, one_copy: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two requests of one step share their first two blocks (same tokens, same KV). Through
+    # staging, the step's chunks go in one put_many, the shared blocks once; on the same host
+    # with one_copy_save they are reserved and written in place (no put at all). A per-block
+    # put raises here.
     shared, kv_shared = tokens(2 * B, seed=40), random_kv(2 * B, seed=40)
     t_a, t_b = shared + tokens(B, seed=41), shared + tokens(2 * B, seed=42)
     kv_a = torch.cat([kv_shared, random_kv(B, seed=41)], dim=3)
     kv_b = torch.cat([kv_shared, random_kv(2 * B, seed=42)], dim=3)
+    tag = f"one-batch-{plane.value}-{one_copy}"
     # One worker: one flush for the whole step (with two, each flushes its share).
-    with client_for(daemon, f"one-batch-{plane.value}", plane, workers=1) as client:
+    with client_for(daemon, tag, plane, workers=1, one_copy_save=one_copy) as client:
         def no_single_puts(*args: object, **kwargs: object) -> None:
             raise AssertionError("a step's save must not put block by block")
         monkeypatch.setattr(client.store, "put", no_single_puts)
@@ -170,7 +176,8 @@ def test_one_steps_saves_go_in_one_batch_and_a_shared_prefix_is_sent_once(
         monkeypatch.setattr(client.store, "put_many", counted)
         a, b = client.save_many([SaveRequest(t_a, ContiguousKV(kv_a, LAYOUT)),
                                  SaveRequest(t_b, ContiguousKV(kv_b, LAYOUT))]).result(30)
-        assert batches == [5]  # 3 + 4 blocks, 2 of them shared
+        in_place = one_copy and plane is DataPlane.SHM
+        assert batches == ([] if in_place else [5])  # 3 + 4 blocks, 2 of them shared
         assert a.stored_blocks == (0, 1, 2) and a.error is None
         assert b.existing_blocks == (0, 1) and b.stored_blocks == (2, 3) and b.error is None
         assert b.stored_bytes == 2 * LAYOUT.chunk_bytes
@@ -178,6 +185,7 @@ def test_one_steps_saves_go_in_one_batch_and_a_shared_prefix_is_sent_once(
             out = torch.zeros_like(kv)
             got = client.load(t, ContiguousKV(out, LAYOUT)).result(30)
             assert got.loaded_blocks == len(t) // B and torch.equal(out, kv)
+        assert client.store.stats().shm_leases_open == 0
 
 
 def test_load_many_after_the_daemon_died_fails_every_request(tmp_path: Path) -> None:

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvstore.client.handles import BatchSave, LoadHandle
+from kvstore.client.handles import BatchSave, DirectBatchSave, LoadHandle
 from kvstore.client.kv_client import KVClient
 from kvstore.client.kvlayout import KVLayout
 from kvstore.client.requests import BlockKeys, LoadRequest, SaveRequest
@@ -101,7 +101,7 @@ class WorkerSide:
         self._layer_index = {name: i for i, name in enumerate(spec.layer_names)}
         self._loads: list[_Load] = []
         self._deadline = 0.0
-        self._saver: BatchSave | None = None
+        self._saver: BatchSave | DirectBatchSave | None = None
         self._saver_client: KVClient | None = None
         self._copies: list[cf.Future[None] | None] = []
         self._errors: set[int] = set()
