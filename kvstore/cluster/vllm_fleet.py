@@ -362,12 +362,13 @@ def format_tables(doc: Mapping[str, Any]) -> list[Any]:
     from rich.table import Table
 
     slo = doc.get("config", {}).get("slo", {})
-    slo_label = (f"SLO met (TTFT <= {slo['ttft_s']:g} s, TPOT <= {slo['tpot_s']:g} s)"
-                 if slo else "SLO met")
-    modes = Table(title="vLLM fleet: the same trace slice through each mode")
-    for col in ("mode", "TTFT mean ms", "p50", "p99", "TPOT p50 ms", "p99", slo_label,
-                "goodput req/s", "own-cache hits", "kvtier hits", "kvtier loaded MiB",
-                "saved MiB", "routing p50 / p99 us", "requests per instance", "outputs"):
+    title = "vLLM fleet: the same trace slice through each mode" + (
+        f" (SLO: TTFT <= {slo['ttft_s']:g} s and TPOT <= {slo['tpot_s']:g} s)" if slo else "")
+    modes = Table(title=title)
+    modes.add_column("mode", justify="right", no_wrap=True)
+    for col in ("TTFT mean ms", "p50", "p99", "TPOT p50 ms", "p99", "SLO met", "goodput /s",
+                "own-cache hits", "kvtier hits", "kvtier loaded MiB", "saved MiB",
+                "routing p50 / p99 us", "requests per instance", "outputs"):
         modes.add_column(col, justify="right")
     same = doc.get("outputs_differ", {})
     for s in doc["modes"]:
