@@ -73,6 +73,12 @@ took. A call without it belongs to its HTTP/2 connection (``context.peer()``).""
 SESSION_MIN_CHARS = 16
 SESSION_MAX_CHARS = 128
 
+TENANT_METADATA_KEY = "kvtier-tenant"
+"""Request metadata naming the tenant a call acts for (``StoreClientConfig.tenant``). The daemon
+checks it against the caller's authenticated identity (docs/security.md, "Tenant isolation");
+it is never a credential by itself. Printable ASCII, at most :data:`TENANT_MAX_CHARS`."""
+TENANT_MAX_CHARS = 128
+
 LEADER_METADATA_KEY = "kvtier-leader"
 """Trailing metadata of a conductor's NotLeader refusal: ``<conductor_id>@<address>`` of the leader."""
 

@@ -13,6 +13,10 @@ that session unpin, release, commit or abort what it took; the token survives re
 the channel. ``kvtier pin`` and ``kvtier unpin`` run as separate processes, so they share the
 operator's session (:func:`operator_session`).
 
+Tenant: with ``StoreClientConfig.tenant`` set, every call also carries ``kvtier-tenant``; the
+daemon checks it against the credentials and scopes what the call sees and stores to that
+tenant (docs/security.md, "Tenant isolation").
+
 Credentials (docs/security.md): the channel speaks TLS and presents a client certificate, and
 every call carries ``authorization: Bearer <token>``, as ``StoreClientConfig.security`` (or the
 ``KVTIER_TLS_*``/``KVTIER_TOKEN_FILE`` environment) says. A refusal is ``Unauthenticated`` or
@@ -44,6 +48,7 @@ from kvstore.wire import (
     ERROR_METADATA_KEY,
     PB_TO_TIER,
     SESSION_METADATA_KEY,
+    TENANT_METADATA_KEY,
     TIER_TO_PB,
     error_from_name,
 )
@@ -126,15 +131,17 @@ class _SessionInterceptor(grpc.UnaryUnaryClientInterceptor,  # type: ignore[misc
                           grpc.UnaryStreamClientInterceptor,  # type: ignore[misc]
                           grpc.StreamUnaryClientInterceptor,  # type: ignore[misc]
                           grpc.StreamStreamClientInterceptor):  # type: ignore[misc]
-    """Adds ``kvtier-session`` (and the bearer token, when there is one) to the metadata of
-    every call."""
+    """Adds ``kvtier-session`` (and ``kvtier-tenant`` and the bearer token, when there are
+    ones) to the metadata of every call."""
 
-    def __init__(self, session: str, token: TokenSource | None = None) -> None:
-        self._metadatum = (SESSION_METADATA_KEY, session)
+    def __init__(self, session: str, token: TokenSource | None = None,
+                 tenant: str | None = None) -> None:
+        self._metadata = ((SESSION_METADATA_KEY, session),) if tenant is None else \
+            ((SESSION_METADATA_KEY, session), (TENANT_METADATA_KEY, tenant))
         self._token = token
 
     def _details(self, details: Any) -> Any:
-        metadata = [*(details.metadata or ()), self._metadatum]
+        metadata = [*(details.metadata or ()), *self._metadata]
         if self._token is not None:
             metadata.append(self._token.metadata())
         return _ClientCallDetails(details.method, details.timeout, metadata,
@@ -150,7 +157,8 @@ class _SessionInterceptor(grpc.UnaryUnaryClientInterceptor,  # type: ignore[misc
 
 def open_channel(address: str, config: StoreClientConfig) -> tuple[grpc.Channel, pb.NodeInfo]:
     """A gRPC channel to ``host:port`` whose calls carry the client's session
-    (``config.session`` or a fresh one) and credentials (``config.client_security()``), and
+    (``config.session`` or a fresh one), tenant (``config.tenant``, when set) and credentials
+    (``config.client_security()``), and
     the daemon's info. Raises PeerUnavailable (no daemon there), Unauthenticated or
     PermissionDenied (refused), ConfigError (credentials that do not load, a client
     certificate that expired); the channel is closed on failure."""
@@ -160,7 +168,7 @@ def open_channel(address: str, config: StoreClientConfig) -> tuple[grpc.Channel,
         ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES)])
     channel = grpc.intercept_channel(raw, _SessionInterceptor(config.session or new_session(),
-                                                              token))
+                                                              token, config.tenant))
     try:
         stub = pb_grpc.StoreStub(channel)  # type: ignore[no-untyped-call]
         info = stub.Info(pb.InfoRequest(), timeout=config.rpc_timeout_s,

@@ -11,7 +11,12 @@ from kvstore.dataplane.transport.shm import ShmClientConfig
 from kvstore.dataplane.transport.shm.frames import MAX_KEYS
 from kvstore.errors import InvalidArgument
 from kvstore.security.config import ClientSecurity
-from kvstore.wire import SESSION_MAX_CHARS, SESSION_MIN_CHARS
+from kvstore.wire import (
+    SESSION_MAX_CHARS,
+    SESSION_MIN_CHARS,
+    TENANT_MAX_CHARS,
+    TENANT_METADATA_KEY,
+)
 
 
 class DataPlane(enum.Enum):
@@ -75,6 +80,13 @@ class StoreClientConfig:
     ``KVTIER_TLS_CERT``, ``KVTIER_TLS_KEY``, ``KVTIER_TOKEN_FILE``; none set: plaintext
     without credentials, what a loopback daemon without security config accepts)."""
 
+    tenant: str | None = None
+    """The tenant this client acts for, sent as ``kvtier-tenant`` metadata on every gRPC call
+    (printable ASCII, at most 128 characters). The daemon checks it against the credentials
+    (docs/security.md, "Tenant isolation"): None is fine for credentials of exactly one tenant
+    and for operators (every tenant); an engine allowed several tenants must name one. The
+    data planes (shared memory, TCP, UCX) do not carry it yet."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.data_plane, DataPlane):
             raise InvalidArgument(f"data_plane must be a DataPlane, got {self.data_plane!r}")
@@ -91,6 +103,12 @@ class StoreClientConfig:
                 or self.ucx_retry_after_s < 0 or self.ucx_min_bytes < 0:
             raise InvalidArgument("ucx_io_timeout_s and ucx_liveness_interval_s must be > 0, "
                                   "ucx_retry_after_s and ucx_min_bytes >= 0")
+        if self.tenant is not None and (
+                not isinstance(self.tenant, str) or len(self.tenant) > TENANT_MAX_CHARS
+                or not all(" " <= c <= "~" for c in self.tenant)):
+            raise InvalidArgument(f"tenant must be None or at most {TENANT_MAX_CHARS} printable "
+                                  f"ASCII characters (it travels as {TENANT_METADATA_KEY} "
+                                  f"metadata), got {self.tenant!r}")
         if self.security is not None and not isinstance(self.security, ClientSecurity):
             raise InvalidArgument(f"security must be a ClientSecurity, got {self.security!r}")
         if self.lease_free_attempts < 1 or self.read_report_interval_s <= 0 \

@@ -69,6 +69,14 @@ Change notifications
     eviction of a backed DRAM copy is MOVED to NVMe, a removal is one REMOVED, and adding or
     dropping a backing copy alone is no change (the fastest copy stays where it was).
 
+Tenants
+    The calls that take ``tenant`` pass it to the index (:mod:`kvstore.node.index`, "Tenants"):
+    reads (``entry``, ``lookup``, ``get_into``, ``pin``, ``pin_in``) see only that tenant's
+    chunks and the shared tenant's (``None``: every chunk), ``remove`` drops only the tenant's
+    own, and writes (``put``, ``reserve``/``commit``) record it as the owner (the default
+    tenant when not given). The cache's own work (eviction, moves, promotion) is unscoped;
+    ``recover`` restores every chunk as the default tenant (the NVMe record keeps no owner yet).
+
 Thread safety
     Every method may be called from any thread. Metadata decisions run under the index's lock;
     byte copies run outside it, protected by leases.
@@ -107,7 +115,14 @@ from kvstore.errors import (
     InvalidArgument,
     KvtierError,
 )
-from kvstore.node.index import CacheIndex, IndexEntry, Lease, PrefixMatch, TierBudget
+from kvstore.node.index import (
+    DEFAULT_TENANT,
+    CacheIndex,
+    IndexEntry,
+    Lease,
+    PrefixMatch,
+    TierBudget,
+)
 from kvstore.node.policies import EvictionPolicy, PolicyName
 
 log = logging.getLogger(__name__)
@@ -277,8 +292,9 @@ class TieredCache:
             return [TierReport(kind, tier.stats(), _copy(self._counters[kind]))
                     for kind, tier in self._tiers.items()]
 
-    def entry(self, key: bytes) -> IndexEntry | None:
-        return self._index.get(key)
+    def entry(self, key: bytes, tenant: str | None = None) -> IndexEntry | None:
+        """``key``'s index entry; None when not cached or ``tenant`` may not see it."""
+        return self._index.get(key, tenant)
 
     def __contains__(self, key: object) -> bool:
         return key in self._index
@@ -288,28 +304,27 @@ class TieredCache:
 
     # -- lookups ---------------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[bytes]) -> PrefixMatch:
-        """The longest cached prefix of ``keys`` and the tier of each block (not a hit)."""
-        return self._index.match_prefix(keys)
+    def lookup(self, keys: Sequence[bytes], tenant: str | None = None) -> PrefixMatch:
+        """The longest cached prefix of ``keys`` (of chunks ``tenant`` may see) and the tier of
+        each block (not a hit)."""
+        return self._index.match_prefix(keys, tenant)
 
     # -- writes ----------------------------------------------------------------------------
 
     def put(self, key: bytes, src: Buffer, *, parent: bytes | None = None,
-            tier: TierKind | None = None) -> ChunkInfo:
-        """Store ``src`` under ``key`` (a child of ``parent``) in the write tier, making room.
+            tier: TierKind | None = None, tenant: str = DEFAULT_TENANT) -> ChunkInfo:
+        """Store ``src`` under ``key`` (a child of ``parent``) in the write tier, making room;
+        ``tenant`` owns it (:mod:`kvstore.node.index`, "Tenants").
 
-        Raises ChunkExists (already cached: chunks are immutable), InvalidArgument (the parent is
-        not cached, bad key), CapacityError (nothing evictable frees enough: everything is
+        Raises ChunkExists (already cached: chunks are immutable), PermissionDenied (another
+        tenant owns ``key``), InvalidArgument (the parent is not cached or not visible to
+        ``tenant``, bad key), CapacityError (nothing evictable frees enough: everything is
         pinned, or the chunk is larger than the tier).
         """
         key = check_key(key)
         kind = tier or self._write_tier
         target = self.tier(kind)
-        if key in self._index:
-            raise ChunkExists(f"chunk {key.hex()} is already cached")
-        if parent is not None and parent not in self._index:
-            raise InvalidArgument(f"parent {bytes(parent).hex()} of {key.hex()} is not cached: "
-                                  "a chunk without its prefix is useless")
+        self._check_writable(key, parent, tenant)
         size = _nbytes(src)
         backing = self._backing_for(kind)
         if backing is not None:
@@ -324,7 +339,8 @@ class TieredCache:
                 self._tiers[backing].remove(key)
             raise
         try:
-            self._index.insert(key, parent, kind, size, info.checksum, backing=backing)
+            self._index.insert(key, parent, kind, size, info.checksum, backing=backing,
+                               tenant=tenant)
         except KvtierError:
             target.remove(key)  # the index refused it (a racing put, or the parent vanished)
             if backing is not None:
@@ -335,31 +351,28 @@ class TieredCache:
         return info
 
     def reserve(self, key: bytes, size_bytes: int, *, parent: bytes | None = None,
-                tier: TierKind | None = None) -> WriteSlot:
+                tier: TierKind | None = None, tenant: str = DEFAULT_TENANT) -> WriteSlot:
         """An invisible writable slot for ``key`` in a host-memory tier, making room for it.
 
         The caller fills ``slot.buffer`` and then calls exactly one of :meth:`commit` (with the
-        same ``parent``) or :meth:`abort`; an unfinished slot keeps its space. Raises
-        ChunkExists, ChunkBusy (the key is being written), InvalidArgument (uncached parent,
-        bad size, ``tier`` not in host memory), CapacityError.
+        same ``parent`` and ``tenant``) or :meth:`abort`; an unfinished slot keeps its space.
+        Raises ChunkExists, PermissionDenied (another tenant owns ``key``), ChunkBusy (the key
+        is being written), InvalidArgument (parent uncached or not visible to ``tenant``, bad
+        size, ``tier`` not in host memory), CapacityError.
         """
         key = check_key(key)
         kind = tier or self._write_tier
         target = self._host_memory_tier(kind)
         if not isinstance(size_bytes, int) or size_bytes < 1:
             raise InvalidArgument(f"chunk size must be a positive int, got {size_bytes!r}")
-        if key in self._index:
-            raise ChunkExists(f"chunk {key.hex()} is already cached")
-        if parent is not None and parent not in self._index:
-            raise InvalidArgument(f"parent {bytes(parent).hex()} of {key.hex()} is not cached: "
-                                  "a chunk without its prefix is useless")
+        self._check_writable(key, parent, tenant)
         slot, _seconds = self._place(kind, target, key, size_bytes,
                                      lambda: target.reserve(key, size_bytes))
         return slot
 
     def commit(self, slot: WriteSlot, *, parent: bytes | None = None,
-               tier: TierKind | None = None) -> ChunkInfo:
-        """Publish a slot from :meth:`reserve` (``parent``/``tier`` as given there).
+               tier: TierKind | None = None, tenant: str = DEFAULT_TENANT) -> ChunkInfo:
+        """Publish a slot from :meth:`reserve` (``parent``/``tier``/``tenant`` as given there).
 
         With durable puts (:attr:`durable_tier`) the chunk is first written from the slot to
         the persistent tier (durable when this returns), then published in ``tier``; the
@@ -390,7 +403,8 @@ class TieredCache:
                 self._tiers[backing].remove(key)
             raise
         try:
-            self._index.insert(key, parent, kind, size, info.checksum, backing=backing)
+            self._index.insert(key, parent, kind, size, info.checksum, backing=backing,
+                               tenant=tenant)
         except KvtierError:
             target.remove(key)
             if backing is not None:
@@ -586,6 +600,15 @@ class TieredCache:
                              parent=parent)
         return out
 
+    def _check_writable(self, key: bytes, parent: bytes | None, tenant: str) -> None:
+        """Before any bytes move: ChunkExists (``tenant`` already sees ``key``: chunks are
+        immutable), PermissionDenied (another tenant owns it), InvalidArgument (the parent is not
+        cached, or not visible to ``tenant``: a chunk without its prefix is useless)."""
+        try:
+            self._index.check_writable(key, parent, tenant)
+        except ChunkExists:
+            raise ChunkExists(f"chunk {key.hex()} is already cached") from None
+
     def _write_backing(self, kind: TierKind, key: bytes, src: Buffer, size: int,
                        parent: bytes | None) -> None:
         """Write the persistent copy of a put into a faster tier (write-through), making room.
@@ -687,15 +710,15 @@ class TieredCache:
 
     # -- reads -----------------------------------------------------------------------------
 
-    def get_into(self, key: bytes, dst: Buffer) -> int:
+    def get_into(self, key: bytes, dst: Buffer, tenant: str | None = None) -> int:
         """Copy one chunk into ``dst`` (exactly its size). A hit; may promote the chunk.
 
-        Raises ChunkNotFound, SizeMismatch, ChunkCorrupt (the chunk and its descendants are
-        dropped).
+        Raises ChunkNotFound (also when ``tenant`` may not see it), SizeMismatch, ChunkCorrupt
+        (the chunk and its descendants are dropped).
         """
         key = check_key(key)
         try:
-            lease = self._index.pin(key, self._config.lease_ttl_s)
+            lease = self._index.pin_many((key,), self._config.lease_ttl_s, tenant)
         except ChunkNotFound:
             self.misses += 1
             raise
@@ -772,9 +795,11 @@ class TieredCache:
 
     # -- pins for zero-copy readers -----------------------------------------------------------
 
-    def pin(self, keys: Sequence[bytes], ttl_s: float | None = None) -> Lease:
-        """Pin chunks (all or nothing) so they are neither evicted nor moved until ``unpin``."""
-        return self._index.pin_many(keys, ttl_s or self._config.lease_ttl_s)
+    def pin(self, keys: Sequence[bytes], ttl_s: float | None = None,
+            tenant: str | None = None) -> Lease:
+        """Pin chunks (all or nothing) so they are neither evicted nor moved until ``unpin``.
+        Raises ChunkNotFound (also for a chunk ``tenant`` may not see), ChunkBusy."""
+        return self._index.pin_many(keys, ttl_s or self._config.lease_ttl_s, tenant)
 
     def unpin(self, lease: Lease) -> bool:
         return self._index.unpin(lease)
@@ -783,12 +808,14 @@ class TieredCache:
         """Extend a live lease; None when it already expired (see ``CacheIndex.renew``)."""
         return self._index.renew(lease, ttl_s or self._config.lease_ttl_s)
 
-    def pin_in(self, kind: TierKind, keys: Sequence[bytes], ttl_s: float | None = None) -> Lease:
+    def pin_in(self, kind: TierKind, keys: Sequence[bytes], ttl_s: float | None = None,
+               tenant: str | None = None) -> Lease:
         """Move ``keys`` into tier ``kind`` when they live elsewhere, then pin them there.
 
         For readers that copy straight out of a tier's memory: while the lease lives, every key
         stays in ``kind`` at the same place. Counts one hit per key (and a miss when a key is
-        not cached). Raises ChunkNotFound, ChunkBusy (a key is claimed by a mover, or pinned by
+        not cached). Raises ChunkNotFound (also for a key ``tenant`` may not see), ChunkBusy
+        (a key is claimed by a mover, or pinned by
         a reader in its old tier so it cannot move now), CapacityError (``kind`` cannot make
         room), ChunkCorrupt (the copy found it corrupt: it was dropped).
         """
@@ -799,7 +826,7 @@ class TieredCache:
             # Pin first and check where the chunks are: the common case (already in ``kind``)
             # costs one pin and one snapshot per key.
             try:
-                lease = self._index.pin_many(checked, ttl)
+                lease = self._index.pin_many(checked, ttl, tenant)
             except ChunkNotFound:
                 self.misses += 1
                 raise
@@ -835,12 +862,14 @@ class TieredCache:
 
     # -- removal and eviction ----------------------------------------------------------------
 
-    def remove(self, key: bytes) -> list[bytes]:
-        """Drop a chunk and everything cached under it; return the dropped keys.
+    def remove(self, key: bytes, tenant: str | None = None) -> list[bytes]:
+        """Drop a chunk and everything cached under it; return the dropped keys. With
+        ``tenant``, only a chunk that tenant owns (another tenant's, a shared one too, is
+        ChunkNotFound).
 
         Raises ChunkNotFound, ChunkBusy (some of them are pinned).
         """
-        dropped = self._index.remove_subtree(key)
+        dropped = self._index.remove_subtree(key, tenant=tenant)
         for k in dropped:
             self._remove_bytes(k)
         return dropped

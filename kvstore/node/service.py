@@ -41,18 +41,22 @@ from kvstore.errors import (
     ChunkNotFound,
     InvalidArgument,
     KvtierError,
+    PermissionDenied,
     TierUnavailable,
     short_key,
 )
 from kvstore.node.backend import LeaseIds, check_ttl
 from kvstore.node.events import ChunkEvent, EventKind, Resync
-from kvstore.node.index import IndexEntry, Lease
+from kvstore.node.index import DEFAULT_TENANT, SHARED_TENANT, IndexEntry, Lease
+from kvstore.security.identity import INSECURE, Principal, Role, current_principal
 from kvstore.wire import (
     ERROR_METADATA_KEY,
     PB_TO_TIER,
     SESSION_MAX_CHARS,
     SESSION_METADATA_KEY,
     SESSION_MIN_CHARS,
+    TENANT_MAX_CHARS,
+    TENANT_METADATA_KEY,
     TIER_TO_PB,
     UndecodableRequest,
     error_name,
@@ -100,6 +104,61 @@ def session_of(context: Any) -> tuple[str, str]:
                                       f"{SESSION_MAX_CHARS} characters, got {len(token)}")
             return "session", token
     return "peer", str(context.peer())
+
+
+def requested_tenant(context: Any) -> str | None:
+    """The tenant the call's ``kvtier-tenant`` metadata names, or None when it names none.
+    InvalidArgument for a value that is too long or two different values."""
+    found: str | None = None
+    for key, value in context.invocation_metadata() or ():
+        if key == TENANT_METADATA_KEY:
+            text = str(value)
+            if len(text) > TENANT_MAX_CHARS:
+                raise InvalidArgument(f"{TENANT_METADATA_KEY} is at most {TENANT_MAX_CHARS} "
+                                      f"characters, got {len(text)}")
+            if found is not None and found != text:
+                raise InvalidArgument(f"the call names two tenants in {TENANT_METADATA_KEY}")
+            found = text
+    return found
+
+
+def _allowed(principal: Principal) -> str:
+    if principal.tenants is None:
+        return "every tenant"
+    return "tenant(s) " + ", ".join(repr(t) for t in sorted(principal.tenants))
+
+
+def resolve_tenant(principal: Principal, requested: str | None, *, write: bool = False,
+                   admin: bool = False) -> str | None:
+    """The tenant a call of ``principal`` acts for (module docstring, "Tenants"): a name, or
+    None for every tenant (reads only). ``requested``: what its ``kvtier-tenant`` metadata
+    names. ``write``: the call stores chunks (never None; the shared tenant needs
+    ``shared_writer``). ``admin``: an operator's call (ls, inspect, pin, remove, evict).
+    Raises PermissionDenied."""
+    tenant: str | None
+    if principal is INSECURE:  # no security configured: nothing to check against
+        tenant = requested if requested is not None else (None if admin else DEFAULT_TENANT)
+    elif requested is not None:
+        if not (principal.may_access(requested)
+                or (requested == SHARED_TENANT and principal.shared_writer)):
+            raise PermissionDenied(f"{principal.name} may not act for tenant {requested!r} "
+                                   f"({TENANT_METADATA_KEY}): its credentials allow "
+                                   f"{_allowed(principal)}")
+        tenant = requested
+    elif principal.tenants is not None and len(principal.tenants) == 1:
+        (tenant,) = principal.tenants
+    elif principal.tenants is None and principal.role is not Role.ENGINE:
+        tenant = None  # an operator or peer of every tenant: every chunk
+    else:
+        raise PermissionDenied(f"{principal.name} may act for {_allowed(principal)}: the call "
+                               f"must name one in the {TENANT_METADATA_KEY} metadata "
+                               "(StoreClientConfig.tenant)")
+    if write:
+        tenant = DEFAULT_TENANT if tenant is None else tenant
+        if tenant == SHARED_TENANT and not principal.shared_writer:
+            raise PermissionDenied(f"{principal.name} may not write the shared tenant "
+                                   f"{SHARED_TENANT!r}: its credentials need shared_writer")
+    return tenant
 
 
 def _check_field(key: bytes, field: str) -> ChunkKey:
@@ -197,6 +256,19 @@ class StoreService(pb_grpc.StoreServicer):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._daemon.executor, functools.partial(fn, *args))
 
+    @staticmethod
+    def _tenant(context: Any, *, admin: bool = False) -> str | None:
+        """The tenant a read acts for (:func:`resolve_tenant`), resolved on the event loop:
+        the caller's principal is a contextvar, which the executor's threads do not see."""
+        return resolve_tenant(current_principal(), requested_tenant(context), admin=admin)
+
+    @staticmethod
+    def _write_tenant(context: Any) -> str:
+        """The tenant a write stores its chunks as (see :meth:`_tenant`)."""
+        tenant = resolve_tenant(current_principal(), requested_tenant(context), write=True)
+        assert tenant is not None
+        return tenant
+
     def _refuse_when_draining(self) -> None:
         if self._daemon.draining:
             raise TierUnavailable(f"node {self._daemon.config.node_id} is draining")
@@ -237,20 +309,20 @@ class StoreService(pb_grpc.StoreServicer):
 
     # --- inline values ----------------------------------------------------------------------
 
-    def _put_one(self, item: pb.PutRequest) -> TierKind:
+    def _put_one(self, item: pb.PutRequest, tenant: str) -> TierKind:
         limit = self._daemon.config.server.inline_max_bytes
         if len(item.value) > limit:
             raise InvalidArgument(f"an inline value is at most {limit} bytes, got "
                                   f"{len(item.value)}: send it over the data plane")
         key = _check_field(item.key, "key")
         parent = _check_field(item.parent, "parent") if item.parent else None
-        info = self._cache.put(key, item.value, parent=parent)
+        info = self._cache.put(key, item.value, parent=parent, tenant=tenant)
         self._daemon.metrics.inline_bytes.labels("in").inc(len(item.value))
         return info.tier  # type: ignore[no-any-return]
 
-    def _get_one(self, key: bytes) -> pb.GetResponse:
+    def _get_one(self, key: bytes, tenant: str | None) -> pb.GetResponse:
         k = check_key(key)
-        entry = self._cache.entry(k)
+        entry = self._cache.entry(k, tenant)
         if entry is None:
             self._cache.misses += 1
             return pb.GetResponse(found=False)
@@ -260,7 +332,7 @@ class StoreService(pb_grpc.StoreServicer):
                                   f"inline limit of {limit}: read it over the data plane")
         value = bytearray(entry.size_bytes)
         try:
-            self._cache.get_into(k, value)
+            self._cache.get_into(k, value, tenant)
         except ChunkNotFound:
             return pb.GetResponse(found=False)
         self._daemon.metrics.inline_bytes.labels("out").inc(len(value))
@@ -269,18 +341,19 @@ class StoreService(pb_grpc.StoreServicer):
     @_rpc
     async def Put(self, request: pb.PutRequest, context: Any) -> pb.PutResponse:
         self._refuse_when_draining()
-        tier = await self._blocking(self._put_one, request)
+        tier = await self._blocking(self._put_one, request, self._write_tenant(context))
         return pb.PutResponse(tier=TIER_TO_PB[tier])
 
     @_rpc
     async def BatchPut(self, request: pb.BatchPutRequest, context: Any) -> pb.BatchPutResponse:
         self._refuse_when_draining()
+        tenant = self._write_tenant(context)
 
         def run() -> list[pb.ItemStatus]:
             out = []
             for item in request.items:
                 try:
-                    self._put_one(item)
+                    self._put_one(item, tenant)
                     out.append(pb.ItemStatus(ok=True))
                 except KvtierError as exc:
                     out.append(pb.ItemStatus(ok=False, error=error_name(exc), detail=str(exc)))
@@ -291,34 +364,38 @@ class StoreService(pb_grpc.StoreServicer):
     @_rpc
     async def Get(self, request: pb.GetRequest, context: Any) -> pb.GetResponse:
         self._refuse_when_draining()
-        return await self._blocking(self._get_one, request.key)
+        return await self._blocking(self._get_one, request.key, self._tenant(context))
 
     @_rpc
     async def BatchGet(self, request: pb.BatchGetRequest, context: Any) -> pb.BatchGetResponse:
         self._refuse_when_draining()
-        items = await self._blocking(lambda: [self._get_one(k) for k in request.keys])
+        tenant = self._tenant(context)
+        items = await self._blocking(lambda: [self._get_one(k, tenant) for k in request.keys])
         return pb.BatchGetResponse(items=items)
 
     # --- metadata ---------------------------------------------------------------------------
 
-    def _lookup(self, keys: Sequence[bytes]) -> pb.LookupResponse:
-        match = self._cache.lookup(_check_keys(keys))
+    def _lookup(self, keys: Sequence[bytes], tenant: str | None) -> pb.LookupResponse:
+        match = self._cache.lookup(_check_keys(keys), tenant)
         return pb.LookupResponse(
             length=match.length, tiers=[TIER_TO_PB[t] for t in match.tiers],
             per_tier={t.value: n for t, n in match.by_tier().items()})
 
     @_rpc
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
-        return self._lookup(request.keys)
+        return self._lookup(request.keys, self._tenant(context))
 
     @_rpc
     async def BatchLookup(self, request: pb.BatchLookupRequest, context: Any
                           ) -> pb.BatchLookupResponse:
-        return pb.BatchLookupResponse(items=[self._lookup(i.keys) for i in request.items])
+        tenant = self._tenant(context)
+        return pb.BatchLookupResponse(items=[self._lookup(i.keys, tenant)
+                                             for i in request.items])
 
     @_rpc
     async def Exists(self, request: pb.ExistsRequest, context: Any) -> pb.ExistsResponse:
-        entries = [self._cache.entry(k) for k in _check_keys(request.keys)]
+        tenant = self._tenant(context)
+        entries = [self._cache.entry(k, tenant) for k in _check_keys(request.keys)]
         return pb.ExistsResponse(exists=[e is not None for e in entries],
                                  size_bytes=[-1 if e is None else e.size_bytes for e in entries])
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from kvstore._proto.kvtier.v1 import store_pb2 as pb
 from kvstore.client.store_client import DataPlane, StoreClient, StoreClientConfig
 from kvstore.errors import ConfigError, PeerUnavailable, PermissionDenied, Unauthenticated
 from kvstore.security.config import ClientSecurity, ServerSecurity
@@ -54,7 +55,9 @@ def test_anonymous_engine_and_operator_on_a_token_daemon(token_daemon) -> None: 
     engine = _client(daemon.grpc_address, ClientSecurity(
         token_file=token_file("eng", Role.ENGINE, ["a"])))
     try:
-        engine.put(KEY, b"x" * 100)
+        # Inline over gRPC: a put over the data plane (TCP here) carries no tenant yet and
+        # would belong to the default tenant, which tenant "a" does not see (docs/security.md).
+        engine.call("Put", pb.PutRequest(key=KEY, value=b"x" * 100))
         assert engine.lookup([KEY]).length == 1
         for call in (engine.drain, engine.stats, lambda: engine.pin([KEY]),
                      lambda: engine.evict(key_prefix=KEY)):

@@ -1,0 +1,297 @@
+"""Tenant isolation over gRPC against a real daemon (a child process, real sockets, real signed
+tokens): for every operation, the owner succeeds on its own chunks, another tenant's attempts on
+them are refused or see absence, a forged ``kvtier-tenant`` is refused, and afterwards every one
+of the owner's chunks reads back byte for byte.
+
+The clients are gRPC only (``DaemonControl``; values travel inline in Put/Get): the data planes
+do not carry a tenant yet (docs/security.md, "Tenant isolation"). The counts of attempts,
+refusals, leaks and losses are printed by the last test (also under capture).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from kvstore._proto.kvtier.v1 import store_pb2 as pb
+from kvstore.client.daemon_control import DaemonControl, open_channel, translate_rpc_error
+from kvstore.client.store_config import StoreClientConfig
+from kvstore.errors import ChunkNotFound, InvalidArgument, KvtierError, PermissionDenied
+from kvstore.node.index import SHARED_TENANT
+from kvstore.security.config import ClientSecurity
+from kvstore.security.identity import Role
+from kvstore.security.tokens import generate_key, load_signing_key, mint
+from kvstore.wire import TENANT_METADATA_KEY
+from tests.support.daemon import DaemonProcess
+
+N_CHAIN = 4
+VALUE_BYTES = 4096
+
+
+def _key(tag: int, i: int) -> bytes:
+    return bytes([tag]) + i.to_bytes(2, "big") * 7 + b"\x00"
+
+
+ALICE_PREFIX = b"\xa1"
+ALICE = [_key(0xA1, i) for i in range(N_CHAIN)]
+"""Alice's chain (root first): the chunks every attack aims at."""
+ALICE_SPARE = [_key(0xA2, i) for i in range(3)]
+"""Alice's roots that her own positive checks of remove and evict drop."""
+SHARED_KEY = _key(0x5A, 0)
+BOB_KEY = _key(0xB0, 0)
+
+
+@dataclass
+class Tally:
+    """What the attacks did: ``refused`` (an error status), ``absent`` (answered as if the
+    chunk did not exist), ``leaks`` (what an attack got that it must not), ``lost`` (chunks of
+    alice that did not read back)."""
+
+    attempts: int = 0
+    refused: int = 0
+    absent: int = 0
+    leaks: list[str] = field(default_factory=list)
+    lost: int = 0
+
+    def attack(self, what: str, call: Callable[[], Any],
+               absent: Callable[[Any], bool] | None = None,
+               refusals: tuple[type[KvtierError], ...] = (PermissionDenied,)) -> Any:
+        """Run one attack: an error of ``refusals`` counts as refused; ChunkNotFound,
+        InvalidArgument (a parent the caller may not see) or a result ``absent`` accepts count
+        as absence; anything else it returned is a leak. Other errors fail the test."""
+        self.attempts += 1
+        try:
+            result = call()
+        except refusals as exc:
+            self.refused += 1
+            return exc
+        except (ChunkNotFound, InvalidArgument) as exc:
+            self.absent += 1
+            return exc
+        if absent is not None and absent(result):
+            self.absent += 1
+            return result
+        self.leaks.append(f"{what}: {result!r}"[:300])
+        return result
+
+
+TALLY = Tally()
+
+
+@dataclass
+class World:
+    daemon: DaemonProcess
+    clients: dict[str, DaemonControl]
+    values: dict[bytes, bytes]
+    token_file: Callable[..., Path]
+
+    def __getitem__(self, name: str) -> DaemonControl:
+        return self.clients[name]
+
+
+def _control(address: str, token: Path, tenant: str | None = None) -> DaemonControl:
+    cfg = StoreClientConfig(rpc_timeout_s=10.0, security=ClientSecurity(token_file=token),
+                            tenant=tenant)
+    channel, info = open_channel(address, cfg)
+    return DaemonControl(address, info, channel, cfg)
+
+
+def _put(c: DaemonControl, key: bytes, value: bytes, parent: bytes | None = None) -> int:
+    reply = c.call("Put", pb.PutRequest(key=key, value=value, parent=parent or b""))
+    return int(reply.tier)
+
+
+def _get(c: DaemonControl, key: bytes) -> bytes | None:
+    reply = c.call("Get", pb.GetRequest(key=key))
+    return bytes(reply.value) if reply.found else None
+
+
+def _raw(c: DaemonControl, method: str, request: Any,
+         metadata: tuple[tuple[str, str], ...]) -> Any:
+    """A call with extra request metadata (a forged tenant), its error translated."""
+    try:
+        return getattr(c.stub(), method)(request, timeout=10.0, metadata=metadata)
+    except grpc.RpcError as exc:
+        raise translate_rpc_error(exc, method) from exc
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    tmp = tmp_path_factory.mktemp("tenancy")
+    generate_key(tmp / "keys", "k1")
+    (tmp / "keys" / "k1.key").rename(tmp / "k1.key")
+    kid, signing = load_signing_key(tmp / "k1.key")
+
+    def token_file(name: str, role: Role, tenants: list[str] | None,
+                   shared_writer: bool = False) -> Path:
+        path = tmp / f"{name}.token"
+        path.write_text(mint(signing, kid, subject=name, role=role, tenants=tenants,
+                             ttl_s=3600, shared_writer=shared_writer))
+        return path
+
+    daemon = DaemonProcess(tmp, "tenancy", nvme=False, settings={
+        "security.token_keys": str(tmp / "keys"), "security.token_reload_interval_s": "0",
+        "server.shm_channel": "false"})
+    daemon.start()
+    address = daemon.grpc_address
+    tokens = {
+        "alice": token_file("alice", Role.ENGINE, ["alice"]),
+        "bob": token_file("bob", Role.ENGINE, ["bob"]),
+        "multi": token_file("multi", Role.ENGINE, ["bob", "carol"]),
+        "sys": token_file("sys", Role.ENGINE, ["sys"], shared_writer=True),
+        "op": token_file("op", Role.OPERATOR, None),
+        "alice-admin": token_file("alice-admin", Role.OPERATOR, ["alice"]),
+        "bob-admin": token_file("bob-admin", Role.OPERATOR, ["bob"]),
+    }
+    clients: dict[str, DaemonControl] = {}
+    try:
+        for name, path in tokens.items():
+            clients[name] = _control(address, path)
+        # Bob's credentials naming alice's tenant (refused), and bob's and the operator's
+        # clients scoped to bob's tenant; the shared writer writing the shared tenant.
+        clients["bob-as-alice"] = _control(address, tokens["bob"], tenant="alice")
+        clients["bob-admin-as-alice"] = _control(address, tokens["bob-admin"], tenant="alice")
+        clients["op-as-bob"] = _control(address, tokens["op"], tenant="bob")
+        clients["multi-bob"] = _control(address, tokens["multi"], tenant="bob")
+        clients["sys-shared"] = _control(address, tokens["sys"], tenant=SHARED_TENANT)
+        clients["bob-shared"] = _control(address, tokens["bob"], tenant=SHARED_TENANT)
+
+        values: dict[bytes, bytes] = {}
+        _put(clients["sys-shared"], SHARED_KEY, os.urandom(VALUE_BYTES))
+        parent = None
+        for key in [*ALICE, *ALICE_SPARE]:
+            values[key] = os.urandom(VALUE_BYTES)
+            _put(clients["alice"], key, values[key], parent if key in ALICE else None)
+            parent = key
+        yield World(daemon, clients, values, token_file)
+    finally:
+        for c in clients.values():
+            c.close()
+        daemon.stop()
+
+
+def _no_new_leaks(before: int) -> None:
+    assert TALLY.leaks[before:] == []
+
+
+# --- put --------------------------------------------------------------------------------------
+
+
+def test_put_own_tenant_and_refusals(world: World) -> None:
+    alice, bob = world["alice"], world["bob"]
+    # Alice's own writes work: a root and a child of her chain, and a child of a shared chunk.
+    extra = _key(0xA3, 0)
+    _put(alice, extra, b"a" * 64, parent=ALICE[-1])
+    _put(alice, _key(0xA3, 1), b"s" * 64, parent=SHARED_KEY)
+    assert _get(alice, extra) == b"a" * 64
+    leaks = len(TALLY.leaks)
+    evil = b"\xee" * VALUE_BYTES
+    for key in ALICE:
+        # Replace one of alice's chunks: refused (keys are global; her chunk is hers).
+        TALLY.attack("bob put over alice's key", lambda key=key: _put(bob, key, evil))
+        # Hang a chunk under alice's chain: her chunk is absent to bob.
+        TALLY.attack("bob put under alice's chunk",
+                     lambda key=key: _put(bob, _key(0xB1, ALICE.index(key)), evil, key))
+        # Forged tenants: bob's credentials naming alice, in the config or in raw metadata.
+        TALLY.attack("bob put as alice", lambda key=key: _put(world["bob-as-alice"], key, evil))
+        TALLY.attack("bob put, raw metadata alice", lambda key=key: _raw(
+            bob, "Put", pb.PutRequest(key=_key(0xB2, ALICE.index(key)), value=evil),
+            ((TENANT_METADATA_KEY, "alice"),)))
+    TALLY.attack("bob batch put over alice's keys", lambda: [
+        (i.ok, i.error) for i in bob.call("BatchPut", pb.BatchPutRequest(items=[
+            pb.PutRequest(key=k, value=evil) for k in ALICE])).items],
+        absent=lambda items: all(not ok and err == "PermissionDenied" for ok, err in items))
+    # The shared tenant: only shared writers write it; a credential of several tenants must
+    # name one.
+    TALLY.attack("bob writes the shared tenant",
+                 lambda: _put(world["bob-shared"], _key(0xB3, 0), evil))
+    TALLY.attack("several tenants, none named", lambda: _put(world["multi"], _key(0xB4, 0), evil))
+    _no_new_leaks(leaks)
+    # None of the refused puts stored anything.
+    op = world["op"]
+    for tag in (0xB1, 0xB2, 0xB3, 0xB4):
+        assert op.list_chunks(bytes([tag])).entries == [], hex(tag)
+    # Bob's own writes and the multi-tenant credential naming one of its tenants still work.
+    _put(bob, BOB_KEY, b"b" * 64)
+    _put(world["multi-bob"], _key(0xB0, 1), b"m" * 64, parent=BOB_KEY)
+    assert _get(bob, _key(0xB0, 1)) == b"m" * 64
+
+
+# --- get --------------------------------------------------------------------------------------
+
+
+def test_get_own_tenant_shared_and_refusals(world: World) -> None:
+    alice, bob = world["alice"], world["bob"]
+    for key in ALICE:
+        assert _get(alice, key) == world.values[key]
+    # Every tenant reads the shared tenant's chunks.
+    assert _get(bob, SHARED_KEY) is not None and _get(bob, SHARED_KEY) == _get(alice, SHARED_KEY)
+    leaks = len(TALLY.leaks)
+    for key in ALICE:
+        TALLY.attack("bob get", lambda key=key: _get(bob, key), absent=lambda v: v is None)
+        TALLY.attack("bob-admin get", lambda key=key: _get(world["bob-admin"], key),
+                     absent=lambda v: v is None)
+        TALLY.attack("operator scoped to bob get", lambda key=key: _get(world["op-as-bob"], key),
+                     absent=lambda v: v is None)
+        TALLY.attack("bob get as alice", lambda key=key: _get(world["bob-as-alice"], key))
+        TALLY.attack("bob get, raw metadata alice", lambda key=key: _raw(
+            bob, "Get", pb.GetRequest(key=key), ((TENANT_METADATA_KEY, "alice"),)))
+        TALLY.attack("bob exists", lambda key=key: bob.sizes([key]),
+                     absent=lambda sizes: sizes == [None])
+    TALLY.attack("bob batch get", lambda: [i.found for i in bob.call(
+        "BatchGet", pb.BatchGetRequest(keys=ALICE)).items], absent=lambda f: not any(f))
+    TALLY.attack("multi get, none named", lambda: _get(world["multi"], ALICE[0]))
+    _no_new_leaks(leaks)
+    # The operator of every tenant, naming none, sees alice's chunks.
+    assert _get(world["op"], ALICE[0]) == world.values[ALICE[0]]
+
+
+# --- lookup -----------------------------------------------------------------------------------
+
+
+def test_lookup_own_tenant_and_refusals(world: World) -> None:
+    alice, bob = world["alice"], world["bob"]
+    assert alice.lookup(ALICE).length == N_CHAIN
+    assert bob.lookup([SHARED_KEY]).length == 1
+    leaks = len(TALLY.leaks)
+    TALLY.attack("bob lookup", lambda: bob.lookup(ALICE).length, absent=lambda n: n == 0)
+    TALLY.attack("bob batch lookup", lambda: [r.length for r in bob.lookup_many([ALICE, ALICE])],
+                 absent=lambda ns: ns == [0, 0])
+    TALLY.attack("operator scoped to bob lookup", lambda: world["op-as-bob"].lookup(ALICE).length,
+                 absent=lambda n: n == 0)
+    TALLY.attack("bob lookup as alice", lambda: world["bob-as-alice"].lookup(ALICE))
+    TALLY.attack("bob lookup, raw metadata alice", lambda: _raw(
+        bob, "Lookup", pb.LookupRequest(keys=ALICE), ((TENANT_METADATA_KEY, "alice"),)))
+    TALLY.attack("bob lookup, two tenants in metadata", lambda: _raw(
+        world["multi-bob"], "Lookup", pb.LookupRequest(keys=ALICE),
+        ((TENANT_METADATA_KEY, "carol"),)), refusals=(InvalidArgument,))
+    TALLY.attack("bob lookup, a tenant nobody has", lambda: _raw(
+        bob, "Lookup", pb.LookupRequest(keys=ALICE), ((TENANT_METADATA_KEY, "mallory"),)))
+    _no_new_leaks(leaks)
+    assert world["op"].lookup(ALICE).length == N_CHAIN
+
+
+# --- after every attack -----------------------------------------------------------------------
+
+
+def test_zz_alices_chunks_read_back_after_every_attack(
+        world: World, capsys: pytest.CaptureFixture[str]) -> None:
+    """Runs last (file order): every chunk of alice's chain reads back byte for byte, through
+    her own credentials and the operator's; then the counts are printed."""
+    alice = world["alice"]
+    for key in ALICE:
+        if _get(alice, key) != world.values[key]:
+            TALLY.lost += 1
+    assert alice.lookup(ALICE).length == N_CHAIN
+    line = (f"tenancy over gRPC: attempts={TALLY.attempts} refused={TALLY.refused} "
+            f"absent={TALLY.absent} leaked={len(TALLY.leaks)} lost={TALLY.lost}")
+    with capsys.disabled():
+        print("\n" + line)
+    assert TALLY.leaks == [] and TALLY.lost == 0, TALLY
+    assert TALLY.attempts == TALLY.refused + TALLY.absent
