@@ -215,3 +215,24 @@ def fleet(
     code = bench_fleet.main(argv)
     if code:
         raise typer.Exit(code)
+
+
+@app.command("chaos")
+def chaos(
+    quick: bool = typer.Option(False, "--quick", help="Shorter warm-up, fault and recovery windows."),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write the results as JSON here."),
+    fault: list[str] = typer.Option([], "--fault", help="Run only this fault (repeatable; default: all)."),
+) -> None:
+    """Faults under load on a three-host cluster in network namespaces (root): requests completed
+    and failed during each fault, wrong reads, durable chunks lost, time to detect and recover,
+    leaks (docs/chaos.md). Exits 1 when an invariant broke."""
+    from bench import chaos as bench_chaos
+    from kvstore.errors import ConfigError
+
+    try:
+        rows = bench_chaos.main(json_path, quick, fault or None)
+    except ConfigError as exc:
+        typer.echo(f"kvtier bench chaos: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    if not all(row.clean for row in rows):
+        raise typer.Exit(1)

@@ -80,7 +80,7 @@ def chunk_value(key: str, version: int, size_bytes: int) -> bytes:
     return hashlib.shake_256(f"{key}\x00{version}".encode()).digest(size_bytes)
 
 
-def digest(data: bytes | memoryview) -> str:
+def digest(data: bytes | bytearray | memoryview) -> str:
     """What a record keeps of the bytes a get returned."""
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 

@@ -1,0 +1,729 @@
+"""The fault suite: a three-host kvtier cluster in network namespaces, one fault per run under a
+steady load, the recorded history checked for kvtier's invariants (docs/chaos.md).
+
+Run with ``kvtier bench chaos [--quick] [--json PATH] [--fault NAME]`` (root: it builds network
+namespaces). :func:`run_fault` returns one :class:`FaultRow`; :func:`main` prints the table.
+
+The cluster (:class:`ChaosCluster`)
+    :class:`~kvstore.cluster.netns.NetnsLab` with hosts ``h0``-``h2`` and an observer. Each host
+    runs a member of one three-member etcd cluster (``--initial-cluster``, data in the run's
+    temp dir) and a store daemon with DRAM and NVMe tiers (NVMe in the temp dir, kept across a
+    restart), listening on the host's address on the fixed ports a deployment uses (every host
+    is its own network stack, so fixed ports collide with nothing), ``--insecure`` (no
+    certificates in the lab), registered in its host's etcd member with a 2 s lease, and with
+    ``cache.write_tier=nvme``: every acknowledged put is durable (written through to NVMe and
+    fdatasync'd before the answer), so the history marks each acknowledged put durable.
+    The namespaces share a boot id, a hostname and ``/dev/shm``: a client would take a daemon
+    in another namespace for a same-host one, so the load uses ``DataPlane.TCP`` and the
+    daemons serve no lease channel (``server.shm_channel=false``) and no UCX.
+
+The load (``python -m bench.chaos loadgen CONFIG``, in the observer namespace)
+    Worker threads, each a loop of puts (a new key, placed on the next node the etcd
+    membership watch shows alive: a ``SCHEDULE`` record, then the ``PUT``) and gets (a key
+    acknowledged earlier, on its node if the watch shows it alive), with values
+    :func:`~kvstore.cluster.chaos_check.chunk_value` of key and version. Every request is one
+    :class:`~kvstore.cluster.chaos_check.Record`; the watch's LEFT/JOINED events are the lease
+    gaps. On ``stop`` (stdin) it reads back every acknowledged key from its node (so a durable
+    chunk lost in a crash shows as an ``ABSENT`` get after the restart), closes its data
+    connections and asks each daemon's Stats for connections and leases still open (the
+    leaks), then writes the history as JSON lines.
+
+Faults (:data:`FAULTS`)
+    ``kill-daemon``: ``kill -9`` of ``h1``'s daemon; after ``down_s`` (past the 2 s lease) it
+    restarts on the same NVMe directory. The fault window runs from the kill to the restarted
+    daemon's ready line.
+
+Row figures
+    attempted/completed/failed: data requests started during the fault window (completed:
+    answered, hit or miss; failed: an error or no answer); wrong reads and durable chunks lost
+    (:func:`~kvstore.cluster.chaos_check.check`); detect: kill to the LEFT event of the node
+    seen by the load generator; recover: kill to the later of its JOINED event and its first
+    successful request after the restart; leaks: TCP connections and shared-memory leases the
+    daemons still count after the load closed its clients. Times come from one monotonic clock
+    (the namespaces share it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import queue
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from kvstore.cluster.chaos_check import (
+    Fault,
+    History,
+    Invariant,
+    LeaseGap,
+    Op,
+    Record,
+    Restart,
+    Result,
+    check,
+    chunk_value,
+    digest,
+    durable_unverified,
+    fault_stats,
+)
+from kvstore.cluster.netns import Host, NetnsLab, unavailable_reason
+from kvstore.errors import ChunkNotFound, ConfigError, KvtierError, PeerUnavailable
+
+if TYPE_CHECKING:
+    from kvstore.client.store_client import StoreClient
+
+REPO = Path(__file__).resolve().parents[1]
+ETCD_CLIENT_PORT = 2379
+ETCD_PEER_PORT = 2380
+GRPC_PORT = 50051
+TCP_PORT = 50052
+PREFIX = "/kvtier/"
+LEASE_TTL_S = 2
+DAEMON_READY = "KVTIER-DAEMON-READY "
+LOADGEN_READY = "KVTIER-LOADGEN-READY"
+LOADGEN_DONE = "KVTIER-LOADGEN-DONE "
+FAULTED_HOST = 1
+"""The host faults hit (the load generator watches membership through ``h0``'s etcd member)."""
+
+
+@dataclass(frozen=True)
+class ChaosSpec:
+    """Sizes and durations of one run (``quick``: the test's and ``--quick``'s)."""
+
+    warmup_s: float = 3.0
+    down_s: float = 4.0
+    """How long a killed daemon stays down (past its lease TTL, so the lease expires)."""
+    after_s: float = 4.0
+    """Load after the fault is removed, before the read-back."""
+    workers: int = 3
+    value_bytes: int = 16 << 10
+    op_pause_s: float = 0.004
+    """Each worker's pause between requests (a steady, not saturating, load on 2 cores)."""
+    start_timeout_s: float = 60.0
+
+    @classmethod
+    def quick(cls) -> ChaosSpec:
+        return cls(warmup_s=1.5, down_s=3.5, after_s=2.0, workers=2)
+
+
+@dataclass
+class FaultRow:
+    fault: str
+    attempted: int
+    completed: int
+    failed: int
+    wrong_reads: int
+    durable_lost: int
+    durable_unverified: int
+    detect_s: float | None
+    recover_s: float | None
+    leaks: int
+    other_violations: list[str] = field(default_factory=list)
+    records: int = 0
+
+    @property
+    def clean(self) -> bool:
+        return (self.wrong_reads == 0 and self.durable_lost == 0 and self.leaks == 0
+                and not self.other_violations)
+
+
+# --- processes with a ready line ------------------------------------------------------------
+
+
+class _Child:
+    """A child in the lab whose stdout lines are read by a thread (so the pipe never fills)."""
+
+    def __init__(self, proc: subprocess.Popen[str], name: str, log_path: Path) -> None:
+        self.proc = proc
+        self.name = name
+        self.log_path = log_path
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, name=f"read-{name}", daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def wait_line(self, prefix: str, timeout_s: float) -> str:
+        """The first stdout line starting with ``prefix``; ConfigError with the log tail if the
+        child exits or ``timeout_s`` passes first."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                line = self.lines.get(timeout=max(left, 0.01))
+            except queue.Empty:
+                line = "" if left > 0 else None
+                if line is None:
+                    raise ConfigError(f"{self.name}: no {prefix.strip()!r} line in {timeout_s} s"
+                                      f"; log:\n{self.log_tail()}") from None
+                continue
+            if line is None:
+                raise ConfigError(f"{self.name} exited ({self.proc.wait()}) before "
+                                  f"{prefix.strip()!r}; log:\n{self.log_tail()}")
+            if line.startswith(prefix):
+                return line[len(prefix):]
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    env["PYTHONPATH"] = str(REPO)
+    return env
+
+
+# --- the cluster --------------------------------------------------------------------------
+
+
+class ChaosCluster:
+    """etcd members and daemons on the lab's hosts; see the module docstring. ``start`` is the
+    only method with side effects besides the faults; ``close`` tears everything down."""
+
+    def __init__(self, work_dir: Path, spec: ChaosSpec) -> None:
+        self.work_dir = work_dir
+        self.spec = spec
+        self.lab = NetnsLab(hosts=3)
+        self.etcd: dict[str, _Child] = {}
+        self.daemons: dict[str, _Child] = {}
+        self.node_ids = [f"node-{h.name}" for h in self.lab.hosts]
+
+    def __enter__(self) -> ChaosCluster:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.lab.close()
+
+    def start(self) -> None:
+        self.lab.up()
+        for host in self.lab.hosts:
+            self.lab.wait_reachable(self.lab.observer, host)
+        for host in self.lab.hosts:
+            self._start_etcd(host)
+        for host in self.lab.hosts:
+            self._wait_etcd(host)
+        for host in self.lab.hosts:  # started together, awaited together: ~2 s, not ~6
+            self.daemons[host.name] = self._spawn_daemon(host)
+        for host in self.lab.hosts:
+            self.daemons[host.name].wait_line(DAEMON_READY, self.spec.start_timeout_s)
+
+    def etcd_endpoint(self, host: Host) -> str:
+        return f"{host.address}:{ETCD_CLIENT_PORT}"
+
+    def _start_etcd(self, host: Host) -> None:
+        binary = shutil.which(os.environ.get("KVTIER_ETCD_BINARY") or "etcd")
+        if binary is None:
+            raise ConfigError("etcd binary not found (install etcd-server or set "
+                              "KVTIER_ETCD_BINARY)")
+        cluster = ",".join(f"etcd-{h.name}=http://{h.address}:{ETCD_PEER_PORT}"
+                           for h in self.lab.hosts)
+        data = self.work_dir / f"etcd-{host.name}"
+        argv = [binary, "--name", f"etcd-{host.name}", "--data-dir", str(data),
+                "--listen-client-urls", f"http://{host.address}:{ETCD_CLIENT_PORT}",
+                "--advertise-client-urls", f"http://{host.address}:{ETCD_CLIENT_PORT}",
+                "--listen-peer-urls", f"http://{host.address}:{ETCD_PEER_PORT}",
+                "--initial-advertise-peer-urls", f"http://{host.address}:{ETCD_PEER_PORT}",
+                "--initial-cluster", cluster, "--initial-cluster-state", "new",
+                "--initial-cluster-token", self.lab.prefix,
+                "--heartbeat-interval", "100", "--election-timeout", "1000"]
+        log_path = self.work_dir / f"etcd-{host.name}.log"
+        with log_path.open("a") as log:
+            proc = self.lab.popen(host, argv, stdout=subprocess.PIPE, stderr=log, text=True)
+        self.etcd[host.name] = _Child(proc, f"etcd-{host.name}", log_path)
+
+    def _wait_etcd(self, host: Host) -> None:
+        deadline = time.monotonic() + self.spec.start_timeout_s
+        while True:
+            result = self.lab.run(host, ["etcdctl", "--endpoints", self.etcd_endpoint(host),
+                                         "--command-timeout=1s", "endpoint", "health"],
+                                  env=dict(os.environ, ETCDCTL_API="3"))
+            if result.returncode == 0:
+                return
+            child = self.etcd[host.name]
+            if not child.alive() or time.monotonic() > deadline:
+                raise ConfigError(f"etcd on {host.name} not healthy: {result.stderr.strip()}; "
+                                  f"log:\n{child.log_tail()}")
+            time.sleep(0.2)
+
+    def _spawn_daemon(self, host: Host) -> _Child:
+        settings = {
+            "node_id": f"node-{host.name}", "log_level": "INFO",
+            "server.host": host.address, "server.grpc_port": str(GRPC_PORT),
+            "server.tcp_port": str(TCP_PORT), "security.insecure": "true",
+            "server.shm_channel": "false", "server.ucx": "disabled",
+            "dram.capacity_bytes": "32MiB", "dram.read_index": "false",
+            "nvme.directory": str(self.work_dir / f"nvme-{host.name}"),
+            "nvme.capacity_bytes": "256MiB", "nvme.segment_bytes": "8MiB",
+            "cache.write_tier": "nvme",
+            "etcd.endpoint": self.etcd_endpoint(host), "etcd.prefix": PREFIX,
+            "etcd.ttl_s": str(LEASE_TTL_S), "shutdown.drain_timeout_s": "2",
+        }
+        argv = [sys.executable, "-m", "kvstore.cli.main", "daemon"]
+        for key, value in settings.items():
+            argv += ["--set", f"{key}={value}"]
+        log_path = self.work_dir / f"daemon-{host.name}.log"
+        with log_path.open("a") as log:
+            proc = self.lab.popen(host, argv, stdout=subprocess.PIPE, stderr=log, text=True,
+                                  cwd=REPO, env=_env())
+        return _Child(proc, f"daemon-{host.name}", log_path)
+
+    def kill_daemon(self, host: Host) -> float:
+        """``kill -9`` of ``host``'s daemon; the monotonic time of the signal."""
+        child = self.daemons[host.name]
+        at = time.monotonic()
+        child.kill()
+        return at
+
+    def restart_daemon(self, host: Host) -> float:
+        """Start ``host``'s daemon again on the same NVMe directory; the time it is ready."""
+        child = self._spawn_daemon(host)
+        self.daemons[host.name] = child
+        child.wait_line(DAEMON_READY, self.spec.start_timeout_s)
+        return time.monotonic()
+
+    def start_loadgen(self, history_path: Path) -> _Child:
+        config = {"etcd": self.etcd_endpoint(self.lab.hosts[0]), "prefix": PREFIX,
+                  "nodes": self.node_ids, "history": str(history_path),
+                  "workers": self.spec.workers, "value_bytes": self.spec.value_bytes,
+                  "op_pause_s": self.spec.op_pause_s}
+        config_path = self.work_dir / "loadgen.json"
+        config_path.write_text(json.dumps(config))
+        log_path = self.work_dir / "loadgen.log"
+        with log_path.open("a") as log:
+            proc = self.lab.popen(self.lab.observer,
+                                  [sys.executable, "-m", "bench.chaos", "loadgen",
+                                   str(config_path)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                  text=True, cwd=REPO, env=_env())
+        child = _Child(proc, "loadgen", log_path)
+        child.wait_line(LOADGEN_READY, self.spec.start_timeout_s)
+        return child
+
+
+# --- faults ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _Injected:
+    fault: Fault
+    restarts: list[Restart] = field(default_factory=list)
+
+
+def _kill_daemon(cluster: ChaosCluster) -> _Injected:
+    host = cluster.lab.hosts[FAULTED_HOST]
+    down = cluster.kill_daemon(host)
+    time.sleep(cluster.spec.down_s)
+    up = cluster.restart_daemon(host)
+    return _Injected(Fault("kill-daemon", f"node-{host.name}", down, up),
+                     [Restart(f"node-{host.name}", down, up)])
+
+
+FAULTS: dict[str, Callable[[ChaosCluster], _Injected]] = {"kill-daemon": _kill_daemon}
+
+
+def run_fault(name: str, *, spec: ChaosSpec | None = None,
+              work_dir: Path | None = None) -> FaultRow:
+    """Build the cluster, run the load, inject fault ``name`` once, check the history."""
+    if name not in FAULTS:
+        raise ConfigError(f"unknown fault {name!r} (known: {', '.join(FAULTS)})")
+    reason = unavailable_reason()
+    if reason is not None:
+        raise ConfigError(f"the fault suite needs network namespaces: {reason}")
+    spec = spec or ChaosSpec()
+    with contextlib.ExitStack() as stack:
+        if work_dir is None:
+            work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(
+                prefix="kvtier-chaos-")))
+        work_dir.mkdir(parents=True, exist_ok=True)
+        cluster = stack.enter_context(ChaosCluster(work_dir, spec))
+        history_path = work_dir / "history.jsonl"
+        load = cluster.start_loadgen(history_path)
+        time.sleep(spec.warmup_s)
+        injected = FAULTS[name](cluster)
+        time.sleep(spec.after_s)
+        assert load.proc.stdin is not None
+        load.proc.stdin.write("stop\n")
+        load.proc.stdin.flush()
+        summary = json.loads(load.wait_line(LOADGEN_DONE, 120.0))
+        with history_path.open("a") as f:  # the whole history in one file, for later checks
+            f.write(json.dumps({"kind": "fault", **asdict(injected.fault)}) + "\n")
+            for restart in injected.restarts:
+                f.write(json.dumps({"kind": "restart", **asdict(restart)}) + "\n")
+        history = read_history(history_path)
+        row = _row(history, injected.fault, summary)
+        row.records = len(history.records)
+        return row
+
+
+def read_history(path: Path) -> History:
+    """A run's history from its JSON lines (records, lease gaps, faults, restarts)."""
+    history = History()
+    for line in path.read_text().splitlines():
+        item = json.loads(line)
+        kind = item.pop("kind")
+        if kind == "gap":
+            history.lease_gaps.append(LeaseGap(**item))
+        elif kind == "fault":
+            history.faults.append(Fault(**item))
+        elif kind == "restart":
+            history.restarts.append(Restart(**item))
+        else:
+            history.records.append(Record.from_dict(item))
+    return history
+
+
+def _row(history: History, fault: Fault, summary: dict[str, Any]) -> FaultRow:
+    violations = check(history)
+    [stats] = [s for s in fault_stats(history) if s.fault == fault.name]
+
+    def count(inv: Invariant) -> int:
+        return sum(1 for v in violations if v.invariant is inv)
+
+    left = [g.expired_s for g in history.lease_gaps
+            if g.node == fault.node and g.expired_s >= fault.start_s]
+    detect = min(left) - fault.start_s if left else None
+    rejoined = [g.renewed_s for g in history.lease_gaps if g.node == fault.node
+                and g.expired_s >= fault.start_s and g.renewed_s is not None]
+    served = [r.end_s for r in history.records if r.node == fault.node
+              and r.op in (Op.PUT, Op.GET) and r.result is Result.OK and r.end_s is not None
+              and r.start_s >= fault.end_s]
+    recover = (max(min(rejoined), min(served)) - fault.start_s) if rejoined and served else None
+    others = [f"{v.invariant.value}: {v.message}" for v in violations
+              if v.invariant not in (Invariant.WRONG_READ, Invariant.DURABLE_LOST)]
+    leaks = sum(int(n) for per_node in summary.get("leaks", {}).values()
+                for n in per_node.values())
+    return FaultRow(fault.name, stats.attempted, stats.completed, stats.failed,
+                    count(Invariant.WRONG_READ), count(Invariant.DURABLE_LOST),
+                    durable_unverified(history), detect, recover, leaks, others)
+
+
+# --- the load generator (runs in the observer namespace) -------------------------------------
+
+
+class _Membership:
+    """The etcd node watch on a private event loop: who is alive, and the lease gaps."""
+
+    def __init__(self, endpoint: str, prefix: str) -> None:
+        self.endpoint = endpoint
+        self.prefix = prefix
+        self.lock = threading.Lock()
+        self.alive: dict[str, Any] = {}
+        self.gaps: list[LeaseGap] = []
+        self._open_gaps: dict[str, float] = {}
+        self._loop: Any = None
+        self._task: Any = None
+        self._thread = threading.Thread(target=self._run, name="membership", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        import asyncio
+
+        async def watch() -> None:
+            from kvstore.membership.etcd import KeyLayout, etcd_client
+            from kvstore.membership.nodes import NodeEventKind, watch_nodes
+
+            async with etcd_client(self.endpoint) as client, \
+                    watch_nodes(client, layout=KeyLayout(self.prefix)) as events:
+                async for event in events:
+                    now = time.monotonic()
+                    with self.lock:
+                        if event.kind is NodeEventKind.LEFT:
+                            self.alive.pop(event.node_id, None)
+                            self._open_gaps.setdefault(event.node_id, now)
+                        else:
+                            self.alive[event.node_id] = event.record
+                            since = self._open_gaps.pop(event.node_id, None)
+                            if since is not None:
+                                self.gaps.append(LeaseGap(event.node_id, since, now))
+
+        self._loop = asyncio.new_event_loop()
+        try:
+            self._task = self._loop.create_task(watch())
+            self._loop.run_until_complete(self._task)
+        except asyncio.CancelledError:
+            pass
+        except BaseException as exc:  # reported by the load generator's summary
+            self.error = exc
+        finally:
+            self._loop.close()
+
+    def stop(self) -> None:
+        if self._loop is not None and self._task is not None:
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._task.cancel)
+        self._thread.join(10)
+
+    def all_gaps(self) -> list[LeaseGap]:
+        with self.lock:
+            return [*self.gaps, *(LeaseGap(n, t, None) for n, t in self._open_gaps.items())]
+
+    def snapshot(self) -> dict[str, Any]:
+        with self.lock:
+            return dict(self.alive)
+
+
+class _Clients:
+    """One StoreClient per node over TCP, made on first use from the node's etcd record and
+    dropped after an error (the next request reconnects, to the address etcd shows then)."""
+
+    def __init__(self, membership: _Membership) -> None:
+        self.membership = membership
+        self.lock = threading.Lock()
+        self.clients: dict[str, StoreClient] = {}
+
+    def get(self, node: str) -> StoreClient:
+        from kvstore.client.store_client import DataPlane, StoreClient, StoreClientConfig
+
+        with self.lock:
+            client = self.clients.get(node)
+        if client is not None:
+            return client
+        record = self.membership.snapshot().get(node)
+        if record is None:
+            raise PeerUnavailable(f"{node} is not in the membership (its lease expired)")
+        client = StoreClient.connect(record.grpc_address, StoreClientConfig(
+            data_plane=DataPlane.TCP, rpc_timeout_s=2.0, tcp_connections=1))
+        with self.lock:
+            if node in self.clients:
+                client.close()
+                return self.clients[node]
+            self.clients[node] = client
+        return client
+
+    def drop(self, node: str, client: StoreClient) -> None:
+        with self.lock:
+            if self.clients.get(node) is client:
+                del self.clients[node]
+            else:
+                return
+        with contextlib.suppress(KvtierError, OSError):
+            client.close()
+
+    def close_all(self) -> None:
+        with self.lock:
+            clients, self.clients = list(self.clients.values()), {}
+        for client in clients:
+            with contextlib.suppress(KvtierError, OSError):
+                client.close()
+
+
+class _Load:
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = config
+        self.size = int(config["value_bytes"])
+        self.pause_s = float(config["op_pause_s"])
+        self.membership = _Membership(config["etcd"], config["prefix"])
+        self.clients = _Clients(self.membership)
+        self.lock = threading.Lock()
+        self.records: list[Record] = []
+        self.acked: list[tuple[str, str, int]] = []
+        self.stopping = threading.Event()
+
+    def add(self, record: Record) -> None:
+        with self.lock:
+            self.records.append(record)
+
+    def request(self, op: Op, key: str, node: str, version: int = 0) -> Record:
+        """One put or get, recorded."""
+        start = time.monotonic()
+        client: Any = None
+        try:
+            client = self.clients.get(node)
+            if op is Op.PUT:
+                client.put(key.encode(), chunk_value(key, version, self.size))
+                record = Record(op, key, node, start, time.monotonic(), Result.OK,
+                                version=version, size_bytes=self.size, durable=True)
+                with self.lock:
+                    self.acked.append((key, node, version))
+            else:
+                buf = bytearray(self.size)
+                client.get_into(key.encode(), buf)
+                record = Record(op, key, node, start, time.monotonic(), Result.OK,
+                                digest=digest(buf))
+        except ChunkNotFound:
+            record = Record(op, key, node, start, time.monotonic(), Result.ABSENT,
+                            size_bytes=self.size if op is Op.PUT else 0)
+        except (KvtierError, OSError) as exc:
+            if client is not None:
+                self.clients.drop(node, client)
+            record = Record(op, key, node, start, time.monotonic(), Result.ERR, version=version,
+                            size_bytes=self.size if op is Op.PUT else 0,
+                            error=f"{type(exc).__name__}: {exc}"[:200])
+        self.add(record)
+        return record
+
+    def worker(self, wid: int) -> None:
+        rng = random.Random(wid)
+        seq = 0
+        while not self.stopping.is_set():
+            alive = sorted(self.membership.snapshot())
+            if not alive:
+                time.sleep(0.05)
+                continue
+            with self.lock:
+                readable = [a for a in self.acked if a[1] in alive]
+            if not readable or rng.random() < 0.5:
+                node = alive[seq % len(alive)]
+                key = f"w{wid}/{seq}"
+                seq += 1
+                now = time.monotonic()
+                self.add(Record(Op.SCHEDULE, key, node, now, now, Result.OK))
+                self.request(Op.PUT, key, node, version=seq % 3)
+            else:
+                key, node, _ = rng.choice(readable)
+                self.request(Op.GET, key, node)
+            time.sleep(self.pause_s)
+
+    def read_back(self) -> None:
+        """Every acknowledged key from its node, once (after the faults were removed)."""
+        with self.lock:
+            acked = list(self.acked)
+        for key, node, _ in acked:
+            self.request(Op.GET, key, node)
+
+    def leaks(self) -> dict[str, dict[str, int]]:
+        """Per node: data connections and leases the daemon still holds for clients that
+        closed (polled for up to 5 s: a close reaches the daemon's threads asynchronously)."""
+        from kvstore.client.store_client import DataPlane, StoreClient, StoreClientConfig
+
+        out: dict[str, dict[str, int]] = {}
+        for node, record in sorted(self.membership.snapshot().items()):
+            with StoreClient.connect(record.grpc_address, StoreClientConfig(
+                    data_plane=DataPlane.TCP, rpc_timeout_s=2.0)) as control:
+                deadline = time.monotonic() + 5.0
+                while True:
+                    stats = control.stats()
+                    held = {"tcp_connections_open": int(stats.tcp_connections_open),
+                            "shm_leases_open": int(stats.shm_leases_open)}
+                    if not any(held.values()) or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.1)
+            out[node] = held
+        return out
+
+    def run(self) -> None:
+        self.membership.start()
+        expected = set(self.config["nodes"])
+        deadline = time.monotonic() + 30.0
+        while set(self.membership.snapshot()) != expected:
+            if self.membership.error is not None or time.monotonic() > deadline:
+                raise ConfigError(f"membership never showed {sorted(expected)}: "
+                                  f"{self.membership.error!r}")
+            time.sleep(0.05)
+        threads = [threading.Thread(target=self.worker, args=(w,), name=f"load-{w}",
+                                    daemon=True) for w in range(int(self.config["workers"]))]
+        for t in threads:
+            t.start()
+        print(LOADGEN_READY, flush=True)
+        for line in sys.stdin:
+            if line.strip() == "stop":
+                break
+        self.stopping.set()
+        for t in threads:
+            t.join(60)
+        self.read_back()
+        self.clients.close_all()
+        leaks = self.leaks()
+        self.membership.stop()
+        with open(self.config["history"], "w") as f:
+            for r in self.records:
+                f.write(json.dumps({"kind": "record", **r.to_dict()}) + "\n")
+            for g in self.membership.all_gaps():
+                f.write(json.dumps({"kind": "gap", **asdict(g)}) + "\n")
+        print(LOADGEN_DONE + json.dumps({"records": len(self.records), "leaks": leaks}),
+              flush=True)
+
+
+# --- report ---------------------------------------------------------------------------------
+
+
+def _fmt_s(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def print_table(rows: list[FaultRow], out: IO[str] = sys.stdout) -> None:
+    head = ("fault", "attempted", "completed", "failed", "wrong reads", "durable lost",
+            "unverified", "detect s", "recover s", "leaks")
+    lines = [head] + [(r.fault, str(r.attempted), str(r.completed), str(r.failed),
+                       str(r.wrong_reads), str(r.durable_lost), str(r.durable_unverified),
+                       _fmt_s(r.detect_s), _fmt_s(r.recover_s), str(r.leaks)) for r in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    for line in lines:
+        print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
+                        enumerate(zip(line, widths, strict=True))), file=out)
+    for r in rows:
+        for v in r.other_violations:
+            print(f"{r.fault}: VIOLATION {v}", file=out)
+    print("goals: wrong reads 0, durable lost 0, leaks 0; detect within the 2 s lease TTL "
+          "plus etcd's expiry check", file=out)
+
+
+def main(json_path: Path | None, quick: bool, faults: list[str] | None = None
+         ) -> list[FaultRow]:
+    """Run ``faults`` (default: all), one cluster each; print the table, write the JSON."""
+    from bench._meta import run_header
+
+    unknown = [f for f in faults or () if f not in FAULTS]
+    if unknown:
+        raise ConfigError(f"unknown fault(s) {', '.join(unknown)} (known: {', '.join(FAULTS)})")
+
+    spec = ChaosSpec.quick() if quick else ChaosSpec()
+    rows = [run_fault(name, spec=spec) for name in (faults or list(FAULTS))]
+    print_table(rows)
+    if json_path is not None:
+        result = {**run_header("chaos"), "spec": asdict(spec), "rows": [asdict(r) for r in rows]}
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {json_path}", file=sys.stderr)
+    return rows
+
+
+def _loadgen_main(config_path: str) -> None:
+    _Load(json.loads(Path(config_path).read_text())).run()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m bench.chaos")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    gen = sub.add_parser("loadgen", help="(internal) the load generator, in the observer ns")
+    gen.add_argument("config")
+    args = parser.parse_args()
+    if args.cmd == "loadgen":
+        _loadgen_main(args.config)
