@@ -30,6 +30,11 @@ never 0, never two live at once), every client TTL is checked by :func:`check_tt
 > 0, at most ``server.max_ttl_s``), and :class:`LeaseBudget` caps the pins, read leases and
 reservations held for clients at once (``server.max_leases``; ``TooManyLeases`` beyond it).
 
+Tenants (docs/security.md, "Tenant isolation"): the gRPC lease calls pass their caller's tenant
+(``acquire_read(tenant=)``, ``reserve(tenant=)``, kept for its ``commit``). The data planes do not
+carry one yet: ``CacheLeaseBackend`` (TCP/UCX), ``put`` and ``reserve_many``/``commit_many`` (the
+lease channel) and a lease channel ``acquire_read`` read every chunk and write the default tenant.
+
 Thread safety: everything here may be called from any thread.
 """
 
@@ -65,7 +70,7 @@ from kvstore.errors import (
     short_key,
 )
 from kvstore.node.cache import TieredCache
-from kvstore.node.index import Lease
+from kvstore.node.index import DEFAULT_TENANT, Lease
 
 log = logging.getLogger(__name__)
 
@@ -410,6 +415,8 @@ class _WriteRecord:
     offset: int
     parent_pending: bool = False
     """The parent was an open reservation of the same owner at reserve time: checked at commit."""
+    tenant: str = DEFAULT_TENANT
+    """Who the chunk will belong to (the tenant of the gRPC ``Reserve``)."""
 
 
 class ShmLeases:
@@ -457,11 +464,13 @@ class ShmLeases:
                 return lease_id
 
     def acquire_read(self, keys: Sequence[bytes], ttl_s: float, *, prefix: bool = False,
-                     owner: object | None = None) -> tuple[int, list[ArenaRange]]:
+                     owner: object | None = None, tenant: str | None = None
+                     ) -> tuple[int, list[ArenaRange]]:
         """Pin ``keys`` in DRAM (promoting them) and return a lease id and their ranges.
 
         ``prefix``: lease the longest cached prefix of ``keys`` (lease id 0 and no ranges when
-        it is empty); otherwise all or nothing (ChunkNotFound). The lease belongs to ``owner``
+        it is empty); otherwise all or nothing (ChunkNotFound). Only chunks ``tenant`` may see
+        count (None: every chunk; the lease channel passes none yet, the gRPC call its caller's). The lease belongs to ``owner``
         and ends by ``release`` with the same owner, or ``ttl_s`` after this call started.
         Raises ChunkBusy, CapacityError (DRAM cannot hold them now: read over TCP instead;
         TooManyLeases when the lease budget is spent), InvalidArgument (bad key, TTL refused
@@ -475,7 +484,7 @@ class ShmLeases:
         deadline = time.monotonic() + ttl_s
         self.budget.take()
         try:
-            lease, ranges = self._pin_ranges(checked, ttl_s, prefix)
+            lease, ranges = self._pin_ranges(checked, ttl_s, prefix, tenant)
         except BaseException:
             self.budget.give()
             raise
@@ -489,16 +498,16 @@ class ShmLeases:
             self.bytes_read += size
         return lease_id, ranges
 
-    def _pin_ranges(self, checked: list[ChunkKey], ttl_s: float, prefix: bool
-                    ) -> tuple[Lease | None, list[ArenaRange]]:
+    def _pin_ranges(self, checked: list[ChunkKey], ttl_s: float, prefix: bool,
+                    tenant: str | None = None) -> tuple[Lease | None, list[ArenaRange]]:
         lease: Lease | None = None
         for _attempt in range(_PREFIX_RETRIES):
-            wanted = checked[:self._cache.lookup(checked).length] if prefix else checked
+            wanted = checked[:self._cache.lookup(checked, tenant).length] if prefix else checked
             if not wanted:
                 self._cache.misses += 1
                 return None, []
             try:
-                lease = self._cache.pin_in(TierKind.DRAM, wanted, ttl_s)
+                lease = self._cache.pin_in(TierKind.DRAM, wanted, ttl_s, tenant)
                 break
             except ChunkNotFound:
                 if not prefix:
@@ -537,12 +546,13 @@ class ShmLeases:
             self.budget.give()
 
     def reserve(self, key: bytes, size_bytes: int, ttl_s: float, *, parent: bytes | None = None,
-                owner: object | None = None) -> tuple[int, int]:
+                owner: object | None = None, tenant: str = DEFAULT_TENANT) -> tuple[int, int]:
         """Reserve an invisible DRAM slot; return (lease id, arena offset).
 
-        The reservation belongs to ``owner``; uncommitted ``ttl_s`` after this call started,
-        it is aborted. Raises ChunkExists, ChunkBusy, CapacityError (TooManyLeases when the
-        lease budget is spent), InvalidArgument (as ``TieredCache.reserve``; a TTL
+        The reservation belongs to ``owner``, the chunk (once committed) to ``tenant``;
+        uncommitted ``ttl_s`` after this call started, it is aborted. Raises ChunkExists,
+        PermissionDenied (another tenant owns ``key``), ChunkBusy, CapacityError (TooManyLeases
+        when the lease budget is spent), InvalidArgument (as ``TieredCache.reserve``; a TTL
         :func:`check_ttl` refuses).
         """
         check_ttl(ttl_s, self.max_ttl_s)
@@ -555,7 +565,7 @@ class ShmLeases:
             # A parent still being written by this owner (a chain reserved parent-first) is
             # not cached yet: the cache's check moves to commit (commit).
             slot = self._cache.reserve(k, size_bytes, parent=None if pending else p,
-                                       tier=TierKind.DRAM)
+                                       tier=TierKind.DRAM, tenant=tenant)
         except BaseException:
             self.budget.give()
             raise
@@ -567,7 +577,8 @@ class ShmLeases:
             raise
         with self._lock:
             lease_id = self._new_id_locked()
-            self._writes[lease_id] = _WriteRecord(slot, p, owner, deadline, offset, pending)
+            self._writes[lease_id] = _WriteRecord(slot, p, owner, deadline, offset, pending,
+                                                  tenant)
             self._writing[k] = lease_id
         return lease_id, offset
 
@@ -726,7 +737,7 @@ class ShmLeases:
         freed)."""
         rec = self._pop_write(lease_id, owner)
         self.budget.give()
-        if rec.parent_pending and self._cache.entry(rec.parent or b"") is None:
+        if rec.parent_pending and self._cache.entry(rec.parent or b"", rec.tenant) is None:
             # Its parent's reservation failed, was aborted or expired, or the parent was
             # dropped since: publishing it would break the prefix rule (and, with write-through,
             # write an orphan to NVMe first).
@@ -735,7 +746,8 @@ class ShmLeases:
                                   f"{short_key(rec.slot.key)} is not cached: a chunk without "
                                   "its prefix is useless")
         try:
-            self._cache.commit(rec.slot, parent=rec.parent, tier=TierKind.DRAM)
+            self._cache.commit(rec.slot, parent=rec.parent, tier=TierKind.DRAM,
+                               tenant=rec.tenant)
         except BaseException:
             self._cache.abort(rec.slot, tier=TierKind.DRAM)
             raise

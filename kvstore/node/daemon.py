@@ -391,11 +391,11 @@ class StoreDaemon:
             draining=self.draining, ucx_worker_address=bytes.fromhex(a.ucx_address),
             shm_read_index=self.backend.dram.read_index_name if a.shm_socket else "")
 
-    def list_entries(self, key_prefix: bytes, tier: TierKind | None, limit: int
-                     ) -> tuple[list[IndexEntry], bool]:
+    def list_entries(self, key_prefix: bytes, tier: TierKind | None, limit: int,
+                     tenant: str | None = None) -> tuple[list[IndexEntry], bool]:
         """Index entries whose key starts with ``key_prefix`` (with a copy in ``tier``: its
-        primary or its backing copy), sorted by key, each once; at most ``limit`` (0: all).
-        Returns them and whether more matched."""
+        primary or its backing copy; visible to ``tenant``, None: every tenant), sorted by
+        key, each once; at most ``limit`` (0: all). Returns them and whether more matched."""
         found: set[bytes] = set()
         for kind, t in self.cache.tiers.items():
             if tier is not None and kind is not tier:
@@ -404,7 +404,7 @@ class StoreDaemon:
         keys = sorted(found)
         entries: list[IndexEntry] = []
         for key in keys:
-            entry = self.cache.entry(key)
+            entry = self.cache.entry(key, tenant)
             if entry is None:
                 continue
             if limit and len(entries) == limit:
@@ -412,8 +412,10 @@ class StoreDaemon:
             entries.append(entry)
         return entries, False
 
-    def evict_prefix(self, key_prefix: bytes, tier: TierKind | None) -> tuple[int, int, int]:
-        """Remove every chunk whose key starts with ``key_prefix`` (and its descendants).
+    def evict_prefix(self, key_prefix: bytes, tier: TierKind | None,
+                     tenant: str | None = None) -> tuple[int, int, int]:
+        """Remove every chunk whose key starts with ``key_prefix`` (and its descendants); with
+        ``tenant``, only chunks that tenant owns.
 
         Returns (chunks removed, pinned chunks skipped, bytes freed). Bytes freed is how much
         less the tiers' indexes hold afterwards (puts running meanwhile are netted in).
@@ -422,15 +424,15 @@ class StoreDaemon:
             return sum(self.cache.index.usage(kind).used_bytes for kind in self.cache.tiers)
 
         before = held()
-        entries, _ = self.list_entries(key_prefix, tier, 0)
+        entries, _ = self.list_entries(key_prefix, tier, 0, tenant)
         removed = busy = 0
         gone: set[bytes] = set()
         for entry in sorted(entries, key=lambda e: -e.depth):
             if entry.key in gone:
                 continue
             try:
-                dropped = self.cache.remove(entry.key)
-            except ChunkNotFound:
+                dropped = self.cache.remove(entry.key, tenant)
+            except ChunkNotFound:  # gone meanwhile, or a shared chunk ``tenant`` may not drop
                 continue
             except ChunkBusy:
                 busy += 1

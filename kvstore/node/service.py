@@ -16,6 +16,21 @@ keep it), else the call's HTTP/2 connection (``context.peer()``). Pin ids are dr
 ids (:class:`~kvstore.node.backend.LeaseIds`): unguessable, so guessing a neighbour's id gets
 nothing either.
 
+Tenants (docs/security.md, "Tenant isolation"): each handler resolves the tenant its call acts
+for (:func:`resolve_tenant`) on the event loop, before anything runs in the pool (the caller's
+principal is a contextvar the pool's threads do not see), and passes it explicitly to the cache:
+reads see that tenant's chunks and the shared tenant's, writes store chunks as that tenant, and
+remove, pin, inspect, list and evict by prefix touch only chunks it may see (remove and evict:
+only its own). The tenant is the ``kvtier-tenant`` metadata checked against the caller's
+credentials: an engine names one of its tenants, or none when it has exactly one; an operator
+or peer of every tenant that names none acts for every tenant (reads; writes are the default
+tenant's); writing the shared tenant needs ``shared_writer``; a name the credentials do not
+allow is PERMISSION_DENIED. Without security configured (the ``INSECURE`` principal) the
+metadata is taken as given, and a call naming none acts for the default tenant, except the admin
+calls (ls, inspect, pin, remove, evict, snapshot), which see every tenant. Evict by bytes and
+Subscribe act on every tenant, so a call scoped to one is refused; a scoped Snapshot lists only
+what that tenant may see.
+
 Bad input: every TTL is 0 (the default) or finite, > 0 and at most ``server.max_ttl_s``;
 every key field is checked (``check_key``) before use; an undecodable request is
 INVALID_ARGUMENT (:func:`kvstore.wire.service_handler`); error messages show at most a short
@@ -30,7 +45,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import grpc
 
@@ -40,6 +55,7 @@ from kvstore.dataplane.tier import MAX_KEY_BYTES, ChunkKey, TierKind, check_key
 from kvstore.errors import (
     ChunkNotFound,
     InvalidArgument,
+    InvariantViolation,
     KvtierError,
     PermissionDenied,
     TierUnavailable,
@@ -219,12 +235,17 @@ def event_to_pb(event: ChunkEvent, epoch: str) -> pb.ChunkEvent:
                          size_bytes=event.size_bytes, parent=event.parent or b"")
 
 
+async def _abort(context: Any, exc: KvtierError) -> NoReturn:
+    """End a streaming call (not wrapped by ``_rpc``) with ``exc``'s status."""
+    await context.abort(getattr(grpc.StatusCode, grpc_code_name(exc)), str(exc),
+                        trailing_metadata=((ERROR_METADATA_KEY, error_name(exc)),))
+    raise InvariantViolation("context.abort returned")
+
+
 async def _refuse_undecodable(request: Any, context: Any) -> None:
     """For the streaming methods (not wrapped by ``_rpc``)."""
     if isinstance(request, UndecodableRequest):
-        exc = undecodable_error(request)
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc),
-                            trailing_metadata=((ERROR_METADATA_KEY, error_name(exc)),))
+        await _abort(context, undecodable_error(request))
 
 
 @dataclass(slots=True)
@@ -399,27 +420,29 @@ class StoreService(pb_grpc.StoreServicer):
         return pb.ExistsResponse(exists=[e is not None for e in entries],
                                  size_bytes=[-1 if e is None else e.size_bytes for e in entries])
 
-    def _remove_one(self, key: bytes) -> pb.RemoveResponse:
+    def _remove_one(self, key: bytes, tenant: str | None) -> pb.RemoveResponse:
         try:
-            removed = self._cache.remove(check_key(key))
+            removed = self._cache.remove(check_key(key), tenant)
         except ChunkNotFound:
             return pb.RemoveResponse(found=False)
         return pb.RemoveResponse(found=True, removed=removed)
 
     @_rpc
     async def Remove(self, request: pb.RemoveRequest, context: Any) -> pb.RemoveResponse:
-        return await self._blocking(self._remove_one, request.key)
+        return await self._blocking(self._remove_one, request.key,
+                                    self._tenant(context, admin=True))
 
     @_rpc
     async def BatchRemove(self, request: pb.BatchRemoveRequest, context: Any
                           ) -> pb.BatchRemoveResponse:
-        items = await self._blocking(lambda: [self._remove_one(k) for k in request.keys])
+        tenant = self._tenant(context, admin=True)
+        items = await self._blocking(lambda: [self._remove_one(k, tenant) for k in request.keys])
         return pb.BatchRemoveResponse(items=items)
 
     @_rpc
     async def Inspect(self, request: pb.InspectRequest, context: Any) -> pb.ChunkEntry:
         key = check_key(request.key)
-        entry = self._cache.entry(key)
+        entry = self._cache.entry(key, self._tenant(context, admin=True))
         if entry is None:
             raise ChunkNotFound(key, f"node {self._daemon.config.node_id}")
         return entry_to_pb(entry, self._daemon.index_clock())
@@ -431,14 +454,16 @@ class StoreService(pb_grpc.StoreServicer):
         if limit < 0:
             raise InvalidArgument(f"limit must be >= 0, got {limit}")
         entries, truncated = await self._blocking(
-            self._daemon.list_entries, _check_prefix(request.key_prefix), tier, limit)
+            self._daemon.list_entries, _check_prefix(request.key_prefix), tier, limit,
+            self._tenant(context, admin=True))
         now = self._daemon.index_clock()
         return pb.ListResponse(entries=[entry_to_pb(e, now) for e in entries],
                                truncated=truncated)
 
     # --- pins -------------------------------------------------------------------------------
 
-    def _pin(self, request: pb.PinRequest, owner: tuple[str, str]) -> pb.PinResponse:
+    def _pin(self, request: pb.PinRequest, owner: tuple[str, str],
+             tenant: str | None) -> pb.PinResponse:
         if not request.keys:
             raise InvalidArgument("pin needs at least one key")
         ttl = self._ttl(request.ttl_s, self._daemon.config.cache.lease_ttl_s)
@@ -446,7 +471,7 @@ class StoreService(pb_grpc.StoreServicer):
         budget = self._daemon.leases.budget
         budget.take()
         try:
-            lease = self._cache.pin(keys, ttl)
+            lease = self._cache.pin(keys, ttl, tenant)
         except BaseException:
             budget.give()
             raise
@@ -467,15 +492,16 @@ class StoreService(pb_grpc.StoreServicer):
 
     @_rpc
     async def Pin(self, request: pb.PinRequest, context: Any) -> pb.PinResponse:
-        return self._pin(request, session_of(context))
+        return self._pin(request, session_of(context), self._tenant(context, admin=True))
 
     @_rpc
     async def BatchPin(self, request: pb.BatchPinRequest, context: Any) -> pb.BatchPinResponse:
         owner = session_of(context)
+        tenant = self._tenant(context, admin=True)
         items: list[pb.PinResponse] = []
         try:
             for item in request.items:
-                items.append(self._pin(item, owner))
+                items.append(self._pin(item, owner, tenant))
         except BaseException:
             for done in items:  # all or nothing: the caller never learns these ids
                 self._unpin(done.lease_id, owner)
@@ -500,15 +526,21 @@ class StoreService(pb_grpc.StoreServicer):
 
     @_rpc
     async def Evict(self, request: pb.EvictRequest, context: Any) -> pb.EvictResponse:
+        tenant = self._tenant(context, admin=True)
         if request.key_prefix:
             if request.bytes:
                 raise InvalidArgument("evict by key prefix or by bytes, not both")
             tier = tier_from_pb(request.tier, required=False)
             removed, busy, freed = await self._blocking(
-                self._daemon.evict_prefix, _check_prefix(request.key_prefix), tier)
+                self._daemon.evict_prefix, _check_prefix(request.key_prefix), tier, tenant)
             return pb.EvictResponse(freed_bytes=freed, removed_chunks=removed, busy_chunks=busy)
         if request.bytes <= 0:
             raise InvalidArgument("evict needs bytes > 0 with a tier, or a key prefix")
+        if tenant is not None:
+            raise PermissionDenied(f"evict by bytes frees space of every tenant: it needs an "
+                                   f"operator of every tenant and no {TENANT_METADATA_KEY} "
+                                   f"(this call acts for tenant {tenant!r}); evict by key "
+                                   "prefix instead")
         tier = tier_from_pb(request.tier)
         assert tier is not None
         freed = await self._blocking(self._cache.evict, tier, request.bytes)
@@ -528,7 +560,8 @@ class StoreService(pb_grpc.StoreServicer):
         ttl = self._ttl(request.ttl_s, self._daemon.config.cache.lease_ttl_s)
         lease_id, ranges = await self._blocking(
             functools.partial(self._daemon.leases.acquire_read, _check_keys(request.keys), ttl,
-                              prefix=request.prefix, owner=session_of(context)))
+                              prefix=request.prefix, owner=session_of(context),
+                              tenant=self._tenant(context)))
         return pb.AcquireReadResponse(lease_id=lease_id, chunks=[
             pb.ChunkLocation(offset=r.offset, size_bytes=r.size_bytes) for r in ranges])
 
@@ -545,7 +578,7 @@ class StoreService(pb_grpc.StoreServicer):
         parent = _check_field(request.parent, "parent") if request.parent else None
         lease_id, offset = await self._blocking(functools.partial(
             self._daemon.leases.reserve, key, int(request.size_bytes), ttl,
-            parent=parent, owner=session_of(context)))
+            parent=parent, owner=session_of(context), tenant=self._write_tenant(context)))
         return pb.ReserveResponse(lease_id=lease_id, offset=offset)
 
     @_rpc
@@ -575,6 +608,14 @@ class StoreService(pb_grpc.StoreServicer):
     async def Subscribe(self, request: pb.SubscribeRequest, context: Any
                         ) -> AsyncIterator[pb.ChunkEvent]:
         await _refuse_undecodable(request, context)
+        try:
+            tenant = self._tenant(context, admin=True)
+            if tenant is not None:
+                raise PermissionDenied(f"Subscribe streams the chunk events of every tenant: it "
+                                       f"needs a caller of every tenant and no "
+                                       f"{TENANT_METADATA_KEY} (this call acts for {tenant!r})")
+        except KvtierError as exc:
+            await _abort(context, exc)
         events = self._daemon.events
         epoch = events.epoch
         after = int(request.from_seq)
@@ -599,8 +640,12 @@ class StoreService(pb_grpc.StoreServicer):
         page = request.page_entries or DEFAULT_SNAPSHOT_PAGE
         if page < 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "page_entries must be >= 1")
+        try:
+            tenant = self._tenant(context, admin=True)
+        except KvtierError as exc:
+            await _abort(context, exc)
         epoch, seq = self._daemon.events.epoch, self._daemon.events.last_seq
-        entries, _ = await self._blocking(self._daemon.list_entries, b"", None, 0)
+        entries, _ = await self._blocking(self._daemon.list_entries, b"", None, 0, tenant)
         now = self._daemon.index_clock()
         if not entries:
             yield pb.SnapshotPage(epoch=epoch, seq=seq, last=True)

@@ -22,6 +22,7 @@ import pytest
 from kvstore._proto.kvtier.v1 import store_pb2 as pb
 from kvstore.client.daemon_control import DaemonControl, open_channel, translate_rpc_error
 from kvstore.client.store_config import StoreClientConfig
+from kvstore.dataplane.tier import TierKind
 from kvstore.errors import ChunkNotFound, InvalidArgument, KvtierError, PermissionDenied
 from kvstore.node.index import SHARED_TENANT
 from kvstore.security.config import ClientSecurity
@@ -275,6 +276,176 @@ def test_lookup_own_tenant_and_refusals(world: World) -> None:
         bob, "Lookup", pb.LookupRequest(keys=ALICE), ((TENANT_METADATA_KEY, "mallory"),)))
     _no_new_leaks(leaks)
     assert world["op"].lookup(ALICE).length == N_CHAIN
+
+
+# --- list -------------------------------------------------------------------------------------
+
+
+def _keys(reply: pb.ListResponse) -> list[bytes]:
+    return [bytes(e.key) for e in reply.entries]
+
+
+def _none_of_alices(keys: list[bytes]) -> bool:
+    return not set(keys) & set(ALICE)
+
+
+def test_list_own_tenant_and_refusals(world: World) -> None:
+    admin = world["alice-admin"]
+    assert _keys(admin.list_chunks(ALICE_PREFIX)) == sorted(ALICE)
+    everything = set(_keys(admin.list_chunks()))
+    assert set(ALICE) <= everything and SHARED_KEY in everything and BOB_KEY not in everything
+    leaks = len(TALLY.leaks)
+    TALLY.attack("bob (engine) list", lambda: world["bob"].list_chunks(ALICE_PREFIX))
+    for name in ("bob-admin", "op-as-bob"):
+        for prefix in (ALICE_PREFIX, b""):
+            TALLY.attack(f"{name} list {prefix!r}",
+                         lambda name=name, prefix=prefix: _keys(
+                             world[name].list_chunks(prefix)), absent=_none_of_alices)
+    TALLY.attack("bob-admin list as alice", lambda: world["bob-admin-as-alice"].list_chunks())
+    TALLY.attack("bob-admin list, raw metadata alice", lambda: _raw(
+        world["bob-admin"], "List", pb.ListRequest(), ((TENANT_METADATA_KEY, "alice"),)))
+    _no_new_leaks(leaks)
+    assert set(ALICE) | {BOB_KEY, SHARED_KEY} <= set(_keys(world["op"].list_chunks()))
+
+
+# --- inspect ----------------------------------------------------------------------------------
+
+
+def test_inspect_own_tenant_and_refusals(world: World) -> None:
+    entry = world["alice-admin"].inspect(ALICE[1])
+    assert bytes(entry.key) == ALICE[1] and bytes(entry.parent) == ALICE[0]
+    assert entry.size_bytes == VALUE_BYTES
+    leaks = len(TALLY.leaks)
+    for key in ALICE:
+        for name in ("bob", "bob-admin", "op-as-bob", "bob-admin-as-alice"):
+            TALLY.attack(f"{name} inspect", lambda name=name, key=key: world[name].inspect(key))
+        TALLY.attack("bob-admin inspect, raw metadata alice", lambda key=key: _raw(
+            world["bob-admin"], "Inspect", pb.InspectRequest(key=key),
+            ((TENANT_METADATA_KEY, "alice"),)))
+    _no_new_leaks(leaks)
+    assert world["op"].inspect(ALICE[0]).size_bytes == VALUE_BYTES
+
+
+# --- pin --------------------------------------------------------------------------------------
+
+
+def test_pin_own_tenant_and_refusals(world: World) -> None:
+    admin = world["alice-admin"]
+    lease = admin.pin(ALICE)
+    assert lease != 0 and admin.inspect(ALICE[0]).pinned
+    assert admin.unpin(lease)
+    leaks = len(TALLY.leaks)
+    for key in ALICE:
+        for name in ("bob", "bob-admin", "op-as-bob", "bob-admin-as-alice"):
+            TALLY.attack(f"{name} pin", lambda name=name, key=key: world[name].pin([key]))
+    TALLY.attack("bob-admin batch pin", lambda: world["bob-admin"].call(
+        "BatchPin", pb.BatchPinRequest(items=[pb.PinRequest(keys=[k]) for k in ALICE])))
+    TALLY.attack("bob-admin pin with its own chunk", lambda: world["bob-admin"].pin(
+        [BOB_KEY, ALICE[0]]))
+    _no_new_leaks(leaks)
+    assert not any(world["op"].inspect(k).pinned for k in ALICE)
+    assert world["bob-admin"].unpin(world["bob-admin"].pin([BOB_KEY, SHARED_KEY]))
+
+
+# --- evict ------------------------------------------------------------------------------------
+
+
+def test_evict_own_tenant_and_refusals(world: World) -> None:
+    leaks = len(TALLY.leaks)
+    TALLY.attack("bob (engine) evict", lambda: world["bob"].evict(key_prefix=ALICE_PREFIX))
+    for name in ("bob-admin", "op-as-bob"):
+        for prefix in (ALICE_PREFIX, ALICE[0], ALICE[-1]):
+            TALLY.attack(f"{name} evict prefix", lambda name=name, prefix=prefix: world[name].evict(
+                key_prefix=prefix).removed_chunks, absent=lambda n: n == 0)
+        TALLY.attack(f"{name} evict by bytes", lambda name=name: world[name].evict(
+            tier=TierKind.DRAM, bytes_=1 << 30))
+    TALLY.attack("bob-admin evict as alice",
+                 lambda: world["bob-admin-as-alice"].evict(key_prefix=ALICE_PREFIX))
+    TALLY.attack("alice-admin evict by bytes", lambda: world["alice-admin"].evict(
+        tier=TierKind.DRAM, bytes_=1 << 30))
+    _no_new_leaks(leaks)
+    assert world["alice"].lookup(ALICE).length == N_CHAIN
+    # Alice's operator evicts her own spare chunk; the shared chunk is not hers to evict.
+    spare = ALICE_SPARE[1]
+    assert world["alice-admin"].evict(key_prefix=spare).removed_chunks == 1
+    assert world["alice"].lookup([spare]).length == 0
+    assert world["alice-admin"].evict(key_prefix=SHARED_KEY).removed_chunks == 0
+    assert world["bob"].lookup([SHARED_KEY]).length == 1
+
+
+# --- remove -----------------------------------------------------------------------------------
+
+
+def test_remove_own_tenant_and_refusals(world: World) -> None:
+    leaks = len(TALLY.leaks)
+    for key in ALICE:
+        TALLY.attack("bob (engine) remove", lambda key=key: world["bob"].remove(key))
+        for name in ("bob-admin", "op-as-bob"):
+            TALLY.attack(f"{name} remove", lambda name=name, key=key: world[name].remove(key),
+                         absent=lambda removed: removed == [])
+        TALLY.attack("bob-admin remove as alice",
+                     lambda key=key: world["bob-admin-as-alice"].remove(key))
+    TALLY.attack("bob-admin batch remove", lambda: [list(i.removed) for i in world[
+        "bob-admin"].call("BatchRemove", pb.BatchRemoveRequest(keys=ALICE)).items],
+        absent=lambda items: items == [[]] * N_CHAIN)
+    TALLY.attack("bob-admin remove the shared chunk", lambda: world["bob-admin"].remove(
+        SHARED_KEY), absent=lambda removed: removed == [])
+    _no_new_leaks(leaks)
+    assert world["alice-admin"].remove(ALICE_SPARE[0]) == [ALICE_SPARE[0]]
+    assert world["alice"].lookup([ALICE_SPARE[0]]).length == 0
+    assert world["alice"].lookup(ALICE).length == N_CHAIN
+
+
+# --- same-host lease calls over gRPC, events ----------------------------------------------------
+
+
+def test_grpc_leases_own_tenant_and_refusals(world: World) -> None:
+    alice, bob = world["alice"], world["bob"]
+    read = alice.call("AcquireRead", pb.AcquireReadRequest(keys=ALICE))
+    assert read.lease_id != 0 and [c.size_bytes for c in read.chunks] == [VALUE_BYTES] * N_CHAIN
+    assert alice.call("Release", pb.ReleaseRequest(lease_id=read.lease_id)).released
+    new = _key(0xA4, 0)
+    slot = alice.call("Reserve", pb.ReserveRequest(key=new, size_bytes=64, parent=ALICE[-1]))
+    alice.call("Commit", pb.CommitRequest(lease_id=slot.lease_id))
+    assert alice.lookup([*ALICE, new]).length == N_CHAIN + 1
+    leaks = len(TALLY.leaks)
+    TALLY.attack("bob acquire_read", lambda: bob.call(
+        "AcquireRead", pb.AcquireReadRequest(keys=ALICE)))
+    TALLY.attack("bob acquire_read prefix", lambda: bob.call(
+        "AcquireRead", pb.AcquireReadRequest(keys=ALICE, prefix=True)).lease_id,
+        absent=lambda lease_id: lease_id == 0)
+    TALLY.attack("bob acquire_read as alice", lambda: world["bob-as-alice"].call(
+        "AcquireRead", pb.AcquireReadRequest(keys=ALICE)))
+    TALLY.attack("bob reserve over alice's key", lambda: bob.call(
+        "Reserve", pb.ReserveRequest(key=ALICE[0], size_bytes=64)))
+    TALLY.attack("bob reserve under alice's chunk", lambda: bob.call(
+        "Reserve", pb.ReserveRequest(key=_key(0xB5, 0), size_bytes=64, parent=ALICE[0])))
+    TALLY.attack("bob reserve in the shared tenant", lambda: world["bob-shared"].call(
+        "Reserve", pb.ReserveRequest(key=_key(0xB5, 1), size_bytes=64)))
+    TALLY.attack("bob lookup of alice's committed chunk", lambda: bob.lookup([new]).length,
+                 absent=lambda n: n == 0)
+    _no_new_leaks(leaks)
+    assert world["op"].list_chunks(b"\xb5").entries == []
+
+
+def test_events_and_snapshot_scoping(world: World) -> None:
+    op = world["op"]
+    _epoch, _seq, everything = op.snapshot()
+    assert set(ALICE) <= {bytes(e.key) for e in everything}
+    events = op.subscribe(timeout_s=10.0)
+    try:
+        assert next(events).kind == pb.EVENT_STORED
+    finally:
+        events.close()
+    leaks = len(TALLY.leaks)
+    TALLY.attack("operator scoped to bob snapshot",
+                 lambda: [bytes(e.key) for e in world["op-as-bob"].snapshot()[2]],
+                 absent=_none_of_alices)
+    TALLY.attack("bob-admin snapshot as alice", lambda: world["bob-admin-as-alice"].snapshot())
+    TALLY.attack("operator scoped to bob subscribe",
+                 lambda: next(world["op-as-bob"].subscribe(timeout_s=10.0)))
+    TALLY.attack("bob (engine) snapshot", lambda: world["bob"].snapshot())
+    _no_new_leaks(leaks)
 
 
 # --- after every attack -----------------------------------------------------------------------
