@@ -236,3 +236,18 @@ def chaos(
         raise typer.Exit(2) from exc
     if not all(row.clean for row in rows):
         raise typer.Exit(1)
+
+
+@app.command("routing")
+def routing(
+    quick: bool = typer.Option(False, "--quick", help="100 decisions per row instead of 300."),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write the results as JSON here."),
+) -> None:
+    """The front door's routing decision (hashing, Schedule RPC, whole decision) for prompts of
+    100-4,000 tokens against a real conductor, etcd and daemon, beside a bare gRPC round trip."""
+    from bench import routing as bench_routing
+
+    argv = (["--quick"] if quick else []) + (["--json", str(json_path)] if json_path else [])
+    code = bench_routing.main(argv)
+    if code:
+        raise typer.Exit(code)
