@@ -48,6 +48,11 @@ for the releases this client sent (one ping per channel) so it never sees its ow
 Lease-free reads are reported late: :meth:`StoreClient.flush_reads` waits until the daemon has
 counted them (``stats`` does it first).
 
+Tenants: ``StoreClientConfig.tenant`` travels as ``kvtier-tenant`` metadata on every gRPC call
+(:mod:`kvstore.client.daemon_control`). The data planes carry no tenant yet: what this client
+puts over shared memory, TCP or UCX belongs to the default tenant, and its data-plane reads are
+not tenant-checked (docs/security.md, "Tenant isolation").
+
 Where the parts live: the gRPC calls in :mod:`kvstore.client.daemon_control`, the choice of the
 data plane and the remote (TCP/UCX) plane in :mod:`kvstore.client.planes`, the config and
 results in :mod:`kvstore.client.store_config`; the shared-memory plane is the data plane's

@@ -448,6 +448,72 @@ def test_events_and_snapshot_scoping(world: World) -> None:
     _no_new_leaks(leaks)
 
 
+# --- the rules, and a daemon without security ------------------------------------------------
+
+
+def test_resolve_tenant_rules() -> None:
+    from kvstore.node.index import DEFAULT_TENANT
+    from kvstore.node.service import resolve_tenant
+    from kvstore.security.identity import INSECURE, Principal
+
+    one = Principal("engine/a", Role.ENGINE, frozenset({"a"}))
+    two = Principal("engine/ab", Role.ENGINE, frozenset({"a", "b"}))
+    star = Principal("engine/star", Role.ENGINE, None)
+    op = Principal("operator/o", Role.OPERATOR, None)
+    scoped_op = Principal("operator/a", Role.OPERATOR, frozenset({"a"}))
+    writer = Principal("engine/sys", Role.ENGINE, frozenset({"a"}), shared_writer=True)
+    assert resolve_tenant(one, None) == "a" and resolve_tenant(one, "a", write=True) == "a"
+    assert resolve_tenant(two, "b") == "b" and resolve_tenant(star, "zed") == "zed"
+    assert resolve_tenant(op, None) is None and resolve_tenant(op, None, admin=True) is None
+    assert resolve_tenant(op, None, write=True) == DEFAULT_TENANT
+    assert resolve_tenant(op, "a") == "a" and resolve_tenant(scoped_op, None) == "a"
+    assert resolve_tenant(writer, SHARED_TENANT, write=True) == SHARED_TENANT
+    assert resolve_tenant(INSECURE, None) == DEFAULT_TENANT
+    assert resolve_tenant(INSECURE, None, admin=True) is None
+    assert resolve_tenant(INSECURE, "x", admin=True) == "x"
+    for principal, requested, write, match in [
+            (one, "b", False, "may not act for tenant 'b'"),
+            (two, None, False, "must name one"),
+            (star, None, False, "must name one"),
+            (scoped_op, "b", False, "may not act for tenant 'b'"),
+            (one, SHARED_TENANT, False, "may not act for tenant"),
+            (Principal("engine/s", Role.ENGINE, frozenset({SHARED_TENANT})), None, True,
+             "shared_writer")]:
+        with pytest.raises(PermissionDenied, match=match):
+            resolve_tenant(principal, requested, write=write)
+
+
+def test_daemon_without_security_scopes_by_the_named_tenant(tmp_path: Path) -> None:
+    """No security config: the metadata is taken as given (there is nothing to check it
+    against), a call naming none is the default tenant's, and admin calls see every tenant."""
+    daemon = DaemonProcess(tmp_path, "open", nvme=False, settings={"server.shm_channel": "false"})
+    daemon.start()
+    clients: list[DaemonControl] = []
+    try:
+        def control(tenant: str | None) -> DaemonControl:
+            cfg = StoreClientConfig(rpc_timeout_s=10.0, security=ClientSecurity(), tenant=tenant)
+            channel, info = open_channel(daemon.grpc_address, cfg)
+            clients.append(DaemonControl(daemon.grpc_address, info, channel, cfg))
+            return clients[-1]
+
+        plain, t1 = control(None), control("t1")
+        k_plain, k_t1 = _key(0xC0, 0), _key(0xC1, 0)
+        _put(plain, k_plain, b"p" * 64)
+        _put(t1, k_t1, b"t" * 64)
+        assert _get(plain, k_plain) == b"p" * 64 and _get(t1, k_t1) == b"t" * 64
+        assert _get(plain, k_t1) is None and _get(t1, k_plain) is None
+        assert plain.lookup([k_t1]).length == 0
+        with pytest.raises(PermissionDenied, match="another tenant"):
+            _put(plain, k_t1, b"x" * 64)
+        assert {k_plain, k_t1} <= set(_keys(plain.list_chunks()))
+        assert _keys(t1.list_chunks()) == [k_t1]
+        assert _get(t1, k_t1) == b"t" * 64
+    finally:
+        for c in clients:
+            c.close()
+        daemon.stop()
+
+
 # --- after every attack -----------------------------------------------------------------------
 
 
@@ -466,3 +532,4 @@ def test_zz_alices_chunks_read_back_after_every_attack(
         print("\n" + line)
     assert TALLY.leaks == [] and TALLY.lost == 0, TALLY
     assert TALLY.attempts == TALLY.refused + TALLY.absent
+
