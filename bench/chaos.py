@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from kvstore.cluster.chaos_check import (
+    TIMEOUT_SLACK_S,
     Fault,
     History,
     Invariant,
@@ -77,6 +78,7 @@ from kvstore.cluster.chaos_check import (
     digest,
     durable_unverified,
     fault_stats,
+    longest_stall,
 )
 from kvstore.cluster.netns import Host, NetnsLab, unavailable_reason
 from kvstore.errors import ChunkNotFound, ConfigError, KvtierError, PeerUnavailable
@@ -91,9 +93,17 @@ GRPC_PORT = 50051
 TCP_PORT = 50052
 PREFIX = "/kvtier/"
 LEASE_TTL_S = 2
+REQUEST_TIMEOUT_S = 2.0
+"""The load's clients' ``rpc_timeout_s``: the bound the history checks every request against."""
+MAX_STALL_S = REQUEST_TIMEOUT_S + TIMEOUT_SLACK_S
+"""Longest a fault may leave the whole load without an answer: a request that needs the
+faulted node gives up within its timeout, and the load moves on to the others."""
 DAEMON_READY = "KVTIER-DAEMON-READY "
 LOADGEN_READY = "KVTIER-LOADGEN-READY"
 LOADGEN_DONE = "KVTIER-LOADGEN-DONE "
+LOADGEN_REJOINED = "KVTIER-LOADGEN-REJOINED "
+"""The load generator saw a node register again after its lease had expired."""
+REJOIN_TIMEOUT_S = 30.0
 FAULTED_HOST = 1
 """The host faults hit (the load generator watches membership through ``h0``'s etcd member)."""
 
@@ -130,13 +140,17 @@ class FaultRow:
     detect_s: float | None
     recover_s: float | None
     leaks: int
+    over_timeout: int = 0
+    """Puts and gets that took longer than ``REQUEST_TIMEOUT_S`` + 1 s."""
+    longest_stall_s: float = 0.0
+    """Longest span of the fault window with no request answered."""
     other_violations: list[str] = field(default_factory=list)
     records: int = 0
 
     @property
     def clean(self) -> bool:
         return (self.wrong_reads == 0 and self.durable_lost == 0 and self.leaks == 0
-                and not self.other_violations)
+                and self.over_timeout == 0 and not self.other_violations)
 
 
 # --- processes with a ready line ------------------------------------------------------------
@@ -352,7 +366,30 @@ def _kill_daemon(cluster: ChaosCluster) -> _Injected:
                      [Restart(f"node-{host.name}", down, up)])
 
 
-FAULTS: dict[str, Callable[[ChaosCluster], _Injected]] = {"kill-daemon": _kill_daemon}
+def _stop_daemon(cluster: ChaosCluster) -> _Injected:
+    host = cluster.lab.hosts[FAULTED_HOST]
+    child = cluster.daemons[host.name]
+    start = time.monotonic()
+    child.proc.send_signal(signal.SIGSTOP)  # the daemon itself: setpriv and ip exec'd it
+    time.sleep(cluster.spec.down_s)
+    child.proc.send_signal(signal.SIGCONT)
+    return _Injected(Fault("sigstop-daemon", f"node-{host.name}", start, time.monotonic()))
+
+
+def _partition_host(cluster: ChaosCluster) -> _Injected:
+    host = cluster.lab.hosts[FAULTED_HOST]
+    start = time.monotonic()
+    cluster.lab.partition(host)
+    # Longer than the others: if the host held etcd's leadership, the majority first elects a
+    # new leader (which extends every lease by its TTL) before the host's lease can expire.
+    time.sleep(cluster.spec.down_s + 2 * LEASE_TTL_S)
+    cluster.lab.heal(host)
+    return _Injected(Fault("partition-host", f"node-{host.name}", start, time.monotonic()))
+
+
+FAULTS: dict[str, Callable[[ChaosCluster], _Injected]] = {
+    "kill-daemon": _kill_daemon, "sigstop-daemon": _stop_daemon,
+    "partition-host": _partition_host}
 
 
 def run_fault(name: str, *, spec: ChaosSpec | None = None,
@@ -374,6 +411,10 @@ def run_fault(name: str, *, spec: ChaosSpec | None = None,
         load = cluster.start_loadgen(history_path)
         time.sleep(spec.warmup_s)
         injected = FAULTS[name](cluster)
+        # Recovery is measured, not assumed: wait (bounded) until the load sees the node back.
+        with contextlib.suppress(ConfigError):  # never left, or never back: the row says so
+            while load.wait_line(LOADGEN_REJOINED, REJOIN_TIMEOUT_S) != injected.fault.node:
+                pass
         time.sleep(spec.after_s)
         assert load.proc.stdin is not None
         load.proc.stdin.write("stop\n")
@@ -407,7 +448,7 @@ def read_history(path: Path) -> History:
 
 
 def _row(history: History, fault: Fault, summary: dict[str, Any]) -> FaultRow:
-    violations = check(history)
+    violations = check(history, max_stall_s=MAX_STALL_S, request_timeout_s=REQUEST_TIMEOUT_S)
     [stats] = [s for s in fault_stats(history) if s.fault == fault.name]
 
     def count(inv: Invariant) -> int:
@@ -423,15 +464,26 @@ def _row(history: History, fault: Fault, summary: dict[str, Any]) -> FaultRow:
               and r.start_s >= fault.end_s]
     recover = (max(min(rejoined), min(served)) - fault.start_s) if rejoined and served else None
     others = [f"{v.invariant.value}: {v.message}" for v in violations
-              if v.invariant not in (Invariant.WRONG_READ, Invariant.DURABLE_LOST)]
+              if v.invariant not in (Invariant.WRONG_READ, Invariant.DURABLE_LOST,
+                                     Invariant.OVER_TIMEOUT)]
     leaks = sum(int(n) for per_node in summary.get("leaks", {}).values()
                 for n in per_node.values())
     return FaultRow(fault.name, stats.attempted, stats.completed, stats.failed,
                     count(Invariant.WRONG_READ), count(Invariant.DURABLE_LOST),
-                    durable_unverified(history), detect, recover, leaks, others)
+                    durable_unverified(history), detect, recover, leaks,
+                    count(Invariant.OVER_TIMEOUT), longest_stall(history.records, fault)[0],
+                    others)
 
 
 # --- the load generator (runs in the observer namespace) -------------------------------------
+
+
+_PRINT_LOCK = threading.Lock()
+
+
+def _say(line: str) -> None:
+    with _PRINT_LOCK:
+        print(line, flush=True)
 
 
 class _Membership:
@@ -472,6 +524,7 @@ class _Membership:
                             since = self._open_gaps.pop(event.node_id, None)
                             if since is not None:
                                 self.gaps.append(LeaseGap(event.node_id, since, now))
+                                _say(LOADGEN_REJOINED + event.node_id)
 
         self._loop = asyncio.new_event_loop()
         try:
@@ -519,7 +572,7 @@ class _Clients:
         if record is None:
             raise PeerUnavailable(f"{node} is not in the membership (its lease expired)")
         client = StoreClient.connect(record.grpc_address, StoreClientConfig(
-            data_plane=DataPlane.TCP, rpc_timeout_s=2.0, tcp_connections=1))
+            data_plane=DataPlane.TCP, rpc_timeout_s=REQUEST_TIMEOUT_S, tcp_connections=1))
         with self.lock:
             if node in self.clients:
                 client.close()
@@ -626,7 +679,7 @@ class _Load:
         out: dict[str, dict[str, int]] = {}
         for node, record in sorted(self.membership.snapshot().items()):
             with StoreClient.connect(record.grpc_address, StoreClientConfig(
-                    data_plane=DataPlane.TCP, rpc_timeout_s=2.0)) as control:
+                    data_plane=DataPlane.TCP, rpc_timeout_s=REQUEST_TIMEOUT_S)) as control:
                 deadline = time.monotonic() + 5.0
                 while True:
                     stats = control.stats()
@@ -651,7 +704,7 @@ class _Load:
                                     daemon=True) for w in range(int(self.config["workers"]))]
         for t in threads:
             t.start()
-        print(LOADGEN_READY, flush=True)
+        _say(LOADGEN_READY)
         for line in sys.stdin:
             if line.strip() == "stop":
                 break
@@ -667,8 +720,7 @@ class _Load:
                 f.write(json.dumps({"kind": "record", **r.to_dict()}) + "\n")
             for g in self.membership.all_gaps():
                 f.write(json.dumps({"kind": "gap", **asdict(g)}) + "\n")
-        print(LOADGEN_DONE + json.dumps({"records": len(self.records), "leaks": leaks}),
-              flush=True)
+        _say(LOADGEN_DONE + json.dumps({"records": len(self.records), "leaks": leaks}))
 
 
 # --- report ---------------------------------------------------------------------------------
@@ -680,10 +732,11 @@ def _fmt_s(v: float | None) -> str:
 
 def print_table(rows: list[FaultRow], out: IO[str] = sys.stdout) -> None:
     head = ("fault", "attempted", "completed", "failed", "wrong reads", "durable lost",
-            "unverified", "detect s", "recover s", "leaks")
+            "unverified", "detect s", "recover s", "leaks", "over timeout", "stall s")
     lines = [head] + [(r.fault, str(r.attempted), str(r.completed), str(r.failed),
                        str(r.wrong_reads), str(r.durable_lost), str(r.durable_unverified),
-                       _fmt_s(r.detect_s), _fmt_s(r.recover_s), str(r.leaks)) for r in rows]
+                       _fmt_s(r.detect_s), _fmt_s(r.recover_s), str(r.leaks), str(r.over_timeout),
+                       _fmt_s(r.longest_stall_s)) for r in rows]
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     for line in lines:
         print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
@@ -691,8 +744,9 @@ def print_table(rows: list[FaultRow], out: IO[str] = sys.stdout) -> None:
     for r in rows:
         for v in r.other_violations:
             print(f"{r.fault}: VIOLATION {v}", file=out)
-    print("goals: wrong reads 0, durable lost 0, leaks 0; detect within the 2 s lease TTL "
-          "plus etcd's expiry check", file=out)
+    print(f"goals: wrong reads 0, durable lost 0, leaks 0, over timeout 0 (requests "
+          f"{REQUEST_TIMEOUT_S} s + {TIMEOUT_SLACK_S} s), stall <= {MAX_STALL_S} s; detect "
+          f"about the {LEASE_TTL_S} s lease TTL", file=out)
 
 
 def main(json_path: Path | None, quick: bool, faults: list[str] | None = None

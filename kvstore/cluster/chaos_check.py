@@ -25,7 +25,11 @@ Invariants (one :class:`Invariant` each)
   again (:class:`LeaseGap`).
 * **one leader per epoch**: ``LEASE`` records (a conductor acting as leader in an epoch) name
   at most one node per epoch.
-* **progress**: at least one request started during each fault window completed OK.
+* **progress**: at least one request started during each fault window was answered; with
+  ``max_stall_s``, also no span longer than that inside the window without an answer (a
+  stalled node must not stall the requests that do not need it).
+* **bounded waits** (with ``request_timeout_s``): no put or get took longer than the
+  client's configured timeout plus one second.
 
 Times are seconds on one monotonic clock (``time.monotonic()`` is shared by every process
 of one machine, network namespaces included).
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import itertools
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -45,7 +50,7 @@ from kvstore.errors import InvalidArgument
 
 __all__ = ["Fault", "FaultStats", "History", "Invariant", "LeaseGap", "Op", "Record", "Restart",
            "Result", "Violation", "check", "chunk_value", "digest", "durable_unverified",
-           "expected_digest", "fault_stats"]
+           "expected_digest", "fault_stats", "longest_stall"]
 
 
 class Op(enum.Enum):
@@ -70,6 +75,10 @@ class Invariant(enum.Enum):
     PLACEMENT_AFTER_EXPIRY = "placement_after_expiry"
     TWO_LEADERS = "two_leaders"
     NO_PROGRESS = "no_progress"
+    OVER_TIMEOUT = "over_timeout"
+
+TIMEOUT_SLACK_S = 1.0
+"""A request may end this long after its timeout (the issue's "timeout plus one second")."""
 
 
 def chunk_value(key: str, version: int, size_bytes: int) -> bytes:
@@ -192,18 +201,22 @@ class Violation:
     record: Record | None = None
 
 
-def check(history: History, *, placement_grace_s: float = 0.5,
-          require_progress: bool = True) -> list[Violation]:
+def check(history: History, *, placement_grace_s: float = 0.5, require_progress: bool = True,
+          max_stall_s: float | None = None,
+          request_timeout_s: float | None = None) -> list[Violation]:
     """Every broken invariant of ``history`` (see the module docstring); [] when clean."""
-    if not (math.isfinite(placement_grace_s) and placement_grace_s >= 0):
-        raise InvalidArgument(f"placement_grace_s must be finite and >= 0, got "
-                              f"{placement_grace_s}")
+    for name, value in (("placement_grace_s", placement_grace_s), ("max_stall_s", max_stall_s),
+                        ("request_timeout_s", request_timeout_s)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise InvalidArgument(f"{name} must be finite and >= 0, got {value}")
     out = _wrong_reads(history.records)
     out += _durable_lost(history)
     out += _placements_after_expiry(history.records, history.lease_gaps, placement_grace_s)
     out += _two_leaders(history.records)
     if require_progress:
-        out += _no_progress(history)
+        out += _no_progress(history, max_stall_s)
+    if request_timeout_s is not None:
+        out += _over_timeout(history.records, request_timeout_s)
     return out
 
 
@@ -290,7 +303,7 @@ def _two_leaders(records: Sequence[Record]) -> list[Violation]:
             for epoch, nodes in sorted(leaders.items()) if len(nodes) > 1]
 
 
-def _no_progress(history: History) -> list[Violation]:
+def _no_progress(history: History, max_stall_s: float | None) -> list[Violation]:
     out = []
     for fault in history.faults:
         stats = _window_stats(history.records, fault)
@@ -299,7 +312,34 @@ def _no_progress(history: History) -> list[Violation]:
                                  f"fault {fault.name} on {fault.node}: none of {stats.attempted} "
                                  f"requests started in [{fault.start_s:.3f}, {fault.end_s:.3f}] "
                                  f"completed"))
+            continue
+        if max_stall_s is None:
+            continue
+        stall, at = longest_stall(history.records, fault)
+        if stall > max_stall_s:
+            out.append(Violation(Invariant.NO_PROGRESS,
+                                 f"fault {fault.name} on {fault.node}: no request answered for "
+                                 f"{stall:.3f} s from {at:.3f} (at most {max_stall_s} s)"))
     return out
+
+
+def longest_stall(records: Sequence[Record], fault: Fault) -> tuple[float, float]:
+    """The longest span inside ``fault``'s window in which no put or get was answered, and
+    when it began."""
+    answers = sorted(r.end_s for r in records
+                     if r.op in (Op.PUT, Op.GET) and r.end_s is not None
+                     and r.result is not Result.ERR and fault.start_s <= r.end_s <= fault.end_s)
+    marks = [fault.start_s, *answers, fault.end_s]
+    return max((b - a, a) for a, b in itertools.pairwise(marks))
+
+
+def _over_timeout(records: Sequence[Record], timeout_s: float) -> list[Violation]:
+    return [Violation(Invariant.OVER_TIMEOUT,
+                      f"{r.op.value} of {r.key!r} on {r.node} at {r.start_s:.3f} took "
+                      f"{r.end_s - r.start_s:.3f} s (timeout {timeout_s} s + "
+                      f"{TIMEOUT_SLACK_S} s)", r)
+            for r in records if r.op in (Op.PUT, Op.GET) and r.end_s is not None
+            and r.end_s - r.start_s > timeout_s + TIMEOUT_SLACK_S]
 
 
 @dataclass(frozen=True, slots=True)

@@ -172,3 +172,24 @@ def test_values_depend_on_key_and_version() -> None:
     assert chunk_value("a", 0, 64) == chunk_value("a", 0, 64)
     assert len({chunk_value("a", 0, 64), chunk_value("a", 1, 64), chunk_value("b", 0, 64)}) == 3
     assert expected_digest("a", 0, 64) == digest(chunk_value("a", 0, 64))
+
+
+def test_a_stall_inside_a_fault_window_is_no_progress() -> None:
+    history = clean()  # answers in [10, 12]: only put d at 10.6; the rest of the window idles
+    assert check(history, max_stall_s=1.5) == []
+    [v] = check(history, max_stall_s=1.0)
+    assert v.invariant is Invariant.NO_PROGRESS and "1.400 s from 10.600" in v.message
+
+
+def test_a_request_that_outlived_its_timeout() -> None:
+    assert check(clean(), request_timeout_s=2.0) == []
+    slow = put("s", "n1", 5.0, 8.5)  # 3.5 s: past 2 s + 1 s
+    history = clean()
+    history.records.append(slow)
+    [v] = check(history, request_timeout_s=2.0)
+    assert v.invariant is Invariant.OVER_TIMEOUT and v.record == slow
+    history = clean()
+    history.records.append(put("s", "n1", 5.0, 7.9))  # within the slack
+    assert check(history, request_timeout_s=2.0) == []
+    with pytest.raises(InvalidArgument, match="request_timeout_s"):
+        check(history, request_timeout_s=float("nan"))
