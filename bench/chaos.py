@@ -28,19 +28,26 @@ The load (``python -m bench.chaos loadgen CONFIG``, in the observer namespace)
     connections and asks each daemon's Stats for connections and leases still open (the
     leaks), then writes the history as JSON lines.
 
-Faults (:data:`FAULTS`)
-    ``kill-daemon``: ``kill -9`` of ``h1``'s daemon; after ``down_s`` (past the 2 s lease) it
-    restarts on the same NVMe directory. The fault window runs from the kill to the restarted
-    daemon's ready line.
+Faults (:data:`FAULTS`), each on ``h1``
+    ``kill-daemon``: ``kill -9`` of the daemon; after ``down_s`` (past the 2 s lease) it
+    restarts on the same NVMe directory; the window runs from the kill to the new daemon's
+    ready line. ``sigstop-daemon``: SIGSTOP for ``down_s``, then SIGCONT (a zombie: its lease
+    expired meanwhile). ``partition-host``: the host's bridge port down for ``down_s`` + 4 s
+    (its etcd member loses quorum too; the extra time covers an etcd leader election, which
+    extends every lease), then up. After the fault the run waits (up to 30 s) until the load
+    generator sees the node registered again, then loads ``after_s`` more.
 
 Row figures
     attempted/completed/failed: data requests started during the fault window (completed:
     answered, hit or miss; failed: an error or no answer); wrong reads and durable chunks lost
-    (:func:`~kvstore.cluster.chaos_check.check`); detect: kill to the LEFT event of the node
-    seen by the load generator; recover: kill to the later of its JOINED event and its first
-    successful request after the restart; leaks: TCP connections and shared-memory leases the
-    daemons still count after the load closed its clients. Times come from one monotonic clock
-    (the namespaces share it).
+    (:func:`~kvstore.cluster.chaos_check.check`); detect: fault start to the LEFT event of the
+    node seen by the load generator; recover: fault start to the later of its JOINED event and
+    its first successful request started after the fault; leaks: TCP connections and
+    shared-memory leases the daemons still count after the load closed its clients; over
+    timeout: requests that took longer than the clients' ``rpc_timeout_s`` (2 s) + 1 s; stall:
+    the longest span of the window with no request answered (at most 3 s: a request that needs
+    the faulted node gives up in time and the load goes on with the others). Times come from
+    one monotonic clock (the namespaces share it).
 """
 
 from __future__ import annotations
