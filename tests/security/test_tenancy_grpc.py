@@ -483,6 +483,13 @@ def test_resolve_tenant_rules() -> None:
             resolve_tenant(principal, requested, write=write)
 
 
+def test_a_bad_tenant_setting_is_refused_before_connecting() -> None:
+    for bad in ("x" * 129, "caf\u00e9", "a\nb"):
+        with pytest.raises(InvalidArgument, match="tenant must be None or at most 128"):
+            StoreClientConfig(tenant=bad)
+    assert StoreClientConfig(tenant="").tenant == ""
+
+
 def test_daemon_without_security_scopes_by_the_named_tenant(tmp_path: Path) -> None:
     """No security config: the metadata is taken as given (there is nothing to check it
     against), a call naming none is the default tenant's, and admin calls see every tenant."""
@@ -526,8 +533,9 @@ def test_zz_alices_chunks_read_back_after_every_attack(
         if _get(alice, key) != world.values[key]:
             TALLY.lost += 1
     assert alice.lookup(ALICE).length == N_CHAIN
-    line = (f"tenancy over gRPC: attempts={TALLY.attempts} refused={TALLY.refused} "
-            f"absent={TALLY.absent} leaked={len(TALLY.leaks)} lost={TALLY.lost}")
+    line = (f"tenancy over gRPC: attempts={TALLY.attempts} "
+            f"refused={TALLY.refused + TALLY.absent} ({TALLY.refused} with an error status, "
+            f"{TALLY.absent} answered as absent) leaked={len(TALLY.leaks)} lost={TALLY.lost}")
     with capsys.disabled():
         print("\n" + line)
     assert TALLY.leaks == [] and TALLY.lost == 0, TALLY
