@@ -490,6 +490,46 @@ def test_a_bad_tenant_setting_is_refused_before_connecting() -> None:
     assert StoreClientConfig(tenant="").tenant == ""
 
 
+def test_certificate_identities_scope_the_same_way(tmp_path: Path) -> None:
+    """mTLS: the tenants come from the client certificate's SAN URI, as from a token."""
+    from tests.security.pki import make_ca
+
+    ca = make_ca()
+    ca_path = ca.write(tmp_path / "ca.crt")
+    server_cert, server_key = ca.issue("daemon", uri="kvtier://peer/daemon").write(tmp_path)
+    daemon = DaemonProcess(tmp_path, "mtls-tenancy", nvme=False, settings={
+        "security.cert_file": str(server_cert), "security.key_file": str(server_key),
+        "security.client_ca_file": str(ca_path), "server.shm_channel": "false"})
+    daemon.start()
+    clients: list[DaemonControl] = []
+    try:
+        def control(uri: str, tenant: str | None = None) -> DaemonControl:
+            cert, key = ca.issue(uri.rsplit("/", 1)[-1], uri=uri).write(tmp_path)
+            cfg = StoreClientConfig(rpc_timeout_s=10.0, tenant=tenant, security=ClientSecurity(
+                ca_file=ca_path, cert_file=cert, key_file=key))
+            channel, info = open_channel(daemon.grpc_address, cfg)
+            clients.append(DaemonControl(daemon.grpc_address, info, channel, cfg))
+            return clients[-1]
+
+        alice = control("kvtier://engine/alice?tenants=alice")
+        bob = control("kvtier://engine/bob?tenants=bob")
+        bob_as_alice = control("kvtier://engine/bob2?tenants=bob", tenant="alice")
+        value = os.urandom(VALUE_BYTES)
+        _put(alice, ALICE[0], value)
+        leaks = len(TALLY.leaks)
+        TALLY.attack("mTLS bob get", lambda: _get(bob, ALICE[0]), absent=lambda v: v is None)
+        TALLY.attack("mTLS bob lookup", lambda: bob.lookup([ALICE[0]]).length,
+                     absent=lambda n: n == 0)
+        TALLY.attack("mTLS bob put over alice's key", lambda: _put(bob, ALICE[0], b"e" * 64))
+        TALLY.attack("mTLS bob get as alice", lambda: _get(bob_as_alice, ALICE[0]))
+        _no_new_leaks(leaks)
+        assert _get(alice, ALICE[0]) == value
+    finally:
+        for c in clients:
+            c.close()
+        daemon.stop()
+
+
 def test_daemon_without_security_scopes_by_the_named_tenant(tmp_path: Path) -> None:
     """No security config: the metadata is taken as given (there is nothing to check it
     against), a call naming none is the default tenant's, and admin calls see every tenant."""
