@@ -20,7 +20,9 @@ The cluster (:class:`ChaosCluster`)
 The load (``python -m bench.chaos loadgen CONFIG``, in the observer namespace)
     Worker threads, each a loop of puts (a new key, placed on the next node the etcd
     membership watch shows alive: a ``SCHEDULE`` record, then the ``PUT``) and gets (a key
-    acknowledged earlier, on its node if the watch shows it alive), with values
+    acknowledged earlier, on its node if the watch shows it alive); a node a request just
+    failed on gets nothing new for ``SUSPECT_S`` (2 s). Clients bound every request by 2 s
+    (``rpc_timeout_s`` and ``tcp_io_timeout_s``). Values are
     :func:`~kvstore.cluster.chaos_check.chunk_value` of key and version. Every request is one
     :class:`~kvstore.cluster.chaos_check.Record`; the watch's LEFT/JOINED events are the lease
     gaps. On ``stop`` (stdin) it reads back every acknowledged key from its node (so a durable
@@ -111,6 +113,9 @@ LOADGEN_DONE = "KVTIER-LOADGEN-DONE "
 LOADGEN_REJOINED = "KVTIER-LOADGEN-REJOINED "
 """The load generator saw a node register again after its lease had expired."""
 REJOIN_TIMEOUT_S = 30.0
+SUSPECT_S = float(LEASE_TTL_S)
+"""After a request to a node failed, the load sends it nothing new for this long (what an
+engine does: it recomputes instead of queueing behind a node that does not answer)."""
 FAULTED_HOST = 1
 """The host faults hit (the load generator watches membership through ``h0``'s etcd member)."""
 
@@ -579,7 +584,8 @@ class _Clients:
         if record is None:
             raise PeerUnavailable(f"{node} is not in the membership (its lease expired)")
         client = StoreClient.connect(record.grpc_address, StoreClientConfig(
-            data_plane=DataPlane.TCP, rpc_timeout_s=REQUEST_TIMEOUT_S, tcp_connections=1))
+            data_plane=DataPlane.TCP, rpc_timeout_s=REQUEST_TIMEOUT_S,
+            tcp_io_timeout_s=REQUEST_TIMEOUT_S, tcp_connections=1))
         with self.lock:
             if node in self.clients:
                 client.close()
@@ -615,6 +621,8 @@ class _Load:
         self.records: list[Record] = []
         self.acked: list[tuple[str, str, int]] = []
         self.stopping = threading.Event()
+        self.suspect: dict[str, float] = {}
+        """Nodes a request just failed on, and until when no new request goes there."""
 
     def add(self, record: Record) -> None:
         with self.lock:
@@ -643,6 +651,8 @@ class _Load:
         except (KvtierError, OSError) as exc:
             if client is not None:
                 self.clients.drop(node, client)
+            with self.lock:
+                self.suspect[node] = time.monotonic() + SUSPECT_S
             record = Record(op, key, node, start, time.monotonic(), Result.ERR, version=version,
                             size_bytes=self.size if op is Op.PUT else 0,
                             error=f"{type(exc).__name__}: {exc}"[:200])
@@ -653,7 +663,10 @@ class _Load:
         rng = random.Random(wid)
         seq = 0
         while not self.stopping.is_set():
-            alive = sorted(self.membership.snapshot())
+            now = time.monotonic()
+            with self.lock:
+                alive = sorted(n for n in self.membership.snapshot()
+                               if self.suspect.get(n, 0.0) <= now)
             if not alive:
                 time.sleep(0.05)
                 continue

@@ -248,8 +248,11 @@ class RemotePlane:
                 if self._closed:
                     raise PeerUnavailable("the client is closed")
                 host, _, port = self._control.info.tcp_address.rpartition(":")
+                io_timeout_s = self._config.tcp_io_timeout_s
                 self._tcp = TcpClient(host, int(port), connections=self._config.tcp_connections,
-                                      spin_us=self._config.tcp_spin_us)
+                                      spin_us=self._config.tcp_spin_us,
+                                      io_timeout_s=io_timeout_s,
+                                      connect_timeout_s=min(5.0, io_timeout_s))
             return self._tcp
 
     def close(self) -> None:

@@ -59,6 +59,10 @@ class StoreClientConfig:
     """Smaller values go over TCP even when UCX is chosen: measured here (one host, CMA), a
     4-64 KiB value cost 120-250 µs over UCX against 55-115 µs over TCP, while from 4 MiB up
     UCX moved 1.2-2x what TCP did (docs/transport.md). 0: every value over UCX."""
+    tcp_io_timeout_s: float = 30.0
+    """Longest a TCP data-plane request waits on its socket without progress (and, up to 5 s,
+    to connect) before it fails with PeerUnavailable. ``rpc_timeout_s`` does not bound the TCP
+    plane: a stopped or partitioned daemon holds a TCP request this long."""
     tcp_spin_us: int = 0
     """How long a small TCP get polls for its answer before its thread sleeps (needs the
     native extension; ``TcpClientConfig.spin_us``). Trades a core's time while waiting for one
@@ -94,8 +98,9 @@ class StoreClientConfig:
             raise InvalidArgument("tcp_connections must be >= 1")
         if not 0 <= self.tcp_spin_us <= 10_000:
             raise InvalidArgument(f"tcp_spin_us must be 0..10000, got {self.tcp_spin_us}")
-        if self.rpc_timeout_s <= 0 or self.lease_ttl_s < 0:
-            raise InvalidArgument("rpc_timeout_s must be > 0 and lease_ttl_s >= 0")
+        if self.rpc_timeout_s <= 0 or self.lease_ttl_s < 0 or not self.tcp_io_timeout_s > 0:
+            raise InvalidArgument("rpc_timeout_s and tcp_io_timeout_s must be > 0 and "
+                                  "lease_ttl_s >= 0")
         if self.session and not SESSION_MIN_CHARS <= len(self.session) <= SESSION_MAX_CHARS:
             raise InvalidArgument(f"session must be empty or {SESSION_MIN_CHARS} to "
                                   f"{SESSION_MAX_CHARS} characters, got {len(self.session)}")

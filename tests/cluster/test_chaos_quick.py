@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.chaos import ChaosSpec, read_history, run_fault
-from kvstore.cluster.chaos_check import Op, Result, check, durable_unverified
+from bench.chaos import MAX_STALL_S, REQUEST_TIMEOUT_S, ChaosSpec, FaultRow, read_history, run_fault
+from kvstore.cluster.chaos_check import History, Op, Result, check, durable_unverified
 from kvstore.cluster.netns import lab_leftovers, unavailable_reason
 from tests.support.etcd import require_etcd
 
@@ -18,19 +18,27 @@ _REASON = unavailable_reason()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
 
 
+def _assert_clean(row: FaultRow, history: History) -> None:
+    """Every invariant held, and the run did what it claims: load on every node, the faulted
+    node's lease expired during the fault and it registered again after it."""
+    assert check(history, max_stall_s=MAX_STALL_S, request_timeout_s=REQUEST_TIMEOUT_S) == []
+    assert row.clean, row
+    ok_puts = {r.node for r in history.records if r.op is Op.PUT and r.result is Result.OK}
+    assert ok_puts == {"node-h0", "node-h1", "node-h2"}
+    [gap] = history.lease_gaps
+    [fault] = history.faults
+    assert gap.node == "node-h1" and fault.start_s <= gap.expired_s <= fault.end_s
+    assert gap.renewed_s is not None and gap.renewed_s > gap.expired_s
+    assert row.completed > 0 and row.detect_s is not None and row.recover_s is not None, row
+
+
 def test_kill_9_of_a_daemon_under_load_breaks_no_invariant(tmp_path: Path) -> None:
     require_etcd()
     before = set(lab_leftovers())
     row = run_fault("kill-daemon", spec=ChaosSpec.quick(), work_dir=tmp_path)
     history = read_history(tmp_path / "history.jsonl")
-    assert check(history) == []  # progress included: requests completed during the fault
-    assert (row.wrong_reads, row.durable_lost, row.leaks, row.other_violations) == (0, 0, 0, [])
-    # the run did what it claims: load on every node, the fault seen and survived
-    ok_puts = {r.node for r in history.records if r.op is Op.PUT and r.result is Result.OK}
-    assert ok_puts == {"node-h0", "node-h1", "node-h2"}
-    assert row.completed > 0 and row.failed > 0, row  # the killed node's requests failed
-    assert row.detect_s is not None and row.recover_s is not None, row
-    assert [g.node for g in history.lease_gaps] == ["node-h1"]
+    _assert_clean(row, history)
+    assert any(r.node == "node-h1" and r.result is Result.ERR for r in history.records)
     # every chunk acknowledged on the killed node before the kill was read back after it
     assert durable_unverified(history) == 0
     killed_before = [r for r in history.records if r.op is Op.PUT and r.durable
@@ -40,37 +48,20 @@ def test_kill_9_of_a_daemon_under_load_breaks_no_invariant(tmp_path: Path) -> No
     assert set(lab_leftovers()) <= before
 
 
-KNOWN_UNBOUNDED_TCP_WAIT = (
-    "known defect: a StoreClient's TCP data plane is not bounded by rpc_timeout_s (TcpClient's "
-    "io_timeout_s, 30 s, is not configurable through StoreClientConfig), so requests to a "
-    "stopped or partitioned daemon wait until it comes back, and stall the load")
-
-
-def _check_stall_fault(name: str, tmp_path: Path) -> None:
-    row = run_fault(name, spec=ChaosSpec.quick(), work_dir=tmp_path)
-    history = read_history(tmp_path / "history.jsonl")
-    assert (row.wrong_reads, row.durable_lost, row.leaks) == (0, 0, 0), row
-    # the node's lease expired during the fault, and it registered again after it
-    [gap] = history.lease_gaps
-    [fault] = history.faults
-    assert gap.node == "node-h1" and fault.start_s <= gap.expired_s <= fault.end_s
-    assert gap.renewed_s is not None and gap.renewed_s >= fault.end_s
-    assert row.recover_s is not None, row
-    assert not [v for v in row.other_violations if not v.startswith("no_progress")], row
-    if row.over_timeout or row.other_violations:
-        pytest.xfail(f"{KNOWN_UNBOUNDED_TCP_WAIT}: {row}")
 
 
 @pytest.mark.slow
 def test_sigstop_of_a_daemon_past_its_lease(tmp_path: Path) -> None:
-    """A zombie: paused past its 2 s lease, then continued. It must come back through a new
-    registration and serve its own chunks, never anything else."""
+    """A zombie: paused past its 2 s lease, then continued. It comes back through a new
+    registration; the load routes around it meanwhile, within its 2 s request timeout."""
     require_etcd()
-    _check_stall_fault("sigstop-daemon", tmp_path)
+    row = run_fault("sigstop-daemon", spec=ChaosSpec.quick(), work_dir=tmp_path)
+    _assert_clean(row, read_history(tmp_path / "history.jsonl"))
 
 
 @pytest.mark.slow
 def test_partition_of_a_host_past_its_lease(tmp_path: Path) -> None:
     """The host's bridge port down past the lease (its etcd member loses quorum too), healed."""
     require_etcd()
-    _check_stall_fault("partition-host", tmp_path)
+    row = run_fault("partition-host", spec=ChaosSpec.quick(), work_dir=tmp_path)
+    _assert_clean(row, read_history(tmp_path / "history.jsonl"))
