@@ -23,9 +23,9 @@ Each decision is made the way the front door makes it (``kvstore.frontdoor``: a
 ``TimedRouter`` around a ``ConductorRouter`` on a ``TicketingConductorClient`` found through
 etcd, one request at a time, each reported done afterwards as the fleet does), and timed in parts:
 
-(a) ``hash``: hashing the prompt's blocks as the conductor does per Schedule (today: the prompt's
-    vLLM block hashes, once to match the engines' caches and once more for the mismatch probe),
-    timed in this process with the same code, times the number of hashings per decision;
+(a) ``hash``: hashing the prompt's blocks as the conductor does per Schedule (the prompt's vLLM
+    block hashes, :data:`HASHINGS_PER_DECISION` times), timed in this process with the same code
+    on the same kind of input (a numpy array of the ids);
 (b) ``schedule``: the ``ConductorClient.schedule`` call the router makes (request built, RPC, reply);
 (c) ``decision``: the router's whole ``route`` (what the fleet's "routing p50 / p99" is);
 (d) ``health``: one bare gRPC ``grpc.health.v1.Health/Check`` to the same conductor on its own
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import queue
@@ -231,10 +232,9 @@ def _spec(work: Path, name: str) -> Any:
                         block_size_tokens=BLOCK_TOKENS)
 
 
-def hashings_per_decision() -> int:
-    """How many times the conductor hashes a prompt's blocks per Schedule (see the module
-    docstring, part (a))."""
-    return 2
+HASHINGS_PER_DECISION = 1
+"""How many times the conductor hashes a prompt's blocks per Schedule (part (a)): once since
+the match's hashes serve the mismatch probe too (twice before: ``routing-before.json``)."""
 
 
 # -- the measurement ------------------------------------------------------------------------
@@ -256,6 +256,7 @@ async def _wait_ready(client: Any, expected_blocks: dict[str, int]) -> Any:
 async def _drive(etcd_url: str, address: str, work: Path, decisions: int,
                  warm: dict[int, list[list[int]]], rng: random.Random) -> dict[str, Any]:
     import grpc
+    import numpy as np
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from conductor.engine_index import VllmBlockHashes
@@ -342,9 +343,10 @@ async def _drive(etcd_url: str, address: str, work: Path, decisions: int,
                     # Interleaved, so that every part sees the same machine state.
                     for _ in range(decisions):
                         prompt = pick()
+                        ids = np.array(prompt, dtype=np.uint32)  # made from the request, untimed
                         began = time.perf_counter()
-                        hasher.hashes(prompt)
-                        hash_s.append((time.perf_counter() - began) * hashings_per_decision())
+                        hasher.hashes(ids)
+                        hash_s.append((time.perf_counter() - began) * HASHINGS_PER_DECISION)
                         decision = await decide(prompt, state == "cold")
                         name = getattr(decision, "name", f"rejected:{getattr(decision, 'code', '')}")
                         backends[name] = backends.get(name, 0) + 1
@@ -373,16 +375,23 @@ async def _drive(etcd_url: str, address: str, work: Path, decisions: int,
             publisher.close()
 
 
-def run(quick: bool = False, seed: int = 0) -> dict[str, Any]:
-    """Start etcd, a daemon and a conductor, measure, stop them; the JSON document."""
+def run(quick: bool = False, seed: int = 0, work_dir: Path | None = None) -> dict[str, Any]:
+    """Start etcd, a daemon and a conductor, measure, stop them; the JSON document.
+    ``work_dir``: where etcd's data, the sockets and the logs go (kept); None: a temporary
+    directory."""
     from kvstore.membership.launcher import LocalEtcd
 
     decisions = QUICK_DECISIONS if quick else DECISIONS
     rng = random.Random(seed)
     warm = _warm_prompts(rng)
     result = run_header("routing", dists=("grpcio", "protobuf", "numpy"))
-    with tempfile.TemporaryDirectory(prefix="kvtier-bench-routing-") as tmp:
-        work = Path(tmp)
+    with contextlib.ExitStack() as stack:
+        if work_dir is None:
+            work = Path(stack.enter_context(tempfile.TemporaryDirectory(
+                prefix="kvtier-bench-routing-")))
+        else:
+            work = work_dir.resolve()
+            work.mkdir(parents=True, exist_ok=True)
         procs: list[subprocess.Popen[str]] = []
         with LocalEtcd(work_dir=work / "etcd") as etcd:
             try:
@@ -403,7 +412,7 @@ def run(quick: bool = False, seed: int = 0) -> dict[str, Any]:
                 for proc in reversed(procs):
                     _stop(proc)
     result.update({"quick": quick, "block_tokens": BLOCK_TOKENS,
-                   "hashings_per_decision": hashings_per_decision(), **measured})
+                   "hashings_per_decision": HASHINGS_PER_DECISION, **measured})
     return result
 
 
@@ -441,8 +450,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help=f"{QUICK_DECISIONS} decisions per row instead of {DECISIONS}")
     parser.add_argument("--json", type=Path, default=None, help="Also write the results here.")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--work-dir", type=Path, default=None,
+                        help="Keep etcd's data and the conductor's and daemon's logs here.")
     args = parser.parse_args(argv)
-    result = run(args.quick, args.seed)
+    result = run(args.quick, args.seed, args.work_dir)
     print(format_table(result))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

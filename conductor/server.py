@@ -72,7 +72,7 @@ import xxhash
 import zmq.asyncio
 
 from conductor.engine_events import EngineEventFollower
-from conductor.engine_index import EngineCacheIndex
+from conductor.engine_index import EngineCacheIndex, PromptMatch, TokenIds
 from conductor.index import ChunkEvent, ChunkEventKind, EventOutcome, GlobalPrefixIndex
 from conductor.instances import InstanceKind, PlannedInstance, plan_instances
 from conductor.perf.engine_model import default_engine_model
@@ -352,16 +352,21 @@ class Conductor:
             return any(rec.model == model and rec.kv_fingerprint is not None
                        for rec in self.engines.values())
 
-    def engine_cached_tokens(self, model: str, tenant: str, token_ids: list[int]
+    def engine_cached_tokens(self, model: str, tenant: str, token_ids: TokenIds
                              ) -> dict[str, int]:
         """Per engine of ``model`` followed through KV events: the leading tokens of the
         prompt it holds in its own prefix cache. Any thread (takes :attr:`lock` briefly)."""
+        return self.engine_match(model, tenant, token_ids).cached_tokens
+
+    def engine_match(self, model: str, tenant: str, token_ids: TokenIds) -> PromptMatch:
+        """:meth:`engine_cached_tokens` with the prompt's hashes kept (for
+        :meth:`EngineCacheIndex.expect_routed`). Any thread."""
         with self.lock:
             instances = {i for i, rec in self.engines.items()
                          if rec.model == model and rec.vllm_kv_events is not None}
         if not instances:
-            return {}
-        return self.engine_cache.cached_tokens(token_ids, tenant, instances)
+            return PromptMatch({}, tenant, {})
+        return self.engine_cache.match(token_ids, tenant, instances)
 
     def hasher(self, model: str, tenant: str) -> BlockHasher:
         """The key chain of ``model`` for ``tenant``; InvalidArgument when no engine of the
