@@ -14,8 +14,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import threading
 import time
-from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Collection, Sequence
+from typing import TYPE_CHECKING, Any
 
 from kvstore.client.layouts import EngineKV
 from kvstore.client.results import LoadResult, SaveResult
@@ -236,30 +236,45 @@ class BatchSave:
         return self._finished
 
 class DirectBatchSave:
-    """One engine step's saves in one copy (same host, sources with ``gather_chunks``): the
-    step's new chunks are reserved in the daemon's arena at the start (one RESERVE_MANY
-    exchange on the client's writer connection, :mod:`kvstore.dataplane.transport.shm.writes`),
-    ``save_layer(l)`` copies layer ``l`` of every request's blocks straight out of the
-    engine's buffers into the reserved ranges, and ``finish()`` commits them all (one
-    COMMIT_MANY). Same interface, ownership rules and results as :class:`BatchSave`; a block
-    two requests of the step share is reserved once and written from the first of them.
-    Nothing reserved becomes visible unless every layer was written: a copy that raised, a
-    batch past its reservations' margin, or a skipped request aborts those chunks."""
+    """One engine step's saves in one copy (same host, sources with ``gather_chunks``).
+
+    The step's new chunks are reserved in the daemon's arena when the save begins (one
+    RESERVE_MANY exchange on the client's writer connection,
+    :mod:`kvstore.dataplane.transport.shm.writes`); ``save_layer(l)`` copies layer ``l`` of
+    every request straight out of the engine's buffers into the reserved ranges; ``finish()``
+    commits them all (one COMMIT_MANY). A layer whose copy runs before the reservation is
+    granted (a slow or stopped daemon) is copied into staging rows instead, as
+    :class:`BatchSave` does, and from there into the reserved ranges before the commit: the
+    engine's buffers are always read within the step, and no copy ever waits for the daemon.
+    The daemon exchanges run on the client's save thread, never on the executor the copies
+    need. Same interface, ownership rules and results as :class:`BatchSave`; a block two
+    requests of the step share is reserved once and written from the first of them. Nothing
+    reserved becomes visible unless every layer of it was written: a copy that raised, a batch
+    past its reservations' margin, or a skipped request aborts those chunks."""
 
     def __init__(self, client: KVClient,
                  parts: list[tuple[list[PrefixKey], int, EngineKV]]) -> None:
         self._client = client
         self._parts = parts
         self._batch = ChainBatch([(keys, first) for keys, first, _s in parts])
-        # Per request, per new block: the reserved chunk it writes (None: another request's,
-        # already stored, refused). Filled by the reservation task.
+        # Per request, the (block, item) pairs it writes: the chunks it owns that were
+        # reserved. Filled by the reservation, read once it is done.
         self._targets: list[list[tuple[int, int]]] = []
         self._chunks: list[torch.Tensor | None] = []
         self._late = False  # a copy found the reservations past their margin: not committed
-        self._reserved = client._pool.submit(self._reserve)
+        self._lock = threading.Lock()
+        self._staged: set[int] = set()  # layers copied into staging rows
+        self._held: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._reserved = client._save_thread().submit(self._reserve)
         self._copies: list[cf.Future[None] | None] = [None] * client.layout.num_layers
         self._gather_s = [0.0] * client.layout.num_layers
         self._finished: cf.Future[list[SaveResult]] | None = None
+
+    @property
+    def reservation(self) -> cf.Future[ShmBatchWrite | None]:
+        """The reservation of the step's chunks (None: nothing new to save). An engine never
+        waits for it; a layer handed over before it is granted goes through staging."""
+        return self._reserved
 
     def _reserve(self) -> ShmBatchWrite | None:
         batch = self._batch
@@ -269,7 +284,6 @@ class DirectBatchSave:
         reserved = self._client._writer().reserve(
             batch.keys, [lay.chunk_bytes] * len(batch.keys), batch.parents)
         self._chunks = reserved.tensors(lay.dtype, lay.chunk_shape)
-        # Which request writes which chunk: the first that has it, for what is reserved.
         for r, (keys, first, _s) in enumerate(self._parts):
             self._targets.append([(i, item) for i, item in zip(range(first, len(keys)),
                                                                 batch.items[r], strict=True)
@@ -278,47 +292,74 @@ class DirectBatchSave:
         return reserved
 
     def save_layer(self, layer: int) -> cf.Future[None]:
-        """Copy layer ``layer`` of every request into the reserved chunks in the background.
-        Raises InvalidArgument for a layer out of range or given twice."""
+        """Copy layer ``layer`` of every request out of its source in the background (into the
+        reserved chunks, or staging rows while they are not granted). Raises InvalidArgument
+        for a layer out of range or given twice."""
         if not 0 <= layer < len(self._copies):
             raise InvalidArgument(f"layer {layer} out of range [0, {len(self._copies)})")
         if self._copies[layer] is not None or self._finished is not None:
             raise InvalidArgument(f"layer {layer} was already saved (or the save is finished)")
 
         def copy() -> None:
-            try:
-                reserved = self._reserved.result()
-            except KvtierError:
-                return  # nothing reserved: finish() reports it
-            if reserved is None:
-                return
-            if not reserved.writable:
-                self._late = True
-                return
             t0 = time.perf_counter()
-            layers = range(layer, layer + 1)
-            for (_keys, _first, source), targets in zip(self._parts, self._targets,
-                                                        strict=True):
-                gather = source.gather_chunks  # type: ignore[attr-defined]
-                for blocks, items in _runs(targets):
-                    gather(layers, blocks, [self._chunks[i] for i in items])
+            fut = self._reserved
+            if not fut.done():
+                self._stage(layer)
+            elif fut.exception() is None and (reserved := fut.result()) is not None:
+                if reserved.writable:
+                    self._write(range(layer, layer + 1))
+                else:
+                    self._late = True
             self._gather_s[layer] = time.perf_counter() - t0
 
         fut = self._client._pool.submit(copy)
         self._copies[layer] = fut
         return fut
 
+    def _write(self, layers: range) -> None:
+        """Layers ``layers`` of every request's owned, reserved blocks into their chunks."""
+        for (_keys, _first, source), targets in zip(self._parts, self._targets, strict=True):
+            gather = source.gather_chunks  # type: ignore[attr-defined]
+            for blocks, items in _runs(targets):
+                gather(layers, blocks, [self._chunks[i] for i in items])
+
+    def _stage(self, layer: int) -> None:
+        with self._lock:
+            if self._held is None:
+                self._held = [self._client._staging.acquire(len(keys) - first)
+                              for keys, first, _s in self._parts]
+            self._staged.add(layer)
+        for (keys, first, source), (view, _buf) in zip(self._parts, self._held, strict=True):
+            if len(keys) > first:
+                source.gather_layer(layer, range(first, len(keys)), view[:, layer])
+
     def finish(self, skip: Collection[int] = ()) -> cf.Future[list[SaveResult]]:
-        """Commit every request's chunks once every layer's copy is done, but those of the
-        requests at the indices ``skip`` (aborted: their results fail every block,
-        "skipped"). Raises InvalidArgument when a layer was never given."""
+        """Commit every request's chunks once every layer's copy is done and the reservation
+        answered, but those of the requests at the indices ``skip`` (aborted: their results
+        fail every block, "skipped"). Raises InvalidArgument when a layer was never given."""
         missing = [i for i, c in enumerate(self._copies) if c is None]
         if missing:
             raise InvalidArgument(f"layers {missing} were never saved")
         if self._finished is None:
             copies = [c for c in self._copies if c is not None]
             skipped = frozenset(skip)
-            self._finished = self._client._pool.submit(self._commit, copies, skipped)
+            out: cf.Future[list[SaveResult]] = cf.Future()
+            self._finished = out
+
+            def run() -> None:
+                try:
+                    out.set_result(self._commit(copies, skipped))
+                except BaseException as exc:
+                    out.set_exception(exc)
+
+            def ready() -> None:  # on the save thread, after this step's reservation
+                try:
+                    self._client._save_thread().submit(run)
+                except (RuntimeError, KvtierError) as exc:  # the client is closing
+                    self._release()
+                    out.set_exception(exc)
+
+            _when_all([*copies, self._reserved], ready)
         return self._finished
 
     def _commit(self, copies: list[cf.Future[None]], skipped: frozenset[int]
@@ -333,10 +374,12 @@ class DirectBatchSave:
             for c in copies:
                 c.result()  # a copy that raised (a bug or bad shapes) raises here
             if reserved is not None:
-                if self._late:
+                if self._staged and reserved.writable and not self._late:
+                    self._unstage()
+                if self._late or not reserved.writable:
                     reserved.abort()
-                    error = "InvalidArgument: the step's copies started past the " \
-                            "reservations' margin: not committed"
+                    error = "InvalidArgument: the step's copies ran past the reservations' " \
+                            "margin: not committed"
                 else:
                     drop = {item for r in skipped for item in batch.items[r]
                             if batch.owner[item][0] == r}
@@ -349,11 +392,50 @@ class DirectBatchSave:
             if reserved is not None:
                 reserved.abort()
             raise
+        finally:
+            self._release()
         gather_s = sum(self._gather_s)
         results = batch.results(outcome, error, self._client.layout.chunk_bytes, gather_s,
                                 time.perf_counter() - t0)
         return [_skipped(self._parts[r], gather_s) if r in skipped else res
                 for r, res in enumerate(results)]
+
+    def _unstage(self) -> None:
+        """The staged layers of every owned, reserved block into its chunk."""
+        assert self._held is not None
+        layers = sorted(self._staged)
+        for (_keys, first, _s), targets, (view, _buf) in zip(self._parts, self._targets,
+                                                               self._held, strict=True):
+            for i, item in targets:
+                chunk, row = self._chunks[item], view[i - first]
+                assert chunk is not None
+                for layer in layers:
+                    chunk[layer].copy_(row[layer])
+
+    def _release(self) -> None:
+        with self._lock:
+            held, self._held = self._held, None
+        for _view, buf in held or ():
+            self._client._staging.release(buf)
+
+
+def _when_all(futures: Sequence[cf.Future[Any]], then: Callable[[], None]) -> None:
+    """Call ``then()`` once every one of ``futures`` is done (in the thread that ends the
+    last)."""
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_f: cf.Future[Any]) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        then()
+
+    if not futures:
+        then()
+    for f in futures:
+        f.add_done_callback(one_done)
 
 
 class ChainBatch:

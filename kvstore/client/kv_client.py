@@ -230,6 +230,7 @@ class KVClient:
         self._remote_lock = threading.Lock()
         self._closed = False
         self._shm_writer: ShmWriter | None = None
+        self._save_io: cf.ThreadPoolExecutor | None = None
         self._pool = cf.ThreadPoolExecutor(
             self.config.workers, thread_name_prefix="kvclient",
             initializer=widen_thread_affinity if self.config.widen_thread_affinity else None)
@@ -924,6 +925,16 @@ class KVClient:
         return batch.results(outcome, error, self.layout.chunk_bytes, gather_s,
                              time.perf_counter() - t0)
 
+    def _save_thread(self) -> cf.ThreadPoolExecutor:
+        """The one thread one-copy saves talk to the daemon on (reserve, commit), in the order
+        they are asked: never the executor's threads, which the engine's copies need."""
+        with self._remote_lock:
+            if self._closed:
+                raise PeerUnavailable("the client is closed")
+            if self._save_io is None:
+                self._save_io = cf.ThreadPoolExecutor(1, thread_name_prefix="kvclient-save")
+            return self._save_io
+
     def _writer(self) -> ShmWriter:
         """The connection one-copy saves reserve and commit on (made on first use)."""
         with self._remote_lock:
@@ -941,6 +952,9 @@ class KVClient:
     def close(self) -> None:
         """Wait for transfers in flight, then close the executor and every store connection."""
         self._pool.shutdown(wait=True)
+        save_io = self._save_io
+        if save_io is not None:
+            save_io.shutdown(wait=True)
         with self._remote_lock:
             self._closed = True
             remotes, self._remotes = list(self._remotes.values()), {}

@@ -7,6 +7,8 @@ that was not written whole, never a reservation left open."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -119,6 +121,7 @@ def test_a_step_is_written_straight_into_the_arena(daemon: DaemonProcess, kind: 
             SaveRequest(t, NoStaging(CpuBlocksKV(src, i, LAYOUT)))  # type: ignore[arg-type]
             for t, i in zip(toks, ids, strict=True)])
         assert isinstance(saver, DirectBatchSave)
+        saver.reservation.result(30)  # granted before the layers come: no staging at all
         for layer in (2, 0, 1):  # any order, as layers finish
             saver.save_layer(layer)
         results = saver.finish().result(30)
@@ -127,6 +130,34 @@ def test_a_step_is_written_straight_into_the_arena(daemon: DaemonProcess, kind: 
         assert results[0].stored_bytes == 3 * LAYOUT.chunk_bytes
         for t, i in zip(toks, ids, strict=True):
             assert same_blocks(loaded(client, t, range(len(i))), range(len(i)), src, i)
+        no_leases(client)
+
+
+def test_layers_handed_over_while_the_daemon_is_stopped_are_staged_then_written(
+        daemon: DaemonProcess) -> None:
+    # A stopped daemon cannot answer the reservation: the copies out of vLLM's blocks still
+    # happen within the step (into staging rows), vLLM may reuse its blocks at once, and the
+    # step lands with the bytes it had when the daemon answers.
+    src = vllm_caches("layer-major", seed=80)
+    toks, ids = tokens(3 * B, seed=81), [6, 0, 14]
+    expected = [t.clone() for t in src]
+    with client_for(daemon, "stopped") as client:
+        client.store.stats()  # connected before the stop
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            saver = client.begin_save_many([SaveRequest(toks, engine_kv_for(src, ids, LAYOUT))])
+            copies = [saver.save_layer(layer) for layer in range(LAYOUT.num_layers)]
+            for c in copies:
+                c.result(30)  # the copies never wait for the daemon
+            assert not saver.reservation.done()
+            done = saver.finish()
+            for t in src:
+                t.zero_()  # vLLM reuses the blocks
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        [saved] = done.result(30)
+        assert saved.stored_blocks == (0, 1, 2) and saved.error is None
+        assert same_blocks(loaded(client, toks, range(3)), range(3), expected, ids)
         no_leases(client)
 
 
@@ -182,6 +213,8 @@ def test_a_copy_that_raised_commits_nothing(daemon: DaemonProcess) -> None:
     with client_for(daemon, "broken") as client:
         saver = client.begin_save_many([SaveRequest(
             toks, Broken(CpuBlocksKV(src, [0, 1], LAYOUT)))])  # type: ignore[arg-type]
+        assert isinstance(saver, DirectBatchSave)
+        saver.reservation.result(30)
         for layer in range(LAYOUT.num_layers):
             saver.save_layer(layer)
         with pytest.raises(RuntimeError, match="a bad source"):
