@@ -315,7 +315,7 @@ def format_planner(doc: Mapping[str, Any]) -> Any:
 def run(quick: bool, trace: Path | None, work_dir: Path, console: Any) -> dict[str, Any]:
     from rich.progress import Progress
 
-    from kvstore.cli.run import fleet_requests
+    from bench.vllm_serving import fleet_requests
     from planner.trace import default_trace_path
 
     path = trace or default_trace_path()

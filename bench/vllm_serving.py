@@ -72,7 +72,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench._meta import REPO_ROOT, run_header
 from kvstore.cluster.vllm_instance import (
@@ -85,6 +85,9 @@ from kvstore.cluster.vllm_instance import (
 )
 from planner.trace import BLOCK_TOKENS as TRACE_BLOCK_TOKENS
 from planner.trace import TraceRequest, default_trace_path, load_requests
+
+if TYPE_CHECKING:
+    from kvstore.cluster.vllm_fleet import FleetRequest
 
 BLOCK_TOKENS = 32
 """vLLM's block size and the tokens one trace block becomes."""
@@ -926,3 +929,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def fleet_requests(trace: Path, conversations: int, vocab_size: int) -> list[FleetRequest]:
+    """The fleet's prompts (``make run``, ``kvtier bench fleet``): this benchmark's
+    conversation slice of ``trace``."""
+    from kvstore.cluster.vllm_fleet import FleetRequest
+
+    picked = select_conversations(load_requests(trace), conversations)
+    return [FleetRequest(f"trace-{r.trace_index}", tuple(prompt_ids(r, vocab_size)))
+            for r in picked]

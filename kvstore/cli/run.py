@@ -16,14 +16,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import typer
 
 from kvstore.cluster.serving import default_trace, run_cluster, run_local
-
-if TYPE_CHECKING:
-    from kvstore.cluster.vllm_fleet import FleetRequest
 
 
 def run(requests: int = typer.Option(64, help="--reference: how many trace requests to serve."),
@@ -91,17 +88,6 @@ def run(requests: int = typer.Option(64, help="--reference: how many trace reque
             raise typer.Exit(code=1)
 
 
-def fleet_requests(trace: Path, conversations: int, vocab_size: int) -> list[FleetRequest]:
-    """The fleet's prompts: the vLLM benchmark's conversation slice of ``trace``."""
-    from bench.vllm_serving import prompt_ids, select_conversations
-    from kvstore.cluster.vllm_fleet import FleetRequest
-    from planner.trace import load_requests
-
-    picked = select_conversations(load_requests(trace), conversations)
-    return [FleetRequest(f"trace-{r.trace_index}", tuple(prompt_ids(r, vocab_size)))
-            for r in picked]
-
-
 def run_vllm_fleet(*, trace: Path, conversations: int, new_tokens: int, modes: str,
                    work_dir: Path, shared_store: bool = True) -> dict[str, Any]:
     from bench.vllm_serving import model_core_env
@@ -113,6 +99,8 @@ def run_vllm_fleet(*, trace: Path, conversations: int, new_tokens: int, modes: s
     except ValueError as exc:
         raise typer.BadParameter(f"{exc}; modes: {', '.join(m.value for m in Mode)}",
                                  param_hint="--modes") from exc
+    from bench.vllm_serving import fleet_requests
+
     requests = fleet_requests(trace, conversations, PREFILL_BOUND.vocab_size)
     spec = FleetSpec(work_dir=work_dir.resolve(), requests=tuple(requests), modes=chosen,
                      max_tokens=max(2, new_tokens), instance_env=model_core_env,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.cli.run import fleet_requests
+from bench.vllm_serving import fleet_requests
 from kvstore.cluster.vllm_fleet import (
     MODE_SERVERS,
     FleetRequest,
