@@ -32,8 +32,10 @@ Then the vLLM CPU rows (``--vllm-only`` runs only them): ``--vllm-blocks`` (96) 
 CPU layout (``CpuBlocksKV``: per layer ``[num_blocks, heads, block, 2 * head]``, every layer a
 view of one allocation, as vLLM allocates them) for ``kvtier bench vllm``'s model
 (``PREFILL_BOUND``: 8 layers, 4 KV heads, head dim 64, float32, 32-token blocks: 512 KiB
-chunks), in 4 requests with shuffled vLLM block ids: a step's ``begin_save_many`` (gather into
-staging, then ``put_many``) and ``load_many`` through the staging path (fetch into staging rows,
+chunks), in 4 requests with shuffled vLLM block ids: a step's ``begin_save_many`` through staging
+(gather into staging rows, then one ``put_many``; ``one_copy_save=False``) and in one copy
+(reserve the step's chunks, gather straight into the arena, commit; "put" is then the commit
+and the wait for the reservation), and ``load_many`` through the staging path (fetch into staging rows,
 then a scatter per layer: the path before the one-copy load, forced with a layout that has no
 ``scatter_chunks``) and through the one-copy path (one read lease per call, one copy per block
 out of the arena), each as ms and as a multiple of a memcpy of the same bytes in the same run.
@@ -293,22 +295,32 @@ def measure_vllm_cpu(address: str, n_blocks: int, reps: int, n_requests: int = 4
     samples: dict[str, list[float]] = {}
     ns = namespace_for(layout, "bench-vllm-cpu")
     with KVClient.connect(address, layout, ns, KVClientConfig(data_plane=DataPlane.SHM)
-                          ) as client:
+                          ) as client, \
+            KVClient.connect(address, layout, ns, KVClientConfig(data_plane=DataPlane.SHM,
+                                                                 one_copy_save=False)
+                             ) as staging:
         for rep in range(reps + 1):  # rep 0 warms up, untimed
-            toks = [torch.randint(0, 100_000, (per * layout.block_tokens,), generator=g)
-                    .tolist() for _ in range(n_requests)]
             t0 = time.perf_counter()
             flat.copy_(flat_src)
             timed = {"memcpy": time.perf_counter() - t0}
-            t0 = time.perf_counter()
-            saver = client.begin_save_many([SaveRequest(t, CpuBlocksKV(src, ids, layout))
-                                            for t, ids in zip(toks, src_ids, strict=True)])
-            for layer in range(layout.num_layers):
-                saver.save_layer(layer)
-            saved = saver.finish().result()
-            timed["save"] = time.perf_counter() - t0
-            assert all(len(r.stored_blocks) == per for r in saved), saved
-            timed["save gather"] = saved[0].gather_s
+            saved_toks: dict[str, list[list[int]]] = {}
+            for kind in (("staged", "one-copy") if rep % 2 else ("one-copy", "staged")):
+                toks = [torch.randint(0, 100_000, (per * layout.block_tokens,), generator=g)
+                        .tolist() for _ in range(n_requests)]
+                saved_toks[kind] = toks
+                saving = client if kind == "one-copy" else staging
+                t0 = time.perf_counter()
+                saver = saving.begin_save_many([
+                    SaveRequest(t, CpuBlocksKV(src, ids, layout))
+                    for t, ids in zip(toks, src_ids, strict=True)])
+                for layer in range(layout.num_layers):
+                    saver.save_layer(layer)
+                saved = saver.finish().result()
+                timed[f"save {kind}"] = time.perf_counter() - t0
+                assert all(len(r.stored_blocks) == per for r in saved), saved
+                timed[f"save {kind} gather"] = saved[0].gather_s
+                timed[f"save {kind} put"] = saved[0].put_s
+            toks = saved_toks["one-copy"]
             for kind in (("staged", "one-copy") if rep % 2 else ("one-copy", "staged")):
                 dst_all.zero_()
                 intos = [CpuBlocksKV(dst, ids, layout) for ids in dst_ids]
@@ -323,7 +335,7 @@ def measure_vllm_cpu(address: str, n_blocks: int, reps: int, n_requests: int = 4
                 timed[f"load {kind} scatter"] = max(r.scatter_s for r in loaded)
                 for s_ids, d_ids in zip(src_ids, dst_ids, strict=True):
                     assert torch.equal(dst_all[:, d_ids], src_all[:, s_ids])
-            for t in toks:
+            for t in (t for ts in saved_toks.values() for t in ts):
                 client.store.remove(client.keys(t)[0])
             if rep == 0:
                 continue
@@ -339,7 +351,9 @@ def print_vllm_cpu(r: dict[str, float], n_blocks: int) -> None:
           f"ms (x memcpy of the same bytes: cost, lower is better)")
     print("| op | ms | x memcpy |")
     print("|---|---|---|")
-    for row in ("memcpy", "save", "save gather", "load staged", "load staged transfer",
+    for row in ("memcpy", "save staged", "save staged gather", "save staged put",
+                "save one-copy", "save one-copy gather", "save one-copy put", "load staged",
+                "load staged transfer",
                 "load staged scatter", "load one-copy", "load one-copy transfer",
                 "load one-copy scatter"):
         print(f"| {row} | {r[row]:.2f} | {r[row] / r['memcpy']:.2f} |")
