@@ -30,22 +30,29 @@ The load (``python -m bench.chaos loadgen CONFIG``, in the observer namespace)
     connections and asks each daemon's Stats for connections and leases still open (the
     leaks), then writes the history as JSON lines.
 
-Faults (:data:`FAULTS`), each on ``h1``
-    ``kill-daemon``: ``kill -9`` of the daemon; after ``down_s`` (past the 2 s lease) it
+Faults (:data:`FAULTS`)
+    ``kill-daemon``: ``kill -9`` of ``h1``'s daemon; after ``down_s`` (past the 2 s lease) it
     restarts on the same NVMe directory; the window runs from the kill to the new daemon's
     ready line. ``sigstop-daemon``: SIGSTOP for ``down_s``, then SIGCONT (a zombie: its lease
     expired meanwhile). ``partition-host``: the host's bridge port down for ``down_s`` + 4 s
     (its etcd member loses quorum too; the extra time covers an etcd leader election, which
-    extends every lease), then up. After the fault the run waits (up to 30 s) until the load
-    generator sees the node registered again, then loads ``after_s`` more.
+    extends every lease), then up. ``sigstop-etcd-member`` / ``sigstop-etcd-leader``: SIGSTOP
+    of ``h1``'s member / the leading member for ``down_s`` + 2 s, then SIGCONT;
+    ``etcd-quorum-loss``: the same for ``h1``'s and ``h2``'s members. The load watches
+    membership through a member the fault leaves alone. After the fault the run waits (up to
+    30 s) until the load saw every node that left registered again, then loads ``after_s``
+    more.
 
 Row figures
     attempted/completed/failed: data requests started during the fault window (completed:
     answered, hit or miss; failed: an error or no answer); wrong reads and durable chunks lost
     (:func:`~kvstore.cluster.chaos_check.check`); detect: fault start to the LEFT event of the
     node seen by the load generator; recover: fault start to the later of its JOINED event and
-    its first successful request started after the fault; leaks: TCP connections and
-    shared-memory leases the daemons still count after the load closed its clients; over
+    its first successful request started after the fault (etcd faults: to every member
+    healthy again); leaks: TCP connections and
+    shared-memory leases the daemons still count after the load closed its clients; left:
+    membership lease expiries the load saw (any beyond the faulted daemon's: a healthy node
+    evicted); over
     timeout: requests that took longer than the clients' ``rpc_timeout_s`` (2 s) + 1 s; stall:
     the longest span of the window with no request answered (at most 3 s: a request that needs
     the faulted node gives up in time and the load goes on with the others). Times come from
@@ -110,6 +117,8 @@ faulted node gives up within its timeout, and the load moves on to the others.""
 DAEMON_READY = "KVTIER-DAEMON-READY "
 LOADGEN_READY = "KVTIER-LOADGEN-READY"
 LOADGEN_DONE = "KVTIER-LOADGEN-DONE "
+LOADGEN_LEFT = "KVTIER-LOADGEN-LEFT "
+"""The load generator saw a node's key leave etcd (its lease expired)."""
 LOADGEN_REJOINED = "KVTIER-LOADGEN-REJOINED "
 """The load generator saw a node register again after its lease had expired."""
 REJOIN_TIMEOUT_S = 30.0
@@ -117,7 +126,7 @@ SUSPECT_S = float(LEASE_TTL_S)
 """After a request to a node failed, the load sends it nothing new for this long (what an
 engine does: it recomputes instead of queueing behind a node that does not answer)."""
 FAULTED_HOST = 1
-"""The host faults hit (the load generator watches membership through ``h0``'s etcd member)."""
+"""The host most faults hit (the load watches membership through another host's etcd member)."""
 
 
 @dataclass(frozen=True)
@@ -152,6 +161,9 @@ class FaultRow:
     detect_s: float | None
     recover_s: float | None
     leaks: int
+    nodes_left: int = 0
+    """Times the load saw a node's lease expire (the faulted daemon's: expected; any other:
+    a healthy node evicted)."""
     over_timeout: int = 0
     """Puts and gets that took longer than ``REQUEST_TIMEOUT_S`` + 1 s."""
     longest_stall_s: float = 0.0
@@ -176,13 +188,22 @@ class _Child:
         self.name = name
         self.log_path = log_path
         self.lines: queue.Queue[str | None] = queue.Queue()
+        self._seen: list[str] = []
+        self._seen_lock = threading.Lock()
         threading.Thread(target=self._read, name=f"read-{name}", daemon=True).start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
+            with self._seen_lock:
+                self._seen.append(line.rstrip("\n"))
             self.lines.put(line.rstrip("\n"))
         self.lines.put(None)
+
+    def seen(self, prefix: str) -> list[str]:
+        """The rest of every line read so far that starts with ``prefix``, in order."""
+        with self._seen_lock:
+            return [line[len(prefix):] for line in self._seen if line.startswith(prefix)]
 
     def wait_line(self, prefix: str, timeout_s: float) -> str:
         """The first stdout line starting with ``prefix``; ConfigError with the log tail if the
@@ -261,7 +282,7 @@ class ChaosCluster:
         for host in self.lab.hosts:
             self._start_etcd(host)
         for host in self.lab.hosts:
-            self._wait_etcd(host)
+            self.wait_etcd(host)
         for host in self.lab.hosts:  # started together, awaited together: ~2 s, not ~6
             self.daemons[host.name] = self._spawn_daemon(host)
         for host in self.lab.hosts:
@@ -291,7 +312,23 @@ class ChaosCluster:
             proc = self.lab.popen(host, argv, stdout=subprocess.PIPE, stderr=log, text=True)
         self.etcd[host.name] = _Child(proc, f"etcd-{host.name}", log_path)
 
-    def _wait_etcd(self, host: Host) -> None:
+    def etcd_leader(self) -> Host:
+        """The host whose etcd member leads now."""
+        h0 = self.lab.hosts[0]
+        endpoints = ",".join(self.etcd_endpoint(h) for h in self.lab.hosts)
+        result = self.lab.run(h0, ["etcdctl", "--endpoints", endpoints, "--command-timeout=2s",
+                                   "endpoint", "status", "-w", "json"],
+                              env=dict(os.environ, ETCDCTL_API="3"))
+        if result.returncode != 0:
+            raise ConfigError(f"etcdctl endpoint status failed: {result.stderr.strip()}")
+        for status in json.loads(result.stdout):
+            if status["Status"]["header"]["member_id"] == status["Status"]["leader"]:
+                address = status["Endpoint"].removeprefix("http://").rpartition(":")[0]
+                return next(h for h in self.lab.hosts if h.address == address)
+        raise ConfigError(f"no etcd member leads: {result.stdout.strip()}")
+
+    def wait_etcd(self, host: Host) -> None:
+        """Until ``host``'s etcd member answers healthy (it has a leader and a quorum)."""
         deadline = time.monotonic() + self.spec.start_timeout_s
         while True:
             result = self.lab.run(host, ["etcdctl", "--endpoints", self.etcd_endpoint(host),
@@ -341,8 +378,10 @@ class ChaosCluster:
         child.wait_line(DAEMON_READY, self.spec.start_timeout_s)
         return time.monotonic()
 
-    def start_loadgen(self, history_path: Path) -> _Child:
-        config = {"etcd": self.etcd_endpoint(self.lab.hosts[0]), "prefix": PREFIX,
+    def start_loadgen(self, history_path: Path, watch: Host) -> _Child:
+        """The load generator in the observer namespace, watching membership through
+        ``watch``'s etcd member; returns once it sees every node."""
+        config = {"etcd": self.etcd_endpoint(watch), "prefix": PREFIX,
                   "nodes": self.node_ids, "history": str(history_path),
                   "workers": self.spec.workers, "value_bytes": self.spec.value_bytes,
                   "op_pause_s": self.spec.op_pause_s}
@@ -367,10 +406,11 @@ class ChaosCluster:
 class _Injected:
     fault: Fault
     restarts: list[Restart] = field(default_factory=list)
+    healthy_at: float | None = None
+    """When every etcd member answered healthy again (etcd faults)."""
 
 
-def _kill_daemon(cluster: ChaosCluster) -> _Injected:
-    host = cluster.lab.hosts[FAULTED_HOST]
+def _kill_daemon(cluster: ChaosCluster, host: Host) -> _Injected:
     down = cluster.kill_daemon(host)
     time.sleep(cluster.spec.down_s)
     up = cluster.restart_daemon(host)
@@ -378,8 +418,7 @@ def _kill_daemon(cluster: ChaosCluster) -> _Injected:
                      [Restart(f"node-{host.name}", down, up)])
 
 
-def _stop_daemon(cluster: ChaosCluster) -> _Injected:
-    host = cluster.lab.hosts[FAULTED_HOST]
+def _stop_daemon(cluster: ChaosCluster, host: Host) -> _Injected:
     child = cluster.daemons[host.name]
     start = time.monotonic()
     child.proc.send_signal(signal.SIGSTOP)  # the daemon itself: setpriv and ip exec'd it
@@ -388,8 +427,7 @@ def _stop_daemon(cluster: ChaosCluster) -> _Injected:
     return _Injected(Fault("sigstop-daemon", f"node-{host.name}", start, time.monotonic()))
 
 
-def _partition_host(cluster: ChaosCluster) -> _Injected:
-    host = cluster.lab.hosts[FAULTED_HOST]
+def _partition_host(cluster: ChaosCluster, host: Host) -> _Injected:
     start = time.monotonic()
     cluster.lab.partition(host)
     # Longer than the others: if the host held etcd's leadership, the majority first elects a
@@ -399,9 +437,52 @@ def _partition_host(cluster: ChaosCluster) -> _Injected:
     return _Injected(Fault("partition-host", f"node-{host.name}", start, time.monotonic()))
 
 
-FAULTS: dict[str, Callable[[ChaosCluster], _Injected]] = {
-    "kill-daemon": _kill_daemon, "sigstop-daemon": _stop_daemon,
-    "partition-host": _partition_host}
+def _stop_etcd(name: str, count: int) -> Callable[[ChaosCluster, Host], _Injected]:
+    """SIGSTOP of ``count`` etcd members from ``host`` on (wrapping), for ``down_s`` + one
+    lease TTL, then SIGCONT; healthy when every member answers again."""
+
+    def inject(cluster: ChaosCluster, host: Host) -> _Injected:
+        hosts = cluster.lab.hosts
+        first = hosts.index(host)
+        members = [hosts[(first + i) % len(hosts)] for i in range(count)]
+        start = time.monotonic()
+        for h in members:
+            cluster.etcd[h.name].proc.send_signal(signal.SIGSTOP)
+        time.sleep(cluster.spec.down_s + LEASE_TTL_S)
+        for h in members:
+            cluster.etcd[h.name].proc.send_signal(signal.SIGCONT)
+        end = time.monotonic()
+        for h in hosts:
+            cluster.wait_etcd(h)
+        fault = Fault(name, "+".join(f"etcd-{h.name}" for h in members), start, end)
+        return _Injected(fault, healthy_at=time.monotonic())
+
+    return inject
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """Which host a fault hits (chosen once the cluster is up) and how it is injected."""
+
+    target: Callable[[ChaosCluster], Host]
+    inject: Callable[[ChaosCluster, Host], _Injected]
+
+
+def _faulted_host(cluster: ChaosCluster) -> Host:
+    return cluster.lab.hosts[FAULTED_HOST]
+
+
+FAULTS: dict[str, FaultPlan] = {
+    "kill-daemon": FaultPlan(_faulted_host, _kill_daemon),
+    "sigstop-daemon": FaultPlan(_faulted_host, _stop_daemon),
+    "partition-host": FaultPlan(_faulted_host, _partition_host),
+    "sigstop-etcd-member": FaultPlan(_faulted_host, _stop_etcd("sigstop-etcd-member", 1)),
+    "sigstop-etcd-leader": FaultPlan(lambda c: c.etcd_leader(),
+                                     _stop_etcd("sigstop-etcd-leader", 1)),
+    "etcd-quorum-loss": FaultPlan(_faulted_host, _stop_etcd("etcd-quorum-loss", 2)),
+}
+"""Every fault on ``h1`` but the etcd leader's (whichever host leads when the load starts);
+the quorum loss stops ``h1``'s and ``h2``'s members."""
 
 
 def run_fault(name: str, *, spec: ChaosSpec | None = None,
@@ -420,13 +501,22 @@ def run_fault(name: str, *, spec: ChaosSpec | None = None,
         work_dir.mkdir(parents=True, exist_ok=True)
         cluster = stack.enter_context(ChaosCluster(work_dir, spec))
         history_path = work_dir / "history.jsonl"
-        load = cluster.start_loadgen(history_path)
+        plan = FAULTS[name]
+        target = plan.target(cluster)
+        # The load watches membership through a member the fault leaves alone (the quorum
+        # loss stops the target's and the next host's: the one before them stays).
+        watch = cluster.lab.hosts[(cluster.lab.hosts.index(target) - 1) % 3]
+        load = cluster.start_loadgen(history_path, watch)
         time.sleep(spec.warmup_s)
-        injected = FAULTS[name](cluster)
-        # Recovery is measured, not assumed: wait (bounded) until the load sees the node back.
-        with contextlib.suppress(ConfigError):  # never left, or never back: the row says so
-            while load.wait_line(LOADGEN_REJOINED, REJOIN_TIMEOUT_S) != injected.fault.node:
-                pass
+        injected = plan.inject(cluster, target)
+        # Recovery is measured, not assumed: wait (bounded) until every node the load saw
+        # leave is back.
+        deadline = time.monotonic() + REJOIN_TIMEOUT_S
+        while time.monotonic() < deadline and load.alive():
+            left, back = load.seen(LOADGEN_LEFT), load.seen(LOADGEN_REJOINED)
+            if all(left.count(n) <= back.count(n) for n in left):
+                break
+            time.sleep(0.1)
         time.sleep(spec.after_s)
         assert load.proc.stdin is not None
         load.proc.stdin.write("stop\n")
@@ -437,7 +527,7 @@ def run_fault(name: str, *, spec: ChaosSpec | None = None,
             for restart in injected.restarts:
                 f.write(json.dumps({"kind": "restart", **asdict(restart)}) + "\n")
         history = read_history(history_path)
-        row = _row(history, injected.fault, summary)
+        row = _row(history, injected, summary)
         row.records = len(history.records)
         return row
 
@@ -459,7 +549,8 @@ def read_history(path: Path) -> History:
     return history
 
 
-def _row(history: History, fault: Fault, summary: dict[str, Any]) -> FaultRow:
+def _row(history: History, injected: _Injected, summary: dict[str, Any]) -> FaultRow:
+    fault = injected.fault
     violations = check(history, max_stall_s=MAX_STALL_S, request_timeout_s=REQUEST_TIMEOUT_S)
     [stats] = [s for s in fault_stats(history) if s.fault == fault.name]
 
@@ -475,6 +566,8 @@ def _row(history: History, fault: Fault, summary: dict[str, Any]) -> FaultRow:
               and r.op in (Op.PUT, Op.GET) and r.result is Result.OK and r.end_s is not None
               and r.start_s >= fault.end_s]
     recover = (max(min(rejoined), min(served)) - fault.start_s) if rejoined and served else None
+    if injected.healthy_at is not None:  # an etcd fault: until every member is healthy
+        recover = injected.healthy_at - fault.start_s
     others = [f"{v.invariant.value}: {v.message}" for v in violations
               if v.invariant not in (Invariant.WRONG_READ, Invariant.DURABLE_LOST,
                                      Invariant.OVER_TIMEOUT)]
@@ -483,8 +576,8 @@ def _row(history: History, fault: Fault, summary: dict[str, Any]) -> FaultRow:
     return FaultRow(fault.name, stats.attempted, stats.completed, stats.failed,
                     count(Invariant.WRONG_READ), count(Invariant.DURABLE_LOST),
                     durable_unverified(history), detect, recover, leaks,
-                    count(Invariant.OVER_TIMEOUT), longest_stall(history.records, fault)[0],
-                    others)
+                    len(history.lease_gaps), count(Invariant.OVER_TIMEOUT),
+                    longest_stall(history.records, fault)[0], others)
 
 
 # --- the load generator (runs in the observer namespace) -------------------------------------
@@ -531,6 +624,7 @@ class _Membership:
                         if event.kind is NodeEventKind.LEFT:
                             self.alive.pop(event.node_id, None)
                             self._open_gaps.setdefault(event.node_id, now)
+                            _say(LOADGEN_LEFT + event.node_id)
                         else:
                             self.alive[event.node_id] = event.record
                             since = self._open_gaps.pop(event.node_id, None)
@@ -752,10 +846,11 @@ def _fmt_s(v: float | None) -> str:
 
 def print_table(rows: list[FaultRow], out: IO[str] = sys.stdout) -> None:
     head = ("fault", "attempted", "completed", "failed", "wrong reads", "durable lost",
-            "unverified", "detect s", "recover s", "leaks", "over timeout", "stall s")
+            "unverified", "detect s", "recover s", "leaks", "left", "over timeout", "stall s")
     lines = [head] + [(r.fault, str(r.attempted), str(r.completed), str(r.failed),
                        str(r.wrong_reads), str(r.durable_lost), str(r.durable_unverified),
-                       _fmt_s(r.detect_s), _fmt_s(r.recover_s), str(r.leaks), str(r.over_timeout),
+                       _fmt_s(r.detect_s), _fmt_s(r.recover_s), str(r.leaks), str(r.nodes_left),
+                       str(r.over_timeout),
                        _fmt_s(r.longest_stall_s)) for r in rows]
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     for line in lines:

@@ -65,3 +65,19 @@ def test_partition_of_a_host_past_its_lease(tmp_path: Path) -> None:
     require_etcd()
     row = run_fault("partition-host", spec=ChaosSpec.quick(), work_dir=tmp_path)
     _assert_clean(row, read_history(tmp_path / "history.jsonl"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["sigstop-etcd-member", "sigstop-etcd-leader",
+                                   "etcd-quorum-loss"])
+def test_etcd_faults_leave_the_data_plane_serving(fault: str, tmp_path: Path) -> None:
+    """etcd members paused past every lease (one; the leader; two: no quorum), then continued:
+    the daemons keep serving what the load's last membership view points at, and etcd is
+    whole again after."""
+    require_etcd()
+    row = run_fault(fault, spec=ChaosSpec.quick(), work_dir=tmp_path)
+    history = read_history(tmp_path / "history.jsonl")
+    assert check(history, max_stall_s=MAX_STALL_S, request_timeout_s=REQUEST_TIMEOUT_S) == []
+    assert row.clean and row.completed > 0 and row.recover_s is not None, row
+    for gap in history.lease_gaps:  # a node evicted meanwhile came back
+        assert gap.renewed_s is not None, gap
