@@ -1,12 +1,13 @@
 """Same-host security: who may use the lease channel, map the arena, open the NVMe files, and
 which addresses the UCX worker listens on (issue 15).
 
-A process of another user is real here: the test forks a child that drops to uid/gid 65534
-(``nobody``; the tests run as root) and tries the real socket, shared-memory segment or file.
+A process of another user is real here: the test runs a child interpreter as uid/gid 65534
+(``nobody``; the tests run as root) that tries the real socket, shared-memory segment or file.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -14,8 +15,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,43 +32,47 @@ from kvstore.dataplane.transport.ucx import net_devices_for, ucx_unavailable
 from kvstore.errors import ConfigError, InvalidArgument, PermissionDenied
 from kvstore.node.backend import ShmLeases
 from kvstore.node.cache import TieredCache
+from tests.support.common import REPO_ROOT
 
 NOBODY = 65534
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0,
-                                reason="needs root to fork a child running as uid 65534")
+                                reason="needs root to run a child as uid 65534")
 
 
-def as_nobody(action: Callable[[], str]) -> str:
-    """Run ``action`` in a forked child that runs as uid/gid 65534 with no supplementary
-    groups; return what it returned, or ``"<ExceptionClass>: message"`` for what it raised."""
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        code = 0
-        try:
-            os.close(read_fd)
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            try:
-                out = action()
-            except BaseException as exc:  # reported to the parent, which asserts on it
-                out = f"{type(exc).__name__}: {exc}"
-            os.write(write_fd, out.encode()[:60000])
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        finally:
-            os._exit(code)
-    os.close(write_fd)
-    chunks = []
-    while data := os.read(read_fd, 65536):
-        chunks.append(data)
-    os.close(read_fd)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, "the uid-65534 child failed"
-    return b"".join(chunks).decode()
+_PRELUDE = f"""\
+import json, os, sys
+from kvstore.dataplane.arena import ShmArena
+from kvstore.dataplane.transport.shm import LeaseChannel
+from kvstore.dataplane.transport.shm.frames import ChannelOp
+os.setgroups([])
+os.setgid({NOBODY})
+os.setuid({NOBODY})
+"""
+
+_RUN = """
+try:
+    out = action(**json.loads(sys.argv[1]))
+except BaseException as exc:  # reported to the parent, which asserts on it
+    out = f"{type(exc).__name__}: {exc}"
+sys.stdout.write(out)
+"""
+
+
+def as_nobody(body: str, **args: object) -> str:
+    """Run ``body`` (a function body over ``args`` that returns a str) as uid/gid 65534 with no
+    supplementary groups; return what it returned, or ``"<ExceptionClass>: message"`` for
+    what it raised. In a fresh interpreter that imports what it needs and then drops to 65534
+    itself (this machine's interpreter lives under a 0700 /root, so 65534 could not exec it),
+    not in a fork of this process: a fork of a process running gRPC threads crashed now and
+    then."""
+    script = _PRELUDE + f"def action({', '.join(args)}):\n" \
+        + textwrap.indent(textwrap.dedent(body).strip("\n"), "    ") + "\n" + _RUN
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps(args)], cwd="/", env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, f"the uid-{NOBODY} child failed: {proc.stderr}"
+    return proc.stdout
 
 
 # --- the lease channel: SO_PEERCRED against an allowlist -------------------------------------
@@ -87,16 +91,15 @@ def leasing() -> Iterator[tuple[TieredCache, ShmLeases]]:
         cache.close()
 
 
-def _try_channel(address: str) -> Callable[[], str]:
-    def attempt() -> str:
-        chan = LeaseChannel(address, io_timeout_s=5)
-        try:
-            chan.call(ChannelOp.PUT, keys=[b"intruder", b""], arg=5, payload=memoryview(b"hello"))
-            lease_id, ranges = chan.call(ChannelOp.ACQUIRE_READ, keys=[b"k"])
-            return f"served: lease {lease_id}, ranges {ranges}"
-        finally:
-            chan.close()
-    return attempt
+TRY_CHANNEL = """
+chan = LeaseChannel(address, io_timeout_s=5)
+try:
+    chan.call(ChannelOp.PUT, keys=[b"intruder", b""], arg=5, payload=memoryview(b"hello"))
+    lease_id, ranges = chan.call(ChannelOp.ACQUIRE_READ, keys=[b"k"])
+    return f"served: lease {lease_id}, ranges {ranges}"
+finally:
+    chan.close()
+"""
 
 
 def test_the_lease_channel_refuses_another_uid_before_serving_any_frame(
@@ -105,7 +108,7 @@ def test_the_lease_channel_refuses_another_uid_before_serving_any_frame(
     srv = ShmServer(leases, lease_ttl_s=10)  # default allowlist: this process's uid only
     srv.start()
     try:
-        outcome = as_nobody(_try_channel(srv.address))
+        outcome = as_nobody(TRY_CHANNEL, address=srv.address)
         assert outcome.startswith("PermissionDenied:"), outcome
         assert f"uid {NOBODY}" in outcome and f"uids {os.getuid()}" in outcome
         assert srv.denied == 1
@@ -130,7 +133,7 @@ def test_an_allowed_uid_or_gid_is_served(leasing: tuple[TieredCache, ShmLeases])
         srv = ShmServer(leases, lease_ttl_s=10, allowed_peers=allow)
         srv.start()
         try:
-            outcome = as_nobody(_try_channel(srv.address))
+            outcome = as_nobody(TRY_CHANNEL, address=srv.address)
             assert outcome.startswith("served: lease"), outcome
             assert srv.denied == 0
         finally:
@@ -176,12 +179,11 @@ def test_peer_allowlist_rejects_bad_ids() -> None:
 # --- the shared-memory arena -------------------------------------------------------------------
 
 
-def _open_arena(path: str, flags: int) -> Callable[[], str]:
-    def attempt() -> str:
-        fd = os.open(path, flags)
-        os.close(fd)
-        return "opened"
-    return attempt
+OPEN = """
+os.close(os.open(path, flags))
+return "opened"
+"""
+LIST = "return ','.join(sorted(os.listdir(path)))"
 
 
 def test_an_arena_is_0600_and_another_uid_cannot_map_it() -> None:
@@ -189,14 +191,12 @@ def test_an_arena_is_0600_and_another_uid_cannot_map_it() -> None:
     try:
         path = f"/dev/shm/{arena.name}"
         assert os.stat(path).st_mode & 0o7777 == 0o600
-        outcome = as_nobody(_open_arena(path, os.O_RDONLY))
+        outcome = as_nobody(OPEN, path=path, flags=os.O_RDONLY)
         assert outcome.startswith("PermissionError:"), outcome
 
-        def attach() -> str:
-            ShmArena.attach(arena.name).close()
-            return "mapped"
-
-        assert as_nobody(attach).startswith("StorageError: cannot open"), "attach must fail"
+        attach = "ShmArena.attach(name).close()\nreturn 'mapped'"
+        assert as_nobody(attach, name=arena.name).startswith("StorageError: cannot open"), \
+            "attach must fail"
     finally:
         arena.close()
 
@@ -223,7 +223,7 @@ def test_an_arena_given_to_a_group_opens_for_that_group_only(
         path = f"/dev/shm/{arena.name}"
         st = os.stat(path)
         assert (st.st_mode & 0o7777, st.st_gid) == (mode, NOBODY)
-        outcome = as_nobody(_open_arena(path, flags))
+        outcome = as_nobody(OPEN, path=path, flags=flags)
         assert (outcome == "opened") is allowed, outcome
     finally:
         arena.close()
@@ -264,10 +264,10 @@ def test_nvme_directory_is_0700_and_another_uid_cannot_open_a_segment(
         assert directory.stat().st_mode & 0o7777 == 0o700
         segments = sorted(directory.glob("seg-*.kvt"))
         assert segments
-        assert as_nobody(lambda: str(os.listdir(open_parent))) == "['nvme']"  # reachable
-        outcome = as_nobody(_open_arena(str(segments[0]), os.O_RDONLY))
+        assert as_nobody(LIST, path=str(open_parent)) == "nvme"  # reachable
+        outcome = as_nobody(OPEN, path=str(segments[0]), flags=os.O_RDONLY)
         assert outcome.startswith("PermissionError:"), outcome
-        outcome = as_nobody(lambda: str(os.listdir(directory)))
+        outcome = as_nobody(LIST, path=str(directory))
         assert outcome.startswith("PermissionError:"), outcome
     finally:
         tier.close()
@@ -300,7 +300,7 @@ def test_nvme_tier_with_a_group_is_0750_and_the_group_may_read(open_parent: Path
         tier.put(b"chunk-1", b"x" * 10000)
         st = directory.stat()
         assert (st.st_mode & 0o7777, st.st_gid) == (0o750, NOBODY)
-        outcome = as_nobody(lambda: ",".join(sorted(os.listdir(directory))))
+        outcome = as_nobody(LIST, path=str(directory))
         assert "seg-" in outcome, outcome
     finally:
         tier.close()
