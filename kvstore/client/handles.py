@@ -120,10 +120,7 @@ class LayerwiseSave:
     def save_layer(self, layer: int) -> cf.Future[None]:
         """Copy layer ``layer`` out of the source in the background. Raises InvalidArgument
         for a layer out of range or given twice."""
-        if not 0 <= layer < len(self._copies):
-            raise InvalidArgument(f"layer {layer} out of range [0, {len(self._copies)})")
-        if self._copies[layer] is not None or self._finished is not None:
-            raise InvalidArgument(f"layer {layer} was already saved (or the save is finished)")
+        _check_layer(layer, self._copies, self._finished)
 
         def copy() -> None:
             t0 = time.perf_counter()
@@ -185,10 +182,7 @@ class BatchSave:
     def save_layer(self, layer: int) -> cf.Future[None]:
         """Copy layer ``layer`` of every request out of its source in the background. Raises
         InvalidArgument for a layer out of range or given twice."""
-        if not 0 <= layer < len(self._copies):
-            raise InvalidArgument(f"layer {layer} out of range [0, {len(self._copies)})")
-        if self._copies[layer] is not None or self._finished is not None:
-            raise InvalidArgument(f"layer {layer} was already saved (or the save is finished)")
+        _check_layer(layer, self._copies, self._finished)
 
         def copy() -> None:
             t0 = time.perf_counter()
@@ -295,10 +289,7 @@ class DirectBatchSave:
         """Copy layer ``layer`` of every request out of its source in the background (into the
         reserved chunks, or staging rows while they are not granted). Raises InvalidArgument
         for a layer out of range or given twice."""
-        if not 0 <= layer < len(self._copies):
-            raise InvalidArgument(f"layer {layer} out of range [0, {len(self._copies)})")
-        if self._copies[layer] is not None or self._finished is not None:
-            raise InvalidArgument(f"layer {layer} was already saved (or the save is finished)")
+        _check_layer(layer, self._copies, self._finished)
 
         def copy() -> None:
             t0 = time.perf_counter()
@@ -417,6 +408,16 @@ class DirectBatchSave:
             held, self._held = self._held, None
         for _view, buf in held or ():
             self._client._staging.release(buf)
+
+
+def _check_layer(layer: int, copies: Sequence[cf.Future[None] | None],
+                 finished: cf.Future[Any] | None) -> None:
+    """A save's ``save_layer(layer)`` arguments: InvalidArgument for a layer out of range or
+    given twice, or once the save is finished."""
+    if not 0 <= layer < len(copies):
+        raise InvalidArgument(f"layer {layer} out of range [0, {len(copies)})")
+    if copies[layer] is not None or finished is not None:
+        raise InvalidArgument(f"layer {layer} was already saved (or the save is finished)")
 
 
 def _when_all(futures: Sequence[cf.Future[Any]], then: Callable[[], None]) -> None:

@@ -160,13 +160,18 @@ class ContiguousKV:
     def scatter_layer(self, layer: int, blocks: range, chunks: torch.Tensor) -> None:
         self._tokens(layer, blocks).copy_(chunks)
 
-    def scatter_chunks(self, layers: range, blocks: range, chunks: Sequence[torch.Tensor]
-                       ) -> None:
+    def _check_runs(self, layers: range, blocks: range, chunks: Sequence[torch.Tensor]) -> int:
+        """Checks of a whole-chunk copy; the block size in tokens."""
         _check_chunks(layers, blocks, chunks, self.layout)
         B = self.layout.block_tokens
         if blocks.stop * B > self.tensor.shape[3]:
             raise InvalidArgument(f"blocks {blocks} need {blocks.stop * B} tokens; the buffer "
                                   f"has {self.tensor.shape[3]}")
+        return B
+
+    def scatter_chunks(self, layers: range, blocks: range, chunks: Sequence[torch.Tensor]
+                       ) -> None:
+        B = self._check_runs(layers, blocks, chunks)
         lo, hi = layers.start, layers.stop
         for b, chunk in zip(blocks, chunks, strict=True):
             # [l, 2, H, B, D] of one block: one strided copy for all its layers
@@ -174,11 +179,7 @@ class ContiguousKV:
 
     def gather_chunks(self, layers: range, blocks: range, chunks: Sequence[torch.Tensor]
                       ) -> None:
-        _check_chunks(layers, blocks, chunks, self.layout)
-        B = self.layout.block_tokens
-        if blocks.stop * B > self.tensor.shape[3]:
-            raise InvalidArgument(f"blocks {blocks} need {blocks.stop * B} tokens; the buffer "
-                                  f"has {self.tensor.shape[3]}")
+        B = self._check_runs(layers, blocks, chunks)
         lo, hi = layers.start, layers.stop
         for b, chunk in zip(blocks, chunks, strict=True):
             chunk[lo:hi].copy_(self.tensor[lo:hi, :, :, b * B:(b + 1) * B])

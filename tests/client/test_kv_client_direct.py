@@ -25,6 +25,7 @@ from kvstore.integrations.vllm.layout import (  # noqa: E402
     GuardedKV,
     engine_kv_for,
 )
+from tests.support import cpu_kv  # noqa: E402
 from tests.support.daemon import DaemonProcess  # noqa: E402
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_tokens=16,
@@ -56,22 +57,7 @@ def tokens(n: int, seed: int) -> list[int]:
 
 
 def vllm_caches(kind: str, seed: int | None) -> list[torch.Tensor]:
-    """CPU vLLM's per-layer tensors, laid out as vLLM may allocate them: ``layer-major`` (one
-    allocation, layer l at l * layer_stride), ``block-major`` (one allocation, the layers of a
-    block side by side) or ``separate`` (one tensor per layer: no common layer stride)."""
-    L = LAYOUT.num_layers
-    g = torch.Generator().manual_seed(seed or 0)
-
-    def fill(shape: tuple[int, ...]) -> torch.Tensor:
-        return torch.randn(shape, generator=g) if seed is not None else torch.zeros(shape)
-
-    if kind == "layer-major":
-        whole = fill((L, *CPU_SHAPE))
-        return [whole[i] for i in range(L)]
-    if kind == "block-major":
-        whole = fill((NUM_BLOCKS, L, *CPU_SHAPE[1:]))
-        return [whole[:, i] for i in range(L)]
-    return [fill(CPU_SHAPE) for _ in range(L)]
+    return cpu_kv.vllm_caches(LAYOUT, NUM_BLOCKS, kind, seed)
 
 
 def save_blocks(client: KVClient, toks: Sequence[list[int]], caches: list[torch.Tensor],

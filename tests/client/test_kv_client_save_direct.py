@@ -24,6 +24,7 @@ from kvstore.client.requests import LoadRequest, SaveRequest  # noqa: E402
 from kvstore.client.store_client import DataPlane, StoreClient, StoreClientConfig  # noqa: E402
 from kvstore.errors import ChunkNotFound  # noqa: E402
 from kvstore.integrations.vllm.layout import CpuBlocksKV, engine_kv_for  # noqa: E402
+from tests.support import cpu_kv  # noqa: E402
 from tests.support.common import wait_until  # noqa: E402
 from tests.support.daemon import DaemonProcess  # noqa: E402
 
@@ -55,20 +56,7 @@ def tokens(n: int, seed: int) -> list[int]:
 
 
 def vllm_caches(kind: str, seed: int | None) -> list[torch.Tensor]:
-    """CPU vLLM's per-layer tensors: one allocation layer-major, block-major, or separate."""
-    L = LAYOUT.num_layers
-    g = torch.Generator().manual_seed(seed or 0)
-
-    def fill(shape: tuple[int, ...]) -> torch.Tensor:
-        return torch.randn(shape, generator=g) if seed is not None else torch.zeros(shape)
-
-    if kind == "layer-major":
-        whole = fill((L, *CPU_SHAPE))
-        return [whole[i] for i in range(L)]
-    if kind == "block-major":
-        whole = fill((NUM_BLOCKS, L, *CPU_SHAPE[1:]))
-        return [whole[:, i] for i in range(L)]
-    return [fill(CPU_SHAPE) for _ in range(L)]
+    return cpu_kv.vllm_caches(LAYOUT, NUM_BLOCKS, kind, seed)
 
 
 class NoStaging:
