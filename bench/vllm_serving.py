@@ -4,7 +4,8 @@ Run with ``kvtier bench vllm [--quick] [--json PATH]`` (or ``python -m bench.vll
 
 **Workload.** The Mooncake conversation trace (``conversation_trace.jsonl``, found as
 ``planner.trace.default_trace_path`` does). Its ``hash_ids`` are prefix-chained ids of 512-token
-blocks; the first ``CONVERSATIONS`` conversations with at least two requests are kept (a
+blocks; the first ``CONVERSATIONS`` conversations with at least two requests (``--min-turns``)
+are kept (a
 conversation is ``hash_ids[1]``: block 0 is the system prompt every request shares), with all
 their requests, in the trace's order. Contiguous windows of the trace hold almost no reuse
 (~4% of blocks in any 100-request window: follow-up turns arrive minutes later), while the
@@ -169,14 +170,16 @@ def scale(index: int, request: TraceRequest, max_blocks: int = MAX_BLOCKS) -> Be
 
 
 def select_conversations(requests: Sequence[TraceRequest], conversations: int,
-                         max_blocks: int = MAX_BLOCKS) -> list[BenchRequest]:
-    """The requests of the first ``conversations`` conversations with >= 2 requests, in
-    trace order, scaled."""
+                         max_blocks: int = MAX_BLOCKS, min_turns: int = 2
+                         ) -> list[BenchRequest]:
+    """The requests of the first ``conversations`` conversations with >= ``min_turns``
+    requests, in trace order, scaled."""
     members: dict[int, list[int]] = {}
     for index, request in enumerate(requests):
         if len(request.hash_ids) > 1:
             members.setdefault(request.hash_ids[1], []).append(index)
-    chosen = sorted((m for m in members.values() if len(m) >= 2), key=lambda m: m[0])
+    chosen = sorted((m for m in members.values() if len(m) >= max(2, min_turns)),
+                    key=lambda m: m[0])
     picked = sorted(i for m in chosen[:conversations] for i in m)
     return [scale(i, requests[i], max_blocks) for i in picked]
 
@@ -843,13 +846,17 @@ def _first_error(text: str) -> str:
 
 
 def run(quick: bool, modes: Sequence[Mode], trace_path: Path | None = None,
-        work: Path | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+        work: Path | None = None, log: Callable[[str], None] = print, *,
+        conversations: int | None = None, min_turns: int = 2) -> dict[str, Any]:
     trace_path = trace_path or default_trace_path()
     if trace_path is None:
         raise SystemExit("conversation_trace.jsonl not found (set KVTIER_DATA_DIR)")
-    trace = select_conversations(load_requests(trace_path), CONVERSATIONS[quick])
+    conversations = conversations or CONVERSATIONS[quick]
+    trace = select_conversations(load_requests(trace_path), conversations,
+                                 min_turns=min_turns)
     reuse = reuse_of(trace)
-    log(f"{len(trace)} requests from {CONVERSATIONS[quick]} conversations; reusable "
+    log(f"{len(trace)} requests from {conversations} conversations of >= {min_turns} turns; "
+        f"reusable "
         f"{reuse.reuse_ratio:.0%} of blocks, {reuse.cross_instance_share:.0%} of those only on "
         f"the other instance")
     model_dir = tiny_llama_checkpoint(SPEC)
@@ -875,7 +882,8 @@ def run(quick: bool, modes: Sequence[Mode], trace_path: Path | None = None,
     finally:
         if own_work:
             shutil.rmtree(work, ignore_errors=True)
-    config = {"quick": quick, "trace": str(trace_path), "conversations": CONVERSATIONS[quick],
+    config = {"quick": quick, "trace": str(trace_path), "conversations": conversations,
+              "min_turns": min_turns,
               "block_tokens": BLOCK_TOKENS, "trace_block_tokens": TRACE_BLOCK_TOKENS,
               "max_blocks": MAX_BLOCKS, "max_tokens": MAX_TOKENS, "max_model_len": MAX_MODEL_LEN,
               "vllm_kv_bytes": VLLM_KV_BYTES, "store_bytes": STORE_BYTES,
@@ -914,12 +922,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--modes", default=",".join(m.value for m in Mode),
                         help="comma-separated modes (vllm-alone always runs)")
     parser.add_argument("--trace", type=Path, default=None)
+    parser.add_argument("--conversations", type=int, default=None,
+                        help="how many conversations (default: the --quick choice above)")
+    parser.add_argument("--min-turns", type=int, default=2,
+                        help="keep only conversations of at least this many requests (a "
+                             "slice with more reuse)")
     parser.add_argument("--keep", type=Path, default=None,
                         help="work directory to keep (instance logs); default a temp dir")
     args = parser.parse_args(argv)
     modes = [Mode(m.strip()) for m in args.modes.split(",") if m.strip()]
     doc = run(args.quick, modes, args.trace, args.keep,
-              log=lambda line: print(line, file=sys.stderr, flush=True))
+              log=lambda line: print(line, file=sys.stderr, flush=True),
+              conversations=args.conversations, min_turns=args.min_turns)
     print(format_table(doc))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

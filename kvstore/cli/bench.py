@@ -190,6 +190,10 @@ def vllm_serving(
     modes: str = typer.Option("vllm-alone,kvtier,lmcache,mooncake", "--modes",
                               help="Comma-separated modes (vllm-alone always runs)."),
     keep: Path | None = typer.Option(None, "--keep", help="Keep instance logs in this directory."),
+    conversations: int | None = typer.Option(None, "--conversations",
+                                             help="How many conversations (default: by --quick)."),
+    min_turns: int = typer.Option(2, "--min-turns",
+                                  help="Only conversations of at least this many requests."),
 ) -> None:
     """Real vLLM on the conversation trace: alone, with kvtier, with LMCache and Mooncake (TTFT,
     TPOT, prefill tokens, hits, KV bytes and load cost beside memcpy, cold overhead, outputs)."""
@@ -198,6 +202,8 @@ def vllm_serving(
     argv = (["--quick"] if quick else []) + ["--modes", modes]
     argv += ["--json", str(json_path)] if json_path is not None else []
     argv += ["--keep", str(keep)] if keep is not None else []
+    argv += ["--conversations", str(conversations)] if conversations is not None else []
+    argv += ["--min-turns", str(min_turns)]
     bench_vllm_serving.main(argv)
 
 
