@@ -24,7 +24,7 @@ Each decision is made the way the front door makes it (``kvstore.frontdoor``: a
 etcd, one request at a time, each reported done afterwards as the fleet does), and timed in parts:
 
 (a) ``hash``: hashing the prompt's blocks as the conductor does per Schedule (the prompt's vLLM
-    block hashes, :data:`HASHINGS_PER_DECISION` times), timed in this process with the same code
+    block hashes, :func:`hashings_per_decision` times), timed in this process with the same code
     on the same kind of input (a numpy array of the ids);
 (b) ``schedule``: the ``ConductorClient.schedule`` call the router makes (request built, RPC, reply);
 (c) ``decision``: the router's whole ``route`` (what the fleet's "routing p50 / p99" is);
@@ -232,9 +232,13 @@ def _spec(work: Path, name: str) -> Any:
                         block_size_tokens=BLOCK_TOKENS)
 
 
-HASHINGS_PER_DECISION = 1
-"""How many times the conductor hashes a prompt's blocks per Schedule (part (a)): once since
-the match's hashes serve the mismatch probe too (twice before: ``routing-before.json``)."""
+def hashings_per_decision() -> int:
+    """How many times the conductor's Schedule hashes a prompt's blocks (part (a)): once where
+    its engine index keeps a match's hashes for the mismatch probe (``EngineCacheIndex.match``),
+    twice in the code before it (matched, then hashed again for the probe)."""
+    from conductor.engine_index import EngineCacheIndex
+
+    return 1 if hasattr(EngineCacheIndex, "match") else 2
 
 
 # -- the measurement ------------------------------------------------------------------------
@@ -253,7 +257,16 @@ async def _wait_ready(client: Any, expected_blocks: dict[str, int]) -> Any:
         await asyncio.sleep(0.1)
 
 
-async def _drive(etcd_url: str, address: str, work: Path, decisions: int,
+def _cpu_ns(pid: int) -> int:
+    """On-CPU nanoseconds of every thread of a process so far (Linux schedstat)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that just ended
+            total += int((task / "schedstat").read_text().split()[0])
+    return total
+
+
+async def _drive(etcd_url: str, address: str, server_pid: int, work: Path, decisions: int,
                  warm: dict[int, list[list[int]]], rng: random.Random) -> dict[str, Any]:
     import grpc
     import numpy as np
@@ -324,6 +337,7 @@ async def _drive(etcd_url: str, address: str, work: Path, decisions: int,
                         [(hasher.hashes(prompt), prompt[: full * BLOCK_TOKENS])])
                 return decision
 
+            hashings = hashings_per_decision()
             for state in ("cold", "warm"):
                 for n in LENGTHS:
                     def pick(n: int = n, state: str = state) -> list[int]:
@@ -343,10 +357,13 @@ async def _drive(etcd_url: str, address: str, work: Path, decisions: int,
                     # Interleaved, so that every part sees the same machine state.
                     for _ in range(decisions):
                         prompt = pick()
-                        ids = np.array(prompt, dtype=np.uint32)  # made from the request, untimed
+                        # What the conductor hashes: a numpy array of the request's ids (made
+                        # untimed, as the handler makes it in microseconds), or before that
+                        # change, a list of them.
+                        ids = np.array(prompt, dtype=np.uint32) if hashings == 1 else prompt
                         began = time.perf_counter()
                         hasher.hashes(ids)
-                        hash_s.append((time.perf_counter() - began) * HASHINGS_PER_DECISION)
+                        hash_s.append((time.perf_counter() - began) * hashings)
                         decision = await decide(prompt, state == "cold")
                         name = getattr(decision, "name", f"rejected:{getattr(decision, 'code', '')}")
                         backends[name] = backends.get(name, 0) + 1
@@ -358,13 +375,29 @@ async def _drive(etcd_url: str, address: str, work: Path, decisions: int,
                         lookup_s.append(time.perf_counter() - began)
                     cached = sum(int(d.engine_cached_tokens) for d in
                                  client.decisions[-decisions:]) // decisions
+                    # CPU per call, which other load on the machine does not inflate as it
+                    # does wall time: decisions alone (each with its ReportCompletion, and no
+                    # events published), then bare Health checks alone.
+                    prompts = [pick() for _ in range(decisions)]
+                    s0, c0 = _cpu_ns(server_pid), time.process_time_ns()
+                    for prompt in prompts:
+                        await decide(prompt, False)
+                    s1, c1 = _cpu_ns(server_pid), time.process_time_ns()
+                    for _ in range(decisions):
+                        await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                    s2, c2 = _cpu_ns(server_pid), time.process_time_ns()
+                    cpu = {"decision_conductor_us": (s1 - s0) / decisions / 1e3,
+                           "decision_client_us": (c1 - c0) / decisions / 1e3,
+                           "health_conductor_us": (s2 - s1) / decisions / 1e3,
+                           "health_client_us": (c2 - c1) / decisions / 1e3}
                     rows.append({
                         "state": state, "prompt_tokens": n, "blocks": n // BLOCK_TOKENS,
                         "decisions": decisions, "backends": backends,
                         "mean_engine_cached_tokens": cached,
                         "hash": _stats_us(hash_s), "schedule": _stats_us(schedule_s),
                         "decision": _stats_us(router.decision_s),
-                        "health": _stats_us(health_s), "lookup0": _stats_us(lookup_s)})
+                        "health": _stats_us(health_s), "lookup0": _stats_us(lookup_s),
+                        "cpu": cpu})
         finally:
             await health_channel.close()
             await client.close()
@@ -406,13 +439,13 @@ def run(quick: bool = False, seed: int = 0, work_dir: Path | None = None) -> dic
                      "conductor-0", "--block-size-tokens", str(BLOCK_TOKENS), "--policy",
                      "global-cache"], READY_CONDUCTOR, work / "conductor.log")
                 procs.append(proc)
-                measured = asyncio.run(_drive(etcd.client_url, str(ready["address"]), work,
+                measured = asyncio.run(_drive(etcd.client_url, str(ready["address"]), proc.pid, work,
                                               decisions, warm, rng))
             finally:
                 for proc in reversed(procs):
                     _stop(proc)
     result.update({"quick": quick, "block_tokens": BLOCK_TOKENS,
-                   "hashings_per_decision": HASHINGS_PER_DECISION, **measured})
+                   "hashings_per_decision": hashings_per_decision(), **measured})
     return result
 
 
@@ -423,10 +456,11 @@ def format_table(result: dict[str, Any]) -> str:
         f"(a) hash: the prompt's block hashing x{result['hashings_per_decision']} per decision; "
         "(b) schedule: the client's Schedule call; (c) decision: the router's route(); "
         "(d) health: a bare gRPC Health/Check (the RPC floor); lookup0: an empty Lookup via the "
-        "client. ratio = (c) p99 / (d) p99.",
+        "client. ratio = (c) p99 / (d) p99. cpu: microseconds of CPU per call, conductor + "
+        "front door (the decision's includes its ReportCompletion).",
         f"{'state':<5} {'tokens':>6} {'blocks':>6} {'cached':>6}  {'(a) hash':>13}  "
         f"{'(b) schedule':>13}  {'(c) decision':>13}  {'(d) health':>13}  {'lookup0':>13}  "
-        f"{'ratio':>5}  backends"]
+        f"{'ratio':>5}  {'cpu (c)':>9}  {'cpu (d)':>9}  backends"]
 
     def cell(s: dict[str, float]) -> str:
         return f"{s['p50_us']:>6.0f}/{s['p99_us']:<6.0f}"
@@ -434,11 +468,14 @@ def format_table(result: dict[str, Any]) -> str:
     for row in result["rows"]:
         ratio = row["decision"]["p99_us"] / row["health"]["p99_us"]
         backends = " ".join(f"{k}:{v}" for k, v in sorted(row["backends"].items()))
+        cpu = row["cpu"]
         lines.append(
             f"{row['state']:<5} {row['prompt_tokens']:>6} {row['blocks']:>6} "
             f"{row['mean_engine_cached_tokens']:>6}  {cell(row['hash'])}  "
             f"{cell(row['schedule'])}  {cell(row['decision'])}  {cell(row['health'])}  "
-            f"{cell(row['lookup0'])}  {ratio:>5.1f}  {backends}")
+            f"{cell(row['lookup0'])}  {ratio:>5.1f}  "
+            f"{cpu['decision_conductor_us']:>4.0f}+{cpu['decision_client_us']:<4.0f}  "
+            f"{cpu['health_conductor_us']:>4.0f}+{cpu['health_client_us']:<4.0f}  {backends}")
     lines.append(f"git {result['git_sha'][:12]}, load avg {result['machine']['load_avg_1m']:.2f} "
                  f"on {result['machine']['cpus']} CPUs")
     return "\n".join(lines)
