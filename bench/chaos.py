@@ -125,6 +125,13 @@ REJOIN_TIMEOUT_S = 30.0
 SUSPECT_S = float(LEASE_TTL_S)
 """After a request to a node failed, the load sends it nothing new for this long (what an
 engine does: it recomputes instead of queueing behind a node that does not answer)."""
+CONDUCTOR_PORT = 50061
+CONDUCTOR_HOSTS = (0, 2)
+"""Hosts with a conductor (leader and standby), as the issue's cluster has."""
+ELECTION_TTL_S = 2
+MODEL = "chaos"
+ENGINES_READY = "KVTIER-ENGINES-READY"
+CONDUCTOR_READY = "KVTIER-CONDUCTOR-READY "
 FAULTED_HOST = 1
 """The host most faults hit (the load watches membership through another host's etcd member)."""
 
@@ -170,6 +177,12 @@ class FaultRow:
     """Longest span of the fault window with no request answered."""
     other_violations: list[str] = field(default_factory=list)
     records: int = 0
+    decisions: int = 0
+    """Requests the conductors placed over the whole run."""
+    last_answer_s: dict[str, float] = field(default_factory=dict)
+    """When each conductor last answered a Schedule (monotonic s): a paused one woke up."""
+    schedule_errors: list[str] = field(default_factory=list)
+    """Schedule/Leader errors other than a follower's refusal, UNAVAILABLE or a deadline."""
 
     @property
     def clean(self) -> bool:
@@ -259,6 +272,9 @@ class ChaosCluster:
         self.lab = NetnsLab(hosts=3)
         self.etcd: dict[str, _Child] = {}
         self.daemons: dict[str, _Child] = {}
+        self.engines: dict[str, _Child] = {}
+        self.conductors: dict[str, _Child] = {}
+        self.conductor_addresses: dict[str, str] = {}
         self.node_ids = [f"node-{h.name}" for h in self.lab.hosts]
 
     def __enter__(self) -> ChaosCluster:
@@ -287,6 +303,54 @@ class ChaosCluster:
             self.daemons[host.name] = self._spawn_daemon(host)
         for host in self.lab.hosts:
             self.daemons[host.name].wait_line(DAEMON_READY, self.spec.start_timeout_s)
+        for host in self.lab.hosts:
+            self.engines[host.name] = self._spawn_engines(host)
+        for host in self.lab.hosts:
+            self.engines[host.name].wait_line(ENGINES_READY, self.spec.start_timeout_s)
+        for i in CONDUCTOR_HOSTS:
+            self.conductors[self.lab.hosts[i].name] = self._spawn_conductor(self.lab.hosts[i])
+        for i in CONDUCTOR_HOSTS:
+            self._wait_conductor(self.lab.hosts[i])
+
+    def _spawn_engines(self, host: Host) -> _Child:
+        """The engine records of ``host`` (one prefill, one decode instance on its node),
+        held under their own leases by a process in the host's namespace, as an engine holds
+        them: the conductor schedules onto them (no engine runs; the decisions are checked)."""
+        log_path = self.work_dir / f"engines-{host.name}.log"
+        argv = [sys.executable, "-m", "bench.chaos", "engines", self.etcd_endpoint(host),
+                PREFIX, f"node-{host.name}", host.name]
+        with log_path.open("a") as log:
+            proc = self.lab.popen(host, argv, stdout=subprocess.PIPE, stderr=log, text=True,
+                                  cwd=REPO, env=_env())
+        return _Child(proc, f"engines-{host.name}", log_path)
+
+    def _spawn_conductor(self, host: Host) -> _Child:
+        argv = [sys.executable, "-m", "kvstore.cli.main", "conductor",
+                "--etcd", self.etcd_endpoint(host), "--prefix", PREFIX,
+                "--listen", f"{host.address}:{CONDUCTOR_PORT}", "--insecure",
+                "--id", f"conductor-{host.name}", "--election-ttl-s", str(ELECTION_TTL_S)]
+        log_path = self.work_dir / f"conductor-{host.name}.log"
+        with log_path.open("a") as log:
+            proc = self.lab.popen(host, argv, stdout=subprocess.PIPE, stderr=log, text=True,
+                                  cwd=REPO, env=_env())
+        return _Child(proc, f"conductor-{host.name}", log_path)
+
+    def _wait_conductor(self, host: Host) -> None:
+        ready = json.loads(self.conductors[host.name].wait_line(CONDUCTOR_READY,
+                                                               self.spec.start_timeout_s))
+        self.conductor_addresses[ready["conductor_id"]] = ready["address"]
+
+    def conductor_leader(self) -> Host:
+        """The host whose conductor etcd names leader now."""
+        h0 = self.lab.hosts[0]
+        result = self.lab.run(h0, ["etcdctl", "--endpoints", self.etcd_endpoint(h0),
+                                   "--command-timeout=2s", "get", "--print-value-only",
+                                   f"{PREFIX}conductor/leader"],
+                              env=dict(os.environ, ETCDCTL_API="3"))
+        if result.returncode != 0 or not result.stdout.strip():
+            raise ConfigError(f"no conductor leader in etcd: {result.stderr.strip()}")
+        leader = json.loads(result.stdout)["conductor_id"]
+        return next(h for h in self.lab.hosts if f"conductor-{h.name}" == leader)
 
     def etcd_endpoint(self, host: Host) -> str:
         return f"{host.address}:{ETCD_CLIENT_PORT}"
@@ -384,7 +448,8 @@ class ChaosCluster:
         config = {"etcd": self.etcd_endpoint(watch), "prefix": PREFIX,
                   "nodes": self.node_ids, "history": str(history_path),
                   "workers": self.spec.workers, "value_bytes": self.spec.value_bytes,
-                  "op_pause_s": self.spec.op_pause_s}
+                  "op_pause_s": self.spec.op_pause_s,
+                  "conductors": self.conductor_addresses}
         config_path = self.work_dir / "loadgen.json"
         config_path.write_text(json.dumps(config))
         log_path = self.work_dir / "loadgen.log"
@@ -437,6 +502,29 @@ def _partition_host(cluster: ChaosCluster, host: Host) -> _Injected:
     return _Injected(Fault("partition-host", f"node-{host.name}", start, time.monotonic()))
 
 
+def _kill_conductor(cluster: ChaosCluster, host: Host) -> _Injected:
+    """``kill -9`` of the leading conductor; restarted (as a standby) after ``down_s``."""
+    start = time.monotonic()
+    cluster.conductors[host.name].kill()
+    time.sleep(cluster.spec.down_s)
+    cluster.conductors[host.name] = cluster._spawn_conductor(host)
+    cluster._wait_conductor(host)
+    return _Injected(Fault("kill-conductor-leader", f"conductor-{host.name}", start,
+                           time.monotonic()))
+
+
+def _stop_conductor(cluster: ChaosCluster, host: Host) -> _Injected:
+    """SIGSTOP of the leading conductor past its election TTL (a standby takes over), then
+    SIGCONT: the woken one must not decide in its old term."""
+    child = cluster.conductors[host.name]
+    start = time.monotonic()
+    child.proc.send_signal(signal.SIGSTOP)
+    time.sleep(cluster.spec.down_s)
+    child.proc.send_signal(signal.SIGCONT)
+    return _Injected(Fault("sigstop-conductor-leader", f"conductor-{host.name}", start,
+                           time.monotonic()))
+
+
 def _stop_etcd(name: str, count: int) -> Callable[[ChaosCluster, Host], _Injected]:
     """SIGSTOP of ``count`` etcd members from ``host`` on (wrapping), for ``down_s`` + one
     lease TTL, then SIGCONT; healthy when every member answers again."""
@@ -480,9 +568,11 @@ FAULTS: dict[str, FaultPlan] = {
     "sigstop-etcd-leader": FaultPlan(lambda c: c.etcd_leader(),
                                      _stop_etcd("sigstop-etcd-leader", 1)),
     "etcd-quorum-loss": FaultPlan(_faulted_host, _stop_etcd("etcd-quorum-loss", 2)),
+    "kill-conductor-leader": FaultPlan(lambda c: c.conductor_leader(), _kill_conductor),
+    "sigstop-conductor-leader": FaultPlan(lambda c: c.conductor_leader(), _stop_conductor),
 }
-"""Every fault on ``h1`` but the etcd leader's (whichever host leads when the load starts);
-the quorum loss stops ``h1``'s and ``h2``'s members."""
+"""Every fault on ``h1`` but the leaders' (the etcd member or conductor that leads when the
+load starts); the quorum loss stops ``h1``'s and ``h2``'s members."""
 
 
 def run_fault(name: str, *, spec: ChaosSpec | None = None,
@@ -529,6 +619,9 @@ def run_fault(name: str, *, spec: ChaosSpec | None = None,
         history = read_history(history_path)
         row = _row(history, injected, summary)
         row.records = len(history.records)
+        row.decisions = int(summary.get("decisions", 0))
+        row.last_answer_s = {k: float(v) for k, v in summary.get("last_answer", {}).items()}
+        row.schedule_errors = list(summary.get("schedule_errors", []))
         return row
 
 
@@ -568,6 +661,13 @@ def _row(history: History, injected: _Injected, summary: dict[str, Any]) -> Faul
     recover = (max(min(rejoined), min(served)) - fault.start_s) if rejoined and served else None
     if injected.healthy_at is not None:  # an etcd fault: until every member is healthy
         recover = injected.healthy_at - fault.start_s
+    if fault.node.startswith("conductor-"):  # detect: a new term; recover: its first decision
+        acts = [r for r in history.records if r.op is Op.LEASE and r.result is Result.OK]
+        before = max((r.epoch for r in acts if r.start_s < fault.start_s), default=0)
+        newer = [r for r in acts if r.epoch > before and r.start_s >= fault.start_s]
+        detect = min(r.start_s for r in newer) - fault.start_s if newer else None
+        decided = [r.end_s for r in newer if r.key != "leader" and r.end_s is not None]
+        recover = min(decided) - fault.start_s if decided else None
     others = [f"{v.invariant.value}: {v.message}" for v in violations
               if v.invariant not in (Invariant.WRONG_READ, Invariant.DURABLE_LOST,
                                      Invariant.OVER_TIMEOUT)]
@@ -716,6 +816,10 @@ class _Load:
         self.acked: list[tuple[str, str, int]] = []
         self.stopping = threading.Event()
         self.suspect: dict[str, float] = {}
+        self.decisions = 0
+        self.last_answer: dict[str, float] = {}
+        """When each conductor last answered a Schedule (accepted, rejected or refused)."""
+        self.schedule_errors: list[str] = []
         """Nodes a request just failed on, and until when no new request goes there."""
 
     def add(self, record: Record) -> None:
@@ -778,6 +882,80 @@ class _Load:
                 self.request(Op.GET, key, node)
             time.sleep(self.pause_s)
 
+    def scheduler(self, conductor_id: str, address: str) -> None:
+        """Ask one conductor, in a loop, to place a request (``Schedule``) and who leads
+        (``Leader``). A follower refuses with FAILED_PRECONDITION. Every ``Leader`` answer
+        that claims leadership is a ``LEASE`` record in its term; an accepted request is a
+        decision of that conductor as leader (a ``LEASE`` record too, and a ``SCHEDULE``
+        record for the prefill node it names), in the higher of the terms it claimed just
+        before and just after (the reply carries none; the higher one is never the stale
+        one). One thread per conductor, so a paused one holds up only its own."""
+        import grpc
+
+        from kvstore._proto.kvtier.v1 import conductor_pb2 as cpb
+        from kvstore._proto.kvtier.v1 import conductor_pb2_grpc as cpb_grpc
+
+        channel = grpc.insecure_channel(address)
+        stub = cpb_grpc.ConductorStub(channel)  # type: ignore[no-untyped-call]
+
+        def failed(exc: grpc.RpcError) -> None:
+            code = exc.code() if isinstance(exc, grpc.Call) else None
+            if code is grpc.StatusCode.FAILED_PRECONDITION:  # a follower's answer
+                with self.lock:
+                    self.last_answer[conductor_id] = time.monotonic()
+            if code not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE,
+                            grpc.StatusCode.DEADLINE_EXCEEDED):
+                detail = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+                with self.lock:
+                    self.schedule_errors.append(f"{conductor_id}: {code}: {detail}"[:200])
+            time.sleep(0.05)
+
+        def claimed_term() -> int:
+            """The term this conductor says it leads in (0: it does not, or no answer)."""
+            start = time.monotonic()
+            try:
+                leader = stub.Leader(cpb.LeaderRequest(), timeout=REQUEST_TIMEOUT_S)
+            except grpc.RpcError as exc:
+                failed(exc)
+                return 0
+            if not leader.is_leader:
+                return 0
+            self.add(Record(Op.LEASE, "leader", conductor_id, start, time.monotonic(),
+                            Result.OK, epoch=int(leader.term)))
+            return int(leader.term)
+
+        seq = 0
+        try:
+            term = claimed_term()
+            while not self.stopping.is_set():
+                seq += 1
+                request_id = f"{conductor_id}/{seq}"
+                keys = [f"{request_id}/{i}".encode() for i in range(3)]
+                start = time.monotonic()
+                try:
+                    reply = stub.Schedule(cpb.ScheduleRequest(
+                        request_id=request_id, model=MODEL, keys=keys, input_tokens=1536),
+                        timeout=REQUEST_TIMEOUT_S)
+                except grpc.RpcError as exc:
+                    failed(exc)
+                    term = claimed_term()
+                    continue
+                end = time.monotonic()
+                with self.lock:
+                    self.last_answer[conductor_id] = end
+                after = claimed_term()
+                if reply.accepted:
+                    self.add(Record(Op.LEASE, request_id, conductor_id, start, end, Result.OK,
+                                    epoch=max(term, after)))
+                    self.add(Record(Op.SCHEDULE, request_id, reply.prefill_node, start, end,
+                                    Result.OK))
+                    with self.lock:
+                        self.decisions += 1
+                term = after
+                time.sleep(0.02)
+        finally:
+            channel.close()
+
     def read_back(self) -> None:
         """Every acknowledged key from its node, once (after the faults were removed)."""
         with self.lock:
@@ -816,6 +994,9 @@ class _Load:
             time.sleep(0.05)
         threads = [threading.Thread(target=self.worker, args=(w,), name=f"load-{w}",
                                     daemon=True) for w in range(int(self.config["workers"]))]
+        threads += [threading.Thread(target=self.scheduler, args=(cid, address),
+                                     name=f"schedule-{cid}", daemon=True)
+                    for cid, address in sorted(self.config.get("conductors", {}).items())]
         for t in threads:
             t.start()
         _say(LOADGEN_READY)
@@ -834,7 +1015,10 @@ class _Load:
                 f.write(json.dumps({"kind": "record", **r.to_dict()}) + "\n")
             for g in self.membership.all_gaps():
                 f.write(json.dumps({"kind": "gap", **asdict(g)}) + "\n")
-        _say(LOADGEN_DONE + json.dumps({"records": len(self.records), "leaks": leaks}))
+        _say(LOADGEN_DONE + json.dumps({"records": len(self.records), "leaks": leaks,
+                                         "decisions": self.decisions,
+                                         "last_answer": self.last_answer,
+                                         "schedule_errors": self.schedule_errors[:20]}))
 
 
 # --- report ---------------------------------------------------------------------------------
@@ -857,8 +1041,11 @@ def print_table(rows: list[FaultRow], out: IO[str] = sys.stdout) -> None:
         print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
                         enumerate(zip(line, widths, strict=True))), file=out)
     for r in rows:
+        print(f"{r.fault}: {r.decisions} conductor decisions, {r.records} records", file=out)
         for v in r.other_violations:
             print(f"{r.fault}: VIOLATION {v}", file=out)
+        for e in r.schedule_errors:
+            print(f"{r.fault}: schedule error {e}", file=out)
     print(f"goals: wrong reads 0, durable lost 0, leaks 0, over timeout 0 (requests "
           f"{REQUEST_TIMEOUT_S} s + {TIMEOUT_SLACK_S} s), stall <= {MAX_STALL_S} s; detect "
           f"about the {LEASE_TTL_S} s lease TTL", file=out)
@@ -884,6 +1071,26 @@ def main(json_path: Path | None, quick: bool, faults: list[str] | None = None
     return rows
 
 
+def _engines_main(endpoint: str, prefix: str, node_id: str, host_name: str) -> None:
+    import asyncio
+
+    from kvstore.membership.engines import EngineRecord, EngineRole, register_engine
+    from kvstore.membership.etcd import KeyLayout, etcd_client
+
+    async def hold() -> None:
+        layout = KeyLayout(prefix)
+        prefill = EngineRecord(f"prefill-{host_name}", EngineRole.PREFILL, MODEL, node_id)
+        decode = EngineRecord(f"decode-{host_name}", EngineRole.DECODE, MODEL, node_id,
+                              kv_capacity_tokens=1 << 24)
+        async with etcd_client(endpoint) as client, \
+                register_engine(client, prefill, ttl_s=LEASE_TTL_S, layout=layout), \
+                register_engine(client, decode, ttl_s=LEASE_TTL_S, layout=layout):
+            _say(ENGINES_READY)
+            await asyncio.Event().wait()
+
+    asyncio.run(hold())
+
+
 def _loadgen_main(config_path: str) -> None:
     _Load(json.loads(Path(config_path).read_text())).run()
 
@@ -893,6 +1100,11 @@ if __name__ == "__main__":
     sub = parser.add_subparsers(dest="cmd", required=True)
     gen = sub.add_parser("loadgen", help="(internal) the load generator, in the observer ns")
     gen.add_argument("config")
+    eng = sub.add_parser("engines", help="(internal) hold one host's engine records")
+    for name in ("endpoint", "prefix", "node_id", "host_name"):
+        eng.add_argument(name)
     args = parser.parse_args()
     if args.cmd == "loadgen":
         _loadgen_main(args.config)
+    else:
+        _engines_main(args.endpoint, args.prefix, args.node_id, args.host_name)

@@ -25,6 +25,9 @@ Invariants (one :class:`Invariant` each)
   again (:class:`LeaseGap`).
 * **one leader per epoch**: ``LEASE`` records (a conductor acting as leader in an epoch) name
   at most one node per epoch.
+* **no stale leader** (fencing): no ``LEASE`` record of an epoch starts after a record of a
+  later epoch started (a leader that was paused while another took over must not act again in
+  its old term).
 * **progress**: at least one request started during each fault window was answered; with
   ``max_stall_s``, also no span longer than that inside the window without an answer (a
   stalled node must not stall the requests that do not need it).
@@ -74,6 +77,7 @@ class Invariant(enum.Enum):
     DURABLE_LOST = "durable_lost"
     PLACEMENT_AFTER_EXPIRY = "placement_after_expiry"
     TWO_LEADERS = "two_leaders"
+    STALE_LEADER = "stale_leader"
     NO_PROGRESS = "no_progress"
     OVER_TIMEOUT = "over_timeout"
 
@@ -213,6 +217,7 @@ def check(history: History, *, placement_grace_s: float = 0.5, require_progress:
     out += _durable_lost(history)
     out += _placements_after_expiry(history.records, history.lease_gaps, placement_grace_s)
     out += _two_leaders(history.records)
+    out += _stale_leaders(history.records)
     if require_progress:
         out += _no_progress(history, max_stall_s)
     if request_timeout_s is not None:
@@ -284,7 +289,7 @@ def _placements_after_expiry(records: Sequence[Record], gaps: Sequence[LeaseGap]
     for gap in gaps:
         until = math.inf if gap.renewed_s is None else gap.renewed_s
         for r in records:
-            if (r.op is Op.SCHEDULE and r.node == gap.node
+            if (r.op is Op.SCHEDULE and r.result is Result.OK and r.node == gap.node
                     and gap.expired_s + grace_s < r.start_s < until):
                 out.append(Violation(Invariant.PLACEMENT_AFTER_EXPIRY,
                                      f"work for {r.key!r} placed on {r.node} at "
@@ -301,6 +306,22 @@ def _two_leaders(records: Sequence[Record]) -> list[Violation]:
     return [Violation(Invariant.TWO_LEADERS,
                       f"epoch {epoch} had {len(nodes)} leaders: {', '.join(sorted(nodes))}")
             for epoch, nodes in sorted(leaders.items()) if len(nodes) > 1]
+
+
+def _stale_leaders(records: Sequence[Record]) -> list[Violation]:
+    acts = sorted((r for r in records if r.op is Op.LEASE and r.result is Result.OK),
+                  key=lambda r: r.start_s)
+    out = []
+    newest: Record | None = None  # the act of the highest epoch seen so far, by start time
+    for r in acts:
+        if newest is not None and r.epoch < newest.epoch and r.start_s > newest.start_s:
+            out.append(Violation(Invariant.STALE_LEADER,
+                                 f"{r.node} acted as leader of epoch {r.epoch} at "
+                                 f"{r.start_s:.3f}, after {newest.node} led epoch "
+                                 f"{newest.epoch} from {newest.start_s:.3f}", r))
+        if newest is None or r.epoch > newest.epoch:
+            newest = r
+    return out
 
 
 def _no_progress(history: History, max_stall_s: float | None) -> list[Violation]:

@@ -193,3 +193,16 @@ def test_a_request_that_outlived_its_timeout() -> None:
     assert check(history, request_timeout_s=2.0) == []
     with pytest.raises(InvalidArgument, match="request_timeout_s"):
         check(history, request_timeout_s=float("nan"))
+
+
+def test_a_leader_acting_in_its_old_epoch_after_a_newer_one_began() -> None:
+    zombie = Record(Op.LEASE, "r-9", "c0", 14.5, 14.6, Result.OK, epoch=1)  # c1 leads 2 at 14
+    [v] = broken(clean(), zombie)
+    assert v.invariant is Invariant.STALE_LEADER and v.record == zombie
+    early = Record(Op.LEASE, "r-8", "c0", 13.5, 13.6, Result.OK, epoch=1)  # before epoch 2
+    assert broken(clean(), early) == []
+
+
+def test_a_refused_placement_is_no_placement() -> None:
+    refused = Record(Op.SCHEDULE, "z", "n0", 11.5, 11.5, Result.ERR)
+    assert broken(clean(), refused) == []

@@ -81,3 +81,22 @@ def test_etcd_faults_leave_the_data_plane_serving(fault: str, tmp_path: Path) ->
     assert row.clean and row.completed > 0 and row.recover_s is not None, row
     for gap in history.lease_gaps:  # a node evicted meanwhile came back
         assert gap.renewed_s is not None, gap
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["kill-conductor-leader", "sigstop-conductor-leader"])
+def test_a_conductor_leader_killed_or_paused_is_replaced_and_fenced(fault: str,
+                                                                   tmp_path: Path) -> None:
+    """The leading conductor killed (restarted as a standby) or paused past its election TTL
+    and continued: the standby takes over in a new term, and no conductor decides in a term
+    older than the newest (the woken one answers again, as a follower)."""
+    require_etcd()
+    row = run_fault(fault, spec=ChaosSpec.quick(), work_dir=tmp_path)
+    history = read_history(tmp_path / "history.jsonl")
+    assert check(history, max_stall_s=MAX_STALL_S, request_timeout_s=REQUEST_TIMEOUT_S) == []
+    assert row.clean and row.schedule_errors == [], row
+    assert row.detect_s is not None and row.recover_s is not None, row  # a new term decided
+    [f] = history.faults
+    epochs = {r.node: r.epoch for r in history.records if r.op is Op.LEASE}
+    assert len(set(epochs.values())) == 2 and f.node in epochs, epochs  # both led, in turn
+    assert row.last_answer_s[f.node] > f.end_s, row  # the faulted one answered again after
