@@ -13,6 +13,10 @@ The cluster (:class:`ChaosCluster`)
     certificates in the lab), registered in its host's etcd member with a 2 s lease, and with
     ``cache.write_tier=nvme``: every acknowledged put is durable (written through to NVMe and
     fdatasync'd before the answer), so the history marks each acknowledged put durable.
+    ``h0`` and ``h2`` also run a conductor (leader and standby, 2 s election TTL), and every
+    host holds the records of one prefill and one decode engine on its node, under their own
+    leases from a process in its namespace (``python -m bench.chaos engines``): the
+    conductors schedule onto them. No engine runs; the decisions are what is checked.
     The namespaces share a boot id, a hostname and ``/dev/shm``: a client would take a daemon
     in another namespace for a same-host one, so the load uses ``DataPlane.TCP`` and the
     daemons serve no lease channel (``server.shm_channel=false``) and no UCX.
@@ -25,7 +29,9 @@ The load (``python -m bench.chaos loadgen CONFIG``, in the observer namespace)
     (``rpc_timeout_s`` and ``tcp_io_timeout_s``). Values are
     :func:`~kvstore.cluster.chaos_check.chunk_value` of key and version. Every request is one
     :class:`~kvstore.cluster.chaos_check.Record`; the watch's LEFT/JOINED events are the lease
-    gaps. On ``stop`` (stdin) it reads back every acknowledged key from its node (so a durable
+    gaps. One more thread per conductor asks it to ``Schedule`` a request and who leads
+    (``Leader``), recording each claim of leadership and each decision with its term
+    (``LEASE`` records) and the prefill node it chose (``SCHEDULE``). On ``stop`` (stdin) it reads back every acknowledged key from its node (so a durable
     chunk lost in a crash shows as an ``ABSENT`` get after the restart), closes its data
     connections and asks each daemon's Stats for connections and leases still open (the
     leaks), then writes the history as JSON lines.
@@ -38,7 +44,10 @@ Faults (:data:`FAULTS`)
     (its etcd member loses quorum too; the extra time covers an etcd leader election, which
     extends every lease), then up. ``sigstop-etcd-member`` / ``sigstop-etcd-leader``: SIGSTOP
     of ``h1``'s member / the leading member for ``down_s`` + 2 s, then SIGCONT;
-    ``etcd-quorum-loss``: the same for ``h1``'s and ``h2``'s members. The load watches
+    ``etcd-quorum-loss``: the same for ``h1``'s and ``h2``'s members.
+    ``kill-conductor-leader``: ``kill -9`` of the leading conductor, restarted after
+    ``down_s`` (a standby then); ``sigstop-conductor-leader``: SIGSTOP of it for ``down_s``,
+    then SIGCONT (it must not decide in its old term). The load watches
     membership through a member the fault leaves alone. After the fault the run waits (up to
     30 s) until the load saw every node that left registered again, then loads ``after_s``
     more.
@@ -49,7 +58,8 @@ Row figures
     (:func:`~kvstore.cluster.chaos_check.check`); detect: fault start to the LEFT event of the
     node seen by the load generator; recover: fault start to the later of its JOINED event and
     its first successful request started after the fault (etcd faults: to every member
-    healthy again); leaks: TCP connections and
+    healthy again; conductor faults: detect at the first act in a newer term, recover at its
+    first decision); leaks: TCP connections and
     shared-memory leases the daemons still count after the load closed its clients; left:
     membership lease expiries the load saw (any beyond the faulted daemon's: a healthy node
     evicted); over
