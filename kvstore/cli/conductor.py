@@ -56,6 +56,13 @@ def conductor(
                                              "comma-separated)."),
     token_keys: Path | None = typer.Option(None, "--token-keys", help="Directory of Ed25519 "
                                            "<key id>.pub keys: bearer tokens."),
+    audit_log: Path | None = typer.Option(None, "--audit-log", help="Audit log file (JSON "
+                                          "lines: refused calls; '-': stderr); needs "
+                                          "--client-ca or --token-keys."),
+    audit_max_bytes: int = typer.Option(64 << 20, "--audit-max-bytes",
+                                        help="Rotate the audit log at this size."),
+    audit_backups: int = typer.Option(5, "--audit-backups",
+                                      help="Rotated audit log files kept."),
     daemon_ca: Path | None = typer.Option(None, "--daemon-ca", help="CA of the daemons' "
                                           "certificates (default with --client-ca: that CA)."),
     daemon_cert: Path | None = typer.Option(None, "--daemon-cert", help="Certificate shown to "
@@ -88,7 +95,9 @@ def conductor(
     try:
         security = ServerSecurity(insecure=insecure, cert_file=tls_cert, key_file=tls_key,
                                   client_ca_file=client_ca, crl_file=crl,
-                                  revoked_serials=revoked_serials, token_keys=token_keys)
+                                  revoked_serials=revoked_serials, token_keys=token_keys,
+                                  audit_log=audit_log, audit_max_bytes=audit_max_bytes,
+                                  audit_backups=audit_backups)
         if client_ca is not None and daemon_ca is None and daemon_cert is None:
             daemon_ca, daemon_cert, daemon_key = client_ca, tls_cert, tls_key
         daemon_security = ClientSecurity(ca_file=daemon_ca, cert_file=daemon_cert,

@@ -35,6 +35,7 @@ from typing import Any
 import grpc
 
 from kvstore.errors import InvariantViolation, KvtierError, PermissionDenied, Unauthenticated
+from kvstore.security.audit import AuditLog
 from kvstore.security.config import AuthMode, ServerSecurity
 from kvstore.security.identity import ANONYMOUS, Principal, Role, serving_as
 from kvstore.security.tls import CertificateAuthenticator, Revocations
@@ -175,6 +176,29 @@ def _refusal(exc: KvtierError) -> tuple[grpc.StatusCode, str, tuple[tuple[str, s
             ((ERROR_METADATA_KEY, error_name(exc)),))
 
 
+def _identify(auth: Authenticator, method: str, context: Any
+              ) -> tuple[Principal | None, KvtierError | None]:
+    """:meth:`Authenticator.check`'s verdict on a call, keeping who the caller was when it is
+    refused for its role (the audit log names it): ``(principal, None)`` when allowed, else
+    ``(the principal or None when it could not be authenticated, the refusal)``."""
+    if method in OPEN_METHODS:
+        return ANONYMOUS, None
+    try:
+        principal = auth.principal(context.auth_context(), context.invocation_metadata())
+    except (Unauthenticated, PermissionDenied) as exc:
+        return None, exc
+    try:
+        authorize(principal, method)
+    except PermissionDenied as exc:
+        return principal, exc
+    return principal, None
+
+
+def _operator_only(method: str) -> bool:
+    """Whether only operators may call ``method``: every such call is audited."""
+    return METHOD_ROLES.get(method) == _OPERATOR
+
+
 _Wrap = Callable[[Any, str], Any]
 
 
@@ -198,27 +222,82 @@ def _rewrap(handler: Any, wrap_uu: _Wrap, wrap_us: _Wrap, wrap_su: _Wrap, wrap_s
 
 
 class AioAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """The checks of :class:`Authenticator` on a ``grpc.aio`` server (the daemon)."""
+    """The checks of :class:`Authenticator` on a ``grpc.aio`` server (the daemon); with an
+    ``audit`` log, the operator actions and refusals go there too."""
 
-    def __init__(self, authenticator: Authenticator) -> None:
+    def __init__(self, authenticator: Authenticator, audit: AuditLog | None = None) -> None:
         self._auth = authenticator
+        self._audit = audit
 
     async def intercept_service(self, continuation: Any, handler_call_details: Any) -> Any:
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
+        if self._audit is not None:
+            return _rewrap(handler, self._audited_unary, self._audited_stream,
+                           self._audited_unary, self._audited_stream,
+                           handler_call_details.method)
         return _rewrap(handler, self._unary, self._stream, self._unary, self._stream,
                        handler_call_details.method)
 
     async def _principal(self, method: str, context: Any) -> Principal | None:
-        try:
-            return self._auth.check(method, context.auth_context(),
-                                    context.invocation_metadata())
-        except (Unauthenticated, PermissionDenied) as exc:
-            self._auth.log_refusal(self._auth.what, method, str(context.peer()), exc)
-            code, details, trailing = _refusal(exc)
-            await context.abort(code, details, trailing_metadata=trailing)
-            return None  # abort raises; not reached
+        principal, exc = _identify(self._auth, method, context)
+        if exc is None:
+            return principal
+        self._auth.log_refusal(self._auth.what, method, str(context.peer()), exc)
+        code, details, trailing = _refusal(exc)
+        if self._audit is not None:
+            self._audit.refused(method, principal, context, exc, code.name)
+        await context.abort(code, details, trailing_metadata=trailing)
+        return None  # abort raises; not reached
+
+    def _audited_unary(self, behavior: Any, method: str) -> Any:
+        audit, operator = self._audit, _operator_only(method)
+        assert audit is not None
+
+        async def handle(request: Any, context: Any) -> Any:
+            principal = await self._principal(method, context)
+            assert principal is not None
+            call = audit.call(method, principal, context, request, operator=operator, aio=True)
+            with serving_as(principal):
+                try:
+                    result = await behavior(request, call.context)
+                except BaseException as exc:
+                    call.failed(exc)
+                    raise
+            call.succeeded()
+            return result
+
+        return handle
+
+    def _audited_stream(self, behavior: Any, method: str) -> Any:
+        audit, operator = self._audit, _operator_only(method)
+        assert audit is not None
+
+        async def handle(request: Any, context: Any) -> AsyncIterator[Any]:
+            principal = await self._principal(method, context)
+            assert principal is not None
+            call = audit.call(method, principal, context, None, operator=operator, aio=True)
+            try:  # _stream's steps (see there), inside the audit's try
+                with serving_as(principal):
+                    result = behavior(request, call.context)
+                if not hasattr(result, "__anext__"):
+                    with serving_as(principal):
+                        await result
+                else:
+                    while True:
+                        with serving_as(principal):
+                            try:
+                                item = await result.__anext__()
+                            except StopAsyncIteration:
+                                break
+                        yield item
+            except BaseException as exc:
+                call.failed(exc)
+                raise
+            call.succeeded()
+
+        return handle
 
     def _unary(self, behavior: Any, method: str) -> Any:
         async def handle(request: Any, context: Any) -> Any:
@@ -253,28 +332,79 @@ class AioAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
 
 class SyncAuthInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
-    """The checks of :class:`Authenticator` on a threaded ``grpc.server`` (the conductor)."""
+    """The checks of :class:`Authenticator` on a threaded ``grpc.server`` (the conductor);
+    with an ``audit`` log, the operator actions and refusals go there too."""
 
-    def __init__(self, authenticator: Authenticator) -> None:
+    def __init__(self, authenticator: Authenticator, audit: AuditLog | None = None) -> None:
         self._auth = authenticator
+        self._audit = audit
 
     def intercept_service(self, continuation: Any, handler_call_details: Any) -> Any:
         handler = continuation(handler_call_details)
         if handler is None:
             return None
+        if self._audit is not None:
+            return _rewrap(handler, self._audited_unary, self._audited_stream,
+                           self._audited_unary, self._audited_stream,
+                           handler_call_details.method)
         return _rewrap(handler, self._unary, self._stream, self._unary, self._stream,
                        handler_call_details.method)
 
     def _principal(self, method: str, context: Any) -> Principal:
-        try:
-            return self._auth.check(method, context.auth_context(),
-                                    context.invocation_metadata())
-        except (Unauthenticated, PermissionDenied) as exc:
-            self._auth.log_refusal(self._auth.what, method, str(context.peer()), exc)
-            code, details, trailing = _refusal(exc)
-            context.set_trailing_metadata(trailing)
-            context.abort(code, details)
-            raise  # abort raises; not reached
+        principal, exc = _identify(self._auth, method, context)
+        if exc is None:
+            assert principal is not None
+            return principal
+        self._auth.log_refusal(self._auth.what, method, str(context.peer()), exc)
+        code, details, trailing = _refusal(exc)
+        if self._audit is not None:
+            self._audit.refused(method, principal, context, exc, code.name)
+        context.set_trailing_metadata(trailing)
+        context.abort(code, details)
+        raise exc  # abort raises; not reached
+
+    def _audited_unary(self, behavior: Any, method: str) -> Any:
+        audit, operator = self._audit, _operator_only(method)
+        assert audit is not None
+
+        def handle(request: Any, context: Any) -> Any:
+            principal = self._principal(method, context)
+            call = audit.call(method, principal, context, request, operator=operator,
+                              aio=False)
+            with serving_as(principal):
+                try:
+                    result = behavior(request, context)
+                except BaseException as exc:
+                    call.failed(exc)
+                    raise
+            call.succeeded()
+            return result
+
+        return handle
+
+    def _audited_stream(self, behavior: Any, method: str) -> Any:
+        audit, operator = self._audit, _operator_only(method)
+        assert audit is not None
+
+        def handle(request: Any, context: Any) -> Iterator[Any]:
+            principal = self._principal(method, context)
+            call = audit.call(method, principal, context, None, operator=operator, aio=False)
+            try:  # _stream's steps, inside the audit's try
+                with serving_as(principal):
+                    result = iter(behavior(request, context))
+                while True:
+                    with serving_as(principal):
+                        try:
+                            item = next(result)
+                        except StopIteration:
+                            break
+                    yield item
+            except BaseException as exc:
+                call.failed(exc)
+                raise
+            call.succeeded()
+
+        return handle
 
     def _unary(self, behavior: Any, method: str) -> Any:
         def handle(request: Any, context: Any) -> Any:

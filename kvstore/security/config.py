@@ -42,6 +42,9 @@ ENV_CERT = "KVTIER_TLS_CERT"
 ENV_KEY = "KVTIER_TLS_KEY"
 ENV_TOKEN_FILE = "KVTIER_TOKEN_FILE"
 ENV_SERVER_NAME = "KVTIER_TLS_SERVER_NAME"
+MIN_AUDIT_MAX_BYTES = 1024
+"""The smallest ``audit_max_bytes``: a few records per file."""
+MAX_AUDIT_BACKUPS = 1000
 
 
 def is_loopback(host: str) -> bool:
@@ -98,6 +101,15 @@ class ServerSecurity:
     token_reload_interval_s: float = 1.0
     """How often (at most) ``token_keys`` and the CRL are checked for changes on the call path
     (0: before every call)."""
+    audit_log: Path | None = None
+    """The audit log (:mod:`kvstore.security.audit`): a JSON line per operator action and per
+    refused call, appended to this file (created 0600; its directory must exist), or ``-`` for
+    stderr. None (the default): no audit log. Needs mTLS or tokens (without authentication
+    there is nobody to name)."""
+    audit_max_bytes: int = 64 << 20
+    """The audit log's file is rotated before it would grow past this (at least 1024)."""
+    audit_backups: int = 5
+    """Rotated audit files kept (``audit.log.1`` newest .. ``audit.log.<n>``), 1..1000."""
 
     def __post_init__(self) -> None:
         if (self.cert_file is None) != (self.key_file is None):
@@ -118,6 +130,18 @@ class ServerSecurity:
                               "this one is configured with "
                               f"{self.mode().value} (drop insecure)")
         _check_revoked_serials(self.revoked_serials)
+        if self.audit_log is not None and self.mode() is AuthMode.NONE:
+            raise ConfigError("security.audit_log records who made each call: it needs "
+                              "authentication (security.client_ca_file for mTLS or "
+                              "security.token_keys for tokens)")
+        if isinstance(self.audit_max_bytes, bool) or not isinstance(self.audit_max_bytes, int) \
+                or self.audit_max_bytes < MIN_AUDIT_MAX_BYTES:
+            raise ConfigError(f"security.audit_max_bytes must be an integer >= "
+                              f"{MIN_AUDIT_MAX_BYTES}, got {self.audit_max_bytes!r}")
+        if isinstance(self.audit_backups, bool) or not isinstance(self.audit_backups, int) \
+                or not 1 <= self.audit_backups <= MAX_AUDIT_BACKUPS:
+            raise ConfigError(f"security.audit_backups must be an integer in 1.."
+                              f"{MAX_AUDIT_BACKUPS}, got {self.audit_backups!r}")
         if not (math.isfinite(self.token_reload_interval_s)
                 and self.token_reload_interval_s >= 0):
             raise ConfigError("security.token_reload_interval_s must be finite and >= 0, got "

@@ -1,13 +1,14 @@
 """How a daemon or conductor listens: :class:`SecureServing` decides, from its ``security``
 config and its listen host, whether it may start (:func:`~kvstore.security.config.check_binding`),
 which interceptor its gRPC server needs, and how its port is added (TLS with rotated
-certificates, or plaintext)."""
+certificates, or plaintext), and opens its audit log (``security.audit_log``)."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
+from kvstore.security.audit import AuditLog
 from kvstore.security.auth import AioAuthInterceptor, Authenticator, SyncAuthInterceptor
 from kvstore.security.config import AuthMode, ServerSecurity, check_binding
 from kvstore.security.tls import ServerCertificates
@@ -17,8 +18,9 @@ log = logging.getLogger(__name__)
 
 class SecureServing:
     """One service's listening plan. The constructor checks the config (ConfigError naming
-    the fix), loads certificates and keys and logs how the service will listen; nothing binds
-    until :meth:`add_port`."""
+    the fix), loads certificates and keys, opens the audit log (ConfigError when it cannot)
+    and logs how the service will listen; nothing binds until :meth:`add_port`. The audit
+    log's file stays open for the life of the process (each line is written through)."""
 
     def __init__(self, security: ServerSecurity, host: str, what: str) -> None:
         self.security = security
@@ -27,6 +29,9 @@ class SecureServing:
         self.certificates = ServerCertificates(security, what) if security.tls else None
         self.authenticator = Authenticator(security, what) \
             if security.mode() is not AuthMode.NONE else None
+        self.audit = AuditLog.open(security.audit_log, security.audit_max_bytes,
+                                   security.audit_backups, what) \
+            if security.audit_log is not None else None
         if line.startswith("WARNING "):
             log.warning("%s", line.removeprefix("WARNING "))
         else:
@@ -37,10 +42,12 @@ class SecureServing:
         return self.security.mode()
 
     def aio_interceptors(self) -> list[Any]:
-        return [] if self.authenticator is None else [AioAuthInterceptor(self.authenticator)]
+        return [] if self.authenticator is None else [AioAuthInterceptor(self.authenticator,
+                                                                         self.audit)]
 
     def sync_interceptors(self) -> list[Any]:
-        return [] if self.authenticator is None else [SyncAuthInterceptor(self.authenticator)]
+        return [] if self.authenticator is None else [SyncAuthInterceptor(self.authenticator,
+                                                                          self.audit)]
 
     def add_port(self, server: Any, address: str) -> int:
         """Bind ``address`` on ``server`` (grpc or grpc.aio); the port, 0 when it failed."""
