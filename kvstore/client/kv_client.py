@@ -137,6 +137,12 @@ class KVClientConfig:
     security: ClientSecurity | None = None
     """Credentials presented to daemons (docs/security.md); None: the environment's
     (``KVTIER_TLS_*``, ``KVTIER_TOKEN_FILE``), no credentials when none is set."""
+    tenant: str | None = None
+    """The tenant this client acts for on its daemon: ``StoreClientConfig.tenant``, sent as
+    ``kvtier-tenant`` on every gRPC call and checked against the credentials (docs/security.md,
+    "Tenant isolation"); None: the credentials' only tenant (or every tenant, for an operator).
+    Not the namespace's tenant, which only salts the keys. Checked when :meth:`KVClient.connect`
+    builds the StoreClientConfig (InvalidArgument for a bad name)."""
     staging_pool_bytes: int = 256 << 20
     """Chunk-layout staging buffers kept for reuse (pre-touched); more are made on demand."""
     hash_mode: HashMode = HashMode.XXH3_128
@@ -246,7 +252,8 @@ class KVClient:
         cfg = config or KVClientConfig()
         store = StoreClient.connect(address, StoreClientConfig(data_plane=cfg.data_plane,
                                                                rpc_timeout_s=cfg.rpc_timeout_s,
-                                                               security=cfg.security))
+                                                               security=cfg.security,
+                                                               tenant=cfg.tenant))
         try:
             return cls(store, layout, namespace, cfg, etcd_endpoint=etcd_endpoint,
                        key_layout=key_layout)
