@@ -17,15 +17,18 @@ Two prefix states, each for prompts of 100 to 4,000 tokens:
   chosen instance's events store the prompt's blocks, as vLLM's would after the prefill (the
   conductor expects them: its mismatch check);
 * ``warm``: v0's events say it holds the first three quarters of each prompt's blocks (16 prompts
-  per length, reused), so every decision matches a prefix.
+  per length, reused), so every decision matches a prefix. The same prompts again: the best
+  case of the conductor's chain memo (a conversation's next turn hashes only its new blocks,
+  a new prompt all of them, as ``cold`` does).
 
 Each decision is made the way the front door makes it (``kvstore.frontdoor``: a
 ``TimedRouter`` around a ``ConductorRouter`` on a ``TicketingConductorClient`` found through
 etcd, one request at a time, each reported done afterwards as the fleet does), and timed in parts:
 
 (a) ``hash``: hashing the prompt's blocks as the conductor does per Schedule (the prompt's vLLM
-    block hashes, :func:`hashings_per_decision` times), timed in this process with the same code
-    on the same kind of input (a numpy array of the ids);
+    block hashes, :func:`hashings_per_decision` times, through the engine index's chain memo
+    where the conductor has one), timed in this process with the same code on the same kind of
+    input (a numpy array of the ids) in the same order;
 (b) ``schedule``: the ``ConductorClient.schedule`` call the router makes (request built, RPC, reply);
 (c) ``decision``: the router's whole ``route`` (what the fleet's "routing p50 / p99" is);
 (d) ``health``: one bare gRPC ``grpc.health.v1.Health/Check`` to the same conductor on its own
@@ -272,6 +275,7 @@ async def _drive(etcd_url: str, address: str, server_pid: int, work: Path, decis
     import numpy as np
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from conductor import engine_index
     from conductor.engine_index import VllmBlockHashes
     from kvstore.frontdoor.instrument import TicketingConductorClient, TimedRouter
     from kvstore.frontdoor.router import Backend, BackendPool, ConductorRouter, RouteRequest
@@ -338,6 +342,7 @@ async def _drive(etcd_url: str, address: str, server_pid: int, work: Path, decis
                 return decision
 
             hashings = hashings_per_decision()
+            memo = engine_index.ChainMemo() if hasattr(engine_index, "ChainMemo") else None
             for state in ("cold", "warm"):
                 for n in LENGTHS:
                     def pick(n: int = n, state: str = state) -> list[int]:
@@ -358,11 +363,15 @@ async def _drive(etcd_url: str, address: str, server_pid: int, work: Path, decis
                     for _ in range(decisions):
                         prompt = pick()
                         # What the conductor hashes: a numpy array of the request's ids (made
-                        # untimed, as the handler makes it in microseconds), or before that
-                        # change, a list of them.
-                        ids = np.array(prompt, dtype=np.uint32) if hashings == 1 else prompt
+                        # untimed, as the handler makes it in microseconds) through a chain
+                        # memo fed the same prompts in the same order, or before those
+                        # changes, a list of them, hashed whole.
+                        ids = np.array(prompt, dtype=np.uint32)
                         began = time.perf_counter()
-                        hasher.hashes(ids)
+                        if memo is not None:
+                            hasher.convert(memo.keys("", hasher, ids))
+                        else:
+                            hasher.hashes(ids if hashings == 1 else prompt)
                         hash_s.append((time.perf_counter() - began) * hashings)
                         decision = await decide(prompt, state == "cold")
                         name = getattr(decision, "name", f"rejected:{getattr(decision, 'code', '')}")

@@ -7,6 +7,7 @@ handler's path end to end is in test_conductor_service.py."""
 from __future__ import annotations
 
 import random
+import threading
 from typing import Any
 
 import msgspec
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from conductor.engine_index import (
+    ChainMemo,
     EngineBatch,
     EngineCacheIndex,
     PromptMatch,
@@ -176,3 +178,125 @@ def test_the_handlers_token_array_is_the_request_field() -> None:
     array = _token_array(request.token_ids)
     assert array.dtype == np.uint32 and array.tolist() == ids
     assert _token_array(pb.ScheduleRequest().token_ids).tolist() == []
+
+
+# -- the chain memo: a prompt extending a recent one hashes only its new blocks ---------------
+
+def conversation(seed: int, turns: int, first: int = 200) -> list[list[int]]:
+    """Each turn's prompt is the previous one plus new tokens (a chat's next request)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(0, 2**32) for _ in range(first)]]
+    for _ in range(turns - 1):
+        prompts.append(prompts[-1] + [rng.randrange(0, 2**32)
+                                      for _ in range(rng.randrange(0, 5 * BLOCK))])
+    return prompts
+
+
+def ids(tokens: list[int]) -> np.ndarray[Any, np.dtype[np.uint32]]:
+    return np.array(tokens, dtype=np.uint32)
+
+
+def test_each_turn_reuses_the_previous_turns_blocks_and_hashes_the_same() -> None:
+    hasher = VllmBlockHashes(SPEC)
+    memo = ChainMemo()
+    reused = 0
+    for i, tokens in enumerate(conversation(1, 12)):
+        assert hasher.convert(memo.keys("w", hasher, ids(tokens))) == hasher.hashes(tokens)
+        if i:
+            reused += len(conversation(1, 12)[i - 1]) // BLOCK
+    assert memo.hits == 11 and memo.reused_blocks == reused
+
+
+def test_the_same_prompt_again_is_all_reused_and_remembered_once() -> None:
+    hasher = VllmBlockHashes(SPEC)
+    memo = ChainMemo()
+    tokens = prompt(3, 5, extra=7)
+    first = memo.keys("w", hasher, ids(tokens))
+    assert memo.keys("w", hasher, ids(tokens)) == first
+    assert (len(memo), memo.blocks, memo.hits, memo.reused_blocks) == (1, 5, 1, 5)
+
+
+def test_a_prefix_of_a_remembered_prompt_is_hashed_whole() -> None:
+    hasher = VllmBlockHashes(SPEC)
+    memo = ChainMemo()
+    tokens = prompt(4, 6)
+    memo.keys("w", hasher, ids(tokens))
+    shorter = tokens[: 3 * BLOCK + 1]
+    assert hasher.convert(memo.keys("w", hasher, ids(shorter))) == hasher.hashes(shorter)
+    assert memo.hits == 0 and len(memo) == 2
+
+
+def test_tenants_and_hashings_never_share_entries() -> None:
+    plain, salted = VllmBlockHashes(SPEC), VllmBlockHashes(SPEC, "tenant-a")
+    memo = ChainMemo()
+    tokens = prompt(5, 4)
+    memo.keys(("plain", ""), plain, ids(tokens))
+    assert salted.convert(memo.keys(("plain", "tenant-a"), salted, ids(tokens))) == \
+        salted.hashes(tokens) != plain.hashes(tokens)
+    assert memo.hits == 0
+
+
+def test_least_recently_used_entries_go_past_the_block_budget() -> None:
+    hasher = VllmBlockHashes(SPEC)
+    memo = ChainMemo(max_blocks=10)
+    a, b, c = prompt(10, 4), prompt(11, 4), prompt(12, 4)
+    memo.keys("w", hasher, ids(a))
+    memo.keys("w", hasher, ids(b))
+    memo.keys("w", hasher, ids(a))  # a is used again: b is now the oldest
+    memo.keys("w", hasher, ids(c))  # 12 blocks > 10: b goes
+    assert (len(memo), memo.blocks, memo.hits) == (2, 8, 1)
+    memo.keys("w", hasher, ids(a))
+    memo.keys("w", hasher, ids(c))
+    assert memo.hits == 3
+    memo.keys("w", hasher, ids(b))  # hashed again, and a (now the oldest) goes
+    assert memo.hits == 3 and memo.blocks == 8
+    memo.keys("w", hasher, ids(c))
+    assert memo.hits == 4
+    memo.keys("w", hasher, ids(prompt(13, 11)))  # over the budget alone: not remembered
+    assert memo.blocks == 8 and len(memo) == 2
+
+
+def test_only_the_longest_remembered_lengths_are_probed() -> None:
+    hasher = VllmBlockHashes(SPEC)
+    memo = ChainMemo(max_probes=2)
+    base = prompt(20, 8)
+    memo.keys("w", hasher, ids(base[: 2 * BLOCK]))  # a prefix of base, 2 blocks
+    for seed in (21, 22):  # two other prompts, longer than 2 blocks and shorter than base
+        memo.keys("w", hasher, ids(prompt(seed, 5 + seed - 21)))
+    assert hasher.convert(memo.keys("w", hasher, ids(base))) == hasher.hashes(base)
+    assert memo.hits == 0  # lengths 6 and 5 probed, not 2
+    memo3 = ChainMemo(max_probes=3)
+    memo3.keys("w", hasher, ids(base[: 2 * BLOCK]))
+    for seed in (21, 22):
+        memo3.keys("w", hasher, ids(prompt(seed, 5 + seed - 21)))
+    assert hasher.convert(memo3.keys("w", hasher, ids(base))) == hasher.hashes(base)
+    assert (memo3.hits, memo3.reused_blocks) == (1, 2)
+
+
+def test_the_index_memoizes_arrays_only_and_matches_alike() -> None:
+    index, tokens = three_engines()
+    as_list = index.match(tokens).cached_tokens
+    assert len(index.chains) == 0
+    assert index.match(ids(tokens)).cached_tokens == as_list
+    assert len(index.chains) == 2  # one entry per hashing (blocks of 32, of 16)
+    assert index.match(ids(tokens)).cached_tokens == as_list
+    assert index.chains.hits == 2
+
+
+def test_concurrent_lookups_hash_like_one_thread() -> None:
+    hasher = VllmBlockHashes(SPEC)
+    memo = ChainMemo(max_blocks=64)  # small: entries come and go while threads look up
+    chats = [conversation(100 + i, 10) for i in range(4)]
+    failures: list[int] = []
+
+    def chat(i: int) -> None:
+        for tokens in chats[i]:
+            if hasher.convert(memo.keys("w", hasher, ids(tokens))) != hasher.hashes(tokens):
+                failures.append(i)
+
+    threads = [threading.Thread(target=chat, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == [] and memo.blocks <= 64
