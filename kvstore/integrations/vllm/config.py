@@ -25,9 +25,15 @@ key                         default     meaning
                                         ``@<revision>`` when vLLM has one. Instances that
                                         should share KV must agree on it (a local path
                                         counts: give the same name everywhere).
-``tenant``                  ""          the namespace tenant of requests without a
-                                        ``cache_salt``; a request's ``cache_salt`` is its
-                                        tenant (it is inside vLLM's block hash too).
+``tenant``                  ""          the tenant this instance acts for on the daemon
+                                        (``KVClientConfig.tenant``: the ``kvtier-tenant`` of
+                                        every call, checked against its credentials; ""
+                                        names none: the credentials' only tenant), and the
+                                        namespace tenant of requests without a
+                                        ``cache_salt``. A request's ``cache_salt`` is its
+                                        namespace tenant (it is inside vLLM's block hash
+                                        too), but its chunks are stored as ``tenant``'s.
+                                        Printable ASCII, at most 128 characters.
 ``data_plane``              ``auto``    ``auto`` | ``shm`` | ``tcp``: to the daemon.
 ``lookup_timeout_s``        1.0         bound on a scheduler-side lookup; a daemon that does
                                         not answer in time counts as 0 hits.
@@ -66,7 +72,9 @@ never silent): one of ``daemon``/``etcd``; positive timeouts; vLLM's
 ``prefix_caching_hash_algo`` is ``sha256`` or ``sha256_cbor`` (32-byte hashes used as keys
 without rehashing; ``sha256_cbor`` also lets non-vLLM components compute the same keys);
 ``kv_load_failure_policy == "recompute"`` (else a daemon failure fails requests); one KV-cache
-group of full attention. Reported at start (an ERROR and ``config_mismatch``, see
+group of full attention; ``tenant`` printable ASCII of at most 128 characters (whether the
+daemon allows it is checked on its first call: a refusal counts as a lookup or save error).
+Reported at start (an ERROR and ``config_mismatch``, see
 :mod:`kvstore.integrations.vllm.manifest`): another instance of the model, on the same daemon,
 with another block size, hash algorithm or hash seed. Logged at start: the namespace (model,
 dtype, block size, layers, TP rank/size) and vLLM's hash seed, which every process that should
@@ -82,6 +90,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvstore.errors import ConfigError
+from kvstore.wire import TENANT_MAX_CHARS
 
 __all__ = ["ENV_PREFIX", "ConnectorConfig", "DataPlaneName", "SaveMode"]
 
@@ -139,6 +148,10 @@ class ConnectorConfig:
         if not isinstance(self.lookup_async, bool):
             raise ConfigError(f"kvtier connector: 'lookup_async' must be true or false, got "
                               f"{self.lookup_async!r}")
+        if len(self.tenant) > TENANT_MAX_CHARS or not all(" " <= c <= "~" for c in self.tenant):
+            raise ConfigError(f"kvtier connector: 'tenant' must be printable ASCII of at most "
+                              f"{TENANT_MAX_CHARS} characters (it travels as gRPC metadata), "
+                              f"got {self.tenant!r}")
         if self.workers < 1 or self.staging_pool_mib < 0:
             raise ConfigError("kvtier connector: 'workers' must be >= 1 and "
                               "'staging_pool_mib' >= 0")

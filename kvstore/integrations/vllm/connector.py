@@ -123,7 +123,8 @@ class KvtierConnector(KVConnectorBase_V1):
             data_plane=DataPlane(cfg.data_plane.value),
             rpc_timeout_s=cfg.lookup_timeout_s if scheduler else cfg.load_timeout_s,
             hash_mode=HashMode.SHA256_CBOR, vllm_hash_seed=seed, workers=cfg.workers,
-            staging_pool_bytes=0 if scheduler else cfg.staging_pool_mib << 20)
+            staging_pool_bytes=0 if scheduler else cfg.staging_pool_mib << 20,
+            tenant=cfg.tenant or None)  # "": the credentials' own tenant
         namespace = Namespace(spec.fingerprint(), cfg.tenant)
 
         def connect() -> KVClient:
