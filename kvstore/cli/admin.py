@@ -10,6 +10,15 @@ Credentials (docs/security.md): ``--ca`` (the CA of the daemon's certificate: TL
 and ``--key`` (an operator's client certificate: mTLS) or ``--token-file`` (an operator's
 bearer token); each defaults to ``KVTIER_TLS_CA``, ``KVTIER_TLS_CERT``, ``KVTIER_TLS_KEY``,
 ``KVTIER_TOKEN_FILE``. A refused call exits 1 with ``Unauthenticated`` or ``PermissionDenied``.
+
+Tenant: ``--tenant NAME`` sends ``kvtier-tenant: NAME`` on every call
+(``StoreClientConfig.tenant``), so an operator of every tenant sees and acts on that tenant's
+chunks only (``ls``, ``inspect``, ``pin``, ``evict --prefix``); without it such an operator sees
+every tenant. An operator whose credentials name tenants may act only for those
+(PermissionDenied otherwise). ``unpin`` takes it too (a pin's lease is the operator session's).
+``stats`` and ``drain`` are node-wide and have none; ``evict --bytes`` acts on every tenant, so
+the daemon refuses it scoped to one. A name that is not printable ASCII of at most 128
+characters exits 2.
 """
 
 from __future__ import annotations
@@ -33,6 +42,8 @@ CA = typer.Option(None, "--ca", help="CA of the daemon's certificate (TLS); env 
 CERT = typer.Option(None, "--cert", help="Client certificate (mTLS); env KVTIER_TLS_CERT.")
 KEY = typer.Option(None, "--key", help="Its private key; env KVTIER_TLS_KEY.")
 TOKEN_FILE = typer.Option(None, "--token-file", help="Bearer token file; env KVTIER_TOKEN_FILE.")
+TENANT = typer.Option(None, "--tenant", help="Act for this tenant only (kvtier-tenant metadata); "
+                      "default: every tenant the credentials allow.")
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,7 @@ class _Creds:
     cert: Path | None
     key: Path | None
     token_file: Path | None
+    tenant: str | None = None
 
     def security(self, command: str) -> Any:
         from kvstore.errors import ConfigError
@@ -85,10 +97,14 @@ def _client(command: str, address: str, creds: _Creds) -> Iterator[Any]:
     from kvstore.client.store_client import DataPlane, StoreClient, StoreClientConfig
 
     security = creds.security(command)
+    try:
+        config = StoreClientConfig(data_plane=DataPlane.TCP, rpc_timeout_s=10.0,
+                                   session=operator_session(), security=security,
+                                   tenant=creds.tenant)
+    except KvtierError as exc:  # a bad --tenant
+        raise _fail(command, exc, 2) from exc
     try:  # the operator's session: `kvtier unpin` may end what `kvtier pin` took
-        client = StoreClient.connect(address, StoreClientConfig(
-            data_plane=DataPlane.TCP, rpc_timeout_s=10.0, session=operator_session(),
-            security=security))
+        client = StoreClient.connect(address, config)
     except KvtierError as exc:
         raise _fail(command, exc) from exc
     try:
@@ -223,10 +239,12 @@ def ls(
     cert_file: Path | None = CERT,
     key_file: Path | None = KEY,
     token_file: Path | None = TOKEN_FILE,
+    tenant: str | None = TENANT,
 ) -> None:
     """List chunks (sorted by key)."""
     key_prefix = _hex(prefix, "--prefix")
-    with _client("ls", address, _Creds(ca_file, cert_file, key_file, token_file)) as client:
+    creds = _Creds(ca_file, cert_file, key_file, token_file, tenant)
+    with _client("ls", address, creds) as client:
         reply = client.list_chunks(key_prefix, _tier(tier), limit)
     doc = {"entries": [entry_doc(e) for e in reply.entries], "truncated": reply.truncated}
 
@@ -247,10 +265,12 @@ def inspect(
     cert_file: Path | None = CERT,
     key_file: Path | None = KEY,
     token_file: Path | None = TOKEN_FILE,
+    tenant: str | None = TENANT,
 ) -> None:
     """Everything a daemon knows about one chunk."""
     k = _hex(key, "KEY")
-    with _client("inspect", address, _Creds(ca_file, cert_file, key_file, token_file)) as client:
+    creds = _Creds(ca_file, cert_file, key_file, token_file, tenant)
+    with _client("inspect", address, creds) as client:
         doc = entry_doc(client.inspect(k))
     _emit(as_json, doc, lambda: _table(f"chunk {key}", ["field", "value"],
                                        [[name, str(value)] for name, value in doc.items()]))
@@ -267,6 +287,7 @@ def evict(
     cert_file: Path | None = CERT,
     key_file: Path | None = KEY,
     token_file: Path | None = TOKEN_FILE,
+    tenant: str | None = TENANT,
 ) -> None:
     """Free bytes in a tier, or remove chunks by key prefix (pinned ones are skipped)."""
     if (prefix is None) == (bytes_ == 0):
@@ -274,7 +295,8 @@ def evict(
                                  param_hint="--bytes")
     if bytes_ and tier is None:
         raise typer.BadParameter("--bytes needs --tier", param_hint="--tier")
-    with _client("evict", address, _Creds(ca_file, cert_file, key_file, token_file)) as client:
+    creds = _Creds(ca_file, cert_file, key_file, token_file, tenant)
+    with _client("evict", address, creds) as client:
         reply = client.evict(tier=_tier(tier), bytes_=bytes_,
                              key_prefix=_hex(prefix, "--prefix") if prefix is not None else b"")
     doc = {"freed_bytes": reply.freed_bytes, "removed_chunks": reply.removed_chunks,
@@ -293,10 +315,12 @@ def pin(
     cert_file: Path | None = CERT,
     key_file: Path | None = KEY,
     token_file: Path | None = TOKEN_FILE,
+    tenant: str | None = TENANT,
 ) -> None:
     """Pin chunks so they are neither evicted nor moved; prints the lease id for unpin."""
     parsed = [_hex(k, "KEYS") for k in keys]
-    with _client("pin", address, _Creds(ca_file, cert_file, key_file, token_file)) as client:
+    creds = _Creds(ca_file, cert_file, key_file, token_file, tenant)
+    with _client("pin", address, creds) as client:
         lease_id = client.pin(parsed, ttl_s)
     _emit(as_json, {"lease_id": lease_id}, lambda: typer.echo(str(lease_id)))
 
@@ -309,9 +333,11 @@ def unpin(
     cert_file: Path | None = CERT,
     key_file: Path | None = KEY,
     token_file: Path | None = TOKEN_FILE,
+    tenant: str | None = TENANT,
 ) -> None:
     """End a pin (released: false when it had already expired)."""
-    with _client("unpin", address, _Creds(ca_file, cert_file, key_file, token_file)) as client:
+    creds = _Creds(ca_file, cert_file, key_file, token_file, tenant)
+    with _client("unpin", address, creds) as client:
         released = client.unpin(lease_id)
     _emit(as_json, {"released": released}, lambda: typer.echo(
         "released" if released else "not held (expired or unknown)"))
