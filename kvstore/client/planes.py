@@ -12,6 +12,14 @@ what it dispatches to.
   after any UCX failure (:class:`RemotePlane`);
 * **TCP** otherwise (:class:`RemotePlane`).
 
+Session tickets: a daemon with security (``NodeInfo.data_ticket_required``) serves its TCP
+plane and lease channel only after a ticket from its ``IssueDataTicket`` call, which acts for
+the tenant this client's gRPC calls resolve to (``StoreClientConfig.tenant`` and its
+credentials). :class:`DataTickets` fetches one when first needed, shares it between the TCP
+client and the shared-memory client (every connection of either presents it), fetches a new one
+a margin before it expires (connections renew theirs with a HELLO) and at once after a plane
+refused it (a stale ticket after the daemon restarted).
+
 Both planes offer what :class:`ValuePlane` says, so ``StoreClient`` holds one and calls it
 without asking which it is; its ``get_into`` *is* the plane's (bound once at connect: a get
 costs no dispatch frame, so a lease-free get is still one Python frame and one C call).
@@ -32,6 +40,7 @@ from kvstore.client.store_config import DataPlane, StoreClientConfig
 from kvstore.dataplane import cuda
 from kvstore.dataplane.arena import host_byte_view, is_cuda_tensor
 from kvstore.dataplane.tier import Buffer, ChunkKey, check_key
+from kvstore.dataplane.transport.auth import SessionTicket, renew_at
 from kvstore.dataplane.transport.base import ReadLease, put_each
 from kvstore.dataplane.transport.shm import LeaseFreeCounters, ShmBatchRead, ShmClient
 from kvstore.dataplane.transport.tcp import TcpClient
@@ -81,6 +90,41 @@ class ValuePlane(Protocol):
     def close(self) -> None: ...
 
 
+class DataTickets:
+    """The data-plane session tickets of one client of one daemon (module docstring; a
+    :class:`~kvstore.dataplane.transport.auth.TicketSource`). Thread-safe: one thread fetches
+    while the others wait for its ticket. Nothing is fetched at construction."""
+
+    def __init__(self, control: DaemonControl, *, ttl_s: float = 0.0) -> None:
+        """``ttl_s``: the lifetime to ask for (0: the daemon's)."""
+        self._control = control
+        self._ttl_s = ttl_s
+        self._lock = threading.Lock()
+        self._ticket: SessionTicket | None = None
+        self.fetched = 0
+        """Tickets fetched so far."""
+
+    def current(self) -> SessionTicket:
+        """A ticket valid for a while yet, fetched over gRPC when there is none, it is due for
+        renewal, or it was refused. Raises the call's errors (PermissionDenied: the
+        credentials do not allow the configured tenant)."""
+        with self._lock:
+            ticket = self._ticket
+            if ticket is None or time.time() >= renew_at(ticket):
+                reply = self._control.call("IssueDataTicket",
+                                           pb.IssueDataTicketRequest(ttl_s=self._ttl_s))
+                ticket = self._ticket = SessionTicket(bytes(reply.ticket),
+                                                      reply.expires_at_unix_s, reply.ttl_s)
+                self.fetched += 1
+            return ticket
+
+    def refused(self, ticket: bytes) -> None:
+        """A plane refused ``ticket``: the next :meth:`current` fetches another."""
+        with self._lock:
+            if self._ticket is not None and self._ticket.ticket == ticket:
+                self._ticket = None
+
+
 def local_boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -113,6 +157,10 @@ class RemotePlane:
         self._ucx: UcxClient | None = None
         self._ucx_bad_until = 0.0
         self._closed = False
+        self.tickets: DataTickets | None = DataTickets(
+            control, ttl_s=config.data_ticket_ttl_s) \
+            if control.info.data_ticket_required else None
+        """The daemon's data-plane tickets (None: it requires none)."""
 
     # --- values -----------------------------------------------------------------------------
 
@@ -252,7 +300,8 @@ class RemotePlane:
                 self._tcp = TcpClient(host, int(port), connections=self._config.tcp_connections,
                                       spin_us=self._config.tcp_spin_us,
                                       io_timeout_s=io_timeout_s,
-                                      connect_timeout_s=min(5.0, io_timeout_s))
+                                      connect_timeout_s=min(5.0, io_timeout_s),
+                                      ticket=self.tickets)
             return self._tcp
 
     def close(self) -> None:
@@ -310,7 +359,8 @@ def open_plane(control: DaemonControl, config: StoreClientConfig
             try:
                 shm = ShmClient.connect(info.shm_socket, info.shm_arena,
                                         read_index=info.shm_read_index,
-                                        config=config.shm_config(), fallback=remote.tcp_client)
+                                        config=config.shm_config(), fallback=remote.tcp_client,
+                                        ticket=remote.tickets)
             except TierUnavailable as exc:  # the arena does not map here
                 reason = str(exc)
             except BaseException:

@@ -49,9 +49,11 @@ Lease-free reads are reported late: :meth:`StoreClient.flush_reads` waits until 
 counted them (``stats`` does it first).
 
 Tenants: ``StoreClientConfig.tenant`` travels as ``kvtier-tenant`` metadata on every gRPC call
-(:mod:`kvstore.client.daemon_control`). The data planes carry no tenant yet: what this client
-puts over shared memory, TCP or UCX belongs to the default tenant, and its data-plane reads are
-not tenant-checked (docs/security.md, "Tenant isolation").
+(:mod:`kvstore.client.daemon_control`). Against a daemon with security the data planes act for
+it too: the client fetches a session ticket for it (``IssueDataTicket``) and every TCP and lease
+channel connection presents it (:mod:`kvstore.client.planes`), so what it puts there belongs to
+that tenant and its data-plane reads see only what that tenant may read. Against a daemon
+without security the data planes carry no tenant (the default tenant's; docs/security.md).
 
 Where the parts live: the gRPC calls in :mod:`kvstore.client.daemon_control`, the choice of the
 data plane and the remote (TCP/UCX) plane in :mod:`kvstore.client.planes`, the config and

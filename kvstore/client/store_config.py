@@ -88,8 +88,14 @@ class StoreClientConfig:
     """The tenant this client acts for, sent as ``kvtier-tenant`` metadata on every gRPC call
     (printable ASCII, at most 128 characters). The daemon checks it against the credentials
     (docs/security.md, "Tenant isolation"): None is fine for credentials of exactly one tenant
-    and for operators (every tenant); an engine allowed several tenants must name one. The
-    data planes (shared memory, TCP, UCX) do not carry it yet."""
+    and for operators (every tenant); an engine allowed several tenants must name one. On a
+    daemon with security the TCP plane and the lease channel act for it too (their session
+    ticket is issued for it); a daemon without security has no ticket, so its data planes
+    carry no tenant (they act for the default tenant) and UCX is never served with security."""
+
+    data_ticket_ttl_s: float = 0.0
+    """The lifetime of the data-plane session tickets this client asks a daemon with security
+    for (0: the daemon's, ten minutes; shorter only: docs/security.md, "Data planes")."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.data_plane, DataPlane):
@@ -114,6 +120,10 @@ class StoreClientConfig:
             raise InvalidArgument(f"tenant must be None or at most {TENANT_MAX_CHARS} printable "
                                   f"ASCII characters (it travels as {TENANT_METADATA_KEY} "
                                   f"metadata), got {self.tenant!r}")
+        if not (isinstance(self.data_ticket_ttl_s, int | float)
+                and 0 <= self.data_ticket_ttl_s < float("inf")):
+            raise InvalidArgument(f"data_ticket_ttl_s must be 0 (the daemon's) or a finite "
+                                  f"number of seconds > 0, got {self.data_ticket_ttl_s!r}")
         if self.security is not None and not isinstance(self.security, ClientSecurity):
             raise InvalidArgument(f"security must be a ClientSecurity, got {self.security!r}")
         if self.lease_free_attempts < 1 or self.read_report_interval_s <= 0 \

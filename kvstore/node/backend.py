@@ -31,9 +31,20 @@ never 0, never two live at once), every client TTL is checked by :func:`check_tt
 reservations held for clients at once (``server.max_leases``; ``TooManyLeases`` beyond it).
 
 Tenants (docs/security.md, "Tenant isolation"): the gRPC lease calls pass their caller's tenant
-(``acquire_read(tenant=)``, ``reserve(tenant=)``, kept for its ``commit``). The data planes do not
-carry one yet: ``CacheLeaseBackend`` (TCP/UCX), ``put`` and ``reserve_many``/``commit_many`` (the
-lease channel) and a lease channel ``acquire_read`` read every chunk and write the default tenant.
+(``acquire_read(tenant=)``, ``reserve(tenant=)``, kept for its ``commit``). A data-plane
+connection whose session ticket carries a
+:class:`~kvstore.dataplane.transport.auth.TenantScope` (every connection to a daemon with
+security) is served through ``scoped(scope)``: :class:`TenantLeaseBackend` (TCP) and
+:class:`TenantShmLeases` (the lease channel) pass the scope's read tenant to every read, size
+and remove, and its write tenant to every put and reservation, as the gRPC handlers pass
+theirs: reads see that tenant's chunks and the shared ones, puts are owned by it, a key another
+tenant owns is PermissionDenied, and remove drops only its own chunks. A scope that may not
+write (it named the shared tenant without ``shared_writer``) has every put refused. An unscoped
+connection (no security: no ticket) reads every chunk and writes the default tenant, as before.
+Scoped batches on the lease channel reserve and commit item by item (the cache's batch calls
+know no tenant), and a scoped TCP connection reads small values under a pin rather than with
+the pin-free copy (``read_into``'s race-free tenant check needs the pin) and never through the
+native loop (which reads the read index and checks no tenant).
 
 Thread safety: everything here may be called from any thread.
 """
@@ -56,6 +67,7 @@ from kvstore.dataplane.arena import copy_bytes
 from kvstore.dataplane.compress import CodecKind
 from kvstore.dataplane.dram import DramSlot, DramTier
 from kvstore.dataplane.tier import ChunkKey, TierKind, WriteSlot, check_key
+from kvstore.dataplane.transport.auth import TenantScope
 from kvstore.dataplane.transport.base import ArenaRange, ViewReadLease
 from kvstore.errors import (
     CapacityError,
@@ -64,6 +76,7 @@ from kvstore.errors import (
     InvalidArgument,
     InvariantViolation,
     KvtierError,
+    PermissionDenied,
     SizeMismatch,
     TierUnavailable,
     TooManyLeases,
@@ -177,18 +190,24 @@ class LeaseBudget:
 
 class ParentHints:
     """Parents announced for puts that will arrive without one (over TCP), for ``ttl_s``
-    (at most ``max_ttl_s``); at most ``max_entries`` are pending."""
+    (at most ``max_ttl_s``); at most ``max_entries`` are pending. A hint belongs to the tenant
+    that announced it and a scoped put takes only its own tenant's (another tenant can neither
+    replace it nor make one of its puts a child of a chunk it may not see); an unscoped put (a
+    daemon without security) takes the latest hint for its key, whoever announced it."""
 
     def __init__(self, max_entries: int = MAX_PARENT_HINTS, *,
                  max_ttl_s: float = DEFAULT_MAX_TTL_S) -> None:
         self._lock = threading.Lock()
-        self._hints: dict[bytes, tuple[bytes, float]] = {}
+        self._hints: dict[tuple[str, bytes], tuple[bytes, float]] = {}
+        self._latest: dict[bytes, str] = {}
+        """Key -> the tenant that announced a hint for it last (for unscoped puts)."""
         self._max_entries = max_entries
         self._max_ttl_s = max_ttl_s
 
-    def expect(self, key: bytes, parent: bytes, ttl_s: float) -> None:
-        """The next put of ``key`` within ``ttl_s`` is a child of ``parent``. Raises
-        InvalidArgument (bad key, or a TTL :func:`check_ttl` refuses), CapacityError."""
+    def expect(self, key: bytes, parent: bytes, ttl_s: float, *,
+               tenant: str = DEFAULT_TENANT) -> None:
+        """The next put of ``key`` by ``tenant`` within ``ttl_s`` is a child of ``parent``.
+        Raises InvalidArgument (bad key, or a TTL :func:`check_ttl` refuses), CapacityError."""
         k, p = check_key(key), check_key(parent)
         check_ttl(ttl_s, self._max_ttl_s)
         now = time.monotonic()
@@ -197,19 +216,28 @@ class ParentHints:
                 self._purge_locked(now)
                 if len(self._hints) >= self._max_entries:
                     raise CapacityError(f"{self._max_entries} parent hints are pending")
-            self._hints[k] = (p, now + ttl_s)
+            self._hints[(tenant, k)] = (p, now + ttl_s)
+            self._latest[k] = tenant
 
-    def take(self, key: bytes) -> bytes | None:
-        """The announced parent of ``key`` (forgotten once taken), or None."""
+    def take(self, key: bytes, tenant: str | None = None) -> bytes | None:
+        """The parent ``tenant`` announced for ``key`` (None: the latest announced, by any
+        tenant), forgotten once taken; or None."""
         with self._lock:
-            hint = self._hints.pop(key, None)
+            owner = self._latest.get(key) if tenant is None else tenant
+            if owner is None:
+                return None
+            hint = self._hints.pop((owner, key), None)
+            if self._latest.get(key) == owner:
+                del self._latest[key]
         if hint is None or hint[1] < time.monotonic():
             return None
         return hint[0]
 
     def _purge_locked(self, now: float) -> None:
-        for key in [k for k, (_p, deadline) in self._hints.items() if deadline < now]:
-            del self._hints[key]
+        for tenant, key in [k for k, (_p, deadline) in self._hints.items() if deadline < now]:
+            del self._hints[(tenant, key)]
+            if self._latest.get(key) == tenant:
+                del self._latest[key]
 
     def __len__(self) -> int:
         return len(self._hints)
@@ -242,12 +270,14 @@ class CacheReadLease(ViewReadLease):
 class CacheWriteLease:
     """A reserved DRAM slot; ``commit`` publishes it into the cache with its parent."""
 
-    __slots__ = ("_backend", "_parent", "_slot", "_state")
+    __slots__ = ("_backend", "_parent", "_slot", "_state", "_tenant")
 
-    def __init__(self, backend: CacheLeaseBackend, slot: WriteSlot, parent: bytes | None) -> None:
+    def __init__(self, backend: CacheLeaseBackend, slot: WriteSlot, parent: bytes | None,
+                 tenant: str = DEFAULT_TENANT) -> None:
         self._backend = backend
         self._slot = slot
         self._parent = parent
+        self._tenant = tenant
         self._state = "open"
 
     @property
@@ -269,7 +299,8 @@ class CacheWriteLease:
             raise InvalidArgument(f"write lease on {self.key.hex()} is already {self._state}")
         self._state = "committed"
         try:
-            self._backend.cache.commit(self._slot, parent=self._parent, tier=TierKind.DRAM)
+            self._backend.cache.commit(self._slot, parent=self._parent, tier=TierKind.DRAM,
+                                       tenant=self._tenant)
         except BaseException:
             self._backend.cache.abort(self._slot, tier=TierKind.DRAM)
             raise
@@ -326,17 +357,23 @@ class CacheLeaseBackend:
         self.native_hits += hits
         self.native_bytes += nbytes
 
-    def open_read(self, key: bytes) -> CacheReadLease:
+    def scoped(self, scope: TenantScope) -> TenantLeaseBackend:
+        """This backend as one data-plane session of ``scope`` sees it (module docstring,
+        "Tenants")."""
+        return TenantLeaseBackend(self, scope)
+
+    def open_read(self, key: bytes, *, tenant: str | None = None) -> CacheReadLease:
+        """A read lease on ``key`` (a chunk ``tenant`` may see; None: any chunk)."""
         k = check_key(key)
         try:
-            lease = self.cache.pin_in(TierKind.DRAM, [k], self._read_ttl_s)
+            lease = self.cache.pin_in(TierKind.DRAM, [k], self._read_ttl_s, tenant)
         except (CapacityError, ChunkBusy) as exc:
-            entry = self.cache.entry(k)
+            entry = self.cache.entry(k, tenant)
             if entry is None:
                 raise ChunkNotFound(k, "the tiered cache") from exc
             log.debug("serving %s from a private copy: %s", k.hex(), exc)
             copy = bytearray(entry.size_bytes)
-            self.cache.get_into(k, copy)
+            self.cache.get_into(k, copy, tenant)
             return CacheReadLease(self.cache, k, memoryview(copy).toreadonly(), None)
         try:
             view = self.dram.view(k)
@@ -374,25 +411,86 @@ class CacheLeaseBackend:
         self.cache.count_hit(TierKind.DRAM, size)  # not record_reads: ~3 µs less per read
         return size
 
-    def open_write(self, key: bytes, size_bytes: int) -> CacheWriteLease:
+    def open_write(self, key: bytes, size_bytes: int, *,
+                   tenant: str | None = None) -> CacheWriteLease:
+        """A write lease for a chunk ``tenant`` will own (None: unscoped, the default tenant);
+        its parent: the one ``tenant`` announced with ``SetParents`` (unscoped: the latest
+        announced), if any."""
         k = check_key(key)
-        parent = self.parents.take(k)
-        slot = self.cache.reserve(k, size_bytes, parent=parent, tier=TierKind.DRAM)
-        return CacheWriteLease(self, slot, parent)
+        parent = self.parents.take(k, tenant)
+        owner = DEFAULT_TENANT if tenant is None else tenant
+        slot = self.cache.reserve(k, size_bytes, parent=parent, tier=TierKind.DRAM,
+                                  tenant=owner)
+        return CacheWriteLease(self, slot, parent, owner)
 
-    def exists(self, key: bytes) -> bool:
-        return self.cache.entry(check_key(key)) is not None
+    def exists(self, key: bytes, *, tenant: str | None = None) -> bool:
+        return self.cache.entry(check_key(key), tenant) is not None
 
-    def size_of(self, key: bytes) -> int | None:
-        entry = self.cache.entry(check_key(key))
+    def size_of(self, key: bytes, *, tenant: str | None = None) -> int | None:
+        entry = self.cache.entry(check_key(key), tenant)
         return None if entry is None else entry.size_bytes
 
-    def remove(self, key: bytes) -> bool:
+    def remove(self, key: bytes, *, tenant: str | None = None) -> bool:
+        """Drop ``key`` and what is cached under it (with ``tenant``: only a chunk it owns)."""
         try:
-            self.cache.remove(check_key(key))
+            self.cache.remove(check_key(key), tenant)
         except ChunkNotFound:
             return False
         return True
+
+
+def _refuse_write(scope: TenantScope) -> PermissionDenied:
+    return PermissionDenied(f"this data-plane session acts for tenant {scope.read!r}, which "
+                            "it may read but not write (the shared tenant needs shared_writer)")
+
+
+class TenantLeaseBackend:
+    """:class:`CacheLeaseBackend` as one TCP data-plane session of ``scope`` sees it (module
+    docstring, "Tenants"); made by ``CacheLeaseBackend.scoped``. Offers no ``native_serving``:
+    the native loop reads the read index, which knows no tenant."""
+
+    __slots__ = ("_backend", "_read", "_scope", "_write")
+
+    def __init__(self, backend: CacheLeaseBackend, scope: TenantScope) -> None:
+        self._backend = backend
+        self._scope = scope
+        self._read = scope.read
+        self._write = scope.write
+
+    @property
+    def scope(self) -> TenantScope:
+        return self._scope
+
+    def open_read(self, key: bytes) -> CacheReadLease:
+        return self._backend.open_read(key, tenant=self._read)
+
+    def read_into(self, key: bytes, dst: memoryview) -> int:
+        """Copy the chunk into ``dst`` under a read lease (the tenant check and the copy see
+        the same chunk: the pin keeps it from being removed and replaced meanwhile)."""
+        lease = self._backend.open_read(key, tenant=self._read)
+        try:
+            size = lease.size_bytes
+            if len(dst) != size:
+                raise SizeMismatch(f"read_into {lease.key.hex()}", expected=size,
+                                   actual=len(dst))
+            copy_bytes(dst, lease.view)
+        finally:
+            lease.release()
+        return size
+
+    def open_write(self, key: bytes, size_bytes: int) -> CacheWriteLease:
+        if self._write is None:
+            raise _refuse_write(self._scope)
+        return self._backend.open_write(key, size_bytes, tenant=self._write)
+
+    def exists(self, key: bytes) -> bool:
+        return self._backend.exists(key, tenant=self._read)
+
+    def size_of(self, key: bytes) -> int | None:
+        return self._backend.size_of(key, tenant=self._read)
+
+    def remove(self, key: bytes) -> bool:
+        return self._backend.remove(key, tenant=self._read)
 
 
 # --- same-host leases by id --------------------------------------------------------------------
@@ -470,7 +568,7 @@ class ShmLeases:
 
         ``prefix``: lease the longest cached prefix of ``keys`` (lease id 0 and no ranges when
         it is empty); otherwise all or nothing (ChunkNotFound). Only chunks ``tenant`` may see
-        count (None: every chunk; the lease channel passes none yet, the gRPC call its caller's). The lease belongs to ``owner``
+        count (None: every chunk: an unscoped lease channel session). The lease belongs to ``owner``
         and ends by ``release`` with the same owner, or ``ttl_s`` after this call started.
         Raises ChunkBusy, CapacityError (DRAM cannot hold them now: read over TCP instead;
         TooManyLeases when the lease budget is spent), InvalidArgument (bad key, TTL refused
@@ -709,25 +807,33 @@ class ShmLeases:
         rec = None if lease_id is None else self._writes.get(lease_id)
         return rec is not None and rec.owner == owner
 
-    def size_of(self, key: bytes) -> int | None:
-        """The committed chunk's size (in any tier), or None."""
-        entry = self._cache.entry(check_key(key))
+    def scoped(self, scope: TenantScope) -> TenantShmLeases:
+        """These leases as one lease-channel session of ``scope`` sees them (module docstring,
+        "Tenants")."""
+        return TenantShmLeases(self, scope)
+
+    def size_of(self, key: bytes, *, tenant: str | None = None) -> int | None:
+        """The committed chunk's size (in any tier; a chunk ``tenant`` may see), or None."""
+        entry = self._cache.entry(check_key(key), tenant)
         return None if entry is None else entry.size_bytes
 
-    def remove(self, key: bytes) -> bool:
-        """Drop a chunk and everything cached under it (``TieredCache.remove``). False when it
-        is not held; raises ChunkBusy while any of them is pinned."""
+    def remove(self, key: bytes, *, tenant: str | None = None) -> bool:
+        """Drop a chunk and everything cached under it (``TieredCache.remove``; with
+        ``tenant``: only a chunk it owns). False when it is not held; raises ChunkBusy while
+        any of them is pinned."""
         try:
-            self._cache.remove(check_key(key))
+            self._cache.remove(check_key(key), tenant)
         except ChunkNotFound:
             return False
         return True
 
-    def put(self, key: bytes, value: bytes | memoryview, *, parent: bytes | None = None) -> None:
-        """Store a small value that arrived with its request (no lease); as ``TieredCache.put``.
-        ``value`` is read only during the call (the lease channel lends its receive buffer)."""
+    def put(self, key: bytes, value: bytes | memoryview, *, parent: bytes | None = None,
+            tenant: str = DEFAULT_TENANT) -> None:
+        """Store a small value that arrived with its request (no lease), owned by ``tenant``;
+        as ``TieredCache.put``. ``value`` is read only during the call (the lease channel lends
+        its receive buffer)."""
         self._cache.put(check_key(key), value, parent=None if parent is None else
-                        check_key(parent))
+                        check_key(parent), tenant=tenant)
         with self._lock:
             self.bytes_written += memoryview(value).nbytes
 
@@ -823,6 +929,98 @@ class ShmLeases:
                 self._end_write(write)
                 ended_writes += 1
         return ended_reads, ended_writes
+
+
+class TenantShmLeases:
+    """:class:`ShmLeases` as one lease-channel session of ``scope`` sees them (module
+    docstring, "Tenants"; contract: ``ArenaLeaseBackend``); made by ``ShmLeases.scoped``.
+    Leases stay the shared table's (``drop_owner``, ``expire`` and ``close`` act on it); a
+    reservation keeps its tenant for its commit. Batches go item by item, in order, with the
+    outcomes ``reserve_many`` / ``commit_many`` would give."""
+
+    __slots__ = ("_leases", "_read", "_scope", "_write")
+
+    def __init__(self, leases: ShmLeases, scope: TenantScope) -> None:
+        self._leases = leases
+        self._scope = scope
+        self._read = scope.read
+        self._write = scope.write
+
+    @property
+    def scope(self) -> TenantScope:
+        return self._scope
+
+    @property
+    def arena_name(self) -> str:
+        return self._leases.arena_name
+
+    def _write_tenant(self) -> str:
+        if self._write is None:
+            raise _refuse_write(self._scope)
+        return self._write
+
+    def acquire_read(self, keys: Sequence[bytes], ttl_s: float, *, prefix: bool = False,
+                     owner: object | None = None) -> tuple[int, list[ArenaRange]]:
+        return self._leases.acquire_read(keys, ttl_s, prefix=prefix, owner=owner,
+                                         tenant=self._read)
+
+    def release(self, lease_id: int, *, owner: object | None = None) -> bool:
+        return self._leases.release(lease_id, owner=owner)
+
+    def reserve(self, key: bytes, size_bytes: int, ttl_s: float, *, parent: bytes | None = None,
+                owner: object | None = None) -> tuple[int, int]:
+        return self._leases.reserve(key, size_bytes, ttl_s, parent=parent, owner=owner,
+                                    tenant=self._write_tenant())
+
+    def commit(self, lease_id: int, *, owner: object | None = None) -> TierKind:
+        return self._leases.commit(lease_id, owner=owner)
+
+    def reserve_many(self, items: Sequence[tuple[bytes, bytes | None]], sizes_bytes: Sequence[int],
+                     ttl_s: float, *, owner: object | None = None
+                     ) -> list[tuple[int, int] | KvtierError]:
+        """``reserve`` per item, in order (a parent reserved by an earlier item is pending,
+        checked at commit; a child of an item that failed finds its parent uncached)."""
+        check_ttl(ttl_s, self._leases.max_ttl_s)
+        if len(sizes_bytes) != len(items):
+            raise InvalidArgument(f"{len(items)} items but {len(sizes_bytes)} sizes")
+        tenant = self._write_tenant()
+        out: list[tuple[int, int] | KvtierError] = []
+        for (key, parent), size in zip(items, sizes_bytes, strict=True):
+            try:
+                out.append(self._leases.reserve(key, size, ttl_s, parent=parent, owner=owner,
+                                                tenant=tenant))
+            except KvtierError as exc:
+                out.append(exc)
+        return out
+
+    def commit_many(self, lease_ids: Sequence[int], *, owner: object | None = None
+                    ) -> list[KvtierError | None]:
+        out: list[KvtierError | None] = []
+        for lease_id in lease_ids:
+            try:
+                self._leases.commit(lease_id, owner=owner)
+                out.append(None)
+            except KvtierError as exc:
+                out.append(exc)
+        return out
+
+    def abort(self, lease_id: int, *, owner: object | None = None) -> bool:
+        return self._leases.abort(lease_id, owner=owner)
+
+    def put(self, key: bytes, value: bytes | memoryview, *, parent: bytes | None = None) -> None:
+        self._leases.put(key, value, parent=parent, tenant=self._write_tenant())
+
+    def size_of(self, key: bytes) -> int | None:
+        return self._leases.size_of(key, tenant=self._read)
+
+    def remove(self, key: bytes) -> bool:
+        return self._leases.remove(key, tenant=self._read)
+
+    def drop_owner(self, owner: object) -> tuple[int, int]:
+        return self._leases.drop_owner(owner)
+
+    def open_count(self) -> tuple[int, int]:
+        return self._leases.open_count()
 
 
 def _unknown_write(lease_id: int) -> InvalidArgument:

@@ -13,7 +13,11 @@ What :meth:`StoreDaemon.start` brings up, in order (the constructor only records
    (:class:`~kvstore.dataplane.transport.shm.ShmServer` over :class:`~kvstore.node.backend.ShmLeases`),
    the gRPC service with health checking and reflection (authenticated as ``security`` says:
    mTLS or bearer tokens, or no authentication on loopback; see docs/security.md),
-   and the metrics endpoint when enabled;
+   and the metrics endpoint when enabled. With authentication configured the daemon draws a
+   :class:`~kvstore.security.tickets.TicketAuthority` (a random key per start) and both data
+   planes serve a connection only after a session ticket from ``IssueDataTicket``, acting for
+   the tenant it names (``NodeInfo.data_ticket_required``); the UCX plane, which checks no
+   ticket, is then not served;
 3. background tasks: a reaper (expired same-host leases and pins, every 0.5 s) and a demoter
    (tiers above their high watermark down to their low one);
 4. etcd registration under a lease with keepalive, when an endpoint is configured.
@@ -55,7 +59,7 @@ from kvstore.dataplane.tier import Tier, TierKind
 from kvstore.dataplane.transport.shm import ShmServer
 from kvstore.dataplane.transport.tcp import TcpServer, TcpServerConfig
 from kvstore.dataplane.transport.ucx import UcxServer, UcxServerConfig, ucx_unavailable
-from kvstore.errors import ChunkBusy, ChunkNotFound, KvtierError, TierUnavailable
+from kvstore.errors import ChunkBusy, ChunkNotFound, ConfigError, KvtierError, TierUnavailable
 from kvstore.node.backend import CacheLeaseBackend, ParentHints, ShmLeases
 from kvstore.node.cache import CacheConfig, ChunkChange, TieredCache
 from kvstore.node.config import DaemonConfig, UcxMode
@@ -64,6 +68,7 @@ from kvstore.node.index import IndexEntry
 from kvstore.node.metrics import DaemonMetrics, MetricsSnapshot
 from kvstore.node.service import SERVICE_NAME, StoreService
 from kvstore.security.server import SecureServing
+from kvstore.security.tickets import TicketAuthority
 from kvstore.wire import TIER_TO_PB
 
 log = logging.getLogger(__name__)
@@ -133,6 +138,8 @@ class StoreDaemon:
         self._drain_task: asyncio.Task[None] | None = None
         self.serving: SecureServing | None = None
         """How the gRPC service authenticates (valid after start)."""
+        self.tickets: TicketAuthority | None = None
+        """The data planes' session tickets (after start; None without authentication)."""
 
     # --- parts (valid after start) ------------------------------------------------------------
 
@@ -181,6 +188,8 @@ class StoreDaemon:
         # Refuse an unauthenticated non-loopback bind (ConfigError naming the fix) and load
         # the certificates before anything is built or bound.
         self.serving = SecureServing(cfg.security, cfg.server.host, "the daemon's gRPC service")
+        if self.serving.authenticator is not None:
+            self.tickets = TicketAuthority(cfg.node_id)
         swept = remove_stale_arenas()
         if swept:
             log.info("removed %d shared-memory arena(s) of dead processes", len(swept))
@@ -203,7 +212,8 @@ class StoreDaemon:
                 drain_timeout_s=cfg.shutdown.drain_timeout_s,
                 idle_timeout_s=cfg.server.idle_timeout_s,
                 header_timeout_s=cfg.server.header_timeout_s,
-                max_connections=cfg.server.max_connections))
+                max_connections=cfg.server.max_connections),
+                authorize=None if self.tickets is None else self.tickets.authorize)
             tcp_endpoint = self._tcp.start()
             ucx_address = self._start_ucx()
             shm_socket = ""
@@ -212,7 +222,9 @@ class StoreDaemon:
                                       on_reads=self._record_lease_free_reads,
                                       header_timeout_s=cfg.server.header_timeout_s,
                                       idle_timeout_s=cfg.server.idle_timeout_s,
-                                      max_connections=cfg.server.max_connections)
+                                      max_connections=cfg.server.max_connections,
+                                      authorize=None if self.tickets is None
+                                      else self.tickets.authorize)
                 shm_socket = self._shm.start().host  # the abstract address, @kvtier-...
             grpc_port = await self._start_grpc()
             metrics_address = ""
@@ -244,6 +256,15 @@ class StoreDaemon:
         (empty when not serving)."""
         cfg = self.config.server
         if cfg.ucx is UcxMode.DISABLED:
+            return b""
+        if self.tickets is not None:
+            # The UCX plane checks no session ticket and carries no tenant: on a daemon that
+            # authenticates it would serve anyone every chunk.
+            if cfg.ucx is UcxMode.REQUIRED:
+                raise ConfigError("server.ucx is required, but the UCX data plane checks no "
+                                  "session ticket, so a daemon with security configured "
+                                  "cannot serve it: set server.ucx to auto or disabled")
+            log.info("no UCX data plane: it checks no session ticket (security is configured)")
             return b""
         reason = ucx_unavailable()
         if reason is not None:
@@ -389,7 +410,8 @@ class StoreDaemon:
             max_value_bytes=self.config.server.max_value_bytes,
             tier_capacity_bytes={k.value: t.capacity_bytes for k, t in self.cache.tiers.items()},
             draining=self.draining, ucx_worker_address=bytes.fromhex(a.ucx_address),
-            shm_read_index=self.backend.dram.read_index_name if a.shm_socket else "")
+            shm_read_index=self.backend.dram.read_index_name if a.shm_socket else "",
+            data_ticket_required=self.tickets is not None)
 
     def list_entries(self, key_prefix: bytes, tier: TierKind | None, limit: int,
                      tenant: str | None = None) -> tuple[list[IndexEntry], bool]:

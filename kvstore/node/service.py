@@ -31,6 +31,13 @@ calls (ls, inspect, pin, remove, evict, snapshot), which see every tenant. Evict
 Subscribe act on every tenant, so a call scoped to one is refused; a scoped Snapshot lists only
 what that tenant may see.
 
+Data-plane tickets: ``IssueDataTicket`` resolves the call's tenant as every chunk call does
+(reads: :func:`resolve_tenant`; writes: the same with ``write=True``, or none when that is
+refused) and has the daemon's :class:`~kvstore.security.tickets.TicketAuthority` mint a ticket
+for the caller with that :class:`~kvstore.dataplane.transport.auth.TenantScope`; the TCP plane
+and the lease channel then serve that connection as that tenant. A daemon without security
+issues none (INVALID_ARGUMENT: its data planes need no ticket).
+
 Bad input: every TTL is 0 (the default) or finite, > 0 and at most ``server.max_ttl_s``;
 every key field is checked (``check_key``) before use; an undecodable request is
 INVALID_ARGUMENT (:func:`kvstore.wire.service_handler`); error messages show at most a short
@@ -52,6 +59,7 @@ import grpc
 from kvstore._proto.kvtier.v1 import store_pb2 as pb
 from kvstore._proto.kvtier.v1 import store_pb2_grpc as pb_grpc
 from kvstore.dataplane.tier import MAX_KEY_BYTES, ChunkKey, TierKind, check_key
+from kvstore.dataplane.transport.auth import TenantScope
 from kvstore.errors import (
     ChunkNotFound,
     InvalidArgument,
@@ -328,6 +336,30 @@ class StoreService(pb_grpc.StoreServicer):
     async def Info(self, request: pb.InfoRequest, context: Any) -> pb.NodeInfo:
         return self._daemon.node_info()
 
+    @_rpc
+    async def IssueDataTicket(self, request: pb.IssueDataTicketRequest, context: Any
+                              ) -> pb.IssueDataTicketResponse:
+        authority = self._daemon.tickets
+        if authority is None:
+            raise InvalidArgument(f"node {self._daemon.config.node_id} runs without "
+                                  "security: its data planes need no ticket (NodeInfo."
+                                  "data_ticket_required is false)")
+        principal = current_principal()
+        requested = requested_tenant(context)
+        read = resolve_tenant(principal, requested)
+        try:
+            write: str | None = resolve_tenant(principal, requested, write=True)
+        except PermissionDenied:
+            write = None  # it may read what it names (the shared tenant) but not write it
+        ttl_s = request.ttl_s or authority.ttl_s
+        if not 0 < ttl_s <= authority.ttl_s:
+            raise InvalidArgument(f"a data ticket lives at most {authority.ttl_s:g} s on this "
+                                  f"daemon (0: that long), got ttl_s {request.ttl_s!r}")
+        issued = authority.mint(principal, scope=TenantScope(read, write), ttl_s=ttl_s)
+        return pb.IssueDataTicketResponse(
+            ticket=issued.ticket, expires_at_unix_s=issued.expires_at_unix_s,
+            ttl_s=ttl_s, tenant=write or "", every_tenant=read is None)
+
     # --- inline values ----------------------------------------------------------------------
 
     def _put_one(self, item: pb.PutRequest, tenant: str) -> TierKind:
@@ -599,8 +631,9 @@ class StoreService(pb_grpc.StoreServicer):
             raise InvalidArgument(f"{len(request.keys)} keys but {len(request.parents)} parents")
         ttl = self._ttl(request.ttl_s, self._daemon.config.server.reservation_ttl_s)
         keys, parents = _check_keys(request.keys), _check_keys(request.parents, "parents")
+        tenant = self._write_tenant(context)  # only this tenant's TCP puts take the hints
         for key, parent in zip(keys, parents, strict=True):
-            self._daemon.backend.parents.expect(key, parent, ttl)
+            self._daemon.backend.parents.expect(key, parent, ttl, tenant=tenant)
         return pb.SetParentsResponse()
 
     # --- events -----------------------------------------------------------------------------

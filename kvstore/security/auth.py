@@ -60,7 +60,8 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
     # What an engine's StoreClient / KVClient calls: data and the leases that move it.
     **{STORE + m: _ENGINE for m in (
         "Put", "BatchPut", "Get", "BatchGet", "Lookup", "BatchLookup", "Exists",
-        "AcquireRead", "Release", "Reserve", "Commit", "Abort", "SetParents")},
+        "AcquireRead", "Release", "Reserve", "Commit", "Abort", "SetParents",
+        "IssueDataTicket")},
     STORE + "Info": _ANY,
     # Admin: read every tenant's metadata, remove, pin, evict, stop.
     **{STORE + m: _OPERATOR for m in (

@@ -11,9 +11,12 @@ Format (ASCII, at most :data:`~kvstore.dataplane.transport.auth.MAX_TICKET_BYTES
     kvt1.<claims: base64url of JSON>.<mac: base64url of HMAC-SHA256(key, "kvt1." + claims)>
 
 Claims: ``aud`` the daemon it is for (its node id), ``sub`` the principal's name, ``role``,
-``ten`` its tenants (sorted; null for every tenant), ``sw`` shared writer, ``iat`` / ``exp``
-issue and expiry times (Unix seconds), ``nonce`` 16 random bytes (hex): two tickets are never
-equal.
+``ten`` its tenants (sorted; null for every tenant), ``sw`` shared writer, ``scope`` the tenant
+the session acts for (``[read, write]``, each a tenant name or null: a
+:class:`~kvstore.dataplane.transport.auth.TenantScope`, resolved by the daemon's gRPC service
+when it issued the ticket, as for any of its calls; null: no scope, only for a data plane that
+knows no tenants), ``iat`` / ``exp`` issue and expiry times (Unix seconds), ``nonce`` 16 random
+bytes (hex): two tickets are never equal.
 
 The key is drawn at random per daemon process (:func:`secrets.token_bytes`, 32 bytes) and never
 leaves it, so only the daemon that minted a ticket accepts it: a ticket from another daemon, or
@@ -40,7 +43,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvstore.dataplane.transport.auth import MAX_TICKET_BYTES, SessionGrant
+from kvstore.dataplane.transport.auth import MAX_TICKET_BYTES, SessionGrant, TenantScope
 from kvstore.errors import InvalidArgument, Unauthenticated
 from kvstore.security.identity import Principal, Role
 
@@ -93,10 +96,19 @@ class TicketAuthority:
     def audience(self) -> str:
         return self._audience
 
-    def mint(self, principal: Principal, *, ttl_s: float | None = None) -> IssuedTicket:
+    @property
+    def ttl_s(self) -> float:
+        """The default lifetime of a ticket."""
+        return self._ttl_s
+
+    def mint(self, principal: Principal, *, scope: TenantScope | None = None,
+             ttl_s: float | None = None) -> IssuedTicket:
         """A ticket for ``principal`` (the caller the gRPC layer authenticated: pass
-        ``current_principal()``), valid for ``ttl_s`` (default: the authority's)."""
+        ``current_principal()``) acting for ``scope`` (the tenant resolved for the issuing
+        call; None: no scope), valid for ``ttl_s`` (default: the authority's)."""
         lifetime = self._ttl_s if ttl_s is None else _check_ttl(ttl_s)
+        if scope is not None and not isinstance(scope, TenantScope):
+            raise InvalidArgument(f"scope must be a TenantScope or None, got {scope!r}")
         now = self._clock()
         claims = {
             "aud": self._audience,
@@ -104,6 +116,7 @@ class TicketAuthority:
             "role": principal.role.value,
             "ten": None if principal.tenants is None else sorted(principal.tenants),
             "sw": principal.shared_writer,
+            "scope": None if scope is None else [scope.read, scope.write],
             "iat": now,
             "exp": now + lifetime,
             "nonce": secrets.token_hex(16),
@@ -123,19 +136,20 @@ class TicketAuthority:
         return self._check(ticket)[0]
 
     def authorize(self, ticket: bytes, peer: str) -> SessionGrant:
-        """The TCP server's hook (:data:`~kvstore.dataplane.transport.auth.SessionAuthorizer`):
-        the grant of a valid ticket. Raises Unauthenticated, naming ``peer``."""
+        """The data-plane servers' hook
+        (:data:`~kvstore.dataplane.transport.auth.SessionAuthorizer`): the grant of a valid
+        ticket, with its scope. Raises Unauthenticated, naming ``peer``."""
         try:
-            principal, expires_at = self._check(ticket)
+            principal, expires_at, scope = self._check(ticket)
         except Unauthenticated as exc:
             raise Unauthenticated(f"data connection from {peer}: {exc}") from None
         return SessionGrant(principal.name, principal.role.value, principal.tenants,
-                            expires_at)
+                            expires_at, scope)
 
     def _mac(self, body: bytes) -> bytes:
         return hmac.new(self._key, body, hashlib.sha256).digest()
 
-    def _check(self, ticket: bytes) -> tuple[Principal, float]:
+    def _check(self, ticket: bytes) -> tuple[Principal, float, TenantScope | None]:
         if not isinstance(ticket, bytes | bytearray | memoryview):
             raise Unauthenticated(f"a session ticket is bytes, got {type(ticket).__name__}")
         raw = bytes(ticket)
@@ -162,7 +176,9 @@ class TicketAuthority:
             tenants = claims["ten"]
             shared_writer = claims["sw"]
             expires_at = float(claims["exp"])
-        except (ValueError, KeyError, TypeError, binascii.Error):
+            raw_scope = claims["scope"]
+            scope = None if raw_scope is None else TenantScope(*raw_scope)
+        except (ValueError, KeyError, TypeError, binascii.Error, InvalidArgument):
             # Signed by our key yet unreadable: only a bug in mint() could make one.
             raise Unauthenticated("session ticket claims are malformed") from None
         if audience != self._audience:
@@ -178,7 +194,7 @@ class TicketAuthority:
             raise Unauthenticated("session ticket claims are malformed")
         principal = Principal(name, role, None if tenants is None else frozenset(tenants),
                               shared_writer=shared_writer)
-        return principal, expires_at
+        return principal, expires_at, scope
 
 
 def _check_ttl(ttl_s: float) -> float:

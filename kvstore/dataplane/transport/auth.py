@@ -12,9 +12,15 @@ it), so its listeners take plain values and hooks that the daemon wires in:
   :class:`~kvstore.errors.PermissionDenied`. The daemon's is
   :meth:`kvstore.security.tickets.TicketAuthority.authorize`. Without one a listener serves
   every connection as :data:`INSECURE_GRANT` (today's loopback behaviour).
+* :class:`TenantScope`: the tenant a verified session acts for (carried by its grant). A
+  listener whose grant has a scope serves that connection through ``backend.scoped(scope)``
+  (an optional backend method: the daemon's backends, :mod:`kvstore.node.backend`, bind the
+  tenant there, so every frame of the connection reads and writes as it); a backend without
+  ``scoped`` refuses such a connection (it could not keep tenants apart).
+* :class:`SessionTicket` and :class:`TicketSource`: what a data-plane client presents, and
+  where it gets a current one (the client library fetches them over gRPC and renews them).
 * :func:`current_grant`: the :class:`SessionGrant` of the connection a backend call is serving
-  (each TCP connection runs on its own thread, which sets it once when the ticket verified),
-  so a backend that knows its chunks' tenants can check them per key.
+  (each TCP connection runs on its own thread, which sets it once when the ticket verified).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import os
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 from kvstore.errors import InvalidArgument
 
@@ -80,17 +87,40 @@ class PeerAllowlist:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantScope:
+    """The tenant one data-plane session acts for, resolved when its ticket was issued (from
+    the caller's credentials and the tenant it named, as a gRPC call's).
+
+    ``read``: reads see this tenant's chunks and the shared ones (None: every tenant's, for an
+    operator or peer of every tenant that named none). ``write``: the tenant its puts are
+    stored as (None: this session may not write: it named the shared tenant without being a
+    shared writer). The names are opaque here (the node gives them meaning)."""
+
+    read: str | None
+    write: str | None
+
+    def __post_init__(self) -> None:
+        for what, value in (("read", self.read), ("write", self.write)):
+            if value is not None and not isinstance(value, str):
+                raise InvalidArgument(f"a tenant scope's {what} tenant must be a str or None, "
+                                      f"got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
 class SessionGrant:
     """What a verified session ticket allows one data-plane connection: the principal's
     ``name`` (for logs), its ``role`` (a :class:`kvstore.security.identity.Role` value as a
     string), its ``tenants`` (None: every tenant) and when the grant ends
     (``expires_at_unix_s``, wall clock: tickets cross processes). A connection whose grant has
-    ended is closed at its next request."""
+    ended is closed at its next request. ``scope``: the tenant the session acts for (None: no
+    scope, the backend serves it as it serves an unauthenticated listener: only for backends
+    that know no tenants and tickets minted without one)."""
 
     name: str
     role: str
     tenants: frozenset[str] | None
     expires_at_unix_s: float
+    scope: TenantScope | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -99,6 +129,8 @@ class SessionGrant:
             raise InvalidArgument(f"tenants must be a frozenset or None, got {self.tenants!r}")
         if math.isnan(self.expires_at_unix_s):
             raise InvalidArgument("expires_at_unix_s must be a time, got nan")
+        if self.scope is not None and not isinstance(self.scope, TenantScope):
+            raise InvalidArgument(f"scope must be a TenantScope or None, got {self.scope!r}")
 
     def may_access(self, tenant: str) -> bool:
         return self.tenants is None or tenant in self.tenants
@@ -106,6 +138,53 @@ class SessionGrant:
 
 INSECURE_GRANT = SessionGrant("insecure", "operator", None, math.inf)
 """The grant of every connection to a listener without a :class:`SessionAuthorizer`."""
+
+@dataclass(frozen=True, slots=True)
+class SessionTicket:
+    """A ticket as a client holds it: the bytes it presents, when it expires (wall clock,
+    Unix seconds: the issuing daemon's clock, so a client renews a margin before) and its
+    lifetime ``ttl_s`` when issued (0: unknown)."""
+
+    ticket: bytes
+    expires_at_unix_s: float
+    ttl_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ticket, bytes) or not self.ticket:
+            raise InvalidArgument("a session ticket is non-empty bytes")
+        if len(self.ticket) > MAX_TICKET_BYTES:
+            raise InvalidArgument(f"a session ticket is at most {MAX_TICKET_BYTES} bytes, got "
+                                  f"{len(self.ticket)}")
+        if math.isnan(self.expires_at_unix_s):
+            raise InvalidArgument("expires_at_unix_s must be a time, got nan")
+
+
+@runtime_checkable
+class TicketSource(Protocol):
+    """Where a data-plane client gets the ticket it presents (thread-safe).
+
+    ``current()`` returns a ticket that is valid for a while yet (an implementation renews it
+    some margin before it expires; it may block on the call that issues one and raise its
+    errors). ``refused(ticket)`` says a server refused that ticket (stale after a restart,
+    expired early): the next ``current()`` returns another one. Clients present
+    ``current()`` on each new connection and again, as a renewal, on a connection whose
+    ticket is about to expire (``renew_margin_s`` before)."""
+
+    def current(self) -> SessionTicket: ...
+
+    def refused(self, ticket: bytes) -> None: ...
+
+
+RENEW_MARGIN_S = 30.0
+"""How long before its ticket expires a client connection presents a new one (at most a
+quarter of the ticket's lifetime)."""
+
+
+def renew_at(ticket: SessionTicket) -> float:
+    """When a holder of ``ticket`` asks for (or presents) a new one (wall clock)."""
+    margin = RENEW_MARGIN_S if ticket.ttl_s <= 0 else min(RENEW_MARGIN_S, ticket.ttl_s / 4)
+    return ticket.expires_at_unix_s - margin
+
 
 SessionAuthorizer = Callable[[bytes, str], SessionGrant]
 """``authorize(ticket, peer)``: verify ``ticket`` (the bytes a connection presented) for the

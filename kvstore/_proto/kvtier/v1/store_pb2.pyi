@@ -36,7 +36,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "epoch", "hostname", "boot_id", "version", "pid", "grpc_address", "tcp_address", "shm_arena", "shm_socket", "inline_max_bytes", "max_value_bytes", "tier_capacity_bytes", "draining", "ucx_worker_address", "shm_read_index")
+    __slots__ = ("node_id", "epoch", "hostname", "boot_id", "version", "pid", "grpc_address", "tcp_address", "shm_arena", "shm_socket", "inline_max_bytes", "max_value_bytes", "tier_capacity_bytes", "draining", "ucx_worker_address", "shm_read_index", "data_ticket_required")
     class TierCapacityBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class NodeInfo(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     UCX_WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SHM_READ_INDEX_FIELD_NUMBER: _ClassVar[int]
+    DATA_TICKET_REQUIRED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: str
     hostname: str
@@ -76,7 +77,28 @@ class NodeInfo(_message.Message):
     draining: bool
     ucx_worker_address: bytes
     shm_read_index: str
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[str] = ..., hostname: _Optional[str] = ..., boot_id: _Optional[str] = ..., version: _Optional[str] = ..., pid: _Optional[int] = ..., grpc_address: _Optional[str] = ..., tcp_address: _Optional[str] = ..., shm_arena: _Optional[str] = ..., shm_socket: _Optional[str] = ..., inline_max_bytes: _Optional[int] = ..., max_value_bytes: _Optional[int] = ..., tier_capacity_bytes: _Optional[_Mapping[str, int]] = ..., draining: _Optional[bool] = ..., ucx_worker_address: _Optional[bytes] = ..., shm_read_index: _Optional[str] = ...) -> None: ...
+    data_ticket_required: bool
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[str] = ..., hostname: _Optional[str] = ..., boot_id: _Optional[str] = ..., version: _Optional[str] = ..., pid: _Optional[int] = ..., grpc_address: _Optional[str] = ..., tcp_address: _Optional[str] = ..., shm_arena: _Optional[str] = ..., shm_socket: _Optional[str] = ..., inline_max_bytes: _Optional[int] = ..., max_value_bytes: _Optional[int] = ..., tier_capacity_bytes: _Optional[_Mapping[str, int]] = ..., draining: _Optional[bool] = ..., ucx_worker_address: _Optional[bytes] = ..., shm_read_index: _Optional[str] = ..., data_ticket_required: _Optional[bool] = ...) -> None: ...
+
+class IssueDataTicketRequest(_message.Message):
+    __slots__ = ("ttl_s",)
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    ttl_s: float
+    def __init__(self, ttl_s: _Optional[float] = ...) -> None: ...
+
+class IssueDataTicketResponse(_message.Message):
+    __slots__ = ("ticket", "expires_at_unix_s", "ttl_s", "tenant", "every_tenant")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    EVERY_TENANT_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    expires_at_unix_s: float
+    ttl_s: float
+    tenant: str
+    every_tenant: bool
+    def __init__(self, ticket: _Optional[bytes] = ..., expires_at_unix_s: _Optional[float] = ..., ttl_s: _Optional[float] = ..., tenant: _Optional[str] = ..., every_tenant: _Optional[bool] = ...) -> None: ...
 
 class PutRequest(_message.Message):
     __slots__ = ("key", "parent", "value")

@@ -159,6 +159,11 @@ class StoreStub:
                 request_serializer=kvtier_dot_v1_dot_store__pb2.SetParentsRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_store__pb2.SetParentsResponse.FromString,
                 _registered_method=True)
+        self.IssueDataTicket = channel.unary_unary(
+                '/kvtier.v1.Store/IssueDataTicket',
+                request_serializer=kvtier_dot_v1_dot_store__pb2.IssueDataTicketRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_store__pb2.IssueDataTicketResponse.FromString,
+                _registered_method=True)
         self.Subscribe = channel.unary_stream(
                 '/kvtier.v1.Store/Subscribe',
                 request_serializer=kvtier_dot_v1_dot_store__pb2.SubscribeRequest.SerializeToString,
@@ -332,6 +337,15 @@ class StoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def IssueDataTicket(self, request, context):
+        """A session ticket for the data planes (TCP HELLO frame, lease channel HELLO request), for
+        the caller and the tenant this call resolves to (the kvtier-tenant metadata, checked as
+        for any call). Required by a daemon whose NodeInfo.data_ticket_required is set.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Subscribe(self, request, context):
         """Chunk events for a global index: replay from a sequence number, or resync.
         """
@@ -472,6 +486,11 @@ def add_StoreServicer_to_server(servicer, server):
                     servicer.SetParents,
                     request_deserializer=kvtier_dot_v1_dot_store__pb2.SetParentsRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_store__pb2.SetParentsResponse.SerializeToString,
+            ),
+            'IssueDataTicket': grpc.unary_unary_rpc_method_handler(
+                    servicer.IssueDataTicket,
+                    request_deserializer=kvtier_dot_v1_dot_store__pb2.IssueDataTicketRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_store__pb2.IssueDataTicketResponse.SerializeToString,
             ),
             'Subscribe': grpc.unary_stream_rpc_method_handler(
                     servicer.Subscribe,
@@ -1159,6 +1178,33 @@ class Store:
             '/kvtier.v1.Store/SetParents',
             kvtier_dot_v1_dot_store__pb2.SetParentsRequest.SerializeToString,
             kvtier_dot_v1_dot_store__pb2.SetParentsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IssueDataTicket(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Store/IssueDataTicket',
+            kvtier_dot_v1_dot_store__pb2.IssueDataTicketRequest.SerializeToString,
+            kvtier_dot_v1_dot_store__pb2.IssueDataTicketResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -10,6 +10,13 @@ finds the connection closed (the send fails with EPIPE or a reset, or the reply 
 before its first byte) raises :class:`ChannelClosed` when the channel is marked
 ``may_be_stale``; the pool (:class:`~.client.ShmClient`) marks the channels it reuses and sends
 such a request again once on a fresh connection.
+
+Session tickets: a channel given a :class:`~kvstore.dataplane.transport.auth.TicketSource`
+presents its ``current()`` ticket as a HELLO request when it connects (and waits for the OK:
+a refused ticket is reported to the source, and a fresh one presented once more on a new
+connection), and again, as a renewal without a reply (``FLAG_NO_REPLY``), before the first
+request it sends within the renewal margin of that ticket's expiry. A refused renewal is the
+server's closing reply, raised by the next reply read.
 """
 
 from __future__ import annotations
@@ -17,8 +24,10 @@ from __future__ import annotations
 import errno
 import socket
 import struct
+import time
 from collections.abc import Sequence
 
+from kvstore.dataplane.transport.auth import TicketSource, renew_at
 from kvstore.dataplane.transport.shm.frames import (
     FLAG_NO_REPLY,
     RANGE,
@@ -29,7 +38,13 @@ from kvstore.dataplane.transport.shm.frames import (
     ChannelOp,
     pack_keys,
 )
-from kvstore.errors import InvalidArgument, KvtierError, PeerUnavailable, error_from_name
+from kvstore.errors import (
+    InvalidArgument,
+    KvtierError,
+    PeerUnavailable,
+    Unauthenticated,
+    error_from_name,
+)
 
 _IOV_MAX = 1024
 _CLOSED_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED})
@@ -50,8 +65,43 @@ class LeaseChannel:
     ``SO_RCVTIMEO``: the socket stays blocking, no poll per call); a stopped or stuck peer is
     then ``PeerUnavailable`` after that long instead of a hang. None: no bound."""
 
-    def __init__(self, address: str, *, io_timeout_s: float | None = None) -> None:
-        """Connect. Raises InvalidArgument (not an abstract address), PeerUnavailable."""
+    def __init__(self, address: str, *, io_timeout_s: float | None = None,
+                 ticket: TicketSource | None = None) -> None:
+        """Connect (and present ``ticket``'s current ticket: module docstring). Raises
+        InvalidArgument (not an abstract address), PeerUnavailable, and the server's refusal
+        of the ticket (Unauthenticated, PermissionDenied)."""
+        self._ticket = ticket
+        self._renew_at = 0.0
+        """When the next request is preceded by a renewal HELLO (wall clock; 0: never)."""
+        self._connect(address, io_timeout_s)
+        if ticket is None:
+            return
+        try:
+            self._hello(ticket)
+        except Unauthenticated:
+            self.sock.close()  # the server closed it too
+            self._connect(address, io_timeout_s)  # reported: the source has a fresh one
+            try:
+                self._hello(ticket)
+            except BaseException:
+                self.sock.close()
+                raise
+        except BaseException:
+            self.sock.close()
+            raise
+
+    def _hello(self, ticket: TicketSource) -> None:
+        """Present ``ticket.current()`` and wait for the OK (reporting a refusal to it)."""
+        current = ticket.current()
+        try:
+            self.call(ChannelOp.HELLO, arg=len(current.ticket),
+                      payload=memoryview(current.ticket))
+        except Unauthenticated:
+            ticket.refused(current.ticket)
+            raise
+        self._renew_at = renew_at(current)
+
+    def _connect(self, address: str, io_timeout_s: float | None) -> None:
         if not address.startswith("@"):
             raise InvalidArgument(f"lease channel address must be abstract (@name): {address!r}")
         if io_timeout_s is not None and not io_timeout_s > 0:
@@ -85,6 +135,8 @@ class LeaseChannel:
         """Send one request; ``payload`` (or the buffers of ``payloads``, gathered by one
         ``sendmsg`` without copying) follow the keys in the body. The payloads are read only
         during the call."""
+        if self._renew_at and time.time() >= self._renew_at:
+            self._renew()
         body = pack_keys(list(keys)) if keys else b""
         parts = [payload] if payload is not None else list(payloads)
         extra = sum(p.nbytes for p in parts)
@@ -107,6 +159,15 @@ class LeaseChannel:
             raise PeerUnavailable(f"lease channel send failed: {exc}") from exc
         if flags & FLAG_NO_REPLY:
             self.unacknowledged = True
+
+    def _renew(self) -> None:
+        """Present a new ticket without waiting for a reply (module docstring)."""
+        assert self._ticket is not None
+        current = self._ticket.current()
+        self._renew_at = 0.0  # (send() below must not renew again)
+        self.send(ChannelOp.HELLO, flags=FLAG_NO_REPLY, arg=len(current.ticket),
+                  payload=memoryview(current.ticket))
+        self._renew_at = renew_at(current)
 
     def call(self, op: ChannelOp, *, flags: int = 0, keys: Sequence[bytes] = (), arg: int = 0,
              ttl_s: float = 0.0, payload: memoryview | None = None,

@@ -75,6 +75,7 @@ from kvstore.dataplane.arena import (
 )
 from kvstore.dataplane.read_index import NOT_TRIED, ReadIndexReader, ReadResult
 from kvstore.dataplane.tier import Buffer, ChunkKey, check_key
+from kvstore.dataplane.transport.auth import TicketSource
 from kvstore.dataplane.transport.base import (
     BatchTransport,
     Endpoint,
@@ -430,8 +431,10 @@ class ShmClient:
     :meth:`connect`."""
 
     def __init__(self, address: str, arena: ShmArena, config: ShmClientConfig,
-                 fallback: Callable[[], BatchTransport] | None) -> None:
+                 fallback: Callable[[], BatchTransport] | None,
+                 ticket: TicketSource | None = None) -> None:
         """Wrap an attached arena; use :meth:`connect`."""
+        self._ticket = ticket
         self._address = address
         self._arena = arena
         self._config = config
@@ -449,11 +452,14 @@ class ShmClient:
     @classmethod
     def connect(cls, address: str, arena_name: str, *, read_index: str = "",
                 config: ShmClientConfig | None = None,
-                fallback: Callable[[], BatchTransport] | None = None) -> Self:
+                fallback: Callable[[], BatchTransport] | None = None,
+                ticket: TicketSource | None = None) -> Self:
         """Map the peer's arena ``arena_name`` and check that its lease channel at ``address``
         (``@name``) answers; with ``read_index`` (the peer's index segment) reads go lease-free
         where it publishes the chunk. ``fallback`` makes the transport that reads what the arena
-        cannot take now (called once, when first needed).
+        cannot take now (called once, when first needed). ``ticket``: the session tickets every
+        lease channel connection presents to a peer that requires them
+        (:mod:`.channel`, "Session tickets").
 
         Raises TierUnavailable (the arena cannot be mapped here), PeerUnavailable (the channel
         does not answer), InvalidArgument.
@@ -468,7 +474,7 @@ class ShmClient:
         try:
             if cfg.populate_arena:
                 _populate(arena)
-            client = cls(address, arena, cfg, fallback)
+            client = cls(address, arena, cfg, fallback, ticket)
         except BaseException:
             arena.close()
             raise
@@ -494,7 +500,8 @@ class ShmClient:
 
         reader.use_extension(native.load_extension())  # None (not built, KVTIER_NATIVE=0): Python
         reporter = ReadReporter(self._address, interval_s=cfg.read_report_interval_s,
-                                batch=cfg.read_report_batch, io_timeout_s=cfg.io_timeout_s)
+                                batch=cfg.read_report_batch, io_timeout_s=cfg.io_timeout_s,
+                                ticket=self._ticket)
         try:
             reporter.start()
         except BaseException:
@@ -1103,7 +1110,8 @@ class ShmClient:
 
     def _new_channel(self) -> LeaseChannel:
         """A new channel connection, closed with this client (give it back with ``_checkin``)."""
-        chan = LeaseChannel(self._address, io_timeout_s=self._config.io_timeout_s)
+        chan = LeaseChannel(self._address, io_timeout_s=self._config.io_timeout_s,
+                            ticket=self._ticket)
         with self._lock:
             if self._closed:
                 chan.close()

@@ -76,6 +76,11 @@ class ChannelOp(enum.IntEnum):
     REMOVE = 13
     """keys = [key] -> lease id 1 when it was removed, 0 when it was not held. ChunkBusy while
     it is leased."""
+    HELLO = 14
+    """no keys; tail (``argument`` bytes) = a session ticket. The first request of every
+    connection to a server that requires tickets (anything else first gets a closing
+    ``Unauthenticated``); later, a renewal (usually with FLAG_NO_REPLY: a refused ticket gets a
+    closing reply either way). A server without tickets answers it OK."""
 
 
 FLAG_PREFIX = 1
@@ -105,7 +110,7 @@ REPLY = struct.Struct("<BxHIQ")
 """status, range count, detail bytes, lease id."""
 RANGE = struct.Struct("<QQ")
 """arena offset, size in bytes."""
-TAIL_OPS = frozenset({7, 9, 10, 11})
+TAIL_OPS = frozenset({7, 9, 10, 11, 14})
 """Ops whose body ends with ``argument`` bytes that are not keys (values, sizes, lease ids)."""
 MAX_BODY_BYTES = 1 << 20
 MAX_KEYS = 4096

@@ -10,9 +10,10 @@ import select
 import threading
 from collections import deque
 
+from kvstore.dataplane.transport.auth import TicketSource
 from kvstore.dataplane.transport.shm.channel import ChannelClosed, LeaseChannel
 from kvstore.dataplane.transport.shm.frames import FLAG_NO_REPLY, MAX_KEYS, ChannelOp
-from kvstore.errors import PeerUnavailable
+from kvstore.errors import PeerUnavailable, PermissionDenied, Unauthenticated
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +36,11 @@ class ReadReporter:
     MAX_QUEUED = 1 << 16
 
     def __init__(self, address: str, *, interval_s: float, batch: int,
-                 io_timeout_s: float | None = None) -> None:
-        """Record the settings; :meth:`start` opens the eventfd and starts the thread."""
+                 io_timeout_s: float | None = None, ticket: TicketSource | None = None) -> None:
+        """Record the settings; :meth:`start` opens the eventfd and starts the thread.
+        ``ticket``: the session ticket its connection presents (a server that requires one)."""
         self._address = address
+        self._ticket = ticket
         self._io_timeout_s = io_timeout_s
         self._interval_s = interval_s
         self.batch = batch
@@ -88,7 +91,7 @@ class ReadReporter:
                         self._drop_channel()
                     else:
                         self._chan.may_be_stale = True
-            except PeerUnavailable as exc:
+            except (PeerUnavailable, Unauthenticated, PermissionDenied) as exc:
                 log.info("lease-free read reports stop: %s", exc)
                 self._broken = True
                 self._drop_channel()
@@ -104,7 +107,8 @@ class ReadReporter:
             except ChannelClosed as exc:
                 log.debug("read report connection closed by the server (%s): reconnecting", exc)
                 self._drop_channel()
-        chan = self._chan = LeaseChannel(self._address, io_timeout_s=self._io_timeout_s)
+        chan = self._chan = LeaseChannel(self._address, io_timeout_s=self._io_timeout_s,
+                                         ticket=self._ticket)
         # Only a PING is ever answered on it: a later send that finds it closed (idle) is
         # ChannelClosed, and reconnects.
         chan.may_be_stale = True

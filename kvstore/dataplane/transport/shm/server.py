@@ -50,6 +50,21 @@ its message; the client raises it) and the close, with a WARNING log line, befor
 it is read. ``authorize_peer`` (optional) is a further check on the credentials of a peer the
 allowlist allows, raising ``PermissionDenied`` or ``Unauthenticated`` the same way.
 
+Session tickets (``authorize``, optional; :mod:`kvstore.dataplane.transport.auth`): with an
+authorizer, the first request of every connection must be a ``HELLO`` whose ticket it accepts;
+anything else first, or a refused ticket (missing, forged, stale, expired), gets one
+``STATUS_CLOSING`` reply naming ``Unauthenticated`` (or ``PermissionDenied``) and the close, with
+a WARNING log line, before anything of that connection is served. A grant with a
+:class:`~kvstore.dataplane.transport.auth.TenantScope` is served through ``leases.scoped(scope)``
+for every request of its connection (reads, sizes and removes see only what that tenant may
+read; puts and reservations are owned by it); a backend without ``scoped`` cannot keep tenants
+apart, so such a connection is refused. Once the grant expires the connection stays open (its
+leases are the client's memory: ending them under a reader would be worse) but every request
+that reads, writes or takes a lease is answered ``Unauthenticated`` until a ``HELLO`` renews the
+grant (same scope only; one wall-clock read per such request); RELEASE, COMMIT, ABORT, READS and
+PING still work, so what it holds can be finished. Without an authorizer a ``HELLO`` is answered
+OK and nothing else changes.
+
 Lease-free reads: a client that copied chunks through the read index (no lease, no request)
 reports their keys afterwards in READS requests; the server hands them to ``on_reads`` (the
 daemon counts hits and refreshes recency). They never fail and never get a reply unless asked.
@@ -69,7 +84,12 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvstore.dataplane.transport.auth import PeerAllowlist, PeerCredentials
+from kvstore.dataplane.transport.auth import (
+    PeerAllowlist,
+    PeerCredentials,
+    SessionAuthorizer,
+    SessionGrant,
+)
 from kvstore.dataplane.transport.base import ArenaLeaseBackend, Endpoint, TransportKind
 from kvstore.dataplane.transport.shm.frames import (
     FLAG_NO_REPLY,
@@ -231,6 +251,11 @@ def _closing_reply(exc: KvtierError) -> bytes:
     return REPLY.pack(STATUS_CLOSING, 0, len(detail), 0) + detail
 
 
+def _error_reply(exc: KvtierError) -> bytes:
+    detail = f"{error_name(exc)}\n{exc}".encode()
+    return REPLY.pack(STATUS_ERROR, 0, len(detail), 0) + detail
+
+
 def _tail(value: memoryview | None, count: int, op: int) -> memoryview:
     """The body tail of a batch op, which must hold at least ``count`` u64 values."""
     if value is None or len(value) < 8 * count:
@@ -258,12 +283,25 @@ def _per_item_reply(count: int, ranges: bytes, status: bytearray,
     return REPLY.pack(STATUS_OK, count, len(detail), 0) + ranges + detail
 
 
-class _Connection:
-    __slots__ = ("held", "held_ttl_s", "peer", "sock", "thread")
+_SESSION_OPS = frozenset({ChannelOp.ACQUIRE_READ, ChannelOp.RESERVE, ChannelOp.PUT,
+                          ChannelOp.PUT_MANY, ChannelOp.RESERVE_MANY, ChannelOp.SIZE_OF,
+                          ChannelOp.REMOVE})
+"""Requests refused once a connection's session grant expired (module docstring, "Session
+tickets"): they read, write or take a lease."""
 
-    def __init__(self, sock: socket.socket, peer: str) -> None:
+
+class _Connection:
+    __slots__ = ("expires_at_unix_s", "held", "held_ttl_s", "leases", "peer", "session", "sock",
+                 "thread")
+
+    def __init__(self, sock: socket.socket, peer: str, leases: ArenaLeaseBackend) -> None:
         self.sock = sock
         self.peer = peer
+        self.leases = leases
+        """What this connection's requests are served from (its tenant's view once scoped)."""
+        self.session: SessionGrant | None = None
+        """The verified grant of its ticket (None: no authorizer, or before its HELLO)."""
+        self.expires_at_unix_s = math.inf
         self.thread: threading.Thread | None = None
         self.held = 0
         """Leases granted to this connection and not ended by one of its requests (module
@@ -288,11 +326,13 @@ class ShmServer:
                  on_reads: Callable[[list[bytes]], None] | None = None,
                  header_timeout_s: float = 10.0, idle_timeout_s: float = 300.0,
                  max_connections: int = 1024, allowed_peers: PeerAllowlist | None = None,
-                 authorize_peer: Callable[[PeerCredentials], None] | None = None) -> None:
+                 authorize_peer: Callable[[PeerCredentials], None] | None = None,
+                 authorize: SessionAuthorizer | None = None) -> None:
         """``on_reads`` receives the keys of each READS report (module docstring), on the
         connection's thread. ``header_timeout_s``, ``idle_timeout_s``, ``max_connections``:
         module docstring, "Bounds". ``allowed_peers`` (default: this process's uid only) and
-        ``authorize_peer``: module docstring, "Who may connect"."""
+        ``authorize_peer``: module docstring, "Who may connect". ``authorize``: the session
+        ticket check (module docstring, "Session tickets"); None serves every connection."""
         for bound, value in (("header_timeout_s", header_timeout_s),
                              ("idle_timeout_s", idle_timeout_s)):
             if not 0 < value < math.inf:
@@ -309,6 +349,9 @@ class ShmServer:
         "Bounds")."""
         self._allowed = allowed_peers if allowed_peers is not None else PeerAllowlist()
         self._authorize_peer = authorize_peer
+        self._authorize = authorize
+        self.unauthenticated = 0
+        """Connections refused for their session ticket (none, refused, another scope)."""
         self.denied = 0
         """Connections refused because their peer's credentials are not allowed."""
         self._leases = leases
@@ -397,7 +440,7 @@ class ShmServer:
             except (OSError, struct.error):
                 peer = PeerCredentials(-1, 2**32 - 1, 2**32 - 1)  # unknown: allowed by no list
             pid = peer.pid
-            conn = _Connection(sock, str(peer))
+            conn = _Connection(sock, str(peer), self._leases)
             refusal = self._check_peer(peer)
             if refusal is not None:
                 with self._lock:
@@ -506,6 +549,7 @@ class ShmServer:
     def _serve_frames(self, conn: _Connection, reader: _FrameReader) -> None:
         """Serve requests until the peer closes between frames. Raises ProtocolError, OSError."""
         sock = conn.sock
+        authorize = self._authorize
         while True:
             frame = reader.next()
             if frame is None:
@@ -517,11 +561,70 @@ class ShmServer:
                     raise ProtocolError(f"op {op} tail of {arg} bytes in a {body_len}-byte "
                                         "body")
                 body, value = body[:body_len - arg], body[body_len - arg:]
+            if authorize is not None and conn.session is None and op != ChannelOp.HELLO:
+                self._refuse_session(conn, Unauthenticated(
+                    f"this lease channel requires a session ticket (a HELLO request) before "
+                    f"any other; got op {op}. Ask the daemon's gRPC service for one "
+                    "(IssueDataTicket)"))
+                return
             keys = unpack_keys(body, nkeys) if nkeys else []
             self.requests += 1
-            reply = self._handle(conn, op, flags, keys, arg, ttl_s, value)
+            if op == ChannelOp.HELLO:
+                if nkeys or value is None:
+                    raise ProtocolError("HELLO carries no keys, and the ticket as its tail")
+                if authorize is not None and not self._hello(conn, authorize, value):
+                    return  # refused: answered, closed by _serve
+                if not flags & FLAG_NO_REPLY:
+                    sock.sendall(REPLY.pack(STATUS_OK, 0, 0, 0))
+                continue
+            if conn.expires_at_unix_s < math.inf and op in _SESSION_OPS \
+                    and time.time() >= conn.expires_at_unix_s:
+                reply = _error_reply(Unauthenticated(
+                    "the session ticket of this lease channel connection expired; renew it "
+                    "with a HELLO (what it holds can still be released, committed or aborted)"))
+            else:
+                reply = self._handle(conn, op, flags, keys, arg, ttl_s, value)
             if not flags & FLAG_NO_REPLY:
                 sock.sendall(reply)
+
+    def _hello(self, conn: _Connection, authorize: SessionAuthorizer,
+               ticket: memoryview) -> bool:
+        """Verify a HELLO's ticket and make its grant (and scope) the connection's. False when
+        it was refused (answered with a closing reply; the caller ends the connection)."""
+        try:
+            grant = authorize(bytes(ticket), conn.peer)
+        except (Unauthenticated, PermissionDenied) as exc:
+            self._refuse_session(conn, exc)
+            return False
+        if conn.session is not None:
+            if grant.scope != conn.session.scope:
+                self._refuse_session(conn, PermissionDenied(
+                    f"a renewed session ticket must act for the same tenant as the "
+                    f"connection's first ({conn.session.scope} then {grant.scope}); open a new "
+                    "connection"))
+                return False
+        elif grant.scope is not None:
+            scoped = getattr(self._leases, "scoped", None)
+            if scoped is None:
+                self._refuse_session(conn, PermissionDenied(
+                    "this lease channel's backend keeps no tenants apart, so it cannot serve a "
+                    f"session scoped to {grant.scope}"))
+                return False
+            conn.leases = scoped(grant.scope)
+        conn.session = grant
+        conn.expires_at_unix_s = grant.expires_at_unix_s
+        log.debug("lease channel %s: session of %s (%s) until %.0f", conn.peer, grant.name,
+                  grant.role, grant.expires_at_unix_s)
+        return True
+
+    def _refuse_session(self, conn: _Connection, exc: KvtierError) -> None:
+        """The last word to a connection refused for its ticket: a closing reply naming the
+        error and a WARNING; the caller returns, and ``_serve`` ends the connection."""
+        log.warning("lease channel %s refused: %s", conn.peer, exc)
+        with self._lock:
+            self.unauthenticated += 1
+        with contextlib.suppress(OSError):
+            conn.sock.sendall(_closing_reply(exc))
 
     def _handle(self, conn: _Connection, op: int, flags: int, keys: list[bytes], arg: int,
                 ttl_s: float, value: memoryview | None) -> bytes:
@@ -529,30 +632,30 @@ class ShmServer:
         try:
             if op == ChannelOp.ACQUIRE_READ:
                 self._refuse_when_draining()
-                lease_id, ranges = self._leases.acquire_read(
+                lease_id, ranges = conn.leases.acquire_read(
                     keys, ttl, prefix=bool(flags & FLAG_PREFIX), owner=conn)
                 if lease_id:  # (0: an empty prefix, nothing leased)
                     conn.grant(1, ttl)
                 return REPLY.pack(STATUS_OK, len(ranges), 0, lease_id) + b"".join(
                     RANGE.pack(r.offset, r.size_bytes) for r in ranges)
             if op == ChannelOp.RELEASE:
-                if self._leases.release(arg, owner=conn):
+                if conn.leases.release(arg, owner=conn):
                     conn.held -= 1
                 return REPLY.pack(STATUS_OK, 0, 0, arg)
             if op == ChannelOp.RESERVE:
                 self._refuse_when_draining()
                 if len(keys) != 2:
                     raise ProtocolError(f"RESERVE carries [key, parent], got {len(keys)} keys")
-                lease_id, offset = self._leases.reserve(keys[0], arg, ttl,
+                lease_id, offset = conn.leases.reserve(keys[0], arg, ttl,
                                                         parent=keys[1] or None, owner=conn)
                 conn.grant(1, ttl)
                 return REPLY.pack(STATUS_OK, 1, 0, lease_id) + RANGE.pack(offset, arg)
             if op == ChannelOp.COMMIT:
-                self._leases.commit(arg, owner=conn)
+                conn.leases.commit(arg, owner=conn)
                 conn.held -= 1
                 return REPLY.pack(STATUS_OK, 0, 0, arg)
             if op == ChannelOp.ABORT:
-                if self._leases.abort(arg, owner=conn):
+                if conn.leases.abort(arg, owner=conn):
                     conn.held -= 1
                 return REPLY.pack(STATUS_OK, 0, 0, arg)
             if op == ChannelOp.PUT:
@@ -561,12 +664,12 @@ class ShmServer:
                     raise ProtocolError(f"PUT carries [key, parent], got {len(keys)} keys")
                 if value is None:
                     raise ProtocolError("PUT without a value")
-                self._leases.put(keys[0], value, parent=keys[1] or None)
+                conn.leases.put(keys[0], value, parent=keys[1] or None)
                 return REPLY.pack(STATUS_OK, 0, 0, 0)
             if op == ChannelOp.PUT_MANY:
                 self._refuse_when_draining()
                 items = _items(keys, flags, op)
-                return self._put_many(items, _tail(value, len(items), op),
+                return self._put_many(conn, items, _tail(value, len(items), op),
                                       per_item=bool(flags & FLAG_PARENTS))
             if op == ChannelOp.RESERVE_MANY:
                 self._refuse_when_draining()
@@ -584,22 +687,21 @@ class ShmServer:
             if op == ChannelOp.PING:
                 return REPLY.pack(STATUS_OK, 0, 0, 0)
             if op == ChannelOp.SIZE_OF:
-                sizes = [self._leases.size_of(key) for key in keys]
+                sizes = [conn.leases.size_of(key) for key in keys]
                 return REPLY.pack(STATUS_OK, len(sizes), 0, 0) + b"".join(
                     RANGE.pack(0, 0) if n is None else RANGE.pack(1, n) for n in sizes)
             if op == ChannelOp.REMOVE:
                 if len(keys) != 1:
                     raise ProtocolError(f"REMOVE carries one key, got {len(keys)}")
-                return REPLY.pack(STATUS_OK, 0, 0, int(self._leases.remove(keys[0])))
+                return REPLY.pack(STATUS_OK, 0, 0, int(conn.leases.remove(keys[0])))
             raise ProtocolError(f"unknown lease channel op {op}")
         except ProtocolError:
             raise
         except KvtierError as exc:
-            detail = f"{error_name(exc)}\n{exc}".encode()
-            return REPLY.pack(STATUS_ERROR, 0, len(detail), 0) + detail
+            return _error_reply(exc)
 
-    def _put_many(self, items: list[tuple[bytes, bytes | None]], tail: memoryview, *,
-                  per_item: bool) -> bytes:
+    def _put_many(self, conn: _Connection, items: list[tuple[bytes, bytes | None]],
+                  tail: memoryview, *, per_item: bool) -> bytes:
         sizes = struct.unpack_from(f"<{len(items)}Q", tail)
         pos = 8 * len(items)
         if pos + sum(sizes) != len(tail):
@@ -611,7 +713,7 @@ class ShmServer:
             try:
                 # In order: an item whose parent is an earlier item finds it cached (or, when
                 # that one failed, fails too: its prefix is not cached).
-                self._leases.put(key, tail[pos:pos + size], parent=parent)
+                conn.leases.put(key, tail[pos:pos + size], parent=parent)
             except ChunkExists:
                 status[i] = ITEM_EXISTS
             except KvtierError as exc:
@@ -635,7 +737,7 @@ class ShmServer:
         # One batch call (one lock round, one eviction plan for the batch): a parent reserved
         # earlier by this connection (this request or an earlier one) is accepted and checked
         # at commit; a child of an item that failed fails too.
-        results = self._leases.reserve_many(items, sizes, ttl_s, owner=conn)
+        results = conn.leases.reserve_many(items, sizes, ttl_s, owner=conn)
         for i, result in enumerate(results):
             if not isinstance(result, KvtierError):
                 lease_id, offset = result
@@ -651,7 +753,7 @@ class ShmServer:
         if first is not None and not per_item:
             for lease_id in flat[1::2]:
                 if lease_id:
-                    self._leases.abort(lease_id, owner=conn)
+                    conn.leases.abort(lease_id, owner=conn)
             raise first
         conn.grant(granted, ttl_s)
         head = struct.pack(f"<{len(flat)}Q", *flat)  # RANGE per item
@@ -663,7 +765,7 @@ class ShmServer:
                      per_item: bool) -> bytes:
         status = bytearray(len(lease_ids))
         first: KvtierError | None = None
-        for i, err in enumerate(self._leases.commit_many(lease_ids, owner=conn)):
+        for i, err in enumerate(conn.leases.commit_many(lease_ids, owner=conn)):
             if err is not None:
                 status[i] = ITEM_FAILED
                 first = first or err

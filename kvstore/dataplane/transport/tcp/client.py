@@ -9,6 +9,7 @@ import logging
 import select
 import socket
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -18,6 +19,7 @@ from typing import TypeVar
 from kvstore.dataplane import native
 from kvstore.dataplane.arena import host_byte_view
 from kvstore.dataplane.tier import MAX_KEY_BYTES, Buffer, ChunkKey, check_key
+from kvstore.dataplane.transport.auth import TicketSource, renew_at
 from kvstore.dataplane.transport.base import Endpoint, TransportKind
 from kvstore.dataplane.transport.frames import (
     DEFAULT_MAX_VALUE_BYTES,
@@ -54,6 +56,7 @@ from kvstore.errors import (
     PeerUnavailable,
     ProtocolError,
     TransportError,
+    Unauthenticated,
 )
 
 log = logging.getLogger(__name__)
@@ -123,8 +126,8 @@ class _ClientConnection:
     """One pooled socket. Used by one thread at a time; ``broken`` once out of step."""
 
     __slots__ = ("_fast_get", "_fd", "_get_template", "_ids", "_max_value_bytes", "_spin_ns",
-                 "_timeout_ms", "broken", "recv_hdr", "recv_view", "send_buf", "send_hdr",
-                 "send_view", "sock")
+                 "_timeout_ms", "broken", "recv_hdr", "recv_view", "renew_at", "send_buf",
+                 "send_hdr", "send_view", "sock")
 
     def __init__(self, sock: socket.socket, max_value_bytes: int, *,
                  fast_get: Callable[..., int] | None = None, spin_ns: int = 0,
@@ -148,6 +151,8 @@ class _ClientConnection:
         self.broken = False
         self._ids = itertools.count(1)
         self._max_value_bytes = max_value_bytes
+        self.renew_at = 0.0
+        """When this connection presents a new session ticket (wall clock; 0: never)."""
 
     def get_into(self, key: ChunkKey, view: memoryview) -> None:
         """GET a value of known size into ``view``: header and key leave in one ``send``, and
@@ -413,6 +418,14 @@ class TcpClient:
     its ``idle_timeout_s``) is sent again once on a fresh connection, after the other idle
     ones, which idled as long, are dropped. A server that is gone then fails the connect
     (``PeerUnavailable``). Anything else fails the call (``PeerUnavailable``).
+
+    Session tickets (a server that requires them: :mod:`.server`, "Session tickets"): every
+    new connection presents one first. With a :class:`~kvstore.dataplane.transport.auth.TicketSource`
+    the client also renews: a connection checked out within the renewal margin of its ticket's
+    expiry presents ``current()`` again (one HELLO round trip); a ticket refused on a new
+    connection is reported (``refused``) and a fresh one presented once more; a request that
+    finds its connection's session ended by the server (UNAUTHENTICATED about the connection:
+    it expired) is sent again once on a fresh connection.
     """
 
     def __init__(self, host: str, port: int, connections: int = 4, *,
@@ -421,14 +434,16 @@ class TcpClient:
                  connect_timeout_s: float = 5.0, io_timeout_s: float = 30.0,
                  socket_buffer_bytes: int | None = None,
                  spin_us: int = DEFAULT_SPIN_US,
-                 ticket: bytes | Callable[[], bytes] | None = None) -> None:
+                 ticket: bytes | Callable[[], bytes] | TicketSource | None = None) -> None:
         """``ticket``: the session ticket every new connection presents first (a HELLO
-        frame) to a server that requires one, or a callable returning the current one (called
-        per new connection: it may renew an expiring ticket). A refused ticket fails the call
-        that opened the connection with ``Unauthenticated`` / ``PermissionDenied``."""
-        if ticket is not None and not callable(ticket) and not isinstance(ticket, bytes):
-            raise InvalidArgument(f"ticket must be bytes, a callable or None, got "
-                                  f"{type(ticket).__name__}")
+        frame) to a server that requires one, a callable returning the current one (called
+        per new connection), or a :class:`TicketSource` (also renewed: class docstring). A
+        refused ticket fails the call that opened the connection with ``Unauthenticated`` /
+        ``PermissionDenied``."""
+        if ticket is not None and not callable(ticket) and not isinstance(ticket, bytes) \
+                and not isinstance(ticket, TicketSource):
+            raise InvalidArgument(f"ticket must be bytes, a callable, a TicketSource or None, "
+                                  f"got {type(ticket).__name__}")
         self._ticket = ticket
         self._endpoint = Endpoint(TransportKind.TCP, host, port)
         self._config = TcpClientConfig(
@@ -763,6 +778,14 @@ class TcpClient:
         except _Stale:
             self._checkin(conn)
             return self._retry_fresh(fn)
+        except Unauthenticated:
+            # The server ended this connection's session (its ticket expired before the
+            # renewal): closed on its side, so the request did nothing. Once more, fresh.
+            conn.broken = True
+            self._checkin(conn)
+            if not isinstance(self._ticket, TicketSource):
+                raise
+            return self._retry_fresh(fn)
         except BaseException as exc:
             _mark_if_out_of_step(conn, exc)
             self._checkin(conn)
@@ -820,9 +843,14 @@ class TcpClient:
         Raises PeerUnavailable (client closed, cannot connect)."""
         if not self._closed:
             try:
-                return self._idle.pop()
+                conn = self._idle.pop()
             except IndexError:
                 pass
+            else:
+                if conn.renew_at and time.time() >= conn.renew_at:
+                    return self._renewed(conn)
+                return conn
+        reused: _ClientConnection | None = None
         with self._lock:
             self._waiting += 1
             try:
@@ -830,13 +858,18 @@ class TcpClient:
                     if self._closed:
                         raise PeerUnavailable("client is closed")
                     if self._idle:
-                        return self._idle.pop()
+                        reused = self._idle.pop()
+                        if not reused.renew_at or time.time() < reused.renew_at:
+                            return reused
+                        break  # renewed below, outside the lock
                     if self._open < self._config.connections:
                         self._open += 1
                         break
                     self._slot_freed.wait()
             finally:
                 self._waiting -= 1
+        if reused is not None:
+            return self._renewed(reused)
         try:
             return self._connect()
         except BaseException:
@@ -846,6 +879,26 @@ class TcpClient:
             raise
 
     def _connect(self) -> _ClientConnection:
+        """A new connection, its ticket presented (class docstring, "Session tickets"): a
+        TicketSource's ticket refused there (stale: the server restarted, or expired early)
+        is reported and a fresh one presented once more, on another new connection."""
+        conn = self._connect_plain()
+        if self._ticket is None:
+            return conn
+        ticket = self._ticket
+        try:
+            self._present_ticket(conn)
+            return conn
+        except Unauthenticated as exc:
+            if not isinstance(ticket, TicketSource):
+                raise
+            log.info("the data plane at %s:%d refused this client's session ticket (%s); "
+                     "presenting a new one", self._endpoint.host, self._endpoint.port, exc)
+        conn = self._connect_plain()
+        self._present_ticket(conn)
+        return conn
+
+    def _connect_plain(self) -> _ClientConnection:
         host, port = self._endpoint.host, self._endpoint.port
         try:
             sock = socket.create_connection((host, port), timeout=self._config.connect_timeout_s)
@@ -859,32 +912,65 @@ class TcpClient:
             raise PeerUnavailable(f"cannot configure the connection to {host}:{port}: {exc}"
                                   ) from exc
         ext = native.load_extension()
-        conn = _ClientConnection(
+        return _ClientConnection(
             sock, self._config.max_value_bytes,
             fast_get=None if ext is None else ext.tcp_get,
             spin_ns=self._config.spin_us * 1000,
             timeout_ms=-1)  # blocking with kernel timeouts (tune): sleep in the receive
-        if self._ticket is not None:
-            self._present_ticket(conn)
-        return conn
 
     def _present_ticket(self, conn: _ClientConnection) -> None:
-        """Send the session ticket as the connection's first frame and wait for the OK.
-        Raises Unauthenticated / PermissionDenied (refused: the server closes), PeerUnavailable;
-        the connection is closed on any failure."""
+        """Send the session ticket as the connection's first frame and wait for the OK (a
+        TicketSource's: reported as ``refused`` when the server refuses it). Raises
+        Unauthenticated / PermissionDenied (refused: the server closes), PeerUnavailable; the
+        connection is closed on any failure."""
         ticket = self._ticket
+        raw = b""
         try:
-            raw = ticket() if callable(ticket) else ticket
-            if not isinstance(raw, bytes):
-                raise InvalidArgument(f"the ticket provider returned {type(raw).__name__}, "
-                                      "not bytes")
-            conn.request(Opcode.HELLO, b"", payload=memoryview(raw))
+            if isinstance(ticket, TicketSource):
+                current = ticket.current()
+                raw = current.ticket
+                conn.request(Opcode.HELLO, b"", payload=memoryview(raw))
+                conn.renew_at = renew_at(current)
+            else:
+                raw = ticket() if callable(ticket) else ticket  # type: ignore[assignment]
+                if not isinstance(raw, bytes):
+                    raise InvalidArgument(f"the ticket provider returned {type(raw).__name__}, "
+                                          "not bytes")
+                conn.request(Opcode.HELLO, b"", payload=memoryview(raw))
+        except Unauthenticated:
+            conn.close()
+            if isinstance(ticket, TicketSource) and raw:
+                ticket.refused(raw)
+            raise
         except BaseException:
             conn.close()
             raise
         # The ticket's exchange does not count as a request: the first real one is again
         # request 1, whose EOF before an answer is the server's (not a stale pool's) doing.
         conn._ids = itertools.count(1)
+
+    def _renewed(self, conn: _ClientConnection) -> _ClientConnection:
+        """A checked-out ``conn`` whose ticket is due for renewal, after presenting a new one
+        (a HELLO on it); when that fails, a new connection instead (counted as the same one
+        in the pool). Raises as ``_connect``."""
+        source = self._ticket
+        assert isinstance(source, TicketSource)
+        try:
+            current = source.current()
+            conn.request(Opcode.HELLO, b"", payload=memoryview(current.ticket))
+            conn.renew_at = renew_at(current)
+            return conn
+        except KvtierError as exc:
+            log.info("renewing the session ticket of a connection to %s:%d failed (%s); "
+                     "opening a new one", self._endpoint.host, self._endpoint.port, exc)
+        conn.close()
+        try:
+            return self._connect()
+        except BaseException:
+            with self._lock:
+                self._open -= 1
+                self._slot_freed.notify()
+            raise
 
     @staticmethod
     def _check_payload(header: Header, length: int, offset: int) -> None:

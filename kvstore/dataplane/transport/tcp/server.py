@@ -30,12 +30,21 @@ ticket the authorizer refuses: missing, forged, stale, expired) is answered with
 ``UNAUTHENTICATED`` (or ``PERMISSION_DENIED``) frame naming the reason, a WARNING log line, and
 the close; no other frame of that connection is read, so nothing is served and nothing is
 touched in the backend. Garbage in place of a header is a ``PROTOCOL`` frame and the close, as
-always. A verified grant is set as the connection thread's :func:`~.auth.current_grant` (a
-backend may check tenants per key) and ends the connection once it expires: the check is one
-wall-clock read per request served in Python and per return of the native loop (at least one
-per receive tick, so an expired connection is closed within a tick of its next request). A
-later ``HELLO`` on the connection renews the grant. Without an authorizer every connection is
-served at once, as :data:`~.auth.INSECURE_GRANT`, and a ``HELLO`` is answered OK.
+always. A verified grant is set as the connection thread's :func:`~.auth.current_grant` and
+ends the connection once it expires: the check is one wall-clock read per request served in
+Python and per return of the native loop (at least one per receive tick, so an expired
+connection is closed within a tick of its next request). A later ``HELLO`` on the connection
+renews the grant (its ticket must carry the same tenant scope; another is refused and the
+connection closed). Without an authorizer every connection is served at once, as
+:data:`~.auth.INSECURE_GRANT`, and a ``HELLO`` is answered OK.
+
+Tenants: a grant with a :class:`~.auth.TenantScope` is served through ``backend.scoped(scope)``
+for every frame of its connection (the backend passes the tenant to its reads, sizes, removes
+and puts); a backend without ``scoped`` cannot keep tenants apart, so such a connection is
+refused (PERMISSION_DENIED). A scoped connection does not run the native small-GET loop (it
+reads the backend's read index, which knows no tenant). A multi-part put belongs to the scope
+of the connection that began it: a ``PUT_PART`` or ``PUT_ABORT`` from a connection of another
+scope finds it unknown (``UNKNOWN_TRANSFER``), whatever its transfer id.
 """
 
 from __future__ import annotations
@@ -63,6 +72,7 @@ from kvstore.dataplane.transport.auth import (
     MAX_TICKET_BYTES,
     SessionAuthorizer,
     SessionGrant,
+    TenantScope,
     set_current_grant,
 )
 from kvstore.dataplane.transport.base import Endpoint, LeaseBackend, TransportKind, WriteLease
@@ -219,6 +229,8 @@ class _Reservation:
     writers: int = 0
     """Threads receiving into the lease right now: it is aborted only when this drops to 0."""
     doomed: bool = False
+    scope: TenantScope | None = None
+    """The tenant scope of the connection that began it (only that scope's parts count)."""
 
 
 class TcpServer:
@@ -467,21 +479,24 @@ class TcpServer:
                 for i, n in enumerate(handler.snapshot_counts()):
                     self._retired_counts[i] += n
 
-    def _begin_reservation(self, key: ChunkKey, lease: WriteLease) -> int:
+    def _begin_reservation(self, key: ChunkKey, lease: WriteLease,
+                           scope: TenantScope | None = None) -> int:
         with self._lock:
             transfer_id = secrets.randbits(63) or 1
             while transfer_id in self._reservations:
                 transfer_id = secrets.randbits(63) or 1
             self._reservations[transfer_id] = _Reservation(
-                transfer_id, key, lease, time.monotonic() + self._config.reservation_ttl_s)
+                transfer_id, key, lease, time.monotonic() + self._config.reservation_ttl_s,
+                scope=scope)
         return transfer_id
 
-    def _claim_part(self, transfer_id: int, key: ChunkKey, offset: int, length: int
-                    ) -> _Reservation | str:
-        """Register a writer for ``[offset, offset+length)``; a string says why not."""
+    def _claim_part(self, transfer_id: int, key: ChunkKey, offset: int, length: int,
+                    scope: TenantScope | None = None) -> _Reservation | str:
+        """Register a writer for ``[offset, offset+length)`` from a connection of ``scope``;
+        a string says why not (another scope's transfer reads as unknown)."""
         with self._lock:
             res = self._reservations.get(transfer_id)
-            if res is None or res.doomed:
+            if res is None or res.doomed or res.scope != scope:
                 return "unknown, expired or aborted transfer"
             if res.key != key:
                 return "transfer belongs to another key"
@@ -521,10 +536,11 @@ class TcpServer:
         res.lease.commit()
         return "committed"
 
-    def _abort_reservation(self, transfer_id: int, key: ChunkKey) -> bool:
+    def _abort_reservation(self, transfer_id: int, key: ChunkKey,
+                           scope: TenantScope | None = None) -> bool:
         with self._lock:
             res = self._reservations.get(transfer_id)
-            if res is None or res.key != key:
+            if res is None or res.key != key or res.scope != scope:
                 return False
             res.doomed = True
             if res.writers:
@@ -653,8 +669,10 @@ class _ServerConnection:
         announced = False
         loop = self.native_loop
         try:
-            if self.server._authorize is not None and not self._authenticate():
-                return  # refused: the finally closes it
+            if self.server._authorize is not None:
+                if not self._authenticate():
+                    return  # refused: the finally closes it
+                loop = self.native_loop  # None for a tenant-scoped session (_hello)
             while True:
                 self._frame_deadline = 0.0
                 if self._grant_expires_at < math.inf and self._grant_expired():
@@ -747,6 +765,20 @@ class _ServerConnection:
                 else Status.UNAUTHENTICATED
             self._refuse_session(h, status, exc)
             return False
+        if self.grant is not None and grant.scope != self.grant.scope:
+            self._refuse_session(h, Status.PERMISSION_DENIED, PermissionDenied(
+                f"a renewed session ticket must act for the same tenant as the connection's "
+                f"first ({self.grant.scope} then {grant.scope}); open a new connection"))
+            return False
+        if self.grant is None and grant.scope is not None:
+            scoped = getattr(self.server._backend, "scoped", None)
+            if scoped is None:
+                self._refuse_session(h, Status.PERMISSION_DENIED, PermissionDenied(
+                    "this data plane's backend keeps no tenants apart, so it cannot serve a "
+                    f"session scoped to {grant.scope}"))
+                return False
+            self._backend = scoped(grant.scope)
+            self.native_loop = None  # it reads the read index, which knows no tenant
         self.grant = grant
         self._grant_expires_at = grant.expires_at_unix_s
         set_current_grant(grant)
@@ -754,6 +786,10 @@ class _ServerConnection:
                   grant.role, grant.expires_at_unix_s)
         self._reply(h)
         return True
+
+    def _scope(self) -> TenantScope | None:
+        """The tenant scope this connection is served as (None: unscoped)."""
+        return None if self.grant is None else self.grant.scope
 
     def _grant_expired(self) -> bool:
         """Whether this connection's grant has ended; if so it is answered (request id 0:
@@ -1039,7 +1075,7 @@ class _ServerConnection:
                         "offset 0 and length == total_size == payload_len")
             return
         try:
-            lease = self.server._backend.open_write(key, h.total_size)
+            lease = self._backend.open_write(key, h.total_size)
         except KvtierError as exc:
             self._drain(h.payload_len)
             self._reply(h, status_for_error(exc), detail=str(exc))
@@ -1058,7 +1094,7 @@ class _ServerConnection:
         if size <= self._copy_read_max and not h.flags & ANY_SIZE:
             self._get_copy(h, key, size)
             return
-        lease = self.server._backend.open_read(key)
+        lease = self._backend.open_read(key)
         try:
             size = lease.size_bytes
             if not h.flags & ANY_SIZE and h.total_size != size:
@@ -1091,7 +1127,7 @@ class _ServerConnection:
         self._reply(h, Status.SIZE_MISMATCH, total_size=stored_size)
 
     def _get_range(self, h: Header, key: ChunkKey) -> None:
-        lease = self.server._backend.open_read(key)
+        lease = self._backend.open_read(key)
         try:
             size = lease.size_bytes
             offset, length = h.offset, h.length
@@ -1110,22 +1146,22 @@ class _ServerConnection:
             lease.release()
 
     def _exists(self, h: Header, key: ChunkKey) -> None:
-        size = self.server._backend.size_of(key)
+        size = self._backend.size_of(key)
         if size is None:
             self._reply(h, Status.NOT_FOUND)
         else:
             self._reply(h, total_size=size)
 
     def _remove(self, h: Header, key: ChunkKey) -> None:
-        removed = self.server._backend.remove(key)
+        removed = self._backend.remove(key)
         self._reply(h, Status.OK if removed else Status.NOT_FOUND)
 
     def _put_begin(self, h: Header, key: ChunkKey) -> None:
         if h.total_size == 0:
             self._reply(h, Status.BAD_REQUEST, detail="a multi-part put needs a size >= 1")
             return
-        lease = self.server._backend.open_write(key, h.total_size)
-        transfer_id = self.server._begin_reservation(key, lease)
+        lease = self._backend.open_write(key, h.total_size)
+        transfer_id = self.server._begin_reservation(key, lease, self._scope())
         self._reply(h, transfer_id=transfer_id, total_size=h.total_size)
 
     def _put_part(self, h: Header, key: ChunkKey) -> None:
@@ -1133,7 +1169,7 @@ class _ServerConnection:
             self._drain(h.payload_len)
             self._reply(h, Status.BAD_REQUEST, detail="PUT_PART length != payload_len")
             return
-        claim = self.server._claim_part(h.transfer_id, key, h.offset, h.length)
+        claim = self.server._claim_part(h.transfer_id, key, h.offset, h.length, self._scope())
         if isinstance(claim, str):
             self._drain(h.payload_len)
             self._reply(h, Status.UNKNOWN_TRANSFER, transfer_id=h.transfer_id, detail=claim)
@@ -1154,6 +1190,6 @@ class _ServerConnection:
                     length=h.length, total_size=h.total_size)
 
     def _put_abort(self, h: Header, key: ChunkKey) -> None:
-        found = self.server._abort_reservation(h.transfer_id, key)
+        found = self.server._abort_reservation(h.transfer_id, key, self._scope())
         self._reply(h, Status.OK if found else Status.UNKNOWN_TRANSFER,
                     transfer_id=h.transfer_id)
