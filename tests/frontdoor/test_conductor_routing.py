@@ -20,7 +20,6 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -68,7 +67,7 @@ class Fleet:
         self.etcd_url = etcd.client_url
         self.layout = layout
         self.specs = {name: spec(work, name) for name in ("v0", "v1")}
-        self.publishers = {name: KvEventPublisher(s.endpoint, s.replay_endpoint)
+        self.publishers = {name: KvEventPublisher(s.endpoint, str(s.replay_endpoint))
                            for name, s in self.specs.items()}
         self.hashes = VllmBlockHashes(self.specs["v0"])
         self.daemon = DaemonProcess(work, NODE, etcd_endpoint=etcd.client_url,
@@ -123,8 +122,8 @@ def test_decisions_follow_the_engines_caches_through_a_conversation(
 
     async def scenario() -> None:
         await fleet.register()
-        async with TicketingConductorClient(etcd_endpoint=fleet.etcd_url,
-                                            layout=fleet.layout) as client:
+        client = TicketingConductorClient(etcd_endpoint=fleet.etcd_url, layout=fleet.layout)
+        try:
             async def ready() -> bool:
                 info = await client.leader_info()
                 caches = {c.instance_id: c.blocks for c in info.engine_caches}
@@ -154,7 +153,8 @@ def test_decisions_follow_the_engines_caches_through_a_conversation(
 
                 async def stored(want: int = want) -> bool:
                     info = await client.leader_info()
-                    return {c.instance_id: c.blocks for c in info.engine_caches}["v1"] == want
+                    return bool({c.instance_id: c.blocks
+                                 for c in info.engine_caches}["v1"] == want)
 
                 await wait_until(stored, f"v1 holds turn {turn}'s blocks")
             info = await client.leader_info()
@@ -162,6 +162,8 @@ def test_decisions_follow_the_engines_caches_through_a_conversation(
             # Every turn added blocks v1 did not hold: each was probed, and each seen stored.
             assert (v1.probes, v1.probes_matched, v1.mismatch) == (len(prompts), len(prompts),
                                                                     "")
+        finally:
+            await client.close()
 
     aio.run(asyncio.wait_for(scenario(), 120))
 
@@ -173,13 +175,13 @@ def test_a_prompt_held_nowhere_is_placed_and_probed_on_the_chosen_engine(
     pool = BackendPool([Backend("v0", "http://127.0.0.1:9"), Backend("v1", "http://127.0.0.1:10")])
     rng = random.Random(9)
 
-    async def scenario() -> Any:
+    async def scenario() -> None:
         await fleet.register()
-        async with TicketingConductorClient(etcd_endpoint=fleet.etcd_url,
-                                            layout=fleet.layout) as client:
+        client = TicketingConductorClient(etcd_endpoint=fleet.etcd_url, layout=fleet.layout)
+        try:
             async def ready() -> bool:
                 info = await client.leader_info()
-                return info.is_leader and len(info.engine_caches) == 2
+                return bool(info.is_leader) and len(info.engine_caches) == 2
 
             await wait_until(ready, "the conductor follows both engines")
             router = ConductorRouter(client, pool, MODEL)
@@ -194,5 +196,7 @@ def test_a_prompt_held_nowhere_is_placed_and_probed_on_the_chosen_engine(
             probes = {c.instance_id: (c.probes, c.probes_matched) for c in info.engine_caches}
             assert sum(p for p, _ in probes.values()) == 2
             assert all(m == 0 for _, m in probes.values())
+        finally:
+            await client.close()
 
     aio.run(asyncio.wait_for(scenario(), 120))
