@@ -19,6 +19,8 @@ Secure by default (:func:`check_binding`): without either, the service binds loo
 serves every call as :data:`~kvstore.security.identity.INSECURE`; a non-loopback address without
 authentication needs ``insecure: true`` (``--insecure``), logged as a warning at every start.
 Tokens travel in clear without TLS, so ``token_keys`` without ``cert_file`` is loopback only too.
+``audit_log`` (with ``audit_max_bytes`` and ``audit_backups``) turns on the audit log of an
+authenticated service (:mod:`kvstore.security.audit`); it is off by default.
 
 :class:`ClientSecurity` is what a client presents: the CA that signed the server's certificate,
 its own certificate and key (mTLS), or a token file. Its :meth:`ClientSecurity.from_env` reads

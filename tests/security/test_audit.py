@@ -290,3 +290,41 @@ def test_conductor_audits_refusals_not_allowed_calls(tmp_path: Path, etcd_server
     assert wrong_role["principal"]["role"] == "peer" and wrong_role["code"] == "PERMISSION_DENIED"
     assert anonymous["principal"] is None and anonymous["code"] == "UNAUTHENTICATED"
     assert "bearer token" in anonymous["reason"]
+
+
+def test_mtls_daemon_audits_the_certificate_identity_and_a_revoked_one(tmp_path: Path) -> None:
+    from tests.security.pki import make_ca
+
+    ca = make_ca()
+    ca_path = ca.write(tmp_path / "ca.crt")
+    server_cert, server_key = ca.issue("daemon", uri="kvtier://peer/daemon").write(tmp_path)
+    revoked = ca.issue("revoked", uri="kvtier://operator/mallory")
+    audit = tmp_path / "audit.log"
+    daemon = DaemonProcess(tmp_path, "mtls-aud", nvme=False, settings={
+        "security.cert_file": str(server_cert), "security.key_file": str(server_key),
+        "security.client_ca_file": str(ca_path), "security.audit_log": str(audit),
+        "security.revoked_serials": f"{revoked.serial:x}", "server.shm_channel": "false"})
+    daemon.start()
+
+    def connect(leaf):  # type: ignore[no-untyped-def]
+        cert, key = leaf.write(tmp_path)
+        return StoreClient.connect(daemon.grpc_address, StoreClientConfig(
+            data_plane=DataPlane.TCP, rpc_timeout_s=10.0,
+            security=ClientSecurity(ca_file=ca_path, cert_file=cert, key_file=key)))
+
+    try:
+        op = connect(ca.issue("op", uri="kvtier://operator/alice?tenants=a"))
+        try:
+            op.stats()
+        finally:
+            op.close()
+        with pytest.raises(Unauthenticated, match="revoked"):
+            connect(revoked)
+    finally:
+        daemon.stop()
+    stats, refused = _records(audit)
+    assert stats["method"] == "/kvtier.v1.Store/Stats" and stats["outcome"] == "ok"
+    assert stats["principal"] == {"name": "operator/alice", "role": "operator",
+                                  "tenants": ["a"], "shared_writer": False}
+    assert refused["event"] == "refused" and refused["principal"] is None
+    assert refused["code"] == "UNAUTHENTICATED" and "revoked" in refused["reason"]
