@@ -12,7 +12,8 @@ What is written, by the server interceptors of :mod:`kvstore.security.auth`:
   handler (a tenant the credentials do not allow, a scoped operator acting on every tenant).
 
 Allowed calls of the other methods (an engine's put, get and lookup) write nothing: the hot
-path stays quiet and pays one ``try`` around the handler.
+path stays quiet and pays a ``try`` around the handler and, on ``grpc.aio``, a small wrapper
+of its context (:class:`AuditedCall`).
 
 One record, keys sorted, on one line::
 
@@ -28,7 +29,8 @@ One record, keys sorted, on one line::
 caller of every tenant. ``tenant`` is what the call's ``kvtier-tenant`` metadata named (null:
 none). ``request`` is what is cheap to read from a unary request: ``keys`` (how many keys it
 names), ``key_prefix`` (hex, at most 64 bytes shown), ``bytes`` and ``tier`` (evict by size),
-``lease_id`` / ``leases``; never key bytes or values beyond the prefix.
+``lease_id`` / ``leases``; never key bytes or values beyond the prefix. It is empty for a call
+the interceptor refused (that happens before the request is read) and for streaming calls.
 
 Writing (:class:`AuditLog`): each line is one ``write(2)`` on a file opened ``O_APPEND``
 (created mode ``0600``): nothing is buffered in the process, so a line is in the kernel when
