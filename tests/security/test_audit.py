@@ -161,22 +161,26 @@ def test_daemon_audits_operator_actions_and_refusals(
     assert len(records) == 3 + 5  # nothing else was written
 
 
-def test_operator_action_that_fails_is_logged_with_its_error(
+def test_a_failed_operator_action_and_a_drain_are_logged(
         audited_daemon: tuple[DaemonProcess, TokenFile, Path]) -> None:
+    from kvstore.errors import ChunkNotFound
+
     daemon, token_file, audit = audited_daemon
     op = _client(daemon.grpc_address, token_file("alice", Role.OPERATOR, None))
     try:
-        from kvstore.errors import ChunkNotFound
-
         with pytest.raises(ChunkNotFound):
             op.inspect(KEY)
+        assert op.drain()
     finally:
         op.close()
-    (record,) = _records(audit)
-    assert record["method"] == "/kvtier.v1.Store/Inspect"
-    assert record["event"] == "operator_action" and record["outcome"] == "error"
-    assert record["code"] == "NOT_FOUND" and record["error"] == "ChunkNotFound"
-    assert record["request"] == {"keys": 1} and record["reason"]
+    assert daemon.wait() == 0  # the daemon drained and exited: the drain's line is there
+    inspect, drain = _records(audit)
+    assert inspect["method"] == "/kvtier.v1.Store/Inspect"
+    assert inspect["event"] == "operator_action" and inspect["outcome"] == "error"
+    assert inspect["code"] == "NOT_FOUND" and inspect["error"] == "ChunkNotFound"
+    assert inspect["request"] == {"keys": 1} and inspect["reason"]
+    assert drain["method"] == "/kvtier.v1.Store/Drain" and drain["outcome"] == "ok"
+    assert drain["principal"]["name"] == "alice"
 
 
 def test_audit_log_rotates_at_its_size_and_keeps_its_backups(tmp_path: Path) -> None:
