@@ -289,6 +289,12 @@ class StoreDaemon:
             slots = 0
             if cfg.dram.read_index and cfg.server.shm_channel:  # no channel: no same-host client
                 slots = cfg.dram.read_index_slots or slots_for(cfg.dram.capacity_bytes)
+                if self.tickets is not None:
+                    log.warning("the lease-free read index is on (dram.read_index): a same-host "
+                                "process that may map the arena reads every tenant's published "
+                                "chunks by key without a tenant check; set dram.read_index: "
+                                "false to lease and check every same-host read "
+                                "(docs/security.md, \"Data planes\")")
             tiers[TierKind.DRAM] = DramTier(cfg.dram.capacity_bytes, prefault=cfg.dram.prefault,
                                             arena_name=cfg.dram.arena_name,
                                             read_index_slots=slots)

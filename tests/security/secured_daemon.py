@@ -17,7 +17,13 @@ from kvstore._proto.kvtier.v1 import store_pb2 as pb
 from kvstore.client.daemon_control import DaemonControl, open_channel
 from kvstore.client.store_client import StoreClient
 from kvstore.client.store_config import DataPlane, StoreClientConfig
-from kvstore.dataplane.transport.frames import HEADER_BYTES, Opcode, Status, decode_header, pack_header
+from kvstore.dataplane.transport.frames import (
+    HEADER_BYTES,
+    Opcode,
+    Status,
+    decode_header,
+    pack_header,
+)
 from kvstore.security.config import ClientSecurity
 from kvstore.security.identity import Role
 from kvstore.security.tokens import generate_key, load_signing_key, mint
@@ -27,6 +33,7 @@ PRINCIPALS: dict[str, tuple[Role, list[str] | None, bool]] = {
     "alice": (Role.ENGINE, ["alice"], False),
     "bob": (Role.ENGINE, ["bob"], False),
     "op": (Role.OPERATOR, None, False),
+    "sys": (Role.ENGINE, ["sys"], True),
 }
 """name -> (role, tenants, shared_writer)."""
 
@@ -64,8 +71,9 @@ class SecuredDaemon:
         self.opened.append(c)
         return c
 
-    def ticket(self, name: str, ttl_s: float = 0.0) -> pb.IssueDataTicketResponse:
-        reply: pb.IssueDataTicketResponse = self.control(name).call(
+    def ticket(self, name: str, ttl_s: float = 0.0,
+               tenant: str | None = None) -> pb.IssueDataTicketResponse:
+        reply: pb.IssueDataTicketResponse = self.control(name, tenant).call(
             "IssueDataTicket", pb.IssueDataTicketRequest(ttl_s=ttl_s))
         return reply
 

@@ -17,12 +17,14 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvstore._proto.kvtier.v1 import store_pb2 as pb
 from kvstore.client.planes import RemotePlane
 from kvstore.client.store_client import StoreClient
-from kvstore.client.store_config import DataPlane
+from kvstore.client.store_config import DataPlane, StoreClientConfig
 from kvstore.dataplane.transport.frames import Opcode, Status
 from kvstore.dataplane.transport.tcp import TcpClient
 from kvstore.errors import ChunkNotFound, InvalidArgument, PermissionDenied, Unauthenticated
+from kvstore.node.index import SHARED_TENANT
 from tests.security.secured_daemon import (
     SecuredDaemon,
     answer_then_close,
@@ -30,6 +32,7 @@ from tests.security.secured_daemon import (
     read_answer,
     start_secured_daemon,
 )
+from tests.support.daemon import DaemonProcess
 
 SIZES = (4096, 64 << 10, 1 << 20, 9 << 20)
 """Small (copied), leased, large, and striped over several connections (> 8 MiB)."""
@@ -280,3 +283,56 @@ def test_a_renewal_for_another_tenant_is_refused(world: SecuredDaemon,
         assert read_answer(sock)[0] is Status.OK
     _alice_intact(alice)
 
+
+
+def test_the_shared_tenant_over_tcp_needs_a_shared_writer(world: SecuredDaemon,
+                                                          alice: StoreClient) -> None:
+    """A shared writer's ticket for the shared tenant stores chunks every tenant reads; an
+    operator's ticket naming the shared tenant reads them but may not write (it is no shared
+    writer: its scope has no write tenant); naming a tenant the credentials do not allow (bob
+    naming the shared tenant or alice) gets no ticket at all."""
+    writer = world.client("sys", DataPlane.TCP, tenant=SHARED_TENANT)
+    key, value = _key(0x5A, 0), os.urandom(64 << 10)
+    writer.put(key, value)
+    for name in ("alice", "bob"):
+        reader = world.client(name, DataPlane.TCP)
+        _reads_back(reader, {key: value})
+    reply = world.ticket("op", tenant=SHARED_TENANT)
+    assert reply.tenant == "" and not reply.every_tenant  # no write tenant
+    host, port = world.tcp
+    with TcpClient(host, port, 1, ticket=bytes(reply.ticket)) as c:
+        assert bytes(c.get(key)) == value
+        with pytest.raises(PermissionDenied):
+            c.put(_key(0x5A, 1), b"poison")
+        assert c.size_of(_key(0x5A, 1)) is None
+    for tenant in ("alice", SHARED_TENANT):
+        with pytest.raises(PermissionDenied):
+            world.ticket("bob", tenant=tenant)
+    with pytest.raises(PermissionDenied):  # the client fails at its first data-plane call
+        world.client("bob", DataPlane.TCP, tenant="alice").put(_key(0xB9, 0), b"x")
+    _alice_intact(alice)
+
+
+def test_without_security_no_ticket_is_needed(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A daemon without security behaves as before: no ticket, the data planes serve every
+    connection, and it issues no ticket."""
+    tmp = tmp_path_factory.mktemp("dp-insecure")
+    daemon = DaemonProcess(tmp, "dp-insecure", nvme=False)
+    daemon.start()
+    try:
+        for plane in (DataPlane.TCP, DataPlane.SHM):
+            with StoreClient.connect(daemon.grpc_address,
+                                     StoreClientConfig(data_plane=plane)) as c:
+                assert not c.info.data_ticket_required
+                remote = c._remote
+                assert isinstance(remote, RemotePlane) and remote.tickets is None
+                key, value = _key(0x11, int(plane is DataPlane.SHM)), os.urandom(100 << 10)
+                c.put(key, value)
+                _reads_back(c, {key: value})
+                with pytest.raises(InvalidArgument, match="without security"):
+                    c.call("IssueDataTicket", pb.IssueDataTicketRequest())
+        host, _, port = str(daemon.addresses["tcp_address"]).rpartition(":")
+        with TcpClient(host, int(port), 1) as raw:  # no HELLO at all
+            assert raw.size_of(_key(0x11, 0)) == 100 << 10
+    finally:
+        daemon.stop()
