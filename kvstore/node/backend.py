@@ -42,9 +42,9 @@ tenant owns is PermissionDenied, and remove drops only its own chunks. A scope t
 write (it named the shared tenant without ``shared_writer``) has every put refused. An unscoped
 connection (no security: no ticket) reads every chunk and writes the default tenant, as before.
 Scoped batches on the lease channel reserve and commit item by item (the cache's batch calls
-know no tenant), and a scoped TCP connection reads small values under a pin rather than with
-the pin-free copy (``read_into``'s race-free tenant check needs the pin) and never through the
-native loop (which reads the read index and checks no tenant).
+know no tenant); a scoped TCP connection's small reads copy pin-free between two tenant-checked
+index look-ups (:meth:`TenantLeaseBackend.read_into`) and never go through the native loop
+(which reads the read index and checks no tenant).
 
 Thread safety: everything here may be called from any thread.
 """
@@ -465,8 +465,40 @@ class TenantLeaseBackend:
         return self._backend.open_read(key, tenant=self._read)
 
     def read_into(self, key: bytes, dst: memoryview) -> int:
-        """Copy the chunk into ``dst`` under a read lease (the tenant check and the copy see
-        the same chunk: the pin keeps it from being removed and replaced meanwhile)."""
+        """Copy a chunk this tenant may see into ``dst``, pin-free when it is in DRAM (as
+        ``CacheLeaseBackend.read_into``), else under a read lease.
+
+        The pin-free copy is bracketed by two index look-ups of the entry, each tenant-checked:
+        the bytes count only when both find the same insert (its ``inserted_at_s``), so a chunk
+        removed and replaced by another tenant's under the same key during the copy is never
+        served (nor its size told); then, and for a chunk elsewhere, the lease path runs, where
+        the pin keeps the checked chunk in place for the copy."""
+        k = check_key(key)
+        backend = self._backend
+        cache = backend.cache
+        before = cache.entry(k, self._read)
+        if before is None:
+            raise ChunkNotFound(k, "the tiered cache")
+        if before.tier is TierKind.DRAM:
+            try:
+                size = backend.dram.get_into(k, dst)
+            except ChunkNotFound:
+                pass  # moved or removed since: the lease path decides
+            except SizeMismatch:
+                if self._same_insert(k, before.inserted_at_s):
+                    raise
+            else:
+                if self._same_insert(k, before.inserted_at_s):
+                    cache.index.touch(k)
+                    cache.count_hit(TierKind.DRAM, size)
+                    return size
+        return self._leased_read_into(k, dst)
+
+    def _same_insert(self, key: ChunkKey, inserted_at_s: float) -> bool:
+        after = self._backend.cache.entry(key, self._read)
+        return after is not None and after.inserted_at_s == inserted_at_s
+
+    def _leased_read_into(self, key: ChunkKey, dst: memoryview) -> int:
         lease = self._backend.open_read(key, tenant=self._read)
         try:
             size = lease.size_bytes
