@@ -45,6 +45,9 @@ Faults (:data:`FAULTS`)
     extends every lease), then up. ``sigstop-etcd-member`` / ``sigstop-etcd-leader``: SIGSTOP
     of ``h1``'s member / the leading member for ``down_s`` + 2 s, then SIGCONT;
     ``etcd-quorum-loss``: the same for ``h1``'s and ``h2``'s members.
+    ``corrupt-segment``: one byte flipped in three chunks of ``h1``'s segment files
+    (:func:`flip_payload_bytes`), read at once from NVMe (the load empties the node's DRAM
+    first), then ``kill -9`` and a restart on the damaged directory.
     ``kill-conductor-leader``: ``kill -9`` of the leading conductor, restarted after
     ``down_s`` (a standby then); ``sigstop-conductor-leader``: SIGSTOP of it for ``down_s``,
     then SIGCONT (it must not decide in its old term). The load watches
@@ -127,6 +130,9 @@ faulted node gives up within its timeout, and the load moves on to the others.""
 DAEMON_READY = "KVTIER-DAEMON-READY "
 LOADGEN_READY = "KVTIER-LOADGEN-READY"
 LOADGEN_DONE = "KVTIER-LOADGEN-DONE "
+LOADGEN_READ = "KVTIER-LOADGEN-READ "
+"""The answer to a ``read NODE KEY...`` command: what each get returned, and the node's count
+of chunks found corrupt."""
 LOADGEN_LEFT = "KVTIER-LOADGEN-LEFT "
 """The load generator saw a node's key leave etcd (its lease expired)."""
 LOADGEN_REJOINED = "KVTIER-LOADGEN-REJOINED "
@@ -192,6 +198,10 @@ class FaultRow:
     last_answer_s: dict[str, float] = field(default_factory=dict)
     """When each conductor last answered a Schedule (monotonic s): a paused one woke up."""
     schedule_errors: list[str] = field(default_factory=list)
+    damaged: int = 0
+    """Chunks the fault corrupted on disk."""
+    corrupt_reported: int = 0
+    """Chunks the damaged node counted corrupt (before its kill, plus after its restart)."""
     """Schedule/Leader errors other than a follower's refusal, UNAVAILABLE or a deadline."""
 
     @property
@@ -483,9 +493,12 @@ class _Injected:
     restarts: list[Restart] = field(default_factory=list)
     healthy_at: float | None = None
     """When every etcd member answered healthy again (etcd faults)."""
+    damaged: list[tuple[str, str]] = field(default_factory=list)
+    corrupt_reported: int = 0
+    """Chunks the damaged daemon counted corrupt before it was killed."""
 
 
-def _kill_daemon(cluster: ChaosCluster, host: Host) -> _Injected:
+def _kill_daemon(cluster: ChaosCluster, host: Host, load: _Child) -> _Injected:
     down = cluster.kill_daemon(host)
     time.sleep(cluster.spec.down_s)
     up = cluster.restart_daemon(host)
@@ -493,7 +506,7 @@ def _kill_daemon(cluster: ChaosCluster, host: Host) -> _Injected:
                      [Restart(f"node-{host.name}", down, up)])
 
 
-def _stop_daemon(cluster: ChaosCluster, host: Host) -> _Injected:
+def _stop_daemon(cluster: ChaosCluster, host: Host, load: _Child) -> _Injected:
     child = cluster.daemons[host.name]
     start = time.monotonic()
     child.proc.send_signal(signal.SIGSTOP)  # the daemon itself: setpriv and ip exec'd it
@@ -502,7 +515,7 @@ def _stop_daemon(cluster: ChaosCluster, host: Host) -> _Injected:
     return _Injected(Fault("sigstop-daemon", f"node-{host.name}", start, time.monotonic()))
 
 
-def _partition_host(cluster: ChaosCluster, host: Host) -> _Injected:
+def _partition_host(cluster: ChaosCluster, host: Host, load: _Child) -> _Injected:
     start = time.monotonic()
     cluster.lab.partition(host)
     # Longer than the others: if the host held etcd's leadership, the majority first elects a
@@ -512,7 +525,7 @@ def _partition_host(cluster: ChaosCluster, host: Host) -> _Injected:
     return _Injected(Fault("partition-host", f"node-{host.name}", start, time.monotonic()))
 
 
-def _kill_conductor(cluster: ChaosCluster, host: Host) -> _Injected:
+def _kill_conductor(cluster: ChaosCluster, host: Host, load: _Child) -> _Injected:
     """``kill -9`` of the leading conductor; restarted (as a standby) after ``down_s``."""
     start = time.monotonic()
     cluster.conductors[host.name].kill()
@@ -523,7 +536,7 @@ def _kill_conductor(cluster: ChaosCluster, host: Host) -> _Injected:
                            time.monotonic()))
 
 
-def _stop_conductor(cluster: ChaosCluster, host: Host) -> _Injected:
+def _stop_conductor(cluster: ChaosCluster, host: Host, load: _Child) -> _Injected:
     """SIGSTOP of the leading conductor past its election TTL (a standby takes over), then
     SIGCONT: the woken one must not decide in its old term."""
     child = cluster.conductors[host.name]
@@ -535,11 +548,77 @@ def _stop_conductor(cluster: ChaosCluster, host: Host) -> _Injected:
                            time.monotonic()))
 
 
-def _stop_etcd(name: str, count: int) -> Callable[[ChaosCluster, Host], _Injected]:
+def flip_payload_bytes(directory: Path, count: int) -> list[str]:
+    """Flip one byte in the middle of the payload of ``count`` LIVE records of the NVMe
+    segment files in ``directory``, durably; return their keys. The oldest record (read
+    before, so likely promoted to DRAM; past the 64 newest a restart verifies, once enough
+    were written) and the ``count - 1`` newest (likely never read: on NVMe only; verified at
+    a restart). Walks the header chain as a scan does."""
+    from kvstore.dataplane.nvme.format import (
+        HEADER_BYTES,
+        RecordKind,
+        decode_record_header,
+        decode_segment_header,
+    )
+
+    found = []
+    for path in sorted(directory.glob("seg-*.kvt")):
+        with path.open("rb") as f:
+            segment = decode_segment_header(f.read(HEADER_BYTES))
+            if segment is None:
+                continue
+            pos = HEADER_BYTES
+            while pos < segment.segment_bytes:
+                f.seek(pos)
+                _, header = decode_record_header(f.read(HEADER_BYTES),
+                                                 segment_id=segment.segment_id, offset=pos,
+                                                 segment_bytes=segment.segment_bytes)
+                if header is None:
+                    break
+                if header.kind is RecordKind.LIVE:
+                    found.append((path, header))
+                pos = header.end
+    found.sort(key=lambda item: item[1].seq)
+    chosen = (found[:1] + found[len(found) - (count - 1):]) if len(found) > count else found
+    for path, header in chosen:
+        at = header.offset + HEADER_BYTES + header.payload_bytes // 2
+        fd = os.open(path, os.O_RDWR)
+        try:
+            byte = os.pread(fd, 1, at)
+            os.pwrite(fd, bytes([byte[0] ^ 0x5A]), at)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return [header.key.decode() for _, header in chosen]
+
+
+def _corrupt_segment(cluster: ChaosCluster, host: Host, load: _Child) -> _Injected:
+    """Bytes flipped in three stored chunks of a running daemon; the load empties the node's
+    DRAM and reads them at once (the daemon must notice, drop and count them), then the
+    daemon is killed and restarted on the damaged directory (and the load's read-back reads
+    them again)."""
+    node = f"node-{host.name}"
+    start = time.monotonic()
+    keys = flip_payload_bytes(cluster.work_dir / f"nvme-{host.name}", 3)
+    if not keys:
+        raise ConfigError(f"no stored chunk on {node} to corrupt")
+    assert load.proc.stdin is not None
+    load.proc.stdin.write(f"read {node} {' '.join(keys)}\n")
+    load.proc.stdin.flush()
+    answer = json.loads(load.wait_line(LOADGEN_READ, 30.0))
+    down = cluster.kill_daemon(host)
+    time.sleep(cluster.spec.down_s)
+    up = cluster.restart_daemon(host)
+    return _Injected(Fault("corrupt-segment", node, start, up), [Restart(node, down, up)],
+                     damaged=[(node, k) for k in keys],
+                     corrupt_reported=max(int(answer["corrupt"]), 0))
+
+
+def _stop_etcd(name: str, count: int) -> Callable[[ChaosCluster, Host, _Child], _Injected]:
     """SIGSTOP of ``count`` etcd members from ``host`` on (wrapping), for ``down_s`` + one
     lease TTL, then SIGCONT; healthy when every member answers again."""
 
-    def inject(cluster: ChaosCluster, host: Host) -> _Injected:
+    def inject(cluster: ChaosCluster, host: Host, load: _Child) -> _Injected:
         hosts = cluster.lab.hosts
         first = hosts.index(host)
         members = [hosts[(first + i) % len(hosts)] for i in range(count)]
@@ -563,7 +642,8 @@ class FaultPlan:
     """Which host a fault hits (chosen once the cluster is up) and how it is injected."""
 
     target: Callable[[ChaosCluster], Host]
-    inject: Callable[[ChaosCluster, Host], _Injected]
+    inject: Callable[[ChaosCluster, Host, _Child], _Injected]
+    """Called with the cluster, the target and the running load generator."""
 
 
 def _faulted_host(cluster: ChaosCluster) -> Host:
@@ -578,6 +658,7 @@ FAULTS: dict[str, FaultPlan] = {
     "sigstop-etcd-leader": FaultPlan(lambda c: c.etcd_leader(),
                                      _stop_etcd("sigstop-etcd-leader", 1)),
     "etcd-quorum-loss": FaultPlan(_faulted_host, _stop_etcd("etcd-quorum-loss", 2)),
+    "corrupt-segment": FaultPlan(_faulted_host, _corrupt_segment),
     "kill-conductor-leader": FaultPlan(lambda c: c.conductor_leader(), _kill_conductor),
     "sigstop-conductor-leader": FaultPlan(lambda c: c.conductor_leader(), _stop_conductor),
 }
@@ -608,7 +689,7 @@ def run_fault(name: str, *, spec: ChaosSpec | None = None,
         watch = cluster.lab.hosts[(cluster.lab.hosts.index(target) - 1) % 3]
         load = cluster.start_loadgen(history_path, watch)
         time.sleep(spec.warmup_s)
-        injected = plan.inject(cluster, target)
+        injected = plan.inject(cluster, target, load)
         # Recovery is measured, not assumed: wait (bounded) until every node the load saw
         # leave is back.
         deadline = time.monotonic() + REJOIN_TIMEOUT_S
@@ -626,10 +707,15 @@ def run_fault(name: str, *, spec: ChaosSpec | None = None,
             f.write(json.dumps({"kind": "fault", **asdict(injected.fault)}) + "\n")
             for restart in injected.restarts:
                 f.write(json.dumps({"kind": "restart", **asdict(restart)}) + "\n")
+            for node, key in injected.damaged:
+                f.write(json.dumps({"kind": "damage", "node": node, "key": key}) + "\n")
         history = read_history(history_path)
         row = _row(history, injected, summary)
         row.records = len(history.records)
         row.decisions = int(summary.get("decisions", 0))
+        row.damaged = len(injected.damaged)
+        row.corrupt_reported = injected.corrupt_reported + int(
+            summary.get("corrupt", {}).get(injected.fault.node, 0))
         row.last_answer_s = {k: float(v) for k, v in summary.get("last_answer", {}).items()}
         row.schedule_errors = list(summary.get("schedule_errors", []))
         return row
@@ -647,6 +733,8 @@ def read_history(path: Path) -> History:
             history.faults.append(Fault(**item))
         elif kind == "restart":
             history.restarts.append(Restart(**item))
+        elif kind == "damage":
+            history.damaged.append((item["node"], item["key"]))
         else:
             history.records.append(Record.from_dict(item))
     return history
@@ -827,6 +915,7 @@ class _Load:
         self.stopping = threading.Event()
         self.suspect: dict[str, float] = {}
         self.decisions = 0
+        self.corrupt_at_end: dict[str, int] = {}
         self.last_answer: dict[str, float] = {}
         """When each conductor last answered a Schedule (accepted, rejected or refused)."""
         self.schedule_errors: list[str] = []
@@ -973,6 +1062,37 @@ class _Load:
         for key, node, _ in acked:
             self.request(Op.GET, key, node)
 
+    def empty_dram(self, node: str) -> None:
+        """Evict every DRAM chunk of ``node`` (its NVMe copies stay: puts are durable)."""
+        from kvstore._proto.kvtier.v1 import store_pb2 as pb
+        from kvstore.client.store_client import DataPlane, StoreClient, StoreClientConfig
+        from kvstore.dataplane.tier import TierKind
+        from kvstore.errors import CapacityError
+
+        record = self.membership.snapshot().get(node)
+        if record is None:
+            return
+        with StoreClient.connect(record.grpc_address, StoreClientConfig(
+                data_plane=DataPlane.TCP, rpc_timeout_s=REQUEST_TIMEOUT_S)) as control:
+            used = sum(int(t.used_bytes) for t in control.stats().tiers
+                       if t.tier == pb.TIER_DRAM)
+            with contextlib.suppress(CapacityError):  # a chunk read meanwhile stays leased
+                control.evict(tier=TierKind.DRAM, bytes_=used)
+
+    def corrupt_count(self, node: str) -> int:
+        """Chunks ``node``'s tiers found corrupt since it started (its Stats), -1: no answer."""
+        from kvstore.client.store_client import DataPlane, StoreClient, StoreClientConfig
+
+        record = self.membership.snapshot().get(node)
+        if record is None:
+            return -1
+        try:
+            with StoreClient.connect(record.grpc_address, StoreClientConfig(
+                    data_plane=DataPlane.TCP, rpc_timeout_s=REQUEST_TIMEOUT_S)) as control:
+                return sum(int(t.corrupt) for t in control.stats().tiers)
+        except KvtierError:
+            return -1
+
     def leaks(self) -> dict[str, dict[str, int]]:
         """Per node: data connections and leases the daemon still holds for clients that
         closed (polled for up to 5 s: a close reaches the daemon's threads asynchronously)."""
@@ -987,10 +1107,12 @@ class _Load:
                     stats = control.stats()
                     held = {"tcp_connections_open": int(stats.tcp_connections_open),
                             "shm_leases_open": int(stats.shm_leases_open)}
+                    corrupt = sum(int(t.corrupt) for t in stats.tiers)
                     if not any(held.values()) or time.monotonic() > deadline:
                         break
                     time.sleep(0.1)
             out[node] = held
+            self.corrupt_at_end[node] = corrupt
         return out
 
     def run(self) -> None:
@@ -1011,8 +1133,15 @@ class _Load:
             t.start()
         _say(LOADGEN_READY)
         for line in sys.stdin:
-            if line.strip() == "stop":
+            words = line.split()
+            if words == ["stop"]:
                 break
+            if words[:1] == ["read"]:  # read NODE KEY...: get them now, report what came back
+                node, keys = words[1], words[2:]
+                self.empty_dram(node)  # so the gets read the NVMe copies
+                results = {k: self.request(Op.GET, k, node).result.value for k in keys}
+                _say(LOADGEN_READ + json.dumps({"results": results,
+                                                "corrupt": self.corrupt_count(node)}))
         self.stopping.set()
         for t in threads:
             t.join(60)
@@ -1027,6 +1156,7 @@ class _Load:
                 f.write(json.dumps({"kind": "gap", **asdict(g)}) + "\n")
         _say(LOADGEN_DONE + json.dumps({"records": len(self.records), "leaks": leaks,
                                          "decisions": self.decisions,
+                                         "corrupt": self.corrupt_at_end,
                                          "last_answer": self.last_answer,
                                          "schedule_errors": self.schedule_errors[:20]}))
 
@@ -1051,7 +1181,9 @@ def print_table(rows: list[FaultRow], out: IO[str] = sys.stdout) -> None:
         print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
                         enumerate(zip(line, widths, strict=True))), file=out)
     for r in rows:
-        print(f"{r.fault}: {r.decisions} conductor decisions, {r.records} records", file=out)
+        print(f"{r.fault}: {r.decisions} conductor decisions, {r.records} records"
+              + (f", {r.damaged} chunks corrupted on disk, {r.corrupt_reported} counted "
+                 f"corrupt by the node" if r.damaged else ""), file=out)
         for v in r.other_violations:
             print(f"{r.fault}: VIOLATION {v}", file=out)
         for e in r.schedule_errors:

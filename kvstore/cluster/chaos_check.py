@@ -19,10 +19,13 @@ Invariants (one :class:`Invariant` each)
 * **nothing durable lost**: a put acknowledged as durable before its node was killed is
   readable on that node after the restart: a get of it there, started after the node came
   back, that finds nothing (``Result.ABSENT``) is a loss. Durable puts with no such get are
-  counted as unverified (:func:`durable_unverified`), not as losses.
+  counted as unverified (:func:`durable_unverified`), not as losses. Chunks the run damaged
+  on purpose (:attr:`History.damaged`: bytes flipped in a segment file) are exempt: they must
+  be dropped, never returned (a wrong read).
 * **no placement after lease expiry**: no ``SCHEDULE`` record names a node, with its start
-  more than ``placement_grace_s`` after the node's lease expired and before it registered
-  again (:class:`LeaseGap`).
+  more than ``placement_grace_s`` after the node's lease expired and more than that before it
+  registered again (:class:`LeaseGap`: as one watch saw it; a scheduler watching through
+  another etcd member may see each change a little earlier).
 * **one leader per epoch**: ``LEASE`` records (a conductor acting as leader in an epoch) name
   at most one node per epoch.
 * **no stale leader** (fencing): no ``LEASE`` record of an epoch starts after a record of a
@@ -196,6 +199,8 @@ class History:
     faults: list[Fault] = field(default_factory=list)
     restarts: list[Restart] = field(default_factory=list)
     lease_gaps: list[LeaseGap] = field(default_factory=list)
+    damaged: list[tuple[str, str]] = field(default_factory=list)
+    """(node, key) of chunks whose stored bytes the run corrupted."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,12 +257,17 @@ def _wrong_reads(records: Sequence[Record]) -> list[Violation]:
     return out
 
 
+def _durable_before(history: History, restart: Restart) -> set[str]:
+    damaged = {key for node, key in history.damaged if node == restart.node}
+    return {r.key for r in history.records
+            if r.durable and r.node == restart.node and r.end_s is not None
+            and r.end_s <= restart.down_s and r.key not in damaged}
+
+
 def _durable_lost(history: History) -> list[Violation]:
     out = []
     for restart in history.restarts:
-        durable = {r.key for r in history.records
-                   if r.durable and r.node == restart.node and r.end_s is not None
-                   and r.end_s <= restart.down_s}
+        durable = _durable_before(history, restart)
         for r in history.records:
             if (r.op is Op.GET and r.node == restart.node and r.key in durable
                     and r.start_s >= restart.up_s and r.result is Result.ABSENT):
@@ -273,9 +283,7 @@ def durable_unverified(history: History) -> int:
     or found absent (neither kept nor shown lost)."""
     count = 0
     for restart in history.restarts:
-        durable = {r.key for r in history.records
-                   if r.durable and r.node == restart.node and r.end_s is not None
-                   and r.end_s <= restart.down_s}
+        durable = _durable_before(history, restart)
         seen = {r.key for r in history.records
                 if r.op is Op.GET and r.node == restart.node and r.start_s >= restart.up_s
                 and r.result in (Result.OK, Result.ABSENT)}
@@ -287,7 +295,9 @@ def _placements_after_expiry(records: Sequence[Record], gaps: Sequence[LeaseGap]
                              grace_s: float) -> list[Violation]:
     out = []
     for gap in gaps:
-        until = math.inf if gap.renewed_s is None else gap.renewed_s
+        # The grace on both ends: the watch that saw the gap is one observer; a scheduler
+        # watching another etcd member may see the node leave or come back a little earlier.
+        until = math.inf if gap.renewed_s is None else gap.renewed_s - grace_s
         for r in records:
             if (r.op is Op.SCHEDULE and r.result is Result.OK and r.node == gap.node
                     and gap.expired_s + grace_s < r.start_s < until):

@@ -206,3 +206,22 @@ def test_a_leader_acting_in_its_old_epoch_after_a_newer_one_began() -> None:
 def test_a_refused_placement_is_no_placement() -> None:
     refused = Record(Op.SCHEDULE, "z", "n0", 11.5, 11.5, Result.ERR)
     assert broken(clean(), refused) == []
+
+
+def test_a_chunk_damaged_on_purpose_may_be_dropped_but_never_returned_wrong() -> None:
+    history = clean()
+    history.damaged.append(("n0", "a"))
+    history.records.append(get("a", "n0", 13.0, 13.1, result=Result.ABSENT))
+    assert check(history) == []  # dropped after the restart: not a loss
+    flipped = bytearray(chunk_value("a", 0, SIZE))
+    flipped[7] ^= 0x40
+    [v] = broken(history, get("a", "n0", 13.2, 13.3, data=bytes(flipped)))
+    assert v.invariant is Invariant.WRONG_READ
+
+
+def test_a_placement_just_before_the_watch_saw_the_node_return_is_allowed() -> None:
+    history = clean()  # n0 back at 12.4 as the watch saw it: another observer may be earlier
+    history.records.append(Record(Op.SCHEDULE, "y", "n0", 12.0, 12.0, Result.OK))
+    assert check(history) == []
+    [v] = check(history, placement_grace_s=0.3)
+    assert v.invariant is Invariant.PLACEMENT_AFTER_EXPIRY
