@@ -1,7 +1,10 @@
-"""The fault suite's quick run: a three-host cluster in network namespaces (a real three-member
-etcd, three real daemons with DRAM and NVMe), a steady load from the observer namespace, one
-``kill -9`` of a daemon and its restart on the same NVMe directory, and the recorded history
-checked for every invariant (docs/chaos.md). Needs root and the etcd binary."""
+"""The fault suite's runs as tests: a three-host cluster in network namespaces (a real
+three-member etcd, three real daemons with DRAM and NVMe, two real conductors), a steady load
+from the observer namespace, one fault per test, and the recorded history checked for every
+invariant (docs/chaos.md). The quick one (unmarked): ``kill -9`` of a daemon and its restart
+on the same NVMe directory, ~20 s. The others (``slow``): SIGSTOP of a daemon, a host
+partition, etcd member / leader / quorum faults, the leading conductor killed or paused, and
+corrupted chunks. Needs root and the etcd binary."""
 
 from __future__ import annotations
 
