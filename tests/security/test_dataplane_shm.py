@@ -294,3 +294,41 @@ def test_bob_cannot_commit_under_alices_chain_or_use_her_leases(
             chan.close()  # an uncommitted reservation is aborted with its connection
     assert _shm(alice).size_of(child) is None
     _alice_intact(alice)
+
+
+def test_writes_into_reserved_ranges_are_owned_by_the_writers_tenant(
+        world: SecuredDaemon, alice: StoreClient) -> None:
+    """ShmWriter (one-copy saves: reserve, write into the arena, commit) on a connection that
+    presented alice's ticket stores alice's chunks, a child reserved under a still-open parent
+    too; bob's writer reserving alice's key is refused and his batch stores his own."""
+    keys = [_key(0xA7, i) for i in range(3)]
+    values = [os.urandom(128 << 10) for _ in keys]
+    parents: list[bytes | None] = [None, keys[0], keys[1]]
+    shm = _shm(alice)
+    writer = shm.open_writer()
+    try:
+        batch = writer.reserve(keys, [len(v) for v in values], parents)
+        assert batch.outcome == [True, True, True] and batch.writable
+        for (offset, size), value in zip(batch.ranges, values, strict=True):  # type: ignore[misc]
+            shm.arena.view(offset, size, readonly=False)[:] = value
+        assert batch.commit() == [True, True, True]
+    finally:
+        writer.close()
+    _reads_back(alice, dict(zip(keys, values, strict=True)))
+    assert world.control("alice").lookup(keys).length == 3
+    assert world.control("bob").lookup(keys).length == 0
+    bob_shm = _shm(world.client("bob", DataPlane.SHM))
+    writer = bob_shm.open_writer()
+    try:
+        mine = _key(0xB7, 0)
+        batch = writer.reserve([keys[0], mine], [10, 10], [None, None])
+        assert batch.outcome[0] is None and isinstance(batch.refusal, PermissionDenied)
+        assert batch.outcome[1] is True
+        offset, size = batch.ranges[1]  # type: ignore[misc]
+        bob_shm.arena.view(offset, size, readonly=False)[:] = b"b" * 10
+        assert batch.commit()[1] is True
+    finally:
+        writer.close()
+    assert bob_shm.size_of(mine) == 10 and shm.size_of(mine) is None
+    _alice_intact(alice)
+    _reads_back(alice, dict(zip(keys, values, strict=True)))
