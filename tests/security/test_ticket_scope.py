@@ -90,3 +90,71 @@ def test_parent_hints_belong_to_the_tenant_that_announced_them() -> None:
     assert len(hints) == 1  # the default tenant's is still there
     assert hints.take(b"k", "") == b"p"
     assert len(hints) == 0
+
+
+class _Source:
+    """A TicketSource that hands out ``tickets`` in turn, the next one after each refusal."""
+
+    def __init__(self, tickets: list[bytes]) -> None:
+        self.tickets = tickets
+        self.refusals: list[bytes] = []
+
+    def current(self) -> SessionTicket:
+        return SessionTicket(self.tickets[0], 4e9)
+
+    def refused(self, ticket: bytes) -> None:
+        self.refusals.append(ticket)
+        if self.tickets[0] == ticket and len(self.tickets) > 1:
+            self.tickets.pop(0)
+
+
+def test_a_client_presents_a_new_ticket_after_a_refusal_and_once_only() -> None:
+    """A stale ticket (another key: a daemon that restarted) is reported and a fresh one is
+    presented on a new connection; two refusals in a row fail the call."""
+    authority = TicketAuthority("node-a", ttl_s=60)
+    stale = TicketAuthority("node-a", ttl_s=60).mint(ALICE).ticket
+    with TcpServer(MemoryBackend(), TcpServerConfig(), authorize=authority.authorize) as srv:
+        ep = srv.endpoint
+        source = _Source([stale, authority.mint(ALICE).ticket])
+        with TcpClient(ep.host, ep.port, 1, ticket=source) as c:
+            c.put(b"k", b"v")
+            assert bytes(c.get(b"k")) == b"v"
+        assert source.refusals == [stale]
+        bad = _Source([stale, stale])
+        with pytest.raises(Unauthenticated), TcpClient(ep.host, ep.port, 1, ticket=bad) as c:
+            c.put(b"k2", b"v")
+        assert bad.refusals == [stale, stale]
+
+
+def test_a_lease_channel_presents_a_new_ticket_after_a_refusal() -> None:
+    from kvstore.dataplane.dram import DramTier
+    from kvstore.dataplane.tier import TierKind
+    from kvstore.dataplane.transport.shm import ShmServer
+    from kvstore.dataplane.transport.shm.channel import LeaseChannel
+    from kvstore.dataplane.transport.shm.frames import ChannelOp
+    from kvstore.node.backend import ShmLeases
+    from kvstore.node.cache import TieredCache
+
+    authority = TicketAuthority("node-a", ttl_s=60)
+    stale = TicketAuthority("node-a", ttl_s=60).mint(ALICE, scope=TenantScope("alice", "alice"))
+    cache = TieredCache({TierKind.DRAM: DramTier(4 << 20)})
+    server = ShmServer(ShmLeases(cache), lease_ttl_s=5.0, authorize=authority.authorize)
+    server.start()
+    try:
+        source = _Source([stale.ticket, authority.mint(
+            ALICE, scope=TenantScope("alice", "alice")).ticket])
+        chan = LeaseChannel(server.address, io_timeout_s=10, ticket=source)
+        try:
+            chan.call(ChannelOp.PUT, keys=[b"k" * 16, b""], arg=1, payload=memoryview(b"v"))
+        finally:
+            chan.close()
+        assert source.refusals == [stale.ticket]
+        assert cache.entry(b"k" * 16, "alice") is not None
+        assert cache.entry(b"k" * 16, "bob") is None
+        with pytest.raises(Unauthenticated):
+            LeaseChannel(server.address, io_timeout_s=10, ticket=_Source([stale.ticket]))
+        assert server.unauthenticated == 3
+    finally:
+        server.close()
+        for tier in cache.tiers.values():
+            tier.close()
