@@ -15,6 +15,7 @@ import pytest
 from bench.chaos import MAX_STALL_S, REQUEST_TIMEOUT_S, ChaosSpec, FaultRow, read_history, run_fault
 from kvstore.cluster.chaos_check import History, Op, Result, check, durable_unverified
 from kvstore.cluster.netns import lab_leftovers, unavailable_reason
+from tests.support.daemon import kvtier
 from tests.support.etcd import require_etcd
 
 _REASON = unavailable_reason()
@@ -120,3 +121,9 @@ def test_corrupt_chunks_are_dropped_counted_and_never_returned(tmp_path: Path) -
     after = [r for r in history.records if r.op is Op.GET and r.key in damaged
              and r.start_s >= restart.up_s]
     assert after and all(r.result is not Result.OK for r in after), after  # gone for good
+
+
+def test_an_unknown_fault_is_refused_by_name() -> None:
+    result = kvtier("bench", "chaos", "--fault", "kill-everything")
+    assert result.returncode == 2 and "unknown fault(s) kill-everything" in result.stderr
+    assert "kill-daemon" in result.stderr  # the known ones are listed
