@@ -618,7 +618,8 @@ class ChainMemo:
     def keys(self, what: Any, hasher: VllmBlockHashes, tokens: npt.NDArray[np.uint32]
              ) -> list[PrefixKey]:
         """The keys of every full block of ``tokens`` (a contiguous uint32 array), from the
-        longest remembered prefix on; the prompt is remembered afterwards."""
+        longest remembered prefix on; the prompt is remembered afterwards. The list may be the
+        memo's own: read it, never change it."""
         size = hasher.block_size_tokens
         n_blocks = tokens.size // size
         if n_blocks == 0:
