@@ -33,6 +33,15 @@ from typing import Any
 
 import typer
 
+from kvstore.cli.etcd_options import (
+    ETCD_CA,
+    ETCD_CERT,
+    ETCD_KEY,
+    ETCD_PASSWORD_FILE,
+    ETCD_SERVER_NAME,
+    ETCD_USER,
+    apply_etcd_options,
+)
 from kvstore.errors import KvtierError
 
 ADDRESS = typer.Option(..., "--address", "-a", help="The daemon's gRPC address, host:port.")
@@ -162,6 +171,14 @@ async def _list_nodes(endpoint: str, prefix: str) -> dict[str, Any]:
         return await list_nodes(client, layout=KeyLayout(prefix))
 
 
+def _etcd_security(command: str, *options: Any) -> None:
+    """Apply the ``--etcd-*`` options (:mod:`kvstore.cli.etcd_options`); exit 2 when bad."""
+    try:
+        apply_etcd_options(*options)
+    except KvtierError as exc:
+        raise _fail(command, exc, code=2) from exc
+
+
 def _nodes_from_etcd(command: str, endpoint: str, prefix: str) -> dict[str, Any]:
     try:
         return asyncio.run(_list_nodes(endpoint, prefix))
@@ -176,8 +193,16 @@ def nodes(
     etcd: str = typer.Option(..., "--etcd", help="etcd endpoint, host:port."),
     prefix: str = typer.Option("/kvtier/", "--prefix", help="The cluster's etcd key prefix."),
     as_json: bool = JSON,
+    etcd_ca: Path | None = ETCD_CA,
+    etcd_cert: Path | None = ETCD_CERT,
+    etcd_key: Path | None = ETCD_KEY,
+    etcd_user: str | None = ETCD_USER,
+    etcd_password_file: Path | None = ETCD_PASSWORD_FILE,
+    etcd_server_name: str | None = ETCD_SERVER_NAME,
 ) -> None:
     """The store daemons registered in etcd."""
+    _etcd_security("nodes", etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password_file,
+                   etcd_server_name)
     records = _nodes_from_etcd("nodes", etcd, prefix)
     doc = [record.to_dict() for record in records.values()]
 
@@ -201,10 +226,18 @@ def stats(
     cert_file: Path | None = CERT,
     key_file: Path | None = KEY,
     token_file: Path | None = TOKEN_FILE,
+    etcd_ca: Path | None = ETCD_CA,
+    etcd_cert: Path | None = ETCD_CERT,
+    etcd_key: Path | None = ETCD_KEY,
+    etcd_user: str | None = ETCD_USER,
+    etcd_password_file: Path | None = ETCD_PASSWORD_FILE,
+    etcd_server_name: str | None = ETCD_SERVER_NAME,
 ) -> None:
     """Per node and tier: capacity, used, chunks, hits and hit ratio, evictions, moves."""
     targets = list(address)
     if etcd:
+        _etcd_security("stats", etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password_file,
+                       etcd_server_name)
         targets += [r.grpc_address for r in _nodes_from_etcd("stats", etcd, prefix).values()]
     if not targets:
         raise typer.BadParameter("give --address or --etcd", param_hint="--address")

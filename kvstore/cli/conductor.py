@@ -11,6 +11,15 @@ from pathlib import Path
 
 import typer
 
+from kvstore.cli.etcd_options import (
+    ETCD_CA,
+    ETCD_CERT,
+    ETCD_KEY,
+    ETCD_PASSWORD_FILE,
+    ETCD_SERVER_NAME,
+    ETCD_USER,
+    apply_etcd_options,
+)
 from kvstore.errors import ConfigError, KvtierError
 
 
@@ -72,6 +81,12 @@ def conductor(
                                            "with --client-ca: --tls-key)."),
     daemon_token_file: Path | None = typer.Option(None, "--daemon-token-file",
                                                   help="A peer token for the daemons."),
+    etcd_ca: Path | None = ETCD_CA,
+    etcd_cert: Path | None = ETCD_CERT,
+    etcd_key: Path | None = ETCD_KEY,
+    etcd_user: str | None = ETCD_USER,
+    etcd_password_file: Path | None = ETCD_PASSWORD_FILE,
+    etcd_server_name: str | None = ETCD_SERVER_NAME,
 ) -> None:
     """Serve the conductor: discover daemons and engines through etcd, follow the daemons' chunk
     events into the global prefix index, campaign for leadership, and (as leader) schedule.
@@ -93,6 +108,8 @@ def conductor(
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        apply_etcd_options(etcd_ca, etcd_cert, etcd_key, etcd_user,
+                           etcd_password_file, etcd_server_name)
         security = ServerSecurity(insecure=insecure, cert_file=tls_cert, key_file=tls_key,
                                   client_ca_file=client_ca, crl_file=crl,
                                   revoked_serials=revoked_serials, token_keys=token_keys,

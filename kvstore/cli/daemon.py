@@ -8,6 +8,15 @@ from pathlib import Path
 
 import typer
 
+from kvstore.cli.etcd_options import (
+    ETCD_CA,
+    ETCD_CERT,
+    ETCD_KEY,
+    ETCD_PASSWORD_FILE,
+    ETCD_SERVER_NAME,
+    ETCD_USER,
+    apply_etcd_options,
+)
 from kvstore.errors import ConfigError, KvtierError
 
 
@@ -34,6 +43,12 @@ def daemon(
         None, "--ready-file", help="Write the bound addresses (JSON) here once serving."),
     print_config: bool = typer.Option(False, "--print-config",
                                       help="Print the effective config as YAML and exit."),
+    etcd_ca: Path | None = ETCD_CA,
+    etcd_cert: Path | None = ETCD_CERT,
+    etcd_key: Path | None = ETCD_KEY,
+    etcd_user: str | None = ETCD_USER,
+    etcd_password_file: Path | None = ETCD_PASSWORD_FILE,
+    etcd_server_name: str | None = ETCD_SERVER_NAME,
 ) -> None:
     """Run a store daemon until SIGTERM/SIGINT or `kvtier drain`; then drain and exit 0.
 
@@ -58,6 +73,8 @@ def daemon(
                                     "security.insecure": "true" if insecure else None}
     overrides.update({k: str(v) for k, v in shortcuts.items() if v is not None})
     try:
+        apply_etcd_options(etcd_ca, etcd_cert, etcd_key, etcd_user,
+                           etcd_password_file, etcd_server_name)
         cfg = load_config(config, overrides=overrides)
     except ConfigError as exc:
         typer.echo(f"kvtier daemon: {exc}", err=True)

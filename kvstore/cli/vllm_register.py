@@ -8,9 +8,19 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
 import typer
 
+from kvstore.cli.etcd_options import (
+    ETCD_CA,
+    ETCD_CERT,
+    ETCD_KEY,
+    ETCD_PASSWORD_FILE,
+    ETCD_SERVER_NAME,
+    ETCD_USER,
+    apply_etcd_options,
+)
 from kvstore.errors import KvtierError
 
 
@@ -49,8 +59,20 @@ def vllm_register(
     ttl_s: int = typer.Option(10, "--ttl-s", help="Lease TTL of the records."),
     poll_interval_s: float = typer.Option(1.0, "--poll-interval-s", help="Health poll interval."),
     log_level: str = typer.Option("INFO", "--log-level"),
+    etcd_ca: Path | None = ETCD_CA,
+    etcd_cert: Path | None = ETCD_CERT,
+    etcd_key: Path | None = ETCD_KEY,
+    etcd_user: str | None = ETCD_USER,
+    etcd_password_file: Path | None = ETCD_PASSWORD_FILE,
+    etcd_server_name: str | None = ETCD_SERVER_NAME,
 ) -> None:
     """Register a vLLM server in etcd while it is healthy; drop the record when it is not."""
+    try:
+        apply_etcd_options(etcd_ca, etcd_cert, etcd_key, etcd_user,
+                           etcd_password_file, etcd_server_name)
+    except KvtierError as exc:
+        typer.echo(f"kvtier vllm-register: {exc}", err=True)
+        raise typer.Exit(2) from exc
     from kvstore.membership.engines import (
         VLLM_DEFAULT_HASH_SEED,
         EngineRecord,

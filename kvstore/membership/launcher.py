@@ -23,6 +23,11 @@ Lifecycle and contracts
       server that accepts connections but never answers, as under quorum loss.
     * :meth:`close` stops the server and deletes the work directory if this
       object created it. The class is a context manager (``start`` / ``close``).
+    * With ``tls`` (:class:`EtcdServerTls`) etcd serves clients over TLS only (``https://``
+      in :attr:`LocalEtcd.client_url`), optionally requiring client certificates and
+      refusing a CRL's serials; ``/health`` is then probed on a third, plain-HTTP metrics
+      port (``--listen-metrics-urls``), so the probe needs no certificate. etcd's users and
+      roles are set up by whoever owns the server (``etcdctl``), not here.
     * With ``die_with_parent`` (the default, when ``setpriv`` exists) etcd is
       started under ``setpriv --pdeathsig KILL``, so a test run that is killed
       does not leave a server behind. The signal fires when the *thread* that
@@ -44,6 +49,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -84,6 +90,37 @@ def _pick_free_ports(count: int) -> list[int]:
             sock.close()
 
 
+@dataclass(frozen=True, slots=True)
+class EtcdServerTls:
+    """TLS on a :class:`LocalEtcd`'s client port (etcd's flags in parentheses)."""
+
+    cert_file: Path
+    """The server's certificate (``--cert-file``); its SANs must name 127.0.0.1."""
+    key_file: Path
+    """Its key (``--key-file``)."""
+    trusted_ca_file: Path | None = None
+    """The CA that signs client certificates (``--trusted-ca-file``)."""
+    client_cert_auth: bool = False
+    """Require a client certificate signed by ``trusted_ca_file`` (``--client-cert-auth``);
+    with etcd's auth enabled, a certificate's common name is taken as the user."""
+    crl_file: Path | None = None
+    """Client certificates revoked by this CRL are refused (``--client-crl-file``)."""
+
+    def __post_init__(self) -> None:
+        if self.client_cert_auth and self.trusted_ca_file is None:
+            raise InvalidArgument("client_cert_auth needs trusted_ca_file (the client CA)")
+
+    def args(self) -> list[str]:
+        out = [f"--cert-file={self.cert_file}", f"--key-file={self.key_file}"]
+        if self.trusted_ca_file is not None:
+            out.append(f"--trusted-ca-file={self.trusted_ca_file}")
+        if self.client_cert_auth:
+            out.append("--client-cert-auth")
+        if self.crl_file is not None:
+            out.append(f"--client-crl-file={self.crl_file}")
+        return out
+
+
 class LocalEtcd:
     """One etcd server process on 127.0.0.1; see the module docstring for the contract."""
 
@@ -96,13 +133,14 @@ class LocalEtcd:
         start_timeout_s: float = 15.0,
         die_with_parent: bool = True,
         extra_args: tuple[str, ...] = (),
+        tls: EtcdServerTls | None = None,
     ) -> None:
         """Record settings; nothing is started or created here.
 
         ``work_dir`` holds ``data/`` (etcd's data directory) and ``etcd.log``;
         when None, :meth:`start` creates a temporary one that :meth:`close`
         deletes. ``extra_args`` are appended to etcd's command line (for
-        example ``("--auto-compaction-retention=1",)``).
+        example ``("--auto-compaction-retention=1",)``). ``tls``: see the module docstring.
         """
         if not name or "=" in name or "," in name:
             raise InvalidArgument(
@@ -115,6 +153,8 @@ class LocalEtcd:
         self._start_timeout_s = start_timeout_s
         self._die_with_parent = die_with_parent
         self._extra_args = tuple(extra_args)
+        self._tls = tls
+        self._metrics_port: int | None = None
         self._work_dir = work_dir
         self._owns_work_dir = False
         self._client_port: int | None = None
@@ -143,8 +183,19 @@ class LocalEtcd:
 
     @property
     def client_url(self) -> str:
-        """``http://127.0.0.1:PORT``, the endpoint clients connect to."""
-        return f"http://{self.client_host}:{self.client_port}"
+        """``http://127.0.0.1:PORT`` (``https://`` with ``tls``), the endpoint clients use."""
+        scheme = "https" if self._tls is not None else "http"
+        return f"{scheme}://{self.client_host}:{self.client_port}"
+
+    @property
+    def tls(self) -> EtcdServerTls | None:
+        return self._tls
+
+    @property
+    def _health_url(self) -> str:
+        if self._tls is not None:
+            return f"http://{self.client_host}:{self._metrics_port}/health"
+        return f"{self.client_url}/health"
 
     @property
     def work_dir(self) -> Path:
@@ -194,7 +245,7 @@ class LocalEtcd:
         attempts = 1 if ports_fixed else _PORT_RETRIES
         for attempt in range(1, attempts + 1):
             if not ports_fixed:
-                self._client_port, self._peer_port = _pick_free_ports(2)
+                self._client_port, self._peer_port, self._metrics_port = _pick_free_ports(3)
             self._spawn(binary)
             try:
                 self._wait_healthy(self._start_timeout_s)
@@ -209,7 +260,7 @@ class LocalEtcd:
         raise AssertionError("unreachable: the loop returns or raises")  # pragma: no cover
 
     def _spawn(self, binary: str) -> None:
-        client_url = f"http://127.0.0.1:{self._client_port}"
+        client_url = self.client_url
         peer_url = f"http://127.0.0.1:{self._peer_port}"
         argv = [
             binary,
@@ -221,6 +272,9 @@ class LocalEtcd:
             f"--initial-advertise-peer-urls={peer_url}",
             f"--initial-cluster={self._name}={peer_url}",
             "--initial-cluster-state=new",
+            *(self._tls.args() if self._tls is not None else []),
+            *([f"--listen-metrics-urls=http://127.0.0.1:{self._metrics_port}"]
+              if self._tls is not None else []),
             *self._extra_args,
         ]
         setpriv = shutil.which("setpriv") if self._die_with_parent else None
@@ -246,7 +300,7 @@ class LocalEtcd:
             return False
         try:
             with urllib.request.urlopen(
-                f"{self.client_url}/health", timeout=_HEALTH_PROBE_TIMEOUT_S
+                self._health_url, timeout=_HEALTH_PROBE_TIMEOUT_S
             ) as response:
                 body = response.read()
         except (urllib.error.URLError, OSError):

@@ -29,7 +29,8 @@ class DaemonProcess:
     def __init__(self, work_dir: Path, node_id: str, *, dram_bytes: str = "32MiB",
                  nvme: bool = True, etcd_endpoint: str | None = None, etcd_prefix: str = "",
                  settings: dict[str, str] | None = None,
-                 pythonpath_first: Path | None = None) -> None:
+                 pythonpath_first: Path | None = None,
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.work_dir = work_dir
         self.node_id = node_id
         self.log_path = work_dir / f"{node_id}.log"
@@ -48,6 +49,8 @@ class DaemonProcess:
         self.settings = values
         self.pythonpath_first = pythonpath_first
         """A directory put before the repository on PYTHONPATH (e.g. a sitecustomize)."""
+        self.extra_args = extra_args
+        """More command-line arguments (e.g. the ``--etcd-*`` options)."""
         self.proc: subprocess.Popen[str] | None = None
         self.addresses: dict[str, Any] = {}
 
@@ -64,6 +67,7 @@ class DaemonProcess:
         cmd = [sys.executable, "-m", "kvstore.cli.main", "daemon"]
         for key, value in self.settings.items():
             cmd += ["--set", f"{key}={value}"]
+        cmd += list(self.extra_args)
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
         env["PYTHONPATH"] = str(REPO) if self.pythonpath_first is None else \
             f"{self.pythonpath_first}{os.pathsep}{REPO}"
