@@ -263,6 +263,21 @@ def test_refusals_say_what_to_fix(secure: SecureEtcd, tmp_path: Path,
                                             password_file=tmp_path / "missing"))
 
 
+def test_no_user_on_an_etcd_with_auth_is_refused(tmp_path: Path, aio: asyncio.Runner) -> None:
+    """TLS without client certificates, auth on: a client that presents no user is refused,
+    naming the options to set; the same call with the user's password succeeds."""
+    require_etcd()
+    server = SecureEtcd(tmp_path, LAYOUT, client_cert_auth=False)
+    server.start()
+    try:
+        user = server.add_user("daemon-pw", MEMBER_ROLE)
+        with pytest.raises(MembershipError, match="presented no user: give --etcd-user"):
+            _try_list(server, aio, EtcdSecurity(ca_file=server.ca_file))
+        _try_list(server, aio, server.security(user, cert=False))
+    finally:
+        server.close()
+
+
 def test_a_revoked_client_certificate_is_refused(secure: SecureEtcd, tmp_path: Path,
                                                  aio: asyncio.Runner) -> None:
     """etcd's ``--client-crl-file`` revokes the first certificate of ``revoked-daemon``; the
