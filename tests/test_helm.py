@@ -131,7 +131,7 @@ def _daemon_env(values: dict[str, Any]) -> dict[str, str]:
             for part in match.group(1).split("."):
                 node = node[part]
             env[name] = str(node)
-        elif "etcdEndpoint" in expr:
+        elif "etcdEndpoint" in expr or "etcdUrl" in expr:
             env[name] = "release-kvtier-etcd:2379"
         else:
             env[name] = yaml.safe_load(expr)
@@ -200,8 +200,48 @@ CUSTOM: dict[str, Any] = {
     "metrics": {"serviceMonitor": {"enabled": True, "interval": "30s"}},
 }
 NVME_EMPTYDIR: dict[str, Any] = {"daemon": {"nvme": {"hostPath": ""}}}
+# Security on: mTLS between the components, the bundled etcd serving TLS with client
+# certificates required and etcd's auth turned on by the chart's Job, every component with its
+# own etcd client certificate and user.
+MTLS_ETCD_AUTH: dict[str, Any] = {
+    "security": {"mode": "mtls",
+                 "tls": {"daemonSecret": "kvtier-daemon-tls",
+                         "conductorSecret": "kvtier-conductor-tls"}},
+    "etcd": {
+        "client": {"tls": True, "caSecret": "kvtier-etcd-ca",
+                   "daemon": {"certSecret": "kvtier-etcd-daemon-cert", "user": "kvtier-daemon",
+                              "passwordSecret": "kvtier-etcd-daemon"},
+                   "conductor": {"certSecret": "kvtier-etcd-conductor-cert",
+                                 "user": "kvtier-conductor",
+                                 "passwordSecret": "kvtier-etcd-conductor",
+                                 "passwordKey": "pw"}},
+        "server": {"tlsSecret": "kvtier-etcd-server", "clientCertAuth": True,
+                   "auth": {"enabled": True, "rootPasswordSecret": "kvtier-etcd-root",
+                            "users": [
+                                {"name": "kvtier-daemon", "role": "kvtier-member",
+                                 "passwordSecret": "kvtier-etcd-daemon"},
+                                {"name": "kvtier-conductor", "role": "kvtier-member",
+                                 "passwordSecret": "kvtier-etcd-conductor"},
+                                {"name": "kvtier-engine", "role": "kvtier-engine",
+                                 "passwordSecret": "kvtier-etcd-engine"}]}}},
+}
+# Bearer tokens, an existing etcd over https with the system's CAs and a user per component.
+TOKEN_EXTERNAL_ETCD: dict[str, Any] = {
+    "security": {"mode": "token",
+                 "tls": {"daemonSecret": "kvtier-daemon-tls",
+                         "conductorSecret": "kvtier-conductor-tls"},
+                 "tokens": {"keysSecret": "kvtier-token-keys",
+                            "conductorTokenSecret": "kvtier-conductor-token"}},
+    "etcd": {"enabled": False, "endpoint": "etcd.infra.svc:2379",
+             "client": {"tls": True, "serverName": "etcd.infra",
+                        "daemon": {"user": "kvtier-daemon",
+                                   "passwordSecret": "kvtier-etcd-daemon"},
+                        "conductor": {"user": "kvtier-conductor",
+                                      "passwordSecret": "kvtier-etcd-conductor"}}},
+}
 VALUE_SETS: dict[str, dict[str, Any]] = {
-    "default": {}, "custom": CUSTOM, "nvme-emptydir": NVME_EMPTYDIR}
+    "default": {}, "custom": CUSTOM, "nvme-emptydir": NVME_EMPTYDIR,
+    "mtls-etcd-auth": MTLS_ETCD_AUTH, "token-external-etcd": TOKEN_EXTERNAL_ETCD}
 WORKLOADS = {"Deployment", "DaemonSet", "StatefulSet"}
 # Kinds kubernetes-validate has no schema for (CRDs); checked by hand below.
 NO_SCHEMA = {"ServiceMonitor"}
@@ -466,7 +506,11 @@ def test_rendered_daemon_config_loads(helm: Helm, tmp_path: Path, value_set: str
     assert config.server.advertise_host == "10.0.0.7"
     assert (config.server.grpc_port, config.server.tcp_port, config.metrics.port) == (
         ports["grpc"], ports["tcp-data"], ports["metrics"])
-    assert _container(daemon)["readinessProbe"]["grpc"]["port"] == config.server.grpc_port
+    probe = _container(daemon)["readinessProbe"]
+    # grpc.health.v1 in plaintext; a TCP connect when the port speaks TLS (no TLS in the
+    # kubelet's gRPC probe).
+    assert (probe["grpc"] if not config.security.tls else probe["tcpSocket"])["port"] == \
+        config.server.grpc_port
     assert str(config.nvme.directory) == mounts["nvme"]
     assert config.etcd.endpoint == _env(daemon)["KVTIER_ETCD__ENDPOINT"]
     assert (config.shutdown.drain_timeout_s
@@ -481,3 +525,229 @@ def test_notes_name_the_endpoint_in_use(helm: Helm, tmp_path: Path) -> None:
         notes = result.stdout.split("NOTES:", 1)[1]
         assert f"kvtier nodes --etcd {endpoint}" in notes
         assert f"{FULLNAME}-conductor:" in notes
+
+
+# --- Security values: certificates, tokens, etcd with TLS and auth, the insecure switch ---------
+
+
+def _mounts(obj: dict[str, Any]) -> dict[str, str]:
+    return {m["name"]: m["mountPath"] for m in _container(obj).get("volumeMounts", [])}
+
+
+def _secret_of(obj: dict[str, Any], volume: str) -> str:
+    name: str = _volumes(obj)[volume]["secret"]["secretName"]
+    return name
+
+
+def test_mtls_and_etcd_auth_render(helm: Helm, tmp_path: Path) -> None:
+    """The mTLS set: each component mounts its certificate Secret and its etcd client
+    certificate and password, and the paths it is given are the mounted files; the daemon's
+    environment loads into the daemon's own config (mTLS) and into the etcd settings every
+    etcd client reads; the conductor gets the matching flags; probes are TCP (TLS ports)."""
+    from kvstore.security.config import AuthMode
+    from kvstore.security.etcd import EtcdSecurity
+
+    kinds = _by_kind(_objects(_template(helm, tmp_path, MTLS_ETCD_AUTH)))
+    daemon = _daemonset(kinds)
+    conductor = kinds["Deployment"][f"{FULLNAME}-conductor"]
+    assert _secret_of(daemon, "tls") == "kvtier-daemon-tls"
+    assert _secret_of(conductor, "tls") == "kvtier-conductor-tls"
+    for workload, who in ((daemon, "daemon"), (conductor, "conductor")):
+        assert _secret_of(workload, "etcd-ca") == "kvtier-etcd-ca"
+        assert _secret_of(workload, "etcd-client") == f"kvtier-etcd-{who}-cert"
+        assert _secret_of(workload, "etcd-password") == f"kvtier-etcd-{who}"
+        assert {"tls", "etcd-ca", "etcd-client", "etcd-password"} <= _mounts(workload).keys()
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert "tcpSocket" in _container(workload)[probe], (who, probe)
+    password_items = _volumes(conductor)["etcd-password"]["secret"]["items"]
+    assert password_items == [{"key": "pw", "path": "password"}]
+
+    env = {k: v for k, v in _env(daemon).items() if isinstance(v, str)}
+    config_map = kinds["ConfigMap"][f"{FULLNAME}-daemon"]
+    path = tmp_path / "daemon.yaml"
+    path.write_text(config_map["data"]["daemon.yaml"])
+    config = load_config(path, env={**env, "KVTIER_NODE_ID": "node-a"})
+    assert config.security.mode() is AuthMode.MTLS
+    mounts = _mounts(daemon)
+    assert str(config.security.cert_file) == f"{mounts['tls']}/tls.crt"
+    assert str(config.security.client_ca_file) == f"{mounts['tls']}/ca.crt"
+    assert config.etcd.endpoint == f"https://{FULLNAME}-etcd:2379"
+    etcd = EtcdSecurity.from_env(env)
+    assert etcd == EtcdSecurity(
+        ca_file=Path(mounts["etcd-ca"]) / "ca.crt",
+        cert_file=Path(mounts["etcd-client"]) / "tls.crt",
+        key_file=Path(mounts["etcd-client"]) / "tls.key",
+        username="kvtier-daemon",
+        password_file=Path(mounts["etcd-password"]) / "password")
+
+    command = _container(conductor)["command"]
+    tls_dir = _mounts(conductor)["tls"]
+    assert {f"--tls-cert={tls_dir}/tls.crt", f"--tls-key={tls_dir}/tls.key",
+            f"--client-ca={tls_dir}/ca.crt", f"--etcd=https://{FULLNAME}-etcd:2379"} <= \
+        set(command)
+    assert "--insecure" not in command
+    conductor_env = {k: v for k, v in _env(conductor).items() if isinstance(v, str)}
+    assert EtcdSecurity.from_env(conductor_env).username == "kvtier-conductor"
+
+    # The bundled etcd serves TLS and requires client certificates; /health stays plaintext.
+    etcd_set = kinds["StatefulSet"][f"{FULLNAME}-etcd"]
+    etcd_command = _container(etcd_set)["command"]
+    assert {"--client-cert-auth", "--cert-file=/etc/etcd/tls/tls.crt",
+            f"--advertise-client-urls=https://{FULLNAME}-etcd:2379"} <= set(etcd_command)
+    assert _container(etcd_set)["readinessProbe"]["httpGet"]["port"] == 2381
+    assert _secret_of(etcd_set, "tls") == "kvtier-etcd-server"
+    job = kinds["Job"][f"{FULLNAME}-etcd-auth"]
+    assert job["metadata"]["annotations"]["helm.sh/hook"] == "post-install,post-upgrade"
+    assert {_secret_of(job, f"user-{i}") for i in range(3)} == {
+        "kvtier-etcd-daemon", "kvtier-etcd-conductor", "kvtier-etcd-engine"}
+
+
+def test_token_mode_render(helm: Helm, tmp_path: Path) -> None:
+    from kvstore.security.config import AuthMode
+    from kvstore.security.etcd import EtcdSecurity
+
+    kinds = _by_kind(_objects(_template(helm, tmp_path, TOKEN_EXTERNAL_ETCD)))
+    daemon = _daemonset(kinds)
+    conductor = kinds["Deployment"][f"{FULLNAME}-conductor"]
+    assert _secret_of(daemon, "token-keys") == "kvtier-token-keys"
+    assert _secret_of(conductor, "token") == "kvtier-conductor-token"
+    assert "etcd-ca" not in _volumes(daemon) and "etcd-client" not in _volumes(daemon)
+    env = {k: v for k, v in _env(daemon).items() if isinstance(v, str)}
+    config = load_config(None, env={**env, "KVTIER_NODE_ID": "node-a"})
+    assert config.security.mode() is AuthMode.TOKEN and config.security.tls
+    assert str(config.security.token_keys) == _mounts(daemon)["token-keys"]
+    assert config.etcd.endpoint == "https://etcd.infra.svc:2379"
+    etcd = EtcdSecurity.from_env(env)
+    assert (etcd.ca_file, etcd.server_name, etcd.username) == (None, "etcd.infra",
+                                                               "kvtier-daemon")
+    command = _container(conductor)["command"]
+    token_dir = _mounts(conductor)["token"]
+    assert {"--token-keys=/etc/kvtier/token-keys", f"--daemon-token-file={token_dir}/token",
+            "--etcd=https://etcd.infra.svc:2379"} <= set(command)
+    assert not [arg for arg in command if arg.startswith("--client-ca")]
+
+
+def test_insecure_switch_renders_and_is_refused_with_authentication(helm: Helm,
+                                                                   tmp_path: Path) -> None:
+    kinds = _by_kind(_objects(_template(helm, tmp_path, {"security": {"insecure": True}})))
+    assert _env(_daemonset(kinds))["KVTIER_SECURITY__INSECURE"] == "true"
+    assert "--insecure" in _container(kinds["Deployment"][f"{FULLNAME}-conductor"])["command"]
+    bad = {**MTLS_ETCD_AUTH, "security": {**MTLS_ETCD_AUTH["security"], "insecure": True}}
+    result = helm("template", RELEASE, str(CHART), "-f", _values_file(tmp_path, bad),
+                  check=False)
+    assert result.returncode != 0
+    assert "security.insecure is for security.mode none" in result.stderr
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"security": {"mode": "tls"}}, "value must be one of 'none', 'mtls', 'token'"),
+    ({"security": {"tls": {"caSecret": "x"}}}, "additional properties 'caSecret'"),
+    ({"security": {"insecure": "yes"}}, "/security/insecure"),
+    ({"etcd": {"client": {"daemon": {"passwordSecret": "Not_A_Name"}}}},
+     "/etcd/client/daemon/passwordSecret"),
+    ({"etcd": {"server": {"auth": {"users": [{"name": "u", "role": "root",
+                                               "passwordSecret": "s"}]}}}},
+     "/etcd/server/auth/users/0/role"),
+    ({"conductor": {"policy": "fastest"}}, "/conductor/policy"),
+    ({"security": {"mode": "mtls"}}, "needs security.tls.daemonSecret"),
+    ({"security": {"mode": "token", "tls": {"daemonSecret": "a", "conductorSecret": "b"}}},
+     "needs security.tokens.keysSecret"),
+    ({"etcd": {"client": {"daemon": {"user": "kvtier-daemon"}}}},
+     "etcd.client.daemon.user and etcd.client.daemon.passwordSecret go together"),
+    ({"etcd": {"client": {"caSecret": "ca"}}}, "set etcd.client.tls too"),
+    ({"etcd": {"server": {"auth": {"enabled": True}}}}, "needs etcd.server.auth.rootPassword"),
+])
+def test_bad_security_values_are_refused(helm: Helm, tmp_path: Path, values: dict[str, Any],
+                                         message: str) -> None:
+    """The values schema (values.schema.json) and the chart's own checks refuse what cannot
+    work, naming the value; the good sets above render (so this is not refusing everything)."""
+    result = helm("template", RELEASE, str(CHART), "-f", _values_file(tmp_path, values),
+                  check=False)
+    assert result.returncode != 0, f"rendered: {values}"
+    assert message in result.stderr, result.stderr
+
+
+def test_the_etcd_auth_job_sets_up_a_real_etcd(helm: Helm, tmp_path: Path) -> None:
+    """The rendered Job's script, run with the real etcdctl against a real etcd serving TLS
+    with client certificates required (the Job's files put in a temp dir instead of the
+    Secrets' mounts): afterwards auth is on, a kvtier-member user registers a node, a
+    kvtier-engine user is refused (PERMISSION_DENIED) and writes its engine record; run again
+    (an upgrade) it succeeds and changes nothing."""
+    import asyncio
+
+    from kvstore.errors import MembershipError
+    from kvstore.membership.etcd import KeyLayout, etcd_call, etcd_client
+    from kvstore.membership.launcher import EtcdServerTls, LocalEtcd, find_etcd_binary
+    from kvstore.membership.nodes import register_node
+    from kvstore.security.etcd import EtcdSecurity
+    from tests.security.pki import make_ca
+    from tests.support.registrant import sample_record
+
+    if find_etcd_binary() is None or shutil.which("etcdctl") is None:
+        pytest.skip("etcd and etcdctl are needed (etcd-server, etcd-client)")
+    job = _by_kind(_objects(_template(helm, tmp_path, MTLS_ETCD_AUTH)))["Job"][
+        f"{FULLNAME}-etcd-auth"]
+    container = _container(job)
+    script = container["command"][-1]
+    # The Secrets, minted here, where the Job mounts them (under a temp dir).
+    root = tmp_path / "mounts"
+    tls_dir, auth_dir = root / "etcd" / "tls", root / "etcd-auth"
+    tls_dir.mkdir(parents=True)
+    ca = make_ca("etcd CA")
+    ca.write(tls_dir / "ca.crt")
+    ca.issue("etcd-server").write(tls_dir, "tls")
+    passwords = {"root": "root-" + os.urandom(6).hex()}
+    (auth_dir / "root").mkdir(parents=True)
+    (auth_dir / "root" / "password").write_text(passwords["root"])
+    users = MTLS_ETCD_AUTH["etcd"]["server"]["auth"]["users"]
+    for i, user in enumerate(users):
+        passwords[user["name"]] = f"{user['name']}-{os.urandom(6).hex()}"
+        (auth_dir / f"user-{i}").mkdir()
+        (auth_dir / f"user-{i}" / "password").write_text(passwords[user["name"]])
+    script = script.replace("/etc/etcd-auth/", f"{auth_dir}/")
+    server = LocalEtcd(work_dir=tmp_path / "etcd", tls=EtcdServerTls(
+        cert_file=tls_dir / "tls.crt", key_file=tls_dir / "tls.key",
+        trusted_ca_file=tls_dir / "ca.crt", client_cert_auth=True))
+    server.start()
+    try:
+        env = {**os.environ}
+        for var in container["env"]:
+            env[var["name"]] = str(var["value"]).replace("/etc/etcd/tls/", f"{tls_dir}/")
+        env["ETCDCTL_ENDPOINTS"] = server.client_url
+        for attempt in ("install", "upgrade"):
+            result = subprocess.run(["/bin/sh", "-ec", script], env=env, capture_output=True,
+                                    text=True, timeout=120, check=False)
+            assert result.returncode == 0, (attempt, result.stdout, result.stderr)
+        assert "auth is on: adding what is missing" in result.stdout
+
+        layout = KeyLayout(_values()["daemon"]["config"]["etcd"]["prefix"])
+        client_cert, client_key = ca.issue("client").write(tmp_path, "client")
+
+        def security(name: str | None) -> EtcdSecurity:
+            pw = tmp_path / f"{name}.pw"
+            if name is not None:
+                pw.write_text(passwords[name])
+            return EtcdSecurity(ca_file=tls_dir / "ca.crt", cert_file=client_cert,
+                                key_file=client_key, username=name,
+                                password_file=pw if name is not None else None)
+
+        async def scenario() -> None:
+            async with etcd_client(server.client_url, security=security("kvtier-daemon")) \
+                    as member, \
+                    etcd_client(server.client_url, security=security("kvtier-engine")) \
+                    as engine, \
+                    etcd_client(server.client_url, security=security(None)) as nobody:
+                async with register_node(member, sample_record("node-chart"), ttl_s=5,
+                                         layout=layout):
+                    pass
+                with pytest.raises(MembershipError, match="permission denied"):
+                    await etcd_call("put", engine.put(layout.node_key("x").encode(), b"{}"), 5)
+                await etcd_call("put", engine.put(f"{layout.prefix}engines/prefill/e1".encode(),
+                                                  b"{}"), 5)
+                # Auth is on: a client certificate whose CN is no etcd user is refused.
+                with pytest.raises(MembershipError):
+                    await etcd_call("get", nobody.get(layout.node_key("x").encode()), 5)
+
+        asyncio.run(scenario())
+    finally:
+        server.close()

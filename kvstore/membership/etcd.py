@@ -159,6 +159,9 @@ def etcd_client(endpoint: str, *, rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
         "grpc.max_reconnect_backoff_ms": 1000,
     }
     use_tls = security.tls or scheme == "https"
+    if security.server_name and not use_tls:
+        raise ConfigError("the etcd server name checks etcd's TLS certificate: give the CA "
+                          "(--etcd-ca) or an https:// endpoint")
     if not use_tls and security.empty:
         return aetcd.Client(host=host, port=port, timeout=rpc_timeout_s, options=options)
     from kvstore.membership.etcd_auth import SecureEtcdClient

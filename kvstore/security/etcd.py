@@ -61,7 +61,8 @@ class EtcdSecurity:
     password_file: Path | None = None
     """A file holding the user's password (one line; a trailing newline is ignored)."""
     server_name: str | None = None
-    """The name to check etcd's certificate against when it is not the dialed host."""
+    """The name to check etcd's certificate against when it is not the dialed host (TLS only:
+    a CA, or an ``https://`` endpoint)."""
 
     def __post_init__(self) -> None:
         if (self.cert_file is None) != (self.key_file is None):
@@ -70,9 +71,6 @@ class EtcdSecurity:
         if self.cert_file is not None and self.ca_file is None:
             raise ConfigError("an etcd client certificate is presented over TLS: give "
                               "--etcd-ca, the CA that signed etcd's server certificate")
-        if self.server_name is not None and self.ca_file is None:
-            raise ConfigError("the etcd server name checks etcd's certificate: it needs "
-                              "--etcd-ca")
         if self.password is not None and self.password_file is not None:
             raise ConfigError("give the etcd password or a password file, not both")
         has_password = self.password is not None or self.password_file is not None
