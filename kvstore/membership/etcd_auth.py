@@ -85,11 +85,11 @@ def explain_etcd_error(exc: BaseException, security: EtcdSecurity | None = None)
         return None
     code, text = rpc_error.code(), rpc_error.details() or ""
     sec = security or EtcdSecurity()
-    who = (f"etcd user {sec.username!r}" if sec.username
-           else "this client's etcd identity (its certificate's common name, or none)")
+    who = f"etcd user {sec.username!r}" if sec.username else "this client's etcd user"
     if code is grpc.StatusCode.PERMISSION_DENIED:
-        return (f"etcd refused it: permission denied for {who} (its roles do not grant this "
-                "on the key; docs/security.md lists the kvtier-member and kvtier-engine roles)")
+        return (f"etcd refused it: permission denied (the roles of {who}, the --etcd-user "
+                "or else the client certificate's common name, do not grant this on the key; "
+                "docs/security.md lists the kvtier-member and kvtier-engine roles)")
     if _NO_USER_MARKER in text:
         return ("etcd has authentication enabled and this client presented no user: give "
                 "--etcd-user and --etcd-password-file (KVTIER_ETCD_USER, "

@@ -130,6 +130,22 @@ def test_daemon_registers_and_conductor_discovers_through_tls_and_auth_etcd(
     assert "registered in etcd" in daemon.log_path.read_text()
 
 
+def test_a_daemon_with_engine_credentials_does_not_start(secure: SecureEtcd,
+                                                          tmp_path: Path) -> None:
+    """The daemon of the test above, given an engine's etcd identity: etcd refuses its node
+    record and the daemon exits, saying so (the test above is the same daemon succeeding)."""
+    daemon = DaemonProcess(tmp_path, "node-as-engine", nvme=False, etcd_endpoint=secure.endpoint,
+                           etcd_prefix=LAYOUT.prefix,
+                           extra_args=etcd_args(secure, secure.users["engine-1"]))
+    try:
+        with pytest.raises(RuntimeError, match="did not become ready"):
+            daemon.start()
+    finally:
+        daemon.stop()
+    assert "register node 'node-as-engine': etcd refused it: permission denied" in \
+        daemon.log_path.read_text(), daemon.log_tail()
+
+
 def test_the_same_flow_works_with_a_plain_etcd(etcd_server: LocalEtcd, etcd_layout: KeyLayout,
                                                aio: asyncio.Runner) -> None:
     """No security config: a plain aetcd client as before (no regression)."""
