@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import mmap
 import os
 import platform
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
@@ -62,3 +64,37 @@ def run_header(bench: str, *, dists: Sequence[str] = ("numpy",),
     return {"bench": bench, "git_sha": git_sha(dirty_paths),
             "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "machine": machine(), "versions": versions(*dists)}
+
+
+def spawn_kvtier(cmd: list[str], ready_prefix: str, log_path: Path, timeout_s: float = 60.0
+                 ) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    """``kvtier <cmd>`` as a child (no ``KVTIER_*`` environment, stderr appended to
+    ``log_path``) and the JSON of its ready line (``ready_prefix``...). Killed, and
+    RuntimeError, when it exits or stays silent past ``timeout_s``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    with log_path.open("a") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli.main", *cmd], env=env,
+                                stdout=subprocess.PIPE, stderr=log, text=True)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith(ready_prefix):
+            return proc, json.loads(line[len(ready_prefix):])
+    proc.kill()
+    proc.wait()
+    raise RuntimeError(f"{cmd[0]} did not become ready; see {log_path}")
+
+
+def stop_child(proc: subprocess.Popen[str]) -> None:
+    """SIGTERM, then SIGKILL after 15 s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

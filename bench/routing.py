@@ -46,7 +46,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import queue
 import random
 import subprocess
@@ -58,7 +57,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench._meta import run_header
+from bench._meta import run_header, spawn_kvtier, stop_child
 
 BLOCK_TOKENS = 32
 """The fleet's vLLM block size (``FleetSpec.block_tokens``)."""
@@ -103,32 +102,7 @@ def _stats_us(values_s: Sequence[float]) -> dict[str, float]:
 
 def _spawn(cmd: list[str], ready_prefix: str, log_path: Path, timeout_s: float = 120.0
            ) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
-    with log_path.open("a") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli.main", *cmd], env=env,
-                                stdout=subprocess.PIPE, stderr=log, text=True)
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith(ready_prefix):
-            return proc, json.loads(line[len(ready_prefix):])
-    proc.kill()
-    proc.wait()
-    raise RuntimeError(f"{cmd[0]} did not become ready; see {log_path}")
-
-
-def _stop(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    return spawn_kvtier(cmd, ready_prefix, log_path, timeout_s)
 
 
 class KvEventPublisher:
@@ -452,7 +426,7 @@ def run(quick: bool = False, seed: int = 0, work_dir: Path | None = None) -> dic
                                               decisions, warm, rng))
             finally:
                 for proc in reversed(procs):
-                    _stop(proc)
+                    stop_child(proc)
     result.update({"quick": quick, "block_tokens": BLOCK_TOKENS,
                    "hashings_per_decision": hashings_per_decision(), **measured})
     return result

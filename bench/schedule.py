@@ -60,6 +60,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from bench._meta import spawn_kvtier, stop_child
 from conductor.index import GlobalPrefixIndex
 from conductor.scheduler import Policy
 from kvstore.dataplane.tier import TierKind
@@ -302,31 +303,7 @@ GRPC_STORED_REQUESTS = 200
 
 def _spawn(cmd: list[str], ready_prefix: str, log_path: Path, timeout_s: float = 60.0
            ) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
-    with log_path.open("a") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli.main", *cmd], env=env,
-                                stdout=subprocess.PIPE, stderr=log, text=True)
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith(ready_prefix):
-            return proc, json.loads(line[len(ready_prefix):])
-    proc.kill()
-    raise RuntimeError(f"{cmd[0]} did not become ready; see {log_path}")
-
-
-def _stop(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    return spawn_kvtier(cmd, ready_prefix, log_path, timeout_s)
 
 
 def _store_trace_chains(address: str, workload: Workload, requests: int) -> int:
@@ -502,7 +479,7 @@ def grpc_scheduling(workload: Workload, blocks: int, requests: int,
                                             prefix, workload, requests, concurrency))
             finally:
                 for proc in reversed(procs):
-                    _stop(proc)
+                    stop_child(proc)
     return {"preloaded_blocks": blocks, "daemon_blocks": stored, "concurrency": concurrency,
             "nodes": GRPC_NODES, "prefill_instances": GRPC_NODES * GRPC_INSTANCES_PER_NODE,
             "decode_instances": GRPC_NODES * GRPC_INSTANCES_PER_NODE, **result}
