@@ -535,22 +535,13 @@ def _gather_futures(futures: list[cf.Future[list[SaveResult]]]
     """One future of the concatenated results of ``futures`` (in order), completed when the
     last one is. The first exception (in order) wins."""
     out: cf.Future[list[SaveResult]] = cf.Future()
-    left = [len(futures)]
-    lock = threading.Lock()
 
-    def one_done(_f: cf.Future[list[SaveResult]]) -> None:
-        with lock:
-            left[0] -= 1
-            if left[0]:
-                return
+    def all_done() -> None:
         errors = [e for e in (f.exception() for f in futures) if e is not None]
         if errors:
             out.set_exception(errors[0])
         else:
             out.set_result([r for f in futures for r in f.result()])
 
-    if not futures:
-        out.set_result([])
-    for f in futures:
-        f.add_done_callback(one_done)
+    _when_all(futures, all_done)
     return out

@@ -162,16 +162,6 @@ class Authenticator:
                                   "'authorization: Bearer <token>'; `kvtier token mint`)")
         return self._tokens.verify(token).principal()
 
-    def check(self, method: str, auth_context: dict[str, list[bytes]], metadata: Any
-              ) -> Principal:
-        """The principal allowed to run ``method``; Unauthenticated or PermissionDenied."""
-        if method in OPEN_METHODS:
-            return ANONYMOUS
-        principal = self.principal(auth_context, metadata)
-        authorize(principal, method)
-        return principal
-
-
 def _refusal(exc: KvtierError) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
     return (getattr(grpc.StatusCode, grpc_code_name(exc)), str(exc),
             ((ERROR_METADATA_KEY, error_name(exc)),))
@@ -179,9 +169,10 @@ def _refusal(exc: KvtierError) -> tuple[grpc.StatusCode, str, tuple[tuple[str, s
 
 def _identify(auth: Authenticator, method: str, context: Any
               ) -> tuple[Principal | None, KvtierError | None]:
-    """:meth:`Authenticator.check`'s verdict on a call, keeping who the caller was when it is
-    refused for its role (the audit log names it): ``(principal, None)`` when allowed, else
-    ``(the principal or None when it could not be authenticated, the refusal)``."""
+    """Whether a call may run ``method`` (open methods: anonymously), keeping who the caller
+    was when it is refused for its role (the audit log names it): ``(principal, None)`` when
+    allowed, else ``(the principal or None when it could not be authenticated, the
+    refusal)``."""
     if method in OPEN_METHODS:
         return ANONYMOUS, None
     try:
