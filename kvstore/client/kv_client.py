@@ -836,7 +836,7 @@ class KVClient:
         cfg = self.config
         store = StoreClient.connect(address, StoreClientConfig(
             data_plane=cfg.remote_data_plane, rpc_timeout_s=cfg.rpc_timeout_s,
-            security=cfg.security))
+            security=cfg.security, tenant=cfg.tenant))
         with self._remote_lock:
             kept = None if self._closed else self._remotes.setdefault(address, store)
         if kept is not store:  # closed meanwhile, or another thread connected first
