@@ -3,8 +3,9 @@ tokens): for every operation, the owner succeeds on its own chunks, another tena
 them are refused or see absence, a forged ``kvtier-tenant`` is refused, and afterwards every one
 of the owner's chunks reads back byte for byte.
 
-The clients are gRPC only (``DaemonControl``; values travel inline in Put/Get): the data planes
-do not carry a tenant yet (docs/security.md, "Tenant isolation"). The counts of attempts,
+The clients are gRPC only (``DaemonControl``; values travel inline in Put/Get); the data planes'
+tenant scope is tested in test_dataplane_tcp.py, test_dataplane_shm.py and test_ticket_scope.py
+(docs/security.md, "Data planes"). The counts of attempts,
 refusals, leaks and losses are printed by the last test (also under capture).
 """
 
