@@ -206,7 +206,8 @@ NVME_EMPTYDIR: dict[str, Any] = {"daemon": {"nvme": {"hostPath": ""}}}
 MTLS_ETCD_AUTH: dict[str, Any] = {
     "security": {"mode": "mtls",
                  "tls": {"daemonSecret": "kvtier-daemon-tls",
-                         "conductorSecret": "kvtier-conductor-tls"}},
+                         "conductorSecret": "kvtier-conductor-tls",
+                         "crlSecret": "kvtier-crl"}},
     "etcd": {
         "client": {"tls": True, "caSecret": "kvtier-etcd-ca",
                    "daemon": {"certSecret": "kvtier-etcd-daemon-cert", "user": "kvtier-daemon",
@@ -452,6 +453,18 @@ def test_etcd_off_without_an_endpoint_is_refused(helm: Helm, tmp_path: Path) -> 
     assert "etcd.endpoint is required when etcd.enabled is false" in result.stderr
 
 
+def test_a_crl_without_mtls_is_refused(helm: Helm, tmp_path: Path) -> None:
+    """A CRL revokes client certificates: with tokens (or no security) nothing would read it."""
+    values = {"security": {**TOKEN_EXTERNAL_ETCD["security"],
+                           "tls": {**TOKEN_EXTERNAL_ETCD["security"]["tls"],
+                                   "crlSecret": "kvtier-crl"}},
+              "etcd": TOKEN_EXTERNAL_ETCD["etcd"]}
+    result = helm("template", RELEASE, str(CHART), "-f", _values_file(tmp_path, values),
+                  check=False)
+    assert result.returncode != 0
+    assert "security.tls.crlSecret revokes client certificates" in result.stderr
+
+
 def _matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return selector.items() <= labels.items()
 
@@ -571,6 +584,9 @@ def test_mtls_and_etcd_auth_render(helm: Helm, tmp_path: Path) -> None:
     mounts = _mounts(daemon)
     assert str(config.security.cert_file) == f"{mounts['tls']}/tls.crt"
     assert str(config.security.client_ca_file) == f"{mounts['tls']}/ca.crt"
+    assert str(config.security.crl_file) == f"{mounts['crl']}/ca.crl"
+    for workload in (daemon, conductor):
+        assert _secret_of(workload, "crl") == "kvtier-crl"
     assert config.etcd.endpoint == f"https://{FULLNAME}-etcd:2379"
     etcd = EtcdSecurity.from_env(env)
     assert etcd == EtcdSecurity(
@@ -583,8 +599,8 @@ def test_mtls_and_etcd_auth_render(helm: Helm, tmp_path: Path) -> None:
     command = _container(conductor)["command"]
     tls_dir = _mounts(conductor)["tls"]
     assert {f"--tls-cert={tls_dir}/tls.crt", f"--tls-key={tls_dir}/tls.key",
-            f"--client-ca={tls_dir}/ca.crt", f"--etcd=https://{FULLNAME}-etcd:2379"} <= \
-        set(command)
+            f"--client-ca={tls_dir}/ca.crt", f"--crl={_mounts(conductor)['crl']}/ca.crl",
+            f"--etcd=https://{FULLNAME}-etcd:2379"} <= set(command)
     assert "--insecure" not in command
     conductor_env = {k: v for k, v in _env(conductor).items() if isinstance(v, str)}
     assert EtcdSecurity.from_env(conductor_env).username == "kvtier-conductor"

@@ -46,6 +46,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if and (eq $s.mode "token") (or (not $s.tokens.keysSecret) (not $s.tokens.conductorTokenSecret)) -}}
 {{- fail "security.mode token needs security.tokens.keysSecret and security.tokens.conductorTokenSecret" -}}
 {{- end -}}
+{{- if and $s.tls.crlSecret (ne $s.mode "mtls") -}}
+{{- fail "security.tls.crlSecret revokes client certificates: it needs security.mode mtls" -}}
+{{- end -}}
 {{- if and .Values.etcd.client.caSecret (not .Values.etcd.client.tls) -}}
 {{- fail "etcd.client.caSecret is the CA of etcd's TLS certificate: set etcd.client.tls too" -}}
 {{- end -}}
@@ -69,6 +72,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $c := index $v.etcd.client .c -}}
 {{- if ne $v.security.mode "none" }}
 - {name: tls, mountPath: /etc/kvtier/tls, readOnly: true}
+{{- end }}
+{{- if $v.security.tls.crlSecret }}
+- {name: crl, mountPath: /etc/kvtier/crl, readOnly: true}
 {{- end }}
 {{- if eq $v.security.mode "token" }}
 {{- if eq .c "daemon" }}
@@ -95,6 +101,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if ne $v.security.mode "none" }}
 - name: tls
   secret: {secretName: {{ index $v.security.tls (printf "%sSecret" .c) | quote }}, defaultMode: 0400}
+{{- end }}
+{{- if $v.security.tls.crlSecret }}
+- name: crl
+  secret: {secretName: {{ $v.security.tls.crlSecret | quote }}, items: [{key: ca.crl, path: ca.crl}]}
 {{- end }}
 {{- if eq $v.security.mode "token" }}
 {{- if eq .c "daemon" }}
@@ -157,6 +167,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if eq $s.mode "mtls" }}
 - name: KVTIER_SECURITY__CLIENT_CA_FILE
   value: /etc/kvtier/tls/ca.crt
+{{- if $s.tls.crlSecret }}
+- name: KVTIER_SECURITY__CRL_FILE
+  value: /etc/kvtier/crl/ca.crl
+{{- end }}
 {{- end }}
 {{- if eq $s.mode "token" }}
 - name: KVTIER_SECURITY__TOKEN_KEYS
