@@ -8,13 +8,14 @@ import itertools
 import logging
 import select
 import socket
+import ssl
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from kvstore.dataplane import native
 from kvstore.dataplane.arena import host_byte_view
@@ -47,6 +48,7 @@ from kvstore.dataplane.transport.tcp.sockets import (
     send_parts,
     tune,
 )
+from kvstore.dataplane.transport.tcp.tls import TlsSocket, handshake
 from kvstore.errors import (
     ChunkExists,
     ChunkNotFound,
@@ -434,17 +436,27 @@ class TcpClient:
                  connect_timeout_s: float = 5.0, io_timeout_s: float = 30.0,
                  socket_buffer_bytes: int | None = None,
                  spin_us: int = DEFAULT_SPIN_US,
-                 ticket: bytes | Callable[[], bytes] | TicketSource | None = None) -> None:
+                 ticket: bytes | Callable[[], bytes] | TicketSource | None = None,
+                 tls: ssl.SSLContext | None = None,
+                 tls_server_name: str | None = None) -> None:
         """``ticket``: the session ticket every new connection presents first (a HELLO
         frame) to a server that requires one, a callable returning the current one (called
         per new connection), or a :class:`TicketSource` (also renewed: class docstring). A
         refused ticket fails the call that opened the connection with ``Unauthenticated`` /
-        ``PermissionDenied``."""
+        ``PermissionDenied``. ``tls``: every connection speaks TLS with this context (a
+        server that speaks TLS needs it; :mod:`.tls`), checking the server's certificate
+        against ``tls_server_name`` (default: ``host``) when the context checks hostnames;
+        TLS connections do not use the native small GET."""
         if ticket is not None and not callable(ticket) and not isinstance(ticket, bytes) \
                 and not isinstance(ticket, TicketSource):
             raise InvalidArgument(f"ticket must be bytes, a callable, a TicketSource or None, "
                                   f"got {type(ticket).__name__}")
         self._ticket = ticket
+        if tls is not None and not isinstance(tls, ssl.SSLContext):
+            raise InvalidArgument(f"tls must be an ssl.SSLContext or None, got "
+                                  f"{type(tls).__name__}")
+        self._tls = tls
+        self._tls_server_name = tls_server_name or host
         self._endpoint = Endpoint(TransportKind.TCP, host, port)
         self._config = TcpClientConfig(
             connections=connections, stripe_threshold_bytes=stripe_threshold_bytes,
@@ -468,6 +480,11 @@ class TcpClient:
     @property
     def config(self) -> TcpClientConfig:
         return self._config
+
+    @property
+    def tls(self) -> bool:
+        """Whether this client's connections speak TLS."""
+        return self._tls is not None
 
     # --- Transport ----------------------------------------------------------------------------
 
@@ -911,12 +928,44 @@ class TcpClient:
             sock.close()
             raise PeerUnavailable(f"cannot configure the connection to {host}:{port}: {exc}"
                                   ) from exc
+        if self._tls is not None:
+            return _ClientConnection(self._start_tls(sock), self._config.max_value_bytes)
         ext = native.load_extension()
         return _ClientConnection(
             sock, self._config.max_value_bytes,
             fast_get=None if ext is None else ext.tcp_get,
             spin_ns=self._config.spin_us * 1000,
             timeout_ms=-1)  # blocking with kernel timeouts (tune): sleep in the receive
+
+    def _start_tls(self, sock: socket.socket) -> socket.socket:
+        """``sock`` wrapped in a TLS session, handshaken within ``connect_timeout_s``
+        (:mod:`.tls`). Raises Unauthenticated (the server's certificate does not verify),
+        PeerUnavailable (the handshake failed or timed out: no TLS there, or it refused ours);
+        ``sock`` is closed then."""
+        assert self._tls is not None
+        host, port = self._endpoint.host, self._endpoint.port
+        try:
+            sock.settimeout(self._config.io_timeout_s)
+            tls_sock = self._tls.wrap_socket(sock, server_hostname=self._tls_server_name,
+                                             do_handshake_on_connect=False)
+        except (OSError, ValueError) as exc:
+            sock.close()
+            raise PeerUnavailable(f"cannot begin TLS with {host}:{port}: {exc}") from exc
+        try:
+            handshake(tls_sock, time.monotonic() + self._config.connect_timeout_s)
+        except ssl.SSLCertVerificationError as exc:
+            tls_sock.close()
+            raise Unauthenticated(f"the data plane at {host}:{port} presented a certificate "
+                                  f"that does not verify ({exc.verify_message}): another CA, "
+                                  "expired, or not issued for this name") from exc
+        except (TimeoutError, OSError) as exc:
+            tls_sock.close()
+            raise PeerUnavailable(
+                f"TLS handshake with the data plane at {host}:{port} failed ({exc}): it may "
+                "not speak TLS (server.tcp_tls off), or it refused this client's "
+                "certificate") from exc
+        # Duck-typed: a TlsSocket has every socket method a connection calls.
+        return cast(socket.socket, TlsSocket(tls_sock, self._config.io_timeout_s))
 
     def _present_ticket(self, conn: _ClientConnection) -> None:
         """Send the session ticket as the connection's first frame and wait for the OK (a

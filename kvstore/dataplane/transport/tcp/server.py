@@ -38,6 +38,15 @@ renews the grant (its ticket must carry the same tenant scope; another is refuse
 connection closed). Without an authorizer every connection is served at once, as
 :data:`~.auth.INSECURE_GRANT`, and a ``HELLO`` is answered OK.
 
+TLS (``tls``, optional; :mod:`.tls`): every accepted connection begins a TLS session on its own
+thread, with the context ``tls()`` returns then (so rotated certificates reach new
+connections), before its first frame; the handshake must be done within ``header_timeout_s``
+of the accept. A plain frame in its place is answered in plain text with one ``PROTOCOL``
+frame ("this data plane speaks TLS") and the close; a failed handshake (an untrusted or missing
+client certificate where the context requires one, garbage) is a WARNING and the close. Either
+is counted in ``tls_refused`` and touches nothing else. The session ticket's ``HELLO`` then
+runs inside TLS. TLS connections are served in Python: the native loop reads the raw socket.
+
 Tenants: a grant with a :class:`~.auth.TenantScope` is served through ``backend.scoped(scope)``
 for every frame of its connection (the backend passes the tenant to its reads, sizes, removes
 and puts); a backend without ``scoped`` cannot keep tenants apart, so such a connection is
@@ -59,12 +68,14 @@ import os
 import secrets
 import select
 import socket
+import ssl
 import struct
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 from kvstore.dataplane import native
 from kvstore.dataplane.tier import MAX_KEY_BYTES, ChunkKey, check_key
@@ -98,6 +109,12 @@ from kvstore.dataplane.transport.tcp.sockets import (
     pack_request,
     send_parts,
     tune,
+)
+from kvstore.dataplane.transport.tcp.tls import (
+    ServerTlsSource,
+    TlsSocket,
+    handshake,
+    looks_like_plain_frame,
 )
 from kvstore.errors import (
     ChunkNotFound,
@@ -214,6 +231,9 @@ class TcpServerStats:
     (also counted in ``protocol_errors``)."""
     connections_unauthenticated: int = 0
     """Connections refused or closed for their session ticket (none, refused, expired)."""
+    tls_refused: int = 0
+    """Connections of a TLS server closed before their TLS session began: a plain frame
+    (answered in plain text), a failed or slow handshake, or nothing sent."""
 
 
 @dataclass(slots=True)
@@ -242,12 +262,16 @@ class TcpServer:
     """
 
     def __init__(self, backend: LeaseBackend, config: TcpServerConfig | None = None, *,
-                 authorize: SessionAuthorizer | None = None) -> None:
+                 authorize: SessionAuthorizer | None = None,
+                 tls: ServerTlsSource | None = None) -> None:
         """``authorize``: the session-ticket check every connection passes before any frame
-        is served (module docstring, "Session tickets"); None serves every connection."""
+        is served (module docstring, "Session tickets"); None serves every connection.
+        ``tls``: every connection speaks TLS, with the context this returns when it is
+        accepted (module docstring, "TLS"); None: plain TCP."""
         self._backend = backend
         self._config = config or TcpServerConfig()
         self._authorize = authorize
+        self._tls = tls
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
         self._endpoint: Endpoint | None = None
@@ -283,6 +307,11 @@ class TcpServer:
         return self._endpoint
 
     @property
+    def tls(self) -> bool:
+        """Whether connections speak TLS."""
+        return self._tls is not None
+
+    @property
     def native_active(self) -> bool:
         """True when connections run the native small-GET loop (set at ``start``)."""
         return self._native is not None
@@ -292,6 +321,9 @@ class TcpServer:
         offers a read source (``native_serving()``, optional); otherwise stay in Python."""
         cfg = self._config
         if not cfg.native_fast_path or cfg.copy_read_max_bytes == 0:
+            return
+        if self._tls is not None:  # the C loop reads and writes the raw descriptor
+            log.info("TCP server: native small-GET loop off (TLS)")
             return
         offer = getattr(self._backend, "native_serving", None)
         if offer is None:
@@ -392,6 +424,7 @@ class TcpServer:
                 connections_idle_closed=self._counts["connections_idle_closed"],
                 header_timeouts=self._counts["header_timeouts"],
                 connections_unauthenticated=self._counts["connections_unauthenticated"],
+                tls_refused=self._counts["tls_refused"],
             )
 
     # --- threads ------------------------------------------------------------------------------
@@ -643,7 +676,8 @@ class _ServerConnection:
             for i in range(max(Opcode) + 1)]
         self.native_loop: native.NativeLoop | None = None
         """The C loop's state for this connection (None: Python only)."""
-        if server._native is not None and server._native_cfg is not None:
+        if server._native is not None and server._native_cfg is not None \
+                and server._tls is None:
             self.native_loop = native.NativeLoop(server._native, server._native_cfg,
                                                  server._native_closing, sock.fileno(),
                                                  self.rbuf, self.out)
@@ -669,6 +703,8 @@ class _ServerConnection:
         announced = False
         loop = self.native_loop
         try:
+            if self.server._tls is not None and not self._start_tls():
+                return  # refused or gone: the finally closes it
             if self.server._authorize is not None:
                 if not self._authenticate():
                     return  # refused: the finally closes it
@@ -720,6 +756,63 @@ class _ServerConnection:
             with contextlib.suppress(OSError):
                 self.sock.close()
             self.server._forget(self)
+
+    # --- TLS ----------------------------------------------------------------------------------
+
+    def _start_tls(self) -> bool:
+        """Begin the connection's TLS session (module docstring, "TLS"): a plain frame first is
+        answered in plain text (one PROTOCOL frame saying the plane needs TLS) and refused; the
+        handshake must complete within ``header_timeout_s`` of the accept. False when refused
+        or gone (to be closed); then ``self.sock`` is a :class:`TlsSocket`."""
+        server = self.server
+        assert server._tls is not None
+        deadline = time.monotonic() + self._header_timeout_s
+        raw = self.sock
+        assert isinstance(raw, socket.socket)
+        while True:  # the first bytes, left in the socket (a receive tick at a time)
+            try:
+                first = raw.recv(len(MAGIC), socket.MSG_PEEK)
+                break
+            except (BlockingIOError, TimeoutError):
+                if server._closing.is_set() or time.monotonic() >= deadline:
+                    return self._tls_refused("sent nothing to begin TLS within "
+                                             f"{self._header_timeout_s:g} s")
+            except OSError as exc:
+                log.info("connection %s ended before TLS: %s", self.peer, exc)
+                return False
+        if not first:
+            return False  # closed at once (a probe)
+        if looks_like_plain_frame(first, MAGIC):
+            self._reply_quietly(None, Status.PROTOCOL, "this data plane speaks TLS: connect "
+                                "with TLS (the daemon's NodeInfo says data_tls_required)")
+            with contextlib.suppress(OSError):
+                raw.shutdown(socket.SHUT_WR)
+                raw.recv(_DRAIN_CHUNK_BYTES, socket.MSG_DONTWAIT)
+            return self._tls_refused("sent a plain frame to the TLS data plane")
+        try:
+            context = server._tls()
+            raw.settimeout(server._recv_tick_s)
+            tls_sock = context.wrap_socket(raw, server_side=True,
+                                           do_handshake_on_connect=False)
+        except (OSError, ValueError) as exc:
+            return self._tls_refused(f"cannot begin TLS: {exc}")
+        self.sock = tls_sock  # closed by serve() from here on, whatever happens
+        try:
+            handshake(tls_sock, deadline)
+        except TimeoutError:
+            return self._tls_refused(f"TLS handshake not done {self._header_timeout_s:g} s "
+                                     "after the accept")
+        except (ssl.SSLError, OSError) as exc:
+            return self._tls_refused(f"TLS handshake failed: {exc}")
+        # Duck-typed: a TlsSocket has every socket method this connection calls.
+        self.sock = cast(socket.socket, TlsSocket(tls_sock, self._io_timeout_s))
+        return True
+
+    def _tls_refused(self, why: str) -> bool:
+        log.warning("data connection %s refused: %s", self.peer, why)
+        with self.server._lock:
+            self.server._counts["tls_refused"] += 1
+        return False
 
     # --- session tickets ----------------------------------------------------------------------
 
