@@ -114,10 +114,9 @@ from kvstore.errors import (
 )
 from kvstore.node.policies import EvictionPolicy, PolicyName, make_policy
 
-DEFAULT_TENANT = ""
-"""The tenant of a request that names none (every client before tenants existed)."""
-SHARED_TENANT = "kvtier.shared"
-"""The tenant whose chunks every tenant may read; only shared writers may write it."""
+# The rule and these names live in kvstore/security/tenancy.py (the conductor shares them).
+from kvstore.security.tenancy import DEFAULT_TENANT as DEFAULT_TENANT
+from kvstore.security.tenancy import SHARED_TENANT as SHARED_TENANT
 
 Clock = Callable[[], float]
 """Seconds on a monotonic clock; injectable so tests control lease expiry."""

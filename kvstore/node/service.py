@@ -71,15 +71,15 @@ from kvstore.errors import (
 )
 from kvstore.node.backend import LeaseIds, check_ttl
 from kvstore.node.events import ChunkEvent, EventKind, Resync
-from kvstore.node.index import DEFAULT_TENANT, SHARED_TENANT, IndexEntry, Lease
-from kvstore.security.identity import INSECURE, Principal, Role, current_principal
+from kvstore.node.index import IndexEntry, Lease
+from kvstore.security.identity import current_principal
+from kvstore.security.tenancy import requested_tenant, resolve_tenant
 from kvstore.wire import (
     ERROR_METADATA_KEY,
     PB_TO_TIER,
     SESSION_MAX_CHARS,
     SESSION_METADATA_KEY,
     SESSION_MIN_CHARS,
-    TENANT_MAX_CHARS,
     TENANT_METADATA_KEY,
     TIER_TO_PB,
     UndecodableRequest,
@@ -128,61 +128,6 @@ def session_of(context: Any) -> tuple[str, str]:
                                       f"{SESSION_MAX_CHARS} characters, got {len(token)}")
             return "session", token
     return "peer", str(context.peer())
-
-
-def requested_tenant(context: Any) -> str | None:
-    """The tenant the call's ``kvtier-tenant`` metadata names, or None when it names none.
-    InvalidArgument for a value that is too long or two different values."""
-    found: str | None = None
-    for key, value in context.invocation_metadata() or ():
-        if key == TENANT_METADATA_KEY:
-            text = str(value)
-            if len(text) > TENANT_MAX_CHARS:
-                raise InvalidArgument(f"{TENANT_METADATA_KEY} is at most {TENANT_MAX_CHARS} "
-                                      f"characters, got {len(text)}")
-            if found is not None and found != text:
-                raise InvalidArgument(f"the call names two tenants in {TENANT_METADATA_KEY}")
-            found = text
-    return found
-
-
-def _allowed(principal: Principal) -> str:
-    if principal.tenants is None:
-        return "every tenant"
-    return "tenant(s) " + ", ".join(repr(t) for t in sorted(principal.tenants))
-
-
-def resolve_tenant(principal: Principal, requested: str | None, *, write: bool = False,
-                   admin: bool = False) -> str | None:
-    """The tenant a call of ``principal`` acts for (module docstring, "Tenants"): a name, or
-    None for every tenant (reads only). ``requested``: what its ``kvtier-tenant`` metadata
-    names. ``write``: the call stores chunks (never None; the shared tenant needs
-    ``shared_writer``). ``admin``: an operator's call (ls, inspect, pin, remove, evict).
-    Raises PermissionDenied."""
-    tenant: str | None
-    if principal is INSECURE:  # no security configured: nothing to check against
-        tenant = requested if requested is not None else (None if admin else DEFAULT_TENANT)
-    elif requested is not None:
-        if not (principal.may_access(requested)
-                or (requested == SHARED_TENANT and principal.shared_writer)):
-            raise PermissionDenied(f"{principal.name} may not act for tenant {requested!r} "
-                                   f"({TENANT_METADATA_KEY}): its credentials allow "
-                                   f"{_allowed(principal)}")
-        tenant = requested
-    elif principal.tenants is not None and len(principal.tenants) == 1:
-        (tenant,) = principal.tenants
-    elif principal.tenants is None and principal.role is not Role.ENGINE:
-        tenant = None  # an operator or peer of every tenant: every chunk
-    else:
-        raise PermissionDenied(f"{principal.name} may act for {_allowed(principal)}: the call "
-                               f"must name one in the {TENANT_METADATA_KEY} metadata "
-                               "(StoreClientConfig.tenant)")
-    if write:
-        tenant = DEFAULT_TENANT if tenant is None else tenant
-        if tenant == SHARED_TENANT and not principal.shared_writer:
-            raise PermissionDenied(f"{principal.name} may not write the shared tenant "
-                                   f"{SHARED_TENANT!r}: its credentials need shared_writer")
-    return tenant
 
 
 def _check_field(key: bytes, field: str) -> ChunkKey:

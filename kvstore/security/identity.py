@@ -46,7 +46,7 @@ class Principal:
 INSECURE = Principal("insecure", Role.OPERATOR, None, shared_writer=True)
 """The caller of every request on a service that runs without authentication. The daemon takes
 the tenant such a call names as given, and one naming none as the default tenant's except for
-the admin calls (:func:`kvstore.node.service.resolve_tenant`)."""
+the admin calls (:func:`kvstore.security.tenancy.resolve_tenant`)."""
 
 _current: ContextVar[Principal] = ContextVar("kvtier_principal", default=INSECURE)
 
