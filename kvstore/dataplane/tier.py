@@ -105,6 +105,10 @@ class ChunkInfo:
     meta: bytes = b""
     """Opaque caller metadata kept with the chunk by persistent tiers (the cache stores the
     parent key there, so the prefix chain survives a restart); empty elsewhere."""
+    owner: bytes = b""
+    """Opaque owner label kept with the chunk by persistent tiers (the cache stores the owning
+    tenant's name there, so ownership survives a restart); empty elsewhere, and for chunks
+    stored without one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,16 +215,20 @@ class BatchHostMemoryTier(HostMemoryTier, Protocol):
 class PersistentTier(Tier, Protocol):
     """A tier whose chunks survive a restart or ``kill -9`` (NVMe).
 
-    Besides the bytes it keeps up to ``MAX_META_BYTES`` of opaque caller metadata per chunk,
-    written atomically with the chunk and returned by ``chunks()`` in ``ChunkInfo.meta``.
+    Besides the bytes it keeps up to ``MAX_META_BYTES`` of opaque caller metadata and up to
+    ``MAX_OWNER_BYTES`` of opaque owner label per chunk, written atomically with the chunk and
+    returned by ``chunks()`` in ``ChunkInfo.meta`` and ``ChunkInfo.owner``.
     """
 
-    def put_with_meta(self, key: bytes, src: Buffer, meta: bytes) -> ChunkInfo:
-        """``put`` that also persists ``meta``. Raises InvalidArgument when meta is too long."""
+    def put_with_meta(self, key: bytes, src: Buffer, meta: bytes, owner: bytes = b""
+                      ) -> ChunkInfo:
+        """``put`` that also persists ``meta`` and ``owner``. Raises InvalidArgument when either
+        is too long."""
         ...
 
 
 MAX_META_BYTES = 64
+MAX_OWNER_BYTES = 128
 
 
 class WriteSlot(Protocol):
