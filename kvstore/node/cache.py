@@ -41,9 +41,10 @@ Leases
     ``pin``/``unpin`` expose the same leases to callers that hand out zero-copy views.
 
 Persistence
-    A persistent tier (NVMe) keeps each chunk's parent key in the record's metadata, so
-    :meth:`TieredCache.recover` rebuilds the index, parents included, after a restart or a
-    ``kill -9``. Chunks whose parent did not survive are dropped (they could never be used).
+    A persistent tier (NVMe) keeps each chunk's parent key in the record's metadata and its
+    tenant as the record's owner, so :meth:`TieredCache.recover` rebuilds the index, parents and
+    owners included, after a restart or a ``kill -9``. Chunks whose parent did not survive are
+    dropped (they could never be used).
     What survives a crash: every chunk with an NVMe copy (primary or backing). With a persistent
     write tier that is every acknowledged put not evicted or removed since; with a memory write
     tier, only what was demoted or promoted out of NVMe (and, at a drain, ``persist``).
@@ -74,8 +75,11 @@ Tenants
     reads (``entry``, ``lookup``, ``get_into``, ``pin``, ``pin_in``) see only that tenant's
     chunks and the shared tenant's (``None``: every chunk), ``remove`` drops only the tenant's
     own, and writes (``put``, ``reserve``/``commit``) record it as the owner (the default
-    tenant when not given). The cache's own work (eviction, moves, promotion) is unscoped;
-    ``recover`` restores every chunk as the default tenant (the NVMe record keeps no owner yet).
+    tenant when not given). The cache's own work (eviction, moves, promotion) is unscoped, but
+    every copy it writes to a persistent tier (write-through, demotion, backing copies) carries
+    the chunk's tenant in the record (``PersistentTier.put_with_meta``'s owner), so ``recover``
+    restores each chunk's owner; a record written before owners were kept (NVMe format
+    version 1) recovers as the default tenant.
 
 Thread safety
     Every method may be called from any thread. Metadata decisions run under the index's lock;
@@ -114,6 +118,7 @@ from kvstore.errors import (
     ConfigError,
     InvalidArgument,
     KvtierError,
+    PermissionDenied,
 )
 from kvstore.node.index import (
     DEFAULT_TENANT,
@@ -328,12 +333,12 @@ class TieredCache:
         size = _nbytes(src)
         backing = self._backing_for(kind)
         if backing is not None:
-            self._write_backing(backing, key, src, size, parent)
+            self._write_backing(backing, key, src, size, parent, tenant)
         elif kind is self._durable and parent is not None:
             self._back_ancestors(kind, parent)
         try:
             info, seconds = self._place(kind, target, key, size,
-                                        lambda: _put(target, key, src, parent))
+                                        lambda: _put(target, key, src, parent, tenant))
         except BaseException:
             if backing is not None:
                 self._tiers[backing].remove(key)
@@ -392,7 +397,7 @@ class TieredCache:
                 raise InvalidArgument(f"slot {key.hex()} is not pending (committed or "
                                       "aborted)") from None
             try:
-                self._write_backing(backing, key, slot.buffer, size, parent)
+                self._write_backing(backing, key, slot.buffer, size, parent, tenant)
             except BaseException:
                 target.abort(slot)
                 raise
@@ -610,7 +615,7 @@ class TieredCache:
             raise ChunkExists(f"chunk {key.hex()} is already cached") from None
 
     def _write_backing(self, kind: TierKind, key: bytes, src: Buffer, size: int,
-                       parent: bytes | None) -> None:
+                       parent: bytes | None, tenant: str) -> None:
         """Write the persistent copy of a put into a faster tier (write-through), making room.
 
         First every ancestor without a copy in ``kind`` gets one (root first): a full tier may
@@ -619,7 +624,8 @@ class TieredCache:
         if parent is not None:
             self._back_ancestors(kind, parent)
         tier = self._tiers[kind]
-        _info, seconds = self._place(kind, tier, key, size, lambda: _put(tier, key, src, parent))
+        _info, seconds = self._place(kind, tier, key, size,
+                                     lambda: _put(tier, key, src, parent, tenant))
         self._count(kind, bytes_written=size, seconds_writing=seconds)
 
     def _back_ancestors(self, kind: TierKind, parent: bytes) -> None:
@@ -657,7 +663,8 @@ class TieredCache:
             tier = self._tiers[kind]
             try:
                 _info, seconds = self._place(kind, tier, key, size,
-                                             lambda: _put(tier, key, data, entry.parent))
+                                             lambda: _put(tier, key, data, entry.parent,
+                                                          entry.tenant))
             except (ChunkExists, ChunkBusy):
                 return  # a racing put is writing the same copy
             try:
@@ -924,8 +931,10 @@ class TieredCache:
     def recover(self) -> RecoveryReport:
         """Index the chunks persistent tiers already hold (after a restart). Call once, first.
 
-        A chunk is indexed only when its parent is (the chain is rebuilt root first); chunks whose
-        parent did not survive are dropped from their tier, since they could never be used.
+        A chunk is indexed only when its parent is (the chain is rebuilt root first), as the
+        tenant its record names (none: the default tenant); chunks whose parent did not survive,
+        or whose owner may not hang under its parent's, are dropped from their tier (with what
+        hangs under them), since they could never be used.
         """
         pending: dict[bytes, tuple[TierKind, ChunkInfo, bytes | None]] = {}
         for kind, tier in self._tiers.items():
@@ -933,6 +942,7 @@ class TieredCache:
                 if info.key in self._index or info.key in pending:
                     continue
                 pending[info.key] = (kind, info, _parent_of(info))
+        unowned: list[bytes] = []
         # Index root first: a breadth-first walk from chunks whose parent is known (O(n)).
         children: dict[bytes | None, list[bytes]] = {}
         for key, (_kind, _info, parent) in pending.items():
@@ -942,15 +952,29 @@ class TieredCache:
         by_tier: dict[TierKind, int] = {}
         while ready:
             key = ready.pop()
-            kind, info, parent = pending.pop(key)
-            self._index.insert(key, parent, kind, info.size_bytes, info.checksum)
+            kind, info, parent = pending[key]
+            tenant = _tenant_of(info)
+            try:
+                if tenant is None:
+                    raise InvalidArgument(f"owner {info.owner!r:.80} is not a tenant's name")
+                self._index.insert(key, parent, kind, info.size_bytes, info.checksum,
+                                   tenant=tenant)
+            except (InvalidArgument, PermissionDenied) as exc:
+                # Its parent belongs to a tenant it may not hang under (a chain begun by a
+                # daemon that kept no owners, continued by one that does): unusable, as an
+                # orphan is; its children stay pending and go with it.
+                log.warning("dropping recovered chunk %s from %s: %s", key.hex(), kind.value, exc)
+                unowned.append(key)
+                continue
+            del pending[key]
             self._notify(ChunkChangeKind.STORED, key, kind, info.size_bytes, parent=parent)
             by_tier[kind] = by_tier.get(kind, 0) + 1
             ready.extend(children.get(key, ()))
         recovered = sum(by_tier.values())
         for key, (kind, _info, _parent) in pending.items():
-            log.warning("dropping recovered chunk %s from %s: its parent did not survive",
-                        key.hex(), kind.value)
+            if key not in unowned:
+                log.warning("dropping recovered chunk %s from %s: its parent did not survive",
+                            key.hex(), kind.value)
             self._tiers[kind].remove(key)
         return RecoveryReport(recovered, len(pending), by_tier)
 
@@ -1065,10 +1089,10 @@ class TieredCache:
                     raise
             host_src = self._host_memory.get(src_kind)
             if host_src is not None:
-                return _put(dst, key, host_src.view(key), parent)
+                return _put(dst, key, host_src.view(key), parent, entry.tenant)
             bounce = bytearray(size)
             src.get_into(key, bounce)
-            return _put(dst, key, bounce, parent)
+            return _put(dst, key, bounce, parent, entry.tenant)
 
         try:
             _info, seconds = self._place(dst_kind, dst, key, size, write)
@@ -1169,15 +1193,27 @@ def _nbytes(buf: Buffer) -> int:
     return memoryview(buf).nbytes
 
 
-def _put(tier: Tier, key: bytes, src: Buffer, parent: bytes | None) -> ChunkInfo:
-    """Put into a tier; persistent tiers also keep the parent key, for ``recover``."""
-    if parent is not None and isinstance(tier, PersistentTier):
-        return tier.put_with_meta(key, src, bytes(parent))
+def _put(tier: Tier, key: bytes, src: Buffer, parent: bytes | None,
+         tenant: str = DEFAULT_TENANT) -> ChunkInfo:
+    """Put into a tier; persistent tiers also keep the parent key and the owning tenant (its
+    UTF-8 name; the default tenant is no owner), for ``recover``."""
+    if (parent is not None or tenant != DEFAULT_TENANT) and isinstance(tier, PersistentTier):
+        return tier.put_with_meta(key, src, b"" if parent is None else bytes(parent),
+                                  tenant.encode())
     return tier.put(key, src)
 
 
 def _parent_of(info: ChunkInfo) -> bytes | None:
     return bytes(info.meta) if info.meta else None
+
+
+def _tenant_of(info: ChunkInfo) -> str | None:
+    """The tenant a persistent tier's chunk belongs to (no owner: the default tenant, as every
+    record written before owners were kept); None when the owner is not a tenant's name."""
+    try:
+        return info.owner.decode() if info.owner else DEFAULT_TENANT
+    except UnicodeDecodeError:
+        return None
 
 
 def _copy(c: TierCounters) -> TierCounters:

@@ -67,13 +67,15 @@ class RecordState(enum.Enum):
 class Record:
     """One chunk in the index. Mutable only under the core's lock."""
 
-    __slots__ = ("checksum", "extent_bytes", "free_when_idle", "key", "meta", "offset",
+    __slots__ = ("checksum", "extent_bytes", "free_when_idle", "key", "meta", "offset", "owner",
                  "payload_bytes", "readers", "segment", "seq", "state")
 
     def __init__(self, key: ChunkKey, segment: Segment | None, offset: int, payload_bytes: int,
-                 checksum: int, seq: int, state: RecordState, meta: bytes = b"") -> None:
+                 checksum: int, seq: int, state: RecordState, meta: bytes = b"",
+                 owner: bytes = b"") -> None:
         self.key = key
         self.meta = meta
+        self.owner = owner
         self.segment = segment
         self.offset = offset
         self.payload_bytes = payload_bytes

@@ -11,16 +11,26 @@ move with O_DIRECT straight to and from 4 KiB-aligned memory::
         DEAD  header | (old bytes)                                          a removed chunk
         FREE  header | (old bytes)                                          free space
 
-Record header (little-endian, in the first 192 bytes of its block; the rest is zero)::
+Record header, format version 2 (little-endian, in the first 328 bytes of its block; the rest
+is zero)::
 
     0   4s  magic "KVTR"          24  Q  extent_bytes (header block + padded payload)
-    4   H   format version (1)    32  Q  sequence number (global, increasing)
+    4   H   format version (2)    32  Q  sequence number (global, increasing)
     6   B   kind (LIVE/DEAD/FREE) 40  Q  payload_bytes
     7   x                          48  Q  xxh3_64 of the payload
     8   I   segment id            56  64s key (zero padded)
     12  H   key length            120 64s caller metadata (zero padded; e.g. the parent key)
-    14  H   metadata length       184 Q  xxh3_64 of bytes 0..183 (header checksum)
-    16  Q   offset of this header in the file
+    14  H   metadata length       184 H  owner length
+    16  Q   offset of this header 186 6x
+            in the file           192 128s owner (zero padded; the cache writes the tenant)
+                                  320 Q  xxh3_64 of bytes 0..319 (header checksum)
+
+Version 1 (written before owners were kept) is the same up to byte 184, where its header
+checksum (of bytes 0..183) sits instead of the owner. Both versions are read: a version-1
+record has no owner (``owner == b""``, which the cache takes as the default tenant). Every
+header written now is version 2, so a directory written by this code cannot be opened by code
+that knows only version 1 (it would see the new headers as damaged and free their space):
+downgrading a daemon over its NVMe directory loses the chunks written since the upgrade.
 
 A header is valid only where it was written: its segment id and offset must match the place
 it is read from, so a payload that happens to contain header-like bytes is never mistaken
@@ -39,18 +49,24 @@ from dataclasses import dataclass
 import xxhash
 
 from kvstore.dataplane.nvme.directio import ALIGN_BYTES, align_up
-from kvstore.dataplane.tier import MAX_KEY_BYTES, MAX_META_BYTES
+from kvstore.dataplane.tier import MAX_KEY_BYTES, MAX_META_BYTES, MAX_OWNER_BYTES
 from kvstore.errors import InvalidArgument
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The version every header is written with."""
+READABLE_VERSIONS = frozenset({1, 2})
+"""Record and segment header versions a scan accepts (see the module docstring)."""
 RECORD_MAGIC = b"KVTR"
 SEGMENT_MAGIC = b"KVTS"
 HEADER_BYTES = ALIGN_BYTES
 """Every header (segment or record) occupies one whole 4 KiB block."""
 
-_RECORD = struct.Struct("<4sHBxIHHQQQQQ64s64s")
-_RECORD_CHECKED = _RECORD.size  # 184: the header checksum covers bytes [0, 184)
+_RECORD_V1 = struct.Struct("<4sHBxIHHQQQQQ64s64s")
+_RECORD_V1_CHECKED = _RECORD_V1.size  # 184: a version-1 checksum covers bytes [0, 184)
+_OWNER = struct.Struct("<H6x128s")
+_RECORD_CHECKED = _RECORD_V1_CHECKED + _OWNER.size  # 320: the version-2 checksum's range
 _CHECKSUM = struct.Struct("<Q")
+_VERSION = struct.Struct("<H")
 _SEGMENT = struct.Struct("<4sHHIIQ")
 _SEGMENT_CHECKED = _SEGMENT.size  # 24
 RECORD_MAGIC_U32 = int.from_bytes(RECORD_MAGIC, "little")
@@ -61,7 +77,11 @@ MAX_RECORD_META_BYTES = 64
 """Room for caller metadata (``ChunkInfo.meta``) in a record header."""
 assert MAX_META_BYTES <= MAX_RECORD_META_BYTES, "the Tier contract's metadata must fit a header"
 
-assert _RECORD_CHECKED == 184 and _SEGMENT_CHECKED == 24
+MAX_RECORD_OWNER_BYTES = 128
+"""Room for the owner (``ChunkInfo.owner``: the tenant's name) in a record header."""
+assert MAX_OWNER_BYTES <= MAX_RECORD_OWNER_BYTES, "the Tier contract's owner must fit a header"
+
+assert _RECORD_V1_CHECKED == 184 and _RECORD_CHECKED == 320 and _SEGMENT_CHECKED == 24
 
 
 class RecordKind(enum.IntEnum):
@@ -100,6 +120,9 @@ class RecordHeader:
     payload_xxh3: int = 0
     key: bytes = b""
     meta: bytes = b""
+    owner: bytes = b""
+    """Opaque owner label (the cache stores the owning tenant's name; empty: the default
+    tenant, and every version-1 record)."""
 
     def __post_init__(self) -> None:
         if self.offset < HEADER_BYTES or self.offset % ALIGN_BYTES:
@@ -114,6 +137,9 @@ class RecordHeader:
         if len(self.meta) > MAX_RECORD_META_BYTES:
             raise InvalidArgument(f"metadata of {len(self.meta)} bytes is longer than "
                                   f"{MAX_RECORD_META_BYTES}")
+        if len(self.owner) > MAX_RECORD_OWNER_BYTES:
+            raise InvalidArgument(f"owner of {len(self.owner)} bytes is longer than "
+                                  f"{MAX_RECORD_OWNER_BYTES}")
         if self.kind is RecordKind.LIVE:
             if not self.key or self.payload_bytes < 1:
                 raise InvalidArgument("a LIVE record needs a key and a payload")
@@ -126,11 +152,13 @@ class RecordHeader:
         return self.offset + self.extent_bytes
 
     def encode_into(self, block: memoryview) -> None:
-        """Write this header into the first 4 KiB of ``block`` (the rest of the block is zeroed)."""
-        _RECORD.pack_into(block, 0, RECORD_MAGIC, FORMAT_VERSION, int(self.kind),
-                          self.segment_id, len(self.key), len(self.meta), self.offset,
-                          self.extent_bytes, self.seq, self.payload_bytes, self.payload_xxh3,
-                          self.key, self.meta)
+        """Write this header (version 2) into the first 4 KiB of ``block`` (the rest of the
+        block is zeroed)."""
+        _RECORD_V1.pack_into(block, 0, RECORD_MAGIC, FORMAT_VERSION, int(self.kind),
+                             self.segment_id, len(self.key), len(self.meta), self.offset,
+                             self.extent_bytes, self.seq, self.payload_bytes, self.payload_xxh3,
+                             self.key, self.meta)
+        _OWNER.pack_into(block, _RECORD_V1_CHECKED, len(self.owner), self.owner)
         _CHECKSUM.pack_into(block, _RECORD_CHECKED,
                             xxhash.xxh3_64_intdigest(block[:_RECORD_CHECKED]))
         block[_RECORD_CHECKED + 8:HEADER_BYTES] = _ZERO_BLOCK[_RECORD_CHECKED + 8:]
@@ -142,20 +170,25 @@ def decode_record_header(block: memoryview | bytes, *, segment_id: int, offset: 
 
     Returns ``(HeaderCheck.OK, header)`` only for a header with the right magic, checksum,
     self-consistent fields, an extent inside the segment, written at exactly this place.
+    Version 1 and 2 headers are read (a version-1 header has no owner).
     """
     if bytes(block[:4]) != RECORD_MAGIC:
         return HeaderCheck.NO_MAGIC, None
-    (stored,) = _CHECKSUM.unpack_from(block, _RECORD_CHECKED)
-    if xxhash.xxh3_64_intdigest(block[:_RECORD_CHECKED]) != stored:
+    (version,) = _VERSION.unpack_from(block, 4)
+    checked = _RECORD_V1_CHECKED if version == 1 else _RECORD_CHECKED
+    (stored,) = _CHECKSUM.unpack_from(block, checked)
+    if xxhash.xxh3_64_intdigest(block[:checked]) != stored:
         return HeaderCheck.BAD_CHECKSUM, None
-    (_, version, kind, seg, key_len, meta_len, off, extent, seq, payload_bytes, payload_xxh3,
-     key, meta) = _RECORD.unpack_from(block, 0)
-    if version != FORMAT_VERSION or kind not in RecordKind._value2member_map_ \
-            or key_len > MAX_KEY_BYTES or meta_len > MAX_RECORD_META_BYTES:
+    (_, _, kind, seg, key_len, meta_len, off, extent, seq, payload_bytes, payload_xxh3,
+     key, meta) = _RECORD_V1.unpack_from(block, 0)
+    owner_len, owner = (0, b"") if version == 1 else _OWNER.unpack_from(block, _RECORD_V1_CHECKED)
+    if version not in READABLE_VERSIONS or kind not in RecordKind._value2member_map_ \
+            or key_len > MAX_KEY_BYTES or meta_len > MAX_RECORD_META_BYTES \
+            or owner_len > MAX_RECORD_OWNER_BYTES:
         return HeaderCheck.BAD_FIELDS, None
     try:
         header = RecordHeader(RecordKind(kind), seg, off, extent, seq, payload_bytes,
-                              payload_xxh3, key[:key_len], meta[:meta_len])
+                              payload_xxh3, key[:key_len], meta[:meta_len], owner[:owner_len])
     except InvalidArgument:
         return HeaderCheck.BAD_FIELDS, None
     if seg != segment_id or off != offset:
@@ -195,7 +228,7 @@ def decode_segment_header(block: memoryview | bytes) -> SegmentHeader | None:
     if xxhash.xxh3_64_intdigest(block[:_SEGMENT_CHECKED]) != stored:
         return None
     _, version, _, align, seg, size = _SEGMENT.unpack_from(block, 0)
-    if version != FORMAT_VERSION or align != ALIGN_BYTES:
+    if version not in READABLE_VERSIONS or align != ALIGN_BYTES:
         return None
     try:
         return SegmentHeader(seg, size)

@@ -2,7 +2,8 @@
 
 Each segment's header chain is scanned (:func:`~kvstore.dataplane.nvme.scan.scan_segment`,
 several segments at once: a scan is a chain of dependent 4 KiB reads, so latency-bound). LIVE
-records rebuild the index ``key -> (segment, offset, size, checksum)``. A torn or corrupt
+records rebuild the index ``key -> (segment, offset, size, checksum, metadata, owner)``
+(a record of format version 1 has no owner: ``b""``). A torn or corrupt
 header is reported and skipped (the scan resyncs to the next valid header), a record running
 past a truncated file is dropped, duplicates of one key keep the highest sequence number, and
 the ``open_verify_newest`` newest records (the only ones a crash can have left half written)
@@ -162,7 +163,8 @@ class Recovery:
                         continue
                 best[header.key] = (header, segment)
         records = {key: Record(ChunkKey(key), seg, h.offset, h.payload_bytes, h.payload_xxh3,
-                                h.seq, RecordState.LIVE, h.meta) for key, (h, seg) in best.items()}
+                                h.seq, RecordState.LIVE, h.meta, h.owner)
+                   for key, (h, seg) in best.items()}
 
         # Verify the payloads a crash may have torn (or all of them).
         if self._config.open_verify is OpenVerify.ALL:

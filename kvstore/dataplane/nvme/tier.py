@@ -98,6 +98,7 @@ from kvstore.dataplane.nvme.recovery import RecoveryReport, recover
 from kvstore.dataplane.nvme.write import WritePath
 from kvstore.dataplane.tier import (
     MAX_META_BYTES,
+    MAX_OWNER_BYTES,
     ChunkInfo,
     TierKind,
     TierStats,
@@ -247,16 +248,21 @@ class NvmeTier:
         """
         return self.put_with_meta(key, src, b"")
 
-    def put_with_meta(self, key: bytes, src: object, meta: bytes) -> ChunkInfo:
-        """``put`` that also persists up to ``MAX_META_BYTES`` of caller metadata in the header.
+    def put_with_meta(self, key: bytes, src: object, meta: bytes, owner: bytes = b""
+                      ) -> ChunkInfo:
+        """``put`` that also persists up to ``MAX_META_BYTES`` of caller metadata and up to
+        ``MAX_OWNER_BYTES`` of owner label in the header.
 
-        The metadata is written with the chunk (same header, same fdatasync) and comes back
-        in ``ChunkInfo.meta`` from :meth:`chunks`, also after a restart.
+        Both are written with the chunk (same header, same fdatasync) and come back in
+        ``ChunkInfo.meta`` / ``ChunkInfo.owner`` from :meth:`chunks`, also after a restart.
         """
         core = self._core
         if not isinstance(meta, bytes | bytearray) or len(meta) > MAX_META_BYTES:
             raise InvalidArgument(f"chunk metadata must be bytes of at most {MAX_META_BYTES}, "
                                   f"got {meta!r:.80}")
+        if not isinstance(owner, bytes | bytearray) or len(owner) > MAX_OWNER_BYTES:
+            raise InvalidArgument(f"chunk owner must be bytes of at most {MAX_OWNER_BYTES}, "
+                                  f"got {owner!r:.80}")
         chunk_key = check_key(key)
         view = host_byte_view(src)
         size = view.nbytes
@@ -273,7 +279,8 @@ class NvmeTier:
                 if extent + HEADER_BYTES > core.budget_bytes:
                     raise CapacityError(f"a chunk of {size} bytes cannot fit in an NVMe tier "
                                         f"of {core.budget_bytes} bytes")
-                rec = Record(chunk_key, None, 0, size, 0, 0, RecordState.WRITING, bytes(meta))
+                rec = Record(chunk_key, None, 0, size, 0, 0, RecordState.WRITING, bytes(meta),
+                             bytes(owner))
                 core.index[chunk_key] = rec
             try:
                 if not self._writer.pipelined(size):  # else hashed piece by piece while writing
@@ -293,7 +300,8 @@ class NvmeTier:
             with core.lock:
                 rec.state = RecordState.LIVE
                 core.live_chunks += 1
-            return ChunkInfo(chunk_key, size, TierKind.NVME, rec.checksum, meta=rec.meta)
+            return ChunkInfo(chunk_key, size, TierKind.NVME, rec.checksum, meta=rec.meta,
+                             owner=rec.owner)
 
     def get_into(self, key: bytes, dst: object) -> int:
         """Read the chunk into ``dst`` (exactly its size), verifying its checksum; return the size.
@@ -383,7 +391,7 @@ class NvmeTier:
         with core.lock:
             core.check_open()
             infos = [ChunkInfo(rec.key, rec.payload_bytes, TierKind.NVME, rec.checksum,
-                               meta=rec.meta)
+                               meta=rec.meta, owner=rec.owner)
                      for rec in core.index.values() if rec.state is RecordState.LIVE]
         return iter(infos)
 

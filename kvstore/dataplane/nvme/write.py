@@ -110,7 +110,7 @@ class WritePath:
                 seq = self._core.take_seq_locked(2)
             rec.segment, rec.offset, rec.seq = segment, offset, seq
             header = RecordHeader(RecordKind.LIVE, segment.id, offset, rec.extent_bytes, seq,
-                                  rec.payload_bytes, rec.checksum, rec.key, rec.meta)
+                                  rec.payload_bytes, rec.checksum, rec.key, rec.meta, rec.owner)
             trailer = None
             if run_bytes > rec.extent_bytes:
                 trailer = RecordHeader(RecordKind.FREE, segment.id, offset + rec.extent_bytes,
