@@ -15,7 +15,6 @@ from kvstore.cli.etcd_options import (
     ETCD_PASSWORD_FILE,
     ETCD_SERVER_NAME,
     ETCD_USER,
-    apply_etcd_options,
 )
 from kvstore.errors import ConfigError, KvtierError
 
@@ -28,7 +27,8 @@ def daemon(
     node_id: str | None = typer.Option(None, "--node-id", help="Same as --set node_id=..."),
     grpc_port: int | None = typer.Option(None, "--grpc-port", help="--set server.grpc_port=..."),
     tcp_port: int | None = typer.Option(None, "--tcp-port", help="--set server.tcp_port=..."),
-    etcd: str | None = typer.Option(None, "--etcd", help="--set etcd.endpoint=host:port"),
+    etcd: str | None = typer.Option(None, "--etcd", help="--set etcd.endpoint=...: the etcd "
+                                    "members, host:port[,host:port...] (docs/etcd-failover.md)."),
     host: str | None = typer.Option(None, "--host", help="--set server.host=... (a "
                                     "non-loopback host needs mTLS, tokens or --insecure)."),
     insecure: bool = typer.Option(False, "--insecure", help="--set security.insecure=true: "
@@ -70,11 +70,16 @@ def daemon(
                                     "security.key_file": tls_key,
                                     "security.client_ca_file": client_ca,
                                     "security.token_keys": token_keys,
-                                    "security.insecure": "true" if insecure else None}
+                                    "security.insecure": "true" if insecure else None,
+                                    # the --etcd-* options are the etcd section's keys here
+                                    "etcd.ca_file": etcd_ca, "etcd.cert_file": etcd_cert,
+                                    "etcd.key_file": etcd_key, "etcd.username": etcd_user,
+                                    "etcd.password_file": etcd_password_file,
+                                    "etcd.server_name": etcd_server_name}
     overrides.update({k: str(v) for k, v in shortcuts.items() if v is not None})
+    if etcd_password_file is not None:  # a password file replaces a password from elsewhere
+        overrides["etcd.password"] = "none"
     try:
-        apply_etcd_options(etcd_ca, etcd_cert, etcd_key, etcd_user,
-                           etcd_password_file, etcd_server_name)
         cfg = load_config(config, overrides=overrides)
     except ConfigError as exc:
         typer.echo(f"kvtier daemon: {exc}", err=True)

@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import AsyncGenerator, Awaitable, Iterable
+from collections.abc import AsyncGenerator, Awaitable, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar
@@ -32,6 +32,8 @@ import aetcd
 import grpc
 
 from kvstore.errors import ConfigError, InvalidArgument, MembershipError
+from kvstore.membership.endpoints import parse_etcd_endpoints
+from kvstore.membership.endpoints import parse_host_port as parse_host_port  # re-exported
 from kvstore.security.etcd import EtcdSecurity
 
 log = logging.getLogger(__name__)
@@ -55,18 +57,6 @@ def check_id(what: str, value: str) -> str:
             f"digit, got {value!r}"
         )
     return value
-
-
-def parse_host_port(address: str) -> tuple[str, int]:
-    """Split ``host:port`` (``[v6]:port`` for IPv6) into host and port. Raises InvalidArgument."""
-    if not isinstance(address, str):
-        raise InvalidArgument(f"address must be a 'host:port' string, got {type(address).__name__}")
-    host, sep, port_text = address.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not sep or not host or not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
-        raise InvalidArgument(f"address must be 'host:port' with port 1-65535, got {address!r}")
-    return host, int(port_text)
 
 
 # --------------------------------------------------------------------------- key layout
@@ -125,10 +115,11 @@ EtcdClient = aetcd.Client
 """The etcd client type, for annotations in boxes that reach etcd only through this package."""
 
 
-def etcd_client(endpoint: str, *, rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
+def etcd_client(endpoint: str | Sequence[str], *, rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
                 security: EtcdSecurity | None = None) -> aetcd.Client:
-    """An ``aetcd.Client`` for ``host:port``, ``http://host:port`` or ``https://host:port``;
-    it connects lazily.
+    """An ``aetcd.Client`` for ``host:port``, ``http://host:port`` or ``https://host:port``
+    (a list of members, or comma-separated text, is accepted: :mod:`.endpoints`; this client
+    dials the first); it connects lazily.
 
     ``security`` (default: :meth:`EtcdSecurity.from_env`, the ``KVTIER_ETCD_*`` variables)
     says how to authenticate: with a CA bundle (or an ``https://`` endpoint) the channel
@@ -143,16 +134,12 @@ def etcd_client(endpoint: str, *, rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
         raise InvalidArgument(f"rpc_timeout_s must be positive, got {rpc_timeout_s}")
     if security is None:
         security = EtcdSecurity.from_env()
-    scheme, sep, rest = endpoint.partition("://")
-    if not sep:
-        scheme, rest = "", endpoint
-    if scheme not in ("", "http", "https"):
-        raise InvalidArgument(f"etcd endpoint must be host:port, http://host:port or "
-                              f"https://host:port, got {endpoint!r}")
+    members = parse_etcd_endpoints(endpoint)
+    first = members[0]
+    scheme, host, port = first.scheme, first.host, first.port
     if scheme == "http" and security.tls:
-        raise ConfigError(f"etcd endpoint {endpoint!r} says http:// but an etcd CA is "
+        raise ConfigError(f"etcd endpoint {first.text!r} says http:// but an etcd CA is "
                           "configured (TLS): write https://host:port or host:port")
-    host, port = parse_host_port(rest.rstrip("/"))
     options = {
         "grpc.initial_reconnect_backoff_ms": 100,
         "grpc.min_reconnect_backoff_ms": 100,

@@ -13,10 +13,18 @@ File layout (YAML shown; TOML uses ``[dram]`` tables)::
     dram: {capacity_bytes: 1GiB}
     nvme: {directory: /var/lib/kvtier, capacity_bytes: 64GiB}
     server: {host: 0.0.0.0, grpc_port: 50051, tcp_port: 50052}
-    etcd: {endpoint: 127.0.0.1:2379}
+    etcd: {endpoints: [10.0.0.1:2379, 10.0.0.2:2379, 10.0.0.3:2379],
+           ca_file: /etc/kvtier/etcd-ca.crt, username: kvtier-daemon,
+           password_file: /etc/kvtier/etcd-password}
     metrics: {enabled: true, port: 9464}
     security: {cert_file: /etc/kvtier/daemon.crt, key_file: /etc/kvtier/daemon.key,
                client_ca_file: /etc/kvtier/ca.crt}
+
+``etcd.endpoints`` is a YAML list or comma-separated text (``etcd.endpoint`` is the older,
+single-member spelling of the same key); ``etcd``'s security keys (``ca_file``, ``cert_file``,
+``key_file``, ``username``, ``password``/``password_file``, ``server_name``) are those of
+:class:`~kvstore.security.etcd.EtcdSecurity`, also read from the ``KVTIER_ETCD_CA``-style
+variables every etcd client takes (docs/security.md, "etcd").
 
 ``security`` (:class:`~kvstore.security.config.ServerSecurity`, docs/security.md) authenticates
 the gRPC service: mTLS or bearer tokens. Without it the daemon listens on loopback only; a
@@ -25,7 +33,8 @@ non-loopback ``server.host`` without authentication needs ``security.insecure: t
 Environment: ``KVTIER_<SECTION>__<FIELD>`` (double underscore between section and field), and
 ``KVTIER_<FIELD>`` for top-level fields (``KVTIER_NODE_ID``). Other ``KVTIER_*`` variables
 without a double underscore are not config (``KVTIER_ETCD_BINARY`` belongs to the test
-fixtures) and are ignored; one with a double underscore that names no field is an error.
+fixtures) and are ignored, except the etcd security variables above (``KVTIER_ETCD_CA`` is
+``etcd.ca_file``; ``KVTIER_ETCD__CA_FILE`` beats it); one with a double underscore that names no field is an error.
 
 Values from the environment and flags are text: sizes accept ``4096``, ``64KiB``, ``1GiB``,
 ``1_000_000`` (binary units only: ``MB`` is refused as ambiguous); booleans accept
@@ -52,9 +61,20 @@ from typing import Annotated, Any
 import yaml
 
 from kvstore.dataplane.tier import TierKind
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, InvalidArgument
+from kvstore.membership.endpoints import parse_etcd_endpoints
 from kvstore.node.policies import PolicyName
 from kvstore.security.config import ServerSecurity
+from kvstore.security.etcd import (
+    ENV_ETCD_CA,
+    ENV_ETCD_CERT,
+    ENV_ETCD_KEY,
+    ENV_ETCD_PASSWORD,
+    ENV_ETCD_PASSWORD_FILE,
+    ENV_ETCD_SERVER_NAME,
+    ENV_ETCD_USER,
+    EtcdSecurity,
+)
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 ENV_PREFIX = "KVTIER_"
@@ -64,6 +84,14 @@ _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}
 _NONE = {"none", "null", "off", ""}
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+HIDDEN = "<hidden>"
+"""What :meth:`DaemonConfig.to_dict` shows in place of a configured etcd password."""
+# The etcd security variables every etcd client reads (kvstore.security.etcd), taken by the
+# loader as the etcd section's keys (environment layer; KVTIER_ETCD__<FIELD> beats them).
+_ETCD_SECURITY_ENV = {ENV_ETCD_CA: "ca_file", ENV_ETCD_CERT: "cert_file",
+                      ENV_ETCD_KEY: "key_file", ENV_ETCD_USER: "username",
+                      ENV_ETCD_PASSWORD: "password", ENV_ETCD_PASSWORD_FILE: "password_file",
+                      ENV_ETCD_SERVER_NAME: "server_name"}
 
 
 class _SizeMarker:
@@ -246,17 +274,67 @@ class MetricsConfig:
 
 @dataclass(frozen=True, slots=True)
 class EtcdConfig:
-    """Membership; off unless ``endpoint`` (``host:port``) is set."""
+    """Membership; off unless ``endpoints`` is set. The other keys say how to authenticate to
+    etcd (docs/security.md, "etcd"): they are the fields of
+    :class:`~kvstore.security.etcd.EtcdSecurity` (:meth:`security`)."""
 
-    endpoint: str | None = None
+    endpoints: tuple[str, ...] = ()
+    """The etcd cluster's members: a YAML list, or comma-separated text (``a:2379,b:2379``);
+    each ``host:port``, ``http://host:port`` or ``https://host:port``
+    (:mod:`kvstore.membership.endpoints`). The client fails over between them
+    (docs/etcd-failover.md)."""
     prefix: str = "/kvtier/"
     ttl_s: int = 10
     """The node's key disappears this long after the daemon dies."""
+    ca_file: Path | None = None
+    """CA bundle (PEM) of etcd's server certificate: TLS to etcd (``--etcd-ca``)."""
+    cert_file: Path | None = None
+    """Client certificate (PEM) for etcd's ``--client-cert-auth`` (``--etcd-cert``)."""
+    key_file: Path | None = None
+    """Its private key (``--etcd-key``)."""
+    username: str | None = None
+    """etcd user to authenticate as (``--etcd-user``)."""
+    password: str | None = field(default=None, repr=False)
+    """That user's password; prefer ``password_file``. Never shown (``repr``, ``--print-config``
+    and log lines leave it out)."""
+    password_file: Path | None = None
+    """File holding the user's password, re-read whenever the client authenticates
+    (``--etcd-password-file``)."""
+    server_name: str | None = None
+    """Name to check etcd's certificate against when it is not the dialed host
+    (``--etcd-server-name``)."""
 
     def __post_init__(self) -> None:
         _require(self.ttl_s >= 2, f"ttl_s must be >= 2 seconds, got {self.ttl_s}")
         _require(self.prefix.startswith("/") and self.prefix.endswith("/"),
                  f"prefix must start and end with '/', got {self.prefix!r}")
+        try:
+            endpoints = (tuple(str(e) for e in parse_etcd_endpoints(self.endpoints))
+                         if self.endpoints else ())
+        except InvalidArgument as exc:
+            raise ConfigError(str(exc)) from exc
+        object.__setattr__(self, "endpoints", endpoints)  # "a:1, b:2" split, stripped
+        self.security()  # inconsistent settings fail here
+
+    @property
+    def endpoint(self) -> str | None:
+        """The endpoints as comma-separated text, None when off: the older spelling (the loader
+        reads an ``etcd.endpoint`` key, ``--etcd`` or ``KVTIER_ETCD__ENDPOINT`` as
+        ``endpoints``)."""
+        return ",".join(self.endpoints) or None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the daemon registers in etcd (some endpoint is configured)."""
+        return bool(self.endpoints)
+
+    def security(self) -> EtcdSecurity:
+        """What the daemon presents to etcd. Raises ConfigError for inconsistent settings (a
+        certificate without its key, a user without a password, ...)."""
+        return EtcdSecurity(ca_file=self.ca_file, cert_file=self.cert_file,
+                            key_file=self.key_file, username=self.username,
+                            password=self.password, password_file=self.password_file,
+                            server_name=self.server_name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,9 +402,12 @@ class DaemonConfig:
         return tuple(kinds)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain values (enums by value, paths as text): what ``kvtier daemon --print-config``
-        shows, and a valid config file when dumped as YAML."""
+        """Plain values (enums by value, paths as text, tuples as lists): what ``kvtier daemon
+        --print-config`` shows, and a valid config file when dumped as YAML, except that an
+        etcd password reads :data:`HIDDEN`."""
         plain: dict[str, Any] = _plain(self)
+        if plain["etcd"]["password"] is not None:
+            plain["etcd"]["password"] = HIDDEN
         return plain
 
 
@@ -345,9 +426,21 @@ def load_config(path: Path | str | None = None, *, env: Mapping[str, str] | None
     merged: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for source, tree in layers:
+        _fold_aliases(tree, source)
         _merge(merged, tree, sources, source, prefix="")
     config: DaemonConfig = _build(DaemonConfig, merged, sources, prefix="")
     return config
+
+
+def _fold_aliases(tree: dict[str, Any], source: str) -> None:
+    """Read ``etcd.endpoint`` (the single-endpoint spelling) as ``etcd.endpoints``, within one
+    layer, so a later layer's either spelling beats an earlier one's."""
+    etcd = tree.get("etcd")
+    if not isinstance(etcd, dict) or "endpoint" not in etcd:
+        return
+    if "endpoints" in etcd:
+        raise ConfigError(f"etcd: give endpoints or endpoint, not both ({source})")
+    etcd["endpoints"] = etcd.pop("endpoint")
 
 
 def _read_file(path: Path) -> dict[str, Any]:
@@ -374,6 +467,10 @@ def _read_file(path: Path) -> dict[str, Any]:
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     top = {f.name for f in dataclasses.fields(DaemonConfig)}
     tree: dict[str, Any] = {}
+    for name, key in _ETCD_SECURITY_ENV.items():
+        if env.get(name, "").strip():
+            tree.setdefault("etcd", {})[key] = _Text(env[name].strip() if key != "password"
+                                                     else env[name], f"environment {name}")
     for name, value in env.items():
         if not name.startswith(ENV_PREFIX):
             continue
@@ -476,6 +573,14 @@ def _coerce(hint: Any, value: Any, key: str, source: str) -> Any:
             if m:
                 return int(m.group(1).replace("_", "")) * _UNITS[m.group(2)]
         raise bad("a size in bytes (4096, 64KiB, 1GiB)")
+    if typing.get_origin(hint) is tuple:
+        if typing.get_args(hint) != (str, Ellipsis):
+            raise ConfigError(f"{key}: unsupported config type {hint!r}")  # a bug here
+        if isinstance(raw, str):  # text (environment, flags, a YAML string): comma-separated
+            return () if raw.strip().lower() in _NONE else tuple(raw.split(","))
+        if isinstance(raw, list | tuple) and all(isinstance(item, str) for item in raw):
+            return tuple(raw)
+        raise bad("a list of text, or comma-separated text")
     if hint is bool:
         if isinstance(raw, bool):
             return raw
@@ -524,4 +629,6 @@ def _plain(obj: Any) -> Any:
         return obj.value
     if isinstance(obj, Path):
         return str(obj)
+    if isinstance(obj, tuple):
+        return [_plain(item) for item in obj]
     return obj

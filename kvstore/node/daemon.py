@@ -190,6 +190,8 @@ class StoreDaemon:
         self.serving = SecureServing(cfg.security, cfg.server.host, "the daemon's gRPC service")
         if self.serving.authenticator is not None:
             self.tickets = TicketAuthority(cfg.node_id)
+        if cfg.etcd.enabled:  # a wrong etcd certificate or password path fails before binding
+            cfg.etcd.security().check_files()
         swept = remove_stale_arenas()
         if swept:
             log.info("removed %d shared-memory arena(s) of dead processes", len(swept))
@@ -242,7 +244,7 @@ class StoreDaemon:
                 metrics_address=metrics_address, ucx_address=ucx_address.hex())
             self._tasks = [loop.create_task(self._reaper(), name="kvtier-reaper"),
                            loop.create_task(self._demoter(), name="kvtier-demoter")]
-            if cfg.etcd.endpoint:
+            if cfg.etcd.enabled:
                 await self._register()
         except BaseException:
             await self._teardown()
@@ -370,12 +372,12 @@ class StoreDaemon:
             started_at_unix_s=time.time(), version=__version__,
             shm_arena=self.addresses.shm_arena,
             ucx_address=self.addresses.ucx_address or None)
-        assert cfg.etcd.endpoint is not None
-        self._etcd = etcd_client(cfg.etcd.endpoint)
+        self._etcd = etcd_client(cfg.etcd.endpoints, security=cfg.etcd.security())
         self._registration = register_node(self._etcd, record, ttl_s=cfg.etcd.ttl_s,
                                            layout=KeyLayout(cfg.etcd.prefix))
         await self._registration.start()
-        log.info("registered in etcd at %s as %s", cfg.etcd.endpoint, self._registration.key)
+        log.info("registered in etcd at %s as %s", ",".join(cfg.etcd.endpoints),
+                 self._registration.key)
 
     # --- background work --------------------------------------------------------------------
 

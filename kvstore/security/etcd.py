@@ -108,6 +108,20 @@ class EtcdSecurity:
             raise ConfigError(f"the etcd password file {self.password_file} is empty")
         return password
 
+    def check_files(self) -> None:
+        """Check, before anything connects, that every configured file is a readable file:
+        a typo in a path fails at start, naming the file. Raises ConfigError."""
+        for what, path in (("CA bundle", self.ca_file), ("client certificate", self.cert_file),
+                           ("client key", self.key_file),
+                           ("password file", self.password_file)):
+            if path is None:
+                continue
+            if not path.is_file():
+                raise ConfigError(f"the etcd {what} {path} "
+                                  f"{'is not a file' if path.exists() else 'does not exist'}")
+            if not os.access(path, os.R_OK):
+                raise ConfigError(f"the etcd {what} {path} is not readable by this process")
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> EtcdSecurity:
         """From the ``KVTIER_ETCD_*`` variables of the module docstring (unset or empty: not
