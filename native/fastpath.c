@@ -33,7 +33,7 @@
 #include <sys/types.h>
 #include <time.h>
 
-#define KVT_ABI 4  /* native.py: ABI; bump with any cfg[]/st[]/signature change */
+#define KVT_ABI 5  /* native.py: ABI; bump with any cfg[]/st[]/signature change */
 
 /* cfg[] indexes (mirrored by kvstore/dataplane/native.py: _CFG_*). */
 enum {
@@ -65,6 +65,12 @@ enum {
     ST_FRAME_CLOCK,  /* in/out: CLOCK_MONOTONIC ns when the frame at rpos was first seen partial
                       * (its header_timeout_s runs from there), 0: not timed; the caller takes
                       * it over after any return but KVT_RING */
+    ST_VERIFIED_ADDR,   /* in: a tenant-scoped connection's table of verified publishes (0:
+                         * unscoped, every published chunk is served); see index_copy */
+    ST_VERIFIED_MASK,   /* in: the table's entries - 1 (a power of two) */
+    ST_DECLINED_SLOT,   /* out: slot + 1 of the hit handed back for want of verification
+                         * (KVT_SLOW), 0: none; Python resets it */
+    ST_DECLINED_SEQ,    /* out: that slot's seq when it was read */
     ST_COUNT
 };
 
@@ -149,9 +155,18 @@ static void copy_out(uint8_t *dst, const uint8_t *src, size_t n) {
 
 /* Copy chunk `key` out of the arena into dst (room for cap bytes). Returns its size, -1 when
  * not published (miss), -2 when its size does not fit `want` (want < 0: any size <= cap), -3
- * when the slot kept changing (conflict). */
+ * when the slot kept changing (conflict), -4 when `verified` is given and does not hold this
+ * publish (then declined[0] = slot + 1, declined[1] = its seq).
+ *
+ * Tenant-scoped connections (verified != NULL): the read index knows no tenant, so such a
+ * connection serves only publishes Python verified for its tenant: `verified` is a direct-mapped
+ * table of (slot + 1, seq) pairs indexed by slot & vmask. A slot's seq changes with every write
+ * to it and never repeats, so one (slot, seq) names one publish of one chunk, whose owner
+ * never changes: a chunk removed and replaced by another tenant's is another publish, absent
+ * from the table, and goes to Python (kvstore/dataplane/transport/tcp/server.py, "Tenants"). */
 static int64_t index_copy(const int64_t *cfg, int64_t *st, const uint8_t *key, uint32_t klen,
-                          int64_t want, uint8_t *dst, int64_t cap) {
+                          int64_t want, uint8_t *dst, int64_t cap, const uint64_t *verified,
+                          uint64_t vmask, int64_t *declined) {
     const uint8_t *index = (const uint8_t *)(uintptr_t)cfg[CFG_INDEX_ADDR];
     const uint8_t *arena = (const uint8_t *)(uintptr_t)cfg[CFG_ARENA_ADDR];
     const uint64_t arena_bytes = (uint64_t)cfg[CFG_ARENA_BYTES];
@@ -178,6 +193,14 @@ static int64_t index_copy(const int64_t *cfg, int64_t *st, const uint8_t *key, u
             if (memcmp(k, key, klen) != 0) continue;
             uint64_t offset = aload64(slot + off_at), size = aload64(slot + size_at);
             if (aload64(slot + seq_at) != seq) { torn = 1; break; }
+            if (verified) {
+                const uint64_t *v = verified + 2 * (i & vmask);
+                if (v[0] != i + 1 || v[1] != seq) {
+                    declined[0] = (int64_t)(i + 1);
+                    declined[1] = (int64_t)seq;
+                    return -4;
+                }
+            }
             if ((want >= 0 && size != (uint64_t)want) || size > (uint64_t)cap
                     || offset > arena_bytes || size > arena_bytes - offset)
                 return -2;
@@ -196,7 +219,7 @@ static int64_t index_copy(const int64_t *cfg, int64_t *st, const uint8_t *key, u
 int64_t kvt_index_read(const int64_t *cfg, int64_t *st, const uint8_t *key, uint32_t klen,
                        int64_t want, uint8_t *dst, int64_t cap) {
     if (cfg[CFG_ABI] != KVT_ABI || klen == 0 || klen > 255) return -1;
-    return index_copy(cfg, st, key, klen, want, dst, cap);
+    return index_copy(cfg, st, key, klen, want, dst, cap, NULL, 0, NULL);
 }
 
 static int send_all(int fd, const uint8_t *buf, size_t n, int flags, int64_t *st) {
@@ -310,6 +333,8 @@ static int serve_frames(const int64_t *cfg, int64_t *st, int fd, uint8_t *rbuf,
     const int64_t ring_entries = cfg[CFG_RING_ENTRIES], ring_stride = cfg[CFG_RING_ENTRY_BYTES];
     const int drain_wait_ms = (int)cfg[CFG_DRAIN_WAIT_MS];
     const int64_t header_timeout_ns = cfg[CFG_HEADER_TIMEOUT_NS];
+    const uint64_t *verified = (const uint64_t *)(uintptr_t)st[ST_VERIFIED_ADDR];
+    const uint64_t vmask = (uint64_t)st[ST_VERIFIED_MASK];
     for (;;) {
         if (st[ST_RING_COUNT] * 2 >= ring_entries) return KVT_RING;
         int rc = fill(fd, st, rbuf, rbuf_bytes, FRAME_BYTES, drain_wait_ms, header_timeout_ns,
@@ -332,10 +357,11 @@ static int serve_frames(const int64_t *cfg, int64_t *st, int fd, uint8_t *rbuf,
         h = rbuf + st[ST_RPOS];  /* fill may have compacted the buffer */
         const uint8_t *key = h + FRAME_BYTES;
         int64_t size = index_copy(cfg, st, key, key_len, (flags & any_size) ? -1 : (int64_t)total,
-                                  out + FRAME_BYTES, copy_max);
+                                  out + FRAME_BYTES, copy_max, verified, vmask,
+                                  st + ST_DECLINED_SLOT);
         if (size < 0) {
             if (size == -3) st[ST_FALLBACKS]++;
-            return KVT_SLOW;  /* miss, other size, or conflict: Python answers as today */
+            return KVT_SLOW;  /* miss, other size, conflict or not verified: Python answers */
         }
         /* The answer pack_header makes for a GET (frames.py): status OK, no key. */
         memset(out, 0, FRAME_BYTES);

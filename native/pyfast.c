@@ -114,10 +114,12 @@ static int64_t reader_copy(IndexReader *self, PyObject *key, PyObject *dst) {
     int64_t n;
     if (view.len >= self->gil_release_bytes) {
         Py_BEGIN_ALLOW_THREADS
-        n = index_copy(self->cfg, self->st, k, (uint32_t)klen, view.len, view.buf, view.len);
+        n = index_copy(self->cfg, self->st, k, (uint32_t)klen, view.len, view.buf, view.len,
+                       NULL, 0, NULL);
         Py_END_ALLOW_THREADS
     } else {
-        n = index_copy(self->cfg, self->st, k, (uint32_t)klen, view.len, view.buf, view.len);
+        n = index_copy(self->cfg, self->st, k, (uint32_t)klen, view.len, view.buf, view.len,
+                       NULL, 0, NULL);
     }
     PyBuffer_Release(&view);
     if (n >= 0) {

@@ -49,7 +49,7 @@ from kvstore.errors import InvalidArgument, TierUnavailable
 
 log = logging.getLogger(__name__)
 
-ABI = 4
+ABI = 5
 """Must equal ``KVT_ABI`` in fastpath.c (checked at load); bumped whenever ``cfg[]``/``st[]``
 or a signature changes."""
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -85,7 +85,11 @@ back-to-back requests pay one ``poll`` each instead of a return to Python)."""
  _CFG_RING_ENTRY_BYTES, _CFG_DRAIN_WAIT_MS, _CFG_RECV_TICK_US, _CFG_HEADER_TIMEOUT_NS,
  _CFG_COUNT) = range(30)
 (ST_RPOS, ST_REND, ST_LAST_FLAGS, ST_GETS, ST_BYTES_SENT, ST_RING_COUNT, ST_RETRIES,
- ST_FALLBACKS, ST_ERRNO, ST_SENT, ST_SHORT_TICK, ST_FRAME_CLOCK, _ST_COUNT) = range(13)
+ ST_FALLBACKS, ST_ERRNO, ST_SENT, ST_SHORT_TICK, ST_FRAME_CLOCK, _ST_VERIFIED_ADDR,
+ _ST_VERIFIED_MASK, _ST_DECLINED_SLOT, _ST_DECLINED_SEQ, _ST_COUNT) = range(17)
+VERIFIED_ENTRIES = 4096
+"""Entries of a tenant-scoped connection's table of verified publishes (16 bytes each: 64 KiB
+per connection; direct-mapped by read-index slot, so a collision only costs a re-check)."""
 
 class NativeReturn(enum.IntEnum):
     """Why :meth:`NativeLoop.serve` returned (``KVT_*`` in fastpath.c)."""
@@ -338,6 +342,22 @@ class NativeReadSource:
             arena.close()
             raise
 
+    def slot_holds(self, slot: int, seq: int, key: bytes) -> bool:
+        """Whether read-index slot ``slot`` holds, right now, the publish ``seq`` of ``key``
+        (live, stable, that key): the check a tenant-scoped connection makes before it lets
+        the C loop serve that publish (:meth:`NativeLoop.verify`). A seqlock read, as the C
+        loop's."""
+        if not 0 <= slot < self.slots or seq & 1:
+            return False
+        at = layout.HEADER_BYTES + slot * layout.SLOT_BYTES
+        view = self._index_view
+        first, _offset, _size, state, klen = layout.SLOT_STRUCT.unpack_from(view, at)
+        if first != seq or state != layout.SlotState.LIVE or klen != len(key):
+            return False
+        same = view[at + layout.KEY_AT:at + layout.KEY_AT + klen] == key
+        (again,) = layout.SEQ_STRUCT.unpack_from(view, at + layout.SEQ_AT)
+        return same and again == seq
+
     def close(self) -> None:
         """Release the views and unmap. Idempotent."""
         for view in (self._arena_view, self._index_view):
@@ -395,7 +415,7 @@ class NativeLoop:
     counters (``TcpServer.stats``)."""
 
     __slots__ = ("_cfg", "_closing", "_fd", "_lib", "_out", "_out_addr", "_rbuf", "_rbuf_addr",
-                 "_ring", "_ring_addr", "_serve", "st")
+                 "_ring", "_ring_addr", "_serve", "_verified", "st")
 
     def __init__(self, serving: NativeServing, cfg: ctypes.Array[ctypes.c_int64],
                  closing: ctypes.c_int32, fd: int, rbuf: bytearray, out: bytearray) -> None:
@@ -413,6 +433,43 @@ class NativeLoop:
         self._out_addr = ctypes.addressof(self._out)
         self._ring_addr = ctypes.addressof(self._ring)
         self.st = (ctypes.c_int64 * _ST_COUNT)()
+        self._verified: ctypes.Array[ctypes.c_uint64] | None = None
+
+    @property
+    def scoped(self) -> bool:
+        """Whether this loop serves verified publishes only (:meth:`scope`)."""
+        return self._verified is not None
+
+    def scope(self) -> None:
+        """From now on serve only publishes :meth:`verify` vouched for (a tenant-scoped
+        connection: fastpath.c, ``index_copy``); any other hit comes back as ``SLOW`` with
+        :meth:`take_declined` naming its slot and seq. Irreversible for this loop."""
+        if self._verified is None:
+            self._verified = (ctypes.c_uint64 * (2 * VERIFIED_ENTRIES))()
+            self.st[_ST_VERIFIED_ADDR] = ctypes.addressof(self._verified)
+            self.st[_ST_VERIFIED_MASK] = VERIFIED_ENTRIES - 1
+
+    def take_declined(self) -> tuple[int, int] | None:
+        """(slot, seq) of the hit the last ``SLOW`` return handed back for want of
+        verification, or None; resets it."""
+        st = self.st
+        slot_plus_one = st[_ST_DECLINED_SLOT]
+        if not slot_plus_one:
+            return None
+        st[_ST_DECLINED_SLOT] = 0
+        return slot_plus_one - 1, st[_ST_DECLINED_SEQ]
+
+    def verify(self, slot: int, seq: int) -> None:
+        """Let the C loop serve publish ``seq`` of read-index slot ``slot`` from now on. The
+        caller checked that the publish is of a chunk this connection's tenant may read
+        (:meth:`NativeReadSource.slot_holds`, then the tenant check). Only the connection's
+        own thread calls this, between C calls."""
+        table = self._verified
+        assert table is not None, "verify() on an unscoped loop"
+        at = 2 * (slot & (VERIFIED_ENTRIES - 1))
+        table[at] = 0  # never a half-written pair (nobody reads meanwhile; belt and braces)
+        table[at + 1] = seq
+        table[at] = slot + 1
 
     def serve(self, rpos: int, rend: int, last_flags: int) -> tuple[int, int, int, int]:
         """Run the C loop from these buffer positions; return (NativeReturn value, rpos, rend,

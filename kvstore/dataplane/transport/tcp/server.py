@@ -50,8 +50,16 @@ runs inside TLS. TLS connections are served in Python: the native loop reads the
 Tenants: a grant with a :class:`~.auth.TenantScope` is served through ``backend.scoped(scope)``
 for every frame of its connection (the backend passes the tenant to its reads, sizes, removes
 and puts); a backend without ``scoped`` cannot keep tenants apart, so such a connection is
-refused (PERMISSION_DENIED). A scoped connection does not run the native small-GET loop (it
-reads the backend's read index, which knows no tenant). A multi-part put belongs to the scope
+refused (PERMISSION_DENIED). A scoped connection runs the native small-GET loop on publishes
+it verified only (the read index knows no tenant): the loop hands a hit on any other publish
+back to Python (``NativeLoop.scope``), which serves that GET through the scoped backend and
+then, if the read-index slot still holds that publish of that key (``slot_holds``) and the
+scoped backend then still sees the key (``size_of``: the tenant check), lets the loop serve
+that publish from then on (``NativeLoop.verify``). A slot's sequence number changes with every
+write to it and never repeats, and a chunk's owner never changes, so a verified publish stays
+the tenant's for as long as the loop can find it; the check runs after the liveness test, so a
+publish replaced meanwhile by another tenant's chunk is a dead one, never found again. Each
+chunk costs one GET in Python per connection, the rest run in C. A multi-part put belongs to the scope
 of the connection that began it: a ``PUT_PART`` or ``PUT_ABORT`` from a connection of another
 scope finds it unknown (``UNKNOWN_TRANSFER``), whatever its transfer id.
 """
@@ -658,6 +666,9 @@ class _ServerConnection:
         is not on the clock. Reset for each frame."""
         self._copy_read_max = copy_max
         self._backend = server._backend
+        self._declined: tuple[int, int] | None = None
+        """(slot, seq) of the publish the scoped native loop handed the frame at ``rpos`` back
+        for (module docstring, "Tenants"); taken by ``_serve_one``."""
         by_opcode: dict[Opcode, Callable[[Header, ChunkKey], None]] = {
             Opcode.PING: self._ping,
             Opcode.PUT: self._put,
@@ -708,7 +719,7 @@ class _ServerConnection:
             if self.server._authorize is not None:
                 if not self._authenticate():
                     return  # refused: the finally closes it
-                loop = self.native_loop  # None for a tenant-scoped session (_hello)
+                loop = self.native_loop  # scoped to verified publishes for a tenant (_hello)
             while True:
                 self._frame_deadline = 0.0
                 if self._grant_expires_at < math.inf and self._grant_expired():
@@ -871,7 +882,8 @@ class _ServerConnection:
                     f"session scoped to {grant.scope}"))
                 return False
             self._backend = scoped(grant.scope)
-            self.native_loop = None  # it reads the read index, which knows no tenant
+            if self.native_loop is not None:  # the read index knows no tenant: verified only
+                self.native_loop.scope()
         self.grant = grant
         self._grant_expires_at = grant.expires_at_unix_s
         set_current_grant(grant)
@@ -924,6 +936,8 @@ class _ServerConnection:
         if started:
             self._frame_deadline = started + self._header_timeout_s
         if rc == _NATIVE_SLOW:
+            if loop.scoped:
+                self._declined = loop.take_declined()
             return _NativeOutcome(announced, again=False, eof=False)
         if rc == _NATIVE_IDLE:
             # Nothing pending and no request announced: wait in C again unless closing. A
@@ -946,6 +960,17 @@ class _ServerConnection:
                 raise PeerUnavailable("timed out sending GET response")
             raise PeerUnavailable(f"connection failed sending GET response: {err}")
         raise InvariantViolation(f"native loop refused its configuration (return code {rc})")
+
+    def _verify_publish(self, key: bytes, slot: int, seq: int) -> None:
+        """After a GET the scoped native loop declined: let it serve publish ``seq`` of read
+        index slot ``slot`` when that slot still holds it for ``key`` and, after that, this
+        connection's (tenant-scoped) backend sees ``key``. In that order: a publish replaced
+        between the two by another tenant's chunk is gone for good (module docstring,
+        "Tenants")."""
+        loop, serving = self.native_loop, self.server._native
+        assert loop is not None and serving is not None
+        if serving.source.slot_holds(slot, seq, key) and self._backend.size_of(key) is not None:
+            loop.verify(slot, seq)
 
     def _account_native_hits(self, loop: native.NativeLoop) -> None:
         """Feed the keys the C loop served to the backend (hits, recency), as a same-host
@@ -1087,6 +1112,7 @@ class _ServerConnection:
     # --- dispatch -----------------------------------------------------------------------------
 
     def _serve_one(self, h: Header) -> None:
+        declined, self._declined = self._declined, None
         if h.status is not Status.OK:
             raise ProtocolError(f"request with status {h.status.name}")
         key = b""
@@ -1125,6 +1151,9 @@ class _ServerConnection:
             # needs no words (and a GET's answer may land in the client's buffer).
             self._reply(h, status_for_error(exc),
                         detail="" if isinstance(exc, ChunkNotFound) else str(exc))
+        else:
+            if declined is not None:
+                self._verify_publish(key, *declined)
 
     # --- replies ------------------------------------------------------------------------------
 
