@@ -116,6 +116,7 @@ from kvstore.errors import (
     ChunkExists,
     ChunkNotFound,
     ConfigError,
+    DiskFull,
     InvalidArgument,
     KvtierError,
     PermissionDenied,
@@ -1001,6 +1002,10 @@ class TieredCache:
                 start = time.perf_counter()
                 result = write()
                 return result, time.perf_counter() - start
+            except DiskFull:
+                # The filesystem is full, not the tier's budget: evicting stored chunks to
+                # reuse their space would trade acknowledged (durable) data for new puts.
+                raise
             except CapacityError:
                 # Logical room exists but the tier needs more (alignment, headers, fragments).
                 self._evict(kind, max(size, target.capacity_bytes // 64))
