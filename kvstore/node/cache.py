@@ -988,7 +988,8 @@ class TieredCache:
     def _place(self, kind: TierKind, target: Tier, key: bytes, size: int,
                write: Callable[[], _T]) -> tuple[_T, float]:
         """Make room for ``size`` bytes in ``kind`` and run ``write`` (a tier put), evicting on
-        CapacityError until it fits or nothing more can be evicted (backing copies last).
+        CapacityError until it fits or nothing more can be evicted (backing copies last);
+        DiskFull (the filesystem, not the budget) propagates at once, nothing evicted.
         Returns the chunk's info and the seconds the write itself took (evictions excluded)."""
         usage = self._index.usage(kind)
         if size > usage.capacity_bytes:
