@@ -164,6 +164,8 @@ class ChunkChange:
     """STORED only: the chunk's parent key (None for the first block of a sequence)."""
     from_tier: TierKind | None = None
     """MOVED only: where the chunk was before."""
+    tenant: str | None = None
+    """STORED only: the tenant that owns the chunk (what the conductor's index files it under)."""
 
 
 ChangeObserver = Callable[[ChunkChange], None]
@@ -353,7 +355,7 @@ class TieredCache:
                 self._tiers[backing].remove(key)
             raise
         self._count(kind, puts=1, bytes_written=size, seconds_writing=seconds)
-        self._notify(ChunkChangeKind.STORED, key, kind, size, parent=parent)
+        self._notify(ChunkChangeKind.STORED, key, kind, size, parent=parent, tenant=tenant)
         return info
 
     def reserve(self, key: bytes, size_bytes: int, *, parent: bytes | None = None,
@@ -417,7 +419,7 @@ class TieredCache:
                 self._tiers[backing].remove(key)
             raise
         self._count(kind, puts=1, bytes_written=size)
-        self._notify(ChunkChangeKind.STORED, key, kind, size, parent=parent)
+        self._notify(ChunkChangeKind.STORED, key, kind, size, parent=parent, tenant=tenant)
         return info
 
     def abort(self, slot: WriteSlot, *, tier: TierKind | None = None) -> None:
@@ -603,7 +605,7 @@ class TieredCache:
                         bytes_written=sum(info.size_bytes for info, _p in stored))
             for info, parent in stored:
                 self._notify(ChunkChangeKind.STORED, info.key, kind, info.size_bytes,
-                             parent=parent)
+                             parent=parent, tenant=DEFAULT_TENANT)  # as insert_many stored it
         return out
 
     def _check_writable(self, key: bytes, parent: bytes | None, tenant: str) -> None:
@@ -968,7 +970,8 @@ class TieredCache:
                 unowned.append(key)
                 continue
             del pending[key]
-            self._notify(ChunkChangeKind.STORED, key, kind, info.size_bytes, parent=parent)
+            self._notify(ChunkChangeKind.STORED, key, kind, info.size_bytes, parent=parent,
+                         tenant=tenant)
             by_tier[kind] = by_tier.get(kind, 0) + 1
             ready.extend(children.get(key, ()))
         recovered = sum(by_tier.values())
@@ -1160,10 +1163,12 @@ class TieredCache:
                     notified = True
 
     def _notify(self, kind: ChunkChangeKind, key: bytes, tier: TierKind, size_bytes: int, *,
-                parent: bytes | None = None, from_tier: TierKind | None = None) -> None:
+                parent: bytes | None = None, from_tier: TierKind | None = None,
+                tenant: str | None = None) -> None:
         if self._observer is not None:
             self._observer(ChunkChange(kind, bytes(key), tier, size_bytes,
-                                       None if parent is None else bytes(parent), from_tier))
+                                       None if parent is None else bytes(parent), from_tier,
+                                       tenant))
 
     def count_hit(self, kind: TierKind, size_bytes: int) -> None:
         """Account one read of ``size_bytes`` that a caller copied out of tier ``kind`` itself

@@ -49,6 +49,9 @@ class ChunkEvent:
     size_bytes: int
     parent: bytes | None = None
     from_tier: TierKind | None = None
+    tenant: str | None = None
+    """STORED: the chunk's owner (sent to the conductor, whose index keeps chunks per tenant);
+    None on the other kinds."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +109,7 @@ class EventLog:
             seq = self._last_seq
             self._ring[seq % self._capacity] = ChunkEvent(
                 seq, change.kind, change.key, change.tier, change.size_bytes, change.parent,
-                change.from_tier)
+                change.from_tier, change.tenant)
             waiters, self._waiters = self._waiters, []
         for loop, event in waiters:
             if not loop.is_closed():

@@ -178,14 +178,15 @@ def entry_to_pb(entry: IndexEntry, now_s: float) -> pb.ChunkEntry:
                          size_bytes=entry.size_bytes, depth=entry.depth,
                          access_count=entry.access_count, children=entry.children,
                          pinned=entry.pinned, age_s=max(0.0, now_s - entry.inserted_at_s),
-                         idle_s=max(0.0, now_s - entry.last_access_s))
+                         idle_s=max(0.0, now_s - entry.last_access_s), tenant=entry.tenant)
 
 
 def event_to_pb(event: ChunkEvent, epoch: str) -> pb.ChunkEvent:
     return pb.ChunkEvent(seq=event.seq, epoch=epoch, kind=EVENT_TO_PB[event.kind], key=event.key,
                          tier=TIER_TO_PB[event.tier],
                          from_tier=TIER_TO_PB[event.from_tier] if event.from_tier else pb.TIER_UNSPECIFIED,
-                         size_bytes=event.size_bytes, parent=event.parent or b"")
+                         size_bytes=event.size_bytes, parent=event.parent or b"",
+                         tenant=event.tenant or "")
 
 
 async def _abort(context: Any, exc: KvtierError) -> NoReturn:

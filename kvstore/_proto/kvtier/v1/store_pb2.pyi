@@ -248,7 +248,7 @@ class InspectRequest(_message.Message):
     def __init__(self, key: _Optional[bytes] = ...) -> None: ...
 
 class ChunkEntry(_message.Message):
-    __slots__ = ("key", "parent", "tier", "size_bytes", "depth", "access_count", "children", "pinned", "age_s", "idle_s")
+    __slots__ = ("key", "parent", "tier", "size_bytes", "depth", "access_count", "children", "pinned", "age_s", "idle_s", "tenant")
     KEY_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +259,7 @@ class ChunkEntry(_message.Message):
     PINNED_FIELD_NUMBER: _ClassVar[int]
     AGE_S_FIELD_NUMBER: _ClassVar[int]
     IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     parent: bytes
     tier: Tier
@@ -269,7 +270,8 @@ class ChunkEntry(_message.Message):
     pinned: bool
     age_s: float
     idle_s: float
-    def __init__(self, key: _Optional[bytes] = ..., parent: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., size_bytes: _Optional[int] = ..., depth: _Optional[int] = ..., access_count: _Optional[int] = ..., children: _Optional[int] = ..., pinned: _Optional[bool] = ..., age_s: _Optional[float] = ..., idle_s: _Optional[float] = ...) -> None: ...
+    tenant: str
+    def __init__(self, key: _Optional[bytes] = ..., parent: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., size_bytes: _Optional[int] = ..., depth: _Optional[int] = ..., access_count: _Optional[int] = ..., children: _Optional[int] = ..., pinned: _Optional[bool] = ..., age_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class ListRequest(_message.Message):
     __slots__ = ("key_prefix", "tier", "limit")
@@ -532,7 +534,7 @@ class SubscribeRequest(_message.Message):
     def __init__(self, from_seq: _Optional[int] = ..., epoch: _Optional[str] = ...) -> None: ...
 
 class ChunkEvent(_message.Message):
-    __slots__ = ("seq", "epoch", "kind", "key", "tier", "from_tier", "size_bytes", "parent")
+    __slots__ = ("seq", "epoch", "kind", "key", "tier", "from_tier", "size_bytes", "parent", "tenant")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -541,6 +543,7 @@ class ChunkEvent(_message.Message):
     FROM_TIER_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     seq: int
     epoch: str
     kind: EventKind
@@ -549,7 +552,8 @@ class ChunkEvent(_message.Message):
     from_tier: Tier
     size_bytes: int
     parent: bytes
-    def __init__(self, seq: _Optional[int] = ..., epoch: _Optional[str] = ..., kind: _Optional[_Union[EventKind, str]] = ..., key: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., from_tier: _Optional[_Union[Tier, str]] = ..., size_bytes: _Optional[int] = ..., parent: _Optional[bytes] = ...) -> None: ...
+    tenant: str
+    def __init__(self, seq: _Optional[int] = ..., epoch: _Optional[str] = ..., kind: _Optional[_Union[EventKind, str]] = ..., key: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., from_tier: _Optional[_Union[Tier, str]] = ..., size_bytes: _Optional[int] = ..., parent: _Optional[bytes] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class SnapshotRequest(_message.Message):
     __slots__ = ("page_entries",)
