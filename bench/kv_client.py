@@ -39,6 +39,8 @@ and the wait for the reservation), and ``load_many`` through the staging path (f
 then a scatter per layer: the path before the one-copy load, forced with a layout that has no
 ``scatter_chunks``) and through the one-copy path (one read lease per call, one copy per block
 out of the arena), each as ms and as a multiple of a memcpy of the same bytes in the same run.
+Then the same rows for one request of ``--vllm-small-blocks`` (15) blocks, the size of an average
+request's load in ``kvtier bench vllm``, where per-call fixed costs weigh most (0 skips them).
 
 The machine is shared and noisy (2 cores): compare ratios within one run.
 """
@@ -344,10 +346,11 @@ def measure_vllm_cpu(address: str, n_blocks: int, reps: int, n_requests: int = 4
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
-def print_vllm_cpu(r: dict[str, float], n_blocks: int) -> None:
+def print_vllm_cpu(r: dict[str, float], n_blocks: int, n_requests: int = 4) -> None:
     n_bytes = n_blocks * VLLM_CPU_LAYOUT.chunk_bytes
     print(f"\nvLLM CPU layout (CpuBlocksKV), one step of {n_blocks} blocks of "
-          f"{VLLM_CPU_LAYOUT.chunk_bytes >> 10} KiB ({n_bytes >> 20} MiB) in 4 requests, shm; "
+          f"{VLLM_CPU_LAYOUT.chunk_bytes >> 10} KiB ({n_bytes / 2**20:.1f} MiB) in "
+          f"{n_requests} request{'s' if n_requests > 1 else ''}, shm; "
           f"ms (x memcpy of the same bytes: cost, lower is better)")
     print("| op | ms | x memcpy |")
     print("|---|---|---|")
@@ -464,6 +467,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="only the vLLM CPU layout rows")
     parser.add_argument("--vllm-blocks", type=int, default=96,
                         help="blocks per step in the vLLM CPU rows (a multiple of 4)")
+    parser.add_argument("--vllm-small-blocks", type=int, default=15,
+                        help="blocks of the one-request vLLM CPU rows (0: none)")
     args = parser.parse_args(argv)
     n_blocks, reps = (8, 2) if args.quick else (32, 5)
     reps = args.reps or reps
@@ -471,9 +476,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     planes = (DataPlane.SHM, DataPlane.TCP)
     torch.set_num_threads(1)
     proc, address = spawn_daemon()
+    small = args.vllm_small_blocks
     if args.vllm_only:
         try:
             vllm_cpu = measure_vllm_cpu(address, args.vllm_blocks, reps)
+            vllm_small = measure_vllm_cpu(address, small, reps, 1) if small else {}
         finally:
             proc.terminate()
             proc.wait(20)
@@ -481,10 +488,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         doc = {**run_header("kv_client", dists=("torch",)), "repetitions": reps,
                "vllm_cpu": {"blocks": args.vllm_blocks,
                             "chunk_bytes": VLLM_CPU_LAYOUT.chunk_bytes, "ms": vllm_cpu},
+               "vllm_cpu_one_request": {"blocks": small, "ms": vllm_small},
                "loadavg": load}
         if args.json:
             args.json.write_text(json.dumps(doc, indent=2))
         print_vllm_cpu(vllm_cpu, args.vllm_blocks)
+        if small:
+            print_vllm_cpu(vllm_small, small, 1)
         print(f"\nload average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
         return doc
     try:

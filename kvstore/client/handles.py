@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvstore.client.layouts import EngineKV
+from kvstore.client.layouts import EngineKV, strided_runs
 from kvstore.client.results import LoadResult, SaveResult
 from kvstore.errors import InvalidArgument, KvtierError
 from kvstore.keys import PrefixKey
@@ -392,16 +392,31 @@ class DirectBatchSave:
                 for r, res in enumerate(results)]
 
     def _unstage(self) -> None:
-        """The staged layers of every owned, reserved block into its chunk."""
+        """The staged layers of every owned, reserved block into its chunk: one copy per run
+        of chunks at one stride in the arena (:func:`strided_runs`) and range of staged
+        layers, not one per block and layer."""
         assert self._held is not None
-        layers = sorted(self._staged)
+        lay = self._client.layout
+        layers = [(r.start, r.stop) for r, _i in _runs([(layer, 0) for layer in
+                                                        sorted(self._staged)])]
         for (_keys, first, _s), targets, (view, _buf) in zip(self._parts, self._targets,
                                                                self._held, strict=True):
-            for i, item in targets:
-                chunk, row = self._chunks[item], view[i - first]
-                assert chunk is not None
-                for layer in layers:
-                    chunk[layer].copy_(row[layer])
+            per_layer = view[0, 0].numel()  # elements of one layer of a chunk
+            for blocks, items in _runs(targets):
+                chunks: list[torch.Tensor] = [self._chunks[item] for item in items]  # type: ignore[misc]  # reserved: not None
+                rows = view[blocks.start - first:blocks.stop - first].view(
+                    len(blocks), lay.num_layers, per_layer)
+                for a, b, step in strided_runs(chunks, lay.num_layers * per_layer):
+                    for lo, hi in layers:
+                        if step == 0:  # not one contiguous view: chunk by chunk
+                            for k in range(a, b):
+                                part = chunks[k][lo:hi]
+                                part.copy_(rows[k, lo:hi].view(part.shape))
+                            continue
+                        c0 = chunks[a]
+                        dst = c0.as_strided((b - a, hi - lo, per_layer), (step, per_layer, 1),
+                                            c0.storage_offset() + lo * per_layer)
+                        dst.copy_(rows[a:b, lo:hi])
 
     def _release(self) -> None:
         with self._lock:

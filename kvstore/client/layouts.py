@@ -21,6 +21,9 @@ of the arena is asynchronous and could outlive the read lease). Likewise
 ``gather_chunks(layers, blocks, chunks)``, the one-copy save path, which writes straight into
 reserved ranges of the arena (:class:`ContiguousKV`, :class:`ChunkKV` and vLLM's CPU layout).
 
+:func:`strided_runs` cuts a list of chunk views into runs that one strided view covers, so a
+layout (and the client's own copies) can move a run of chunks in one torch call.
+
 Layouts copy; they never keep the chunk tensors they are given. Bad shapes, dtypes or block
 ranges raise ``InvalidArgument``. torch is imported only when a tensor is touched.
 """
@@ -37,7 +40,7 @@ from kvstore.errors import InvalidArgument
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ChunkKV", "ContiguousKV", "EngineKV", "HFCacheKV", "PagedKV"]
+__all__ = ["ChunkKV", "ContiguousKV", "EngineKV", "HFCacheKV", "PagedKV", "strided_runs"]
 
 
 class EngineKV(Protocol):
@@ -68,6 +71,41 @@ class EngineKV(Protocol):
     # the reverse: copies layers ``layers`` of ``blocks`` out of the engine's buffers into
     # whole chunks (views of reserved arena ranges), writing nothing else of them,
     # synchronously. The one-copy save path.
+
+
+def strided_runs(chunks: Sequence[torch.Tensor], numel: int) -> list[tuple[int, int, int]]:
+    """``chunks`` (each of ``numel`` elements) cut into runs ``(start, stop, step)``: chunks
+    ``start..stop-1`` are contiguous views of one storage at storage offsets ``step`` elements
+    apart (``step >= numel``: they never overlap), so one strided view covers them (the
+    extents one batch reserves or reads are mostly adjacent in the daemon's arena). A chunk
+    that is not contiguous or not of ``numel`` elements is a run of its own with ``step`` 0;
+    another storage, dtype or stride starts a new run."""
+    runs: list[tuple[int, int, int]] = []
+    n = len(chunks)
+    i = 0
+    while i < n:
+        t = chunks[i]
+        if not t.is_contiguous() or t.numel() != numel:
+            runs.append((i, i + 1, 0))
+            i += 1
+            continue
+        ptr, prev = t.untyped_storage().data_ptr(), int(t.storage_offset())
+        j, step = i + 1, 0
+        while j < n:
+            u = chunks[j]
+            if (not u.is_contiguous() or u.numel() != numel or u.dtype != t.dtype
+                    or u.untyped_storage().data_ptr() != ptr):
+                break
+            off = int(u.storage_offset())
+            d = off - prev
+            if (d < numel) if j == i + 1 else (d != step):
+                break
+            step, prev = d, off
+            j += 1
+        step = step or numel  # a run of one: any stride >= numel will do
+        runs.append((i, j, step))
+        i = j
+    return runs
 
 
 def _check_chunks(layers: range, blocks: range, chunks: Sequence[torch.Tensor],
