@@ -53,6 +53,22 @@ Node removal
     in bounded steps (the caller decides when); retired slots are reused only
     after a sweep has cleared them. Lookups never see a retired slot.
 
+Tenants (docs/security.md, "The conductor")
+    Every entry belongs to the tenant that owns the chunk on its node: the daemons send the
+    owner with each STORED event and snapshot entry (``ChunkEvent.tenant``; a daemon stores
+    one owner per key, and nobody replaces another tenant's chunk). Entries live in one dict
+    per tenant, so a block costs what it did, whatever the number of tenants. A lookup acts
+    for one tenant (:meth:`GlobalPrefixIndex.match`'s ``tenant``; the default tenant unless
+    told otherwise) and sees that tenant's entries and the shared tenant's
+    (``kvstore.security.tenancy.SHARED_TENANT``): another tenant's chunk is absent, also when
+    its key is known or guessed (a hash of the tenant in the key is not a boundary).
+    ``tenant=None`` (an operator or peer of every tenant) sees every tenant's. One key may
+    belong to different tenants on different nodes; on one node it has one owner, so the
+    codes of two tenants' dicts never share a node's bits and OR together. REMOVED and MOVED
+    events carry no owner: the index finds the key among the tenants the node has stored for
+    (a probe per such tenant). A MOVED of a key the node is not known to hold is ignored
+    (its STORED, which names the owner, always comes first).
+
 Namespaces
     Keys are opaque here. A namespace (model + tenant) no node has reported is
     not an error for the index: its blocks are simply absent, as they are for a
@@ -73,12 +89,13 @@ import heapq
 import itertools
 import threading
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvstore.dataplane.tier import TierKind
 from kvstore.errors import InvalidArgument, InvariantViolation
 from kvstore.keys import BlockHasher
+from kvstore.security.tenancy import DEFAULT_TENANT, SHARED_TENANT
 
 __all__ = [
     "ChunkEvent",
@@ -127,7 +144,8 @@ class ChunkEvent:
     ``parent`` is the chunk's parent key (the namespace prefix for a first
     block, see :mod:`kvstore.keys`); the index does not store it (lookups get
     the chain from the request) but daemons send it so other consumers can.
-    ``tier`` is required for STORED and MOVED and ignored for REMOVED.
+    ``tier`` is required for STORED and MOVED and ignored for REMOVED. ``tenant`` is the
+    chunk's owner (STORED; ignored for REMOVED and MOVED, whose owner the index knows).
     """
 
     node_id: str
@@ -137,8 +155,11 @@ class ChunkEvent:
     key: bytes
     tier: TierKind | None = None
     parent: bytes | None = None
+    tenant: str = DEFAULT_TENANT
 
     def __post_init__(self) -> None:
+        if not isinstance(self.tenant, str):
+            raise InvalidArgument(f"tenant must be a str, got {self.tenant!r}")
         if not isinstance(self.node_id, str) or not self.node_id:
             raise InvalidArgument(f"node_id must be a non-empty str, got {self.node_id!r}")
         _check_epoch(self.epoch)
@@ -280,7 +301,8 @@ class GlobalMatch:
 @dataclass(frozen=True, slots=True)
 class IndexStats:
     keys: int
-    """Distinct chunk keys indexed (including keys only retired slots still mark)."""
+    """Distinct (owner tenant, chunk key) pairs indexed (including keys only retired slots
+    still mark)."""
     nodes: int
     blocks_by_node: dict[str, int]
     retired_slots: int
@@ -292,15 +314,18 @@ class IndexStats:
 
 
 class _NodeState:
-    __slots__ = ("blocks", "epoch", "last_seq", "node_id", "resync", "slot")
+    __slots__ = ("blocks", "epoch", "last_seq", "node_id", "resync", "slot", "tenants")
 
-    def __init__(self, node_id: str, slot: int, epoch: Epoch, last_seq: int, blocks: int) -> None:
+    def __init__(self, node_id: str, slot: int, epoch: Epoch, last_seq: int, blocks: int,
+                 tenants: set[str] | None = None) -> None:
         self.node_id = node_id
         self.slot = slot
         self.epoch = epoch
         self.last_seq = last_seq
         self.blocks = blocks
         self.resync: ResyncKind | None = None
+        self.tenants: set[str] = set() if tenants is None else tenants
+        """Tenants this node has stored chunks for in its slot (where REMOVED looks)."""
 
 
 class GlobalPrefixIndex:
@@ -312,6 +337,9 @@ class GlobalPrefixIndex:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._entries: dict[bytes, int] = {}
+        """The default tenant's entries (``_tenants[DEFAULT_TENANT]``)."""
+        self._tenants: dict[str, dict[bytes, int]] = {DEFAULT_TENANT: self._entries}
+        """Per owner tenant: chunk key -> placement code (module docstring, "Tenants")."""
         self._intern: dict[int, int] = {}
         self._nodes: dict[str, _NodeState] = {}
         self._slot_node: dict[int, str] = {}
@@ -330,6 +358,9 @@ class GlobalPrefixIndex:
         self._probes = 0
         # Sweep in progress: a snapshot of the keys, a position, the slots it clears.
         self._sweep_keys: list[bytes] | None = None
+        self._sweep_queue: list[tuple[dict[bytes, int], list[bytes]]] = []
+        """The other tenants' dicts and key lists this sweep still has to go through."""
+        self._sweep_dict: dict[bytes, int] = self._entries
         self._sweep_pos = 0
         self._sweep_slots: frozenset[int] = frozenset()
         self._sweep_clear = 0
@@ -337,21 +368,34 @@ class GlobalPrefixIndex:
     # -- lookups ---------------------------------------------------------------
 
     def __len__(self) -> int:
+        """Entries: distinct (owner tenant, key) pairs."""
         with self._lock:
-            return len(self._entries)
+            return sum(len(d) for d in self._tenants.values())
 
-    def match(self, keys: Sequence[bytes]) -> GlobalMatch:
+    def _visible(self, tenant: str | None) -> list[dict[bytes, int]]:
+        """The dicts a lookup for ``tenant`` reads (module docstring, "Tenants")."""
+        if tenant is None:
+            return [d for d in self._tenants.values() if d]
+        own = self._tenants.get(tenant)
+        shared = self._tenants.get(SHARED_TENANT) if tenant != SHARED_TENANT else None
+        return [d for d in (own, shared) if d]
+
+    def match(self, keys: Sequence[bytes], tenant: str | None = DEFAULT_TENANT) -> GlobalMatch:
         """For chained prefix ``keys``: each node's leading run of held blocks.
 
         Not counted as a hit anywhere (nodes track their own hits). ``keys`` is a
         list or tuple of bytes; a key the index does not know ends every run
-        (a miss is not an error).
+        (a miss is not an error). Only chunks ``tenant`` may see count: its own and the
+        shared tenant's (None: every tenant's; module docstring, "Tenants").
         """
         if not isinstance(keys, list | tuple):
             raise InvalidArgument(f"keys must be a list or tuple of bytes, got {type(keys).__name__}")
         with self._lock:
             alive = self._live_mask
-            get = self._entries.get
+            visible = self._visible(tenant)
+            if not visible:
+                alive = 0
+            get = visible[0].get if len(visible) == 1 else self._union_get(visible)
             codes: list[int] = []
             drops: list[tuple[int, int]] = []  # (slot bits that dropped out, their run length)
             probes = 0
@@ -384,14 +428,33 @@ class GlobalPrefixIndex:
                     bits ^= low
             return GlobalMatch(lengths, slots, codes, probes)
 
-    def match_tokens(self, hasher: BlockHasher, token_ids: object) -> GlobalMatch:
-        """:meth:`match` on the keys of the full blocks of ``token_ids`` (see ``BlockHasher``)."""
-        return self.match(hasher.hash_blocks(token_ids))
+    @staticmethod
+    def _union_get(dicts: list[dict[bytes, int]]) -> Callable[[bytes, int], int]:
+        """A ``get`` over several tenants' dicts: their codes OR'ed (disjoint per node)."""
+        gets = [d.get for d in dicts]
 
-    def holders(self, key: bytes) -> dict[str, TierKind]:
-        """The live nodes holding ``key`` and the tier each holds it in (empty on a miss)."""
+        def get(key: bytes, default: int) -> int:
+            code = default
+            for g in gets:
+                code |= g(key, 0)
+            return code
+
+        return get
+
+    def match_tokens(self, hasher: BlockHasher, token_ids: object,
+                     tenant: str | None = DEFAULT_TENANT) -> GlobalMatch:
+        """:meth:`match` on the keys of the full blocks of ``token_ids`` (see ``BlockHasher``)."""
+        return self.match(hasher.hash_blocks(token_ids), tenant)
+
+    def holders(self, key: bytes, tenant: str | None = DEFAULT_TENANT) -> dict[str, TierKind]:
+        """The live nodes holding ``key`` for ``tenant`` (as :meth:`match`) and the tier each
+        holds it in (empty on a miss)."""
         with self._lock:
-            code = self._entries.get(key, 0) & (self._live_mask * 3)
+            visible = self._visible(tenant)
+            code = 0
+            for d in visible:
+                code |= d.get(key, 0)
+            code &= self._live_mask * 3
             out: dict[str, TierKind] = {}
             while code:
                 low_pair = code & -code
@@ -503,7 +566,7 @@ class GlobalPrefixIndex:
                 st.resync = ResyncKind.REPLAY
                 return outcome
             st.last_seq = 1
-            self._set(ev.key, st, ev.kind, ev.tier)
+            self._set(ev.key, st, ev.kind, ev.tier, ev.tenant)
             return outcome
         if ev.seq <= st.last_seq:
             return EventOutcome.DUPLICATE
@@ -515,12 +578,36 @@ class GlobalPrefixIndex:
         # In order: apply. A pending REPLAY is healed by the missing event itself.
         st.resync = None
         st.last_seq = ev.seq
-        self._set(ev.key, st, ev.kind, ev.tier)
+        self._set(ev.key, st, ev.kind, ev.tier, ev.tenant)
         return EventOutcome.APPLIED
 
-    def _set(self, key: bytes, st: _NodeState, kind: ChunkEventKind, tier: TierKind | None) -> None:
+    def _holding(self, key: bytes, st: _NodeState) -> dict[bytes, int] | None:
+        """The dict of the tenant whose entry says ``st``'s node holds ``key`` (None: no
+        tenant's does)."""
         shift = 2 * st.slot
-        entries = self._entries
+        for tenant in st.tenants:
+            entries = self._tenants.get(tenant)
+            if entries is not None and (entries.get(key, 0) >> shift) & 3:
+                return entries
+        return None
+
+    def _tenant_entries(self, tenant: str) -> dict[bytes, int]:
+        entries = self._tenants.get(tenant)
+        if entries is None:
+            entries = self._tenants[tenant] = {}
+        return entries
+
+    def _set(self, key: bytes, st: _NodeState, kind: ChunkEventKind, tier: TierKind | None,
+             tenant: str) -> None:
+        shift = 2 * st.slot
+        if kind is ChunkEventKind.STORED:
+            entries = self._tenant_entries(tenant)
+            st.tenants.add(tenant)
+        else:  # the owner is whoever's entry holds it on this node
+            found = self._holding(key, st)
+            if found is None:
+                return  # REMOVED: idempotent (it did not hold it); MOVED: see "Tenants"
+            entries = found
         code = entries.get(key, 0)
         had = (code >> shift) & 3
         if kind is ChunkEventKind.REMOVED:
@@ -592,8 +679,10 @@ class GlobalPrefixIndex:
             return SnapshotLoader(self, node_id, epoch, seq, slot, gen)
 
     def apply_snapshot(self, node_id: str, epoch: Epoch, seq: int,
-                       entries: Iterable[tuple[bytes, TierKind]]) -> bool:
-        """Replace everything ``node_id`` holds with ``entries`` (key, tier), atomically.
+                       entries: Iterable[tuple[bytes, TierKind]],
+                       tenant: str = DEFAULT_TENANT) -> bool:
+        """Replace everything ``node_id`` holds with ``entries`` (key, tier), all owned by
+        ``tenant``, atomically (a snapshot of several tenants: :meth:`begin_snapshot`).
 
         Loads in batches (the lock is released between them) and commits once.
         Returns what :meth:`SnapshotLoader.commit` returns.
@@ -604,21 +693,23 @@ class GlobalPrefixIndex:
             for entry in entries:
                 batch.append(entry)
                 if len(batch) >= _SNAPSHOT_BATCH:
-                    loader.add(batch)
+                    loader.add(batch, tenant)
                     batch = []
             if batch:
-                loader.add(batch)
+                loader.add(batch, tenant)
         except BaseException:
             loader.abort()
             raise
         return loader.commit()
 
-    def _load(self, loader: SnapshotLoader, entries: Sequence[tuple[bytes, TierKind]]) -> int:
+    def _load(self, loader: SnapshotLoader, entries: Sequence[tuple[bytes, TierKind]],
+              tenant: str) -> int:
         shift = 2 * loader.slot
         mask = ~(3 << shift)
         added = 0
         with self._lock:
-            store = self._entries
+            store = self._tenant_entries(tenant)
+            loader.tenants.add(tenant)
             intern = self._intern_code
             for key, tier in entries:
                 if not isinstance(key, bytes) or not key:
@@ -640,7 +731,8 @@ class GlobalPrefixIndex:
             if superseded or self._is_retired(loader.node_id, loader.epoch):
                 self._retire(loader.slot)
                 return False
-            new = _NodeState(loader.node_id, loader.slot, loader.epoch, loader.seq, loader.blocks)
+            new = _NodeState(loader.node_id, loader.slot, loader.epoch, loader.seq, loader.blocks,
+                             loader.tenants)
             if st is not None:
                 self._retire(st.slot)
                 if st.epoch != loader.epoch:
@@ -684,7 +776,10 @@ class GlobalPrefixIndex:
             if self._sweep_keys is None:
                 if not self._retired:
                     return 0
-                self._sweep_keys = list(self._entries)
+                # One tenant's dict at a time (no list of every tenant's keys at once).
+                queue = [(d, list(d)) for d in self._tenants.values() if d]
+                self._sweep_dict, self._sweep_keys = queue.pop() if queue else ({}, [])
+                self._sweep_queue = queue
                 self._sweep_pos = 0
                 self._sweep_slots = frozenset(self._retired)
                 clear = 0
@@ -700,7 +795,7 @@ class GlobalPrefixIndex:
                 end = min(end, self._sweep_pos + _SNAPSHOT_BATCH)
                 clear = self._sweep_clear
                 keep = ~clear
-                entries = self._entries
+                entries = self._sweep_dict
                 for key in keys[self._sweep_pos:end]:
                     code = entries.get(key)
                     if code is not None and code & clear:
@@ -711,23 +806,31 @@ class GlobalPrefixIndex:
                             del entries[key]
                 done = end - self._sweep_pos
                 self._sweep_pos = end
-                if end >= len(keys):
+                if end >= len(keys) and self._sweep_queue:  # the next tenant's dict
+                    self._sweep_dict, self._sweep_keys = self._sweep_queue.pop()
+                    keys, end = self._sweep_keys, 0
+                    self._sweep_pos = 0
+                elif end >= len(keys):
+                    for tenant in [t for t, d in self._tenants.items()
+                                   if not d and t != DEFAULT_TENANT]:
+                        del self._tenants[tenant]  # (nodes' ``tenants`` may name it again)
                     for slot in self._sweep_slots:
                         self._retired.discard(slot)
                         heapq.heappush(self._free_slots, slot)
                     self._sweep_keys = None
+                    self._sweep_dict = self._entries
                     self._sweep_slots = frozenset()
                     self._intern.clear()  # drop codes that only retired slots used
                     return 0
                 if max_keys is not None:
                     max_keys -= done
                     if max_keys <= 0:
-                        return len(keys) - end
+                        return len(keys) - end + sum(len(k) for _d, k in self._sweep_queue)
 
     def stats(self) -> IndexStats:
         with self._lock:
             return IndexStats(
-                keys=len(self._entries), nodes=len(self._nodes),
+                keys=sum(len(d) for d in self._tenants.values()), nodes=len(self._nodes),
                 blocks_by_node={n: st.blocks for n, st in sorted(self._nodes.items())},
                 retired_slots=len(self._retired), events_applied=self._events_applied,
                 events_dropped=self._events_dropped, probes=self._probes)
@@ -750,13 +853,19 @@ class SnapshotLoader:
         self.slot = slot
         self.gen = gen
         self.blocks = 0
+        self.tenants: set[str] = set()
+        """The owner tenants added so far."""
         self._closed = False
 
-    def add(self, entries: Sequence[tuple[bytes, TierKind]]) -> None:
-        """Record that the node holds each ``(key, tier)`` (a key repeated: the last tier wins)."""
+    def add(self, entries: Sequence[tuple[bytes, TierKind]],
+            tenant: str = DEFAULT_TENANT) -> None:
+        """Record that the node holds each ``(key, tier)``, owned by ``tenant`` (a key repeated:
+        the last tier wins; one key under two tenants of one node is the daemon's bug)."""
         if self._closed:
             raise InvalidArgument("this snapshot loader was already committed or aborted")
-        self.blocks += self._index._load(self, entries)
+        if not isinstance(tenant, str):
+            raise InvalidArgument(f"tenant must be a str, got {tenant!r}")
+        self.blocks += self._index._load(self, entries, tenant)
 
     def commit(self) -> bool:
         """Make the snapshot the node's state. False (and nothing changes) when a newer

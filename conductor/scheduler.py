@@ -85,6 +85,7 @@ from conductor.calibration import LinkCalibration, MeanEstimate, SpeedCalibratio
 from conductor.index import GlobalMatch, GlobalPrefixIndex, TierCounts
 from conductor.perf.latency import LatencyModel
 from kvstore.errors import InvalidArgument, InvariantViolation
+from kvstore.security.tenancy import DEFAULT_TENANT
 
 __all__ = [
     "Decision",
@@ -232,6 +233,9 @@ class ScheduleRequest:
     expected_output_tokens: int | None = None
     """The caller's expectation of the output length (None: the scheduler's moving average).
     Sizes the decode KV reservation and the predicted decode end."""
+    tenant: str | None = DEFAULT_TENANT
+    """Whose chunks the prefix match may use (``GlobalPrefixIndex.match``; None: every
+    tenant's). The conductor's service resolves it from the caller's credentials."""
 
     def __post_init__(self) -> None:
         _check_id("request_id", self.request_id)
@@ -575,7 +579,7 @@ class Scheduler:
                       else self.output_tokens.value)
         kv_tokens = request.input_tokens + math.ceil(out_tokens)
         rid = request.request_id
-        match = self._index.match(request.keys)
+        match = self._index.match(request.keys, request.tenant)
         engine_cached = engine_cached_tokens or {}
         pool = prefills
         if self._colocated:  # a colocated engine decodes what it prefills: it needs the room

@@ -703,9 +703,12 @@ class Conductor:
                     metadata=self._daemon_metadata()):
                 if loader is None:
                     loader = self.index.begin_snapshot(node_id, page.epoch, int(page.seq))
-                entries = [(e.key, PB_TO_TIER[e.tier]) for e in page.entries if e.tier in PB_TO_TIER]
-                if entries:
-                    loader.add(entries)
+                by_tenant: dict[str, list[tuple[bytes, TierKind]]] = {}
+                for e in page.entries:
+                    if e.tier in PB_TO_TIER:  # filed under its owner (conductor/index.py)
+                        by_tenant.setdefault(e.tenant, []).append((e.key, PB_TO_TIER[e.tier]))
+                for tenant, entries in by_tenant.items():
+                    loader.add(entries, tenant)
             if loader is None:
                 raise InvalidArgument(f"node {node_id} sent an empty snapshot stream")
         except BaseException:
@@ -742,7 +745,8 @@ class Conductor:
                 try:
                     event = ChunkEvent(
                         node_id, ev.epoch, int(ev.seq), kind, ev.key,
-                        PB_TO_TIER.get(ev.tier) if kind is not ChunkEventKind.REMOVED else None)
+                        PB_TO_TIER.get(ev.tier) if kind is not ChunkEventKind.REMOVED else None,
+                        tenant=ev.tenant)
                 except InvalidArgument as exc:
                     # Skipping it would leave a gap that replays the same event forever.
                     log.warning("node %s sent a malformed event (%s); snapshot", node_id, exc)
