@@ -36,7 +36,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "epoch", "hostname", "boot_id", "version", "pid", "grpc_address", "tcp_address", "shm_arena", "shm_socket", "inline_max_bytes", "max_value_bytes", "tier_capacity_bytes", "draining", "ucx_worker_address", "shm_read_index", "data_ticket_required")
+    __slots__ = ("node_id", "epoch", "hostname", "boot_id", "version", "pid", "grpc_address", "tcp_address", "shm_arena", "shm_socket", "inline_max_bytes", "max_value_bytes", "tier_capacity_bytes", "draining", "ucx_worker_address", "shm_read_index", "data_ticket_required", "data_tls_required")
     class TierCapacityBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class NodeInfo(_message.Message):
     UCX_WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SHM_READ_INDEX_FIELD_NUMBER: _ClassVar[int]
     DATA_TICKET_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    DATA_TLS_REQUIRED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: str
     hostname: str
@@ -78,7 +79,8 @@ class NodeInfo(_message.Message):
     ucx_worker_address: bytes
     shm_read_index: str
     data_ticket_required: bool
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[str] = ..., hostname: _Optional[str] = ..., boot_id: _Optional[str] = ..., version: _Optional[str] = ..., pid: _Optional[int] = ..., grpc_address: _Optional[str] = ..., tcp_address: _Optional[str] = ..., shm_arena: _Optional[str] = ..., shm_socket: _Optional[str] = ..., inline_max_bytes: _Optional[int] = ..., max_value_bytes: _Optional[int] = ..., tier_capacity_bytes: _Optional[_Mapping[str, int]] = ..., draining: _Optional[bool] = ..., ucx_worker_address: _Optional[bytes] = ..., shm_read_index: _Optional[str] = ..., data_ticket_required: _Optional[bool] = ...) -> None: ...
+    data_tls_required: bool
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[str] = ..., hostname: _Optional[str] = ..., boot_id: _Optional[str] = ..., version: _Optional[str] = ..., pid: _Optional[int] = ..., grpc_address: _Optional[str] = ..., tcp_address: _Optional[str] = ..., shm_arena: _Optional[str] = ..., shm_socket: _Optional[str] = ..., inline_max_bytes: _Optional[int] = ..., max_value_bytes: _Optional[int] = ..., tier_capacity_bytes: _Optional[_Mapping[str, int]] = ..., draining: _Optional[bool] = ..., ucx_worker_address: _Optional[bytes] = ..., shm_read_index: _Optional[str] = ..., data_ticket_required: _Optional[bool] = ..., data_tls_required: _Optional[bool] = ...) -> None: ...
 
 class IssueDataTicketRequest(_message.Message):
     __slots__ = ("ttl_s",)
