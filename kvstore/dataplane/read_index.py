@@ -588,6 +588,34 @@ class ReadIndexReader:
             self._retries += 1
         return _CONFLICT
 
+    def locate(self, key: bytes) -> tuple[int, int, int, int] | None:
+        """Where chunk ``key`` lies now, for a caller that copies it out of the arena itself:
+        ``(slot, seq, offset, size)``, or None (not published, being written: the leased path
+        decides). The caller's copy is the chunk's only if :meth:`unchanged` ``(slot, seq)``
+        and :meth:`alive` are true after it (the reader's protocol, module docstring, with the
+        copy in between done by the caller)."""
+        buf, mask = self._buf, self._mask
+        klen = len(key)
+        i = _xxh3_64(key) & mask
+        for _probe in range(self._slots):
+            at = HEADER_BYTES + (i << SLOT_SHIFT)
+            seq, offset, size, state, kl = SLOT_STRUCT.unpack_from(buf, at)
+            if seq & 1:
+                return None
+            if state == _LIVE:
+                if kl == klen and buf[at + KEY_AT:at + KEY_AT + klen] == key:
+                    if offset + size > self._arena_bytes:
+                        return None
+                    return at, seq, offset, size
+            elif state == _EMPTY:
+                return None
+            i = (i + 1) & mask
+        return None
+
+    def unchanged(self, slot: int, seq: int) -> bool:
+        """Whether the slot :meth:`locate` gave is as it was (so no write touched it since)."""
+        return bool(SEQ_STRUCT.unpack_from(self._buf, slot)[0] == seq)
+
     def close(self) -> None:
         """Unmap the index (the arena stays the caller's). Idempotent.
 
