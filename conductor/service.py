@@ -10,6 +10,16 @@ ReportCompletion with FAILED_PRECONDITION and the leader in the trailing metadat
 Handlers run on gRPC's threaded server (see conductor/server.py for why not grpc.aio). The
 scheduler, the node table and the engine table are used under ``Conductor.lock``; the index
 is thread-safe by itself, so Lookup takes no conductor lock.
+
+Tenants (docs/security.md, "The conductor"): Schedule, ScheduleBatch and Lookup act for the
+tenant the caller's credentials and its ``kvtier-tenant`` metadata resolve to, by the daemon's
+rule (:func:`kvstore.security.tenancy.resolve_tenant`): the prefix match, the fetch plan and
+the per-node answers count only chunks that tenant owns and the shared tenant's (an operator or
+peer of every tenant naming none: every tenant's). A tenant the credentials do not allow is
+PERMISSION_DENIED (audited), whole batches included. The request body's ``tenant`` is only the
+key namespace token ids are hashed in (a ``cache_salt``); with authentication on, a non-empty
+one must also be a tenant the credentials allow, so nobody hashes in another tenant's namespace
+to probe the engines' own caches.
 """
 
 from __future__ import annotations
@@ -30,6 +40,8 @@ from kvstore._proto.kvtier.v1 import conductor_pb2 as pb
 from kvstore._proto.kvtier.v1 import conductor_pb2_grpc as pb_grpc
 from kvstore.errors import InvalidArgument, KvtierError, MembershipError
 from kvstore.membership.engines import EngineRole
+from kvstore.security.identity import INSECURE, current_principal
+from kvstore.security.tenancy import requested_tenant, resolve_tenant
 from kvstore.wire import (
     ERROR_METADATA_KEY,
     LEADER_METADATA_KEY,
@@ -134,6 +146,19 @@ class ConductorService(pb_grpc.ConductorServicer):
                 f"conductor {self._c.config.conductor_id} is rebuilding its view of the cluster "
                 f"({why}): not answering from a partial view; retry shortly")
 
+    @staticmethod
+    def _scope(context: Any, namespaces: Any = ()) -> str | None:
+        """The tenant this call acts for (module docstring, "Tenants"; None: every tenant),
+        after checking the body ``tenant`` of each request in ``namespaces``. Raises
+        PermissionDenied, InvalidArgument (a bad ``kvtier-tenant``)."""
+        principal = current_principal()
+        scope = resolve_tenant(principal, requested_tenant(context))
+        if principal is not INSECURE:
+            for namespace in namespaces:
+                if namespace:
+                    resolve_tenant(principal, namespace)
+        return scope
+
     def _keys(self, model: str, tenant: str, keys: Any, token_ids: Any) -> tuple[bytes, ...]:
         """The request's chained keys, given as keys or as token ids (never both)."""
         if len(keys) and len(token_ids):
@@ -161,28 +186,31 @@ class ConductorService(pb_grpc.ConductorServicer):
 
     @_rpc
     def Schedule(self, request: pb.ScheduleRequest, context: Any) -> pb.ScheduleReply:
+        scope = self._scope(context, (request.tenant,))
         self._require_leader()
         self._require_view()
-        return self._schedule(request)
+        return self._schedule(request, scope)
 
     @_rpc
     def ScheduleBatch(self, request: pb.ScheduleBatchRequest, context: Any
                       ) -> pb.ScheduleBatchReply:
-        self._require_leader()
-        self._require_view()
         if len(request.items) > MAX_BATCH:
             raise InvalidArgument(f"{len(request.items)} requests; at most {MAX_BATCH} per batch")
+        scope = self._scope(context, {item.tenant for item in request.items})
+        self._require_leader()
+        self._require_view()
         reply = pb.ScheduleBatchReply()
         for item in request.items:
             out = reply.items.add()
             try:
-                out.reply.CopyFrom(self._schedule(item))
+                out.reply.CopyFrom(self._schedule(item, scope))
             except KvtierError as exc:  # this item only; the others are decided
                 out.error = error_name(exc)
                 out.detail = str(exc)
         return reply
 
-    def _schedule(self, request: pb.ScheduleRequest) -> pb.ScheduleReply:
+    def _schedule(self, request: pb.ScheduleRequest, scope: str | None) -> pb.ScheduleReply:
+        """One decision for the tenant ``scope`` (:meth:`_scope`)."""
         _check_request_id(request.request_id)
         if not request.model:
             raise InvalidArgument("model must not be empty")
@@ -200,7 +228,7 @@ class ConductorService(pb_grpc.ConductorServicer):
         c = self._c
         now_s = c.now_s(request.at_s)
         schedule_request = ScheduleRequest(request.request_id, request.model, keys, input_tokens,
-                                           int(request.expected_output_tokens) or None)
+                                           int(request.expected_output_tokens) or None, scope)
         # One hashing of the prompt serves the match and the mismatch probe below.
         match = c.engine_match(request.model, request.tenant, token_ids) \
             if len(token_ids) else None
@@ -213,14 +241,15 @@ class ConductorService(pb_grpc.ConductorServicer):
                 if decision.accepted:
                     c.scheduler.cancel(decision.ticket)
                 self._require_leader()
-            reply = self._reply(decision, keys)
+            reply = self._reply(decision, keys, scope)
         if decision.accepted and decision.prefill_instance in engine_cached:
             # Its new blocks should show up in that engine's KV events (mismatch detection).
             c.engine_cache.expect_routed(decision.prefill_instance, token_ids, request.tenant,
                                          match)
         return reply
 
-    def _reply(self, d: Decision, keys: tuple[bytes, ...]) -> pb.ScheduleReply:
+    def _reply(self, d: Decision, keys: tuple[bytes, ...], scope: str | None
+               ) -> pb.ScheduleReply:
         reply = pb.ScheduleReply(
             request_id=d.request_id, accepted=d.accepted, message=d.message,
             prefix_blocks=d.prefix_blocks, local_blocks=d.local_blocks,
@@ -249,7 +278,7 @@ class ConductorService(pb_grpc.ConductorServicer):
             plan.first_block, plan.end_block, plan.size_bytes = f.first_block, f.end_block, \
                 f.size_bytes
             # Which tiers the source reads from: counts over [first, end) of its run.
-            match = self._c.index.match(keys[:f.end_block])
+            match = self._c.index.match(keys[:f.end_block], scope)
             upto_end = match.tier_counts(f.src_node, f.end_block)
             before = match.tier_counts(f.src_node, f.first_block) if f.first_block else \
                 TierCounts()
@@ -269,9 +298,10 @@ class ConductorService(pb_grpc.ConductorServicer):
     @_rpc
     def Lookup(self, request: pb.ConductorLookupRequest, context: Any
                      ) -> pb.ConductorLookupReply:
+        scope = self._scope(context, (request.tenant,))
         self._require_view()
         keys = self._keys(request.model, request.tenant, request.keys, request.token_ids)
-        match = self._c.index.match(keys)
+        match = self._c.index.match(keys, scope)
         reply = pb.ConductorLookupReply(blocks=len(keys), best_blocks=match.best_length)
         for node_id, length in sorted(match.lengths.items()):
             reply.nodes.append(pb.NodeMatch(node_id=node_id, blocks=length,

@@ -23,6 +23,10 @@ Credentials (docs/security.md): ``security`` (a
 :class:`~kvstore.security.config.ClientSecurity`; None: from the ``KVTIER_TLS_*`` and
 ``KVTIER_TOKEN_FILE`` environment) makes the channels speak TLS with the client's certificate,
 and every call carry its bearer token. A refusal is ``Unauthenticated`` or ``PermissionDenied``.
+``tenant`` (None: the credentials' only tenant, or every tenant for an operator) travels as
+``kvtier-tenant`` metadata on every call: the tenant whose chunks Schedule and Lookup may match
+(credentials of several tenants must name one). The ``tenant`` argument of :meth:`schedule` and
+:meth:`lookup` is something else: the key namespace token ids are hashed in.
 
 asyncio (grpc.aio) only; one client may be shared by any number of tasks of one event loop.
 The constructor records settings only; channels and the etcd client open lazily.
@@ -52,7 +56,13 @@ from kvstore.membership.etcd import (
 )
 from kvstore.security.client import TokenSource, aio_channel, token_source
 from kvstore.security.config import ClientSecurity
-from kvstore.wire import ERROR_METADATA_KEY, LEADER_METADATA_KEY, error_from_name
+from kvstore.wire import (
+    ERROR_METADATA_KEY,
+    LEADER_METADATA_KEY,
+    TENANT_MAX_CHARS,
+    TENANT_METADATA_KEY,
+    error_from_name,
+)
 
 __all__ = ["ConductorClient"]
 
@@ -72,9 +82,17 @@ class ConductorClient:
 
     def __init__(self, *, etcd_endpoint: str | None = None, address: str | None = None,
                  layout: KeyLayout = DEFAULT_LAYOUT, failover_timeout_s: float = 10.0,
-                 rpc_timeout_s: float = 5.0, security: ClientSecurity | None = None) -> None:
+                 rpc_timeout_s: float = 5.0, security: ClientSecurity | None = None,
+                 tenant: str | None = None) -> None:
         if (etcd_endpoint is None) == (address is None):
             raise InvalidArgument("give exactly one of etcd_endpoint and address")
+        if tenant is not None and (not isinstance(tenant, str) or len(tenant) > TENANT_MAX_CHARS
+                                   or not all(" " <= c <= "~" for c in tenant)):
+            raise InvalidArgument(f"tenant must be None or at most {TENANT_MAX_CHARS} printable "
+                                  f"ASCII characters (it travels as {TENANT_METADATA_KEY} "
+                                  f"metadata), got {tenant!r}")
+        self._tenant_metadata: tuple[tuple[str, str], ...] = () if tenant is None else (
+            (TENANT_METADATA_KEY, tenant),)
         if address is not None:
             parse_host_port(address)
         if not failover_timeout_s > 0 or not rpc_timeout_s > 0:
@@ -218,7 +236,9 @@ class ConductorClient:
 
     def _call_metadata(self) -> tuple[tuple[str, str], ...]:
         self._client_security()
-        return () if self._token is None else (self._token.metadata(),)
+        if self._token is None:
+            return self._tenant_metadata
+        return (self._token.metadata(), *self._tenant_metadata)
 
     def _stub(self, address: str) -> pb_grpc.ConductorStub:
         # One channel and one stub per conductor, reused by every call (a stub builds a

@@ -73,7 +73,9 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
     # The conductor: engines (and the front door, the gateway) ask where to run and report.
     **{CONDUCTOR + m: _ENGINE for m in (
         "Schedule", "ScheduleBatch", "Lookup", "ReportLoad", "ReportCompletion")},
-    CONDUCTOR + "Leader": _ANY,
+    # Inspection: the nodes, instances and engine caches the conductor follows, and how many
+    # blocks it indexes (every tenant's). Clients find the leader in etcd, not here.
+    CONDUCTOR + "Leader": _OPERATOR,
     "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": _ANY,
     "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo": _ANY,
 }

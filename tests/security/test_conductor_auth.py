@@ -37,7 +37,7 @@ def test_mtls_conductor_follows_an_mtls_daemon(tmp_path: Path, etcd_server: obje
     ca_path = ca.write(tmp_path / "ca.crt")
     d_cert, d_key = ca.issue("daemon", uri="kvtier://peer/daemon-a").write(tmp_path)
     c_cert, c_key = ca.issue("conductor", uri="kvtier://peer/conductor-1").write(tmp_path)
-    e_cert, e_key = ca.issue("engine", uri="kvtier://engine/vllm-0?tenants=a").write(tmp_path)
+    o_cert, o_key = ca.issue("operator", uri="kvtier://operator/ops").write(tmp_path)
     daemon = DaemonProcess(tmp_path, "node-a", nvme=False, etcd_endpoint=url,
                            etcd_prefix=etcd_layout.prefix, settings={
                                "security.cert_file": str(d_cert),
@@ -52,8 +52,8 @@ def test_mtls_conductor_follows_an_mtls_daemon(tmp_path: Path, etcd_server: obje
         address = conductor.start()
 
         async def scenario() -> None:
-            engine = ClientSecurity(ca_file=ca_path, cert_file=e_cert, key_file=e_key)
-            async with ConductorClient(address=address, security=engine) as client:
+            operator = ClientSecurity(ca_file=ca_path, cert_file=o_cert, key_file=o_key)
+            async with ConductorClient(address=address, security=operator) as client:
                 deadline = time.monotonic() + 30
                 while True:  # the conductor follows the daemon with its peer certificate
                     info = await client.leader_info()
