@@ -10,10 +10,11 @@
   prefill work). Without completions the conductor's reservations only grow, and an instance
   whose ``kv_capacity_tokens`` they fill is refused (``DECODE_KV_FULL``).
 
-Why the client and not the front door: the front door's request path does not tell its
-router when a request ended (yet); a caller that knows (the fleet's closed-loop replay, one
-request at a time) reports through this client. The request path calling a router hook at
-the end of each request is the general fix (docs/frontdoor.md, "Not done yet").
+Why the client and not the front door: :class:`~kvstore.frontdoor.router.ConductorRouter`
+keeps no tickets and has no ``done`` hook, so a caller that knows when requests end (the
+fleet's closed-loop replay, one request at a time) reports through this client.
+:class:`~kvstore.frontdoor.local.LocalRouter` keeps its own tickets and reports them from the
+``done`` hook the front door calls at the end of each request (give it a plain client).
 
 asyncio only, one event loop; nothing here is thread-safe.
 """
@@ -54,6 +55,12 @@ class TimedRouter:
         elif hasattr(decision, "status"):  # a Rejection
             self.rejections += 1
         return decision
+
+    def done(self, request_id: str, output_tokens: int = 0) -> None:
+        """Pass the end of a request on to the wrapped router, if it wants it."""
+        done = getattr(self.inner, "done", None)
+        if done is not None:
+            done(request_id, output_tokens)
 
     def reset(self) -> None:
         self.decision_s.clear()

@@ -4,7 +4,8 @@ A :class:`Router` gets the prompt's token ids (as vLLM will compute them:
 :mod:`kvstore.frontdoor.tokenizer`) and a :class:`RouteRequest`, and answers a
 :class:`Backend`, a :class:`PdPair` (prefill/decode disaggregation: the front door prefills
 on one backend and decodes on the other) or a :class:`Rejection` (an HTTP status and a reason
-the client sees). Three implementations:
+the client sees). Three implementations here, and :class:`~kvstore.frontdoor.local.
+LocalRouter` (the conductor's decision made in the front door's process):
 
 * :class:`RoundRobinRouter`: the healthy backends in turn; no token ids needed.
 * :class:`ConductorRouter`: the conductor's ``Schedule`` with the token ids (the conductor
@@ -111,6 +112,10 @@ class Router(Protocol):
     a :class:`Rejection`; it does not raise for a request it cannot place. It may be called by
     many concurrent requests of one event loop. ``token_ids`` is the whole prompt, in vLLM's
     tokenization; the router must not keep a reference to it past the call.
+
+    A router that reserves capacity per request (:class:`~kvstore.frontdoor.local.
+    LocalRouter`) also has ``done(request_id, output_tokens) -> None``, which the front door
+    calls, without awaiting anything, once each request it routed to a backend ended.
     """
 
     async def route(self, token_ids: Sequence[int], request: RouteRequest
@@ -196,27 +201,46 @@ class ConductorRouter:
 
     async def route(self, token_ids: Sequence[int], request: RouteRequest
                     ) -> Backend | Rejection:
+        decision, _ = await self.ask(token_ids, request)
+        return decision
+
+    async def ask(self, token_ids: Sequence[int], request: RouteRequest, at_s: float = 0.0
+                  ) -> tuple[Backend | Rejection, pb.ScheduleReply | None]:
+        """:meth:`route`'s decision and the conductor's reply it came from (None when no
+        reply came); an accepted reply's ``ticket`` is the caller's to report done. ``at_s``:
+        the caller's clock, for a conductor run with ``--clock client`` only."""
         try:
             reply = await self.conductor.schedule(
                 request.request_id, self.model, token_ids=token_ids, tenant=request.tenant,
-                input_tokens=len(token_ids), expected_output_tokens=request.max_tokens or 0)
+                input_tokens=len(token_ids), expected_output_tokens=request.max_tokens or 0,
+                at_s=at_s)
         except MembershipError as exc:
-            return Rejection(503, f"no conductor answered: {exc}", "no_conductor")
+            return Rejection(503, f"no conductor answered: {exc}", "no_conductor"), None
         except KvtierError as exc:  # InvalidArgument: e.g. no engine of this model registered
             return Rejection(503, f"the conductor cannot place the request: {exc}",
-                             "not_placed")
+                             "not_placed"), None
+        return self.decision(reply), reply
+
+    def decision(self, reply: pb.ScheduleReply) -> Backend | Rejection:
+        """The backend an answer of the conductor names, or the rejection it is."""
         if not reply.accepted:
             return Rejection(_REJECT_STATUS.get(int(reply.reason), 503),
                              f"rejected by the conductor: {reply.message}",
                              _REJECT_CODE.get(int(reply.reason), "rejected"))
-        backend = self.pool.get(reply.prefill_instance)
-        if backend is None:
-            return Rejection(503, f"the conductor chose instance {reply.prefill_instance!r}, "
-                                  f"which the front door has no backend for", "unknown_backend")
-        if not self.pool.is_healthy(backend):
-            return Rejection(503, f"the conductor chose instance {backend.name!r}, which is "
-                                  f"down", "backend_down")
-        return backend
+        return backend_named(self.pool, reply.prefill_instance, "the conductor")
+
+
+def backend_named(pool: BackendPool, instance_id: str, chooser: str) -> Backend | Rejection:
+    """The healthy backend of ``pool`` named ``instance_id`` (what ``chooser`` decided), or a
+    503 saying why there is none."""
+    backend = pool.get(instance_id)
+    if backend is None:
+        return Rejection(503, f"{chooser} chose instance {instance_id!r}, which the front "
+                              f"door has no backend for", "unknown_backend")
+    if not pool.is_healthy(backend):
+        return Rejection(503, f"{chooser} chose instance {backend.name!r}, which is down",
+                         "backend_down")
+    return backend
 
 
 class PdRouter:

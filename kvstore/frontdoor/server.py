@@ -7,7 +7,8 @@ For ``POST /v1/completions`` and ``POST /v1/chat/completions`` it
    PromptTokenizer`: the same tokenizer files, the chat template for messages; 400 for a
    malformed prompt or messages),
 3. asks the :class:`~kvstore.frontdoor.router.Router` for a backend (a rejection is its
-   status, 429 or 503, with the reason),
+   status, 429 or 503, with the reason); a router with a ``done`` hook is told when the
+   request ended (answered, failed or abandoned),
 4. forwards the request body unchanged to that backend and relays the answer: a
    non-streaming one whole (status and body as vLLM gave them, 4xx included), a streaming one
    (``"stream": true``, Server-Sent Events) chunk by chunk as the bytes arrive.
@@ -199,10 +200,16 @@ class FrontDoor:
         if isinstance(decision, Rejection):
             self.counters["rejected"] += 1
             return _error(decision.status, decision.reason, "rejected", decision.code)
-        if isinstance(decision, PdPair):
-            return await self._forward_pd(request, decision, endpoint, body, route,
-                                          len(token_ids))
-        return await self._forward(request, decision, endpoint, raw, route, len(token_ids))
+        try:
+            if isinstance(decision, PdPair):
+                return await self._forward_pd(request, decision, endpoint, body, route,
+                                              len(token_ids))
+            return await self._forward(request, decision, endpoint, raw, route,
+                                       len(token_ids))
+        finally:
+            done = getattr(self.router, "done", None)
+            if done is not None:  # the router's reservations for it end (see Router)
+                done(route.request_id, 0)
 
     # -- P/D -------------------------------------------------------------------------------
 

@@ -100,7 +100,7 @@ def test_conductor_router_sends_the_token_ids_and_takes_the_instance_it_names() 
     assert answer == B
     assert conductor.calls == [{"request_id": "r1", "model": "tiny", "token_ids": [7, 8, 9, 10],
                                 "tenant": "t", "input_tokens": 4,
-                                "expected_output_tokens": 8}]
+                                "expected_output_tokens": 8, "at_s": 0.0}]
 
 
 @pytest.mark.parametrize(("reason", "status", "code"), [

@@ -1,0 +1,522 @@
+"""Routing decisions made in the front door's own process, with the conductor's scheduling code.
+
+A ``Schedule`` RPC per request costs a round trip between two Python processes, whose own p99
+on a loaded host is above the 1 ms the front door may add (docs/routing.md). :class:`LocalRouter`
+decides in process instead, as Dynamo's KV router does in its frontend and llm-d's precise
+prefix-cache scorer in its endpoint picker: it runs the conductor's own
+:class:`~conductor.scheduler.Scheduler` on a replica of the conductor's inputs, followed from the
+same sources the conductor follows:
+
+* the engine records and node registrations in etcd (:class:`~kvstore.membership.engines.
+  EngineWatch`, :func:`~kvstore.membership.nodes.watch_nodes`), turned into scheduler instances
+  as the conductor turns them (:func:`conductor.instances.plan_instances`: a prefill and a
+  decode record of one server are one colocated instance);
+* each engine's vLLM KV events over ZMQ (:class:`~conductor.engine_events.
+  EngineEventFollower` into an :class:`~conductor.engine_index.EngineCacheIndex`: the same
+  seq/gap/replay handling, the same mismatch probes, and its chain memo, so a conversation's
+  next turn hashes only its new blocks). vLLM's PUB socket serves any number of subscribers
+  and its replay socket any number of clients: the front door is one more;
+* its own decisions and their completions (:meth:`LocalRouter.done`), which are the queue and
+  decode reservations the scheduler predicts from.
+
+``route`` is then one match and one ``Scheduler.schedule``, with no ``await`` between reading
+the state and reserving on it. The answer is the conductor's whenever the local state cannot
+vouch for itself; the front door never routes on a guess:
+
+* **not fresh** (:meth:`LocalRouter.stale_reason`): every ``check_interval_s`` the conductor's
+  ``Leader`` answer is compared with the local replica: the leader answers, it schedules
+  exactly the engine records the replica schedules, and no engine's view here is behind the
+  seq the conductor had applied one check earlier (a SUB socket silently cut off from its
+  publisher shows up so). The replica is fresh while the last agreeing check is younger than
+  ``max_check_age_s`` and no followed engine of the model waits for a replay (a gap, a fresh
+  view). An unreachable conductor or etcd therefore makes it stale within ``max_check_age_s``;
+* **store keys**: an engine of the model published a KV fingerprint, so the conductor would
+  also match the daemons' tiers, which are not followed here;
+* **a local rejection** (TTFT or TPOT target, no decode room), or a request the scheduler
+  refuses (no instance serves the model): the conductor stays authoritative for admission,
+  only its answer rejects;
+* the instance chosen has no healthy backend here.
+
+**Shadow** (``shadow=True``, the default): each local decision is also sent to the
+conductor's ``Schedule`` in the background, after the request was routed. The conductor so
+books the same reservations its own decision would have (its answers while the replica is
+stale see the front door's load) and the two choices are compared: ``counters`` has
+``shadow_agreed`` and ``shadow_disagreed`` (logged). At most ``max_shadows`` are in flight;
+more are skipped (``shadow_skipped``).
+
+Decisions are the conductor's on the same state: the same scheduler code with the same
+configuration (give the conductor's ``policy``, ``block_size_tokens`` and SLOs), the same
+instances and cache views, the same request fields (tests/frontdoor/test_local_routing.py).
+What differs: the replica counts a node live while its key is in etcd (the conductor also
+waits for its event stream; the freshness check sees any difference in instances), and the
+clock is this process's (same host: the same monotonic clock).
+
+asyncio, one event loop; ``route`` may be called by many concurrent requests. The constructor
+records settings and builds in-memory state; :meth:`LocalRouter.start` talks to etcd and the
+engines, :meth:`LocalRouter.close` stops everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import zmq.asyncio
+
+from conductor.engine_events import EngineEventFollower
+from conductor.engine_index import EngineCacheIndex, PromptMatch
+from conductor.index import GlobalPrefixIndex
+from conductor.instances import InstanceKind, PlannedInstance, plan_instances
+from conductor.perf.engine_model import default_engine_model
+from conductor.scheduler import (
+    Decision,
+    DecodeInstance,
+    Policy,
+    PrefillInstance,
+    Scheduler,
+    SchedulerConfig,
+    ScheduleRequest,
+)
+from kvstore._proto.kvtier.v1 import conductor_pb2 as pb
+from kvstore.errors import InvalidArgument, KvtierError
+from kvstore.frontdoor.router import (
+    Backend,
+    BackendPool,
+    ConductorRouter,
+    Rejection,
+    RouteRequest,
+    backend_named,
+)
+from kvstore.membership.engines import EngineRecord, EngineRole, EngineWatch
+from kvstore.membership.etcd import DEFAULT_LAYOUT, KeyLayout, etcd_client
+from kvstore.membership.nodes import NodeEventKind, watch_nodes
+
+if TYPE_CHECKING:
+    from kvstore.client.conductor_client import ConductorClient
+
+__all__ = ["LocalRouter", "local_scheduler"]
+
+log = logging.getLogger(__name__)
+
+
+def local_scheduler(policy: Policy = Policy.GLOBAL_CACHE, block_size_tokens: int = 512,
+                    ttft_slo_s: float | None = None, tpot_slo_s: float | None = None
+                    ) -> Scheduler:
+    """A scheduler configured as a conductor started with these settings configures its own
+    (``conductor.server.Conductor``: the default engine model at this block size), on an
+    empty store index."""
+    engine = default_engine_model(block_size_tokens)
+    return Scheduler(GlobalPrefixIndex(), engine.latency, SchedulerConfig(
+        policy=policy, block_size_tokens=engine.block_size_tokens,
+        block_size_bytes=engine.block_size_bytes, ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s))
+
+
+class LocalRouter:
+    """Decides in process, asks the conductor otherwise (see the module docstring).
+
+    ``conductor`` is the client the fallback and the shadow use (a plain
+    :class:`~kvstore.client.conductor_client.ConductorClient`: this router reports the tickets
+    it got done itself); ``model`` the model name the conductor knows the engines by."""
+
+    def __init__(self, conductor: ConductorClient, pool: BackendPool, model: str, *,
+                 etcd_endpoint: str, layout: KeyLayout = DEFAULT_LAYOUT,
+                 policy: Policy = Policy.GLOBAL_CACHE, block_size_tokens: int = 512,
+                 ttft_slo_s: float | None = None, tpot_slo_s: float | None = None,
+                 shadow: bool = True, max_shadows: int = 64, check_interval_s: float = 1.0,
+                 max_check_age_s: float = 3.0, send_clock: bool = False) -> None:
+        if not check_interval_s > 0 or not max_check_age_s > check_interval_s:
+            raise InvalidArgument("check_interval_s must be > 0 and max_check_age_s larger")
+        if max_shadows < 1:
+            raise InvalidArgument("max_shadows must be >= 1")
+        self.fallback = ConductorRouter(conductor, pool, model)
+        self.conductor = conductor
+        self.pool = pool
+        self.model = model
+        self.scheduler = local_scheduler(policy, block_size_tokens, ttft_slo_s, tpot_slo_s)
+        self.engine_cache = EngineCacheIndex()
+        self.shadow = shadow
+        self.send_clock = send_clock
+        """The conductor runs on its caller's clock (``--clock client``): the fallback, the
+        shadow and the completion reports carry this router's time, so that the conductor
+        decides at the very instant the replica did (on the wall clock it decides a round
+        trip later, when queue predictions have drained by that much: near ties may then
+        differ, which the shadow counts)."""
+        self.max_shadows = max_shadows
+        self._etcd_endpoint = etcd_endpoint
+        self._layout = layout
+        self._check_interval_s = check_interval_s
+        self._max_check_age_s = max_check_age_s
+        self.records: dict[str, EngineRecord] = {}
+        """Engine records in etcd, by instance id."""
+        self._created: dict[str, int] = {}
+        self.nodes: set[str] = set()
+        """Nodes registered in etcd."""
+        self._placed: dict[str, PlannedInstance] = {}
+        self._scheduled: dict[str, EngineRecord] = {}
+        """Engine records the scheduler knows now, by record id (as the conductor's)."""
+        self._followers: dict[str, tuple[EngineEventFollower, asyncio.Task[None]]] = {}
+        self._zmq: zmq.asyncio.Context | None = None
+        self._etcd: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False
+        self._agreed_at = -float("inf")
+        self._disagreement: str | None = "no check against the conductor yet"
+        self._conductor_seq: dict[str, int] = {}
+        """Each engine's applied seq at the conductor, as of the last check."""
+        self._local_tickets: dict[str, int] = {}
+        """Request id -> ticket of the local scheduler, until done."""
+        self._conductor_tickets: dict[str, int] = {}
+        """Request id -> ticket the conductor gave (fallback or shadow), until done."""
+        self._done_early: set[str] = set()
+        """Requests done while their shadow was still in flight."""
+        self._shadows: set[asyncio.Task[None]] = set()
+        """Shadow decisions and completion reports in flight."""
+        self.counters: Counter[str] = Counter()
+        """``local``, ``fallback`` and ``fallback:<why>``, ``shadow_agreed``,
+        ``shadow_disagreed``, ``shadow_failed``, ``shadow_skipped``, ``report_failed``."""
+        self.last_fallback = ""
+        """Why the latest request was not decided here ('' when it was)."""
+        self.disagreements: deque[tuple[str, str | None, str]] = deque(maxlen=64)
+        """The latest shadow disagreements: (request id, chosen here, the conductor's)."""
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Read etcd's engines and nodes, follow them and the engines' KV events, start the
+        freshness checks. Raises MembershipError when etcd cannot be reached."""
+        self._etcd = etcd_client(self._etcd_endpoint)
+        loop = asyncio.get_running_loop()
+        try:
+            nodes = watch_nodes(self._etcd, layout=self._layout)
+            await nodes.start()
+            engines = EngineWatch(self._etcd, layout=self._layout)
+            await engines.__aenter__()
+        except BaseException:
+            await self.close()
+            raise
+        self._tasks = [
+            loop.create_task(self._follow_nodes(nodes), name="kvtier-frontdoor-nodes"),
+            loop.create_task(self._follow_engines(engines), name="kvtier-frontdoor-engines"),
+            loop.create_task(self._check_loop(), name="kvtier-frontdoor-check"),
+        ]
+
+    async def close(self) -> None:
+        """Stop following; report nothing more. Idempotent."""
+        self._closing = True
+        tasks = self._tasks + [task for _, task in self._followers.values()] + \
+            list(self._shadows)
+        self._tasks, self._followers = [], {}
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+        if self._etcd is not None:
+            with contextlib.suppress(Exception):  # closing a client whose etcd is gone
+                await self._etcd.close()
+            self._etcd = None
+        if self._zmq is not None:
+            self._zmq.destroy(linger=0)
+            self._zmq = None
+
+    async def __aenter__(self) -> LocalRouter:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # -- deciding ------------------------------------------------------------------------------
+
+    def stale_reason(self) -> str | None:
+        """Why the replica cannot decide now (None: it can; see the module docstring)."""
+        if self._disagreement is not None:
+            return self._disagreement
+        age_s = time.monotonic() - self._agreed_at
+        if age_s > self._max_check_age_s:
+            return f"no agreeing check with the conductor for {age_s:.1f} s"
+        for instance_id, rec in self.records.items():
+            if rec.model != self.model or rec.vllm_kv_events is None:
+                continue
+            view = self.engine_cache.view(instance_id)
+            if view is None or view.replay_from is not None:
+                return f"engine {instance_id}'s KV events wait for a replay"
+        return None
+
+    async def route(self, token_ids: Sequence[int], request: RouteRequest
+                    ) -> Backend | Rejection:
+        local = self._decide(token_ids, request)
+        if isinstance(local, str):
+            self.last_fallback = local
+            self.counters["fallback"] += 1
+            self.counters[f"fallback:{local.split(':')[0]}"] += 1
+            decision, reply = await self.fallback.ask(token_ids, request, self._at_s())
+            if reply is not None and reply.accepted and reply.ticket:
+                self._conductor_tickets[request.request_id] = int(reply.ticket)
+            return decision
+        self.last_fallback = ""
+        self.counters["local"] += 1
+        return local
+
+    def _decide(self, token_ids: Sequence[int], request: RouteRequest) -> Backend | Rejection | str:
+        """The local decision, or why there is none (a short kind, ':', the detail)."""
+        why = self.stale_reason()
+        if why is not None:
+            return f"stale: {why}"
+        model = self.model
+        events: set[str] = set()
+        for instance_id, rec in self.records.items():
+            if rec.model != model:
+                continue
+            if rec.kv_fingerprint is not None:
+                return f"store-keys: engine {instance_id} of {model!r} has a KV fingerprint"
+            if rec.vllm_kv_events is not None:
+                events.add(instance_id)
+        if not events or not len(token_ids):
+            return f"no-events: no engine of {model!r} publishes KV events, or no token ids"
+        # What the conductor's Schedule handler does with the same request (conductor/
+        # service.py): the ids as a uint32 array (the chain memo's input), no store keys, the
+        # engines' cached prefixes, the scheduler, and the mismatch probe of the chosen engine.
+        tokens = np.array(token_ids, dtype=np.uint32)
+        match: PromptMatch = self.engine_cache.match(tokens, request.tenant, events)
+        now_s = time.monotonic()
+        try:
+            decision: Decision = self.scheduler.schedule(ScheduleRequest(
+                request.request_id, model, (), len(tokens), request.max_tokens or None),
+                now_s, match.cached_tokens)
+        except InvalidArgument as exc:
+            return f"not-placed: {exc}"
+        if not decision.accepted:
+            return f"rejected: {decision.message}"
+        assert decision.prefill_instance is not None
+        backend = backend_named(self.pool, decision.prefill_instance, "the local scheduler")
+        if isinstance(backend, Rejection):
+            self.scheduler.cancel(decision.ticket)
+            return f"{backend.code}: {backend.reason}"
+        if decision.prefill_instance in match.cached_tokens:
+            self.engine_cache.expect_routed(decision.prefill_instance, tokens, request.tenant,
+                                            match)
+        self._local_tickets[request.request_id] = decision.ticket
+        if self.shadow:
+            self._start_shadow(tokens, request, decision, now_s)
+        return backend
+
+    # -- the shadow ----------------------------------------------------------------------------
+
+    def _at_s(self, now_s: float | None = None) -> float:
+        """What the conductor gets as the caller's clock (0: it uses its own)."""
+        if not self.send_clock:
+            return 0.0
+        return time.monotonic() if now_s is None else now_s
+
+    def _start_shadow(self, tokens: np.ndarray[Any, Any], request: RouteRequest,
+                      chosen: Decision, now_s: float) -> None:
+        if len(self._shadows) >= self.max_shadows:
+            self.counters["shadow_skipped"] += 1
+            return
+        self._background(self._shadow(tokens, request, chosen, self._at_s(now_s)),
+                         f"kvtier-shadow-{request.request_id}")
+
+    async def _shadow(self, tokens: np.ndarray[Any, Any], request: RouteRequest,
+                      decision: Decision, at_s: float) -> None:
+        chosen = decision.prefill_instance
+        rid = request.request_id
+        try:
+            reply = await self.conductor.schedule(
+                rid, self.model, token_ids=tokens.tolist(), tenant=request.tenant,
+                input_tokens=len(tokens), expected_output_tokens=request.max_tokens or 0,
+                at_s=at_s)
+        except KvtierError as exc:
+            self.counters["shadow_failed"] += 1
+            log.warning("request %s: the conductor's shadow decision failed: %s", rid, exc)
+            self._done_early.discard(rid)
+            return
+        theirs = reply.prefill_instance if reply.accepted else f"rejected ({reply.message})"
+        if theirs == chosen:
+            self.counters["shadow_agreed"] += 1
+        else:
+            self.counters["shadow_disagreed"] += 1
+            self.disagreements.append((rid, chosen, theirs))
+            assert decision.ttft is not None
+            log.warning("request %s: routed to %s here (queue %.4f s, TTFT %.4f s), the "
+                        "conductor chose %s (queue %.4f s, TTFT %.4f s)", rid, chosen,
+                        decision.ttft.queue_s, decision.ttft.total_s, theirs, reply.queue_s,
+                        reply.ttft_estimate_s)
+        if reply.accepted and reply.ticket:
+            if rid in self._done_early:
+                self._done_early.discard(rid)
+                await self._report(int(reply.ticket), 0, self._at_s())
+            else:
+                self._conductor_tickets[rid] = int(reply.ticket)
+        else:
+            self._done_early.discard(rid)
+
+    @property
+    def _shadow_names(self) -> set[str]:
+        return {task.get_name() for task in self._shadows}
+
+    async def idle(self) -> None:
+        """Wait until no shadow decision nor completion report is in flight (tests,
+        benchmarks)."""
+        while self._shadows:
+            await asyncio.wait(list(self._shadows))
+
+    # -- completions ---------------------------------------------------------------------------
+
+    def done(self, request_id: str, output_tokens: int = 0) -> None:
+        """The request ended (``output_tokens`` it generated; 0: unknown): release its
+        reservations here at once, and at the conductor in the background (the request path
+        does not wait for that RPC). A request this router never routed is ignored."""
+        now_s = time.monotonic()
+        ticket = self._local_tickets.pop(request_id, None)
+        if ticket is not None:
+            # Unknown when its instance left meanwhile (the scheduler dropped its tickets).
+            with contextlib.suppress(InvalidArgument):
+                self.scheduler.decode_done(ticket, now_s, output_tokens=output_tokens)
+        theirs = self._conductor_tickets.pop(request_id, None)
+        if theirs is not None:
+            self._background(self._report(theirs, output_tokens, self._at_s(now_s)),
+                             f"kvtier-report-{request_id}")
+        elif ticket is not None and f"kvtier-shadow-{request_id}" in self._shadow_names:
+            self._done_early.add(request_id)
+
+    def _background(self, work: Any, name: str) -> None:
+        task = asyncio.get_running_loop().create_task(work, name=name)
+        self._shadows.add(task)
+        task.add_done_callback(self._shadows.discard)
+
+    async def _report(self, ticket: int, output_tokens: int, at_s: float) -> None:
+        try:
+            await self.conductor.report_completion(pb.CompletionReport(
+                ticket=ticket, at_s=at_s, decode=pb.DecodeDone(output_tokens=output_tokens)))
+        except KvtierError as exc:
+            self.counters["report_failed"] += 1
+            log.warning("reporting ticket %d done to the conductor failed: %s", ticket, exc)
+
+    # -- following etcd ------------------------------------------------------------------------
+
+    async def _follow_nodes(self, events: Any) -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            stack.push_async_callback(events.close)
+            async for event in events:
+                if event.kind is NodeEventKind.LEFT:
+                    self.nodes.discard(event.node_id)
+                else:
+                    self.nodes.add(event.node_id)
+                self._sync_instances()
+
+    async def _follow_engines(self, changes: EngineWatch) -> None:
+        try:
+            async for change in changes:
+                if change.record is None:
+                    self.records.pop(change.instance_id, None)
+                    self._created.pop(change.instance_id, None)
+                else:
+                    self.records[change.instance_id] = change.record
+                    self._created[change.instance_id] = change.create_revision
+                self._sync_instances()
+                self._sync_engine_events()
+        finally:
+            await changes.__aexit__(None, None, None)
+
+    def _sync_instances(self) -> None:
+        """The scheduler's instances = engine records whose node is registered, paired as
+        the conductor pairs them (``Conductor._sync_instances``, conductor/server.py)."""
+        wanted = plan_instances(self.records, self.nodes)
+        for instance_id, planned in list(self._placed.items()):
+            if wanted.get(instance_id) != planned or any(
+                    self._scheduled.get(r) != self.records.get(r) for r in planned.records):
+                self.scheduler.remove_instance(instance_id)
+                del self._placed[instance_id]
+                for r in planned.records:
+                    self._scheduled.pop(r, None)
+        for instance_id, planned in wanted.items():
+            if instance_id in self._placed:
+                continue
+            try:
+                if planned.kind is InstanceKind.PREFILL:
+                    self.scheduler.add_prefill_instance(
+                        PrefillInstance(instance_id, planned.node_id, planned.model))
+                elif planned.kind is InstanceKind.DECODE:
+                    self.scheduler.add_decode_instance(DecodeInstance(
+                        instance_id, planned.node_id, planned.model, planned.kv_capacity_tokens))
+                else:
+                    self.scheduler.add_colocated_instance(
+                        PrefillInstance(instance_id, planned.node_id, planned.model),
+                        planned.kv_capacity_tokens)
+            except InvalidArgument as exc:
+                log.warning("engine %s not schedulable: %s", instance_id, exc)
+                continue
+            self._placed[instance_id] = planned
+            for r in planned.records:
+                self._scheduled[r] = self.records[r]
+
+    def _sync_engine_events(self) -> None:
+        """Follow the KV events of every engine record that has them (the conductor's
+        ``_sync_engine_events``): a follower per record, a fresh one when its description or
+        registration changed, none for records that left."""
+        wanted = {i: (rec.vllm_kv_events, self._created.get(i, 0))
+                  for i, rec in self.records.items() if rec.vllm_kv_events is not None}
+        for instance_id, (follower, task) in list(self._followers.items()):
+            want = wanted.get(instance_id)
+            if want == (follower.view.spec, follower.view.generation):
+                continue
+            task.cancel()
+            del self._followers[instance_id]
+            if want is None:
+                self.engine_cache.remove(instance_id)
+        if self._closing:
+            return
+        loop = asyncio.get_running_loop()
+        for instance_id, (spec, generation) in wanted.items():
+            if instance_id in self._followers or spec is None:
+                continue
+            if self._zmq is None:
+                self._zmq = zmq.asyncio.Context()
+            view = self.engine_cache.track(instance_id, spec, generation)
+            follower = EngineEventFollower(self.engine_cache, view, self._zmq)
+            task = loop.create_task(follower.run(),
+                                    name=f"kvtier-frontdoor-kv-events-{instance_id}")
+            self._followers[instance_id] = (follower, task)
+
+    # -- freshness -----------------------------------------------------------------------------
+
+    async def _check_loop(self) -> None:
+        while True:
+            try:
+                info = await self.conductor.leader_info()
+            except KvtierError as exc:
+                self._disagreement = f"the conductor did not answer the check: {exc}"
+            else:
+                self._disagreement = self.compare(info)
+                if self._disagreement is None:
+                    self._agreed_at = time.monotonic()
+            await asyncio.sleep(self._check_interval_s)
+
+    def compare(self, info: pb.LeaderReply) -> str | None:
+        """How the conductor's ``Leader`` answer disagrees with the replica (None: it agrees).
+        Remembers each engine's seq there for the next comparison."""
+        if not info.is_leader:
+            return "the conductor that answered does not lead"
+        mine = {role: sorted(r for r, rec in self._scheduled.items() if rec.role is role)
+                for role in (EngineRole.PREFILL, EngineRole.DECODE)}
+        if list(info.prefill_instances) != mine[EngineRole.PREFILL] or \
+                list(info.decode_instances) != mine[EngineRole.DECODE]:
+            return (f"the conductor schedules {list(info.prefill_instances)} / "
+                    f"{list(info.decode_instances)}, this front door "
+                    f"{mine[EngineRole.PREFILL]} / {mine[EngineRole.DECODE]}")
+        behind = None
+        seqs = {c.instance_id: int(c.expected_seq) for c in info.engine_caches}
+        for instance_id, before in self._conductor_seq.items():
+            view = self.engine_cache.view(instance_id)
+            if instance_id in seqs and (view is None or view.expected < before):
+                behind = (f"engine {instance_id}'s KV events: seq {before} applied at the "
+                          f"conductor a check ago, {view.expected if view else 'none'} here")
+                break
+        self._conductor_seq = seqs
+        return behind

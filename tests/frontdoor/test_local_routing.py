@@ -1,0 +1,276 @@
+"""The front door's in-process routing (``LocalRouter``) against the real conductor on the same
+state: etcd, a store daemon, a ``kvtier conductor`` process and two vLLM-like instances
+registered as the fleet registers its servers, whose KV events are vLLM's wire format on real
+ZMQ sockets (``bench.routing.KvEventPublisher``), followed by both the conductor and the front
+door. No vLLM runs.
+
+What is checked: the same prompts on the same state get the same instance here as from the
+conductor (each local decision's shadow ``Schedule`` is the conductor's decision, made on its
+own view of the same events and the same earlier decisions and completions), through prefixes
+held by either engine, a conversation, new prompts and requests left outstanding; a replica cut
+off from an engine's events goes stale and the conductor decides instead; with the conductor
+gone the front door refuses (503) rather than route on state nobody vouches for; and the local
+scheduler is configured as the conductor configures its own. Every wait polls a condition with a
+deadline; no timed assertions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conductor.scheduler import Policy
+from conductor.server import Conductor, ConductorConfig
+from kvstore.client.conductor_client import ConductorClient
+from kvstore.frontdoor.local import LocalRouter, local_scheduler
+from kvstore.frontdoor.router import Backend, BackendPool, Rejection, RouteRequest
+from kvstore.membership.etcd import KeyLayout
+from kvstore.membership.launcher import LocalEtcd
+from tests.frontdoor.test_conductor_routing import BLOCK, MODEL, Fleet, wait_until
+
+VOCAB = 32000
+
+
+def _fleet(tmp_path: Path, etcd: LocalEtcd, layout: KeyLayout, client_clock: bool
+           ) -> Iterator[Fleet]:
+    f = Fleet(tmp_path, etcd, layout)
+    if client_clock:  # the conductor decides on the front door's clock
+        f.conductor.args += ["--clock", "client"]
+    try:
+        f.daemon.start()
+        f.conductor.start()
+        yield f
+    finally:
+        f.close()
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, etcd_server: LocalEtcd, etcd_layout: KeyLayout) -> Iterator[Fleet]:
+    yield from _fleet(tmp_path, etcd_server, etcd_layout, client_clock=False)
+
+
+@pytest.fixture
+def same_clock_fleet(tmp_path: Path, etcd_server: LocalEtcd, etcd_layout: KeyLayout
+                     ) -> Iterator[Fleet]:
+    yield from _fleet(tmp_path, etcd_server, etcd_layout, client_clock=True)
+
+
+def test_the_local_scheduler_is_configured_as_the_conductors() -> None:
+    for policy, block, ttft, tpot in ((Policy.GLOBAL_CACHE, 32, None, None),
+                                      (Policy.LOAD, 512, 2.0, 0.05)):
+        theirs = Conductor(ConductorConfig(etcd_endpoint="http://127.0.0.1:1", policy=policy,
+                                           block_size_tokens=block, ttft_slo_s=ttft,
+                                           tpot_slo_s=tpot)).scheduler
+        mine = local_scheduler(policy, block, ttft, tpot)
+        assert mine.config == theirs.config
+        # The same latency model: the same estimate for the same work.
+        assert mine.prefill_estimate_s("x", 1000, 500) == theirs.prefill_estimate_s("x", 1000,
+                                                                                     500)
+
+
+class Scenario:
+    """A local router and a plain conductor client on one fleet, and what each engine holds."""
+
+    def __init__(self, fleet: Fleet, router: LocalRouter, client: ConductorClient) -> None:
+        self.fleet = fleet
+        self.router = router
+        self.client = client
+        self.held: dict[str, set[object]] = {"v0": set(), "v1": set()}
+
+    def store(self, name: str, tokens: list[int], blocks: int | None = None) -> None:
+        self.fleet.store(name, tokens, blocks)
+        self.held[name].update(self.fleet.hashes.hashes(tokens)[:blocks])
+
+    async def settled(self) -> None:
+        """Both the conductor and the front door hold what the engines stored, and the
+        front door's replica is fresh."""
+        want = {name: len(h) for name, h in self.held.items()}
+
+        async def check() -> bool:
+            info = await self.client.leader_info()
+            theirs = {c.instance_id: c.blocks for c in info.engine_caches}
+            mine = {}
+            for name in want:
+                view = self.router.engine_cache.view(name)
+                mine[name] = -1 if view is None else len(view)
+            return theirs == want == mine and self.router.stale_reason() is None
+
+        await wait_until(check, f"the conductor and the front door hold {want}")
+
+
+def _prompt(rng: random.Random, blocks: int) -> list[int]:
+    return [rng.randrange(3, VOCAB) for _ in range(blocks * BLOCK + rng.randrange(BLOCK))]
+
+
+def _router(fleet: Fleet, client: ConductorClient, pool: BackendPool,
+            send_clock: bool = False) -> LocalRouter:
+    return LocalRouter(client, pool, MODEL, etcd_endpoint=fleet.etcd_url, layout=fleet.layout,
+                       policy=Policy.GLOBAL_CACHE, block_size_tokens=BLOCK,
+                       check_interval_s=0.2, max_check_age_s=2.0, send_clock=send_clock)
+
+
+POOL = [Backend("v0", "http://127.0.0.1:9"), Backend("v1", "http://127.0.0.1:10")]
+
+
+def test_local_decisions_are_the_conductors_on_the_same_state(
+        same_clock_fleet: Fleet, aio: asyncio.Runner) -> None:
+    """The conductor runs on the front door's clock, so its shadow decision is made on the
+    same state at the same instant (on the wall clock it decides a round trip later, and a
+    queue predicted to drain in between can tip a near tie)."""
+    rng = random.Random(11)
+    held_by_v1 = _prompt(rng, 6)
+    longer_on_v1 = _prompt(rng, 8)
+    longer_on_v0 = _prompt(rng, 8)
+
+    fleet = same_clock_fleet
+    async def scenario() -> None:
+        await fleet.register()
+        client = ConductorClient(etcd_endpoint=fleet.etcd_url, layout=fleet.layout)
+        router = _router(fleet, client, BackendPool(POOL), send_clock=True)
+        s = Scenario(fleet, router, client)
+        s.store("v1", held_by_v1)  # before anyone follows v1: learned by replay
+        s.store("v0", longer_on_v1, 2)
+        s.store("v1", longer_on_v1, 5)
+        s.store("v0", longer_on_v0, 6)
+        s.store("v1", longer_on_v0, 3)
+        for publisher in fleet.publishers.values():
+            publisher.start()
+        try:
+            await router.start()
+            await s.settled()
+            conversation = [held_by_v1]
+            for _ in range(3):
+                conversation.append(conversation[-1] + _prompt(rng, rng.randrange(1, 4)))
+            prompts = [(held_by_v1, "v1"), (longer_on_v1, "v1"), (longer_on_v0, "v0")]
+            prompts += [(turn, "v1") for turn in conversation[1:]]
+            prompts += [(_prompt(rng, rng.randrange(2, 12)), None) for _ in range(6)]
+            # Again, now that queues and reservations differ (either engine may be best).
+            prompts += [(longer_on_v0, None), (held_by_v1, None), (longer_on_v1, None)]
+            outstanding: list[str] = []
+            for i, (tokens, expected) in enumerate(prompts):
+                request = RouteRequest(f"req-{i}", "/v1/completions", MODEL, 8, False)
+                decision = await router.route(tokens, request)
+                assert router.last_fallback == "", (i, router.last_fallback)
+                assert isinstance(decision, Backend), (i, decision)
+                if expected is not None:
+                    assert decision.name == expected, i
+                await router.idle()  # the conductor decided on the same request (shadow)
+                assert router.counters["shadow_disagreed"] == 0, list(router.disagreements)
+                # Every third request stays outstanding: queues and reservations differ
+                # between the engines, on both sides alike.
+                if i % 3 == 2:
+                    outstanding.append(request.request_id)
+                else:
+                    router.done(request.request_id, 8)
+                    await router.idle()
+                s.store(decision.name, tokens)  # vLLM stores the prompt it prefilled
+                await s.settled()
+            assert router.counters["local"] == len(prompts)
+            assert router.counters["shadow_agreed"] == len(prompts)
+            assert router.counters["fallback"] == 0
+            for request_id in outstanding:
+                router.done(request_id, 8)
+            await router.idle()
+            assert router.counters["report_failed"] == 0
+            assert router.scheduler.outstanding() == 0
+        finally:
+            await router.close()
+            await client.close()
+
+    aio.run(asyncio.wait_for(scenario(), 180))
+
+
+def test_a_replica_cut_off_from_an_engine_asks_the_conductor(
+        fleet: Fleet, aio: asyncio.Runner) -> None:
+    rng = random.Random(12)
+    tokens = _prompt(rng, 6)
+
+    async def scenario() -> None:
+        await fleet.register()
+        client = ConductorClient(etcd_endpoint=fleet.etcd_url, layout=fleet.layout)
+        router = _router(fleet, client, BackendPool(POOL))
+        s = Scenario(fleet, router, client)
+        for publisher in fleet.publishers.values():
+            publisher.start()
+        try:
+            # Before the replica agreed with the conductor once, the conductor decides.
+            await router.start()
+            first = await router.route(tokens, RouteRequest("early", "/v1/completions", MODEL,
+                                                            8, False))
+            assert isinstance(first, Backend)
+            router.done("early", 8)
+            await s.settled()
+            # The front door's subscription to v1 dies silently (as a SUB socket cut off from
+            # its publisher does: nothing arrives); v1 then stores the prompt.
+            _, task = router._followers["v1"]
+            task.cancel()
+            s.held["v1"].update(fleet.hashes.hashes(tokens))
+            fleet.store("v1", tokens)
+
+            async def conductor_sees_it() -> bool:
+                info = await client.leader_info()
+                return {c.instance_id: c.blocks for c in info.engine_caches}["v1"] == \
+                    len(s.held["v1"])
+
+            await wait_until(conductor_sees_it, "the conductor applies v1's batch")
+
+            async def stale() -> bool:
+                return router.stale_reason() is not None
+
+            await wait_until(stale, "the replica notices it is behind on v1")
+            assert "v1" in str(router.stale_reason())
+            decision = await router.route(tokens, RouteRequest("late", "/v1/completions", MODEL,
+                                                               8, False))
+            # The replica would have said v0 (it holds nothing of the prompt on v1): the
+            # conductor's answer is the one taken.
+            assert router.last_fallback.startswith("stale:"), router.last_fallback
+            assert isinstance(decision, Backend) and decision.name == "v1"
+            router.done("late", 8)
+            await router.idle()
+            assert router.counters["report_failed"] == 0
+        finally:
+            await router.close()
+            await client.close()
+
+    aio.run(asyncio.wait_for(scenario(), 180))
+
+
+def test_without_a_conductor_the_front_door_refuses_rather_than_guess(
+        fleet: Fleet, aio: asyncio.Runner) -> None:
+    rng = random.Random(13)
+
+    async def scenario() -> None:
+        await fleet.register()
+        client = ConductorClient(etcd_endpoint=fleet.etcd_url, layout=fleet.layout,
+                                 failover_timeout_s=1.0)
+        router = _router(fleet, client, BackendPool(POOL))
+        s = Scenario(fleet, router, client)
+        for publisher in fleet.publishers.values():
+            publisher.start()
+        try:
+            await router.start()
+            await s.settled()
+            decision = await router.route(_prompt(rng, 3), RouteRequest(
+                "before", "/v1/completions", MODEL, 8, False))
+            assert isinstance(decision, Backend) and router.last_fallback == ""
+            router.done("before", 8)
+            await router.idle()
+            fleet.conductor.stop()
+
+            async def stale() -> bool:
+                return router.stale_reason() is not None
+
+            await wait_until(stale, "the replica goes stale without its checks")
+            decision = await router.route(_prompt(rng, 3), RouteRequest(
+                "after", "/v1/completions", MODEL, 8, False))
+            assert isinstance(decision, Rejection) and decision.status == 503, decision
+            assert decision.code == "no_conductor"
+        finally:
+            await router.close()
+            await client.close()
+
+    aio.run(asyncio.wait_for(scenario(), 180))
