@@ -380,7 +380,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., largest_free_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., puts: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., demotions_out: _Optional[int] = ..., promotions_in: _Optional[int] = ..., drops: _Optional[int] = ..., corrupt: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("node_id", "epoch", "tiers", "misses", "lookups", "last_seq", "shm_leases_open", "tcp_connections_open", "uptime_s")
+    __slots__ = ("node_id", "epoch", "tiers", "misses", "lookups", "last_seq", "shm_leases_open", "tcp_connections_open", "uptime_s", "tenants")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -390,6 +390,7 @@ class StatsResponse(_message.Message):
     SHM_LEASES_OPEN_FIELD_NUMBER: _ClassVar[int]
     TCP_CONNECTIONS_OPEN_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: str
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
@@ -399,7 +400,40 @@ class StatsResponse(_message.Message):
     shm_leases_open: int
     tcp_connections_open: int
     uptime_s: float
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., misses: _Optional[int] = ..., lookups: _Optional[int] = ..., last_seq: _Optional[int] = ..., shm_leases_open: _Optional[int] = ..., tcp_connections_open: _Optional[int] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., misses: _Optional[int] = ..., lookups: _Optional[int] = ..., last_seq: _Optional[int] = ..., shm_leases_open: _Optional[int] = ..., tcp_connections_open: _Optional[int] = ..., uptime_s: _Optional[float] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
+
+class TenantTierStats(_message.Message):
+    __slots__ = ("tier", "used_bytes", "max_bytes", "guaranteed_bytes")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GUARANTEED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    used_bytes: int
+    max_bytes: int
+    guaranteed_bytes: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., used_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., guaranteed_bytes: _Optional[int] = ...) -> None: ...
+
+class TenantStats(_message.Message):
+    __slots__ = ("tenant", "other", "hits", "misses", "bytes_read", "bytes_written", "refused", "tiers")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    OTHER_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    other: bool
+    hits: int
+    misses: int
+    bytes_read: int
+    bytes_written: int
+    refused: int
+    tiers: _containers.RepeatedCompositeFieldContainer[TenantTierStats]
+    def __init__(self, tenant: _Optional[str] = ..., other: _Optional[bool] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., refused: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TenantTierStats, _Mapping]]] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
     __slots__ = ("tier", "bytes", "key_prefix")
