@@ -58,6 +58,7 @@ engines, :meth:`LocalRouter.close` stops everything.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import logging
@@ -67,6 +68,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 import zmq.asyncio
 
 from conductor.engine_events import EngineEventFollower
@@ -103,6 +105,22 @@ if TYPE_CHECKING:
 __all__ = ["LocalRouter", "local_scheduler"]
 
 log = logging.getLogger(__name__)
+
+
+_UINT32 = next(code for code in "IL" if array.array(code).itemsize == 4)
+
+
+def _token_array(token_ids: Sequence[int]) -> npt.NDArray[np.uint32] | None:
+    """The prompt as a uint32 array (what the engine index's chain memo hashes), or None when
+    an id does not fit. Through ``array.array``: a quarter of ``np.array``'s time for a list of
+    Python ints (~18 us against ~70 us at 4,000 ids here)."""
+    if isinstance(token_ids, np.ndarray) and token_ids.dtype == np.uint32 and \
+            token_ids.ndim == 1 and token_ids.flags.c_contiguous:
+        return token_ids
+    try:
+        return np.frombuffer(array.array(_UINT32, token_ids), dtype=np.uint32)
+    except (OverflowError, TypeError):
+        return None
 
 
 def local_scheduler(policy: Policy = Policy.GLOBAL_CACHE, block_size_tokens: int = 512,
@@ -282,7 +300,9 @@ class LocalRouter:
         # What the conductor's Schedule handler does with the same request (conductor/
         # service.py): the ids as a uint32 array (the chain memo's input), no store keys, the
         # engines' cached prefixes, the scheduler, and the mismatch probe of the chosen engine.
-        tokens = np.array(token_ids, dtype=np.uint32)
+        tokens = _token_array(token_ids)
+        if tokens is None:
+            return "bad-ids: a token id is not a uint32"
         match: PromptMatch = self.engine_cache.match(tokens, request.tenant, events)
         now_s = time.monotonic()
         try:
