@@ -36,8 +36,17 @@ etcd, one request at a time, each reported done afterwards as the fleet does), a
     and ``lookup0``, an empty ``Lookup`` through the same client: the floor of the client's
     plumbing (leader following, metadata) on the same channel as (b).
 
-The ratio column is (c)'s p99 over (d)'s p99. The fleet's own figure comes from a real run with
-vLLM on the same two cores; this one isolates routing from that contention.
+(e) ``local``: the same decision made in this process (``kvstore.frontdoor.local.LocalRouter``
+    in a ``TimedRouter``: the conductor's scheduler on a replica of its inputs, which follows the
+    same etcd records and the same engines' KV event sockets as the conductor does), on another
+    prompt of the same kind, interleaved with the others; its shadow ``Schedule`` to the
+    conductor (the conductor's books, and the agreement count) runs after the route returned
+    and is waited for, untimed, before the next step. ``local``/``fallback`` count the
+    decisions it made itself and those it asked the conductor for; ``agreed``/``disagreed``
+    compare its choices with the conductor's shadow decisions.
+
+The ratio columns are (c)'s and (e)'s p99 over (d)'s p99. The fleet's own figure comes from a
+real run with vLLM on the same two cores; this one isolates routing from that contention.
 """
 
 from __future__ import annotations
@@ -251,7 +260,10 @@ async def _drive(etcd_url: str, address: str, server_pid: int, work: Path, decis
 
     from conductor import engine_index
     from conductor.engine_index import VllmBlockHashes
+    from conductor.scheduler import Policy
+    from kvstore.client.conductor_client import ConductorClient
     from kvstore.frontdoor.instrument import TicketingConductorClient, TimedRouter
+    from kvstore.frontdoor.local import LocalRouter
     from kvstore.frontdoor.router import Backend, BackendPool, ConductorRouter, RouteRequest
     from kvstore.membership.engines import EngineRecord, EngineRole, put_engine_record
     from kvstore.membership.etcd import KeyLayout, etcd_client
@@ -294,11 +306,23 @@ async def _drive(etcd_url: str, address: str, server_pid: int, work: Path, decis
 
         client = TimedClient(etcd_endpoint=etcd_url, layout=layout)
         router = TimedRouter(ConductorRouter(client, pool, MODEL))
+        local_client = ConductorClient(etcd_endpoint=etcd_url, layout=layout)
+        local = LocalRouter(local_client, pool, MODEL, etcd_endpoint=etcd_url, layout=layout,
+                            policy=Policy.GLOBAL_CACHE, block_size_tokens=BLOCK_TOKENS)
+        local_router = TimedRouter(local)
         health_channel = grpc.aio.insecure_channel(address)
         health = health_pb2_grpc.HealthStub(health_channel)
         rows: list[dict[str, Any]] = []
         try:
             info = await _wait_ready(client, {"v0": held, "v1": 0})
+            await local.start()
+            deadline = time.monotonic() + 60.0
+            while local.stale_reason() is not None or \
+                    len(local.engine_cache.view("v0") or ()) != held:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the local router never got fresh: "
+                                       f"{local.stale_reason()}")
+                await asyncio.sleep(0.1)
             count = 0
 
             async def decide(prompt: list[int], publish: bool) -> Any:
@@ -315,6 +339,19 @@ async def _drive(etcd_url: str, address: str, server_pid: int, work: Path, decis
                         [(hasher.hashes(prompt), prompt[: full * BLOCK_TOKENS])])
                 return decision
 
+            async def decide_locally(prompt: list[int], publish: bool) -> Any:
+                nonlocal count
+                count += 1
+                request = RouteRequest(f"bench-{count}", "/v1/completions", MODEL, 16, False)
+                decision = await local_router.route(prompt, request)
+                local_router.done(request.request_id, 16)
+                await local.idle()  # its shadow and completion reports: untimed
+                if publish and isinstance(decision, Backend):
+                    full = len(prompt) // BLOCK_TOKENS
+                    publishers[decision.name].add_stored(
+                        [(hasher.hashes(prompt), prompt[: full * BLOCK_TOKENS])])
+                return decision
+
             hashings = hashings_per_decision()
             memo = engine_index.ChainMemo() if hasattr(engine_index, "ChainMemo") else None
             for state in ("cold", "warm"):
@@ -326,12 +363,16 @@ async def _drive(etcd_url: str, address: str, server_pid: int, work: Path, decis
                         await decide(pick(), state == "cold")
                         await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
                         await client.lookup()
+                        await decide_locally(pick(), state == "cold")
                     router.reset()
+                    local_router.reset()
+                    local.counters.clear()
                     schedule_s.clear()
                     hash_s: list[float] = []
                     health_s: list[float] = []
                     lookup_s: list[float] = []
                     backends: dict[str, int] = {}
+                    local_backends: dict[str, int] = {}
                     cached = 0
                     # Interleaved, so that every part sees the same machine state.
                     for _ in range(decisions):
@@ -356,6 +397,9 @@ async def _drive(etcd_url: str, address: str, server_pid: int, work: Path, decis
                         began = time.perf_counter()
                         await client.lookup()
                         lookup_s.append(time.perf_counter() - began)
+                        decision = await decide_locally(pick(), state == "cold")
+                        name = getattr(decision, "name", f"rejected:{getattr(decision, 'code', '')}")
+                        local_backends[name] = local_backends.get(name, 0) + 1
                     cached = sum(int(d.engine_cached_tokens) for d in
                                  client.decisions[-decisions:]) // decisions
                     # CPU per call, which other load on the machine does not inflate as it
@@ -380,9 +424,16 @@ async def _drive(etcd_url: str, address: str, server_pid: int, work: Path, decis
                         "hash": _stats_us(hash_s), "schedule": _stats_us(schedule_s),
                         "decision": _stats_us(router.decision_s),
                         "health": _stats_us(health_s), "lookup0": _stats_us(lookup_s),
+                        "local": _stats_us(local_router.decision_s),
+                        "local_backends": local_backends,
+                        "local_counters": {k: local.counters[k] for k in (
+                            "local", "fallback", "shadow_agreed", "shadow_disagreed",
+                            "shadow_skipped", "shadow_failed")},
                         "cpu": cpu})
         finally:
             await health_channel.close()
+            await local.close()
+            await local_client.close()
             await client.close()
         return {"indexed_blocks": int(info.indexed_blocks), "warm_blocks_v0": held,
                 "replays_served": {n: p.replays for n, p in publishers.items()}, "rows": rows}
@@ -439,26 +490,35 @@ def format_table(result: dict[str, Any]) -> str:
         f"(a) hash: the prompt's block hashing x{result['hashings_per_decision']} per decision; "
         "(b) schedule: the client's Schedule call; (c) decision: the router's route(); "
         "(d) health: a bare gRPC Health/Check (the RPC floor); lookup0: an empty Lookup via the "
-        "client. ratio = (c) p99 / (d) p99. cpu: microseconds of CPU per call, conductor + "
-        "front door (the decision's includes its ReportCompletion).",
+        "client; (e) local: the decision made in process (LocalRouter). ratio = (c) p99 / (d) "
+        "p99, ratio e = (e) p99 / (d) p99. cpu: microseconds of CPU per call, conductor + "
+        "front door (the decision's includes its ReportCompletion). local: decided here / "
+        "asked the conductor; shadow: agreed / disagreed with the conductor.",
         f"{'state':<5} {'tokens':>6} {'blocks':>6} {'cached':>6}  {'(a) hash':>13}  "
         f"{'(b) schedule':>13}  {'(c) decision':>13}  {'(d) health':>13}  {'lookup0':>13}  "
-        f"{'ratio':>5}  {'cpu (c)':>9}  {'cpu (d)':>9}  backends"]
+        f"{'(e) local':>13}  {'ratio':>5}  {'ratio e':>7}  {'cpu (c)':>9}  {'cpu (d)':>9}  "
+        f"{'local':>7}  {'shadow':>7}  backends"]
 
     def cell(s: dict[str, float]) -> str:
         return f"{s['p50_us']:>6.0f}/{s['p99_us']:<6.0f}"
 
     for row in result["rows"]:
         ratio = row["decision"]["p99_us"] / row["health"]["p99_us"]
+        ratio_e = row["local"]["p99_us"] / row["health"]["p99_us"]
         backends = " ".join(f"{k}:{v}" for k, v in sorted(row["backends"].items()))
+        local_backends = " ".join(f"{k}:{v}" for k, v in sorted(row["local_backends"].items()))
         cpu = row["cpu"]
+        lc = row["local_counters"]
         lines.append(
             f"{row['state']:<5} {row['prompt_tokens']:>6} {row['blocks']:>6} "
             f"{row['mean_engine_cached_tokens']:>6}  {cell(row['hash'])}  "
             f"{cell(row['schedule'])}  {cell(row['decision'])}  {cell(row['health'])}  "
-            f"{cell(row['lookup0'])}  {ratio:>5.1f}  "
+            f"{cell(row['lookup0'])}  {cell(row['local'])}  {ratio:>5.1f}  {ratio_e:>7.2f}  "
             f"{cpu['decision_conductor_us']:>4.0f}+{cpu['decision_client_us']:<4.0f}  "
-            f"{cpu['health_conductor_us']:>4.0f}+{cpu['health_client_us']:<4.0f}  {backends}")
+            f"{cpu['health_conductor_us']:>4.0f}+{cpu['health_client_us']:<4.0f}  "
+            f"{lc['local']:>3}/{lc['fallback']:<3}  "
+            f"{lc['shadow_agreed']:>3}/{lc['shadow_disagreed']:<3}  {backends} | local "
+            f"{local_backends}")
     lines.append(f"git {result['git_sha'][:12]}, load avg {result['machine']['load_avg_1m']:.2f} "
                  f"on {result['machine']['cpus']} CPUs")
     return "\n".join(lines)
