@@ -76,6 +76,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import enum
+import itertools
 import json
 import os
 import queue
@@ -110,7 +112,13 @@ from kvstore.cluster.chaos_check import (
     longest_stall,
 )
 from kvstore.cluster.netns import Host, NetnsLab, unavailable_reason
-from kvstore.errors import ChunkNotFound, ConfigError, KvtierError, PeerUnavailable
+from kvstore.errors import (
+    CapacityError,
+    ChunkNotFound,
+    ConfigError,
+    KvtierError,
+    PeerUnavailable,
+)
 
 if TYPE_CHECKING:
     from kvstore.client.store_client import StoreClient
@@ -150,6 +158,40 @@ ENGINES_READY = "KVTIER-ENGINES-READY"
 CONDUCTOR_READY = "KVTIER-CONDUCTOR-READY "
 FAULTED_HOST = 1
 """The host most faults hit (the load watches membership through another host's etcd member)."""
+SMALL_NVME_FS_BYTES = 48 << 20
+"""Size of the tmpfs ``h1``'s NVMe directory lives on when a fault needs a filesystem it can
+fill (:attr:`Need.SMALL_NVME`); the tier's budget is ``SMALL_NVME_BUDGET_BYTES`` below it."""
+SMALL_NVME_BUDGET_BYTES = 40 << 20
+MAX_CONNECTIONS = 64
+"""``server.max_connections`` of every daemon in the lab (the default is 1024): a flood of
+twice that is cheap on 2 cores."""
+HEADER_TIMEOUT_S = 3.0
+"""``server.header_timeout_s`` of every daemon in the lab (the default is 10 s): a slowloris
+connection that sent part of a frame header is dropped after this."""
+UCX_IO_TIMEOUT_S = 4.0
+"""``server.ucx_io_timeout_s`` of ``h1`` when it serves UCX (default 30 s): UCX cannot see a
+dead client, so a transfer of one is cut (its lease aborted or released) only after this."""
+RELEASE_TIMEOUT_S = 10.0
+"""How long the daemon may take to end what a killed client held (UCX: ``UCX_IO_TIMEOUT_S``
+more); held past it is a leak."""
+CLIENT_READY = "KVTIER-CLIENT-HOLDING "
+"""The killed-client process holds its transfers open (and says which)."""
+FLOOD_READY = "KVTIER-FLOOD-HOLDING "
+FLOOD_DONE = "KVTIER-FLOOD-DONE "
+LOADGEN_PROBE = "KVTIER-LOADGEN-PROBE "
+"""The answer to ``probe NODE``: the node's counts after its DRAM was emptied."""
+
+
+class Need(enum.Enum):
+    """What a fault needs of the cluster beyond the common setup (:attr:`FaultPlan.needs`)."""
+
+    SMALL_NVME = "small-nvme"
+    """``h1``'s NVMe directory on a small tmpfs (``SMALL_NVME_FS_BYTES``) another file can fill."""
+    SHM = "shm"
+    """``h1``'s daemon serves the lease channel (the shared-memory plane, for a client in
+    ``h1``'s namespace: its abstract socket exists in that namespace only)."""
+    UCX = "ucx"
+    """``h1``'s daemon serves UCX."""
 
 
 @dataclass(frozen=True)
@@ -202,7 +244,12 @@ class FaultRow:
     """Chunks the fault corrupted on disk."""
     corrupt_reported: int = 0
     """Chunks the damaged node counted corrupt (before its kill, plus after its restart)."""
-    """Schedule/Leader errors other than a follower's refusal, UNAVAILABLE or a deadline."""
+    leak_detail: dict[str, int] = field(default_factory=dict)
+    """The faulted daemon's own counts after the fault beyond before it (client faults,
+    floods): leases, connections, DRAM bytes held, sockets, other descriptors."""
+    notes: list[str] = field(default_factory=list)
+    skipped: str = ""
+    """Why the fault did not run here (the row holds no figures)."""
 
     @property
     def clean(self) -> bool:
@@ -286,10 +333,13 @@ class ChaosCluster:
     """etcd members and daemons on the lab's hosts; see the module docstring. ``start`` is the
     only method with side effects besides the faults; ``close`` tears everything down."""
 
-    def __init__(self, work_dir: Path, spec: ChaosSpec) -> None:
+    def __init__(self, work_dir: Path, spec: ChaosSpec,
+                 needs: frozenset[Need] = frozenset()) -> None:
         self.work_dir = work_dir
         self.spec = spec
+        self.needs = needs
         self.lab = NetnsLab(hosts=3)
+        self._mounted: list[Path] = []
         self.etcd: dict[str, _Child] = {}
         self.daemons: dict[str, _Child] = {}
         self.engines: dict[str, _Child] = {}
@@ -309,10 +359,39 @@ class ChaosCluster:
         self.close()
 
     def close(self) -> None:
-        self.lab.close()
+        try:
+            self.lab.close()
+        finally:
+            for path in reversed(self._mounted):  # after every process in the lab died
+                subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
+            self._mounted.clear()
+
+    def nvme_dir(self, host: Host) -> Path:
+        if Need.SMALL_NVME in self.needs and host is self.lab.hosts[FAULTED_HOST]:
+            return self.small_fs(host) / "nvme"
+        return self.work_dir / f"nvme-{host.name}"
+
+    def small_fs(self, host: Host) -> Path:
+        """Where the small tmpfs under ``host``'s NVMe directory is mounted."""
+        return self.work_dir / f"fs-{host.name}"
+
+    def _mount_small_nvme(self, host: Host) -> None:
+        """A tmpfs of ``SMALL_NVME_FS_BYTES`` on ``host``'s NVMe directory, mounted before its
+        daemon starts (so the daemon's mount namespace, copied at ``ip netns exec``, has it;
+        a file written into it from here fills the same filesystem)."""
+        path = self.small_fs(host)
+        path.mkdir(parents=True, exist_ok=True)
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o",
+                                 f"size={SMALL_NVME_FS_BYTES},mode=0700", "kvtier-chaos", str(path)],
+                                capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise ConfigError(f"cannot mount a tmpfs on {path}: {result.stderr.strip()}")
+        self._mounted.append(path)
 
     def start(self) -> None:
         self.lab.up()
+        if Need.SMALL_NVME in self.needs:
+            self._mount_small_nvme(self.lab.hosts[FAULTED_HOST])
         for host in self.lab.hosts:
             self.lab.wait_reachable(self.lab.observer, host)
         for host in self.lab.hosts:
@@ -432,13 +511,24 @@ class ChaosCluster:
             "server.host": host.address, "server.grpc_port": str(GRPC_PORT),
             "server.tcp_port": str(TCP_PORT), "security.insecure": "true",
             "server.shm_channel": "false", "server.ucx": "disabled",
+            "server.max_connections": str(MAX_CONNECTIONS),
+            "server.header_timeout_s": str(HEADER_TIMEOUT_S),
             "dram.capacity_bytes": "32MiB", "dram.read_index": "false",
-            "nvme.directory": str(self.work_dir / f"nvme-{host.name}"),
+            "nvme.directory": str(self.nvme_dir(host)),
             "nvme.capacity_bytes": "256MiB", "nvme.segment_bytes": "8MiB",
             "cache.write_tier": "nvme",
             "etcd.endpoint": self.etcd_endpoint(host), "etcd.prefix": PREFIX,
             "etcd.ttl_s": str(LEASE_TTL_S), "shutdown.drain_timeout_s": "2",
         }
+        if host is self.lab.hosts[FAULTED_HOST]:
+            if Need.SMALL_NVME in self.needs:
+                settings["nvme.capacity_bytes"] = str(SMALL_NVME_BUDGET_BYTES)
+                settings["nvme.segment_bytes"] = "1MiB"  # a new one every ~1 s of load
+            if Need.SHM in self.needs:
+                settings["server.shm_channel"] = "true"
+            if Need.UCX in self.needs:
+                settings["server.ucx"] = "required"
+                settings["server.ucx_io_timeout_s"] = str(UCX_IO_TIMEOUT_S)
         argv = [sys.executable, "-m", "kvstore.cli.main", "daemon"]
         for key, value in settings.items():
             argv += ["--set", f"{key}={value}"]
@@ -461,6 +551,15 @@ class ChaosCluster:
         self.daemons[host.name] = child
         child.wait_line(DAEMON_READY, self.spec.start_timeout_s)
         return time.monotonic()
+
+    def spawn_tool(self, host: Host, args: list[str], name: str) -> _Child:
+        """``python -m bench.chaos ARGS`` in ``host``'s namespace, stdin a pipe."""
+        log_path = self.work_dir / f"{name}.log"
+        with log_path.open("a") as log:
+            proc = self.lab.popen(host, [sys.executable, "-m", "bench.chaos", *args],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                  text=True, cwd=REPO, env=_env())
+        return _Child(proc, name, log_path)
 
     def start_loadgen(self, history_path: Path, watch: Host) -> _Child:
         """The load generator in the observer namespace, watching membership through
@@ -496,6 +595,24 @@ class _Injected:
     damaged: list[tuple[str, str]] = field(default_factory=list)
     corrupt_reported: int = 0
     """Chunks the damaged daemon counted corrupt before it was killed."""
+    leaks: dict[str, int] = field(default_factory=dict)
+    """What the faulted daemon still held after the fault, beyond what it held before it
+    (:func:`_leaks`): every value's goal is 0."""
+    notes: list[str] = field(default_factory=list)
+    """What the fault did and saw, for the report."""
+    violations: list[str] = field(default_factory=list)
+    """Broken goals only the fault can see (a slowloris connection not dropped in time, a
+    flood that took the daemon past its bound)."""
+    detect_s: float | None = None
+    recover_s: float | None = None
+    """Set by faults whose detect/recover are not membership events (seconds from start)."""
+    must_serve_gets: bool = False
+    """The faulted node must answer gets during the fault (a full disk leaves DRAM and the
+    stored chunks readable)."""
+    detect_error: str = ""
+    """Detect at the first request that failed with this error class, recover at the first
+    put on the node that succeeded after the fault (a fault the node answers with an error,
+    not by leaving)."""
 
 
 def _kill_daemon(cluster: ChaosCluster, host: Host, load: _Child) -> _Injected:
@@ -614,6 +731,280 @@ def _corrupt_segment(cluster: ChaosCluster, host: Host, load: _Child) -> _Inject
                      corrupt_reported=max(int(answer["corrupt"]), 0))
 
 
+def _ask(load: _Child, command: str, answer: str, timeout_s: float = 30.0) -> Any:
+    """Send the load generator ``command``; its JSON answer on the ``answer`` line."""
+    assert load.proc.stdin is not None
+    load.proc.stdin.write(command + "\n")
+    load.proc.stdin.flush()
+    return json.loads(load.wait_line(answer, timeout_s))
+
+
+def fd_counts(pid: int) -> dict[str, int]:
+    """A process's open file descriptors by kind (``/proc/<pid>/fd``): sockets, NVMe segment
+    files, the rest. A descriptor closed while it is read is skipped."""
+    counts = {"sockets": 0, "segments": 0, "other": 0}
+    fd_dir = Path(f"/proc/{pid}/fd")
+    for entry in fd_dir.iterdir():
+        try:
+            target = os.readlink(entry)
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            counts["sockets"] += 1
+        elif Path(target).name.startswith("seg-"):
+            counts["segments"] += 1
+        else:
+            counts["other"] += 1
+    return counts
+
+
+def _leaks(before: dict[str, int], after: dict[str, int], fds_before: dict[str, int],
+           fds_after: dict[str, int]) -> dict[str, int]:
+    """What a daemon holds after a fault beyond what it held before: lease-channel leases,
+    data connections, DRAM bytes still pinned or reserved once its DRAM was emptied, socket
+    and other (not segment-file) descriptors. A probe that got no answer (-1) is one leak."""
+    if -1 in after.values():
+        return {"no_answer": 1}
+    return {"shm_leases": max(0, after["shm_leases_open"] - max(before["shm_leases_open"], 0)),
+            "tcp_connections": max(0, after["tcp_connections_open"]
+                                   - max(before["tcp_connections_open"], 0)),
+            "dram_bytes_held": max(0, after["dram_used_bytes"]
+                                   - max(before["dram_used_bytes"], 0)),
+            "sockets": max(0, fds_after["sockets"] - fds_before["sockets"]),
+            "other_fds": max(0, fds_after["other"] - fds_before["other"])}
+
+
+def _settle(load: _Child, node: str, pid: int, before: dict[str, int],
+            fds_before: dict[str, int], timeout_s: float = RELEASE_TIMEOUT_S
+            ) -> tuple[dict[str, int], float]:
+    """Probe ``node`` until it holds nothing beyond ``before`` (or ``timeout_s`` passes): its
+    leaks and when they were last measured."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        after = _ask(load, f"probe {node}", LOADGEN_PROBE)
+        leaks = _leaks(before, after, fds_before, fd_counts(pid))
+        if not any(leaks.values()) or time.monotonic() > deadline:
+            return leaks, time.monotonic()
+        time.sleep(0.2)
+
+
+def _kill_client(plane: str) -> Callable[[ChaosCluster, Host, _Child], _Injected]:
+    """A client in ``host``'s namespace on the ``plane`` data plane, holding transfers open
+    (:func:`_client_main`) while its loops put and get, is killed with SIGKILL at a random
+    moment; the daemon must end what it held for it: its leases, pinned chunks, reserved
+    extents, connections and descriptors, counted before and after (:func:`_leaks`).
+    recover: the kill to the first probe that finds nothing held."""
+    name = f"kill-client-{plane}"
+
+    def inject(cluster: ChaosCluster, host: Host, load: _Child) -> _Injected:
+        node = f"node-{host.name}"
+        pid = cluster.daemons[host.name].proc.pid
+        before = _ask(load, f"probe {node}", LOADGEN_PROBE)
+        fds_before = fd_counts(pid)
+        start = time.monotonic()
+        client = cluster.spawn_tool(host, ["client", f"{host.address}:{GRPC_PORT}", plane, "2"],
+                                    name)
+        said = json.loads(client.wait_line(CLIENT_READY, cluster.spec.start_timeout_s))
+        holding = _ask(load, f"probe {node}", LOADGEN_PROBE)
+        time.sleep(random.uniform(0.05, 0.5))
+        client.kill()
+        killed = time.monotonic()
+        leaks, settled = _settle(load, node, pid, before, fds_before, RELEASE_TIMEOUT_S
+                                 + (UCX_IO_TIMEOUT_S if plane == "ucx" else 0.0))
+        notes = [f"held at the kill: {', '.join(said['holds']) or 'loops only'}; the daemon "
+                 f"counted {holding['shm_leases_open']} lease-channel leases, "
+                 f"{holding['tcp_connections_open'] - before['tcp_connections_open']} more "
+                 f"data connections, {holding['dram_used_bytes']} DRAM bytes it could not "
+                 f"evict; released {settled - killed:.2f} s after the kill"]
+        violations = []
+        if said["holds"] and holding["dram_used_bytes"] <= before["dram_used_bytes"]:
+            violations.append(f"{name}: the client said it held {said['holds']} but the daemon "
+                              "held no DRAM for it (the fault did not hit mid-transfer)")
+        return _Injected(Fault(name, node, start, settled), leaks=leaks, notes=notes,
+                         violations=violations, recover_s=settled - killed)
+
+    return inject
+
+
+def truncate_segment(directory: Path, count: int, oldest: bool = False) -> list[str]:
+    """Cut the segment file holding the newest LIVE record of ``directory`` (``oldest``: the
+    one holding the oldest) in the middle of the payload of its ``count``-th record from the
+    end, durably; return the keys of every record the cut reaches (torn or gone)."""
+    from kvstore.dataplane.nvme.format import (
+        HEADER_BYTES,
+        RecordKind,
+        decode_record_header,
+        decode_segment_header,
+    )
+
+    per_file: dict[Path, list[Any]] = {}
+    for path in sorted(directory.glob("seg-*.kvt")):
+        with path.open("rb") as f:
+            segment = decode_segment_header(f.read(HEADER_BYTES))
+            if segment is None:
+                continue
+            pos = HEADER_BYTES
+            while pos < segment.segment_bytes:
+                f.seek(pos)
+                _, header = decode_record_header(f.read(HEADER_BYTES),
+                                                 segment_id=segment.segment_id, offset=pos,
+                                                 segment_bytes=segment.segment_bytes)
+                if header is None:
+                    break
+                if header.kind is RecordKind.LIVE:
+                    per_file.setdefault(path, []).append(header)
+                pos = header.end
+    if not per_file:
+        return []
+    pick = min if oldest else max
+    path = pick(per_file, key=lambda p: pick(h.seq for h in per_file[p]))
+    records = sorted(per_file[path], key=lambda h: h.offset)
+    victim = records[-min(count, len(records))]
+    cut = victim.offset + HEADER_BYTES + victim.payload_bytes // 2
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.ftruncate(fd, cut)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return [h.key.decode() for h in records if h.end > cut]
+
+
+def _truncate_segment(cluster: ChaosCluster, host: Host, load: _Child) -> _Injected:
+    """The segment file a running daemon writes into cut in the middle of its third-newest
+    record (the daemon paused for the few ms of the cut, so no write races it; its later
+    writes land past the cut, leaving a hole); the load empties the node's DRAM and reads
+    the cut chunks at once (dropped, counted, never returned); then ``kill -9``, the oldest
+    segment cut too while it is down, and a restart on the truncated files."""
+    node = f"node-{host.name}"
+    daemon = cluster.daemons[host.name]
+    start = time.monotonic()
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        keys = truncate_segment(cluster.nvme_dir(host), 3)
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    if not keys:
+        raise ConfigError(f"no stored chunk on {node} to cut")
+    answer = _ask(load, f"read {node} {' '.join(keys)}", LOADGEN_READ)
+    down = cluster.kill_daemon(host)
+    more = truncate_segment(cluster.nvme_dir(host), 2, oldest=True)
+    time.sleep(cluster.spec.down_s)
+    up = cluster.restart_daemon(host)
+    returned = sum(1 for v in answer["results"].values() if v == Result.OK.value)
+    notes = [f"cut under the running daemon: {len(keys)} chunks, read at once: "
+             f"{returned} returned bytes; cut while it was down: {len(more)} chunks"]
+    return _Injected(Fault("truncate-segment", node, start, up), [Restart(node, down, up)],
+                     damaged=[(node, k) for k in [*keys, *more]],
+                     corrupt_reported=max(int(answer["corrupt"]), 0), notes=notes)
+
+
+def _fill_nvme(cluster: ChaosCluster, host: Host, load: _Child) -> _Injected:
+    """``host``'s NVMe filesystem (a small tmpfs, :attr:`Need.SMALL_NVME`) filled by another
+    file while the load writes (every put is durable: it must fail with ``DiskFull``, not be
+    acknowledged and lost); after ``down_s`` the file is removed (puts must succeed again),
+    then ``kill -9`` and a restart: every chunk acknowledged, also while the disk was full,
+    must be there."""
+    node = f"node-{host.name}"
+    filler = cluster.small_fs(host) / "filler"
+    start = time.monotonic()
+    block = bytes(1 << 20)
+    with filler.open("wb", buffering=0) as f, contextlib.suppress(OSError):  # ENOSPC: full
+        while True:
+            f.write(block)
+    free = shutil.disk_usage(cluster.small_fs(host)).free
+    time.sleep(cluster.spec.down_s)
+    filler.unlink()
+    end = time.monotonic()
+    time.sleep(1.0)  # puts on the node again before the kill
+    down = cluster.kill_daemon(host)
+    time.sleep(LEASE_TTL_S + 0.5)
+    up = cluster.restart_daemon(host)
+    return _Injected(Fault("nvme-full", node, start, end), [Restart(node, down, up)],
+                     must_serve_gets=True,
+                     notes=[f"filesystem filled ({free} bytes left) for {end - start:.1f} s"],
+                     detect_error="DiskFull")
+
+
+def _flood(cluster: ChaosCluster, host: Host, load: _Child) -> _Injected:
+    """Twice ``MAX_CONNECTIONS`` connections to ``host``'s data plane (silent) and as many
+    to its gRPC port (HTTP/2 preface, then idle), from the observer, held for ``down_s``;
+    meanwhile the load drops its connections to the node and must open new ones. The data
+    plane must refuse what exceeds its bound; the daemon's descriptors must stay bounded and
+    come back when the flood ends."""
+    node = f"node-{host.name}"
+    pid = cluster.daemons[host.name].proc.pid
+    count = 2 * MAX_CONNECTIONS
+    before = _ask(load, f"probe {node}", LOADGEN_PROBE)
+    fds_before = fd_counts(pid)
+    start = time.monotonic()
+    flood = cluster.spawn_tool(cluster.lab.observer, ["flood", host.address, str(TCP_PORT),
+                                                      str(GRPC_PORT), str(count)], "flood")
+    ready = json.loads(flood.wait_line(FLOOD_READY, 60.0))
+    assert load.proc.stdin is not None
+    load.proc.stdin.write(f"reconnect {node}\n")
+    load.proc.stdin.flush()
+    peak = dict(fds_before)
+    deadline = time.monotonic() + cluster.spec.down_s
+    while time.monotonic() < deadline:
+        now = fd_counts(pid)
+        peak = {k: max(v, now[k]) for k, v in peak.items()}
+        time.sleep(0.2)
+    assert flood.proc.stdin is not None
+    flood.proc.stdin.write("stop\n")
+    flood.proc.stdin.flush()
+    done = json.loads(flood.wait_line(FLOOD_DONE, 30.0))
+    end = time.monotonic()
+    leaks, settled = _settle(load, node, pid, before, fds_before)
+    violations = []
+    if ready["tcp_open"] > MAX_CONNECTIONS:
+        violations.append(f"flood: {ready['tcp_open']} data connections served at once "
+                          f"(bound {MAX_CONNECTIONS})")
+    bound = fds_before["sockets"] + MAX_CONNECTIONS + ready["grpc_connected"] + 8
+    if peak["sockets"] > bound:
+        violations.append(f"flood: the daemon held {peak['sockets']} sockets (bound {bound})")
+    notes = [f"flood: {ready['tcp_connected']} data connections made, {ready['tcp_open']} "
+             f"served (bound {MAX_CONNECTIONS}), {ready['grpc_connected']} gRPC; daemon "
+             f"sockets {fds_before['sockets']} before, {peak['sockets']} at most, gRPC "
+             f"connections still open when the flood ended: {done['grpc_open_at_end']}; "
+             f"counts back {settled - end:.2f} s after"]
+    return _Injected(Fault("flood-connections", node, start, end), leaks=leaks, notes=notes,
+                     violations=violations)
+
+
+SLOWLORIS_CONNECTIONS = 16
+GRPC_HANDSHAKE_BOUND_S = 20.0
+"""How long a gRPC connection that sent part of the HTTP/2 preface may stay open."""
+
+
+def _slowloris(cluster: ChaosCluster, host: Host, load: _Child) -> _Injected:
+    """``SLOWLORIS_CONNECTIONS`` connections to each of ``host``'s ports that send half a
+    frame (half a data-plane header; half the HTTP/2 preface) and stall, from the observer,
+    while the load runs. The data plane must drop each within ``HEADER_TIMEOUT_S`` + 1 s,
+    gRPC within ``GRPC_HANDSHAKE_BOUND_S``; the load must not notice."""
+    node = f"node-{host.name}"
+    wait_s = max(cluster.spec.down_s, HEADER_TIMEOUT_S + TIMEOUT_SLACK_S + 1.0)
+    start = time.monotonic()
+    slow = cluster.spawn_tool(cluster.lab.observer,
+                              ["slowloris", host.address, str(TCP_PORT), str(GRPC_PORT),
+                               str(SLOWLORIS_CONNECTIONS), str(wait_s)], "slowloris")
+    slow.wait_line(FLOOD_READY, 60.0)
+    done = json.loads(slow.wait_line(FLOOD_DONE, wait_s + 30.0))
+    end = time.monotonic()
+    violations = []
+    tcp, grpc_ = done["tcp"], done["grpc"]
+    if tcp["open"] or (tcp["max_drop_s"] or 0) > HEADER_TIMEOUT_S + TIMEOUT_SLACK_S:
+        violations.append(f"slowloris: data plane: {tcp['open']} connections still open after "
+                          f"{wait_s:.1f} s, the slowest dropped after {tcp['max_drop_s']} s "
+                          f"(bound {HEADER_TIMEOUT_S} s + {TIMEOUT_SLACK_S} s)")
+    notes = [f"slowloris: data plane {tcp['dropped']}/{SLOWLORIS_CONNECTIONS} dropped, the "
+             f"slowest after {_fmt_s(tcp['max_drop_s'])} s; gRPC {grpc_['dropped']}/"
+             f"{SLOWLORIS_CONNECTIONS} dropped within {wait_s:.1f} s (slowest "
+             f"{_fmt_s(grpc_['max_drop_s'])} s)"]
+    return _Injected(Fault("slowloris", node, start, end), notes=notes, violations=violations,
+                     detect_s=tcp["max_drop_s"])
+
+
 def _stop_etcd(name: str, count: int) -> Callable[[ChaosCluster, Host, _Child], _Injected]:
     """SIGSTOP of ``count`` etcd members from ``host`` on (wrapping), for ``down_s`` + one
     lease TTL, then SIGCONT; healthy when every member answers again."""
@@ -644,6 +1035,17 @@ class FaultPlan:
     target: Callable[[ChaosCluster], Host]
     inject: Callable[[ChaosCluster, Host, _Child], _Injected]
     """Called with the cluster, the target and the running load generator."""
+    needs: frozenset[Need] = frozenset()
+    skip: Callable[[], str | None] = lambda: None
+    """Why the fault cannot run here (None: it can)."""
+
+
+def _ucx_missing() -> str | None:
+    try:
+        import ucxx  # noqa: F401
+    except ImportError as exc:
+        return f"ucxx does not import ({exc}): no UCX data plane to kill a client on"
+    return None
 
 
 def _faulted_host(cluster: ChaosCluster) -> Host:
@@ -659,6 +1061,14 @@ FAULTS: dict[str, FaultPlan] = {
                                      _stop_etcd("sigstop-etcd-leader", 1)),
     "etcd-quorum-loss": FaultPlan(_faulted_host, _stop_etcd("etcd-quorum-loss", 2)),
     "corrupt-segment": FaultPlan(_faulted_host, _corrupt_segment),
+    "truncate-segment": FaultPlan(_faulted_host, _truncate_segment),
+    "nvme-full": FaultPlan(_faulted_host, _fill_nvme, frozenset({Need.SMALL_NVME})),
+    "kill-client-shm": FaultPlan(_faulted_host, _kill_client("shm"), frozenset({Need.SHM})),
+    "kill-client-tcp": FaultPlan(_faulted_host, _kill_client("tcp")),
+    "kill-client-ucx": FaultPlan(_faulted_host, _kill_client("ucx"), frozenset({Need.UCX}),
+                                 _ucx_missing),
+    "flood-connections": FaultPlan(_faulted_host, _flood),
+    "slowloris": FaultPlan(_faulted_host, _slowloris),
     "kill-conductor-leader": FaultPlan(lambda c: c.conductor_leader(), _kill_conductor),
     "sigstop-conductor-leader": FaultPlan(lambda c: c.conductor_leader(), _stop_conductor),
 }
@@ -675,14 +1085,17 @@ def run_fault(name: str, *, spec: ChaosSpec | None = None,
     if reason is not None:
         raise ConfigError(f"the fault suite needs network namespaces: {reason}")
     spec = spec or ChaosSpec()
+    why_not = FAULTS[name].skip()
+    if why_not is not None:
+        return FaultRow(name, 0, 0, 0, 0, 0, 0, None, None, 0, skipped=why_not)
     with contextlib.ExitStack() as stack:
         if work_dir is None:
             work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(
                 prefix="kvtier-chaos-")))
         work_dir.mkdir(parents=True, exist_ok=True)
-        cluster = stack.enter_context(ChaosCluster(work_dir, spec))
-        history_path = work_dir / "history.jsonl"
         plan = FAULTS[name]
+        cluster = stack.enter_context(ChaosCluster(work_dir, spec, plan.needs))
+        history_path = work_dir / "history.jsonl"
         target = plan.target(cluster)
         # The load watches membership through a member the fault leaves alone (the quorum
         # loss stops the target's and the next host's: the one before them stays).
@@ -770,12 +1183,42 @@ def _row(history: History, injected: _Injected, summary: dict[str, Any]) -> Faul
               if v.invariant not in (Invariant.WRONG_READ, Invariant.DURABLE_LOST,
                                      Invariant.OVER_TIMEOUT)]
     leaks = sum(int(n) for per_node in summary.get("leaks", {}).values()
-                for n in per_node.values())
+                for n in per_node.values()) + sum(injected.leaks.values())
+    if injected.detect_error:
+        refused = [r.start_s for r in history.records if r.node == fault.node
+                   and r.result is Result.ERR and r.error.startswith(injected.detect_error)
+                   and r.start_s >= fault.start_s]
+        detect = min(refused) - fault.start_s if refused else None
+        put_again = [r.end_s for r in history.records if r.node == fault.node
+                     and r.op is Op.PUT and r.result is Result.OK and r.end_s is not None
+                     and r.start_s >= fault.end_s]
+        recover = min(put_again) - fault.start_s if put_again else None
+    if injected.detect_s is not None:
+        detect = injected.detect_s
+    if injected.recover_s is not None:
+        recover = injected.recover_s
+    if injected.must_serve_gets:
+        served_gets = sum(1 for r in history.records if r.node == fault.node
+                          and r.op is Op.GET and r.result is Result.OK
+                          and fault.start_s <= r.start_s <= fault.end_s)
+        if not served_gets:
+            others.append(f"{fault.name}: {fault.node} served no get during the fault")
+    errors: dict[str, int] = {}
+    for r in history.records:
+        if (r.op in (Op.PUT, Op.GET) and r.result is Result.ERR
+                and fault.start_s <= r.start_s <= fault.end_s):
+            name = r.error.partition(":")[0] or "no answer"
+            errors[name] = errors.get(name, 0) + 1
+    notes = list(injected.notes)
+    if errors:
+        notes.append("failed in the window: " + ", ".join(
+            f"{n} {name}" for name, n in sorted(errors.items(), key=lambda kv: -kv[1])))
     return FaultRow(fault.name, stats.attempted, stats.completed, stats.failed,
                     count(Invariant.WRONG_READ), count(Invariant.DURABLE_LOST),
                     durable_unverified(history), detect, recover, leaks,
                     len(history.lease_gaps), count(Invariant.OVER_TIMEOUT),
-                    longest_stall(history.records, fault)[0], others)
+                    longest_stall(history.records, fault)[0], others + injected.violations,
+                    leak_detail=dict(injected.leaks), notes=notes)
 
 
 # --- the load generator (runs in the observer namespace) -------------------------------------
@@ -919,7 +1362,10 @@ class _Load:
         self.last_answer: dict[str, float] = {}
         """When each conductor last answered a Schedule (accepted, rejected or refused)."""
         self.schedule_errors: list[str] = []
-        """Nodes a request just failed on, and until when no new request goes there."""
+        self.quiet: set[str] = set()
+        """Nodes the workers send nothing new while a probe empties their DRAM."""
+        self.in_flight: dict[str, int] = {}
+        """Requests under way per node (a probe waits for none)."""
 
     def add(self, record: Record) -> None:
         with self.lock:
@@ -928,6 +1374,15 @@ class _Load:
     def request(self, op: Op, key: str, node: str, version: int = 0) -> Record:
         """One put or get, recorded."""
         start = time.monotonic()
+        with self.lock:
+            self.in_flight[node] = self.in_flight.get(node, 0) + 1
+        try:
+            return self._request(op, key, node, version, start)
+        finally:
+            with self.lock:
+                self.in_flight[node] -= 1
+
+    def _request(self, op: Op, key: str, node: str, version: int, start: float) -> Record:
         client: Any = None
         try:
             client = self.clients.get(node)
@@ -945,6 +1400,10 @@ class _Load:
         except ChunkNotFound:
             record = Record(op, key, node, start, time.monotonic(), Result.ABSENT,
                             size_bytes=self.size if op is Op.PUT else 0)
+        except CapacityError as exc:  # the node answered (it is full): no reason to avoid it
+            record = Record(op, key, node, start, time.monotonic(), Result.ERR, version=version,
+                            size_bytes=self.size if op is Op.PUT else 0,
+                            error=f"{type(exc).__name__}: {exc}"[:200])
         except (KvtierError, OSError) as exc:
             if client is not None:
                 self.clients.drop(node, client)
@@ -963,7 +1422,7 @@ class _Load:
             now = time.monotonic()
             with self.lock:
                 alive = sorted(n for n in self.membership.snapshot()
-                               if self.suspect.get(n, 0.0) <= now)
+                               if self.suspect.get(n, 0.0) <= now and n not in self.quiet)
             if not alive:
                 time.sleep(0.05)
                 continue
@@ -1093,6 +1552,43 @@ class _Load:
         except KvtierError:
             return -1
 
+    def probe(self, node: str) -> dict[str, int]:
+        """What ``node`` holds for clients, with no request of this load under way there: the
+        load sends it nothing new meanwhile; its DRAM is emptied first (every chunk demoted
+        or dropped), so what DRAM still uses is pinned or reserved (a read lease, a pin, a
+        reservation: space a dead client may have leaked). -1 everywhere: no answer."""
+        from kvstore._proto.kvtier.v1 import store_pb2 as pb
+        from kvstore.client.store_client import DataPlane, StoreClient, StoreClientConfig
+
+        with self.lock:
+            self.quiet.add(node)
+        try:
+            deadline = time.monotonic() + 2 * REQUEST_TIMEOUT_S
+            while time.monotonic() < deadline:
+                with self.lock:
+                    if not self.in_flight.get(node, 0):
+                        break
+                time.sleep(0.01)
+            record = self.membership.snapshot().get(node)
+            if record is None:
+                return {"tcp_connections_open": -1, "shm_leases_open": -1,
+                        "dram_used_bytes": -1, "dram_chunks": -1}
+            try:
+                self.empty_dram(node)
+                with StoreClient.connect(record.grpc_address, StoreClientConfig(
+                        data_plane=DataPlane.TCP, rpc_timeout_s=REQUEST_TIMEOUT_S)) as control:
+                    stats = control.stats()
+            except KvtierError:
+                return {"tcp_connections_open": -1, "shm_leases_open": -1,
+                        "dram_used_bytes": -1, "dram_chunks": -1}
+            [dram] = [t for t in stats.tiers if t.tier == pb.TIER_DRAM]
+            return {"tcp_connections_open": int(stats.tcp_connections_open),
+                    "shm_leases_open": int(stats.shm_leases_open),
+                    "dram_used_bytes": int(dram.used_bytes), "dram_chunks": int(dram.chunks)}
+        finally:
+            with self.lock:
+                self.quiet.discard(node)
+
     def leaks(self) -> dict[str, dict[str, int]]:
         """Per node: data connections and leases the daemon still holds for clients that
         closed (polled for up to 5 s: a close reaches the daemon's threads asynchronously)."""
@@ -1142,6 +1638,13 @@ class _Load:
                 results = {k: self.request(Op.GET, k, node).result.value for k in keys}
                 _say(LOADGEN_READ + json.dumps({"results": results,
                                                 "corrupt": self.corrupt_count(node)}))
+            elif words[:1] == ["probe"]:  # probe NODE: its counts, DRAM emptied first
+                _say(LOADGEN_PROBE + json.dumps(self.probe(words[1])))
+            elif words[:1] == ["reconnect"]:  # reconnect NODE: new connections from now on
+                with self.clients.lock:
+                    dropped = self.clients.clients.get(words[1])
+                if dropped is not None:
+                    self.clients.drop(words[1], dropped)
         self.stopping.set()
         for t in threads:
             t.join(60)
@@ -1181,6 +1684,13 @@ def print_table(rows: list[FaultRow], out: IO[str] = sys.stdout) -> None:
         print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
                         enumerate(zip(line, widths, strict=True))), file=out)
     for r in rows:
+        if r.skipped:
+            print(f"{r.fault}: skipped: {r.skipped}", file=out)
+            continue
+        for note in r.notes:
+            print(f"{r.fault}: {note}", file=out)
+        if any(r.leak_detail.values()):
+            print(f"{r.fault}: LEAKED {r.leak_detail}", file=out)
         print(f"{r.fault}: {r.decisions} conductor decisions, {r.records} records"
               + (f", {r.damaged} chunks corrupted on disk, {r.corrupt_reported} counted "
                  f"corrupt by the node" if r.damaged else ""), file=out)
@@ -1237,6 +1747,177 @@ def _loadgen_main(config_path: str) -> None:
     _Load(json.loads(Path(config_path).read_text())).run()
 
 
+CLIENT_VALUE_BYTES = 1 << 20
+"""Values the killed client puts and gets in its loops (and its held shared-memory put)."""
+CLIENT_HELD_GET_BYTES = 6 << 20
+"""The chunk its held TCP get asks for: more than a socket's largest send buffer (4 MiB
+here) plus its own 4 KiB receive buffer, so the daemon's send blocks with the lease held."""
+
+
+def _client_main(address: str, plane: str, threads: int) -> None:
+    """A client a fault kills with SIGKILL (``python -m bench.chaos client``, in the daemon's
+    host namespace). It holds transfers open on the daemon: on the shared-memory plane a put
+    reserved and half written and a read lease; on TCP a PUT frame half sent and a GET of a
+    large chunk it does not read (the daemon's send blocks, the chunk pinned); on UCX none
+    (no API holds one open). It says what it holds (``CLIENT_READY``), then puts and gets
+    1 MiB values on ``threads`` threads until it dies. Its keys are its own
+    (``client-<random>/``): the load's history does not include them."""
+    import secrets
+    import socket
+
+    from kvstore.client.store_client import DataPlane, StoreClient, StoreClientConfig
+    from kvstore.dataplane.transport.frames import HEADER_BYTES, Opcode, pack_header
+
+    kind = DataPlane(plane)
+    client = StoreClient.connect(address, StoreClientConfig(
+        data_plane=kind, rpc_timeout_s=REQUEST_TIMEOUT_S, tcp_io_timeout_s=REQUEST_TIMEOUT_S,
+        tcp_connections=2))
+    if client.data_plane is not kind:
+        raise ConfigError(f"asked for the {kind.value} data plane, got "
+                          f"{client.data_plane.value}")
+    tag = f"client-{secrets.token_hex(4)}"
+    value = os.urandom(CLIENT_VALUE_BYTES)  # not checked: this client is not in the history
+    seed = f"{tag}/seed".encode()
+    client.put(seed, value)
+    holds: list[str] = []
+    keep: list[Any] = []
+    if kind is DataPlane.SHM:
+        shm: Any = client.plane
+        writer = shm.open_write(f"{tag}/held-put".encode(), CLIENT_VALUE_BYTES)
+        writer.buffer[:CLIENT_VALUE_BYTES // 2] = value[:CLIENT_VALUE_BYTES // 2]
+        keep.append(writer)
+        holds.append("shm put reserved, half written")
+        keep.append(shm.open_read(seed))
+        holds.append("shm read lease")
+    elif kind is DataPlane.TCP:
+        big = f"{tag}/big".encode()
+        client.put(big, os.urandom(CLIENT_HELD_GET_BYTES))
+        host, _, port = client.info.tcp_address.rpartition(":")
+        key = f"{tag}/held-put".encode()
+        put = socket.create_connection((host, int(port)), timeout=5)
+        header = pack_header(bytearray(HEADER_BYTES), Opcode.PUT, key_len=len(key),
+                             request_id=1, length=CLIENT_VALUE_BYTES,
+                             total_size=CLIENT_VALUE_BYTES, payload_len=CLIENT_VALUE_BYTES)
+        put.sendall(bytes(header) + key + value[:CLIENT_VALUE_BYTES // 2])
+        keep.append(put)
+        holds.append("tcp PUT frame half sent")
+        get = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        get.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        get.connect((host, int(port)))
+        header = pack_header(bytearray(HEADER_BYTES), Opcode.GET, key_len=len(big),
+                             request_id=2, total_size=CLIENT_HELD_GET_BYTES)
+        get.sendall(bytes(header) + big)
+        keep.append(get)
+        holds.append("tcp GET of a 6 MiB chunk, unread")
+
+    def loop(tid: int) -> None:
+        buf = bytearray(CLIENT_VALUE_BYTES)
+        for i in itertools.count():
+            key = f"{tag}/t{tid}/{i % 8}".encode()
+            with contextlib.suppress(KvtierError):
+                client.put(key, value)
+            with contextlib.suppress(KvtierError):
+                client.get_into(key, buf)
+
+    workers = [threading.Thread(target=loop, args=(t,), daemon=True) for t in range(threads)]
+    for t in workers:
+        t.start()
+    time.sleep(0.2)  # the loops under way too
+    _say(CLIENT_READY + json.dumps({"holds": holds, "plane": client.data_plane.value}))
+    threading.Event().wait()  # until SIGKILL
+
+
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_HTTP2_EMPTY_SETTINGS = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
+def _open_many(address: tuple[str, int], count: int, first: bytes) -> list[Any]:
+    import socket
+
+    out = []
+    for _ in range(count):
+        try:
+            sock = socket.create_connection(address, timeout=2)
+            if first:
+                sock.sendall(first)
+        except OSError:
+            continue
+        out.append(sock)
+    return out
+
+
+def _open_after(socks: list[Any], wait_s: float) -> list[Any]:
+    """Those of ``socks`` the server has not closed after ``wait_s`` (a close or a refusal
+    frame followed by a close reads as the end of the stream)."""
+    import select
+
+    deadline = time.monotonic() + wait_s
+    live = list(socks)
+    while live and time.monotonic() < deadline:
+        readable, _, _ = select.select(live, [], [], max(0.0, deadline - time.monotonic()))
+        for sock in readable:
+            try:
+                data = sock.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                live.remove(sock)
+    return live
+
+
+def _flood_main(host: str, tcp_port: int, grpc_port: int, count: int) -> None:
+    """``count`` connections to the data plane (no byte sent) and ``count`` to gRPC (the
+    HTTP/2 preface and an empty SETTINGS frame: valid, idle), held until stdin says stop."""
+    tcp = _open_many((host, tcp_port), count, b"")
+    grpc_socks = _open_many((host, grpc_port), count, _HTTP2_PREFACE + _HTTP2_EMPTY_SETTINGS)
+    tcp_open = _open_after(tcp, 1.0)
+    _say(FLOOD_READY + json.dumps({"tcp_connected": len(tcp), "tcp_open": len(tcp_open),
+                                   "grpc_connected": len(grpc_socks)}))
+    sys.stdin.readline()
+    grpc_open = _open_after(grpc_socks, 0.0)
+    for sock in [*tcp, *grpc_socks]:
+        sock.close()
+    _say(FLOOD_DONE + json.dumps({"tcp_open_at_end": len(_open_after(tcp_open, 0.0)),
+                                  "grpc_open_at_end": len(grpc_open)}))
+
+
+def _slowloris_main(host: str, tcp_port: int, grpc_port: int, count: int,
+                    wait_s: float) -> None:
+    """``count`` connections to each port that send half a frame and stall: half a data-plane
+    header (32 of 64 bytes) / half the HTTP/2 preface. Reports how many the daemon dropped
+    and when (seconds from the last byte sent), and how many were still open after
+    ``wait_s``."""
+    import select
+
+    from kvstore.dataplane.transport.frames import HEADER_BYTES, Opcode, pack_header
+
+    half = bytes(pack_header(bytearray(HEADER_BYTES), Opcode.GET, key_len=8,
+                             total_size=1))[:HEADER_BYTES // 2]
+    sent_at = time.monotonic()
+    socks = {"tcp": _open_many((host, tcp_port), count, half),
+             "grpc": _open_many((host, grpc_port), count, _HTTP2_PREFACE[:12])}
+    _say(FLOOD_READY + json.dumps({k: len(v) for k, v in socks.items()}))
+    dropped_s: dict[str, list[float]] = {k: [] for k in socks}
+    live = {sock: name for name, group in socks.items() for sock in group}
+    deadline = sent_at + wait_s
+    while live and time.monotonic() < deadline:
+        readable, _, _ = select.select(list(live), [], [], max(0.0, deadline - time.monotonic()))
+        for sock in readable:
+            try:
+                data = sock.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                dropped_s[live.pop(sock)].append(time.monotonic() - sent_at)
+                sock.close()
+    _say(FLOOD_DONE + json.dumps({name: {"dropped": len(dropped_s[name]),
+                                         "max_drop_s": max(dropped_s[name], default=None),
+                                         "open": sum(1 for n in live.values() if n == name)}
+                                  for name in socks}))
+    for sock in live:
+        sock.close()
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m bench.chaos")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -1245,8 +1926,26 @@ if __name__ == "__main__":
     eng = sub.add_parser("engines", help="(internal) hold one host's engine records")
     for name in ("endpoint", "prefix", "node_id", "host_name"):
         eng.add_argument(name)
+    cli = sub.add_parser("client", help="(internal) a client killed mid-transfer")
+    cli.add_argument("address")
+    cli.add_argument("plane")
+    cli.add_argument("threads", type=int)
+    for cmd in ("flood", "slowloris"):
+        f = sub.add_parser(cmd, help=f"(internal) the {cmd} fault's connections")
+        f.add_argument("host")
+        f.add_argument("tcp_port", type=int)
+        f.add_argument("grpc_port", type=int)
+        f.add_argument("count", type=int)
+        if cmd == "slowloris":
+            f.add_argument("wait_s", type=float)
     args = parser.parse_args()
     if args.cmd == "loadgen":
         _loadgen_main(args.config)
+    elif args.cmd == "client":
+        _client_main(args.address, args.plane, args.threads)
+    elif args.cmd == "flood":
+        _flood_main(args.host, args.tcp_port, args.grpc_port, args.count)
+    elif args.cmd == "slowloris":
+        _slowloris_main(args.host, args.tcp_port, args.grpc_port, args.count, args.wait_s)
     else:
         _engines_main(args.endpoint, args.prefix, args.node_id, args.host_name)
