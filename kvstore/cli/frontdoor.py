@@ -33,12 +33,24 @@ def frontdoor(
         help="The model directory the backends serve (its tokenizer.json, tokenizer_config.json)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8000, "--port", help="Port to listen on (0: any free port)."),
-    router: str = typer.Option("round-robin", "--router", help="round-robin | conductor"),
+    router: str = typer.Option(
+        "round-robin", "--router",
+        help="round-robin | conductor | local (the conductor's decision made in this process, "
+             "asking the conductor when its replica is stale: docs/routing.md)"),
     etcd: str | None = typer.Option(None, "--etcd",
                                     help="etcd endpoint (--router conductor finds the leader)."),
     prefix: str = typer.Option("/kvtier/", "--prefix", help="etcd key prefix of the cluster."),
     conductor_model: str | None = typer.Option(
         None, "--conductor-model", help="The model name the conductor knows the engines by."),
+    policy: str = typer.Option("global-cache", "--policy",
+                               help="--router local: the conductor's --policy."),
+    block_size_tokens: int = typer.Option(512, "--block-size-tokens",
+                                          help="--router local: the conductor's "
+                                               "--block-size-tokens."),
+    ttft_slo_s: float | None = typer.Option(None, "--ttft-slo-s",
+                                            help="--router local: the conductor's --ttft-slo-s."),
+    tpot_slo_s: float | None = typer.Option(None, "--tpot-slo-s",
+                                            help="--router local: the conductor's --tpot-slo-s."),
     read_timeout_s: float = typer.Option(600.0, "--read-timeout-s",
                                          help="Longest wait for a backend's next bytes."),
     log_level: str = typer.Option("INFO", "--log-level"),
@@ -68,10 +80,16 @@ def frontdoor(
         decodes = [Backend.parse(spec) for spec in decode]
         pool = BackendPool([Backend.parse(spec) for spec in backend] + prefills + decodes)
         tokenizer = PromptTokenizer.from_model_dir(model_dir)
-        if router not in ("round-robin", "conductor"):
-            raise KvtierError(f"--router {router!r}: want round-robin or conductor")
-        if router == "conductor" and (etcd is None or not conductor_model):
-            raise KvtierError("--router conductor needs --etcd and --conductor-model")
+        if router not in ("round-robin", "conductor", "local"):
+            raise KvtierError(f"--router {router!r}: want round-robin, conductor or local")
+        if router in ("conductor", "local") and (etcd is None or not conductor_model):
+            raise KvtierError(f"--router {router} needs --etcd and --conductor-model")
+        if router == "local":
+            from conductor.scheduler import Policy
+
+            if policy not in {p.value for p in Policy}:
+                raise KvtierError(f"--policy {policy!r}: want one of "
+                                  f"{', '.join(p.value for p in Policy)}")
         if bool(prefills) != bool(decodes):
             raise KvtierError("P/D mode needs both --prefill and --decode")
         if prefills and (backend or router != "round-robin"):
@@ -86,13 +104,24 @@ def frontdoor(
 
     async def main() -> None:
         conductor = None
+        local = None
         chosen: Router | None = pd_router
-        if router == "conductor":
+        if router in ("conductor", "local"):
             from kvstore.client.conductor_client import ConductorClient
 
             assert etcd is not None and conductor_model
             conductor = ConductorClient(etcd_endpoint=etcd, layout=KeyLayout(prefix))
             chosen = ConductorRouter(conductor, pool, conductor_model)
+        if router == "local":
+            from conductor.scheduler import Policy
+            from kvstore.frontdoor.local import LocalRouter
+
+            assert etcd is not None and conductor is not None and conductor_model
+            local = chosen = LocalRouter(
+                conductor, pool, conductor_model, etcd_endpoint=etcd, layout=KeyLayout(prefix),
+                policy=Policy(policy), block_size_tokens=block_size_tokens,
+                ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s)
+            await local.start()
         door = FrontDoor(pool, tokenizer, router=chosen, host=host, port=port,
                          read_timeout_s=read_timeout_s)
         stop = asyncio.Event()
@@ -110,6 +139,8 @@ def frontdoor(
             await stop.wait()
         finally:
             await door.close()
+            if local is not None:
+                await local.close()
             if conductor is not None:
                 await conductor.close()
 
