@@ -407,8 +407,8 @@ class CacheLeaseBackend:
             finally:
                 lease.release()
             return size
-        self.cache.index.touch(k)
-        self.cache.count_hit(TierKind.DRAM, size)  # not record_reads: ~3 µs less per read
+        owner = self.cache.index.touch_owner(k)
+        self.cache.count_hit(TierKind.DRAM, size, owner)  # not record_reads: ~3 µs less
         return size
 
     def open_write(self, key: bytes, size_bytes: int, *,
@@ -490,7 +490,8 @@ class TenantLeaseBackend:
             else:
                 if self._same_insert(k, before.inserted_at_s):
                     cache.index.touch(k)
-                    cache.count_hit(TierKind.DRAM, size)
+                    cache.count_hit(TierKind.DRAM, size,
+                                    before.tenant if self._read is None else self._read)
                     return size
         return self._leased_read_into(k, dst)
 
@@ -634,7 +635,7 @@ class ShmLeases:
         for _attempt in range(_PREFIX_RETRIES):
             wanted = checked[:self._cache.lookup(checked, tenant).length] if prefix else checked
             if not wanted:
-                self._cache.misses += 1
+                self._cache.count_miss(tenant)
                 return None, []
             try:
                 lease = self._cache.pin_in(TierKind.DRAM, wanted, ttl_s, tenant)

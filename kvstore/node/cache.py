@@ -130,6 +130,7 @@ from kvstore.node.index import (
     TierBudget,
 )
 from kvstore.node.policies import EvictionPolicy, PolicyName
+from kvstore.node.tenants import DEFAULT_MAX_TENANTS, TenantMeter, TenantQuota, TenantReport
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +231,9 @@ class TieredCache:
     def __init__(self, tiers: Mapping[TierKind, Tier], *,
                  policy: EvictionPolicy | PolicyName | str = PolicyName.LRU,
                  config: CacheConfig | None = None,
-                 observer: ChangeObserver | None = None) -> None:
+                 observer: ChangeObserver | None = None,
+                 quotas: Sequence[TenantQuota] = (),
+                 max_tenants: int = DEFAULT_MAX_TENANTS) -> None:
         if not tiers:
             raise ConfigError("a tiered cache needs at least one tier")
         for kind, tier in tiers.items():
@@ -241,7 +244,7 @@ class TieredCache:
         budgets = {kind: TierBudget.of(tier.capacity_bytes, high_fraction=self._config.high_watermark,
                                        low_fraction=self._config.low_watermark)
                    for kind, tier in self._tiers.items()}
-        self._index = CacheIndex(budgets, policy)
+        self._index = CacheIndex(budgets, policy, quotas=quotas)
         write = self._config.write_tier or next(iter(self._tiers))
         if write not in self._tiers:
             raise ConfigError(f"write tier {write.value} is not configured")
@@ -260,9 +263,13 @@ class TieredCache:
             if isinstance(tier, BatchHostMemoryTier)}
         """The host-memory tiers that reserve and commit a batch in one round."""
         self._counters = {kind: TierCounters() for kind in self._tiers}
+        self._quotas = bool(quotas)
+        """Some tenant has a quota (else puts skip the cap check: one index round less)."""
         self._counter_lock = threading.Lock()
         self.misses = 0
         self.lookups = 0
+        self.tenants = TenantMeter(max_tenants)
+        """Per-tenant counters (:mod:`kvstore.node.tenants`)."""
         self._observer = observer
 
     # -- introspection ---------------------------------------------------------------------
@@ -299,6 +306,10 @@ class TieredCache:
         with self._counter_lock:
             return [TierReport(kind, tier.stats(), _copy(self._counters[kind]))
                     for kind, tier in self._tiers.items()]
+
+    def tenant_report(self) -> list[TenantReport]:
+        """Per-tenant counters and bytes held per tier (bounded labels: ``TenantMeter``)."""
+        return self.tenants.report(self._index.tenant_usage())
 
     def entry(self, key: bytes, tenant: str | None = None) -> IndexEntry | None:
         """``key``'s index entry; None when not cached or ``tenant`` may not see it."""
@@ -341,7 +352,8 @@ class TieredCache:
             self._back_ancestors(kind, parent)
         try:
             info, seconds = self._place(kind, target, key, size,
-                                        lambda: _put(target, key, src, parent, tenant))
+                                        lambda: _put(target, key, src, parent, tenant),
+                                        owner=tenant)
         except BaseException:
             if backing is not None:
                 self._tiers[backing].remove(key)
@@ -355,6 +367,7 @@ class TieredCache:
                 self._tiers[backing].remove(key)
             raise
         self._count(kind, puts=1, bytes_written=size, seconds_writing=seconds)
+        self.tenants.stored(tenant, size)
         self._notify(ChunkChangeKind.STORED, key, kind, size, parent=parent, tenant=tenant)
         return info
 
@@ -375,7 +388,7 @@ class TieredCache:
             raise InvalidArgument(f"chunk size must be a positive int, got {size_bytes!r}")
         self._check_writable(key, parent, tenant)
         slot, _seconds = self._place(kind, target, key, size_bytes,
-                                     lambda: target.reserve(key, size_bytes))
+                                     lambda: target.reserve(key, size_bytes), owner=tenant)
         return slot
 
     def commit(self, slot: WriteSlot, *, parent: bytes | None = None,
@@ -419,6 +432,7 @@ class TieredCache:
                 self._tiers[backing].remove(key)
             raise
         self._count(kind, puts=1, bytes_written=size)
+        self.tenants.stored(tenant, size)
         self._notify(ChunkChangeKind.STORED, key, kind, size, parent=parent, tenant=tenant)
         return info
 
@@ -461,7 +475,7 @@ class TieredCache:
         shortfall = usage.used_bytes + total - usage.capacity_bytes
         if shortfall > 0 and total <= usage.capacity_bytes:
             try:
-                self._evict(kind, shortfall)
+                self._evict(kind, shortfall, driver=DEFAULT_TENANT)
             except CapacityError as exc:  # each item below makes what room it can
                 log.debug("batch reserve of %d bytes in %s: %s", total, kind.value, exc)
         # In order, what each item gets if the items before it are reserved (a child of a
@@ -502,7 +516,8 @@ class TieredCache:
             if isinstance(result, CapacityError):
                 try:
                     result, _seconds = self._place(kind, target, key, size,
-                                                   functools.partial(target.reserve, key, size))
+                                                   functools.partial(target.reserve, key, size),
+                                                   owner=DEFAULT_TENANT)
                 except KvtierError as exc:
                     result = exc
             out[i] = result
@@ -601,8 +616,9 @@ class TieredCache:
             else:
                 stored.append((info, parents[i]))
         if stored:
-            self._count(kind, puts=len(stored),
-                        bytes_written=sum(info.size_bytes for info, _p in stored))
+            nbytes = sum(info.size_bytes for info, _p in stored)
+            self._count(kind, puts=len(stored), bytes_written=nbytes)
+            self.tenants.stored(DEFAULT_TENANT, nbytes)
             for info, parent in stored:
                 self._notify(ChunkChangeKind.STORED, info.key, kind, info.size_bytes,
                              parent=parent, tenant=DEFAULT_TENANT)  # as insert_many stored it
@@ -616,6 +632,9 @@ class TieredCache:
             self._index.check_writable(key, parent, tenant)
         except ChunkExists:
             raise ChunkExists(f"chunk {key.hex()} is already cached") from None
+        except PermissionDenied:
+            self.tenants.refused(tenant)
+            raise
 
     def _write_backing(self, kind: TierKind, key: bytes, src: Buffer, size: int,
                        parent: bytes | None, tenant: str) -> None:
@@ -628,7 +647,7 @@ class TieredCache:
             self._back_ancestors(kind, parent)
         tier = self._tiers[kind]
         _info, seconds = self._place(kind, tier, key, size,
-                                     lambda: _put(tier, key, src, parent, tenant))
+                                     lambda: _put(tier, key, src, parent, tenant), owner=tenant)
         self._count(kind, bytes_written=size, seconds_writing=seconds)
 
     def _back_ancestors(self, kind: TierKind, parent: bytes) -> None:
@@ -667,7 +686,7 @@ class TieredCache:
             try:
                 _info, seconds = self._place(kind, tier, key, size,
                                              lambda: _put(tier, key, data, entry.parent,
-                                                          entry.tenant))
+                                                          entry.tenant), owner=entry.tenant)
             except (ChunkExists, ChunkBusy):
                 return  # a racing put is writing the same copy
             try:
@@ -730,10 +749,10 @@ class TieredCache:
         try:
             lease = self._index.pin_many((key,), self._config.lease_ttl_s, tenant)
         except ChunkNotFound:
-            self.misses += 1
+            self.count_miss(tenant)
             raise
         try:
-            kind = self._read_pinned(key, dst)
+            kind = self._read_pinned(key, dst, tenant)
         finally:
             self._index.unpin(lease)
         self._index.touch(key)
@@ -758,7 +777,7 @@ class TieredCache:
         try:
             for key, dst in zip(lease.keys, dsts, strict=False):
                 try:
-                    found.append(self._read_pinned(key, dst))
+                    found.append(self._read_pinned(key, dst, None))
                 except (ChunkCorrupt, ChunkNotFound) as exc:
                     log.warning("prefix load stops at block %d: %s", loaded, exc)
                     break
@@ -770,7 +789,8 @@ class TieredCache:
             self._maybe_promote(key, kind, dst)
         return loaded
 
-    def _read_pinned(self, key: bytes, dst: Buffer) -> TierKind:
+    def _read_pinned(self, key: bytes, dst: Buffer, reader: str | None) -> TierKind:
+        """Copy a pinned chunk out of its tier; counted for ``reader`` (None: its owner)."""
         entry = self._index.get(key)
         if entry is None:
             raise ChunkNotFound(key, "the tiered cache")
@@ -787,6 +807,7 @@ class TieredCache:
             self._drop_subtree(key)
             raise
         self._count(kind, hits=1, bytes_read=n, seconds_reading=time.perf_counter() - start)
+        self.tenants.read(entry.tenant if reader is None else reader, n)
         return kind
 
     def record_reads(self, keys: Sequence[bytes], kind: TierKind = TierKind.DRAM
@@ -838,13 +859,14 @@ class TieredCache:
             try:
                 lease = self._index.pin_many(checked, ttl, tenant)
             except ChunkNotFound:
-                self.misses += 1
+                self.count_miss(tenant)
                 raise
             entries = [self._index.get(key) for key in checked]
             if all(e is not None and e.tier is kind for e in entries):
                 for e in entries:
                     assert e is not None
                     self._count(kind, hits=1, bytes_read=e.size_bytes)
+                    self.tenants.read(e.tenant if tenant is None else tenant, e.size_bytes)
                 self._index.access_prefix(checked)
                 return lease
             self._index.unpin(lease)
@@ -884,11 +906,12 @@ class TieredCache:
             self._remove_bytes(k)
         return dropped
 
-    def evict(self, kind: TierKind, bytes_needed: int) -> int:
-        """Free at least ``bytes_needed`` in one tier (demoting or dropping); return bytes freed."""
+    def evict(self, kind: TierKind, bytes_needed: int, *, guarantees: bool = True) -> int:
+        """Free at least ``bytes_needed`` in one tier (demoting or dropping); return bytes freed.
+        Tenants' guaranteed shares are kept unless ``guarantees`` is False."""
         self.tier(kind)
         before = self._index.usage(kind).used_bytes
-        self._evict(kind, bytes_needed)
+        self._evict(kind, bytes_needed, guarantees=guarantees)
         return before - self._index.usage(kind).used_bytes
 
     def demote_to_low_watermark(self) -> dict[TierKind, int]:
@@ -924,7 +947,8 @@ class TieredCache:
             used = self._index.usage(kind).used_bytes
             if used:
                 try:
-                    moved += self.evict(kind, used)
+                    # Guaranteed shares bound eviction, not a drain's demotion to disk.
+                    moved += self.evict(kind, used, guarantees=False)
                 except CapacityError as exc:  # pinned chunks stay; persist what can be
                     log.warning("persist: %s keeps some chunks: %s", kind.value, exc)
         return moved
@@ -961,7 +985,8 @@ class TieredCache:
                 if tenant is None:
                     raise InvalidArgument(f"owner {info.owner!r:.80} is not a tenant's name")
                 self._index.insert(key, parent, kind, info.size_bytes, info.checksum,
-                                   tenant=tenant)
+                                   tenant=tenant, check_quota=False)
+                self.tenants.track((tenant,))
             except (InvalidArgument, PermissionDenied) as exc:
                 # Its parent belongs to a tenant it may not hang under (a chain begun by a
                 # daemon that kept no owners, continued by one that does): unusable, as an
@@ -989,18 +1014,27 @@ class TieredCache:
     # -- internals ------------------------------------------------------------------------------
 
     def _place(self, kind: TierKind, target: Tier, key: bytes, size: int,
-               write: Callable[[], _T]) -> tuple[_T, float]:
-        """Make room for ``size`` bytes in ``kind`` and run ``write`` (a tier put), evicting on
-        CapacityError until it fits or nothing more can be evicted (backing copies last);
-        DiskFull (the filesystem, not the budget) propagates at once, nothing evicted.
+               write: Callable[[], _T], *, owner: str, driver: str | None = None,
+               request: bool = True) -> tuple[_T, float]:
+        """Make room for ``size`` bytes of ``owner``'s in ``kind`` and run ``write`` (a tier
+        put), evicting on CapacityError until it fits or nothing more can be evicted (backing
+        copies last); DiskFull (the filesystem, not the budget) propagates at once, nothing
+        evicted. ``driver``: whose write the room is made for (guaranteed shares of others are
+        kept; None: ``owner``). Over ``owner``'s cap in ``kind``, only its own chunks there make
+        room first, else CapacityError naming the tenant and the quota (counted as a refused
+        request of ``owner`` when ``request``: a put, not the cache's own move).
         Returns the chunk's info and the seconds the write itself took (evictions excluded)."""
         usage = self._index.usage(kind)
         if size > usage.capacity_bytes:
             raise CapacityError(f"{kind.value}: a {size}-byte chunk is larger than the tier "
                                 f"({usage.capacity_bytes} bytes)")
+        driver = owner if driver is None else driver
+        if self._quotas:
+            self._make_room_under_cap(kind, owner, size, request)
+            usage = self._index.usage(kind)
         shortfall = usage.used_bytes + size - usage.capacity_bytes
         if shortfall > 0:
-            self._evict(kind, shortfall)
+            self._evict(kind, shortfall, driver=driver)
         for _attempt in range(_MAX_ROOM_ATTEMPTS):
             try:
                 start = time.perf_counter()
@@ -1012,13 +1046,39 @@ class TieredCache:
                 raise
             except CapacityError:
                 # Logical room exists but the tier needs more (alignment, headers, fragments).
-                self._evict(kind, max(size, target.capacity_bytes // 64))
+                self._evict(kind, max(size, target.capacity_bytes // 64), driver=driver)
         raise CapacityError(f"{kind.value}: no room for {size} bytes after evicting "
                             f"{_MAX_ROOM_ATTEMPTS} times")
 
-    def _evict(self, kind: TierKind, bytes_needed: int, *, include_backing: bool = True) -> None:
+    def _make_room_under_cap(self, kind: TierKind, owner: str, size: int, request: bool) -> None:
+        """Evict ``owner``'s own chunks in ``kind`` until ``size`` more bytes fit under its
+        cap there; CapacityError naming the tenant and the quota when they cannot."""
+        over = self._index.over_cap(kind, owner, size)
+        if not over:
+            return
+        quota = self._index.quota(kind, owner)
+        assert quota is not None and quota.max_bytes is not None
+        try:
+            if size > quota.max_bytes:
+                raise CapacityError("the chunk alone is larger than the cap")
+            self._evict(kind, over, driver=owner, only=owner)
+        except CapacityError as exc:
+            if request:
+                self.tenants.refused(owner)
+            raise CapacityError(
+                f"tenant {owner!r} is at its quota in {kind.value} (max_bytes "
+                f"{quota.max_bytes}): a {size}-byte chunk needs {over} bytes of its own chunks "
+                f"there evicted first, which is not possible ({exc})") from exc
+
+    def _evict(self, kind: TierKind, bytes_needed: int, *, include_backing: bool = True,
+               driver: str | None = None, only: str | None = None,
+               guarantees: bool = True) -> None:
+        """Free ``bytes_needed`` in ``kind`` (demoting, else dropping) for ``driver``'s write
+        (None: the cache's own work); ``only``: only that tenant's chunks; ``guarantees``:
+        keep other tenants' guaranteed shares (``CacheIndex``, "Quotas")."""
         claim = self._index.claim_eviction(kind, bytes_needed, self._config.lease_ttl_s,
-                                           include_backing=include_backing)
+                                           include_backing=include_backing, tenant=driver,
+                                           only_tenant=only, guarantees=guarantees)
         below = self._index.demotion_target(kind)
         try:
             for key in claim.keys:
@@ -1032,7 +1092,7 @@ class TieredCache:
                     self._drop(kind, key, claim)
                     continue
                 try:
-                    self._move(key, kind, below, claim, entry)
+                    self._move(key, kind, below, claim, entry, driver=driver)
                 except CapacityError:
                     self._drop(kind, key, claim)  # nothing below can take it
         finally:
@@ -1062,12 +1122,13 @@ class TieredCache:
         self._count(kind, drops=1)
 
     def _move(self, key: bytes, src_kind: TierKind, dst_kind: TierKind, claim: Lease,
-              entry: IndexEntry | None = None) -> None:
+              entry: IndexEntry | None = None, *, driver: str | None = None) -> None:
         """Copy a claimed chunk from one tier to another, then retarget the index.
 
         When ``dst_kind`` already holds its backing copy, nothing is copied: the source copy is
         forgotten. A promotion out of a persistent tier keeps the source as the backing copy.
-        ``entry``: the claimed chunk's snapshot, when the caller already took one."""
+        ``entry``: the claimed chunk's snapshot, when the caller already took one; ``driver``:
+        whose write the move makes room for (room in ``dst_kind`` is made for it too)."""
         src, dst = self._tiers[src_kind], self._tiers[dst_kind]
         if entry is None:
             entry = self._index.get(key)
@@ -1104,7 +1165,8 @@ class TieredCache:
             return _put(dst, key, bounce, parent, entry.tenant)
 
         try:
-            _info, seconds = self._place(dst_kind, dst, key, size, write)
+            _info, seconds = self._place(dst_kind, dst, key, size, write, owner=entry.tenant,
+                                         driver=driver, request=False)
         except ChunkCorrupt:
             self._count(src_kind, corrupt=1)
             self._index.unpin(claim)
@@ -1170,11 +1232,18 @@ class TieredCache:
                                        None if parent is None else bytes(parent), from_tier,
                                        tenant))
 
-    def count_hit(self, kind: TierKind, size_bytes: int) -> None:
+    def count_hit(self, kind: TierKind, size_bytes: int, tenant: str | None = None) -> None:
         """Account one read of ``size_bytes`` that a caller copied out of tier ``kind`` itself
-        (a backend's copy-read), without :meth:`record_reads`' index lookup. Recency is the
-        caller's (``index.touch``)."""
+        (a backend's copy-read), without :meth:`record_reads`' index lookup, for ``tenant``
+        (the reader's, else the chunk's owner: ``index.touch_owner``; None: untracked).
+        Recency is the caller's (``index.touch``/``touch_owner``)."""
         self._count(kind, hits=1, bytes_read=size_bytes)
+        self.tenants.read(tenant, size_bytes)
+
+    def count_miss(self, tenant: str | None = None) -> None:
+        """Account one read that found nothing (``tenant``: the one the read acted for)."""
+        self.misses += 1
+        self.tenants.missed(DEFAULT_TENANT if tenant is None else tenant)
 
     def _count(self, kind: TierKind, **deltas: float) -> None:
         with self._counter_lock:

@@ -52,6 +52,21 @@ Tenants
     tenant's chunk belongs to that tenant. An insert of a key that another tenant owns is
     PermissionDenied (keys are global: one tenant can never replace another's chunk).
 
+Quotas
+    Each tier may give tenants a :class:`~kvstore.node.tenants.TenantQuota`. The index keeps
+    the bytes each tenant holds per tier (``tenant_usage``; backing copies count in their
+    tier). **Cap** (``max_bytes``): an insert that would take the tenant past it is
+    CapacityError naming the tenant and the quota (``over_cap`` says how much to evict first;
+    the cache plans that with ``only_tenant``, so a tenant over its cap loses only its own
+    chunks). **Guaranteed share** (``guaranteed_bytes``): a plan never takes a victim whose
+    owner would drop below its floor in that tier, unless the plan is for that owner's own
+    write (``tenant=``); plans for the cache's own work (``tenant=None``: the watermark
+    demoter, an operator's evict by bytes) keep every floor; only ``guarantees=False`` (a drain
+    persisting DRAM to NVMe) ignores them. The floors of a tier sum to at most its capacity
+    (checked at construction). A floor is a limit on eviction, not a reservation: a tenant
+    below its floor has no room set aside, and may find the tier full of other guaranteed
+    shares.
+
 Leases
     ``pin*`` hand out SHARED leases (readers: the entry may not be moved or
     removed); ``claim``/``claim_eviction`` hand out EXCLUSIVE leases (a mover:
@@ -113,6 +128,7 @@ from kvstore.errors import (
     PermissionDenied,
 )
 from kvstore.node.policies import EvictionPolicy, PolicyName, make_policy
+from kvstore.node.tenants import TenantQuota, quota_table
 
 # The rule and these names live in kvstore/security/tenancy.py (the conductor shares them).
 from kvstore.security.tenancy import DEFAULT_TENANT as DEFAULT_TENANT
@@ -278,16 +294,29 @@ def _visible(node: _Node | None, tenant: str | None) -> _Node | None:
 
 
 class _TierState:
-    __slots__ = ("backed", "budget", "entries", "used_bytes")
+    __slots__ = ("backed", "budget", "entries", "quotas", "tenant_bytes", "used_bytes")
 
     def __init__(self, budget: TierBudget) -> None:
         self.budget = budget
         self.used_bytes = 0
         """Primary and backing copies held in this tier."""
+        self.tenant_bytes: dict[str, int] = {}
+        """``used_bytes`` by owning tenant (tenants holding nothing here are absent)."""
+        self.quotas: dict[str, TenantQuota] = {}
+        """The tier's quotas by tenant ("Quotas")."""
         self.entries = 0
         """Chunks with a copy (primary or backing) in this tier."""
         self.backed: dict[_Node, None] = {}
         """Entries whose backing copy is in this tier, oldest first (an ordered set)."""
+
+    def add(self, tenant: str, nbytes: int) -> None:
+        """Count ``nbytes`` more (or fewer, negative) held here by ``tenant``."""
+        self.used_bytes += nbytes
+        held = self.tenant_bytes.get(tenant, 0) + nbytes
+        if held:
+            self.tenant_bytes[tenant] = held
+        else:
+            del self.tenant_bytes[tenant]
 
 
 class _LeaseRecord:
@@ -312,7 +341,7 @@ class CacheIndex:
 
     def __init__(self, budgets: Mapping[TierKind, TierBudget],
                  policy: EvictionPolicy | PolicyName | str = PolicyName.LRU, *,
-                 clock: Clock = time.monotonic) -> None:
+                 clock: Clock = time.monotonic, quotas: Iterable[TenantQuota] = ()) -> None:
         if not budgets:
             raise ConfigError("a cache index needs at least one tier")
         for tier, budget in budgets.items():
@@ -320,6 +349,9 @@ class CacheIndex:
                 raise ConfigError(f"budgets must map TierKind to TierBudget, got {tier!r}: {budget!r}")
         order = sorted(budgets, key=lambda t: t.order)
         self._tiers = {tier: _TierState(budgets[tier]) for tier in order}
+        for tier, row in quota_table(quotas, {t: budgets[t].capacity_bytes
+                                              for t in order}).items():
+            self._tiers[tier].quotas = row
         self._below: dict[TierKind, TierKind | None] = {
             tier: (order[i + 1] if i + 1 < len(order) else None) for i, tier in enumerate(order)}
         self._policy = policy if not isinstance(policy, PolicyName | str) else make_policy(policy)
@@ -415,6 +447,15 @@ class CacheIndex:
             self._hit(node, self._clock())
             return True
 
+    def touch_owner(self, key: bytes) -> str | None:
+        """``touch`` that returns the chunk's owning tenant (None: not cached)."""
+        with self._lock:
+            node = self._entries.get(key)
+            if node is None:
+                return None
+            self._hit(node, self._clock())
+            return node.tenant
+
     def touch_held_in(self, counts: Mapping[bytes, int], tier: TierKind) -> tuple[int, int]:
         """Record reads that copied chunks out of ``tier`` (``counts[key]`` reads of each):
         one hit per key that ``tier`` still holds (others are skipped), under one lock and one
@@ -461,28 +502,31 @@ class CacheIndex:
 
     def insert(self, key: bytes, parent: bytes | None, tier: TierKind, size_bytes: int,
                checksum: int | None = None, *, backing: TierKind | None = None,
-               tenant: str = DEFAULT_TENANT) -> None:
+               tenant: str = DEFAULT_TENANT, check_quota: bool = True) -> None:
         """Record that ``tier`` now holds ``key`` (and ``backing``, a slower tier, a second
         copy: a write-through put). Its parent must be cached (any tier).
 
         ``tenant`` owns it ("Tenants"). Raises ChunkExists, PermissionDenied (another tenant
         owns ``key``), InvalidArgument (orphan, or a parent ``tenant`` may not see; bad size,
         unconfigured tier, ``backing`` not slower than ``tier``), CapacityError (a tier's recorded usage
-        would exceed its capacity: make room first with ``plan_eviction``/``claim_eviction``).
+        would exceed its capacity, or the tenant's cap there: make room first with
+        ``plan_eviction``/``claim_eviction``).
         """
         self.insert_chain((key,), parent, tier, size_bytes,
                           None if checksum is None else (checksum,), backing=backing,
-                          tenant=tenant)
+                          tenant=tenant, check_quota=check_quota)
 
     def insert_chain(self, keys: Sequence[bytes], parent: bytes | None, tier: TierKind,
                      size_bytes: int | Sequence[int],
                      checksums: Sequence[int | None] | None = None, *,
-                     backing: TierKind | None = None, tenant: str = DEFAULT_TENANT) -> None:
+                     backing: TierKind | None = None, tenant: str = DEFAULT_TENANT,
+                     check_quota: bool = True) -> None:
         """Insert ``keys[0]`` under ``parent``, ``keys[i]`` under ``keys[i-1]``: all or nothing.
 
         ``size_bytes`` is one size for every key or one per key; ``backing`` as in
         ``insert``, for every key. The policy is notified deepest key first (see
-        ``access_prefix``).
+        ``access_prefix``). ``check_quota=False`` skips the tenant's cap ("Quotas"; for chunks
+        a restart found, whose bytes are there anyway).
         """
         n = len(keys)
         sizes = [size_bytes] * n if isinstance(size_bytes, int) else list(size_bytes)
@@ -513,6 +557,10 @@ class CacheIndex:
                 _check_owner(self._entries.get(key), tenant)
                 seen.add(key)
             total = sum(sizes)
+            if check_quota:
+                _check_cap(st, tier, tenant, total)
+                if back is not None and backing is not None:
+                    _check_cap(back, backing, tenant, total)
             if st.used_bytes + total > st.budget.capacity_bytes:
                 raise CapacityError(
                     f"{tier.value}: inserting {total} bytes would exceed capacity "
@@ -538,10 +586,10 @@ class CacheIndex:
                 if back is not None:
                     node.backing = backing
                     back.backed[node] = None
-            st.used_bytes += total
+            st.add(tenant, total)
             st.entries += n
             if back is not None:
-                back.used_bytes += total
+                back.add(tenant, total)
                 back.entries += n
             for node in reversed(nodes):
                 self._policy.on_insert(node)
@@ -584,13 +632,19 @@ class CacheIndex:
                         f"{tier.value}: inserting {size} bytes would exceed capacity "
                         f"({st.used_bytes}/{capacity} bytes used)"))
                     continue
+                if st.quotas:
+                    try:
+                        _check_cap(st, tier, tenant, size)
+                    except CapacityError as exc:
+                        out.append(exc)
+                        continue
                 node = _Node(key, up, tier, size, checksum, now, tenant)
                 if up is not None:
                     if up.children is None:
                         up.children = set()
                     up.children.add(node)
                 entries[key] = node
-                st.used_bytes += size
+                st.add(tenant, size)
                 st.entries += 1
                 on_insert(node)
                 out.append(None)
@@ -670,7 +724,7 @@ class CacheIndex:
                 if keep_source:
                     raise InvalidArgument(f"chunk {key.hex()} already has a copy in "
                                           f"{to_tier.value}")
-                src.used_bytes -= node.size_bytes
+                src.add(node.tenant, -node.size_bytes)
                 src.entries -= 1
                 del dst.backed[node]
                 node.backing = None
@@ -690,9 +744,9 @@ class CacheIndex:
                 node.backing = from_tier
                 src.backed[node] = None
             else:
-                src.used_bytes -= node.size_bytes
+                src.add(node.tenant, -node.size_bytes)
                 src.entries -= 1
-            dst.used_bytes += node.size_bytes
+            dst.add(node.tenant, node.size_bytes)
             dst.entries += 1
             node.tier = to_tier
             self._policy.on_move(node, from_tier)
@@ -720,7 +774,7 @@ class CacheIndex:
                                     f"({back.used_bytes}/{back.budget.capacity_bytes} used)")
             node.backing = tier
             back.backed[node] = None
-            back.used_bytes += node.size_bytes
+            back.add(node.tenant, node.size_bytes)
             back.entries += 1
 
     def drop_backing(self, key: bytes, *, lease: Lease | None = None) -> TierKind:
@@ -743,7 +797,7 @@ class CacheIndex:
     def _forget_backing(self, node: _Node) -> None:
         if node.backing is not None:
             back = self._tiers[node.backing]
-            back.used_bytes -= node.size_bytes
+            back.add(node.tenant, -node.size_bytes)
             back.entries -= 1
             del back.backed[node]
             node.backing = None
@@ -800,7 +854,7 @@ class CacheIndex:
         self._policy.on_remove(node)
         self._forget_backing(node)
         st = self._tiers[node.tier]
-        st.used_bytes -= node.size_bytes
+        st.add(node.tenant, -node.size_bytes)
         st.entries -= 1
         del self._entries[node.key]
         parent = node.parent
@@ -952,8 +1006,28 @@ class CacheIndex:
             st = self._state(tier)
             return max(0, st.used_bytes - st.budget.low_watermark_bytes)
 
+    def tenant_usage(self) -> dict[TierKind, dict[str, int]]:
+        """Bytes each tenant holds per tier (primary and backing copies), a snapshot."""
+        with self._lock:
+            return {tier: dict(st.tenant_bytes) for tier, st in self._tiers.items()}
+
+    def quota(self, tier: TierKind, tenant: str) -> TenantQuota | None:
+        """``tenant``'s quota in ``tier`` ("Quotas"), or None."""
+        return self._state(tier).quotas.get(tenant)
+
+    def over_cap(self, tier: TierKind, tenant: str, size_bytes: int) -> int:
+        """How many bytes ``tenant`` holds in ``tier`` beyond its cap once ``size_bytes`` more
+        are added (0: within it, or no cap)."""
+        with self._lock:
+            st = self._state(tier)
+            q = st.quotas.get(tenant)
+            if q is None or q.max_bytes is None:
+                return 0
+            return max(0, st.tenant_bytes.get(tenant, 0) + size_bytes - q.max_bytes)
+
     def plan_eviction(self, tier: TierKind, bytes_needed: int, *,
-                      include_backing: bool = False) -> list[bytes]:
+                      include_backing: bool = False, tenant: str | None = None,
+                      only_tenant: str | None = None, guarantees: bool = True) -> list[bytes]:
         """Victims to evict from ``tier``, in order, freeing at least ``bytes_needed``.
 
         Pure planning: nothing is removed (the policy may reorder its own state).
@@ -964,16 +1038,21 @@ class CacheIndex:
         candidates when those are not enough (oldest first, never one whose child
         keeps a copy in ``tier`` unless that child's copy precedes it): the caller
         tells them by ``get(key).tier is not tier`` and drops just that copy
-        (``drop_backing``). Raises CapacityError when no such set exists
-        (everything left is leased or ``bytes_needed`` exceeds the capacity).
+        (``drop_backing``). ``tenant``: whose write the room is for (its own guaranteed share
+        does not protect it from itself); ``only_tenant``: plan only that tenant's chunks (a
+        put over its cap); ``guarantees=False``: ignore guaranteed shares (a drain persisting
+        memory tiers). "Quotas" says the rule. Raises CapacityError when no such set exists
+        (everything left is leased, guaranteed, or ``bytes_needed`` exceeds the capacity).
         """
         with self._lock:
             now = self._clock()
             self._reap_leases(now)
-            return [n.key for n in self._plan(tier, bytes_needed, now, include_backing)]
+            return [n.key for n in self._plan(tier, bytes_needed, now, include_backing,
+                                              tenant, only_tenant, guarantees)]
 
     def claim_eviction(self, tier: TierKind, bytes_needed: int, ttl_s: float, *,
-                       include_backing: bool = False) -> Lease:
+                       include_backing: bool = False, tenant: str | None = None,
+                       only_tenant: str | None = None, guarantees: bool = True) -> Lease:
         """``plan_eviction`` plus an EXCLUSIVE lease on the victims, atomically.
 
         ``lease.keys`` is the plan, in order. Readers cannot pin the victims while
@@ -983,11 +1062,13 @@ class CacheIndex:
         with self._lock:
             now = self._clock()
             self._reap_leases(now)
-            nodes = self._plan(tier, bytes_needed, now, include_backing)
+            nodes = self._plan(tier, bytes_needed, now, include_backing, tenant, only_tenant,
+                               guarantees)
             return self._grant(nodes, LeaseMode.EXCLUSIVE, ttl_s, now)
 
     def _plan_backing(self, st: _TierState, tier: TierKind, bytes_needed: int, freed: int,
-                      now: float, victims: list[_Node], taken: set[_Node]) -> int:
+                      now: float, victims: list[_Node], taken: set[_Node],
+                      may_take: Callable[[_Node], bool]) -> int:
         """Append backing copies held in ``tier`` to ``victims`` until ``freed`` reaches
         ``bytes_needed``; return the new ``freed``. Oldest copy first, but never one whose
         child keeps a copy in ``tier`` (after a restart that child would be an orphan): such
@@ -1007,6 +1088,8 @@ class CacheIndex:
                 continue
             cascade: _Node | None = node
             while cascade is not None and freed < bytes_needed:
+                if not may_take(cascade):
+                    break
                 victims.append(cascade)
                 taken.add(cascade)
                 freed += cascade.size_bytes
@@ -1019,10 +1102,33 @@ class CacheIndex:
         return freed
 
     def _plan(self, tier: TierKind, bytes_needed: int, now: float,
-              include_backing: bool = False) -> list[_Node]:
+              include_backing: bool = False, driver: str | None = None,
+              only: str | None = None, guarantees: bool = True) -> list[_Node]:
         st = self._state(tier)
         if bytes_needed <= 0:
             return []
+        # Quotas: which victims this plan may take (``only``: that tenant's; a guaranteed share
+        # of a tenant other than ``driver`` is never planned below its floor).
+        planned: dict[str, int] = {}
+        kept_for_guarantee = 0
+        floors = {t: q.guaranteed_bytes for t, q in st.quotas.items()
+                  if q.guaranteed_bytes and t != driver} if guarantees else {}
+
+        def may_take(node: _Node) -> bool:
+            nonlocal kept_for_guarantee
+            owner = node.tenant
+            if only is not None and owner != only:
+                return False
+            floor = floors.get(owner)
+            if floor is not None:
+                held = st.tenant_bytes.get(owner, 0) - planned.get(owner, 0)
+                if held - node.size_bytes < floor:
+                    kept_for_guarantee += 1
+                    return False
+            if floors:
+                planned[owner] = planned.get(owner, 0) + node.size_bytes
+            return True
+
         if bytes_needed > st.budget.capacity_bytes:
             raise CapacityError(f"{tier.value}: {bytes_needed} bytes needed but the tier "
                                 f"holds only {st.budget.capacity_bytes}")
@@ -1051,6 +1157,8 @@ class CacheIndex:
                         len(node.children) > planned_children.get(node, 0):
                     ok = False
                     blocked.add(node)
+                if ok and (floors or only is not None) and not may_take(node):
+                    ok = False
                 if ok:
                     cascade: _Node | None = node
                     while cascade is not None:
@@ -1065,7 +1173,8 @@ class CacheIndex:
                             # A parent skipped earlier (older) whose last child is now
                             # planned goes next, unless the plan is already big enough.
                             if freed < bytes_needed and parent in blocked \
-                                    and done == parent.n_children() and not parent.held(now):
+                                    and done == parent.n_children() and not parent.held(now) \
+                                    and (not (floors or only is not None) or may_take(parent)):
                                 blocked.discard(parent)
                                 cascade = parent
                     if freed >= bytes_needed:
@@ -1076,12 +1185,16 @@ class CacheIndex:
         finally:
             stream.close()
         if freed < bytes_needed and include_backing:
-            freed = self._plan_backing(st, tier, bytes_needed, freed, now, victims, taken)
+            freed = self._plan_backing(st, tier, bytes_needed, freed, now, victims, taken,
+                                       may_take)
         if freed < bytes_needed:
+            whose = "" if only is None else f" of tenant {only!r}"
             raise CapacityError(
-                f"{tier.value}: cannot free {bytes_needed} bytes; only {freed} are evictable "
-                f"({st.used_bytes}/{st.budget.capacity_bytes} used; the rest is leased"
-                + (" or holds cached children)" if drops else ")"))
+                f"{tier.value}: cannot free {bytes_needed} bytes{whose}; only {freed} are "
+                f"evictable ({st.used_bytes}/{st.budget.capacity_bytes} used; the rest is leased"
+                + (", holds cached children" if drops else "")
+                + (f", or is {kept_for_guarantee} chunk(s) of other tenants' guaranteed shares"
+                   if kept_for_guarantee else "") + ")")
         return victims
 
 
@@ -1097,3 +1210,13 @@ def _owner_error(node: _Node, tenant: str) -> KvtierError:
 def _check_owner(node: _Node | None, tenant: str) -> None:
     if node is not None:
         raise _owner_error(node, tenant)
+
+
+def _check_cap(st: _TierState, tier: TierKind, tenant: str, nbytes: int) -> None:
+    q = st.quotas.get(tenant)
+    if q is not None and q.max_bytes is not None:
+        held = st.tenant_bytes.get(tenant, 0)
+        if held + nbytes > q.max_bytes:
+            raise CapacityError(
+                f"tenant {tenant!r} is over its quota in {tier.value}: it holds {held} bytes, "
+                f"{nbytes} more would pass its max_bytes of {q.max_bytes}")

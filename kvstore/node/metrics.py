@@ -10,7 +10,13 @@ two daemons in one test process do not collide). Two kinds of metric:
   ``kvtier_tier_chunks``, ``kvtier_{hits,puts,evictions,demotions,promotions,corrupt}_total``,
   ``kvtier_misses_total``, ``kvtier_bytes_moved_total{path,direction}`` (path: ``tier`` reads
   and writes of each tier, ``tcp``, ``shm``, ``inline``), ``kvtier_events_last_seq``,
-  ``kvtier_shm_leases_open{kind}`` and ``kvtier_tcp_connections_open``.
+  ``kvtier_shm_leases_open{kind}`` and ``kvtier_tcp_connections_open``;
+* per tenant, read at scrape time from ``tenant_source`` (the cache's
+  :meth:`~kvstore.node.cache.TieredCache.tenant_report`):
+  ``kvtier_tenant_{hits,misses,bytes_read,bytes_written,refused}_total{tenant}``,
+  ``kvtier_tenant_used_bytes{tenant,tier}`` and ``kvtier_tenants_tracked``. The ``tenant``
+  label takes at most ``tenants.max_tracked`` tenant names plus ``(default)`` and ``(other)``
+  (every untracked tenant together): :mod:`kvstore.node.tenants`, "Bounded cardinality".
 
 Eviction here means a chunk dropped from a tier (``drops``); a demotion moves it down a tier and
 is counted separately.
@@ -20,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -29,6 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvstore.node.cache import TierReport
+from kvstore.node.tenants import TenantReport
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +118,38 @@ class _ScrapeCollector(Collector):
         yield leases
         yield GaugeMetricFamily("kvtier_tcp_connections_open", "Open data-plane connections.",
                                 value=snap.tcp_connections_open)
+        tenants = self._metrics.tenant_source
+        if tenants is not None:
+            yield from _tenant_families(tenants())
+
+
+def _tenant_families(reports: list[TenantReport]
+                     ) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    counters = {
+        name: CounterMetricFamily(f"kvtier_tenant_{name}", help_text, labels=["tenant"])
+        for name, help_text in (
+            ("hits", "Chunks read for the tenant."),
+            ("misses", "Reads for the tenant that found nothing."),
+            ("bytes_read", "Bytes read for the tenant."),
+            ("bytes_written", "Bytes stored by the tenant's puts."),
+            ("refused", "Requests of the tenant refused (another tenant's key, a quota, a "
+                        "tenant its credentials do not name)."),
+        )
+    }
+    used = GaugeMetricFamily("kvtier_tenant_used_bytes", "Bytes the tenant holds in the tier.",
+                             labels=["tenant", "tier"])
+    for r in reports:
+        c = r.counters
+        for name, value in (("hits", c.hits), ("misses", c.misses),
+                            ("bytes_read", c.bytes_read), ("bytes_written", c.bytes_written),
+                            ("refused", c.refused)):
+            counters[name].add_metric([r.label], value)
+        for tier, nbytes in r.used_bytes.items():
+            used.add_metric([r.label, tier.value], nbytes)
+    yield from counters.values()
+    yield used
+    yield GaugeMetricFamily("kvtier_tenants_tracked", "Tenants with a label of their own.",
+                            value=sum(r.tenant is not None for r in reports))
 
 
 class DaemonMetrics:
@@ -119,6 +158,8 @@ class DaemonMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.source: MetricsSource | None = None
+        self.tenant_source: Callable[[], list[TenantReport]] | None = None
+        """Per-tenant figures at scrape time (set by whoever wires the cache in)."""
         self.rpc_seconds = Histogram("kvtier_rpc_seconds", "gRPC call latency.",
                                      ["method", "code"], buckets=RPC_BUCKETS_S,
                                      registry=self.registry)

@@ -90,6 +90,7 @@ from kvstore.wire import (
 )
 
 if TYPE_CHECKING:
+    from kvstore.node.cache import TieredCache
     from kvstore.node.daemon import StoreDaemon
 
 log = logging.getLogger(__name__)
@@ -181,6 +182,30 @@ def entry_to_pb(entry: IndexEntry, now_s: float) -> pb.ChunkEntry:
                          idle_s=max(0.0, now_s - entry.last_access_s), tenant=entry.tenant)
 
 
+def tenant_stats_pb(cache: TieredCache, scope: frozenset[str] | None) -> list[pb.TenantStats]:
+    """The Stats RPC's per-tenant rows (``TieredCache.tenant_report``); a caller scoped to some
+    tenants (``scope``; None: every tenant) gets only their rows (none for an untracked one,
+    and never the "other" row)."""
+    rows: list[pb.TenantStats] = []
+    index = cache.index
+    for r in cache.tenant_report():
+        if scope is not None and r.tenant not in scope:
+            continue
+        tiers = []
+        for kind in index.tiers:
+            q = None if r.tenant is None else index.quota(kind, r.tenant)
+            tiers.append(pb.TenantTierStats(
+                tier=TIER_TO_PB[kind], used_bytes=r.used_bytes.get(kind, 0),
+                max_bytes=(q.max_bytes or 0) if q is not None else 0,
+                guaranteed_bytes=q.guaranteed_bytes if q is not None else 0))
+        c = r.counters
+        rows.append(pb.TenantStats(tenant=r.tenant or "", other=r.tenant is None, hits=c.hits,
+                                   misses=c.misses, bytes_read=c.bytes_read,
+                                   bytes_written=c.bytes_written, refused=c.refused,
+                                   tiers=tiers))
+    return rows
+
+
 def event_to_pb(event: ChunkEvent, epoch: str) -> pb.ChunkEvent:
     return pb.ChunkEvent(seq=event.seq, epoch=epoch, kind=EVENT_TO_PB[event.kind], key=event.key,
                          tier=TIER_TO_PB[event.tier],
@@ -217,6 +242,7 @@ class StoreService(pb_grpc.StoreServicer):
         self._daemon = daemon
         self._pins: dict[int, _Pin] = {}
         self._pin_ids = LeaseIds()
+        daemon.metrics.tenant_source = lambda: daemon.cache.tenant_report()
 
     def register(self, server: grpc.aio.Server) -> None:
         """Serve this servicer on ``server``, as the generated ``add_StoreServicer_to_server``
@@ -231,16 +257,25 @@ class StoreService(pb_grpc.StoreServicer):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._daemon.executor, functools.partial(fn, *args))
 
-    @staticmethod
-    def _tenant(context: Any, *, admin: bool = False) -> str | None:
+    def _tenant(self, context: Any, *, admin: bool = False) -> str | None:
         """The tenant a read acts for (:func:`resolve_tenant`), resolved on the event loop:
-        the caller's principal is a contextvar, which the executor's threads do not see."""
-        return resolve_tenant(current_principal(), requested_tenant(context), admin=admin)
+        the caller's principal is a contextvar, which the executor's threads do not see. A
+        refusal is counted for the tenant named (``TenantMeter``: never a new label)."""
+        requested = requested_tenant(context)
+        try:
+            return resolve_tenant(current_principal(), requested, admin=admin)
+        except PermissionDenied:
+            self._cache.tenants.refused(requested)
+            raise
 
-    @staticmethod
-    def _write_tenant(context: Any) -> str:
+    def _write_tenant(self, context: Any) -> str:
         """The tenant a write stores its chunks as (see :meth:`_tenant`)."""
-        tenant = resolve_tenant(current_principal(), requested_tenant(context), write=True)
+        requested = requested_tenant(context)
+        try:
+            tenant = resolve_tenant(current_principal(), requested, write=True)
+        except PermissionDenied:
+            self._cache.tenants.refused(requested)
+            raise
         assert tenant is not None
         return tenant
 
@@ -323,7 +358,7 @@ class StoreService(pb_grpc.StoreServicer):
         k = check_key(key)
         entry = self._cache.entry(k, tenant)
         if entry is None:
-            self._cache.misses += 1
+            self._cache.count_miss(tenant)
             return pb.GetResponse(found=False)
         limit = self._daemon.config.server.inline_max_bytes
         if entry.size_bytes > limit:
@@ -500,7 +535,17 @@ class StoreService(pb_grpc.StoreServicer):
 
     @_rpc
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
-        return self._daemon.stats_pb()
+        # The per-tenant rows a caller sees: the tenant it names (checked), else those its
+        # credentials name (every tenant: an operator of every tenant, or no security).
+        scope: frozenset[str] | None
+        if requested_tenant(context) is not None:
+            named = self._tenant(context, admin=True)
+            scope = None if named is None else frozenset((named,))
+        else:
+            scope = current_principal().tenants
+        reply = self._daemon.stats_pb()
+        reply.tenants.extend(tenant_stats_pb(self._cache, scope))
+        return reply
 
     @_rpc
     async def Evict(self, request: pb.EvictRequest, context: Any) -> pb.EvictResponse:
