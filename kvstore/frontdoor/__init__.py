@@ -3,8 +3,10 @@ serve`` instances (docs/frontdoor.md). It tokenizes each prompt as vLLM will, as
 (round robin, or the conductor) for a backend, and proxies the request, streaming included;
 in P/D mode it prefills on one backend and decodes on another (``PdRouter``).
 
-It uses the client box (the conductor's client) and membership, never the node or the
-conductor's internals, and never imports vLLM: it only speaks HTTP to it.
+It uses the client box (the conductor's client) and membership, never the node, and never
+imports vLLM: it only speaks HTTP to it. :mod:`kvstore.frontdoor.local` embeds the conductor's
+scheduling library (never its process: server, service) to decide routes in process
+(docs/routing.md); it is not imported here, so a round-robin front door loads none of it.
 """
 
 from kvstore.frontdoor.router import (
