@@ -228,6 +228,9 @@ def chaos(
     quick: bool = typer.Option(False, "--quick", help="Shorter warm-up, fault and recovery windows."),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the results as JSON here."),
     fault: list[str] = typer.Option([], "--fault", help="Run only this fault (repeatable; default: all)."),
+    soak: float | None = typer.Option(None, "--soak", metavar="MINUTES",
+                                      help="One cluster for MINUTES: random faults (from --fault, "
+                                      "default: all) one at a time, the whole history checked."),
 ) -> None:
     """Faults under load on a three-host cluster in network namespaces (root): requests completed
     and failed during each fault, wrong reads, durable chunks lost, time to detect and recover,
@@ -236,7 +239,7 @@ def chaos(
     from kvstore.errors import ConfigError
 
     try:
-        rows = bench_chaos.main(json_path, quick, fault or None)
+        rows = bench_chaos.main(json_path, quick, fault or None, soak)
     except ConfigError as exc:
         typer.echo(f"kvtier bench chaos: {exc}", err=True)
         raise typer.Exit(2) from exc
