@@ -79,6 +79,7 @@ import contextlib
 import enum
 import itertools
 import json
+import math
 import os
 import queue
 import random
@@ -104,6 +105,7 @@ from kvstore.cluster.chaos_check import (
     Record,
     Restart,
     Result,
+    Violation,
     check,
     chunk_value,
     digest,
@@ -182,6 +184,12 @@ LOADGEN_PROBE = "KVTIER-LOADGEN-PROBE "
 """The answer to ``probe NODE``: the node's counts after its DRAM was emptied."""
 
 
+SLOWLORIS_CONNECTIONS = 16
+GRPC_HANDSHAKE_BOUND_S = 60.0 + TIMEOUT_SLACK_S
+"""How long a gRPC connection that sent part of the HTTP/2 preface may stay open: grpc's
+server handshake timeout (not set by the daemon; measured 60.0 s here), plus the slack."""
+
+
 class Need(enum.Enum):
     """What a fault needs of the cluster beyond the common setup (:attr:`FaultPlan.needs`)."""
 
@@ -208,10 +216,13 @@ class ChaosSpec:
     op_pause_s: float = 0.004
     """Each worker's pause between requests (a steady, not saturating, load on 2 cores)."""
     start_timeout_s: float = 60.0
+    slowloris_wait_s: float = GRPC_HANDSHAKE_BOUND_S + 1.0
+    """How long the slowloris fault watches its connections (long enough for gRPC's bound;
+    quick: the data plane's only)."""
 
     @classmethod
     def quick(cls) -> ChaosSpec:
-        return cls(warmup_s=1.5, down_s=3.5, after_s=2.0, workers=2)
+        return cls(warmup_s=1.5, down_s=3.5, after_s=2.0, workers=2, slowloris_wait_s=5.0)
 
 
 @dataclass
@@ -972,18 +983,16 @@ def _flood(cluster: ChaosCluster, host: Host, load: _Child) -> _Injected:
                      violations=violations)
 
 
-SLOWLORIS_CONNECTIONS = 16
-GRPC_HANDSHAKE_BOUND_S = 20.0
-"""How long a gRPC connection that sent part of the HTTP/2 preface may stay open."""
 
 
 def _slowloris(cluster: ChaosCluster, host: Host, load: _Child) -> _Injected:
     """``SLOWLORIS_CONNECTIONS`` connections to each of ``host``'s ports that send half a
     frame (half a data-plane header; half the HTTP/2 preface) and stall, from the observer,
     while the load runs. The data plane must drop each within ``HEADER_TIMEOUT_S`` + 1 s,
-    gRPC within ``GRPC_HANDSHAKE_BOUND_S``; the load must not notice."""
+    gRPC within ``GRPC_HANDSHAKE_BOUND_S`` (checked when the run waits that long:
+    ``ChaosSpec.slowloris_wait_s``); the load must not notice (its own invariants)."""
     node = f"node-{host.name}"
-    wait_s = max(cluster.spec.down_s, HEADER_TIMEOUT_S + TIMEOUT_SLACK_S + 1.0)
+    wait_s = max(cluster.spec.slowloris_wait_s, HEADER_TIMEOUT_S + TIMEOUT_SLACK_S + 1.0)
     start = time.monotonic()
     slow = cluster.spawn_tool(cluster.lab.observer,
                               ["slowloris", host.address, str(TCP_PORT), str(GRPC_PORT),
@@ -997,6 +1006,11 @@ def _slowloris(cluster: ChaosCluster, host: Host, load: _Child) -> _Injected:
         violations.append(f"slowloris: data plane: {tcp['open']} connections still open after "
                           f"{wait_s:.1f} s, the slowest dropped after {tcp['max_drop_s']} s "
                           f"(bound {HEADER_TIMEOUT_S} s + {TIMEOUT_SLACK_S} s)")
+    if wait_s >= GRPC_HANDSHAKE_BOUND_S and (
+            grpc_["open"] or (grpc_["max_drop_s"] or 0) > GRPC_HANDSHAKE_BOUND_S):
+        violations.append(f"slowloris: gRPC: {grpc_['open']} connections still open after "
+                          f"{wait_s:.1f} s, the slowest dropped after {grpc_['max_drop_s']} s "
+                          f"(bound {GRPC_HANDSHAKE_BOUND_S} s)")
     notes = [f"slowloris: data plane {tcp['dropped']}/{SLOWLORIS_CONNECTIONS} dropped, the "
              f"slowest after {_fmt_s(tcp['max_drop_s'])} s; gRPC {grpc_['dropped']}/"
              f"{SLOWLORIS_CONNECTIONS} dropped within {wait_s:.1f} s (slowest "
@@ -1103,35 +1117,151 @@ def run_fault(name: str, *, spec: ChaosSpec | None = None,
         load = cluster.start_loadgen(history_path, watch)
         time.sleep(spec.warmup_s)
         injected = plan.inject(cluster, target, load)
-        # Recovery is measured, not assumed: wait (bounded) until every node the load saw
-        # leave is back.
-        deadline = time.monotonic() + REJOIN_TIMEOUT_S
-        while time.monotonic() < deadline and load.alive():
-            left, back = load.seen(LOADGEN_LEFT), load.seen(LOADGEN_REJOINED)
-            if all(left.count(n) <= back.count(n) for n in left):
-                break
-            time.sleep(0.1)
+        _await_rejoin(load)
         time.sleep(spec.after_s)
-        assert load.proc.stdin is not None
-        load.proc.stdin.write("stop\n")
-        load.proc.stdin.flush()
-        summary = json.loads(load.wait_line(LOADGEN_DONE, 120.0))
-        with history_path.open("a") as f:  # the whole history in one file, for later checks
-            f.write(json.dumps({"kind": "fault", **asdict(injected.fault)}) + "\n")
-            for restart in injected.restarts:
-                f.write(json.dumps({"kind": "restart", **asdict(restart)}) + "\n")
-            for node, key in injected.damaged:
-                f.write(json.dumps({"kind": "damage", "node": node, "key": key}) + "\n")
+        summary = _stop_load(load)
+        _append_injected(history_path, injected)
         history = read_history(history_path)
-        row = _row(history, injected, summary)
-        row.records = len(history.records)
-        row.decisions = int(summary.get("decisions", 0))
-        row.damaged = len(injected.damaged)
-        row.corrupt_reported = injected.corrupt_reported + int(
-            summary.get("corrupt", {}).get(injected.fault.node, 0))
-        row.last_answer_s = {k: float(v) for k, v in summary.get("last_answer", {}).items()}
-        row.schedule_errors = list(summary.get("schedule_errors", []))
-        return row
+        violations = check(history, max_stall_s=MAX_STALL_S, request_timeout_s=REQUEST_TIMEOUT_S)
+        return _finish_row(_row(history, injected, summary, violations), history, injected,
+                           summary)
+
+
+def _await_rejoin(load: _Child) -> None:
+    """Recovery is measured, not assumed: wait (at most ``REJOIN_TIMEOUT_S``) until every node
+    the load saw leave is back."""
+    deadline = time.monotonic() + REJOIN_TIMEOUT_S
+    while time.monotonic() < deadline and load.alive():
+        left, back = load.seen(LOADGEN_LEFT), load.seen(LOADGEN_REJOINED)
+        if all(left.count(n) <= back.count(n) for n in left):
+            break
+        time.sleep(0.1)
+
+
+def _stop_load(load: _Child) -> dict[str, Any]:
+    """Stop the load (it reads everything back, closes, counts leaks); its summary."""
+    assert load.proc.stdin is not None
+    load.proc.stdin.write("stop\n")
+    load.proc.stdin.flush()
+    summary: dict[str, Any] = json.loads(load.wait_line(LOADGEN_DONE, 300.0))
+    return summary
+
+
+def _append_injected(history_path: Path, injected: _Injected) -> None:
+    """The fault's own records after the load's, so the whole history is one file."""
+    with history_path.open("a") as f:
+        f.write(json.dumps({"kind": "fault", **asdict(injected.fault)}) + "\n")
+        for restart in injected.restarts:
+            f.write(json.dumps({"kind": "restart", **asdict(restart)}) + "\n")
+        for node, key in injected.damaged:
+            f.write(json.dumps({"kind": "damage", "node": node, "key": key}) + "\n")
+
+
+def _finish_row(row: FaultRow, history: History, injected: _Injected,
+                summary: dict[str, Any]) -> FaultRow:
+    row.records = len(history.records)
+    row.decisions = int(summary.get("decisions", 0))
+    row.damaged = len(injected.damaged)
+    row.corrupt_reported = injected.corrupt_reported + int(
+        summary.get("corrupt", {}).get(injected.fault.node, 0))
+    row.last_answer_s = {k: float(v) for k, v in summary.get("last_answer", {}).items()}
+    row.schedule_errors = list(summary.get("schedule_errors", []))
+    return row
+
+
+SOAK_EXCLUDED = {
+    "nvme-full": "its 48 MiB tmpfs under h1's NVMe fills with the load's own chunks within "
+                 "minutes; the tier then evicts acknowledged chunks, which the durable rule "
+                 "cannot tell from a loss",
+}
+"""Faults a soak does not draw, and why (``--fault`` can still name them)."""
+
+
+@dataclass
+class SoakResult:
+    minutes: float
+    seed: int
+    rows: list[FaultRow]
+    violations: list[str]
+    """Every broken invariant of the whole history (also those the rows count)."""
+    leaks: dict[str, dict[str, int]]
+    """What every daemon still held at the end, after the load closed its clients."""
+    records: int = 0
+    decisions: int = 0
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        return not self.violations and all(r.clean for r in self.rows) and not any(
+            n for per_node in self.leaks.values() for n in per_node.values())
+
+
+def run_soak(minutes: float, *, spec: ChaosSpec | None = None, faults: list[str] | None = None,
+             work_dir: Path | None = None, seed: int | None = None) -> SoakResult:
+    """Faults drawn at random (from ``faults``, default: every one that can run here but
+    ``SOAK_EXCLUDED``) and injected one at a time into one cluster under one load for
+    ``minutes``, each removed and recovered from (every node back in the membership, then
+    ``after_s`` of load) before the next; the whole history checked at the end. A fault that
+    would stop the etcd member the load watches through is drawn again."""
+    reason = unavailable_reason()
+    if reason is not None:
+        raise ConfigError(f"the fault suite needs network namespaces: {reason}")
+    if not minutes > 0:
+        raise ConfigError(f"--soak needs minutes > 0, got {minutes}")
+    spec = spec or ChaosSpec()
+    names = [n for n in (faults or [f for f in FAULTS if f not in SOAK_EXCLUDED])]
+    skipped = [f"{n}: {FAULTS[n].skip()}" for n in names if FAULTS[n].skip() is not None]
+    names = [n for n in names if FAULTS[n].skip() is None]
+    if not names:
+        raise ConfigError("no fault to draw from")
+    seed = secrets_seed() if seed is None else seed
+    rng = random.Random(seed)
+    needs = frozenset(need for n in names for need in FAULTS[n].needs)
+    with contextlib.ExitStack() as stack:
+        if work_dir is None:
+            work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(
+                prefix="kvtier-soak-")))
+        work_dir.mkdir(parents=True, exist_ok=True)
+        cluster = stack.enter_context(ChaosCluster(work_dir, spec, needs))
+        history_path = work_dir / "history.jsonl"
+        watch = cluster.lab.hosts[0]  # no fault stops h0's member (etcd-leader: redrawn)
+        load = cluster.start_loadgen(history_path, watch)
+        time.sleep(spec.warmup_s)
+        end = time.monotonic() + 60.0 * minutes
+        injected: list[_Injected] = []
+        while time.monotonic() < end and load.alive():
+            name = rng.choice(names)
+            plan = FAULTS[name]
+            target = plan.target(cluster)
+            if target is watch and name.startswith(("sigstop-etcd", "etcd-")):
+                continue
+            print(f"soak: {name} on {target.name}", file=sys.stderr, flush=True)
+            injected.append(plan.inject(cluster, target, load))
+            _await_rejoin(load)
+            time.sleep(spec.after_s)
+        summary = _stop_load(load)
+        for one in injected:
+            _append_injected(history_path, one)
+        history = read_history(history_path)
+    violations = check(history, max_stall_s=MAX_STALL_S, request_timeout_s=REQUEST_TIMEOUT_S)
+    rows = []
+    for i, one in enumerate(injected):  # each row counts the violations of its own stretch
+        until = injected[i + 1].fault.start_s if i + 1 < len(injected) else math.inf
+        since = one.fault.start_s if i else -math.inf
+        mine = [v for v in violations if v.record is not None
+                and since <= v.record.start_s < until]
+        row = _row(history, one, {}, mine)
+        rows.append(_finish_row(row, history, one, {}))
+    return SoakResult(minutes, seed, rows,
+                      [f"{v.invariant.value}: {v.message}" for v in violations],
+                      summary.get("leaks", {}), len(history.records),
+                      int(summary.get("decisions", 0)), skipped)
+
+
+def secrets_seed() -> int:
+    import secrets
+
+    return secrets.randbelow(1 << 31)
 
 
 def read_history(path: Path) -> History:
@@ -1153,19 +1283,23 @@ def read_history(path: Path) -> History:
     return history
 
 
-def _row(history: History, injected: _Injected, summary: dict[str, Any]) -> FaultRow:
+def _row(history: History, injected: _Injected, summary: dict[str, Any],
+         violations: list[Violation]) -> FaultRow:
+    """The row of one injected fault from the history and ``violations`` (those of this
+    fault's run, or of its stretch of a soak)."""
     fault = injected.fault
-    violations = check(history, max_stall_s=MAX_STALL_S, request_timeout_s=REQUEST_TIMEOUT_S)
-    [stats] = [s for s in fault_stats(history) if s.fault == fault.name]
+    [stats] = fault_stats(History(records=history.records, faults=[fault]))
 
     def count(inv: Invariant) -> int:
         return sum(1 for v in violations if v.invariant is inv)
 
-    left = [g.expired_s for g in history.lease_gaps
-            if g.node == fault.node and g.expired_s >= fault.start_s]
+    # Lease gaps of this fault: expired inside its window (or just after: a lease outlives
+    # the fault's end by up to its TTL), not a later fault's of a soak.
+    gaps = [g for g in history.lease_gaps if g.node == fault.node
+            and fault.start_s <= g.expired_s <= fault.end_s + LEASE_TTL_S + 1.0]
+    left = [g.expired_s for g in gaps]
     detect = min(left) - fault.start_s if left else None
-    rejoined = [g.renewed_s for g in history.lease_gaps if g.node == fault.node
-                and g.expired_s >= fault.start_s and g.renewed_s is not None]
+    rejoined = [g.renewed_s for g in gaps if g.renewed_s is not None]
     served = [r.end_s for r in history.records if r.node == fault.node
               and r.op in (Op.PUT, Op.GET) and r.result is Result.OK and r.end_s is not None
               and r.start_s >= fault.end_s]
@@ -1216,7 +1350,8 @@ def _row(history: History, injected: _Injected, summary: dict[str, Any]) -> Faul
     return FaultRow(fault.name, stats.attempted, stats.completed, stats.failed,
                     count(Invariant.WRONG_READ), count(Invariant.DURABLE_LOST),
                     durable_unverified(history), detect, recover, leaks,
-                    len(history.lease_gaps), count(Invariant.OVER_TIMEOUT),
+                    sum(1 for g in history.lease_gaps if fault.start_s - 1.0 <= g.expired_s
+                        <= fault.end_s + LEASE_TTL_S + 1.0), count(Invariant.OVER_TIMEOUT),
                     longest_stall(history.records, fault)[0], others + injected.violations,
                     leak_detail=dict(injected.leaks), notes=notes)
 
@@ -1671,7 +1806,9 @@ def _fmt_s(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
-def print_table(rows: list[FaultRow], out: IO[str] = sys.stdout) -> None:
+def print_table(rows: list[FaultRow], out: IO[str] = sys.stdout, *, soak: bool = False) -> None:
+    """The table, then each row's notes (``soak``: without the per-run totals, which a soak's
+    rows share)."""
     head = ("fault", "attempted", "completed", "failed", "wrong reads", "durable lost",
             "unverified", "detect s", "recover s", "leaks", "left", "over timeout", "stall s")
     lines = [head] + [(r.fault, str(r.attempted), str(r.completed), str(r.failed),
@@ -1691,9 +1828,11 @@ def print_table(rows: list[FaultRow], out: IO[str] = sys.stdout) -> None:
             print(f"{r.fault}: {note}", file=out)
         if any(r.leak_detail.values()):
             print(f"{r.fault}: LEAKED {r.leak_detail}", file=out)
-        print(f"{r.fault}: {r.decisions} conductor decisions, {r.records} records"
-              + (f", {r.damaged} chunks corrupted on disk, {r.corrupt_reported} counted "
-                 f"corrupt by the node" if r.damaged else ""), file=out)
+        if not soak:
+            print(f"{r.fault}: {r.decisions} conductor decisions, {r.records} records", file=out)
+        if r.damaged:
+            print(f"{r.fault}: {r.damaged} chunks corrupted on disk, {r.corrupt_reported} "
+                  "counted corrupt by the node", file=out)
         for v in r.other_violations:
             print(f"{r.fault}: VIOLATION {v}", file=out)
         for e in r.schedule_errors:
@@ -1703,9 +1842,11 @@ def print_table(rows: list[FaultRow], out: IO[str] = sys.stdout) -> None:
           f"about the {LEASE_TTL_S} s lease TTL", file=out)
 
 
-def main(json_path: Path | None, quick: bool, faults: list[str] | None = None
-         ) -> list[FaultRow]:
-    """Run ``faults`` (default: all), one cluster each; print the table, write the JSON."""
+def main(json_path: Path | None, quick: bool, faults: list[str] | None = None,
+         soak_minutes: float | None = None) -> list[FaultRow]:
+    """Run ``faults`` (default: all), one cluster each, or with ``soak_minutes`` a soak
+    (:func:`run_soak`) drawing from them; print the table, write the JSON. A soak whose
+    whole history broke an invariant, or that leaked, returns a row that is not clean."""
     from bench._meta import run_header
 
     unknown = [f for f in faults or () if f not in FAULTS]
@@ -1713,10 +1854,31 @@ def main(json_path: Path | None, quick: bool, faults: list[str] | None = None
         raise ConfigError(f"unknown fault(s) {', '.join(unknown)} (known: {', '.join(FAULTS)})")
 
     spec = ChaosSpec.quick() if quick else ChaosSpec()
-    rows = [run_fault(name, spec=spec) for name in (faults or list(FAULTS))]
-    print_table(rows)
+    extra: dict[str, Any] = {}
+    if soak_minutes is not None:
+        soak = run_soak(soak_minutes, spec=spec, faults=faults)
+        rows = soak.rows
+        print_table(rows, soak=True)
+        print(f"soak: {len(rows)} faults in {soak_minutes:g} min (seed {soak.seed}), "
+              f"{soak.records} records, {soak.decisions} conductor decisions; whole history: {len(soak.violations)} violations; "
+              f"leaks at the end: {soak.leaks}")
+        for line in soak.skipped:
+            print(f"soak: not drawn: {line}")
+        for v in soak.violations:
+            print(f"soak: VIOLATION {v}")
+        extra = {"soak": {"minutes": soak_minutes, "seed": soak.seed, "clean": soak.clean,
+                          "violations": soak.violations, "leaks": soak.leaks,
+                          "sequence": [r.fault for r in rows]}}
+        if not soak.clean:
+            rows = [*rows, FaultRow("soak (whole history)", 0, 0, 0, 0, 0, 0, None, None,
+                                    sum(n for d in soak.leaks.values() for n in d.values()),
+                                    other_violations=soak.violations or ["leaks"])]
+    else:
+        rows = [run_fault(name, spec=spec) for name in (faults or list(FAULTS))]
+        print_table(rows)
     if json_path is not None:
-        result = {**run_header("chaos"), "spec": asdict(spec), "rows": [asdict(r) for r in rows]}
+        result = {**run_header("chaos"), "spec": asdict(spec), **extra,
+                  "rows": [asdict(r) for r in rows]}
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {json_path}", file=sys.stderr)
