@@ -28,7 +28,8 @@ Contracts
       restarted before its predecessor's lease expired takes the record over at once. Instance
       ids are the operator's to keep unique, as before registrations existed.
     * :class:`EngineWatch` yields a snapshot first, then every change; when the etcd stream
-      breaks it re-lists and yields the difference (as ``watch_nodes`` does). Entering raises
+      breaks it resumes after the last revision seen, and re-lists and yields the difference
+      only if that history was compacted (as ``watch_nodes`` does). Entering raises
       MembershipError when etcd cannot be reached; running retries forever and logs.
     * asyncio only; iterate a watch from one task.
 """
@@ -388,9 +389,7 @@ class EngineWatch(PrefixWatch[EngineChange]):
     async def _open(self) -> tuple[Any, list[EngineChange]]:
         current, created, revision = await _snapshot(self._client, self._layout,
                                                      self._rpc_timeout_s)
-        watch = await etcd_call("watch engines",
-                            self._client.watch_prefix(self._prefix, start_revision=revision + 1),
-                            self._rpc_timeout_s)
+        watch = await self._watch_from(revision + 1)
         changes = [EngineChange(rec.instance_id, None) for key, rec in self._known.items()
                    if key not in current]
         changes += [EngineChange(rec.instance_id, rec, created[key])
@@ -398,6 +397,10 @@ class EngineWatch(PrefixWatch[EngineChange]):
                     if self._known.get(key) != rec or self._created.get(key) != created[key]]
         self._known, self._created = current, created
         return watch, changes
+
+    @property
+    def _prefix_bytes(self) -> bytes:
+        return self._prefix
 
     def _apply_event(self, event: Any) -> list[EngineChange]:
         key = bytes(event.kv.key)

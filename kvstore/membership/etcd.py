@@ -34,6 +34,13 @@ import grpc
 from kvstore.errors import ConfigError, InvalidArgument, MembershipError
 from kvstore.membership.endpoints import parse_etcd_endpoints
 from kvstore.membership.endpoints import parse_host_port as parse_host_port  # re-exported
+from kvstore.membership.failover import (
+    EtcdClusterClient,
+    Member,
+    forget_member,
+    last_member,
+    report_failure,
+)
 from kvstore.security.etcd import EtcdSecurity
 
 log = logging.getLogger(__name__)
@@ -112,70 +119,77 @@ DEFAULT_LAYOUT = KeyLayout()
 
 
 EtcdClient = aetcd.Client
-"""The etcd client type, for annotations in boxes that reach etcd only through this package."""
+"""The etcd client type, for annotations in boxes that reach etcd only through this package
+(what :func:`etcd_client` returns is an :class:`EtcdClusterClient`, a subclass)."""
 
 
 def etcd_client(endpoint: str | Sequence[str], *, rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
-                security: EtcdSecurity | None = None) -> aetcd.Client:
-    """An ``aetcd.Client`` for ``host:port``, ``http://host:port`` or ``https://host:port``
-    (a list of members, or comma-separated text, is accepted: :mod:`.endpoints`; this client
-    dials the first); it connects lazily.
+                security: EtcdSecurity | None = None) -> EtcdClusterClient:
+    """A client for one etcd member or a cluster's members: ``endpoint`` is ``host:port``,
+    ``http://host:port`` or ``https://host:port``, or a list of them (a sequence, or
+    comma-separated text: :mod:`.endpoints`). It connects lazily, to one member at a time, and
+    moves to the next when a request times out or cannot connect
+    (:class:`~kvstore.membership.failover.EtcdClusterClient`, docs/etcd-failover.md).
 
     ``security`` (default: :meth:`EtcdSecurity.from_env`, the ``KVTIER_ETCD_*`` variables)
-    says how to authenticate: with a CA bundle (or an ``https://`` endpoint) the channel
-    speaks TLS, with a client certificate and an etcd user as configured
-    (:class:`~kvstore.membership.etcd_auth.SecureEtcdClient`); without any, a plain aetcd
-    client as before. Every RPC gets a ``rpc_timeout_s`` deadline, and gRPC's reconnect
-    backoff is capped at one second so a restarted etcd is found again quickly (the default
-    grows to two minutes). Use it as ``async with etcd_client(url) as client``. Raises
-    ConfigError for inconsistent settings or unreadable certificate files.
+    says how to authenticate: with a CA bundle (or ``https://`` endpoints) the channel speaks
+    TLS, with a client certificate and an etcd user as configured
+    (:class:`~kvstore.membership.etcd_auth.SecureEtcdClient`); without any, plain gRPC. Every
+    RPC gets a ``rpc_timeout_s`` deadline, and gRPC's reconnect backoff is capped at one
+    second so a restarted etcd is found again quickly (the default grows to two minutes).
+    Use it as ``async with etcd_client(url) as client``. Raises InvalidArgument for malformed
+    endpoints, ConfigError for inconsistent settings or unreadable certificate files.
     """
     if rpc_timeout_s <= 0:
         raise InvalidArgument(f"rpc_timeout_s must be positive, got {rpc_timeout_s}")
     if security is None:
         security = EtcdSecurity.from_env()
     members = parse_etcd_endpoints(endpoint)
-    first = members[0]
-    scheme, host, port = first.scheme, first.host, first.port
-    if scheme == "http" and security.tls:
-        raise ConfigError(f"etcd endpoint {first.text!r} says http:// but an etcd CA is "
-                          "configured (TLS): write https://host:port or host:port")
+    if security.tls:
+        for member in members:
+            if member.scheme == "http":
+                raise ConfigError(f"etcd endpoint {member.text!r} says http:// but an etcd CA "
+                                  "is configured (TLS): write https://host:port or host:port")
     options = {
         "grpc.initial_reconnect_backoff_ms": 100,
         "grpc.min_reconnect_backoff_ms": 100,
         "grpc.max_reconnect_backoff_ms": 1000,
     }
-    use_tls = security.tls or scheme == "https"
+    use_tls = security.tls or members[0].scheme == "https"
     if security.server_name and not use_tls:
         raise ConfigError("the etcd server name checks etcd's TLS certificate: give the CA "
                           "(--etcd-ca) or an https:// endpoint")
-    if not use_tls and security.empty:
-        return aetcd.Client(host=host, port=port, timeout=rpc_timeout_s, options=options)
-    from kvstore.membership.etcd_auth import SecureEtcdClient
-
-    # gRPC takes min_reconnect_backoff_ms as the deadline of one connection attempt, TLS
-    # handshake included: 100 ms aborted handshakes on a loaded 2-core host ("Handshake read
-    # failed (Endpoint closing)"). The backoff between attempts stays short.
-    options["grpc.min_reconnect_backoff_ms"] = max(1000, int(rpc_timeout_s * 1000))
-    return SecureEtcdClient(host=host, port=port, security=security, use_tls=use_tls,
-                            timeout=rpc_timeout_s, options=options)
+    if use_tls:
+        # gRPC takes min_reconnect_backoff_ms as the deadline of one connection attempt, TLS
+        # handshake included: 100 ms aborted handshakes on a loaded 2-core host ("Handshake
+        # read failed (Endpoint closing)"). The backoff between attempts stays short.
+        options["grpc.min_reconnect_backoff_ms"] = max(1000, int(rpc_timeout_s * 1000))
+    return EtcdClusterClient(members=members, security=security, use_tls=use_tls,
+                             timeout=rpc_timeout_s, options=options)
 
 
 async def etcd_call(what: str, call: Awaitable[T], timeout_s: float) -> T:
     """Await one etcd call with a deadline, translating failures into MembershipError.
 
+    A deadline that passes, or a member that cannot be reached, moves the client that made
+    the call to its next member (:func:`~kvstore.membership.failover.report_failure`); the
+    caller's retry goes there.
+
     ``asyncio.timeout``, not ``asyncio.wait_for``: on Python 3.11 ``wait_for`` swallows a
     cancellation that arrives as the call completes, which once left a keepalive task
     running after ``close()`` had cancelled it.
     """
+    forget_member()
     try:
         async with asyncio.timeout(timeout_s):
             return await call
     except TimeoutError as exc:
+        await report_failure(last_member(), exc)
         raise MembershipError(f"{what}: etcd did not answer within {timeout_s:.1f} s") from exc
     except (aetcd.ClientError, grpc.RpcError) as exc:
         from kvstore.membership.etcd_auth import explain_etcd_error
 
+        await report_failure(last_member(), exc)
         hint = explain_etcd_error(exc)
         raise MembershipError(f"{what}: {hint or exc}") from exc
 
@@ -184,10 +198,14 @@ class PrefixWatch(Generic[EventT]):
     """The keys under one etcd prefix as a stream of events: the snapshot, then every change.
 
     Entering (``async with``) reads the snapshot and opens an etcd watch from just after its
-    revision; if the stream later breaks (etcd restarted, history compacted) the watch re-lists,
-    yields the difference against what it has reported and watches again, retrying every
-    ``retry_interval_s``. Subclasses say how to list (``_open``) and how to turn one etcd event
-    into theirs (``_apply_event``). Iterate from one task only.
+    revision. If the stream later breaks (a member paused or gone, etcd restarted) the watch
+    resumes from the last revision it has seen, on whichever member the client talks to by
+    then (:mod:`.failover`), so every change is reported once, in order. Only when that
+    revision was compacted away does it re-list, yield the difference against what it has
+    reported, and watch from the new snapshot. It retries every ``retry_interval_s``.
+    Subclasses say how to list (``_open``, which opens its watch with :meth:`_watch_from`),
+    which prefix they watch (``_prefix_bytes``) and how to turn one etcd event into theirs
+    (``_apply_event``). Iterate from one task only.
     """
 
     _what = "keys"
@@ -208,6 +226,13 @@ class PrefixWatch(Generic[EventT]):
         self._rpc_timeout_s = rpc_timeout_s
         self._retry_interval_s = retry_interval_s
         self._events: AsyncGenerator[EventT, None] | None = None
+        self.revision = 0
+        """The last revision this watch has seen: its snapshot's, then each event's."""
+        self.resumes = 0
+        """Times the watch resumed from :attr:`revision` after its stream broke."""
+        self.relists = 0
+        """Times it had to re-list instead (the revision was compacted)."""
+        self._member: Member | None = None
 
     async def start(self) -> None:
         """Read the snapshot and open the watch. Raises MembershipError."""
@@ -241,35 +266,79 @@ class PrefixWatch(Generic[EventT]):
             raise MembershipError(f"iterate a {self._what} watch inside 'async with'")
         return await anext(self._events)
 
+    @property
+    def _prefix_bytes(self) -> bytes:
+        """The watched prefix."""
+        raise NotImplementedError
+
     async def _open(self) -> tuple[Any, list[EventT]]:
-        """Snapshot, then a watch from just after it; the events that bring us up to date."""
+        """Snapshot, then a watch from just after it (:meth:`_watch_from`); the events that
+        bring us up to date."""
         raise NotImplementedError
 
     def _apply_event(self, event: Any) -> Iterable[EventT]:
         """What one etcd watch event means to the consumer (often nothing)."""
         raise NotImplementedError
 
+    async def _watch_from(self, start_revision: int) -> Any:
+        """An etcd watch of the prefix from ``start_revision`` on (everything after
+        ``start_revision - 1``, the revision seen so far). Raises MembershipError (its cause an
+        ``aetcd.RevisionCompactedError`` when that history is gone)."""
+        watch = await etcd_call(
+            f"watch {self._what}s",
+            self._client.watch_prefix(self._prefix_bytes, start_revision=start_revision),
+            self._rpc_timeout_s,
+        )
+        self._member = last_member()
+        self.revision = start_revision - 1
+        return watch
+
     async def _run(self, watch: Any, pending: list[EventT]) -> AsyncGenerator[EventT, None]:
         while True:
+            broke: BaseException | None = None
             try:
                 for item in pending:
                     yield item
                 async for event in watch:
+                    # aetcd queues a whole watch response before the stream's end or error,
+                    # so a revision is never seen in part: resuming after it loses nothing.
+                    self.revision = max(self.revision, int(event.kv.mod_revision))
                     for item in self._apply_event(event):
                         yield item
-                log.warning("%s watch: stream ended; re-listing", self._what)
+                log.info("%s watch: stream ended; resuming after revision %d", self._what,
+                         self.revision)
             except (aetcd.ClientError, grpc.RpcError) as exc:
-                log.warning("%s watch: stream broken (%s); re-listing", self._what, exc)
+                broke = exc
+                log.warning("%s watch: stream broken (%s); resuming after revision %d",
+                            self._what, exc, self.revision)
             finally:
                 with contextlib.suppress(aetcd.ClientError, grpc.RpcError, TimeoutError):
                     async with asyncio.timeout(self._rpc_timeout_s):
                         await watch.cancel()
-            while True:
-                try:
-                    watch, pending = await self._open()
-                    break
-                except MembershipError as exc:
-                    log.debug("%s watch: cannot re-list yet (%s); retrying", self._what, exc)
-                    await asyncio.sleep(self._retry_interval_s)
+            if broke is not None:  # a member that stopped answering: ask the next one
+                await report_failure(self._member, broke)
+            watch, pending = await self._reopen(
+                compacted=isinstance(broke, aetcd.RevisionCompactedError))
 
-
+    async def _reopen(self, *, compacted: bool) -> tuple[Any, list[EventT]]:
+        """Watch again after the last revision seen; re-list when it was compacted. Retries
+        until etcd answers."""
+        while True:
+            try:
+                if not compacted:
+                    try:
+                        watch = await self._watch_from(self.revision + 1)
+                        self.resumes += 1
+                        return watch, []
+                    except MembershipError as exc:
+                        if not isinstance(exc.__cause__, aetcd.RevisionCompactedError):
+                            raise
+                        log.warning("%s watch: history after revision %d was compacted; "
+                                    "re-listing", self._what, self.revision)
+                        compacted = True
+                opened = await self._open()
+                self.relists += 1
+                return opened
+            except MembershipError as exc:
+                log.debug("%s watch: cannot watch again yet (%s); retrying", self._what, exc)
+                await asyncio.sleep(self._retry_interval_s)

@@ -350,7 +350,8 @@ class SecureEtcdClient(aetcd.Client):  # type: ignore[misc]
             interceptors: list[grpc.aio.ClientInterceptor] = []
             if self._token is not None:
                 interceptors.append(_TokenInterceptor(self._token))
-            interceptors.append(_WatchCheckInterceptor(self._token))
+            if self._use_tls or not self.security.empty:  # only then can etcd refuse a watch
+                interceptors.append(_WatchCheckInterceptor(self._token))
             target = f"{self._host}:{self._port}"
             options = list(self._options.items())
             if self.security.server_name:

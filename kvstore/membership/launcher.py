@@ -1,4 +1,4 @@
-"""Launch and control a local single-member etcd server.
+"""Launch and control a local etcd server: one member, or a cluster of several.
 
 :class:`LocalEtcd` runs ``etcd`` as a child process on 127.0.0.1 with its data
 directory in a work directory (a fresh temporary one unless given). It serves
@@ -32,6 +32,9 @@ Lifecycle and contracts
       started under ``setpriv --pdeathsig KILL``, so a test run that is killed
       does not leave a server behind. The signal fires when the *thread* that
       called :meth:`start` exits: call it from a long-lived thread.
+
+:class:`LocalEtcdCluster` runs several such members as one etcd cluster on 127.0.0.1
+(``--initial-cluster`` naming each), for failover tests (docs/etcd-failover.md).
 
 Not thread-safe: one owner drives an instance.
 """
@@ -134,6 +137,8 @@ class LocalEtcd:
         die_with_parent: bool = True,
         extra_args: tuple[str, ...] = (),
         tls: EtcdServerTls | None = None,
+        ports: tuple[int, int, int] | None = None,
+        initial_cluster: str | None = None,
     ) -> None:
         """Record settings; nothing is started or created here.
 
@@ -141,6 +146,8 @@ class LocalEtcd:
         when None, :meth:`start` creates a temporary one that :meth:`close`
         deletes. ``extra_args`` are appended to etcd's command line (for
         example ``("--auto-compaction-retention=1",)``). ``tls``: see the module docstring.
+        ``ports`` (client, peer, metrics) and ``initial_cluster`` (etcd's
+        ``NAME=PEER_URL,...``) make this one member of a :class:`LocalEtcdCluster`.
         """
         if not name or "=" in name or "," in name:
             raise InvalidArgument(
@@ -161,6 +168,9 @@ class LocalEtcd:
         self._peer_port: int | None = None
         self._process: subprocess.Popen[bytes] | None = None
         self._paused = False
+        self._initial_cluster = initial_cluster
+        if ports is not None:
+            self._client_port, self._peer_port, self._metrics_port = ports
 
     # ----------------------------------------------------------------- properties
 
@@ -226,8 +236,8 @@ class LocalEtcd:
 
     # ----------------------------------------------------------------- lifecycle
 
-    def start(self) -> None:
-        """Start the server and wait until it is healthy. Raises MembershipError."""
+    def _prepare(self) -> str:
+        """The binary's path, with the work directory created. Raises MembershipError."""
         if self.running:
             raise MembershipError(f"local etcd is already running (pid {self.pid})")
         binary = find_etcd_binary(self._binary)
@@ -240,6 +250,12 @@ class LocalEtcd:
             self._work_dir = Path(tempfile.mkdtemp(prefix="kvtier-etcd-"))
             self._owns_work_dir = True
         self._work_dir.mkdir(parents=True, exist_ok=True)
+        return binary
+
+    def start(self) -> None:
+        """Start the server and wait until it is healthy (a cluster's member: until the
+        cluster has a leader). Raises MembershipError."""
+        binary = self._prepare()
 
         ports_fixed = self._client_port is not None
         attempts = 1 if ports_fixed else _PORT_RETRIES
@@ -270,7 +286,7 @@ class LocalEtcd:
             f"--advertise-client-urls={client_url}",
             f"--listen-peer-urls={peer_url}",
             f"--initial-advertise-peer-urls={peer_url}",
-            f"--initial-cluster={self._name}={peer_url}",
+            f"--initial-cluster={self._initial_cluster or f'{self._name}={peer_url}'}",
             "--initial-cluster-state=new",
             *(self._tls.args() if self._tls is not None else []),
             *([f"--listen-metrics-urls=http://127.0.0.1:{self._metrics_port}"]
@@ -306,6 +322,20 @@ class LocalEtcd:
         except (urllib.error.URLError, OSError):
             return False
         return b'"true"' in body
+
+    def is_leader(self) -> bool:
+        """Whether this member is its cluster's raft leader now (its ``/metrics`` say so)."""
+        if not self.running or self._paused:
+            return False
+        scheme_port = (f"http://{self.client_host}:{self._metrics_port}" if self._tls is not None
+                       else self.client_url)
+        try:
+            with urllib.request.urlopen(f"{scheme_port}/metrics",
+                                        timeout=_HEALTH_PROBE_TIMEOUT_S * 4) as response:
+                body = response.read()
+        except (urllib.error.URLError, OSError):
+            return False
+        return b"\netcd_server_is_leader 1" in body
 
     def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -419,3 +449,98 @@ class LocalEtcd:
         where = self.client_url if self._client_port is not None else "not started"
         state = "paused" if self.paused else "running" if self.running else "stopped"
         return f"LocalEtcd({where}, {state})"
+
+
+class LocalEtcdCluster:
+    """``size`` etcd members on 127.0.0.1 forming one cluster, each a :class:`LocalEtcd` on
+    its own ephemeral ports in ``work_dir/<name>-<i>`` (fault tests: pause one member, or
+    two for quorum loss). Same contracts as :class:`LocalEtcd`: nothing exists before
+    :meth:`start`, which returns once every member reports healthy (the cluster has a
+    leader); :meth:`close` stops every member. Not thread-safe.
+    """
+
+    def __init__(self, *, size: int = 3, work_dir: Path | None = None,
+                 name: str = "kvtier-etcd", binary: str | None = None,
+                 start_timeout_s: float = 30.0, die_with_parent: bool = True,
+                 extra_args: tuple[str, ...] = ()) -> None:
+        """Record settings; nothing is started or created here."""
+        if size < 1:
+            raise InvalidArgument(f"an etcd cluster needs at least one member, got {size}")
+        if not name or "=" in name or "," in name:
+            raise InvalidArgument(
+                f"etcd member name must be non-empty without '=' or ',': {name!r}")
+        self._size = size
+        self._work_dir = work_dir
+        self._owns_work_dir = False
+        self._name = name
+        self._binary = binary
+        self._start_timeout_s = start_timeout_s
+        self._die_with_parent = die_with_parent
+        self._extra_args = tuple(extra_args)
+        self.members: list[LocalEtcd] = []
+
+    @property
+    def client_urls(self) -> list[str]:
+        """Every member's client URL, in member order."""
+        if not self.members:
+            raise MembershipError("local etcd cluster has not been started")
+        return [member.client_url for member in self.members]
+
+    @property
+    def endpoints(self) -> str:
+        """The members' client URLs as one comma-separated endpoint list."""
+        return ",".join(self.client_urls)
+
+    def leader(self) -> int | None:
+        """The index of the member that is raft leader now, None when none says so."""
+        for index, member in enumerate(self.members):
+            if member.is_leader():
+                return index
+        return None
+
+    def start(self) -> None:
+        """Start every member, then wait until each is healthy. Raises MembershipError."""
+        if self.members:
+            raise MembershipError("local etcd cluster already started")
+        if self._work_dir is None:
+            self._work_dir = Path(tempfile.mkdtemp(prefix="kvtier-etcd-cluster-"))
+            self._owns_work_dir = True
+        ports = _pick_free_ports(3 * self._size)
+        names = [f"{self._name}-{i}" for i in range(self._size)]
+        initial_cluster = ",".join(
+            f"{name}=http://127.0.0.1:{ports[3 * i + 1]}" for i, name in enumerate(names))
+        self.members = [
+            LocalEtcd(work_dir=self._work_dir / name, name=name, binary=self._binary,
+                      start_timeout_s=self._start_timeout_s,
+                      die_with_parent=self._die_with_parent, extra_args=self._extra_args,
+                      ports=(ports[3 * i], ports[3 * i + 1], ports[3 * i + 2]),
+                      initial_cluster=initial_cluster)
+            for i, name in enumerate(names)]
+        try:
+            for member in self.members:  # all first: no member is healthy before a quorum
+                member._spawn(member._prepare())
+            for member in self.members:
+                member.wait_healthy(self._start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop every member and delete the work directory if this object created it."""
+        try:
+            for member in self.members:
+                member.close()
+        finally:
+            self.members = []
+            if self._owns_work_dir and self._work_dir is not None:
+                shutil.rmtree(self._work_dir, ignore_errors=True)
+                self._work_dir = None
+                self._owns_work_dir = False
+
+    def __enter__(self) -> LocalEtcdCluster:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

@@ -315,12 +315,14 @@ class NodeWatch(PrefixWatch[NodeEvent]):
     Entering reads the snapshot and opens the etcd watch at the snapshot's revision + 1,
     so no change between the read and the watch is lost, and changes made after entering
     are reported even if iteration starts later. Entering raises MembershipError when
-    etcd cannot be reached. If the stream later breaks (etcd restarted, history
-    compacted) the watch re-lists, yields the difference against what it has reported
-    and watches again, retrying every ``retry_interval_s`` and logging: consumers see a
-    consistent sequence, though changes that cancel out while disconnected are not
-    replayed (a node that restarted shows as LEFT + JOINED). Leaving cancels the etcd
-    watch. Iterate from one task only.
+    etcd cannot be reached. If the stream later breaks (a member paused or gone, etcd
+    restarted) the watch resumes after the last revision it saw, on another member if the
+    client moved, so every change is reported once (:class:`~kvstore.membership.etcd.PrefixWatch`).
+    Only if that history was compacted does it re-list and yield the difference against what
+    it has reported, retrying every ``retry_interval_s`` and logging: consumers still see a
+    consistent sequence, though changes that cancelled out meanwhile are not replayed (a
+    node that restarted shows as LEFT + JOINED). Leaving cancels the etcd watch. Iterate
+    from one task only.
     """
 
     _what = "node"
@@ -340,14 +342,12 @@ class NodeWatch(PrefixWatch[NodeEvent]):
     async def _open(self) -> tuple[Any, list[NodeEvent]]:
         """Snapshot, then a watch from just after it; the events that bring us up to date."""
         current, revision = await _snapshot(self._client, self._layout, self._rpc_timeout_s)
-        watch = await etcd_call(
-            "watch nodes",
-            self._client.watch_prefix(
-                self._layout.nodes_prefix.encode(), start_revision=revision + 1
-            ),
-            self._rpc_timeout_s,
-        )
+        watch = await self._watch_from(revision + 1)
         return watch, _diff(self._known, current, revision)
+
+    @property
+    def _prefix_bytes(self) -> bytes:
+        return self._layout.nodes_prefix.encode()
 
     def _apply_event(self, event: Any) -> Iterable[NodeEvent]:
         return _apply(self._known, self._layout, event)

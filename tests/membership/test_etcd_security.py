@@ -148,11 +148,12 @@ def test_a_daemon_with_engine_credentials_does_not_start(secure: SecureEtcd,
 
 def test_the_same_flow_works_with_a_plain_etcd(etcd_server: LocalEtcd, etcd_layout: KeyLayout,
                                                aio: asyncio.Runner) -> None:
-    """No security config: a plain aetcd client as before (no regression)."""
+    """No security config: plaintext gRPC without credentials or interceptors, the same flow
+    (no regression)."""
 
     async def scenario() -> None:
         client = etcd_client(etcd_server.client_url, security=EtcdSecurity())
-        assert type(client).__name__ == "Client"
+        assert client.security.empty and not client._use_tls
         async with client, register_node(client, sample_record("plain-1"), ttl_s=5,
                                          layout=etcd_layout), \
                 watch_nodes(client, layout=etcd_layout) as watch:
