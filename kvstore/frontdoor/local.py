@@ -322,8 +322,9 @@ class LocalRouter:
             self.engine_cache.expect_routed(decision.prefill_instance, tokens, request.tenant,
                                             match)
         self._local_tickets[request.request_id] = decision.ticket
-        if self.shadow:
-            self._start_shadow(tokens, request, decision, now_s)
+        if self.shadow:  # the caller's own array is not kept past the call (Router)
+            mine = tokens if isinstance(token_ids, list | tuple) else tokens.copy()
+            self._start_shadow(mine, request, decision, now_s)
         return backend
 
     # -- the shadow ----------------------------------------------------------------------------

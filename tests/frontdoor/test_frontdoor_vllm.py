@@ -2,7 +2,7 @@
 the tiny checkpoint's tokenizer: text and chat completions, streaming and not, token-id prompts,
 the same greedy answers through the front door as straight from vLLM, the prompt's token ids
 the front door routed on equal to vLLM's own, a dead backend, a client that goes away
-mid-stream, bad input, and ``kvtier frontdoor`` itself.
+mid-stream, bad input, a router's ``done`` hook, and ``kvtier frontdoor`` itself.
 
 One vLLM server (tests/frontdoor/conftest.py: shared with test_pd.py, with kvtier's connector)
 for the session; the dead backend is a port nobody listens on."""
@@ -11,14 +11,22 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvstore.cluster.vllm_server import VllmServer, free_port
-from kvstore.frontdoor import Backend, BackendPool, FrontDoor, PromptTokenizer
+from kvstore.frontdoor import (
+    Backend,
+    BackendPool,
+    FrontDoor,
+    PromptTokenizer,
+    Rejection,
+    RoundRobinRouter,
+    RouteRequest,
+)
 from tests.frontdoor.support import (
     DoorThread,
     connection,
@@ -229,3 +237,53 @@ def test_the_kvtier_frontdoor_command(vllm: VllmServer, model_dir: Path,
         status, headers, answer = request(ready["url"], "POST", "/v1/chat/completions", body)
         assert status == 200 and headers["x-kvtier-backend"] == "v0"
         assert answer["choices"][0]["token_ids"] == vllm.chat(MESSAGES, max_tokens=4).token_ids
+
+
+class _RecordingRouter(RoundRobinRouter):
+    """Round robin that records what it routed and the ``done`` calls the front door makes."""
+
+    def __init__(self, pool: BackendPool) -> None:
+        super().__init__(pool)
+        self.routed: list[str] = []
+        self.done_calls: list[str] = []
+
+    async def route(self, token_ids: Sequence[int], request: RouteRequest
+                    ) -> Backend | Rejection:
+        decision = await super().route(token_ids, request)
+        if isinstance(decision, Backend):
+            self.routed.append(request.request_id)
+        return decision
+
+    def done(self, request_id: str, output_tokens: int = 0) -> None:
+        self.done_calls.append(request_id)
+
+
+def test_the_router_hears_when_each_request_it_routed_ended(
+        vllm: VllmServer, tokenizer: PromptTokenizer) -> None:
+    """What a router that reserves capacity per request (LocalRouter) relies on: one ``done``
+    per routed request, whether vLLM answered, streamed, refused it, or was unreachable; none
+    for a request the front door itself refused."""
+    dead = Backend("dead", f"http://127.0.0.1:{free_port()}")
+    alive = Backend("alive", vllm.base_url)
+    pool = BackendPool([dead, alive])
+    router = _RecordingRouter(pool)
+    thread = DoorThread(lambda: FrontDoor(pool, tokenizer, router=router,
+                                          probe_interval_s=60.0))
+    thread.start()
+    try:
+        status, _, _ = request(thread.url, "POST", "/v1/completions", _body(prompt=TEXT))
+        assert status == 502  # the dead backend's turn: marked down
+        status, _, _ = request(thread.url, "POST", "/v1/completions", _body(prompt=TEXT))
+        assert status == 200
+        status, _, _ = request(thread.url, "POST", "/v1/completions",
+                               _body(prompt=TEXT, stream=True))
+        assert status == 200
+        status, _, _ = request(thread.url, "POST", "/v1/completions",
+                               _body(prompt=[5] * 1100))
+        assert status == 400  # vLLM's own refusal (longer than max_model_len), relayed
+        status, _, _ = request(thread.url, "POST", "/v1/completions", raw=b"{not json")
+        assert status == 400  # the front door's: never routed
+        assert len(router.routed) == 4
+        assert router.done_calls == router.routed
+    finally:
+        thread.close()
