@@ -106,7 +106,7 @@ class ConductorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Leader(self, request, context):
-        """Who leads, and what this conductor knows.
+        """Who leads, and what this conductor knows (operator role: it describes every tenant's view).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
