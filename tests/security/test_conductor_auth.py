@@ -1,5 +1,6 @@
 """mTLS on a real conductor (threaded gRPC server) following a real mTLS daemon through real
-etcd, and the principal seen inside a real threaded handler; the method table covers every RPC."""
+etcd (a client certificate's tenants scope the conductor's answers, as a token's do), and the
+principal seen inside a real threaded handler; the method table covers every RPC."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import pytest
 
 from kvstore._proto.kvtier.v1 import conductor_pb2, store_pb2
 from kvstore.client.conductor_client import ConductorClient
+from kvstore.client.daemon_control import DaemonControl, open_channel
+from kvstore.client.store_config import StoreClientConfig
 from kvstore.errors import PermissionDenied
 from kvstore.membership.etcd import KeyLayout
 from kvstore.security.auth import METHOD_ROLES
@@ -38,6 +41,8 @@ def test_mtls_conductor_follows_an_mtls_daemon(tmp_path: Path, etcd_server: obje
     d_cert, d_key = ca.issue("daemon", uri="kvtier://peer/daemon-a").write(tmp_path)
     c_cert, c_key = ca.issue("conductor", uri="kvtier://peer/conductor-1").write(tmp_path)
     o_cert, o_key = ca.issue("operator", uri="kvtier://operator/ops").write(tmp_path)
+    a_cert, a_key = ca.issue("engine-a", uri="kvtier://engine/vllm-a?tenants=a").write(tmp_path)
+    b_cert, b_key = ca.issue("engine-b", uri="kvtier://engine/vllm-b?tenants=b").write(tmp_path)
     daemon = DaemonProcess(tmp_path, "node-a", nvme=False, etcd_endpoint=url,
                            etcd_prefix=etcd_layout.prefix, settings={
                                "security.cert_file": str(d_cert),
@@ -48,6 +53,16 @@ def test_mtls_conductor_follows_an_mtls_daemon(tmp_path: Path, etcd_server: obje
                                  extra_args=("--tls-cert", str(c_cert), "--tls-key", str(c_key),
                                              "--client-ca", str(ca_path)))
     daemon.start()
+    key = bytes([7]) * 16
+    engine_a = ClientSecurity(ca_file=ca_path, cert_file=a_cert, key_file=a_key)
+    engine_b = ClientSecurity(ca_file=ca_path, cert_file=b_cert, key_file=b_key)
+    cfg = StoreClientConfig(rpc_timeout_s=10.0, security=engine_a)
+    channel, node_info = open_channel(daemon.grpc_address, cfg)
+    store = DaemonControl(daemon.grpc_address, node_info, channel, cfg)
+    try:
+        store.call("Put", store_pb2.PutRequest(key=key, value=b"x" * 64))  # tenant a's chunk
+    finally:
+        store.close()
     try:
         address = conductor.start()
 
@@ -61,6 +76,21 @@ def test_mtls_conductor_follows_an_mtls_daemon(tmp_path: Path, etcd_server: obje
                         break
                     await asyncio.sleep(0.1)
                 assert list(info.live_nodes) == ["node-a"]
+                while not (await client.lookup(keys=[key])).nodes:  # indexed (every tenant)
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.1)
+            # The certificate's tenants scope the answers, as tokens do.
+            async with ConductorClient(address=address, security=engine_a) as client:
+                assert [n.node_id for n in (await client.lookup(keys=[key])).nodes] == ["node-a"]
+                with pytest.raises(PermissionDenied, match="needs role operator"):
+                    await client.leader_info()
+            async with ConductorClient(address=address, security=engine_a, tenant="a") as client:
+                assert (await client.lookup(keys=[key])).best_blocks == 1
+            async with ConductorClient(address=address, security=engine_b) as client:
+                assert not (await client.lookup(keys=[key])).nodes  # a's chunk: absent to b
+            async with ConductorClient(address=address, security=engine_b, tenant="a") as client:
+                with pytest.raises(PermissionDenied, match="may not act for tenant 'a'"):
+                    await client.lookup(keys=[key])
             peer = ClientSecurity(ca_file=ca_path, cert_file=d_cert, key_file=d_key)
             async with ConductorClient(address=address, security=peer) as client:
                 with pytest.raises(PermissionDenied, match="role engine or operator"):
