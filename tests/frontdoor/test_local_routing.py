@@ -9,8 +9,9 @@ conductor (each local decision's shadow ``Schedule`` is the conductor's decision
 own view of the same events and the same earlier decisions and completions), through prefixes
 held by either engine, a conversation, new prompts and requests left outstanding; a replica cut
 off from an engine's events goes stale and the conductor decides instead; with the conductor
-gone the front door refuses (503) rather than route on state nobody vouches for; and the local
-scheduler is configured as the conductor configures its own. Every wait polls a condition with a
+gone the front door refuses (503) rather than route on state nobody vouches for; a request the
+local scheduler would reject is the conductor's to reject (429); and the local scheduler is
+configured as the conductor configures its own. Every wait polls a condition with a
 deadline; no timed assertions.
 """
 
@@ -274,3 +275,51 @@ def test_without_a_conductor_the_front_door_refuses_rather_than_guess(
             await client.close()
 
     aio.run(asyncio.wait_for(scenario(), 180))
+
+
+def test_only_the_conductor_rejects(tmp_path: Path, etcd_server: LocalEtcd,
+                                    etcd_layout: KeyLayout, aio: asyncio.Runner) -> None:
+    """Admission stays with the conductor: a request the local scheduler would reject (its
+    TTFT estimate over the target both run with) is asked of the conductor, whose answer, a
+    429 here, is what the client gets; a request within the target is decided locally."""
+    f = Fleet(tmp_path, etcd_server, etcd_layout)
+    f.conductor.args += ["--ttft-slo-s", "0.1"]
+    rng = random.Random(14)
+    try:
+        f.daemon.start()
+        f.conductor.start()
+
+        async def scenario() -> None:
+            await f.register()
+            client = ConductorClient(etcd_endpoint=f.etcd_url, layout=f.layout)
+            router = LocalRouter(client, BackendPool(POOL), MODEL, etcd_endpoint=f.etcd_url,
+                                 layout=f.layout, policy=Policy.GLOBAL_CACHE,
+                                 block_size_tokens=BLOCK, ttft_slo_s=0.1,
+                                 check_interval_s=0.2, max_check_age_s=2.0)
+            s = Scenario(f, router, client)
+            for publisher in f.publishers.values():
+                publisher.start()
+            try:
+                await router.start()
+                await s.settled()
+                # ~4,000 new tokens: the default engine model's prefill estimate is ~0.19 s.
+                long = RouteRequest("long", "/v1/completions", MODEL, 8, False)
+                decision = await router.route(_prompt(rng, 125), long)
+                assert router.last_fallback.startswith("rejected:"), router.last_fallback
+                assert isinstance(decision, Rejection) and decision.status == 429, decision
+                assert decision.code == "ttft_slo" and "rejected by the conductor" in \
+                    decision.reason
+                short = RouteRequest("short", "/v1/completions", MODEL, 8, False)
+                decision = await router.route(_prompt(rng, 4), short)
+                assert isinstance(decision, Backend) and router.last_fallback == ""
+                router.done("short", 8)
+                await router.idle()
+                assert router.counters["shadow_agreed"] == 1
+                assert router.counters["report_failed"] == 0
+            finally:
+                await router.close()
+                await client.close()
+
+        aio.run(asyncio.wait_for(scenario(), 180))
+    finally:
+        f.close()
