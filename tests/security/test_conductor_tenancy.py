@@ -11,6 +11,7 @@ role may not, an engine following a daemon's events) is refused with a clear err
 of alice's chunks, and is paired with the same call succeeding for the right identity; alice's
 chunks read back byte for byte afterwards, and the refusals are in the conductor's audit log.
 The counts (attempts, refused, absent, leaked, lost) are printed by the test, also under capture.
+A conductor without security takes the ``kvtier-tenant`` as given, as a daemon does.
 """
 
 from __future__ import annotations
@@ -439,3 +440,46 @@ def test_replies_and_events_carry_hashes_only() -> None:
 def test_a_conductor_client_refuses_a_bad_tenant_setting() -> None:
     with pytest.raises(InvalidArgument, match="printable"):
         ConductorClient(address="127.0.0.1:1", tenant="bad\nname")
+
+
+def test_without_security_the_metadata_names_the_tenant(tmp_path: Path, etcd_server: Any,
+                                                         etcd_layout: KeyLayout) -> None:
+    """A conductor without security takes the ``kvtier-tenant`` as given, as a daemon does: a
+    call naming none is the default tenant's (every client before tenants), one naming T sees
+    T's chunks (a scope for cooperating clients, no boundary)."""
+    daemon = DaemonProcess(tmp_path, "node-i", nvme=False, etcd_endpoint=etcd_server.client_url,
+                           etcd_prefix=etcd_layout.prefix,
+                           settings={"server.shm_channel": "false"})
+    conductor = ConductorProcess(tmp_path, "ci", etcd_endpoint=etcd_server.client_url,
+                                 prefix=etcd_layout.prefix)
+    daemon.start()
+    try:
+        for tenant, key in (("t1", ALICE[1]), (None, BOB_ROOT)):
+            cfg = StoreClientConfig(rpc_timeout_s=10.0, tenant=tenant)
+            channel, info = open_channel(daemon.grpc_address, cfg)
+            c = DaemonControl(daemon.grpc_address, info, channel, cfg)
+            try:
+                _put(c, key)
+            finally:
+                c.close()
+        address = conductor.start()
+
+        async def scenario() -> None:
+            async with ConductorClient(address=address) as plain, \
+                    ConductorClient(address=address, tenant="t1") as t1:
+                deadline = time.monotonic() + 30
+                while not (await plain.lookup(keys=[BOB_ROOT])).nodes:
+                    assert time.monotonic() < deadline, conductor.log_tail()
+                    await asyncio.sleep(0.1)
+                while not (await t1.lookup(keys=[ALICE[1]])).nodes:
+                    assert time.monotonic() < deadline, conductor.log_tail()
+                    await asyncio.sleep(0.1)
+                assert not (await plain.lookup(keys=[ALICE[1]])).nodes  # t1's: not the default's
+                assert not (await t1.lookup(keys=[BOB_ROOT])).nodes
+                info = await plain.leader_info()  # the INSECURE caller is an operator
+                assert info.indexed_blocks == 2
+
+        asyncio.run(scenario())
+    finally:
+        conductor.stop()
+        daemon.stop()
