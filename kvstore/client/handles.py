@@ -12,6 +12,7 @@ the puts are done.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import math
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -399,9 +400,9 @@ class DirectBatchSave:
         lay = self._client.layout
         layers = [(r.start, r.stop) for r, _i in _runs([(layer, 0) for layer in
                                                         sorted(self._staged)])]
+        per_layer = math.prod(lay.chunk_shape[1:])  # elements of one layer of a chunk
         for (_keys, first, _s), targets, (view, _buf) in zip(self._parts, self._targets,
                                                                self._held, strict=True):
-            per_layer = view[0, 0].numel()  # elements of one layer of a chunk
             for blocks, items in _runs(targets):
                 chunks: list[torch.Tensor] = [self._chunks[item] for item in items]  # type: ignore[misc]  # reserved: not None
                 rows = view[blocks.start - first:blocks.stop - first].view(
