@@ -75,20 +75,23 @@ def assert_blocks_equal(dst: list[torch.Tensor], dst_ids: Sequence[int],
 
 
 @pytest.mark.parametrize("kind", ["layer-major", "block-major", "separate"])
+@pytest.mark.parametrize("lease_free", [False, True])
 def test_load_many_copies_straight_from_the_arena_into_vllm_blocks(daemon: DaemonProcess,
-                                                                   kind: str) -> None:
-    """Two requests saved from vLLM's CPU layout load byte for byte into other vLLM blocks
-    with no lease-free read (the staging path reads lease-free: the one-copy path leases the
-    whole call and copies out of the arena itself)."""
+                                                                   kind: str, lease_free: bool
+                                                                   ) -> None:
+    """Two requests saved from vLLM's CPU layout load byte for byte into other vLLM blocks,
+    copied out of the arena by the layout itself: with lease-free reads on, every block
+    through the read index (no lease), else under the call's leases (no lease-free read)."""
     src = vllm_caches(kind, seed=1)
     toks = [tokens(3 * B, seed=2), tokens(2 * B + 5, seed=3)]
     src_ids = [[4, 9, 1], [7, 0]]
     dst_ids = [[20, 3, 11], [5, 17]]
-    with client_for(daemon, f"bytes-{kind}") as client:
+    with client_for(daemon, f"bytes-{kind}-{lease_free}",
+                    lease_free_reads=lease_free) as client:
         save_blocks(client, toks, src, src_ids)
         dst = vllm_caches(kind, seed=None)
         before = client.store.lease_free_counters()
-        assert before.active  # the staging path would read these chunks lease-free
+        assert before.active == lease_free
         handles = client.load_many([
             LoadRequest(t, GuardedKV(engine_kv_for(dst, i, LAYOUT)))
             for t, i in zip(toks, dst_ids, strict=True)])
@@ -96,7 +99,8 @@ def test_load_many_copies_straight_from_the_arena_into_vllm_blocks(daemon: Daemo
         assert [r.loaded_blocks for r in got] == [3, 2]
         assert all(r.complete and r.error is None for r in got)
         after = client.store.lease_free_counters()
-        assert after.hits == before.hits and after.misses == before.misses
+        assert after.hits == before.hits + (5 if lease_free else 0)
+        assert after.misses == before.misses
         for s_ids, d_ids in zip(src_ids, dst_ids, strict=True):
             assert_blocks_equal(dst, d_ids, src, s_ids)
         untouched = sorted(set(range(NUM_BLOCKS)) - {b for ids in dst_ids for b in ids})
@@ -128,10 +132,13 @@ class _Hooked:
 def test_the_lease_keeps_the_chunks_still_while_they_are_copied(daemon: DaemonProcess) -> None:
     """Another client removes and overwrites the request's chunks while the copy runs: the
     daemon refuses (ChunkBusy: they are leased), the bytes are the saved ones, and once the
-    load returned the removal goes through (the lease was released)."""
+    load returned the removal goes through (the lease was released). Lease-free reads off:
+    the leased path (tests/client/test_kv_client_load_free.py has the same race without a
+    lease)."""
     src = vllm_caches("layer-major", seed=5)
     toks = tokens(4 * B, seed=6)
-    with client_for(daemon, "race") as client, client_for(daemon, "race") as other:
+    with client_for(daemon, "race", lease_free_reads=False) as client, \
+            client_for(daemon, "race") as other:
         save_blocks(client, [toks], src, [[0, 1, 2, 3]])
         keys = client.keys(toks)
         refused: list[str] = []
@@ -155,11 +162,12 @@ def test_the_lease_keeps_the_chunks_still_while_they_are_copied(daemon: DaemonPr
 
 def test_a_lease_that_expired_under_the_copy_fails_its_blocks(daemon: DaemonProcess) -> None:
     """The copy outlives the read lease's TTL (the daemon may have reused the memory): the
-    blocks are reported as not loaded (the engine recomputes them), never as arrived."""
+    blocks are reported as not loaded (the engine recomputes them), never as arrived.
+    Lease-free reads off: the leased path."""
     src = vllm_caches("layer-major", seed=7)
     toks = tokens(2 * B, seed=8)
     ttl_s = 0.2
-    with client_for(daemon, "expiry", lease_ttl_s=ttl_s) as client:
+    with client_for(daemon, "expiry", lease_ttl_s=ttl_s, lease_free_reads=False) as client:
         save_blocks(client, [toks], src, [[0, 1]])
         dst = vllm_caches("layer-major", seed=None)
         into = _Hooked(CpuBlocksKV(dst, [2, 3], LAYOUT), lambda: time.sleep(2 * ttl_s))

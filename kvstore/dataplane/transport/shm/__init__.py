@@ -25,6 +25,7 @@ from kvstore.dataplane.transport.shm.client import (
     ShmBatchRead,
     ShmClient,
     ShmClientConfig,
+    ShmFreeRead,
     ShmReadLease,
     ShmWriteLease,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "ShmBatchWrite",
     "ShmClient",
     "ShmClientConfig",
+    "ShmFreeRead",
     "ShmReadLease",
     "ShmServer",
     "ShmWriteLease",

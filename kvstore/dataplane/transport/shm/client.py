@@ -19,7 +19,9 @@ moves every byte itself with one memcpy:
   puts").
 * ``open_read_parts`` leases the parts of a batch (one ACQUIRE_READ each, all sent at once on
   one connection and served in order) and lends out torch views of the chunks, for a caller that
-  copies them straight into its own buffers (:class:`ShmBatchRead`).
+  copies them straight into its own buffers (:class:`ShmBatchRead`); ``read_free`` lends views of
+  the chunks the read index publishes with no lease at all, checked by the index's seqlock after
+  the caller's copy (:class:`ShmFreeRead`).
 * A chunk the arena cannot take right now (``CapacityError``, ``ChunkBusy``) is read through
   the ``fallback`` transport when one is given (the daemon's TCP plane), else the error is
   raised.
@@ -368,6 +370,51 @@ class ShmBatchRead:
             raise
         finally:
             self._client._checkin(chan)
+
+
+class ShmFreeRead:
+    """Chunks the peer's read index publishes, viewed in the mapped arena with no lease and no
+    round trip (:meth:`ShmClient.read_free`), for a caller that copies them into its own
+    buffers itself. ``tensors`` are the views (read-only in spirit: never write them), of the
+    leading keys asked for that were published when asked. Nothing keeps their bytes still:
+    after its copy the caller asks :meth:`confirm` how many leading chunks stayed put during it
+    (the read index's seqlock, :mod:`kvstore.dataplane.read_index`); only those copies are the
+    chunks' bytes, the rest must be read again (a lease) or dropped. One thread at a time."""
+
+    __slots__ = ("_client", "_keys", "_reader", "_slots", "tensors")
+
+    def __init__(self, client: ShmClient, reader: ReadIndexReader, keys: Sequence[bytes],
+                 slots: list[tuple[int, int]], tensors: list[Any]) -> None:
+        self._client = client
+        self._reader = reader
+        self._keys = keys
+        self._slots = slots
+        self.tensors = tensors
+
+    def confirm(self) -> int:
+        """After the copy: how many leading chunks were the keys' own for all of it (their
+        slots unchanged and the daemon alive). Those are reported as lease-free hits (the
+        daemon's counters and recency, as for ``get_into``). Call once, after the copy."""
+        reader = self._reader
+        n = 0
+        for slot, seq in self._slots:
+            if not reader.unchanged(slot, seq):
+                break
+            n += 1
+        client = self._client
+        if not reader.alive():
+            client._drop_dead_reader()
+            return 0
+        client._lf_hits += n
+        client._lf_conflicts += int(n < len(self._slots))
+        reporter = client._reporter
+        if reporter is not None and n:
+            queue = reporter.queue
+            for key in self._keys[:n]:
+                queue.append(key)
+                if len(queue) == reporter.batch:
+                    reporter.wake()
+        return n
 
 
 class ShmWriteLease:
@@ -880,7 +927,8 @@ class ShmClient:
         waited for. Each part is all or nothing (chunks in NVMe are promoted first); TTL
         ``lease_ttl_s``, or :data:`VIEW_LEASE_TTL_S`. Lease-free reads are not tried: the
         caller copies out of the arena itself, and only a lease keeps the bytes still during
-        that copy. Raises InvalidArgument (no part, an empty part, a bad key),
+        that copy (:meth:`read_free` is the lease-free way, checked after the copy). Raises
+        InvalidArgument (no part, an empty part, a bad key),
         PeerUnavailable; a part's own refusals come from :meth:`ShmBatchRead.next_part`."""
         checked: list[list[bytes]] = [[check_key(k) for k in part] for part in parts]
         if not checked or not all(checked):
@@ -903,6 +951,34 @@ class ShmClient:
         # read none of the requests: _first sends them all again on a fresh one.
         chan, first = self._first(send_all)
         return ShmBatchRead(self, chan, checked, first, deadline_s)
+
+    def read_free(self, keys: Sequence[bytes], dtype: Any, shape: tuple[int, ...]
+                  ) -> ShmFreeRead | None:
+        """Views (``shape`` of ``dtype``) of the leading chunks of ``keys`` the peer's read
+        index publishes now, with no lease and no round trip (:class:`ShmFreeRead`: copy them,
+        then ``confirm()``). None without a read index (none published, lease-free reads off,
+        a daemon gone) or when the first key is not published; a chunk of another size ends
+        the run (the leased path says why). Raises InvalidArgument for a bad key."""
+        reader = self._reader
+        if reader is None or self._closed:
+            return None
+        checked = [check_key(k) for k in keys]
+        elem = cuda.torch_module().empty(0, dtype=dtype).element_size()
+        want = int(np.prod(shape)) * elem
+        slots: list[tuple[int, int]] = []
+        ranges: list[tuple[int, int]] = []
+        for key in checked:
+            found = reader.locate(key)
+            if found is None or found[3] != want:
+                break
+            slot, seq, offset, size = found
+            slots.append((slot, seq))
+            ranges.append((offset, size))
+        if not slots:
+            self._lf_misses += 1
+            return None
+        return ShmFreeRead(self, reader, checked[:len(slots)], slots,
+                           self._arena_tensors(ranges, dtype, shape))
 
     def _arena_tensors(self, ranges: Sequence[tuple[int, int]], dtype: Any,
                        shape: tuple[int, ...]) -> list[Any]:
