@@ -160,10 +160,14 @@ static void copy_out(uint8_t *dst, const uint8_t *src, size_t n) {
  *
  * Tenant-scoped connections (verified != NULL): the read index knows no tenant, so such a
  * connection serves only publishes Python verified for its tenant: `verified` is a direct-mapped
- * table of (slot + 1, seq) pairs indexed by slot & vmask. A slot's seq changes with every write
- * to it and never repeats, so one (slot, seq) names one publish of one chunk, whose owner
- * never changes: a chunk removed and replaced by another tenant's is another publish, absent
- * from the table, and goes to Python (kvstore/dataplane/transport/tcp/server.py, "Tenants"). */
+ * table of (slot + 1, seq) pairs indexed by slot & vmask, shared by the tenant's connections.
+ * A slot's seq changes with every write to it and never repeats, so one (slot, seq) names one
+ * publish of one chunk, whose owner never changes: a chunk removed and replaced by another
+ * tenant's is another publish, absent from the table, and goes to Python
+ * (kvstore/dataplane/transport/tcp/server.py, "Tenants"). Python writes an entry as
+ * word 0 = 0, word 1 = seq, word 0 = slot + 1 (writers serialized by a lock; x86-64 keeps stores
+ * in order); reading word 0, word 1, word 0 again and taking the pair only when both reads of
+ * word 0 agree never takes one entry's slot with another's seq. */
 static int64_t index_copy(const int64_t *cfg, int64_t *st, const uint8_t *key, uint32_t klen,
                           int64_t want, uint8_t *dst, int64_t cap, const uint64_t *verified,
                           uint64_t vmask, int64_t *declined) {
@@ -195,7 +199,10 @@ static int64_t index_copy(const int64_t *cfg, int64_t *st, const uint8_t *key, u
             if (aload64(slot + seq_at) != seq) { torn = 1; break; }
             if (verified) {
                 const uint64_t *v = verified + 2 * (i & vmask);
-                if (v[0] != i + 1 || v[1] != seq) {
+                const uint64_t v_slot = __atomic_load_n(&v[0], __ATOMIC_ACQUIRE);
+                const uint64_t v_seq = __atomic_load_n(&v[1], __ATOMIC_ACQUIRE);
+                if (v_slot != i + 1 || v_seq != seq
+                        || __atomic_load_n(&v[0], __ATOMIC_ACQUIRE) != v_slot) {
                     declined[0] = (int64_t)(i + 1);
                     declined[1] = (int64_t)seq;
                     return -4;

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+import xxhash
+
 from kvstore.dataplane import read_index_layout as layout
 from kvstore.dataplane.arena import ArenaAccess, ShmArena, buffer_address
 from kvstore.dataplane.tier import MAX_KEY_BYTES
@@ -87,9 +89,10 @@ back-to-back requests pay one ``poll`` each instead of a return to Python)."""
 (ST_RPOS, ST_REND, ST_LAST_FLAGS, ST_GETS, ST_BYTES_SENT, ST_RING_COUNT, ST_RETRIES,
  ST_FALLBACKS, ST_ERRNO, ST_SENT, ST_SHORT_TICK, ST_FRAME_CLOCK, _ST_VERIFIED_ADDR,
  _ST_VERIFIED_MASK, _ST_DECLINED_SLOT, _ST_DECLINED_SEQ, _ST_COUNT) = range(17)
-VERIFIED_ENTRIES = 4096
-"""Entries of a tenant-scoped connection's table of verified publishes (16 bytes each: 64 KiB
-per connection; direct-mapped by read-index slot, so a collision only costs a re-check)."""
+VERIFIED_ENTRIES = 16384
+"""Entries of one tenant's table of verified publishes (:class:`VerifiedPublishes`; 16 bytes
+each: 256 KiB per tenant; direct-mapped by read-index slot, so a collision only costs a
+re-check)."""
 
 class NativeReturn(enum.IntEnum):
     """Why :meth:`NativeLoop.serve` returned (``KVT_*`` in fastpath.c)."""
@@ -342,6 +345,26 @@ class NativeReadSource:
             arena.close()
             raise
 
+    def locate(self, key: bytes) -> tuple[int, int] | None:
+        """(slot, seq) of ``key``'s publish in the read index now, or None (not published, or
+        being written). The probe of the C loop, in Python (xxh3 of the key, linear probing)."""
+        mask = self.slots - 1
+        view = self._index_view
+        klen = len(key)
+        i = xxhash.xxh3_64_intdigest(key) & mask
+        for _ in range(self.slots):
+            at = layout.HEADER_BYTES + i * layout.SLOT_BYTES
+            seq, _offset, _size, state, kl = layout.SLOT_STRUCT.unpack_from(view, at)
+            if seq & 1:
+                return None
+            if state == layout.SlotState.EMPTY:
+                return None
+            if state == layout.SlotState.LIVE and kl == klen \
+                    and view[at + layout.KEY_AT:at + layout.KEY_AT + klen] == key:
+                return i, seq
+            i = (i + 1) & mask
+        return None
+
     def slot_holds(self, slot: int, seq: int, key: bytes) -> bool:
         """Whether read-index slot ``slot`` holds, right now, the publish ``seq`` of ``key``
         (live, stable, that key): the check a tenant-scoped connection makes before it lets
@@ -408,6 +431,35 @@ class NativeServing:
             raise InvalidArgument("record_hits must be callable")
 
 
+class VerifiedPublishes:
+    """One tenant's table of read-index publishes the native loop may serve to that tenant's
+    scoped connections (fastpath.c, ``index_copy``): (slot + 1, seq) pairs, direct-mapped by
+    slot. Shared by every connection of the tenant (the C loops read it while Python threads
+    add to it: :meth:`verify` writes an entry in the order the C side's reads expect, writers
+    serialized by a lock). Entries are never removed: a replaced chunk is a new publish."""
+
+    __slots__ = ("_lock", "_table", "address")
+
+    def __init__(self) -> None:
+        self._table = (ctypes.c_uint64 * (2 * VERIFIED_ENTRIES))()
+        self._lock = threading.Lock()
+        self.address = ctypes.addressof(self._table)
+
+    def verify(self, slot: int, seq: int) -> None:
+        """Let the C loop serve publish ``seq`` of read-index slot ``slot`` to this tenant.
+        The caller checked that the publish is of a chunk the tenant may read
+        (:meth:`NativeReadSource.slot_holds` or :meth:`NativeReadSource.locate`, then the
+        tenant check, in that order)."""
+        table = self._table
+        at = 2 * (slot & (VERIFIED_ENTRIES - 1))
+        with self._lock:
+            if table[at] == slot + 1 and table[at + 1] == seq:
+                return
+            table[at] = 0  # never a slot with another entry's seq (fastpath.c's reads)
+            table[at + 1] = seq
+            table[at] = slot + 1
+
+
 class NativeLoop:
     """One connection's state for the C loop: the ``st[]`` counters, the hit ring and the
     buffers, pinned as ctypes addresses (the bytearrays stay exported, hence unresizable, for
@@ -433,20 +485,25 @@ class NativeLoop:
         self._out_addr = ctypes.addressof(self._out)
         self._ring_addr = ctypes.addressof(self._ring)
         self.st = (ctypes.c_int64 * _ST_COUNT)()
-        self._verified: ctypes.Array[ctypes.c_uint64] | None = None
+        self._verified: VerifiedPublishes | None = None
+
+    @property
+    def verified(self) -> VerifiedPublishes | None:
+        """The table this loop serves from (:meth:`scope`), or None: unscoped."""
+        return self._verified
 
     @property
     def scoped(self) -> bool:
         """Whether this loop serves verified publishes only (:meth:`scope`)."""
         return self._verified is not None
 
-    def scope(self) -> None:
-        """From now on serve only publishes :meth:`verify` vouched for (a tenant-scoped
-        connection: fastpath.c, ``index_copy``); any other hit comes back as ``SLOW`` with
+    def scope(self, verified: VerifiedPublishes) -> None:
+        """From now on serve only publishes in ``verified`` (a tenant-scoped connection, its
+        tenant's table: fastpath.c, ``index_copy``); any other hit comes back as ``SLOW`` with
         :meth:`take_declined` naming its slot and seq. Irreversible for this loop."""
         if self._verified is None:
-            self._verified = (ctypes.c_uint64 * (2 * VERIFIED_ENTRIES))()
-            self.st[_ST_VERIFIED_ADDR] = ctypes.addressof(self._verified)
+            self._verified = verified  # kept alive here: the C loop holds its address
+            self.st[_ST_VERIFIED_ADDR] = verified.address
             self.st[_ST_VERIFIED_MASK] = VERIFIED_ENTRIES - 1
 
     def take_declined(self) -> tuple[int, int] | None:
@@ -458,18 +515,6 @@ class NativeLoop:
             return None
         st[_ST_DECLINED_SLOT] = 0
         return slot_plus_one - 1, st[_ST_DECLINED_SEQ]
-
-    def verify(self, slot: int, seq: int) -> None:
-        """Let the C loop serve publish ``seq`` of read-index slot ``slot`` from now on. The
-        caller checked that the publish is of a chunk this connection's tenant may read
-        (:meth:`NativeReadSource.slot_holds`, then the tenant check). Only the connection's
-        own thread calls this, between C calls."""
-        table = self._verified
-        assert table is not None, "verify() on an unscoped loop"
-        at = 2 * (slot & (VERIFIED_ENTRIES - 1))
-        table[at] = 0  # never a half-written pair (nobody reads meanwhile; belt and braces)
-        table[at + 1] = seq
-        table[at] = slot + 1
 
     def serve(self, rpos: int, rend: int, last_flags: int) -> tuple[int, int, int, int]:
         """Run the C loop from these buffer positions; return (NativeReturn value, rpos, rend,

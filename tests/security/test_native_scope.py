@@ -4,8 +4,9 @@ CacheLeaseBackend on a real tiered cache whose DRAM tier publishes a read index,
 bound by real tickets of a TicketAuthority, real TcpClients on loopback.
 
 A scoped connection serves a chunk from C only once Python checked that publish for its
+tenant (after the tenant's TCP put of it, or its first get), for every connection of that
 tenant; another tenant's chunk is never served, from C or Python, even after the key was
-verified on the same connection and then removed and replaced by the other tenant's bytes."""
+verified and then removed and replaced by the other tenant's bytes."""
 
 from __future__ import annotations
 
@@ -61,18 +62,30 @@ def _get(client: TcpClient, key: bytes, size: int = SMALL) -> bytes:
 
 def test_a_scoped_connection_serves_its_verified_chunks_from_the_native_loop(
         served: tuple[TieredCache, TcpServer, TicketAuthority]) -> None:
-    _cache, server, authority = served
+    cache, server, authority = served
     alice = _client(server, authority, "alice")
-    values = {b"a%015d" % i: os.urandom(SMALL) for i in range(8)}
-    for key, value in values.items():
-        alice.put(key, value)
-    for _ in range(5):
-        for key, value in values.items():
+    written = {b"a%015d" % i: os.urandom(SMALL) for i in range(8)}
+    for key, value in written.items():
+        alice.put(key, value)  # a scoped TCP put verifies its own publish
+    for _ in range(3):
+        for key, value in written.items():
             assert _get(alice, key) == value
-    stats = server.stats()
-    # The first get of each chunk ran in Python (and verified it); the other four in C.
-    assert stats.native_gets == 4 * len(values)
+    assert server.stats().native_gets == 3 * len(written)
+    # Chunks stored another way (gRPC, the lease channel): the first get runs in Python and
+    # verifies the publish, for every connection of the tenant.
+    stored = {b"g%015d" % i: os.urandom(SMALL) for i in range(8)}
+    for key, value in stored.items():
+        cache.put(key, value, tenant="alice")
+    for key, value in stored.items():
+        assert _get(alice, key) == value
+    assert server.stats().native_gets == 3 * len(written)
+    other = _client(server, authority, "alice")
+    for key, value in stored.items():
+        assert _get(other, key) == value
+        assert _get(alice, key) == value
+    assert server.stats().native_gets == 3 * len(written) + 2 * len(stored)
     alice.close()
+    other.close()
 
 
 def test_another_tenants_chunk_is_never_served_natively(
@@ -131,15 +144,16 @@ def test_the_verification_is_per_publish_not_per_key(
         served: tuple[TieredCache, TcpServer, TicketAuthority]) -> None:
     """The C loop itself: a slot's verified (slot, seq) stops matching once the slot is
     rewritten, so the replaced chunk comes back to Python (declined) instead of being served."""
-    _cache, server, authority = served
+    cache, server, authority = served
     alice = _client(server, authority, "alice")
     key = b"p" * 16
-    alice.put(key, b"1" * SMALL)
+    cache.put(key, b"1" * SMALL, tenant="alice")
     assert _get(alice, key) == b"1" * SMALL  # Python, verified
     assert _get(alice, key) == b"1" * SMALL  # C
     gets = server.stats().native_gets
+    assert gets == 1
     assert alice.remove(key)
-    alice.put(key, b"2" * SMALL)  # the same tenant: still served, but re-verified first
+    cache.put(key, b"2" * SMALL, tenant="alice")  # the same tenant, another publish
     assert _get(alice, key) == b"2" * SMALL
     assert server.stats().native_gets == gets  # that one ran in Python
     assert _get(alice, key) == b"2" * SMALL

@@ -16,7 +16,8 @@ Bounds (``TcpServerConfig``; docs/transport.md, "Limits"):
   (``_IDLE_TICK_S``, the socket's ``SO_RCVTIMEO``), so a busy connection pays nothing for it.
 * ``header_timeout_s``: once a frame's first byte arrived, its header and key must be whole
   within that long (a slow sender holds a thread no longer); otherwise a ``PROTOCOL`` frame
-  and the close. The clock starts only when a header does not arrive whole with the receive
+  and the close. A connection's first frame header must be whole within that long of the
+  accept (a silent connection holds a ``max_connections`` slot no longer). The clock starts only when a header does not arrive whole with the receive
   that brought its first bytes (no clock read otherwise), and one clock covers the header and
   the key. The native loop keeps the same clock for a frame it holds partial and returns
   ``HEADER_TIMEOUT`` when it runs out, however the bytes trickle in; a frame it hands back
@@ -51,15 +52,18 @@ Tenants: a grant with a :class:`~.auth.TenantScope` is served through ``backend.
 for every frame of its connection (the backend passes the tenant to its reads, sizes, removes
 and puts); a backend without ``scoped`` cannot keep tenants apart, so such a connection is
 refused (PERMISSION_DENIED). A scoped connection runs the native small-GET loop on publishes
-it verified only (the read index knows no tenant): the loop hands a hit on any other publish
-back to Python (``NativeLoop.scope``), which serves that GET through the scoped backend and
-then, if the read-index slot still holds that publish of that key (``slot_holds``) and the
-scoped backend then still sees the key (``size_of``: the tenant check), lets the loop serve
-that publish from then on (``NativeLoop.verify``). A slot's sequence number changes with every
-write to it and never repeats, and a chunk's owner never changes, so a verified publish stays
-the tenant's for as long as the loop can find it; the check runs after the liveness test, so a
-publish replaced meanwhile by another tenant's chunk is a dead one, never found again. Each
-chunk costs one GET in Python per connection, the rest run in C. A multi-part put belongs to the scope
+verified for its read tenant only (the read index knows no tenant; one table per read tenant,
+shared by its connections: ``native.VerifiedPublishes``): the loop hands a hit on any other
+publish back to Python (``NativeLoop.scope``), which serves that GET through the scoped backend
+and then, if the read-index slot still holds that publish of that key (``slot_holds``) and the
+scoped backend then still sees the key (``size_of``: the tenant check), verifies that publish
+for the tenant. A small PUT of a scoped connection verifies the publish it made the same way
+(``locate``, then ``size_of``), so a chunk written over TCP is served from C from its first GET.
+A slot's sequence number changes with every write to it and never repeats, and a chunk's owner
+never changes, so a verified publish stays the tenant's for as long as the loop can find it;
+the tenant check runs after the liveness test, so a publish replaced meanwhile by another
+tenant's chunk is a dead one, never found again. A chunk neither written by the tenant over TCP
+nor read by it before costs one GET in Python, the rest run in C. A multi-part put belongs to the scope
 of the connection that began it: a ``PUT_PART`` or ``PUT_ABORT`` from a connection of another
 scope finds it unknown (``UNKNOWN_TRANSFER``), whatever its transfer id.
 """
@@ -295,6 +299,9 @@ class TcpServer:
         self._native: native.NativeServing | None = None
         self._native_cfg: ctypes.Array[ctypes.c_int64] | None = None
         self._native_closing = ctypes.c_int32(0)
+        self._verified: dict[str | None, native.VerifiedPublishes] = {}
+        """The native loop's verified publishes per read tenant (module docstring, "Tenants");
+        guarded by ``_lock``."""
         self._recv_tick_s = min(_IDLE_TICK_S, self._config.io_timeout_s)
         """Every connection's receive timeout (the native loop shortens it while it holds hits
         and restores it before it returns)."""
@@ -520,6 +527,14 @@ class TcpServer:
                 for i, n in enumerate(handler.snapshot_counts()):
                     self._retired_counts[i] += n
 
+    def _verified_for(self, scope: TenantScope) -> native.VerifiedPublishes:
+        """The table of publishes verified for ``scope``'s read tenant (made on first use)."""
+        with self._lock:
+            table = self._verified.get(scope.read)
+            if table is None:
+                table = self._verified[scope.read] = native.VerifiedPublishes()
+            return table
+
     def _begin_reservation(self, key: ChunkKey, lease: WriteLease,
                            scope: TenantScope | None = None) -> int:
         with self._lock:
@@ -720,6 +735,8 @@ class _ServerConnection:
                 if not self._authenticate():
                     return  # refused: the finally closes it
                 loop = self.native_loop  # scoped to verified publishes for a tenant (_hello)
+            elif not self._first_frame_in_time():
+                return  # closed before a byte, or shutdown
             while True:
                 self._frame_deadline = 0.0
                 if self._grant_expires_at < math.inf and self._grant_expired():
@@ -794,12 +811,13 @@ class _ServerConnection:
         if not first:
             return False  # closed at once (a probe)
         if looks_like_plain_frame(first, MAGIC):
+            self._tls_refused("sent a plain frame to the TLS data plane")  # counted first
             self._reply_quietly(None, Status.PROTOCOL, "this data plane speaks TLS: connect "
                                 "with TLS (the daemon's NodeInfo says data_tls_required)")
             with contextlib.suppress(OSError):
                 raw.shutdown(socket.SHUT_WR)
                 raw.recv(_DRAIN_CHUNK_BYTES, socket.MSG_DONTWAIT)
-            return self._tls_refused("sent a plain frame to the TLS data plane")
+            return False
         try:
             context = server._tls()
             raw.settimeout(server._recv_tick_s)
@@ -883,7 +901,7 @@ class _ServerConnection:
                 return False
             self._backend = scoped(grant.scope)
             if self.native_loop is not None:  # the read index knows no tenant: verified only
-                self.native_loop.scope()
+                self.native_loop.scope(self.server._verified_for(grant.scope))
         self.grant = grant
         self._grant_expires_at = grant.expires_at_unix_s
         set_current_grant(grant)
@@ -968,9 +986,19 @@ class _ServerConnection:
         between the two by another tenant's chunk is gone for good (module docstring,
         "Tenants")."""
         loop, serving = self.native_loop, self.server._native
-        assert loop is not None and serving is not None
+        assert loop is not None and loop.verified is not None and serving is not None
         if serving.source.slot_holds(slot, seq, key) and self._backend.size_of(key) is not None:
-            loop.verify(slot, seq)
+            loop.verified.verify(slot, seq)
+
+    def _verify_written(self, key: bytes) -> None:
+        """After a small PUT on a scoped connection: verify the publish it made for this
+        connection's tenant when the read index has it and, after that, the scoped backend
+        sees ``key`` (as ``_verify_publish``), so its first GET runs in C."""
+        loop, serving = self.native_loop, self.server._native
+        assert loop is not None and loop.verified is not None and serving is not None
+        located = serving.source.locate(key)
+        if located is not None and self._backend.size_of(key) is not None:
+            loop.verified.verify(*located)
 
     def _account_native_hits(self, loop: native.NativeLoop) -> None:
         """Feed the keys the C loop served to the backend (hits, recency), as a same-host
@@ -1000,6 +1028,34 @@ class _ServerConnection:
                  self.server._config.idle_timeout_s)
         self.idle_closed = True
         return True
+
+    def _first_frame_in_time(self) -> bool:
+        """Without an authorizer too, the first frame's header must be whole within
+        ``header_timeout_s`` of the accept: a connection that sends nothing holds one of the
+        ``max_connections`` no longer than that, so a flood of silent connections cannot keep
+        clients out for ``idle_timeout_s`` (found by the fault suite's flood). Clients connect
+        when they have a request to send. False: EOF before a byte, or shutdown. Raises
+        ProtocolError (nothing, or not a whole header, in time), PeerUnavailable."""
+        deadline = time.monotonic() + self._header_timeout_s
+        while True:
+            try:
+                got = self.sock.recv_into(self.rview, _RECV_BUFFER_BYTES)
+            except (BlockingIOError, TimeoutError):  # a receive tick without a byte
+                if self.server._closing.is_set():
+                    return False
+                if time.monotonic() >= deadline:
+                    self.header_timed_out = True
+                    raise ProtocolError(f"no frame {self._header_timeout_s:g} s after the "
+                                        "connection was accepted (header_timeout_s)") from None
+                continue
+            except OSError as exc:
+                raise PeerUnavailable(f"connection failed: {exc}") from exc
+            if got == 0:
+                return False
+            self.rpos, self.rend = 0, got
+            self._frame_deadline = deadline
+            self._fill(HEADER_BYTES, "frame header")
+            return True
 
     def _fill_idle(self) -> bool:
         """Between frames: wait for the next request's first bytes, then for its whole header.
@@ -1210,6 +1266,9 @@ class _ServerConnection:
         self.counts[_BYTES_RECEIVED] += h.payload_len
         lease.commit()
         self._reply(h, total_size=h.total_size)
+        loop = self.native_loop
+        if loop is not None and loop.scoped and h.total_size <= self._copy_read_max:
+            self._verify_written(key)
 
     def _get(self, h: Header, key: ChunkKey) -> None:
         size = h.total_size
