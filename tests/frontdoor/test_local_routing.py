@@ -86,12 +86,24 @@ class Scenario:
         self.fleet.store(name, tokens, blocks)
         self.held[name].update(self.fleet.hashes.hashes(tokens)[:blocks])
 
+    def nudge(self) -> None:
+        """An empty batch from each engine, as vLLM's next step would send: a live batch a
+        subscriber missed (published before its subscription reached the publisher) shows as
+        a gap, which a replay repairs."""
+        for publisher in self.fleet.publishers.values():
+            publisher.add_stored([])
+
     async def settled(self) -> None:
         """Both the conductor and the front door hold what the engines stored, and the
         front door's replica is fresh."""
         want = {name: len(h) for name, h in self.held.items()}
+        polls = 0
 
         async def check() -> bool:
+            nonlocal polls
+            polls += 1
+            if polls % 10 == 0:
+                self.nudge()
             info = await self.client.leader_info()
             theirs = {c.instance_id: c.blocks for c in info.engine_caches}
             mine = {}
@@ -212,7 +224,13 @@ def test_a_replica_cut_off_from_an_engine_asks_the_conductor(
             s.held["v1"].update(fleet.hashes.hashes(tokens))
             fleet.store("v1", tokens)
 
+            polls = 0
+
             async def conductor_sees_it() -> bool:
+                nonlocal polls
+                polls += 1
+                if polls % 10 == 0:
+                    s.nudge()
                 info = await client.leader_info()
                 return {c.instance_id: c.blocks for c in info.engine_caches}["v1"] == \
                     len(s.held["v1"])
