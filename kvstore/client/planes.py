@@ -20,6 +20,12 @@ client and the shared-memory client (every connection of either presents it), fe
 a margin before it expires (connections renew theirs with a HELLO) and at once after a plane
 refused it (a stale ticket after the daemon restarted).
 
+TLS: a daemon whose TCP plane speaks TLS (``server.tcp_tls``) says so in
+``NodeInfo.data_tls_required``; the TCP client then speaks TLS with the CA, certificate and
+server name of this client's gRPC security (``StoreClientConfig.security``, or the
+environment): the daemon serves both ports with the same certificate. Without a CA that is a
+ConfigError on the first TCP call, naming the fix.
+
 Both planes offer what :class:`ValuePlane` says, so ``StoreClient`` holds one and calls it
 without asking which it is; its ``get_into`` *is* the plane's (bound once at connect: a get
 costs no dispatch frame, so a lease-free get is still one Python frame and one C call).
@@ -46,6 +52,7 @@ from kvstore.dataplane.transport.shm import LeaseFreeCounters, ShmBatchRead, Shm
 from kvstore.dataplane.transport.tcp import TcpClient
 from kvstore.dataplane.transport.ucx import UcxClient, ucx_unavailable
 from kvstore.errors import InvalidArgument, PeerUnavailable, TierUnavailable, TransportError
+from kvstore.security.tls import data_plane_client_context
 
 log = logging.getLogger(__name__)
 
@@ -297,11 +304,16 @@ class RemotePlane:
                     raise PeerUnavailable("the client is closed")
                 host, _, port = self._control.info.tcp_address.rpartition(":")
                 io_timeout_s = self._config.tcp_io_timeout_s
+                tls, server_name = None, None
+                if self._control.info.data_tls_required:
+                    security = self._config.client_security()
+                    tls, server_name = data_plane_client_context(security), security.server_name
                 self._tcp = TcpClient(host, int(port), connections=self._config.tcp_connections,
                                       spin_us=self._config.tcp_spin_us,
                                       io_timeout_s=io_timeout_s,
                                       connect_timeout_s=min(5.0, io_timeout_s),
-                                      ticket=self.tickets)
+                                      ticket=self.tickets, tls=tls,
+                                      tls_server_name=server_name)
             return self._tcp
 
     def close(self) -> None:

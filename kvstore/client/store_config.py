@@ -82,7 +82,9 @@ class StoreClientConfig:
     """What the gRPC channel presents (TLS CA, client certificate, bearer token file;
     docs/security.md). None: :meth:`ClientSecurity.from_env` at connect (``KVTIER_TLS_CA``,
     ``KVTIER_TLS_CERT``, ``KVTIER_TLS_KEY``, ``KVTIER_TOKEN_FILE``; none set: plaintext
-    without credentials, what a loopback daemon without security config accepts)."""
+    without credentials, what a loopback daemon without security config accepts). A daemon
+    whose TCP data plane speaks TLS (``NodeInfo.data_tls_required``) is reached with the same
+    CA, client certificate and server name."""
 
     tenant: str | None = None
     """The tenant this client acts for, sent as ``kvtier-tenant`` metadata on every gRPC call

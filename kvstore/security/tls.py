@@ -25,6 +25,14 @@ certificate``; the client sees UNAVAILABLE, which :func:`handshake_hint` words);
 its own certificate's dates before connecting (:func:`client_credentials`). Revoked serials
 (CRL or ``revoked_serials``) pass the handshake and are refused per call with UNAUTHENTICATED
 naming the serial.
+
+**The TCP data plane** (``server.tcp_tls``, docs/security.md): the same certificate, key and
+client CA as the gRPC port, as an ``ssl.SSLContext`` (:meth:`ServerCertificates.data_plane_context`,
+asked once per accepted data connection and rebuilt when the files change, with the same
+checks and the same keep-the-previous-set rule); a client builds its side with
+:func:`data_plane_client_context` from its :class:`~kvstore.security.config.ClientSecurity`.
+Revocation is not checked in that handshake: a revoked certificate cannot get the session
+ticket every data connection must present (IssueDataTicket is a gRPC call, refused per call).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import ssl
 import threading
 import time
 import urllib.parse
@@ -144,6 +153,10 @@ class ServerCertificates:
         self.reloads = 0
         """How many times rotated files were taken (for tests and logs)."""
         self.serving_serial = self._serial
+        self._ssl_signature: tuple[Any, ...] = ()
+        self._ssl_context: ssl.SSLContext | None = None
+        self.data_plane_reloads = 0
+        """How many times the data plane's context was rebuilt for rotated files."""
 
     def _load(self) -> Any:
         import grpc
@@ -175,6 +188,52 @@ class ServerCertificates:
             self.serving_serial = self._serial
         log.info("%s: serving the rotated certificate (serial %x)", self._what, self._serial)
         return config
+
+    def data_plane_context(self) -> ssl.SSLContext:
+        """The TCP data plane's server context: this service's certificate chain and key, and,
+        with a client CA (mTLS), client certificates required and verified against it (TLS 1.2
+        at least). Rebuilt when the files changed since the last call (checked at each call:
+        three ``stat``s), with the checks :func:`load_key_pair` makes; a set that fails them
+        is logged and the previous context kept. Raises ConfigError only when there is no
+        previous one (at start). Thread-safe."""
+        signature = _file_signature(*self._files)
+        context = self._ssl_context
+        if context is not None and signature == self._ssl_signature:
+            return context
+        with self._lock:
+            if self._ssl_context is not None and signature == self._ssl_signature:
+                return self._ssl_context
+            try:
+                context = self._build_ssl_context()
+            except ConfigError as exc:
+                if self._ssl_context is None:
+                    raise
+                log.warning("%s: rotated certificate files not taken by the TCP data plane, "
+                            "serving the previous ones: %s", self._what, exc)
+                self._ssl_signature = signature
+                return self._ssl_context
+            if self._ssl_context is not None:
+                self.data_plane_reloads += 1
+                log.info("%s: the TCP data plane serves the rotated certificate", self._what)
+            self._ssl_context, self._ssl_signature = context, signature
+            return context
+
+    def _build_ssl_context(self) -> ssl.SSLContext:
+        sec = self._security
+        assert sec.cert_file is not None and sec.key_file is not None
+        load_key_pair(sec.cert_file, sec.key_file, self._what)  # the same checks as gRPC's
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            context.load_cert_chain(sec.cert_file, sec.key_file)
+            if sec.client_ca_file is not None:
+                ca_pem = load_ca(sec.client_ca_file, "client CA bundle")
+                context.load_verify_locations(cadata=ca_pem.decode("ascii", "replace"))
+                context.verify_mode = ssl.CERT_REQUIRED
+        except ssl.SSLError as exc:  # changed between the checks and the load
+            raise ConfigError(f"{self._what}: the certificate files do not load for TLS: "
+                              f"{exc}") from exc
+        return context
 
     def credentials(self) -> Any:
         import grpc
@@ -353,6 +412,30 @@ def client_credentials(security: ClientSecurity) -> Any:
         key_pem, chain_pem = load_key_pair(security.cert_file, security.key_file, "client")
     return grpc.ssl_channel_credentials(root_certificates=ca_pem, private_key=key_pem,
                                         certificate_chain=chain_pem)
+
+
+def data_plane_client_context(security: ClientSecurity) -> ssl.SSLContext:
+    """The client side of the TCP data plane's TLS (module docstring): the server's
+    certificate verified against ``security.ca_file`` (and its name: the dialed host, or
+    ``server_name``), this client's certificate presented when it has one (checked first, as
+    :func:`client_credentials` does). Raises ConfigError (no ``ca_file``, unreadable or
+    expired files)."""
+    if security.ca_file is None:
+        raise ConfigError("this daemon's TCP data plane speaks TLS (NodeInfo.data_tls_required): "
+                          "the client needs the CA of its certificate (ClientSecurity.ca_file, "
+                          "KVTIER_TLS_CA or --ca)")
+    ca_pem = load_ca(security.ca_file, "CA bundle (ca_file)")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_verify_locations(cadata=ca_pem.decode("ascii", "replace"))
+        if security.cert_file is not None:
+            assert security.key_file is not None
+            load_key_pair(security.cert_file, security.key_file, "client")
+            context.load_cert_chain(security.cert_file, security.key_file)
+    except ssl.SSLError as exc:
+        raise ConfigError(f"the client's TLS files do not load: {exc}") from exc
+    return context
 
 
 def channel_options(security: ClientSecurity) -> list[tuple[str, Any]]:
