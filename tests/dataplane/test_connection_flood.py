@@ -28,9 +28,9 @@ def test_silent_connections_give_their_slots_back_within_the_header_timeout(
                     idle_timeout_s=300.0) as server:
         flood = [raw(server) for _ in range(4)]  # silent: not one byte
         wait_until(lambda: server.stats().connections_open == 4, 10, "the flood to be served")
-        with TcpClient(server.endpoint.host, server.endpoint.port, 1) as refused:
-            with pytest.raises(CapacityError):
-                refused.put(b"k", b"value")  # every slot held by the flood
+        with TcpClient(server.endpoint.host, server.endpoint.port, 1) as refused, \
+                pytest.raises(CapacityError):
+            refused.put(b"k", b"value")  # every slot held by the flood
         wait_until(lambda: server.stats().connections_open == 0, 10,
                    "the silent connections to be closed")
         for sock in flood:  # each was told why (a PROTOCOL frame) before the close
