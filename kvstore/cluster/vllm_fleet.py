@@ -426,6 +426,10 @@ class FleetSpec:
     start_timeout_s: float = 600.0
     stop_timeout_s: float = 15.0
     conductor_policy: str = "global-cache"
+    router: str = "conductor"
+    """How the routed modes' front door decides: ``conductor`` (a ``Schedule`` RPC per
+    request) or ``local`` (``kvstore.frontdoor.local.LocalRouter``: the conductor's decision
+    in the front door's process, docs/routing.md)."""
     slo: Slo = Slo()
     """The objectives goodput is counted against (:func:`goodput`)."""
     shared_store: bool = True
@@ -443,6 +447,8 @@ class FleetSpec:
             raise ValueError(f"modes must be distinct and not empty, got {self.modes!r}")
         if self.max_tokens < 2:
             raise ValueError("max_tokens must be >= 2 (TPOT needs a second token)")
+        if self.router not in ("conductor", "local"):
+            raise ValueError(f"router must be conductor or local, got {self.router!r}")
         longest = max(len(r.token_ids) for r in self.requests)
         if longest + self.max_tokens > self.max_model_len:
             raise ValueError(f"a prompt of {longest} tokens + {self.max_tokens} exceeds "
@@ -714,8 +720,21 @@ class Fleet:
         names = list(MODE_SERVERS[mode])
         pool = BackendPool([Backend(n, self.servers[n].base_url) for n in names])
         conductor: TicketingConductorClient | None = None
+        local: Any = None
         inner: Any
-        if mode in ROUTED:
+        if mode in ROUTED and self.spec.router == "local":
+            from conductor.scheduler import Policy
+            from kvstore.client.conductor_client import ConductorClient
+            from kvstore.frontdoor.local import LocalRouter
+
+            layout = KeyLayout(self.spec.prefix)
+            # It reports its own tickets from the front door's done hook: a plain client.
+            local = inner = LocalRouter(
+                ConductorClient(etcd_endpoint=self.etcd_endpoint, layout=layout), pool,
+                self.spec.model_name, etcd_endpoint=self.etcd_endpoint, layout=layout,
+                policy=Policy(self.spec.conductor_policy),
+                block_size_tokens=self.spec.block_tokens)
+        elif mode in ROUTED:
             conductor = TicketingConductorClient(etcd_endpoint=self.etcd_endpoint,
                                                  layout=KeyLayout(self.spec.prefix))
             inner = ConductorRouter(conductor, pool, self.spec.model_name)
@@ -735,11 +754,29 @@ class Fleet:
         async with contextlib.AsyncExitStack() as stack:
             if conductor is not None:
                 stack.push_async_callback(conductor.close)
+            if local is not None:
+                stack.push_async_callback(local.conductor.close)
+                await local.start()
+                stack.push_async_callback(local.close)
             if mode in ROUTED:
                 await stack.enter_async_context(self._registered(names))
+            if local is not None:
+                await self._wait_fresh(local)
             stack.push_async_callback(door.close)
             await self._run_requests(result, door, router, conductor, names, salt, progress)
+            if local is not None:
+                await local.idle()
+                result.placements = [(name, name) for name, count in
+                                     sorted(router.backends.items()) for _ in range(count)]
+                self.log(f"mode {mode.value}: local routing {dict(local.counters)}")
         return result
+
+    async def _wait_fresh(self, local: Any, timeout_s: float = 30.0) -> None:
+        """Until the local router's replica agrees with the conductor (else it asks the
+        conductor for each request, which the log line after the mode counts)."""
+        deadline = time.monotonic() + timeout_s
+        while local.stale_reason() is not None and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
 
     async def _run_requests(self, result: ModeResult, door: Any, router: Any,
                             conductor: Any, names: Sequence[str], salt: str,
@@ -939,7 +976,7 @@ def assemble(results: Sequence[ModeResult], spec: FleetSpec, startup_s: float
                    "working_set_blocks": working_set_blocks(spec.requests, spec.block_tokens),
                    "dram_bytes": spec.dram_bytes, "nvme_bytes": spec.nvme_bytes,
                    "slo": {"ttft_s": spec.slo.ttft_s, "tpot_s": spec.slo.tpot_s},
-                   "modes": [m.value for m in spec.modes]},
+                   "modes": [m.value for m in spec.modes], "router": spec.router},
     }
 
 
