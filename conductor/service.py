@@ -16,7 +16,9 @@ tenant the caller's credentials and its ``kvtier-tenant`` metadata resolve to, b
 rule (:func:`kvstore.security.tenancy.resolve_tenant`): the prefix match, the fetch plan and
 the per-node answers count only chunks that tenant owns and the shared tenant's (an operator or
 peer of every tenant naming none: every tenant's). A tenant the credentials do not allow is
-PERMISSION_DENIED (audited), whole batches included. The request body's ``tenant`` is only the
+PERMISSION_DENIED (audited), whole batches included. ReportCompletion of a ticket is refused
+(PERMISSION_DENIED) to a caller that may not act for the tenant the ticket was scheduled for.
+The request body's ``tenant`` is only the
 key namespace token ids are hashed in (a ``cache_salt``); with authentication on, a non-empty
 one must also be a tenant the credentials allow, so nobody hashes in another tenant's namespace
 to probe the engines' own caches.
@@ -38,7 +40,7 @@ from conductor.index import TierCounts
 from conductor.scheduler import Decision, RejectReason, ScheduleRequest
 from kvstore._proto.kvtier.v1 import conductor_pb2 as pb
 from kvstore._proto.kvtier.v1 import conductor_pb2_grpc as pb_grpc
-from kvstore.errors import InvalidArgument, KvtierError, MembershipError
+from kvstore.errors import InvalidArgument, KvtierError, MembershipError, PermissionDenied
 from kvstore.membership.engines import EngineRole
 from kvstore.security.identity import INSECURE, current_principal
 from kvstore.security.tenancy import requested_tenant, resolve_tenant
@@ -63,6 +65,9 @@ MAX_KEYS = 65536
 MAX_KEY_BYTES = 64
 MAX_BATCH = 1024
 MAX_REQUEST_ID_CHARS = 256
+MAX_TICKET_OWNERS = 1 << 20
+"""Outstanding tickets whose tenant is remembered; past it the oldest is forgotten (its
+completion is then not checked; the scheduler still knows the ticket)."""
 
 _REASON = {RejectReason.TTFT_SLO: pb.REJECT_TTFT_SLO, RejectReason.TPOT_SLO: pb.REJECT_TPOT_SLO,
            RejectReason.DECODE_KV_FULL: pb.REJECT_DECODE_KV_FULL}
@@ -119,6 +124,9 @@ class ConductorService(pb_grpc.ConductorServicer):
 
     def __init__(self, conductor: Conductor) -> None:
         self._c = conductor
+        self._ticket_tenants: dict[int, str | None] = {}
+        """The tenant each outstanding ticket was scheduled for (None: every tenant), under
+        ``Conductor.lock``: who may report its completion (module docstring, "Tenants")."""
 
     # ------------------------------------------------------------------ helpers
 
@@ -241,6 +249,11 @@ class ConductorService(pb_grpc.ConductorServicer):
                 if decision.accepted:
                     c.scheduler.cancel(decision.ticket)
                 self._require_leader()
+            if decision.accepted:
+                owners = self._ticket_tenants
+                if len(owners) >= MAX_TICKET_OWNERS:
+                    del owners[next(iter(owners))]
+                owners[decision.ticket] = scope
             reply = self._reply(decision, keys, scope)
         if decision.accepted and decision.prefill_instance in engine_cached:
             # Its new blocks should show up in that engine's KV events (mismatch detection).
@@ -350,8 +363,31 @@ class ConductorService(pb_grpc.ConductorServicer):
             raise InvalidArgument("a completion report needs prefill, decode or cancelled")
         now_s = c.now_s(request.at_s)
         with c.lock:
-            self._complete(request, phase, now_s)
+            self._check_ticket(request.ticket)
+            try:
+                self._complete(request, phase, now_s)
+            finally:
+                if phase != "prefill":  # the ticket is over (or was unknown)
+                    self._ticket_tenants.pop(request.ticket, None)
         return pb.ReportCompletionReply()
+
+    def _check_ticket(self, ticket: int) -> None:
+        """PermissionDenied unless the caller may act for the tenant ``ticket`` was scheduled
+        for (an unknown ticket passes: the scheduler answers for it). Hold the lock."""
+        principal = current_principal()
+        if principal is INSECURE or ticket not in self._ticket_tenants:
+            return
+        tenant = self._ticket_tenants[ticket]
+        try:
+            if tenant is None:
+                if principal.tenants is not None:
+                    raise PermissionDenied("")
+            else:
+                resolve_tenant(principal, tenant)
+        except PermissionDenied:
+            raise PermissionDenied(f"{principal.name} may not report on ticket {ticket}: it "
+                                   "was scheduled for a tenant its credentials do not allow"
+                                   ) from None
 
     def _complete(self, request: pb.CompletionReport, phase: str, now_s: float) -> None:
         c = self._c

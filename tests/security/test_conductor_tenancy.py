@@ -6,8 +6,8 @@ Alice's chain is a shared root (written by a shared writer) and three chunks of 
 bob owns a chunk with the same key as alice's second block on node-b (keys are per daemon) and a
 root of his own. Every attack (no credentials, an expired token, a token of another signing key,
 another tenant's token, a guessed key, a forged ``kvtier-tenant``, a forged body tenant, a batch
-with one forged item, an engine of two tenants naming none, an engine or a peer calling what its
-role may not, an engine following a daemon's events) is refused with a clear error or sees none
+with one forged item, an engine of two tenants naming none, another tenant's ticket reported on,
+an engine or a peer calling what its role may not, an engine following a daemon's events) is refused with a clear error or sees none
 of alice's chunks, and is paired with the same call succeeding for the right identity; alice's
 chunks read back byte for byte afterwards, and the refusals are in the conductor's audit log.
 The counts (attempts, refused, absent, leaked, lost) are printed by the test, also under capture.
@@ -283,6 +283,16 @@ def test_the_conductor_answers_each_caller_for_its_own_tenant(world: World) -> N
                 absent=lambda r: all(_schedule_absent(i.reply) for i in r.items))
             tally.paired += 1  # bob's own chunks answered above
 
+            # Another tenant's ticket: bob may not end alice's request (its reservations).
+            cancel = cpb.CompletionReport(ticket=decided.ticket, cancelled=True)
+            await tally.attack("bob cancels alice's ticket",
+                               lambda: bob.report_completion(cancel),
+                               match="may not report on ticket")
+            await alice.report_completion(cancel)
+            with pytest.raises(InvalidArgument, match="unknown ticket"):  # it was alice's to end
+                await alice.report_completion(cancel)
+            tally.paired += 1
+
         # A forged kvtier-tenant, paired with the owner naming herself.
         async with world.client("bob", tenant="alice") as forged, \
                 world.client("alice", tenant="alice") as named:
@@ -402,7 +412,7 @@ def _check_audit(path: Path) -> None:
     namespaced = [r for r in refused if r["tenant"] is None and r["principal"]
                   and r["principal"]["name"] == "bob"]
     assert {r["method"].rsplit("/", 1)[-1] for r in namespaced} == {
-        "Lookup", "Schedule", "ScheduleBatch"}
+        "Lookup", "Schedule", "ScheduleBatch", "ReportCompletion"}
     assert any(r["principal"] is None and r["code"] == "UNAUTHENTICATED" for r in refused)
     assert any(r["method"].endswith("/Leader") and r["principal"]["name"] == "alice"
                for r in refused)
