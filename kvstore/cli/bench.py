@@ -211,6 +211,8 @@ def vllm_serving(
 def fleet(
     quick: bool = typer.Option(False, "--quick", help="4 conversations, 32 MiB of KV per instance (full: 10, 64 MiB)."),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the results as JSON here."),
+    router: str = typer.Option("conductor", "--router", help="conductor | local: how the routed "
+                               "modes' front door decides (local: in its own process, docs/routing.md)."),
 ) -> None:
     """The vLLM fleet: one trace slice through one vLLM, two with round robin, the conductor +
     kvtier, P/D through kvtier and routing on vLLM's KV events alone (TTFT, TPOT, goodput, hits,
@@ -218,7 +220,7 @@ def fleet(
     from bench import fleet as bench_fleet
 
     argv = (["--quick"] if quick else []) + (["--json", str(json_path)] if json_path else [])
-    code = bench_fleet.main(argv)
+    code = bench_fleet.main([*argv, "--router", router])
     if code:
         raise typer.Exit(code)
 
