@@ -617,6 +617,9 @@ class _Injected:
     detect_s: float | None = None
     recover_s: float | None = None
     """Set by faults whose detect/recover are not membership events (seconds from start)."""
+    served_after: float | None = None
+    """The faulted node must answer a data request started after this and before the fault's
+    end (a flood must not keep a client that arrives during it out)."""
     must_serve_gets: bool = False
     """The faulted node must answer gets during the fault (a full disk leaves DRAM and the
     stored chunks readable)."""
@@ -841,6 +844,7 @@ def truncate_segment(directory: Path, count: int, oldest: bool = False) -> list[
     """Cut the segment file holding the newest LIVE record of ``directory`` (``oldest``: the
     one holding the oldest) in the middle of the payload of its ``count``-th record from the
     end, durably; return the keys of every record the cut reaches (torn or gone)."""
+    from kvstore.dataplane.nvme.directio import ALIGN_BYTES
     from kvstore.dataplane.nvme.format import (
         HEADER_BYTES,
         RecordKind,
@@ -854,14 +858,15 @@ def truncate_segment(directory: Path, count: int, oldest: bool = False) -> list[
             segment = decode_segment_header(f.read(HEADER_BYTES))
             if segment is None:
                 continue
-            pos = HEADER_BYTES
-            while pos < segment.segment_bytes:
+            pos, end = HEADER_BYTES, min(segment.segment_bytes, os.fstat(f.fileno()).st_size)
+            while pos < end:
                 f.seek(pos)
                 _, header = decode_record_header(f.read(HEADER_BYTES),
                                                  segment_id=segment.segment_id, offset=pos,
                                                  segment_bytes=segment.segment_bytes)
-                if header is None:
-                    break
+                if header is None:  # a hole (an earlier cut): look at the next block, as
+                    pos += ALIGN_BYTES  # the tier's scan resyncs, so no record past it is
+                    continue  # missed (a record cut again would go unrecorded)
                 if header.kind is RecordKind.LIVE:
                     per_file.setdefault(path, []).append(header)
                 pos = header.end
@@ -940,21 +945,26 @@ def _fill_nvme(cluster: ChaosCluster, host: Host, load: _Child) -> _Injected:
 def _flood(cluster: ChaosCluster, host: Host, load: _Child) -> _Injected:
     """Twice ``MAX_CONNECTIONS`` connections to ``host``'s data plane (silent) and as many
     to its gRPC port (HTTP/2 preface, then idle), from the observer, held for ``down_s``;
-    meanwhile the load drops its connections to the node and must open new ones. The data
-    plane must refuse what exceeds its bound; the daemon's descriptors must stay bounded and
-    come back when the flood ends."""
+    the load sends the node nothing while the flood connects (so the flood takes every slot),
+    then loads it again over new connections: it must be served before the flood ends (silent
+    connections are dropped after ``HEADER_TIMEOUT_S``). The data plane must refuse what
+    exceeds its bound; the daemon's descriptors must stay bounded and come back when the
+    flood ends. detect: from the load's return to its first answer from the node."""
     node = f"node-{host.name}"
     pid = cluster.daemons[host.name].proc.pid
     count = 2 * MAX_CONNECTIONS
     before = _ask(load, f"probe {node}", LOADGEN_PROBE)
     fds_before = fd_counts(pid)
     start = time.monotonic()
+    assert load.proc.stdin is not None
+    load.proc.stdin.write(f"quiet {node}\n")  # the flood takes every slot, the load's too
+    load.proc.stdin.flush()
     flood = cluster.spawn_tool(cluster.lab.observer, ["flood", host.address, str(TCP_PORT),
                                                       str(GRPC_PORT), str(count)], "flood")
     ready = json.loads(flood.wait_line(FLOOD_READY, 60.0))
-    assert load.proc.stdin is not None
-    load.proc.stdin.write(f"reconnect {node}\n")
+    load.proc.stdin.write(f"loud {node}\n")  # a well-behaved client arrives: it must get in
     load.proc.stdin.flush()
+    loud = time.monotonic()
     peak = dict(fds_before)
     deadline = time.monotonic() + cluster.spec.down_s
     while time.monotonic() < deadline:
@@ -980,7 +990,7 @@ def _flood(cluster: ChaosCluster, host: Host, load: _Child) -> _Injected:
              f"connections still open when the flood ended: {done['grpc_open_at_end']}; "
              f"counts back {settled - end:.2f} s after"]
     return _Injected(Fault("flood-connections", node, start, end), leaks=leaks, notes=notes,
-                     violations=violations)
+                     violations=violations, served_after=loud)
 
 
 
@@ -1331,6 +1341,16 @@ def _row(history: History, injected: _Injected, summary: dict[str, Any],
         detect = injected.detect_s
     if injected.recover_s is not None:
         recover = injected.recover_s
+    if injected.served_after is not None:
+        answered = [r.end_s for r in history.records if r.node == fault.node
+                    and r.op in (Op.PUT, Op.GET) and r.result is Result.OK
+                    and r.end_s is not None
+                    and injected.served_after <= r.start_s <= fault.end_s]
+        if not answered:
+            others.append(f"{fault.name}: {fault.node} served no client that arrived during "
+                          "the fault")
+        else:
+            detect = min(answered) - injected.served_after
     if injected.must_serve_gets:
         served_gets = sum(1 for r in history.records if r.node == fault.node
                           and r.op is Op.GET and r.result is Result.OK
@@ -1775,11 +1795,16 @@ class _Load:
                                                 "corrupt": self.corrupt_count(node)}))
             elif words[:1] == ["probe"]:  # probe NODE: its counts, DRAM emptied first
                 _say(LOADGEN_PROBE + json.dumps(self.probe(words[1])))
-            elif words[:1] == ["reconnect"]:  # reconnect NODE: new connections from now on
+            elif words[:1] == ["quiet"]:  # quiet NODE: send it nothing, close its client
+                with self.lock:
+                    self.quiet.add(words[1])
                 with self.clients.lock:
                     dropped = self.clients.clients.get(words[1])
                 if dropped is not None:
                     self.clients.drop(words[1], dropped)
+            elif words[:1] == ["loud"]:  # loud NODE: load it again (over new connections)
+                with self.lock:
+                    self.quiet.discard(words[1])
         self.stopping.set()
         for t in threads:
             t.join(60)

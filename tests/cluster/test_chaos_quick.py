@@ -3,8 +3,10 @@ three-member etcd, three real daemons with DRAM and NVMe, two real conductors), 
 from the observer namespace, one fault per test, and the recorded history checked for every
 invariant (docs/chaos.md). The quick one (unmarked): ``kill -9`` of a daemon and its restart
 on the same NVMe directory, ~20 s. The others (``slow``): SIGSTOP of a daemon, a host
-partition, etcd member / leader / quorum faults, the leading conductor killed or paused, and
-corrupted chunks. Needs root and the etcd binary."""
+partition, etcd member / leader / quorum faults, the leading conductor killed or paused,
+corrupted chunks, and a shared-memory client killed mid-transfer. The rest of the faults
+(full disk, truncation, other clients, floods, slowloris, a soak) are in
+test_chaos_faults.py, outside ``make test``. Needs root and the etcd binary."""
 
 from __future__ import annotations
 
@@ -121,6 +123,21 @@ def test_corrupt_chunks_are_dropped_counted_and_never_returned(tmp_path: Path) -
     after = [r for r in history.records if r.op is Op.GET and r.key in damaged
              and r.start_s >= restart.up_s]
     assert after and all(r.result is not Result.OK for r in after), after  # gone for good
+
+
+@pytest.mark.slow
+def test_a_shared_memory_client_killed_mid_transfer_leaks_nothing(tmp_path: Path) -> None:
+    """A client on the shared-memory plane holding a reserved, half-written put and a read
+    lease, its loops putting and getting, SIGKILLed: the daemon ends its leases, frees the
+    extents and closes its descriptors (counts after = before), and nobody else notices."""
+    require_etcd()
+    row = run_fault("kill-client-shm", spec=ChaosSpec.quick(), work_dir=tmp_path)
+    history = read_history(tmp_path / "history.jsonl")
+    assert check(history, max_stall_s=MAX_STALL_S, request_timeout_s=REQUEST_TIMEOUT_S) == []
+    assert row.clean and row.completed > 0, row
+    assert row.leak_detail and not any(row.leak_detail.values()), row.leak_detail
+    assert "shm put reserved, half written" in row.notes[0], row.notes  # it was mid-transfer
+    assert row.recover_s is not None, row
 
 
 def test_an_unknown_fault_is_refused_by_name() -> None:
