@@ -78,7 +78,8 @@ Namespaces
 
 Thread safety and cost
     Every public method takes one lock; lookups cost O(keys + nodes in the
-    answer). A snapshot loads in batches, taking the lock once per batch, so a
+    answer): one probe per key, two when the shared tenant has entries, one per
+    tenant for a lookup of every tenant (operators). A snapshot loads in batches, taking the lock once per batch, so a
     large one does not stall lookups; :meth:`sweep` works the same way.
 """
 
