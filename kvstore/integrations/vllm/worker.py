@@ -3,8 +3,9 @@
 Per step: ``start_load_kv`` starts one batched load (``KVClient.load_many``) of every request
 the metadata names, into vLLM's own blocks through :class:`GuardedKV` (on the daemon's host and
 for CPU blocks: one copy, straight out of the daemon's shared-memory arena into the blocks,
-``CpuBlocksKV.scatter_chunks``; over TCP, or into GPU blocks: fetched into staging, then
-scattered), and one batched save
+``CpuBlocksKV.scatter_chunks``, with no lease where the daemon's read index publishes the
+chunks, and for a small step done before ``load_many`` returns; over TCP, or into GPU blocks:
+fetched into staging, then scattered), and one batched save
 (``begin_save_many``); ``wait_for_layer_load(l)`` waits (bounded by the step's load deadline)
 until layer ``l`` is in; ``save_kv_layer(l)`` queues layer ``l``'s copy out of vLLM's blocks;
 ``wait_for_save`` waits for the copies (the puts run on after the step: the staging is ours;
