@@ -772,6 +772,17 @@ def fd_counts(pid: int) -> dict[str, int]:
     return counts
 
 
+def rss_bytes(pid: int) -> int:
+    """A process's resident memory (``VmRSS`` of ``/proc/<pid>/status``); 0 when unreadable."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def _leaks(before: dict[str, int], after: dict[str, int], fds_before: dict[str, int],
            fds_after: dict[str, int]) -> dict[str, int]:
     """What a daemon holds after a fault beyond what it held before: lease-channel leases,
@@ -966,10 +977,12 @@ def _flood(cluster: ChaosCluster, host: Host, load: _Child) -> _Injected:
     load.proc.stdin.flush()
     loud = time.monotonic()
     peak = dict(fds_before)
+    rss_before = rss_peak = rss_bytes(pid)
     deadline = time.monotonic() + cluster.spec.down_s
     while time.monotonic() < deadline:
         now = fd_counts(pid)
         peak = {k: max(v, now[k]) for k, v in peak.items()}
+        rss_peak = max(rss_peak, rss_bytes(pid))
         time.sleep(0.2)
     assert flood.proc.stdin is not None
     flood.proc.stdin.write("stop\n")
@@ -986,9 +999,10 @@ def _flood(cluster: ChaosCluster, host: Host, load: _Child) -> _Injected:
         violations.append(f"flood: the daemon held {peak['sockets']} sockets (bound {bound})")
     notes = [f"flood: {ready['tcp_connected']} data connections made, {ready['tcp_open']} "
              f"served (bound {MAX_CONNECTIONS}), {ready['grpc_connected']} gRPC; daemon "
-             f"sockets {fds_before['sockets']} before, {peak['sockets']} at most, gRPC "
-             f"connections still open when the flood ended: {done['grpc_open_at_end']}; "
-             f"counts back {settled - end:.2f} s after"]
+             f"sockets {fds_before['sockets']} before, {peak['sockets']} at most, RSS "
+             f"{rss_before >> 20} MiB before, {rss_peak >> 20} MiB at most; gRPC "
+             f"connections still open when the flood ended: {done['grpc_open_at_end']} (gRPC "
+             f"has no connection bound); counts back {settled - end:.2f} s after"]
     return _Injected(Fault("flood-connections", node, start, end), leaks=leaks, notes=notes,
                      violations=violations, served_after=loud)
 
