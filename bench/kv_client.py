@@ -37,8 +37,10 @@ chunks), in 4 requests with shuffled vLLM block ids: a step's ``begin_save_many`
 (reserve the step's chunks, gather straight into the arena, commit; "put" is then the commit
 and the wait for the reservation), and ``load_many`` through the staging path (fetch into staging rows,
 then a scatter per layer: the path before the one-copy load, forced with a layout that has no
-``scatter_chunks``) and through the one-copy path (one read lease per call, one copy per block
-out of the arena), each as ms and as a multiple of a memcpy of the same bytes in the same run.
+``scatter_chunks``) and through the one-copy path (one copy per block out of the arena: with no
+lease where the daemon's read index publishes the chunks, so "transfer" is 0; loads of up to
+16 MiB in the calling thread), each as ms and as a multiple of a memcpy of the same bytes in the
+same run.
 Then the same rows for one request of ``--vllm-small-blocks`` (15) blocks, the size of an average
 request's load in ``kvtier bench vllm``, where per-call fixed costs weigh most (0 skips them).
 
