@@ -77,6 +77,14 @@ def _metadata(exc: grpc.aio.AioRpcError, key: str) -> str | None:
     return None
 
 
+def _check_tenant(tenant: object) -> None:
+    if not isinstance(tenant, str) or len(tenant) > TENANT_MAX_CHARS \
+            or not all(" " <= c <= "~" for c in tenant):
+        raise InvalidArgument(f"tenant must be None or at most {TENANT_MAX_CHARS} printable "
+                              f"ASCII characters (it travels as {TENANT_METADATA_KEY} "
+                              f"metadata), got {tenant!r}")
+
+
 class ConductorClient:
     """See the module docstring. Give exactly one of ``etcd_endpoint`` and ``address``."""
 
@@ -86,11 +94,8 @@ class ConductorClient:
                  tenant: str | None = None) -> None:
         if (etcd_endpoint is None) == (address is None):
             raise InvalidArgument("give exactly one of etcd_endpoint and address")
-        if tenant is not None and (not isinstance(tenant, str) or len(tenant) > TENANT_MAX_CHARS
-                                   or not all(" " <= c <= "~" for c in tenant)):
-            raise InvalidArgument(f"tenant must be None or at most {TENANT_MAX_CHARS} printable "
-                                  f"ASCII characters (it travels as {TENANT_METADATA_KEY} "
-                                  f"metadata), got {tenant!r}")
+        if tenant is not None:
+            _check_tenant(tenant)
         self._tenant_metadata: tuple[tuple[str, str], ...] = () if tenant is None else (
             (TENANT_METADATA_KEY, tenant),)
         if address is not None:
@@ -174,8 +179,12 @@ class ConductorClient:
         reply: pb.LeaderReply = await self.call("Leader", pb.LeaderRequest())
         return reply
 
-    async def call(self, method: str, request: Any) -> Any:
-        """One RPC on the leader, following failovers (see the module docstring)."""
+    async def call(self, method: str, request: Any, *, tenant: str | None = None) -> Any:
+        """One RPC on the leader, following failovers (see the module docstring). ``tenant``:
+        the ``kvtier-tenant`` of this call instead of the client's (a front door of several
+        tenants naming each request's)."""
+        if tenant is not None:
+            _check_tenant(tenant)
         deadline = time.monotonic() + self._failover_timeout_s
         backoff_s = _RETRY_MIN_S
         last: BaseException | None = None
@@ -185,7 +194,7 @@ class ConductorClient:
                 if address is None:
                     address = await self._discover()
                 return await getattr(self._stub(address), method)(
-                    request, timeout=self._rpc_timeout_s, metadata=self._call_metadata())
+                    request, timeout=self._rpc_timeout_s, metadata=self._call_metadata(tenant))
             except grpc.aio.AioRpcError as exc:
                 last = exc
                 code = exc.code()
@@ -234,11 +243,14 @@ class ConductorClient:
         assert self._security is not None
         return self._security
 
-    def _call_metadata(self) -> tuple[tuple[str, str], ...]:
+    def _call_metadata(self, tenant: str | None = None) -> tuple[tuple[str, str], ...]:
+        """The bearer token (re-read when its file changed) and the ``kvtier-tenant``:
+        ``tenant``, else the client's."""
         self._client_security()
+        named = self._tenant_metadata if tenant is None else ((TENANT_METADATA_KEY, tenant),)
         if self._token is None:
-            return self._tenant_metadata
-        return (self._token.metadata(), *self._tenant_metadata)
+            return named
+        return (self._token.metadata(), *named)
 
     def _stub(self, address: str) -> pb_grpc.ConductorStub:
         # One channel and one stub per conductor, reused by every call (a stub builds a

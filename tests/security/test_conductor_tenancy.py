@@ -333,6 +333,10 @@ def test_the_conductor_answers_each_caller_for_its_own_tenant(world: World) -> N
             await tally.attack("duo naming none", lambda: duo.lookup(keys=ALICE),
                                match="must name one")
             assert _blocks(await duo_a.lookup(keys=ALICE))["node-a"] == 4
+            # One call naming its own tenant (a front door of several tenants).
+            per_call = await duo.call("Lookup", cpb.ConductorLookupRequest(keys=ALICE),
+                                      tenant="bob")
+            assert _blocks(per_call) == {"node-a": 1, "node-b": 2}
             tally.paired += 1
 
         # Roles: Leader (inspection) is the operator's; a peer may not Lookup.
@@ -450,6 +454,13 @@ def test_replies_and_events_carry_hashes_only() -> None:
 def test_a_conductor_client_refuses_a_bad_tenant_setting() -> None:
     with pytest.raises(InvalidArgument, match="printable"):
         ConductorClient(address="127.0.0.1:1", tenant="bad\nname")
+
+    async def per_call() -> None:
+        async with ConductorClient(address="127.0.0.1:1") as client:
+            with pytest.raises(InvalidArgument, match="printable"):
+                await client.call("Lookup", cpb.ConductorLookupRequest(), tenant="x" * 129)
+
+    asyncio.run(per_call())
 
 
 def test_without_security_the_metadata_names_the_tenant(tmp_path: Path, etcd_server: Any,
