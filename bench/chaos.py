@@ -1,8 +1,10 @@
 """The fault suite: a three-host kvtier cluster in network namespaces, one fault per run under a
 steady load, the recorded history checked for kvtier's invariants (docs/chaos.md).
 
-Run with ``kvtier bench chaos [--quick] [--json PATH] [--fault NAME]`` (root: it builds network
-namespaces). :func:`run_fault` returns one :class:`FaultRow`; :func:`main` prints the table.
+Run with ``kvtier bench chaos [--quick] [--json PATH] [--fault NAME] [--soak MINUTES]`` (root:
+it builds network namespaces). :func:`run_fault` returns one :class:`FaultRow`;
+:func:`run_soak` draws faults at random into one cluster (:class:`SoakResult`); :func:`main`
+prints the table.
 
 The cluster (:class:`ChaosCluster`)
     :class:`~kvstore.cluster.netns.NetnsLab` with hosts ``h0``-``h2`` and an observer. Each host
@@ -19,7 +21,10 @@ The cluster (:class:`ChaosCluster`)
     conductors schedule onto them. No engine runs; the decisions are what is checked.
     The namespaces share a boot id, a hostname and ``/dev/shm``: a client would take a daemon
     in another namespace for a same-host one, so the load uses ``DataPlane.TCP`` and the
-    daemons serve no lease channel (``server.shm_channel=false``) and no UCX.
+    daemons serve no lease channel (``server.shm_channel=false``) and no UCX, but where a
+    fault needs it (:class:`Need`, on ``h1``: the lease channel, UCX, a small tmpfs under its
+    NVMe directory). Every daemon serves at most ``MAX_CONNECTIONS`` data connections and
+    drops a frame header not whole within ``HEADER_TIMEOUT_S``.
 
 The load (``python -m bench.chaos loadgen CONFIG``, in the observer namespace)
     Worker threads, each a loop of puts (a new key, placed on the next node the etcd
@@ -50,7 +55,10 @@ Faults (:data:`FAULTS`)
     first), then ``kill -9`` and a restart on the damaged directory.
     ``kill-conductor-leader``: ``kill -9`` of the leading conductor, restarted after
     ``down_s`` (a standby then); ``sigstop-conductor-leader``: SIGSTOP of it for ``down_s``,
-    then SIGCONT (it must not decide in its old term). The load watches
+    then SIGCONT (it must not decide in its old term). ``truncate-segment``
+    (:func:`truncate_segment`), ``nvme-full``, ``kill-client-shm/tcp/ucx``
+    (:func:`_client_main`), ``flood-connections`` and ``slowloris``: their functions' and
+    docs/chaos.md's table. The load watches
     membership through a member the fault leaves alone. After the fault the run waits (up to
     30 s) until the load saw every node that left registered again, then loads ``after_s``
     more.
@@ -62,8 +70,12 @@ Row figures
     node seen by the load generator; recover: fault start to the later of its JOINED event and
     its first successful request started after the fault (etcd faults: to every member
     healthy again; conductor faults: detect at the first act in a newer term, recover at its
-    first decision); leaks: TCP connections and
-    shared-memory leases the daemons still count after the load closed its clients; left:
+    first decision; client faults: recover at the first probe that finds nothing held;
+    ``nvme-full``: detect at the first ``DiskFull``, recover at the first put after; flood:
+    detect is the wait of a client arriving during it; slowloris: detect is the slowest
+    data-plane drop); leaks: TCP connections and
+    shared-memory leases the daemons still count after the load closed its clients, plus the
+    faulted daemon's own excess counts for the client and flood faults (:func:`_leaks`); left:
     membership lease expiries the load saw (any beyond the faulted daemon's: a healthy node
     evicted); over
     timeout: requests that took longer than the clients' ``rpc_timeout_s`` (2 s) + 1 s; stall:
