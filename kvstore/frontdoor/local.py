@@ -40,8 +40,9 @@ vouch for itself; the front door never routes on a guess:
 **Shadow** (``shadow=True``, the default): each local decision is also sent to the
 conductor's ``Schedule`` in the background, after the request was routed. The conductor so
 books the same reservations its own decision would have (its answers while the replica is
-stale see the front door's load) and the two choices are compared: ``counters`` has
-``shadow_agreed`` and ``shadow_disagreed`` (logged). At most ``max_shadows`` are in flight;
+stale see the front door's load) and the two choices are compared (the instance, and how
+many of the prompt's tokens it was predicted to hold): ``counters`` has ``shadow_agreed`` and
+``shadow_disagreed`` (logged). At most ``max_shadows`` are in flight;
 more are skipped (``shadow_skipped``).
 
 Decisions are the conductor's on the same state: the same scheduler code with the same
@@ -358,16 +359,17 @@ class LocalRouter:
             self._done_early.discard(rid)
             return
         theirs = reply.prefill_instance if reply.accepted else f"rejected ({reply.message})"
-        if theirs == chosen:
+        if theirs == chosen and reply.engine_cached_tokens == decision.engine_cached_tokens:
             self.counters["shadow_agreed"] += 1
         else:
             self.counters["shadow_disagreed"] += 1
             self.disagreements.append((rid, chosen, theirs))
             assert decision.ttft is not None
-            log.warning("request %s: routed to %s here (queue %.4f s, TTFT %.4f s), the "
-                        "conductor chose %s (queue %.4f s, TTFT %.4f s)", rid, chosen,
-                        decision.ttft.queue_s, decision.ttft.total_s, theirs, reply.queue_s,
-                        reply.ttft_estimate_s)
+            log.warning("request %s: routed to %s here (%d tokens cached there, queue %.4f s, "
+                        "TTFT %.4f s), the conductor chose %s (%d cached, queue %.4f s, TTFT "
+                        "%.4f s)", rid, chosen, decision.engine_cached_tokens,
+                        decision.ttft.queue_s, decision.ttft.total_s, theirs,
+                        reply.engine_cached_tokens, reply.queue_s, reply.ttft_estimate_s)
         if reply.accepted and reply.ticket:
             if rid in self._done_early:
                 self._done_early.discard(rid)
