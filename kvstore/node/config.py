@@ -64,6 +64,7 @@ from kvstore.dataplane.tier import TierKind
 from kvstore.errors import ConfigError, InvalidArgument
 from kvstore.membership.endpoints import parse_etcd_endpoints
 from kvstore.node.policies import PolicyName
+from kvstore.node.tenants import DEFAULT_MAX_TENANTS, TenantQuota, parse_quota, quota_table
 from kvstore.security.config import ServerSecurity
 from kvstore.security.etcd import (
     ENV_ETCD_CA,
@@ -235,6 +236,11 @@ class ServerConfig:
     max_connections: int = 1024
     """Connections each listener (TCP data plane, lease channel) serves at once; one more is
     refused with an error frame and closed."""
+    tcp_tls: bool = False
+    """TLS on the TCP data plane, with the gRPC port's certificate, key and client CA
+    (``security.cert_file``/``key_file``/``client_ca_file``: client certificates required
+    there too with mTLS) and their hot reload; ``NodeInfo.data_tls_required`` says so to
+    clients (docs/security.md, "TLS on the TCP data plane"). Needs ``security.cert_file``."""
 
     def __post_init__(self) -> None:
         _require(bool(self.host), "host must not be empty")
@@ -358,6 +364,26 @@ class ShutdownConfig:
         _require(self.drain_timeout_s >= 0, "drain_timeout_s must be >= 0")
 
 
+@dataclass(frozen=True, slots=True)
+class TenantsConfig:
+    """Per-tenant figures and quotas (docs/tenants.md)."""
+
+    max_tracked: int = DEFAULT_MAX_TENANTS
+    """Tenants with a metrics label of their own; the others are counted under ``(other)``."""
+    quotas: tuple[str, ...] = ()
+    """``TENANT:TIER:max=SIZE;guaranteed=SIZE`` entries (``kvstore.node.tenants.parse_quota``;
+    in text, entries are separated by ``,``)."""
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.max_tracked <= 100_000,
+                 f"max_tracked must be 0..100000, got {self.max_tracked}")
+        self.quota_list()
+
+    def quota_list(self) -> tuple[TenantQuota, ...]:
+        """The quotas, parsed (ConfigError naming a bad entry)."""
+        return tuple(parse_quota(spec) for spec in self.quotas)
+
+
 def default_node_id() -> str:
     """This host's name, reduced to the characters a node id allows."""
     name = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).strip("-._") or "node"
@@ -380,6 +406,7 @@ class DaemonConfig:
     events: EventsConfig = field(default_factory=EventsConfig)
     shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)
     security: ServerSecurity = field(default_factory=ServerSecurity)
+    tenants: TenantsConfig = field(default_factory=TenantsConfig)
 
     def __post_init__(self) -> None:
         _require(bool(_ID_RE.match(self.node_id)),
@@ -392,6 +419,14 @@ class DaemonConfig:
         if self.cache.write_tier is not None:
             _require(self.cache.write_tier in self.tier_kinds(),
                      f"cache.write_tier {self.cache.write_tier.value} is not configured")
+        # Quotas against the configured capacities (the cache checks them again against the
+        # real ones, which the filesystem may lower for NVMe).
+        capacity = {TierKind.HBM: self.hbm.capacity_bytes, TierKind.DRAM: self.dram.capacity_bytes,
+                    TierKind.NVME: self.nvme.capacity_bytes}
+        try:
+            quota_table(self.tenants.quota_list(), {k: capacity[k] for k in self.tier_kinds()})
+        except ConfigError as exc:
+            raise ConfigError(f"tenants.quotas: {exc}") from None
 
     def tier_kinds(self) -> tuple[TierKind, ...]:
         kinds = [TierKind.DRAM]
