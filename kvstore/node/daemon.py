@@ -6,7 +6,8 @@ What :meth:`StoreDaemon.start` brings up, in order (the constructor only records
    index for lease-free same-host reads, NVMe files, HBM with a GPU) and the
    :class:`~kvstore.node.cache.TieredCache`, and **recover** what NVMe kept (each recovered
    chunk is a STORED event of the new epoch);
-2. the TCP data plane (:class:`~kvstore.dataplane.transport.tcp.TcpServer` over
+2. the TCP data plane (:class:`~kvstore.dataplane.transport.tcp.TcpServer`, TLS with
+   ``server.tcp_tls``, over
    :class:`~kvstore.node.backend.CacheLeaseBackend`), the UCX data plane over the same backend
    when ``ucxx`` imports and ``server.ucx`` allows (its worker address goes into ``Info`` and
    the etcd record), the same-host lease channel
@@ -58,6 +59,7 @@ from kvstore.dataplane.read_index import slots_for
 from kvstore.dataplane.tier import Tier, TierKind
 from kvstore.dataplane.transport.shm import ShmServer
 from kvstore.dataplane.transport.tcp import TcpServer, TcpServerConfig
+from kvstore.dataplane.transport.tcp.tls import ServerTlsSource
 from kvstore.dataplane.transport.ucx import UcxServer, UcxServerConfig, ucx_unavailable
 from kvstore.errors import ChunkBusy, ChunkNotFound, ConfigError, KvtierError, TierUnavailable
 from kvstore.node.backend import CacheLeaseBackend, ParentHints, ShmLeases
@@ -215,7 +217,8 @@ class StoreDaemon:
                 idle_timeout_s=cfg.server.idle_timeout_s,
                 header_timeout_s=cfg.server.header_timeout_s,
                 max_connections=cfg.server.max_connections),
-                authorize=None if self.tickets is None else self.tickets.authorize)
+                authorize=None if self.tickets is None else self.tickets.authorize,
+                tls=self._data_plane_tls())
             tcp_endpoint = self._tcp.start()
             ucx_address = self._start_ucx()
             shm_socket = ""
@@ -252,6 +255,20 @@ class StoreDaemon:
         log.info("node %s serving: gRPC %s, TCP %s, epoch %s", cfg.node_id,
                  self._addresses.grpc_address, self._addresses.tcp_address, self.events.epoch)
         return self._addresses
+
+    def _data_plane_tls(self) -> ServerTlsSource | None:
+        """The TCP plane's TLS context source with ``server.tcp_tls`` (the gRPC certificate
+        files, loaded now so that a broken set fails the start), else None."""
+        if not self.config.server.tcp_tls:
+            return None
+        assert self.serving is not None
+        certificates = self.serving.certificates
+        if certificates is None:
+            raise ConfigError("server.tcp_tls needs the daemon's certificate: set "
+                              "security.cert_file and security.key_file (the TCP data plane "
+                              "serves the gRPC port's certificate)")
+        certificates.data_plane_context()
+        return certificates.data_plane_context
 
     def _start_ucx(self) -> bytes:
         """Serve the UCX data plane when the config and this machine allow; its worker address
@@ -313,7 +330,9 @@ class StoreDaemon:
                                    promote_on_hit=cfg.cache.promote_on_hit,
                                    lease_ttl_s=cfg.cache.lease_ttl_s,
                                    high_watermark=cfg.cache.high_watermark,
-                                   low_watermark=cfg.cache.low_watermark))
+                                   low_watermark=cfg.cache.low_watermark),
+                               quotas=cfg.tenants.quota_list(),
+                               max_tenants=cfg.tenants.max_tracked)
         except BaseException:
             for tier in tiers.values():
                 tier.close()
@@ -419,7 +438,8 @@ class StoreDaemon:
             tier_capacity_bytes={k.value: t.capacity_bytes for k, t in self.cache.tiers.items()},
             draining=self.draining, ucx_worker_address=bytes.fromhex(a.ucx_address),
             shm_read_index=self.backend.dram.read_index_name if a.shm_socket else "",
-            data_ticket_required=self.tickets is not None)
+            data_ticket_required=self.tickets is not None,
+            data_tls_required=self.config.server.tcp_tls)
 
     def list_entries(self, key_prefix: bytes, tier: TierKind | None, limit: int,
                      tenant: str | None = None) -> tuple[list[IndexEntry], bool]:
