@@ -29,7 +29,10 @@ vouch for itself; the front door never routes on a guess:
   seq the conductor had applied one check earlier (a SUB socket silently cut off from its
   publisher shows up so). The replica is fresh while the last agreeing check is younger than
   ``max_check_age_s`` and no followed engine of the model waits for a replay (a gap, a fresh
-  view). An unreachable conductor or etcd therefore makes it stale within ``max_check_age_s``;
+  view). An unreachable conductor therefore makes it stale within ``max_check_age_s``, and a
+  membership change the replica missed (its etcd watch broken) within a check. ``Leader`` is
+  an operator method (docs/security.md): with a lesser credential no check ever agrees, and
+  every request is the conductor's;
 * **store keys**: an engine of the model published a KV fingerprint, so the conductor would
   also match the daemons' tiers, which are not followed here;
 * **a local rejection** (TTFT or TPOT target, no decode room), or a request the scheduler
@@ -50,7 +53,9 @@ configuration (give the conductor's ``policy``, ``block_size_tokens`` and SLOs),
 instances and cache views, the same request fields (tests/frontdoor/test_local_routing.py).
 What differs: the replica counts a node live while its key is in etcd (the conductor also
 waits for its event stream; the freshness check sees any difference in instances), and the
-clock is this process's (same host: the same monotonic clock).
+time: the replica decides now, the conductor's shadow a round trip later, when a queue
+predicted to drain meanwhile can tip a near tie (``send_clock`` with a conductor on
+``--clock client``: it decides at the replica's instant).
 
 asyncio, one event loop; ``route`` may be called by many concurrent requests. The constructor
 records settings and builds in-memory state; :meth:`LocalRouter.start` talks to etcd and the
