@@ -156,6 +156,8 @@ class ConductorConfig:
     """Everything one conductor process needs. Times in seconds."""
 
     etcd_endpoint: str
+    """One etcd member or a comma-separated list of them; the client fails over between them
+    (docs/etcd-failover.md)."""
     conductor_id: str = field(default_factory=default_conductor_id)
     listen: str = "127.0.0.1:0"
     """``host:port`` to bind (port 0: any free port)."""
