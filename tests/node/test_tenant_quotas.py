@@ -1,16 +1,26 @@
 """Per-tenant quotas in the index's eviction plans, the bytes it keeps per tenant, and the
-tenant meter's bounded labels (issue 15). Pure logic: exact plans, in order."""
+tenant meter's bounded labels (issue 15): pure logic with exact plans, in order; then the
+cache over real tiers (a cap demotes the tenant's own chunks, a share survives a flood and an
+operator's evict, a drain still persists it)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from kvstore.dataplane.dram import DramTier
+from kvstore.dataplane.nvme.config import NvmeTierConfig
+from kvstore.dataplane.nvme.tier import NvmeTier
 from kvstore.dataplane.tier import TierKind
 from kvstore.errors import CapacityError, ConfigError
+from kvstore.node.cache import TieredCache
 from kvstore.node.index import CacheIndex, TierBudget
 from kvstore.node.tenants import OTHER_LABEL, TenantMeter, TenantQuota
 
 DRAM, NVME = TierKind.DRAM, TierKind.NVME
+KiB, MiB = 1 << 10, 1 << 20
+CHUNK = 64 * KiB
 
 
 class Clock:
@@ -124,3 +134,47 @@ def test_the_meter_tracks_at_most_max_tenants_and_only_writers_get_labels() -> N
     assert rows[OTHER_LABEL].used_bytes == {DRAM: 7}
     assert rows["(default)"].used_bytes == {DRAM: 5}
     assert meter.label("carol") == OTHER_LABEL and meter.label("alice") == "alice"
+
+
+# --- the cache over real tiers (DRAM, NVMe files) ------------------------------------------------
+
+
+def _cache(tmp_path: Path, *quotas: TenantQuota) -> TieredCache:
+    nvme = NvmeTier.open(NvmeTierConfig(directory=tmp_path / "nvme", capacity_bytes=8 * MiB,
+                                        segment_bytes=MiB))
+    return TieredCache({DRAM: DramTier(8 * CHUNK), NVME: nvme}, quotas=quotas)
+
+
+def test_a_put_over_its_dram_cap_demotes_its_own_chunks(tmp_path: Path) -> None:
+    cache = _cache(tmp_path, TenantQuota("a", DRAM, max_bytes=3 * CHUNK))
+    try:
+        for i in range(2):
+            cache.put(b"b-%d" % i, b"b" * CHUNK, tenant="b")
+        for i in range(5):
+            cache.put(b"a-%d" % i, b"a" * CHUNK, tenant="a")
+        tiers = {k: e.tier for k in [b"b-0", b"b-1", *(b"a-%d" % i for i in range(5))]
+                 if (e := cache.entry(k)) is not None}
+        assert tiers == {b"b-0": DRAM, b"b-1": DRAM, b"a-0": NVME, b"a-1": NVME,
+                         b"a-2": DRAM, b"a-3": DRAM, b"a-4": DRAM}
+        with pytest.raises(CapacityError, match="tenant 'a' is at its quota in dram"):
+            cache.put(b"a-big", b"x" * (4 * CHUNK), tenant="a")
+        assert cache.tenants.report()[0].counters.refused == 1
+    finally:
+        cache.close()
+
+
+def test_a_guaranteed_dram_share_stays_in_dram_and_a_drain_still_persists_it(
+        tmp_path: Path) -> None:
+    cache = _cache(tmp_path, TenantQuota("b", DRAM, guaranteed_bytes=2 * CHUNK))
+    try:
+        for i in range(2):
+            cache.put(b"b-%d" % i, b"b" * CHUNK, tenant="b")
+        for i in range(20):  # 2.5 DRAM tiers of a's
+            cache.put(b"a-%02d" % i, b"a" * CHUNK, tenant="a")
+        assert [cache.entry(b"b-%d" % i).tier for i in range(2)] == [DRAM, DRAM]  # type: ignore[union-attr]
+        cache.evict(DRAM, 8 * CHUNK - 2 * CHUNK)  # an operator's evict keeps the share
+        assert cache.index.tenant_usage()[DRAM] == {"b": 2 * CHUNK}
+        assert cache.persist() == 2 * CHUNK  # a drain moves it to NVMe all the same
+        assert [cache.entry(b"b-%d" % i).tier for i in range(2)] == [NVME, NVME]  # type: ignore[union-attr]
+    finally:
+        cache.close()
