@@ -50,6 +50,19 @@ to a peer process and back. Ops: ``put`` and ``get`` of one value per call; ``pu
     before it sleeps (``StoreClientConfig.tcp_spin_us``; the native extension does it with the
     GIL released). On this VM a sleeping receiver's wake-up costs ~10-30 µs, so this shows what
     a spinning client buys for small values, each against a limit that spins alike.
+``shm-auth`` / ``tcp-daemon-auth`` / ``tcp-daemon-tls`` (the cost of security; get only)
+    The ``shm`` and ``tcp-daemon`` paths against a daemon with authentication: bearer tokens
+    on gRPC (a signing key and a token of one tenant minted at run time), so the TCP
+    plane serves ticketed, tenant-scoped connections and the lease channel scoped ones
+    (docs/security.md, "Data planes"). ``tcp-daemon-tls`` adds TLS on the TCP plane
+    (``server.tcp_tls``, with a throwaway CA and certificate made at run time; the gRPC port
+    speaks TLS too). Their limit is the same path without security in the same run
+    (``shm``, ``tcp-daemon``), so ``ratio`` is "with security / without": the issue's goal is
+    at least 0.9 from 64 KiB up for the ``-auth`` rows, and the ``tls`` row is TLS TCP as a
+    ratio to plain TCP; ``socket_ratio`` puts each beside the physical limit too.
+``tls-socket`` (shown beside ``tcp-daemon-tls``; get only)
+    The ``socket`` pair with TLS on its one connection (Python's ``ssl``, the same OpenSSL and
+    throwaway certificate): what TLS itself costs here, a limit for the TLS row.
 ``redis``
     ``/usr/bin/redis-server`` started here on an ephemeral port (no persistence), driven over a raw
     RESP socket that sends with ``sendmsg`` and receives with ``recv_into`` into the caller's
@@ -87,6 +100,7 @@ import os
 import platform
 import shutil
 import socket
+import ssl
 import struct
 import subprocess
 import sys
@@ -205,8 +219,9 @@ def _connect(port: int) -> socket.socket:
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
     pos = 0
+    flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL  # TLS takes none
     while pos < len(view):
-        got = sock.recv_into(view[pos:], len(view) - pos, socket.MSG_WAITALL)
+        got = sock.recv_into(view[pos:], len(view) - pos, flags)
         if got == 0:
             raise ConnectionError("peer closed")
         pos += got
@@ -221,12 +236,24 @@ class SocketPath:
 
     connections = 1
 
-    def __init__(self, spin_us: int = 0) -> None:
-        self.name = self.limit = "socket-spin" if spin_us else "socket"
+    def __init__(self, spin_us: int = 0, tls: bool = False) -> None:
+        self.name = self.limit = "socket-spin" if spin_us else "tls-socket" if tls \
+            else "socket"
+        self.ops: tuple[str, ...] = OPS
+        if tls:  # the limit of TLS itself, shown as a ratio to the plain socket
+            self.limit, self.ops = "socket", ("get",)
         self._spin_s = spin_us / 1e6
-        self._proc, port = _spawn_listening(
-            [sys.executable, "-m", "bench.datapath", "--socket-peer"], "LISTENING")
+        self._dir: str | None = None
+        peer = [sys.executable, "-m", "bench.datapath", "--socket-peer"]
+        if tls:
+            self._dir = tempfile.mkdtemp(prefix="kvtier-bench-tls-")
+            _settings, security = _bench_security(Path(self._dir), tls=True)
+            peer += [_settings["security.cert_file"], _settings["security.key_file"]]
+        self._proc, port = _spawn_listening(peer, "LISTENING")
         self._sock = _connect(port)
+        if tls:
+            context = ssl.create_default_context(cafile=str(security.ca_file))
+            self._sock = context.wrap_socket(self._sock, server_hostname="127.0.0.1")
         self._acks = memoryview(bytearray(BATCH_KEYS))
 
     def _recv_spinning(self, view: memoryview) -> None:
@@ -247,7 +274,11 @@ class SocketPath:
         parts: list[bytes | memoryview] = []
         for src in srcs:
             parts += [_SOCKET_REQUEST.pack(b"PUT_", len(src)), src]
-        self._sock.sendmsg(parts)
+        if isinstance(self._sock, ssl.SSLSocket):  # no sendmsg through TLS
+            for part in parts:
+                self._sock.sendall(part)
+        else:
+            self._sock.sendmsg(parts)
         _recv_exact(self._sock, self._acks[:len(srcs)])
 
     def get_many_into(self, keys: Sequence[bytes], dsts: Sequence[memoryview]) -> None:
@@ -267,14 +298,21 @@ class SocketPath:
     def close(self) -> None:
         self._sock.close()
         _stop(self._proc)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def socket_peer() -> None:
-    """The ``socket`` path's peer process: one connection, a pre-touched 64 MiB buffer."""
+def socket_peer(tls_files: list[str]) -> None:
+    """The ``socket`` path's peer process: one connection, a pre-touched 64 MiB buffer; with
+    ``tls_files`` (certificate, key) the connection speaks TLS (``tls-socket``)."""
     listener = socket.create_server(("127.0.0.1", 0))
     print(f"LISTENING 127.0.0.1 {listener.getsockname()[1]}", flush=True)
     conn, _ = listener.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if tls_files:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(*tls_files)
+        conn = context.wrap_socket(conn, server_side=True)
     buf = np.ones(max(SIZES_BYTES), dtype=np.uint8).data
     req = memoryview(bytearray(_SOCKET_REQUEST.size))
     while True:
@@ -497,16 +535,18 @@ DAEMON_DRAM = "640MiB"
 """Room for a 256 MiB working set plus the largest value (64 MiB) or batch (32 x 4 MiB)."""
 
 
-def spawn_daemon(node_id: str, dram_bytes: str = DAEMON_DRAM
-                 ) -> tuple[subprocess.Popen[str], str]:
+def spawn_daemon(node_id: str, dram_bytes: str = DAEMON_DRAM,
+                 settings: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], str]:
     """A ``kvtier daemon`` child (DRAM only, no etcd, no metrics); returns it and its gRPC
-    address. The other benchmarks start theirs here too."""
+    address. ``settings``: more ``--set`` values. The other benchmarks start theirs here too."""
     from kvstore.node.daemon import READY_PREFIX
 
     cmd = [sys.executable, "-m", "kvstore.cli.main", "daemon", "--set", f"node_id={node_id}",
            "--set", f"dram.capacity_bytes={dram_bytes}", "--set", "log_level=WARNING",
            "--set", f"server.max_value_bytes={2 * max(SIZES_BYTES)}",
            "--set", "shutdown.drain_timeout_s=2"]
+    for name, value in (settings or {}).items():
+        cmd += ["--set", f"{name}={value}"]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
                             cwd=REPO_ROOT, preexec_fn=_as_server)
     assert proc.stdout is not None
@@ -532,10 +572,73 @@ def stop_daemon(proc: subprocess.Popen[str]) -> None:
         proc.stdout.close()
 
 
-class DaemonPath:
-    """:class:`StoreClient` against a ``kvtier daemon`` process, over shared memory or TCP."""
+def _bench_security(directory: Path, tls: bool) -> tuple[dict[str, str], Any]:
+    """Throwaway credentials for a secured daemon: an Ed25519 token key and one token of
+    tenant ``bench``; with ``tls`` a CA and a certificate for 127.0.0.1, and TLS on the TCP
+    plane. Returns the daemon's ``--set`` values and the client's ``ClientSecurity``."""
+    import datetime
+    import ipaddress
 
-    def __init__(self, plane: str, *, lease_free: bool = True, tcp_spin_us: int = 0) -> None:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    from kvstore.security.config import ClientSecurity
+    from kvstore.security.identity import Role
+    from kvstore.security.tokens import generate_key, load_signing_key, mint
+
+    generate_key(directory / "keys", "k1")
+    signing_path = directory / "k1.key"
+    (directory / "keys" / "k1.key").rename(signing_path)
+    kid, signing = load_signing_key(signing_path)
+    token = directory / "engine.token"
+    # An operator scoped to one tenant: its data planes act for that tenant as an engine's
+    # would (tenant-scoped tickets), and it may Remove between put iterations.
+    token.write_text(mint(signing, kid, subject="bench", role=Role.OPERATOR, tenants=["bench"],
+                          ttl_s=86400))
+    settings = {"security.token_keys": str(directory / "keys")}
+    if not tls:
+        return settings, ClientSecurity(token_file=token)
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvtier bench CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+          .not_valid_before(now - datetime.timedelta(minutes=5))
+          .not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "bench daemon")]))
+            .issuer_name(ca_name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
+                critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    pem = serialization.Encoding.PEM
+    (directory / "ca.crt").write_bytes(ca.public_bytes(pem))
+    (directory / "daemon.crt").write_bytes(cert.public_bytes(pem))
+    (directory / "daemon.key").write_bytes(key.private_bytes(
+        pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    settings |= {"security.cert_file": str(directory / "daemon.crt"),
+                 "security.key_file": str(directory / "daemon.key"), "server.tcp_tls": "true"}
+    return settings, ClientSecurity(ca_file=directory / "ca.crt", token_file=token)
+
+
+class DaemonPath:
+    """:class:`StoreClient` against a ``kvtier daemon`` process, over shared memory or TCP.
+
+    ``security``: ``"auth"`` (bearer tokens: ticketed, tenant-scoped data planes) or ``"tls"``
+    (tokens and TLS on the TCP plane) against a daemon started with them; its limit is then
+    the same plane without security (module docstring)."""
+
+    def __init__(self, plane: str, *, lease_free: bool = True, tcp_spin_us: int = 0,
+                 security: str = "") -> None:
         from kvstore.client import DataPlane, StoreClient, StoreClientConfig
 
         self._plane = DataPlane(plane)
@@ -544,11 +647,21 @@ class DaemonPath:
         self.limit = "memcpy" if self._plane is DataPlane.SHM else \
             "socket-spin" if tcp_spin_us else "socket"
         self.connections = {DataPlane.SHM: 1, DataPlane.UCX: 2}.get(self._plane, TCP_CONNECTIONS)
-        self._proc, address = spawn_daemon(f"bench-{plane}")
+        self.ops: tuple[str, ...] = OPS
+        settings: dict[str, str] = {}
+        client_security = None
+        self._dir: str | None = None
+        if security:
+            self._dir = tempfile.mkdtemp(prefix="kvtier-bench-security-")
+            settings, client_security = _bench_security(Path(self._dir), security == "tls")
+            self.limit = "shm" if self._plane is DataPlane.SHM else "tcp-daemon"
+            self.ops = ("get",)
+        self._proc, address = spawn_daemon(f"bench-{plane}{'-' + security if security else ''}",
+                                           settings=settings)
         self._client = StoreClient.connect(address, StoreClientConfig(
             data_plane=self._plane, tcp_connections=TCP_CONNECTIONS, wait_for_ready=True,
-            ucx_min_bytes=0, lease_free_reads=lease_free, tcp_spin_us=tcp_spin_us))  # measure UCX at every size (StoreClient's default sends < 1 MiB
-        # over TCP)
+            ucx_min_bytes=0, lease_free_reads=lease_free, tcp_spin_us=tcp_spin_us,
+            security=client_security))  # ucx_min_bytes: measure UCX at every size
 
     def put_many(self, keys: Sequence[bytes], srcs: Sequence[memoryview]) -> None:
         if len(keys) == 1 or self._one_by_one:
@@ -585,6 +698,8 @@ class DaemonPath:
     def close(self) -> None:
         self._client.close()
         stop_daemon(self._proc)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def _free_port() -> int:
@@ -618,6 +733,10 @@ PATHS: dict[str, Callable[[], DataPath]] = {
     "tcp-daemon-spin": lambda: DaemonPath("tcp", tcp_spin_us=SPIN_US),
     "shm": lambda: DaemonPath("shm"),
     "shm-leased": lambda: DaemonPath("shm", lease_free=False),
+    "shm-auth": lambda: DaemonPath("shm", security="auth"),
+    "tcp-daemon-auth": lambda: DaemonPath("tcp", security="auth"),
+    "tcp-daemon-tls": lambda: DaemonPath("tcp", security="tls"),
+    "tls-socket": lambda: SocketPath(tls=True),
     "ucx": UcxPath,
     "ucx-daemon": lambda: DaemonPath("ucx"),
     "redis": RedisPath,
@@ -626,6 +745,8 @@ PATHS: dict[str, Callable[[], DataPath]] = {
 ``memcpy`` wherever ``shm`` runs). The key is the row's ``variant``. The ``ucx`` paths run only
 where ``ucxx`` imports (``main`` drops them otherwise and says why)."""
 UCX_PATHS = ("ucx", "ucx-daemon")
+SECURED_PATHS = {"shm-auth": "shm", "tcp-daemon-auth": "tcp-daemon", "tcp-daemon-tls": "tcp-daemon"}
+"""The cost-of-security paths and the path each is a ratio to (its ``limit``)."""
 SPIN_US = 50
 """How long ``socket-spin`` and ``tcp-daemon-spin`` poll before sleeping (a few of this
 machine's scheduler wake-ups, ~10-30 µs each)."""
@@ -761,6 +882,10 @@ class Row:
     p50_us: float
     """Per call: one value, or a whole batch of ``batch_keys`` values."""
     p99_us: float
+    physical_ratio: float = 0.0
+    """``gbps`` over the physical limit's figure (``socket`` or ``memcpy``): the limit's own
+    limit, for rows whose ``limit_gbps`` is another store path (the cost-of-security rows);
+    equal to ``ratio_to_limit`` otherwise."""
 
 
 def calls_for(size_bytes: int, batch_keys: int, quick: bool) -> int:
@@ -807,7 +932,7 @@ def measure(path: DataPath, op: str, size_bytes: int, src: memoryview, dst: memo
         elapsed = time.perf_counter() - t0
         if i >= warmup:
             times.append(elapsed)
-    if path.name not in ("socket", "socket-spin", "memcpy"):  # the limits move bytes, they store nothing
+    if path.name not in ("socket", "socket-spin", "tls-socket", "memcpy"):  # the limits move bytes, they store nothing
         want = xxhash.xxh3_64_digest(srcs[0])
         if any(xxhash.xxh3_64_digest(d) != want for d in dsts):
             raise RuntimeError(f"{path.name} {op} of {size_bytes} bytes returned other bytes")
@@ -849,6 +974,9 @@ def _run(quick: bool, path_names: tuple[str, ...], *, mooncake: bool) -> dict[st
         raise ValueError("the shm path needs the memcpy path (its limit)")
     if "tcp-daemon-spin" in path_names and "socket-spin" not in path_names:
         raise ValueError("the tcp-daemon-spin path needs the socket-spin path (its limit)")
+    for secured, plain in SECURED_PATHS.items():
+        if secured in path_names and plain not in path_names:
+            raise ValueError(f"the {secured} path needs the {plain} path (its limit)")
     largest = max(SIZES_BYTES)
     rng = np.random.default_rng(0)
     src = rng.integers(0, 256, largest, dtype=np.uint8).data  # pre-touched by the fill
@@ -868,7 +996,7 @@ def _run(quick: bool, path_names: tuple[str, ...], *, mooncake: bool) -> dict[st
                 for r in range(rounds):
                     order = path_names[r % len(path_names):] + path_names[:r % len(path_names)]
                     for name in order:
-                        if paths[name].covers(size):
+                        if paths[name].covers(size) and op in getattr(paths[name], "ops", OPS):
                             times.setdefault((name, op, size), []).extend(measure(
                                 paths[name], op, size, src, dst, per_round,
                                 warmup=max(2, per_round // 5) if r == 0 else 1))
@@ -888,16 +1016,25 @@ def _run(quick: bool, path_names: tuple[str, ...], *, mooncake: bool) -> dict[st
             print(f"mooncake skipped: {reason}", file=sys.stderr)
     paths = row_paths  # type: ignore[assignment]
     limit_of = {name: path.limit for name, path in row_paths.items()}
+
+    def physical(name: str) -> str:
+        while limit_of.get(limit_of[name], name) != limit_of[name]:
+            name = limit_of[name]
+        return limit_of[name]
+
     rows = []
     for (name, op, size), ts in times.items():
         batch = BATCH_KEYS if op.endswith("_batch") else 1
         gbps = size * batch * len(ts) / sum(ts) / 1e9
         limit = times[(limit_of[name], op, size)]
         limit_gbps = size * batch * len(limit) / sum(limit) / 1e9
+        phys = times[(physical(name), op, size)]
+        phys_gbps = size * batch * len(phys) / sum(phys) / 1e9
         us = np.asarray(ts) * 1e6
         rows.append(Row(paths[name].name, name, op, size, batch, paths[name].connections,
                         len(ts), gbps, limit_gbps, gbps / limit_gbps,
-                        float(np.percentile(us, 50)), float(np.percentile(us, 99))))
+                        float(np.percentile(us, 50)), float(np.percentile(us, 99)),
+                        gbps / phys_gbps))
     return {
         "benchmark": "datapath",
         "quick": quick,
@@ -944,10 +1081,11 @@ def print_table(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(title="data path between two processes on loopback (GB/s = 10^9 B/s; "
-                        "limit = the path's limit (socket, socket-spin or memcpy), same op and size, "
-                        "same run; µs per call)")
+                        "limit = the path's limit (socket, socket-spin or memcpy; for -auth/-tls "
+                        "rows the path without security), same op and size, same run; phys = "
+                        "ratio to socket or memcpy; µs per call)")
     for col in ("op", "size", "path", "variant", "conns", "GB/s", "limit GB/s", "ratio",
-                "p50 µs", "p99 µs"):
+                "phys", "p50 µs", "p99 µs"):
         table.add_column(col, justify="left" if col in ("op", "path", "variant") else "right")
     order = [*PATHS, "mooncake"]
     for row in sorted(result["rows"], key=lambda r: (
@@ -956,7 +1094,9 @@ def print_table(result: dict[str, Any]) -> None:
         op = row["op"] if row["batch_keys"] == 1 else f"{row['op']} ×{row['batch_keys']}"
         table.add_row(op, _size_label(row["value_bytes"]), row["path"], row["variant"],
                       str(row["connections"]), f"{row['gbps']:.2f}", f"{row['limit_gbps']:.2f}",
-                      f"{row['ratio_to_limit']:.2f}", f"{row['p50_us']:.0f}",
+                      f"{row['ratio_to_limit']:.2f}",
+                      f"{row.get('physical_ratio') or row['ratio_to_limit']:.2f}",
+                      f"{row['p50_us']:.0f}",
                       f"{row['p99_us']:.0f}")
     console = Console(width=None if sys.stdout.isatty() else 140)
     console.print(table)
@@ -987,8 +1127,8 @@ def main(json_path: Path | None, quick: bool, mooncake: bool = True) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--socket-peer"]:
-        socket_peer()
+    if sys.argv[1:2] == ["--socket-peer"]:
+        socket_peer(sys.argv[2:])
     else:
         main(Path(sys.argv[2]) if sys.argv[1:2] == ["--json"] else None,
              quick="--quick" in sys.argv)
