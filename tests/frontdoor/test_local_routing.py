@@ -24,13 +24,17 @@ from pathlib import Path
 
 import pytest
 
-from conductor.scheduler import Policy
-from conductor.server import Conductor, ConductorConfig
+from conductor.scheduler import Policy, ScheduleRequest
+from conductor.server import Conductor, ConductorConfig, _NodeFollower
 from kvstore.client.conductor_client import ConductorClient
+from kvstore.dataplane.tier import TierKind
+from kvstore.errors import InvalidArgument
 from kvstore.frontdoor.local import LocalRouter, local_scheduler
 from kvstore.frontdoor.router import Backend, BackendPool, Rejection, RouteRequest
+from kvstore.membership.engines import EngineRecord, EngineRole
 from kvstore.membership.etcd import KeyLayout
 from kvstore.membership.launcher import LocalEtcd
+from kvstore.membership.nodes import NodeRecord
 from tests.frontdoor.test_conductor_routing import BLOCK, MODEL, Fleet, wait_until
 
 VOCAB = 32000
@@ -341,3 +345,58 @@ def test_only_the_conductor_rejects(tmp_path: Path, etcd_server: LocalEtcd,
         aio.run(asyncio.wait_for(scenario(), 180))
     finally:
         f.close()
+
+
+def test_the_replica_schedules_the_instances_the_conductor_schedules() -> None:
+    """The replica's copy of the conductor's instance sync (LocalRouter._sync_instances beside
+    Conductor._sync_instances) on the same records and live nodes: prefill-only and
+    decode-only engines, colocated pairs, an engine on a node that is not live, records that
+    leave and a pair that splits; the same scheduled records and the same decisions after
+    each change."""
+    conductor = Conductor(ConductorConfig(etcd_endpoint="http://127.0.0.1:1",
+                                          block_size_tokens=BLOCK))
+    router = LocalRouter(ConductorClient(address="127.0.0.1:1"), BackendPool(), MODEL,
+                         etcd_endpoint="http://127.0.0.1:1", block_size_tokens=BLOCK)
+
+    def node(node_id: str) -> _NodeFollower:
+        follower = _NodeFollower(NodeRecord(node_id, "127.0.0.1:1", "127.0.0.1:2", "h",
+                                            {TierKind.DRAM: 1 << 20}, 0.0, "0"), 1)
+        follower.connected = True
+        return follower
+
+    def rec(name: str, role: EngineRole, node_id: str, url: str | None,
+            capacity: int = 0) -> EngineRecord:
+        return EngineRecord(name, role, MODEL, node_id, http_url=url,
+                            kv_capacity_tokens=capacity)
+
+    records = {
+        "p0": rec("p0", EngineRole.PREFILL, "n0", "http://10.0.0.1:1"),
+        "d0": rec("d0", EngineRole.DECODE, "n0", "http://10.0.0.2:1", 1 << 20),
+        "v0": rec("v0", EngineRole.PREFILL, "n1", "http://10.0.0.3:1"),
+        "v0.decode": rec("v0.decode", EngineRole.DECODE, "n1", "http://10.0.0.3:1", 1 << 20),
+        "x0": rec("x0", EngineRole.PREFILL, "n2", "http://10.0.0.4:1"),  # n2: not live
+    }
+    steps = [(dict(records), {"n0", "n1"}),
+             ({k: v for k, v in records.items() if k != "d0"}, {"n0", "n1"}),
+             ({k: v for k, v in records.items() if k != "v0.decode"}, {"n0", "n1", "n2"}),
+             (dict(records), {"n1"})]
+    for i, (recs, live) in enumerate(steps):
+        conductor.engines = dict(recs)
+        conductor.nodes = {n: node(n) for n in live}
+        conductor._sync_instances()
+        router.records = dict(recs)
+        router.nodes = set(live)
+        router._sync_instances()
+        for role in (EngineRole.PREFILL, EngineRole.DECODE):
+            assert conductor.scheduled_instances(role) == sorted(
+                r for r, v in router._scheduled.items() if v.role is role), (i, role)
+        choices = []
+        for scheduler in (conductor.scheduler, router.scheduler):
+            try:
+                d = scheduler.schedule(ScheduleRequest(f"r{i}", MODEL, (), 5 * BLOCK, 8),
+                                       100.0 + i)
+            except InvalidArgument as exc:  # no decode instance left, on both sides alike
+                choices.append(("refused", str(exc)))
+            else:
+                choices.append((d.prefill_instance, d.decode_instance))
+        assert choices[0] == choices[1], (i, choices)
