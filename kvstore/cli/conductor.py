@@ -14,6 +14,7 @@ import typer
 from kvstore.cli.etcd_options import (
     ETCD_CA,
     ETCD_CERT,
+    ETCD_ENDPOINTS_HELP,
     ETCD_KEY,
     ETCD_PASSWORD_FILE,
     ETCD_SERVER_NAME,
@@ -24,7 +25,7 @@ from kvstore.errors import ConfigError, KvtierError
 
 
 def conductor(
-    etcd: str = typer.Option(..., "--etcd", help="etcd endpoint, http://host:port or host:port."),
+    etcd: str = typer.Option(..., "--etcd", help=ETCD_ENDPOINTS_HELP),
     listen: str = typer.Option("127.0.0.1:0", "--listen",
                                help="host:port to serve gRPC on (port 0: any free port)."),
     advertise_host: str | None = typer.Option(

@@ -11,6 +11,7 @@ import typer
 from kvstore.cli.etcd_options import (
     ETCD_CA,
     ETCD_CERT,
+    ETCD_ENDPOINTS_HELP,
     ETCD_KEY,
     ETCD_PASSWORD_FILE,
     ETCD_SERVER_NAME,
@@ -27,8 +28,8 @@ def daemon(
     node_id: str | None = typer.Option(None, "--node-id", help="Same as --set node_id=..."),
     grpc_port: int | None = typer.Option(None, "--grpc-port", help="--set server.grpc_port=..."),
     tcp_port: int | None = typer.Option(None, "--tcp-port", help="--set server.tcp_port=..."),
-    etcd: str | None = typer.Option(None, "--etcd", help="--set etcd.endpoint=...: the etcd "
-                                    "members, host:port[,host:port...] (docs/etcd-failover.md)."),
+    etcd: str | None = typer.Option(None, "--etcd", help="--set etcd.endpoint=...: "
+                                    + ETCD_ENDPOINTS_HELP),
     host: str | None = typer.Option(None, "--host", help="--set server.host=... (a "
                                     "non-loopback host needs mTLS, tokens or --insecure)."),
     insecure: bool = typer.Option(False, "--insecure", help="--set security.insecure=true: "

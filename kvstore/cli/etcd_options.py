@@ -1,4 +1,5 @@
-"""The ``--etcd-*`` options every command that reaches etcd takes (docs/security.md, "etcd").
+"""The ``--etcd-*`` options every command that reaches etcd takes (docs/security.md, "etcd"),
+and the help of their ``--etcd`` endpoint list (docs/etcd-failover.md).
 
 Each command declares them as parameters (``etcd_ca: Path | None = ETCD_CA``, ...) and calls
 :func:`apply_etcd_options` before it opens an etcd client: the options, over the
@@ -14,6 +15,10 @@ from pathlib import Path
 import typer
 
 from kvstore.security.etcd import EtcdSecurity, etcd_security_from_options
+
+ETCD_ENDPOINTS_HELP = ("etcd members: host:port[,host:port...] (or http://, https://); the "
+                       "client fails over between them (docs/etcd-failover.md).")
+"""The help of every command's ``--etcd``: one member or a comma-separated list of them."""
 
 ETCD_CA: Path | None = typer.Option(
     None, "--etcd-ca", help="CA bundle (PEM) of etcd's server certificate: TLS to etcd "

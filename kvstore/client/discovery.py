@@ -10,6 +10,7 @@ import asyncio
 import concurrent.futures as cf
 import socket
 import threading
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvstore.errors import MembershipError
@@ -21,11 +22,12 @@ if TYPE_CHECKING:
 __all__ = ["choose_node", "discover_nodes"]
 
 
-def discover_nodes(etcd_endpoint: str, key_layout: KeyLayout | None = None
+def discover_nodes(etcd_endpoint: str | Sequence[str], key_layout: KeyLayout | None = None
                    ) -> dict[str, NodeRecord]:
-    """The daemons registered in etcd, by id. Runs the asyncio etcd client on a private thread
-    and loop, so it works from synchronous code and from inside a running event loop alike.
-    Raises MembershipError."""
+    """The daemons registered in etcd, by id. ``etcd_endpoint`` is one member or a list (a
+    sequence, or comma-separated text), tried in turn (docs/etcd-failover.md). Runs the asyncio
+    etcd client on a private thread and loop, so it works from synchronous code and from inside
+    a running event loop alike. Raises MembershipError."""
     from kvstore.membership.etcd import DEFAULT_LAYOUT, etcd_client
     from kvstore.membership.nodes import list_nodes
 

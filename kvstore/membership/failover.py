@@ -108,6 +108,8 @@ class EtcdClusterClient(SecureEtcdClient):
             options.update({
                 "grpc.keepalive_time_ms": int(PING_INTERVAL_S * 1000),
                 "grpc.keepalive_timeout_ms": int(PING_TIMEOUT_S * 1000),
+                # newer gRPC cores time a ping out by this one (default: a minute)
+                "grpc.http2.ping_timeout_ms": int(PING_TIMEOUT_S * 1000),
                 "grpc.keepalive_permit_without_calls": 0,
                 "grpc.http2.max_pings_without_data": 0,
             })

@@ -32,12 +32,18 @@ import aetcd
 
 from kvstore.errors import InvalidArgument, InvariantViolation, MembershipError
 from kvstore.membership.etcd import etcd_call
+from kvstore.membership.failover import EtcdClusterClient
 
 log = logging.getLogger(__name__)
 
 __all__ = ["KeyClaim", "Registration", "RegistrationState", "StateCallback"]
 
 MAX_RETRY_INTERVAL_S = 0.5
+
+
+def _connection(client: aetcd.Client) -> int | None:
+    """Which connection an etcd cluster client is on (it counts moves to another member)."""
+    return client.generation if isinstance(client, EtcdClusterClient) else None
 
 
 class Record(Protocol):
@@ -101,7 +107,7 @@ class Registration(Generic[R]):
     member with the same id fails with MembershipError), with :attr:`KeyClaim.REPLACE` over
     whatever is there. A background task then refreshes the lease every ``ttl_s / 3``. If etcd
     stops answering it retries every half second (state LOST once a whole TTL passes without
-    confirmation); if the lease expired meanwhile (etcd deleted the key with it), it grants a
+    confirmation), at once when the failure moved the client to another etcd member; if the lease expired meanwhile (etcd deleted the key with it), it grants a
     new one and writes the key again. Each step also reads the key back: deleted, or
     overwritten under no lease or under our own lease, while the lease lives, it is written
     again within that step (logged at WARNING); held by another live lease, it is left alone
@@ -465,9 +471,18 @@ class Registration(Generic[R]):
     # ------------------------------------------------------------------ keepalive
 
     async def _keepalive_loop(self) -> None:
+        retried_at_once = False
         try:
             while not self._closing:
+                connection = _connection(self._client)
                 healthy = await self._tick()
+                # A step that failed because its member did not answer moved the client to
+                # the next member (kvstore.membership.failover): try there at once, so a short
+                # TTL survives a paused member. Once: a cluster that answers nobody waits.
+                moved = not healthy and _connection(self._client) != connection
+                retried_at_once = moved and not retried_at_once
+                if retried_at_once:
+                    continue
                 await asyncio.sleep(
                     self._keepalive_interval_s if healthy else self._retry_interval_s
                 )

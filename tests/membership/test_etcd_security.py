@@ -10,6 +10,9 @@ operation succeeding for the right identity, so no test can pass by refusing eve
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -128,6 +131,57 @@ def test_daemon_registers_and_conductor_discovers_through_tls_and_auth_etcd(
         conductor.stop()
         daemon.stop()
     assert "registered in etcd" in daemon.log_path.read_text()
+
+
+def test_a_daemon_reads_its_etcd_credentials_from_its_config_file(
+        secure: SecureEtcd, tmp_path: Path, aio: asyncio.Runner) -> None:
+    """The etcd section's security keys (CA, client certificate, user and a password written
+    in the file itself) are enough to register; the password shows nowhere. The same daemon
+    without them is refused by etcd (the test below), so the keys are what lets it in."""
+    user = secure.users["daemon-1"]
+    config = tmp_path / "daemon.yaml"
+    config.write_text(f"""etcd:
+  ca_file: {secure.ca_file}
+  cert_file: {user.cert_file}
+  key_file: {user.key_file}
+  username: {user.name}
+  password: {user.password}
+""")
+    printed = subprocess.run(
+        [sys.executable, "-m", "kvstore.cli.main", "daemon", "--config", str(config),
+         "--print-config"], capture_output=True, text=True, timeout=60, check=True,
+        env={k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")})
+    assert "password: <hidden>" in printed.stdout and user.password not in printed.stdout
+    daemon = DaemonProcess(tmp_path, "node-cfg", nvme=False, etcd_endpoint=secure.endpoint,
+                           etcd_prefix=LAYOUT.prefix, extra_args=("--config", str(config)))
+    try:
+        daemon.start()
+
+        async def scenario() -> None:
+            async with etcd_client(secure.endpoint,
+                                   security=secure.security(secure.users["engine-1"])) as client:
+                assert "node-cfg" in await list_nodes(client, layout=LAYOUT)
+
+        run(aio, scenario(), timeout_s=60.0)
+    finally:
+        daemon.stop()
+    log_text = daemon.log_path.read_text()
+    assert "registered in etcd" in log_text
+    assert user.password not in log_text
+
+
+def test_a_daemon_with_a_missing_etcd_file_stops_before_binding(tmp_path: Path) -> None:
+    config = tmp_path / "daemon.yaml"
+    config.write_text(f"etcd:\n  endpoints: [https://127.0.0.1:1]\n"
+                      f"  ca_file: {tmp_path / 'no-such-ca.crt'}\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "kvstore.cli.main", "daemon", "--config", str(config),
+         "--set", "server.grpc_port=0", "--set", "server.tcp_port=0"],
+        capture_output=True, text=True, timeout=60, check=False,
+        env={k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")})
+    assert result.returncode == 2, result.stderr
+    assert f"the etcd CA bundle {tmp_path / 'no-such-ca.crt'} does not exist" in result.stderr
+    assert "KVTIER-DAEMON-READY" not in result.stdout
 
 
 def test_a_daemon_with_engine_credentials_does_not_start(secure: SecureEtcd,
