@@ -171,7 +171,7 @@ def test_a_client_certificate_from_another_ca_is_refused(
     ctx = ssl.create_default_context(cafile=str(world.tmp / "ca.crt"))
     ctx.load_cert_chain(cert, key)
     with TcpClient(host, port, ticket=world.ticket(), tls=ctx) as client, \
-            pytest.raises(PeerUnavailable):
+            pytest.raises(PeerUnavailable, match="may refuse this client's certificate"):
         client.get(next(iter(stored[1])))
     # No client certificate at all: refused as well.
     bare = ssl.create_default_context(cafile=str(world.tmp / "ca.crt"))

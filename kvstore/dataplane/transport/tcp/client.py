@@ -991,6 +991,17 @@ class TcpClient:
             if isinstance(ticket, TicketSource) and raw:
                 ticket.refused(raw)
             raise
+        except PeerUnavailable as exc:
+            conn.close()
+            if self._tls is not None:
+                # TLS 1.3: a server refusing our certificate says so after the handshake,
+                # on the first read (an alert, or a reset once it closed).
+                raise PeerUnavailable(
+                    f"the data plane at {self._endpoint.host}:{self._endpoint.port} ended the "
+                    f"TLS session at its first request ({exc.__cause__ or exc}): it may refuse "
+                    "this client's certificate (missing, expired, or from a CA it does not "
+                    "trust)") from exc
+            raise
         except BaseException:
             conn.close()
             raise
