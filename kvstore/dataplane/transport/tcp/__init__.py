@@ -54,10 +54,16 @@ Timeouts and dead peers
     progress. A peer that stalls mid-frame, dies or resets raises ``PeerUnavailable`` on the
     client; on the server it ends the connection and aborts its write lease.
 
+TLS (optional)
+    ``TcpServer(tls=)`` / ``TcpClient(tls=)``: every connection speaks TLS (:mod:`.tls`, which
+    says what changes underneath: timeouts, one record per read, no ``sendmsg``); its
+    connections run in Python, since the native loops use the raw descriptor.
+
 Layout
     :mod:`.sockets` the socket helpers and wire shortcuts both ends share, :mod:`.client`
-    :class:`TcpClient`, :mod:`.server` :class:`TcpServer`, :mod:`.standalone` the standalone
-    server over a ``MemoryBackend`` (``python -m kvstore.dataplane.transport`` or ``... .tcp``).
+    :class:`TcpClient`, :mod:`.server` :class:`TcpServer`, :mod:`.tls` the TLS socket,
+    :mod:`.standalone` the standalone server over a ``MemoryBackend``
+    (``python -m kvstore.dataplane.transport`` or ``... .tcp``).
 """
 
 from __future__ import annotations
