@@ -81,6 +81,13 @@ Tenants
     restores each chunk's owner; a record written before owners were kept (NVMe format
     version 1) recovers as the default tenant.
 
+    Per tenant the cache counts hits, misses, bytes read and written and refusals
+    (``tenants``, a :class:`~kvstore.node.tenants.TenantMeter` with a bounded label set) and
+    enforces the ``quotas`` it was built with (index, "Quotas"): a placement over the owner's
+    cap in a tier first evicts that owner's own chunks there (else CapacityError naming the
+    tenant and the quota), and eviction made for a tenant's write (``_place``'s ``driver``, passed
+    down through demotions) keeps other tenants' guaranteed shares; ``persist`` ignores them.
+
 Thread safety
     Every method may be called from any thread. Metadata decisions run under the index's lock;
     byte copies run outside it, protected by leases.
