@@ -19,6 +19,7 @@ File layout (YAML shown; TOML uses ``[dram]`` tables)::
     metrics: {enabled: true, port: 9464}
     security: {cert_file: /etc/kvtier/daemon.crt, key_file: /etc/kvtier/daemon.key,
                client_ca_file: /etc/kvtier/ca.crt}
+    tenants: {max_tracked: 64, quotas: ["alice:dram:max=4GiB;guaranteed=1GiB"]}
 
 ``etcd.endpoints`` is a YAML list or comma-separated text (``etcd.endpoint`` is the older,
 single-member spelling of the same key); ``etcd``'s security keys (``ca_file``, ``cert_file``,
@@ -29,6 +30,10 @@ variables every etcd client takes (docs/security.md, "etcd").
 ``security`` (:class:`~kvstore.security.config.ServerSecurity`, docs/security.md) authenticates
 the gRPC service: mTLS or bearer tokens. Without it the daemon listens on loopback only; a
 non-loopback ``server.host`` without authentication needs ``security.insecure: true``.
+
+``tenants`` (:class:`TenantsConfig`, docs/tenants.md): how many tenants get a metrics label of
+their own, and per-tenant caps and guaranteed shares per tier (``TENANT:TIER:LIMITS`` entries,
+``,``-separated in text), checked against the tiers' capacities when the config loads.
 
 Environment: ``KVTIER_<SECTION>__<FIELD>`` (double underscore between section and field), and
 ``KVTIER_<FIELD>`` for top-level fields (``KVTIER_NODE_ID``). Other ``KVTIER_*`` variables
