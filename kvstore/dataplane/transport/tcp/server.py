@@ -721,8 +721,12 @@ class _ServerConnection:
 
     def cut(self) -> None:
         """Force the connection down (from another thread): blocked I/O fails at once."""
+        sock = self.sock
         with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
+            if isinstance(sock, ssl.SSLSocket):  # mid-handshake: keep its TLS state for the
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)  # thread inside it
+            else:
+                sock.shutdown(socket.SHUT_RDWR)
 
     def serve(self) -> None:
         header: Header | None = None
