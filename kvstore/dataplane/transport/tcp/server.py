@@ -53,7 +53,8 @@ for every frame of its connection (the backend passes the tenant to its reads, s
 and puts); a backend without ``scoped`` cannot keep tenants apart, so such a connection is
 refused (PERMISSION_DENIED). A scoped connection runs the native small-GET loop on publishes
 verified for its read tenant only (the read index knows no tenant; one table per read tenant,
-shared by its connections: ``native.VerifiedPublishes``): the loop hands a hit on any other
+shared by its connections and kept for the server's life, 256 KiB each:
+``native.VerifiedPublishes``): the loop hands a hit on any other
 publish back to Python (``NativeLoop.scope``), which serves that GET through the scoped backend
 and then, if the read-index slot still holds that publish of that key (``slot_holds``) and the
 scoped backend then still sees the key (``size_of``: the tenant check), verifies that publish
