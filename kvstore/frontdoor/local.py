@@ -515,6 +515,7 @@ class LocalRouter:
     # -- freshness -----------------------------------------------------------------------------
 
     async def _check_loop(self) -> None:
+        deciding = False
         while True:
             try:
                 info = await self.conductor.leader_info()
@@ -524,6 +525,14 @@ class LocalRouter:
                 self._disagreement = self.compare(info)
                 if self._disagreement is None:
                     self._agreed_at = time.monotonic()
+            why = self.stale_reason()
+            if (why is None) != deciding:  # log the changes only, not every check
+                deciding = why is None
+                if deciding:
+                    log.info("local routing for %r: deciding in process", self.model)
+                else:
+                    log.warning("local routing for %r: asking the conductor (%s)", self.model,
+                                why)
             await asyncio.sleep(self._check_interval_s)
 
     def compare(self, info: pb.LeaderReply) -> str | None:
