@@ -12,7 +12,8 @@ The cluster (:class:`ChaosCluster`)
     temp dir) and a store daemon with DRAM and NVMe tiers (NVMe in the temp dir, kept across a
     restart), listening on the host's address on the fixed ports a deployment uses (every host
     is its own network stack, so fixed ports collide with nothing), ``--insecure`` (no
-    certificates in the lab), registered in its host's etcd member with a 2 s lease, and with
+    certificates in the lab), registered through its host's etcd member with a 2 s lease (given
+    all three members, its own first, it fails over to another: docs/etcd-failover.md), and with
     ``cache.write_tier=nvme``: every acknowledged put is durable (written through to NVMe and
     fdatasync'd before the answer), so the history marks each acknowledged put durable.
     ``h0`` and ``h2`` also run a conductor (leader and standby, 2 s election TTL), and every
@@ -439,7 +440,7 @@ class ChaosCluster:
         held under their own leases by a process in the host's namespace, as an engine holds
         them: the conductor schedules onto them (no engine runs; the decisions are checked)."""
         log_path = self.work_dir / f"engines-{host.name}.log"
-        argv = [sys.executable, "-m", "bench.chaos", "engines", self.etcd_endpoint(host),
+        argv = [sys.executable, "-m", "bench.chaos", "engines", self.etcd_endpoints(host),
                 PREFIX, f"node-{host.name}", host.name]
         with log_path.open("a") as log:
             proc = self.lab.popen(host, argv, stdout=subprocess.PIPE, stderr=log, text=True,
@@ -448,7 +449,7 @@ class ChaosCluster:
 
     def _spawn_conductor(self, host: Host) -> _Child:
         argv = [sys.executable, "-m", "kvstore.cli.main", "conductor",
-                "--etcd", self.etcd_endpoint(host), "--prefix", PREFIX,
+                "--etcd", self.etcd_endpoints(host), "--prefix", PREFIX,
                 "--listen", f"{host.address}:{CONDUCTOR_PORT}", "--insecure",
                 "--id", f"conductor-{host.name}", "--election-ttl-s", str(ELECTION_TTL_S)]
         log_path = self.work_dir / f"conductor-{host.name}.log"
@@ -476,6 +477,13 @@ class ChaosCluster:
 
     def etcd_endpoint(self, host: Host) -> str:
         return f"{host.address}:{ETCD_CLIENT_PORT}"
+
+    def etcd_endpoints(self, host: Host) -> str:
+        """Every member, ``host``'s own first: what its daemon, conductor and engines are
+        given, so they talk to their own member and fail over to the others
+        (docs/etcd-failover.md)."""
+        hosts = [host, *(h for h in self.lab.hosts if h is not host)]
+        return ",".join(self.etcd_endpoint(h) for h in hosts)
 
     def _start_etcd(self, host: Host) -> None:
         binary = shutil.which(os.environ.get("KVTIER_ETCD_BINARY") or "etcd")
@@ -540,7 +548,7 @@ class ChaosCluster:
             "nvme.directory": str(self.nvme_dir(host)),
             "nvme.capacity_bytes": "256MiB", "nvme.segment_bytes": "8MiB",
             "cache.write_tier": "nvme",
-            "etcd.endpoint": self.etcd_endpoint(host), "etcd.prefix": PREFIX,
+            "etcd.endpoint": self.etcd_endpoints(host), "etcd.prefix": PREFIX,
             "etcd.ttl_s": str(LEASE_TTL_S), "shutdown.drain_timeout_s": "2",
         }
         if host is self.lab.hosts[FAULTED_HOST]:
