@@ -36,7 +36,9 @@ to the decode backend as it is, which computes the prompt itself, and the answer
 ``x-kvtier-pd-fallback: <reason>`` (counted: ``pd_fallbacks``).
 
 ``GET /v1/models`` is the answer of a healthy backend; ``GET /health`` is 200 with the
-backends' states while at least one is healthy, else 503.
+backends' states while at least one is healthy, else 503 (with a
+:class:`~kvstore.frontdoor.local.LocalRouter`, also ``routing``: whether it decides in process
+now, why not, and its counters).
 
 Mismatch check: a non-streaming answer's ``usage.prompt_tokens`` is compared with the
 front door's own token count; a difference is logged and counted (``counters``), since the
@@ -379,9 +381,15 @@ class FrontDoor:
         backends = [{"name": b.name, "url": b.url, "healthy": self.pool.is_healthy(b)}
                     for b in self.pool.all()]
         ok = any(b["healthy"] for b in backends)
-        return web.json_response({"status": "ok" if ok else "no healthy backend",
-                                  "backends": backends, "counters": dict(self.counters)},
-                                 status=200 if ok else 503)
+        body: dict[str, Any] = {"status": "ok" if ok else "no healthy backend",
+                                "backends": backends, "counters": dict(self.counters)}
+        router: Any = self.router
+        router = getattr(router, "inner", router)  # a TimedRouter's
+        if hasattr(router, "stale_reason"):  # LocalRouter: deciding here, or why not
+            body["routing"] = {"local": router.stale_reason() is None,
+                               "stale_reason": router.stale_reason(),
+                               "counters": dict(router.counters)}
+        return web.json_response(body, status=200 if ok else 503)
 
     # -- health probes ---------------------------------------------------------------------
 

@@ -109,6 +109,10 @@ async def _conversation(server: VllmServer, etcd_url: str, layout: KeyLayout,
                 await _until(lambda view=view, full=full: view is not None and
                              len(view) >= full, f"vLLM's events hold turn {turn}'s blocks")
                 prompt += body["choices"][0]["text"] + " And then the story went on. " * 4
+        async with aiohttp.ClientSession() as http, http.get(door.url + "/health") as answer:
+            health = await answer.json()
+        assert health["routing"]["local"] and health["routing"]["stale_reason"] is None
+        assert health["routing"]["counters"]["local"] == 3
         assert router.counters["local"] == 3
         assert (router.counters["shadow_agreed"], router.counters["shadow_disagreed"]) == \
             (3, 0), list(router.disagreements)
