@@ -188,6 +188,11 @@ def test_local_decisions_are_the_conductors_on_the_same_state(
                 await s.settled()
             assert router.counters["local"] == len(prompts)
             assert router.counters["shadow_agreed"] == len(prompts)
+            # Each turn of the conversation, and each prompt seen again, took its known blocks
+            # from the engine index's chain memo instead of hashing them again.
+            memo = router.engine_cache.chains
+            assert memo.hits >= len(conversation) - 1 + 3
+            assert memo.reused_blocks >= sum(len(t) // BLOCK for t in conversation[:-1])
             assert router.counters["fallback"] == 0
             for request_id in outstanding:
                 router.done(request_id, 8)
