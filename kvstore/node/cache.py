@@ -95,6 +95,7 @@ Thread safety
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import logging
@@ -104,6 +105,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from kvstore.dataplane.dram import writing_for
 from kvstore.dataplane.tier import (
     BatchHostMemoryTier,
     Buffer,
@@ -315,8 +317,16 @@ class TieredCache:
                     for kind, tier in self._tiers.items()]
 
     def tenant_report(self) -> list[TenantReport]:
-        """Per-tenant counters and bytes held per tier (bounded labels: ``TenantMeter``)."""
-        return self.tenants.report(self._index.tenant_usage())
+        """Per-tenant counters, bytes held and quotas per tier (bounded labels:
+        ``TenantMeter``)."""
+        reports = self.tenants.report(self._index.tenant_usage())
+        if not self._quotas:
+            return reports
+        index = self._index
+        return [dataclasses.replace(r, quotas={
+            kind: q for kind in index.tiers
+            if r.tenant is not None and (q := index.quota(kind, r.tenant)) is not None})
+            for r in reports]
 
     def entry(self, key: bytes, tenant: str | None = None) -> IndexEntry | None:
         """``key``'s index entry; None when not cached or ``tenant`` may not see it."""
@@ -1045,7 +1055,8 @@ class TieredCache:
         for _attempt in range(_MAX_ROOM_ATTEMPTS):
             try:
                 start = time.perf_counter()
-                result = write()
+                with writing_for(owner):  # the read index tags DRAM chunks with their owner
+                    result = write()
                 return result, time.perf_counter() - start
             except DiskFull:
                 # The filesystem is full, not the tier's budget: evicting stored chunks to

@@ -14,7 +14,8 @@ two daemons in one test process do not collide). Two kinds of metric:
 * per tenant, read at scrape time from ``tenant_source`` (the cache's
   :meth:`~kvstore.node.cache.TieredCache.tenant_report`):
   ``kvtier_tenant_{hits,misses,bytes_read,bytes_written,refused}_total{tenant}``,
-  ``kvtier_tenant_used_bytes{tenant,tier}`` and ``kvtier_tenants_tracked``. The ``tenant``
+  ``kvtier_tenant_used_bytes{tenant,tier}``, ``kvtier_tenant_quota_bytes{tenant,tier,kind}``
+  (``kind``: ``max``, ``guaranteed``) and ``kvtier_tenants_tracked``. The ``tenant``
   label takes at most ``tenants.max_tracked`` tenant names plus ``(default)`` and ``(other)``
   (every untracked tenant together): :mod:`kvstore.node.tenants`, "Bounded cardinality".
 
@@ -138,6 +139,9 @@ def _tenant_families(reports: list[TenantReport]
     }
     used = GaugeMetricFamily("kvtier_tenant_used_bytes", "Bytes the tenant holds in the tier.",
                              labels=["tenant", "tier"])
+    quota = GaugeMetricFamily("kvtier_tenant_quota_bytes", "The tenant's cap (max) and "
+                              "guaranteed share in the tier, where configured.",
+                              labels=["tenant", "tier", "kind"])
     for r in reports:
         c = r.counters
         for name, value in (("hits", c.hits), ("misses", c.misses),
@@ -146,8 +150,14 @@ def _tenant_families(reports: list[TenantReport]
             counters[name].add_metric([r.label], value)
         for tier, nbytes in r.used_bytes.items():
             used.add_metric([r.label, tier.value], nbytes)
+        for tier, q in r.quotas.items():
+            if q.max_bytes is not None:
+                quota.add_metric([r.label, tier.value, "max"], q.max_bytes)
+            if q.guaranteed_bytes:
+                quota.add_metric([r.label, tier.value, "guaranteed"], q.guaranteed_bytes)
     yield from counters.values()
     yield used
+    yield quota
     yield GaugeMetricFamily("kvtier_tenants_tracked", "Tenants with a label of their own.",
                             value=sum(r.tenant is not None for r in reports))
 

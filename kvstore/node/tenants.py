@@ -67,6 +67,8 @@ class TenantReport:
     """The tenant (None: :data:`OTHER_LABEL`, every untracked tenant together)."""
     counters: TenantCounters
     used_bytes: Mapping[TierKind, int] = field(default_factory=dict)
+    quotas: Mapping[TierKind, TenantQuota] = field(default_factory=dict)
+    """The tenant's quotas by tier (none for the other label)."""
 
 
 class TenantMeter:

@@ -123,6 +123,11 @@ def test_a_flood_leaves_a_guaranteed_share_byte_for_byte(tmp_path: Path) -> None
         rows = _stats(c["op"])
         assert rows["bob"].tiers[0].used_bytes == 1 * MiB
         assert rows["bob"].tiers[0].guaranteed_bytes == 1 * MiB
+        text = _scrape(_d)
+        # (label values in the order the exposition prints them: kind, tenant, tier)
+        assert _series(text, "kvtier_tenant_quota_bytes") == {("guaranteed", "bob", "dram"):
+                                                              float(MiB)}
+        assert _series(text, "kvtier_tenant_used_bytes")[("bob", "dram")] == float(MiB)
 
 
 def test_a_tenant_over_its_cap_evicts_only_its_own_or_is_refused(tmp_path: Path) -> None:
