@@ -60,6 +60,13 @@ def test_demoted_and_durable_chunks_recover_their_tenant(tmp_path: Path) -> None
         assert _owners(again, [shared, _key("default", 0)]) == [SHARED_TENANT, DEFAULT_TENANT]
         assert again.lookup(alice, tenant="bob").length == 0
         assert again.lookup([shared, *alice], tenant="alice").length == 13
+        # Recovered bytes count for their owners (quotas and shares apply to them) and the
+        # writers get their metrics labels back.
+        assert again.index.tenant_usage()[TierKind.NVME] == {
+            "alice": 12 * CHUNK, "bob": 4 * (CHUNK // 6 * 6), SHARED_TENANT: CHUNK,
+            DEFAULT_TENANT: CHUNK}
+        assert {r.tenant for r in again.tenant_report()} == {"alice", "bob", SHARED_TENANT,
+                                                              DEFAULT_TENANT, None}
     finally:
         again.close()
 
