@@ -165,4 +165,3 @@ def test_garbage_on_the_tls_port_does_not_hurt_it(tls_server: TcpServer, ca: Ca,
         client.put(b"after", b"x" * 100)
         assert bytes(client.get(b"after")) == b"x" * 100
     assert tls_server.stats().tls_refused >= 5
-
