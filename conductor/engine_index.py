@@ -59,7 +59,7 @@ import logging
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, NewType, cast
 
 import msgspec
@@ -624,14 +624,46 @@ class ChainMemo:
         n_blocks = tokens.size // size
         if n_blocks == 0:
             return []
+        found = self._probe(what, size, tokens)
+        if found is not None and len(found) == n_blocks:
+            return found
+        if found is None:
+            keys = hasher.keys(tokens)
+        else:
+            keys = found + hasher.keys(tokens[len(found) * size:], parent=found[-1])
+        self.remember(what, hasher, tokens, keys)
+        return keys
+
+    def longest(self, what: Any, hasher: VllmBlockHashes, tokens: npt.NDArray[np.uint32]
+                ) -> list[PrefixKey]:
+        """The keys of the longest remembered prefix of ``tokens``' full blocks ([] when none
+        is remembered), hashing nothing and remembering nothing. The list may be the memo's
+        own: read it, never change it."""
+        if tokens.size < hasher.block_size_tokens:
+            return []
+        return self._probe(what, hasher.block_size_tokens, tokens) or []
+
+    def remember(self, what: Any, hasher: VllmBlockHashes, tokens: npt.NDArray[np.uint32],
+                 keys: list[PrefixKey]) -> None:
+        """Remember ``keys`` as those of every full block of ``tokens`` (as :meth:`keys`
+        does once it hashed them)."""
+        size = hasher.block_size_tokens
+        n_blocks = tokens.size // size
+        if n_blocks == 0 or len(keys) != n_blocks:
+            raise InvalidArgument(f"{len(keys)} keys for {n_blocks} full blocks")
+        raw = tokens[: n_blocks * size].data.cast("B")  # zero-copy: contiguous uint32
+        self._remember(what, xxhash.xxh3_128_digest(raw), keys)
+
+    def _probe(self, what: Any, size: int, tokens: npt.NDArray[np.uint32]
+               ) -> list[PrefixKey] | None:
+        """The longest remembered prefix's keys (see the class docstring), or None."""
+        n_blocks = tokens.size // size
         raw = tokens[: n_blocks * size].data.cast("B")  # zero-copy: contiguous uint32
         block_bytes = size * 4
         with self._lock:
             counts = self._lengths.get(what)
             lengths = sorted((n for n in counts if n <= n_blocks), reverse=True) \
                 if counts else []
-        found: list[PrefixKey] | None = None
-        digest = b""
         for n in lengths[: self.max_probes]:
             digest = xxhash.xxh3_128_digest(raw[: n * block_bytes])
             with self._lock:
@@ -640,15 +672,8 @@ class ChainMemo:
                     self._entries.move_to_end((what, n, digest))
                     self.hits += 1
                     self.reused_blocks += n
-                    break
-        if found is not None and len(found) == n_blocks:
-            return found
-        if found is None:
-            keys = hasher.keys(tokens)
-        else:
-            keys = found + hasher.keys(tokens[len(found) * size:], parent=found[-1])
-        self._remember(what, xxhash.xxh3_128_digest(raw), keys)
-        return keys
+                    return found
+        return None
 
     def _remember(self, what: Any, digest: bytes, keys: list[PrefixKey]) -> None:
         if len(keys) > self.max_blocks:
@@ -695,10 +720,18 @@ class PromptMatch:
     tenant: str
     _hashes: dict[_HashKey, list[VllmHash]]
     """The prompt's vLLM block hashes, by what makes them differ between instances."""
+    complete: bool = True
+    """False for :meth:`EngineCacheIndex.match_held`'s: ``_hashes`` cover a leading part of
+    the prompt only (:meth:`EngineCacheIndex.complete` hashes the rest)."""
+    _keys: dict[_HashKey, list[PrefixKey]] = field(default_factory=dict)
+    """A partial match's store keys (where the rest of the chain continues from)."""
 
     def hashes(self, key: _HashKey, tenant: str) -> list[VllmHash] | None:
-        """The prompt's hashes for instances of ``key`` and ``tenant``; None: not computed."""
-        return self._hashes.get(key) if tenant == self.tenant else None
+        """The prompt's hashes for instances of ``key`` and ``tenant``; None: not computed
+        (or only in part)."""
+        if not self.complete or tenant != self.tenant:
+            return None
+        return self._hashes.get(key)
 
 
 class EngineCacheIndex:
@@ -810,6 +843,83 @@ class EngineCacheIndex:
                 out[view.instance_id] = view.cached_blocks(memo[key]) * \
                     view.spec.block_size_tokens if current else 0
         return PromptMatch(out, tenant, memo)
+
+    def match_held(self, token_ids: npt.NDArray[np.uint32], tenant: str = "",
+                   instances: Iterable[str] | None = None) -> PromptMatch:
+        """:meth:`match`'s cached tokens, hashing the prompt only as far as an instance holds
+        it: after the longest prefix the chain memo remembers, blocks are hashed in growing
+        steps (8, then doubling) while some instance of a hashing holds every block hashed so
+        far. An instance's count ends at the first block it lacks, and the hashing ends only
+        past every instance's, so the counts are :meth:`match`'s; a new prompt costs one step
+        of hashing instead of all of it. The match is partial (``complete`` False) and the
+        prompt is not remembered: :meth:`complete` (off the request's path) hashes the rest,
+        remembers it, and gives the hashes :meth:`expect_routed` needs. ``token_ids``: a
+        contiguous uint32 array."""
+        if not (token_ids.dtype == np.uint32 and token_ids.ndim == 1
+                and token_ids.flags.c_contiguous):
+            raise InvalidArgument("match_held needs a contiguous uint32 array of token ids")
+        groups: dict[_HashKey, tuple[VllmBlockHashes, list[EngineCacheView]]] = {}
+        out: dict[str, int] = {}
+        with self._lock:
+            for instance_id, view in self._views.items():
+                if instances is not None and instance_id not in instances:
+                    continue
+                hasher = self._hasher(view, tenant)
+                if hasher is None or view.stats.mismatch:
+                    out[instance_id] = 0
+                else:
+                    groups.setdefault(_hash_key(view.spec), (hasher, []))[1].append(view)
+        all_hashes: dict[_HashKey, list[VllmHash]] = {}
+        all_keys: dict[_HashKey, list[PrefixKey]] = {}
+        for key, (hasher, views) in groups.items():
+            size = hasher.block_size_tokens
+            n_blocks = token_ids.size // size
+            keys = list(self.chains.longest((key, tenant), hasher, token_ids))
+            hashes = hasher.convert(keys) if keys else []
+            step = 8
+            while len(keys) < n_blocks:
+                with self._lock:
+                    held = max(v.cached_blocks(hashes) for v in views)
+                if held < len(keys):
+                    break  # every instance lacks a block hashed already
+                end = min(n_blocks, len(keys) + step)
+                more = hasher.keys(token_ids[len(keys) * size: end * size],
+                                   parent=keys[-1] if keys else None)
+                keys += more
+                hashes += hasher.convert(more)
+                step *= 2
+            all_hashes[key], all_keys[key] = hashes, keys
+        with self._lock:
+            for key, (_, views) in groups.items():
+                for view in views:
+                    current = self._views.get(view.instance_id) is view
+                    out[view.instance_id] = view.cached_blocks(all_hashes[key]) * \
+                        view.spec.block_size_tokens if current else 0
+        return PromptMatch(out, tenant, all_hashes, complete=False, _keys=all_keys)
+
+    def complete(self, match: PromptMatch, token_ids: npt.NDArray[np.uint32]) -> PromptMatch:
+        """A :meth:`match_held` match with the whole prompt hashed (from where it stopped)
+        and remembered in the chain memo, as :meth:`match` leaves it; a complete match as it
+        is."""
+        if match.complete:
+            return match
+        hashes: dict[_HashKey, list[VllmHash]] = {}
+        for key, keys in match._keys.items():
+            with self._lock:
+                hasher = next((self._hasher(v, match.tenant) for v in self._views.values()
+                               if _hash_key(v.spec) == key and v.hashes is not None), None)
+            if hasher is None:
+                continue  # its instances left meanwhile
+            size = hasher.block_size_tokens
+            n_blocks = token_ids.size // size
+            full = list(keys)
+            if len(full) < n_blocks:
+                full += hasher.keys(token_ids[len(full) * size:],
+                                    parent=full[-1] if full else None)
+            if full:
+                self.chains.remember((key, match.tenant), hasher, token_ids, full)
+            hashes[key] = match._hashes[key] + hasher.convert(full[len(keys):])
+        return PromptMatch(dict(match.cached_tokens), match.tenant, hashes)
 
     def _hashes(self, hasher: VllmBlockHashes, key: _HashKey, tenant: str,
                 token_ids: TokenIds) -> list[VllmHash]:
