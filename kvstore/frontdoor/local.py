@@ -20,7 +20,11 @@ same sources the conductor follows:
   decode reservations the scheduler predicts from.
 
 ``route`` is then one match and one ``Scheduler.schedule``, with no ``await`` between reading
-the state and reserving on it. The answer is the conductor's whenever the local state cannot
+the state and reserving on it. The match hashes the prompt only as far as an engine holds it
+(:meth:`~conductor.engine_index.EngineCacheIndex.match_held`: the same cached tokens as the
+conductor's whole hashing; a new prompt costs one step of 8 blocks); the rest of the prompt is
+hashed after the route returned (a task: the chain memo's entry for the next turn, and the
+mismatch probe of the chosen engine's last block), when the request is on its way to vLLM. The answer is the conductor's whenever the local state cannot
 vouch for itself; the front door never routes on a guess:
 
 * **not fresh** (:meth:`LocalRouter.stale_reason`): every ``check_interval_s`` the conductor's
@@ -200,7 +204,10 @@ class LocalRouter:
         self._done_early: set[str] = set()
         """Requests done while their shadow was still in flight."""
         self._shadows: set[asyncio.Task[None]] = set()
-        """Shadow decisions and completion reports in flight."""
+        """Shadow decisions, completion reports and prompt hashing in flight."""
+        self._shadows_in_flight = 0
+        self._probe: dict[str, str] = {}
+        """Request id -> the engine whose events should show the prompt's last block."""
         self.counters: Counter[str] = Counter()
         """``local``, ``fallback`` and ``fallback:<why>``, ``shadow_agreed``,
         ``shadow_disagreed``, ``shadow_failed``, ``shadow_skipped``, ``report_failed``."""
@@ -309,7 +316,13 @@ class LocalRouter:
         tokens = _token_array(token_ids)
         if tokens is None:
             return "bad-ids: a token id is not a uint32"
-        match: PromptMatch = self.engine_cache.match(tokens, request.tenant, events)
+        # Hashed only as far as an engine holds the prompt; the rest (the mismatch probe's
+        # last block, the chain memo's entry for the next turn) after the route: _finish.
+        match: PromptMatch = self.engine_cache.match_held(tokens, request.tenant, events)
+        mine = tokens if isinstance(token_ids, list | tuple) else tokens.copy()
+        # (The task starts once this call returned: the decision below is known by then.)
+        self._background(self._finish(mine, request.request_id, request.tenant, match),
+                         f"kvtier-hash-{request.request_id}")
         now_s = time.monotonic()
         try:
             decision: Decision = self.scheduler.schedule(ScheduleRequest(
@@ -325,13 +338,21 @@ class LocalRouter:
             self.scheduler.cancel(decision.ticket)
             return f"{backend.code}: {backend.reason}"
         if decision.prefill_instance in match.cached_tokens:
-            self.engine_cache.expect_routed(decision.prefill_instance, tokens, request.tenant,
-                                            match)
+            self._probe[request.request_id] = decision.prefill_instance
         self._local_tickets[request.request_id] = decision.ticket
         if self.shadow:  # the caller's own array is not kept past the call (Router)
-            mine = tokens if isinstance(token_ids, list | tuple) else tokens.copy()
             self._start_shadow(mine, request, decision, now_s)
         return backend
+
+    async def _finish(self, tokens: npt.NDArray[np.uint32], request_id: str, tenant: str,
+                      match: PromptMatch) -> None:
+        """After the route: hash the rest of the prompt (remembered in the chain memo), and
+        expect its last block in the chosen engine's events (the conductor's mismatch probe),
+        as the conductor's Schedule does within the call."""
+        full = self.engine_cache.complete(match, tokens)
+        chosen = self._probe.pop(request_id, None)
+        if chosen is not None:
+            self.engine_cache.expect_routed(chosen, tokens, tenant, full)
 
     # -- the shadow ----------------------------------------------------------------------------
 
@@ -343,14 +364,22 @@ class LocalRouter:
 
     def _start_shadow(self, tokens: np.ndarray[Any, Any], request: RouteRequest,
                       chosen: Decision, now_s: float) -> None:
-        if len(self._shadows) >= self.max_shadows:
+        if self._shadows_in_flight >= self.max_shadows:
             self.counters["shadow_skipped"] += 1
             return
+        self._shadows_in_flight += 1
         self._background(self._shadow(tokens, request, chosen, self._at_s(now_s)),
                          f"kvtier-shadow-{request.request_id}")
 
     async def _shadow(self, tokens: np.ndarray[Any, Any], request: RouteRequest,
                       decision: Decision, at_s: float) -> None:
+        try:
+            await self._shadow_decision(tokens, request, decision, at_s)
+        finally:
+            self._shadows_in_flight -= 1
+
+    async def _shadow_decision(self, tokens: np.ndarray[Any, Any], request: RouteRequest,
+                               decision: Decision, at_s: float) -> None:
         chosen = decision.prefill_instance
         rid = request.request_id
         try:
