@@ -147,7 +147,8 @@ def service_handler(servicer: Any, service: ServiceDescriptor) -> Any:
 
 
 def stats_doc(reply: Any, address: str) -> dict[str, Any]:
-    """A daemon's ``StatsResponse`` as plain JSON-ready data (``kvtier stats``, ``kvtier run``)."""
+    """A daemon's ``StatsResponse`` as plain JSON-ready data (``kvtier stats``, ``kvtier run``);
+    ``tenants``: the per-tenant rows the caller may see (untracked tenants as ``(other)``)."""
     hits = sum(t.hits for t in reply.tiers)
     lookups = hits + reply.misses
     return {
@@ -162,6 +163,13 @@ def stats_doc(reply: Any, address: str) -> dict[str, Any]:
             "evictions": t.drops, "demotions": t.demotions_out, "promotions": t.promotions_in,
             "corrupt": t.corrupt, "bytes_read": t.bytes_read, "bytes_written": t.bytes_written,
         } for t in reply.tiers],
+        "tenants": [{
+            "tenant": "(other)" if t.other else t.tenant, "hits": t.hits, "misses": t.misses,
+            "bytes_read": t.bytes_read, "bytes_written": t.bytes_written, "refused": t.refused,
+            "tiers": [{"tier": PB_TO_TIER[u.tier].value, "used_bytes": u.used_bytes,
+                       "max_bytes": u.max_bytes, "guaranteed_bytes": u.guaranteed_bytes}
+                      for u in t.tiers],
+        } for t in reply.tenants],
     }
 
 

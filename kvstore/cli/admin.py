@@ -233,7 +233,9 @@ def stats(
     etcd_password_file: Path | None = ETCD_PASSWORD_FILE,
     etcd_server_name: str | None = ETCD_SERVER_NAME,
 ) -> None:
-    """Per node and tier: capacity, used, chunks, hits and hit ratio, evictions, moves."""
+    """Per node and tier: capacity, used, chunks, hits and hit ratio, evictions, moves; then per
+    tenant the caller may see: hits, misses, bytes read and written, refusals, bytes held per tier
+    with its quota."""
     targets = list(address)
     if etcd:
         _etcd_security("stats", etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password_file,
@@ -258,8 +260,26 @@ def stats(
                              str(t["evictions"]), str(t["demotions"]), str(t["promotions"])])
         _table("store nodes", ["node", "tier", "capacity", "used", "chunks", "hits",
                                "node hit ratio", "evictions", "demotions", "promotions"], rows)
+        tenant_rows = []
+        for node in doc:
+            for t in node["tenants"]:
+                held = ", ".join(_held(u) for u in t["tiers"]) or "-"
+                tenant_rows.append([node["node_id"], t["tenant"] or "(default)", str(t["hits"]),
+                                    str(t["misses"]), _size(t["bytes_read"]),
+                                    _size(t["bytes_written"]), str(t["refused"]), held])
+        if tenant_rows:
+            _table("tenants", ["node", "tenant", "hits", "misses", "read", "written",
+                               "refused", "held per tier (cap, guaranteed)"], tenant_rows)
 
     _emit(as_json, doc if len(doc) > 1 or etcd else doc[0], table)
+
+
+def _held(tier: dict[str, Any]) -> str:
+    """``dram 3.0 MiB (cap 4.0 MiB, guaranteed 1.0 MiB)``: a tenant's bytes in one tier."""
+    limits = [f"{what} {_size(tier[key])}" for what, key in
+              (("cap", "max_bytes"), ("guaranteed", "guaranteed_bytes")) if tier[key]]
+    return f"{tier['tier']} {_size(tier['used_bytes'])}" + (f" ({', '.join(limits)})"
+                                                            if limits else "")
 
 
 def ls(

@@ -13,6 +13,7 @@ child process, real sockets, tokens minted here, quotas given on its command lin
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import urllib.request
@@ -31,7 +32,7 @@ from kvstore.node.config import load_config
 from kvstore.security.config import ClientSecurity
 from kvstore.security.identity import Role
 from kvstore.security.tokens import generate_key, load_signing_key, mint
-from tests.support.daemon import DaemonProcess
+from tests.support.daemon import DaemonProcess, kvtier
 
 KiB, MiB = 1 << 10, 1 << 20
 TENANTS = ("alice", "bob", "carol", "dave")
@@ -128,6 +129,32 @@ def test_a_flood_leaves_a_guaranteed_share_byte_for_byte(tmp_path: Path) -> None
         assert _series(text, "kvtier_tenant_quota_bytes") == {("guaranteed", "bob", "dram"):
                                                               float(MiB)}
         assert _series(text, "kvtier_tenant_used_bytes")[("bob", "dram")] == float(MiB)
+
+
+def test_kvtier_stats_shows_each_tenant_with_its_quota(tmp_path: Path) -> None:
+    """``kvtier stats`` (the operator's CLI, a real process with an operator token) prints the
+    per-tenant rows: JSON with each tenant's counters and bytes per tier with its quota, and a
+    table naming them."""
+    with _daemon(tmp_path, **{"tenants.quotas": "carol:dram:max=1MiB"}) as (d, c):
+        _put(c["carol"], b"carol-0", os.urandom(256 * KiB))
+        _put(c["bob"], b"bob-0", os.urandom(128 * KiB))
+        assert _get(c["carol"], b"carol-0") is not None
+        with pytest.raises(PermissionDenied):  # bob's key: refused, counted for carol
+            _put(c["carol"], b"bob-0", b"x")
+        args = ("stats", "--address", d.grpc_address, "--token-file",
+                str(tmp_path / "op.token"))
+        result = kvtier(*args, "--json")
+        assert result.returncode == 0, result.stderr
+        rows = {t["tenant"]: t for t in json.loads(result.stdout)["tenants"]}
+        assert rows["carol"]["hits"] == 1 and rows["carol"]["bytes_written"] == 256 * KiB
+        assert rows["carol"]["tiers"] == [{"tier": "dram", "used_bytes": 256 * KiB,
+                                           "max_bytes": MiB, "guaranteed_bytes": 0}]
+        assert rows["carol"]["refused"] == 1
+        assert rows["bob"]["tiers"][0]["used_bytes"] == 128 * KiB
+        table = kvtier(*args)
+        assert table.returncode == 0, table.stderr
+        line = next(x for x in table.stdout.splitlines() if "carol" in x)
+        assert "cap 1.0 MiB" in line or "cap 1 MiB" in line, table.stdout
 
 
 def test_a_tenant_over_its_cap_evicts_only_its_own_or_is_refused(tmp_path: Path) -> None:
