@@ -60,7 +60,14 @@ from typing import Any
 import aetcd
 
 from kvstore.errors import InvalidArgument, MembershipError
-from kvstore.membership.etcd import DEFAULT_LAYOUT, KeyLayout, check_id, etcd_call, parse_host_port
+from kvstore.membership.etcd import (
+    DEFAULT_LAYOUT,
+    KeyLayout,
+    check_id,
+    etcd_call,
+    etcd_read,
+    parse_host_port,
+)
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +115,8 @@ async def read_leader(client: aetcd.Client, *, layout: KeyLayout = DEFAULT_LAYOU
 
     Raises MembershipError when etcd cannot be reached.
     """
-    kv = await etcd_call("read conductor leader", client.get(layout.conductor_leader_key.encode()),
-                     rpc_timeout_s)
+    kv = await etcd_read("read conductor leader",
+                         lambda: client.get(layout.conductor_leader_key.encode()), rpc_timeout_s)
     if kv is None:
         return None
     try:

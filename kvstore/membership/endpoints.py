@@ -7,9 +7,9 @@ endpoints in one of these spellings, all meaning the same list::
     http://10.0.0.1:2379,http://10.0.0.2:2379    several, comma-separated (flags, environment)
     [10.0.0.1:2379, 10.0.0.2:2379]               several, a YAML list (config file)
 
-Each member is ``host:port``, ``http://host:port`` or ``https://host:port``; every member of
-one list uses the same scheme (TLS is a property of the client, not of one member), and none
-appears twice. The client talks to one member at a time and fails over to the next
+Each member is ``host:port``, ``http://host:port`` or ``https://host:port``; one list does not
+mix ``http://`` with ``https://`` (TLS is a property of the client, not of one member: a bare
+``host:port`` takes the list's), and no member appears twice. The client talks to one member at a time and fails over to the next
 (docs/etcd-failover.md). Pure parsing: nothing here imports an etcd library, so the config
 loader can validate endpoints without one.
 """
@@ -80,7 +80,7 @@ def parse_etcd_endpoint(text: str) -> EtcdEndpoint:
 def parse_etcd_endpoints(value: str | Sequence[str]) -> tuple[EtcdEndpoint, ...]:
     """The members named by ``value``: comma-separated text or a sequence of texts (each of
     which may itself be comma-separated), in order. Raises InvalidArgument when the list is
-    empty, a member is malformed or repeated, or the members mix schemes."""
+    empty, a member is malformed or repeated, or the members mix http:// with https://."""
     items: list[str] = []
     for part in [value] if isinstance(value, str) else list(value):
         if not isinstance(part, str):
@@ -97,8 +97,8 @@ def parse_etcd_endpoints(value: str | Sequence[str]) -> tuple[EtcdEndpoint, ...]
             raise InvalidArgument(f"etcd endpoint {endpoint.host}:{endpoint.port} is listed "
                                   "twice")
         seen.add((endpoint.host, endpoint.port))
-    schemes = {"https" if e.scheme == "https" else "plain" for e in endpoints}
+    schemes = {e.scheme for e in endpoints if e.scheme}
     if len(schemes) > 1:
-        raise InvalidArgument(f"etcd endpoints mix https:// with plain ones ({value!r}): all "
+        raise InvalidArgument(f"etcd endpoints mix http:// with https:// ({value!r}): all "
                               "members of one cluster are reached the same way")
     return endpoints

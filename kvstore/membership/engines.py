@@ -54,6 +54,7 @@ from kvstore.membership.etcd import (
     PrefixWatch,
     check_id,
     etcd_call,
+    etcd_read,
     parse_host_port,
 )
 from kvstore.membership.registration import KeyClaim, Registration, StateCallback
@@ -356,7 +357,8 @@ async def _snapshot(client: aetcd.Client, layout: KeyLayout, rpc_timeout_s: floa
                     ) -> tuple[dict[bytes, EngineRecord], dict[bytes, int], int]:
     """Every valid engine record by key, their keys' create revisions, and the revision of
     the read."""
-    result = await etcd_call("list engines", client.get_prefix(engines_prefix(layout).encode()),
+    result = await etcd_read("list engines",
+                             lambda: client.get_prefix(engines_prefix(layout).encode()),
                              rpc_timeout_s)
     current: dict[bytes, EngineRecord] = {}
     created: dict[bytes, int] = {}

@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import AsyncGenerator, Awaitable, Iterable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar
@@ -152,18 +152,18 @@ def etcd_client(endpoint: str | Sequence[str], *, rpc_timeout_s: float = DEFAULT
                                   "is configured (TLS): write https://host:port or host:port")
     options = {
         "grpc.initial_reconnect_backoff_ms": 100,
-        "grpc.min_reconnect_backoff_ms": 100,
         "grpc.max_reconnect_backoff_ms": 1000,
     }
-    use_tls = security.tls or members[0].scheme == "https"
+    use_tls = security.tls or any(member.scheme == "https" for member in members)
     if security.server_name and not use_tls:
         raise ConfigError("the etcd server name checks etcd's TLS certificate: give the CA "
                           "(--etcd-ca) or an https:// endpoint")
-    if use_tls:
-        # gRPC takes min_reconnect_backoff_ms as the deadline of one connection attempt, TLS
-        # handshake included: 100 ms aborted handshakes on a loaded 2-core host ("Handshake
-        # read failed (Endpoint closing)"). The backoff between attempts stays short.
-        options["grpc.min_reconnect_backoff_ms"] = max(1000, int(rpc_timeout_s * 1000))
+    # gRPC takes min_reconnect_backoff_ms as the deadline of one connection attempt (HTTP/2
+    # SETTINGS, TLS handshake included): 100 ms aborted handshakes on a loaded 2-core host
+    # ("Handshake read failed (Endpoint closing)"), and plaintext connects too at load 20
+    # ("connection attempt timed out before receiving SETTINGS frame": a chaos daemon that
+    # could not start). The backoff between attempts stays short.
+    options["grpc.min_reconnect_backoff_ms"] = max(1000, int(rpc_timeout_s * 1000))
     return EtcdClusterClient(members=members, security=security, use_tls=use_tls,
                              timeout=rpc_timeout_s, options=options)
 
@@ -192,6 +192,26 @@ async def etcd_call(what: str, call: Awaitable[T], timeout_s: float) -> T:
         await report_failure(last_member(), exc)
         hint = explain_etcd_error(exc)
         raise MembershipError(f"{what}: {hint or exc}") from exc
+
+
+async def etcd_read(what: str, read: Callable[[], Awaitable[T]], timeout_s: float) -> T:
+    """:func:`etcd_call` for a request that may be repeated (a read): made by ``read()``, and
+    made again on each other member when a member does not answer (the failure moved the
+    client on), as etcd's own client repeats reads. A one-shot command (``kvtier nodes``,
+    :func:`~kvstore.client.discovery.discover_nodes`) so succeeds while a member is paused.
+    Raises MembershipError once every member has failed, or at once for an answer (an error
+    that moved nothing)."""
+    tried = 0
+    while True:
+        try:
+            return await etcd_call(what, read(), timeout_s)
+        except MembershipError:
+            member = last_member()
+            tried += 1
+            if (member is None or member[0].generation == member[1]
+                    or tried >= len(member[0].members)):
+                raise
+            log.info("%s: asking etcd member %s", what, member[0].member)
 
 
 class PrefixWatch(Generic[EventT]):

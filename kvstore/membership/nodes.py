@@ -43,7 +43,7 @@ from kvstore.membership.etcd import (
     KeyLayout,
     PrefixWatch,
     check_id,
-    etcd_call,
+    etcd_read,
     parse_host_port,
 )
 from kvstore.membership.registration import KeyClaim, Registration, StateCallback
@@ -221,8 +221,8 @@ async def _snapshot(
     client: aetcd.Client, layout: KeyLayout, rpc_timeout_s: float
 ) -> tuple[dict[str, _Member], int]:
     """Every valid node under the prefix, sorted by id, and the revision of the read."""
-    result = await etcd_call(
-        "list nodes", client.get_prefix(layout.nodes_prefix.encode()), rpc_timeout_s
+    result = await etcd_read(
+        "list nodes", lambda: client.get_prefix(layout.nodes_prefix.encode()), rpc_timeout_s
     )
     members: dict[str, _Member] = {}
     for kv in result:

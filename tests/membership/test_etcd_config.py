@@ -49,7 +49,7 @@ def test_a_single_endpoint_still_works_and_later_layers_win(tmp_path: Path) -> N
 
 @pytest.mark.parametrize(("value", "message"), [
     ("a:1,a:1", "listed twice"),
-    ("https://a:1,http://b:2", "mix https://"),
+    ("https://a:1,http://b:2", "mix http:// with https://"),
     ("a:1,,b:2", "stray comma"),
     ("a:99999", "host:port"),
     ("ftp://a:1", "host:port"),
@@ -70,6 +70,8 @@ def test_parse_keeps_order_and_schemes() -> None:
     members = parse_etcd_endpoints(["https://a:1", "https://b:2/"])
     assert [(m.scheme, m.host, m.port) for m in members] == [("https", "a", 1), ("https", "b", 2)]
     assert [str(m) for m in parse_etcd_endpoints("[::1]:2379, c:3")] == ["[::1]:2379", "c:3"]
+    # a bare host:port takes the list's scheme (the chart prefixes only its first member)
+    assert [m.scheme for m in parse_etcd_endpoints("https://a:1,b:2")] == ["https", ""]
 
 
 def test_security_keys_from_the_file(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ awaited with generous deadlines.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,12 +21,13 @@ from pathlib import Path
 import aetcd
 import pytest
 
+from kvstore.client.discovery import discover_nodes
 from kvstore.membership.election import Election, LeaderRecord
 from kvstore.membership.etcd import KeyLayout, etcd_client
 from kvstore.membership.failover import EtcdClusterClient
 from kvstore.membership.launcher import LocalEtcdCluster
 from kvstore.membership.nodes import NodeEventKind, NodeRecord, watch_nodes
-from tests.support.daemon import DaemonProcess
+from tests.support.daemon import DaemonProcess, kvtier
 from tests.support.etcd import require_etcd, run
 
 DEADLINE_S = 60.0
@@ -276,3 +278,26 @@ def test_a_daemon_degrades_without_quorum_and_recovers(
         assert daemon.proc is not None and daemon.proc.poll() is None, "the daemon exited"
     finally:
         daemon.stop()
+
+
+def test_one_shot_reads_ask_the_next_member(cluster: LocalEtcdCluster,
+                                            aio: asyncio.Runner) -> None:
+    """``kvtier nodes --etcd a,b,c`` and an engine's discover_nodes with the first member
+    paused: the read that member does not answer is asked again of the next one."""
+    layout = KeyLayout("/kvtier-failover/one-shot/")
+
+    async def write() -> None:
+        async with etcd_client(cluster.client_urls) as writer:
+            await writer.put(layout.node_key("n-a").encode(), node_record("n-a", 5000).to_json())
+
+    run(aio, write())
+    cluster.members[0].pause()
+    try:
+        result = kvtier("nodes", "--etcd", cluster.endpoints, "--prefix", layout.prefix,
+                        "--json", timeout_s=DEADLINE_S)
+        assert result.returncode == 0, result.stderr
+        assert [node["node_id"] for node in json.loads(result.stdout)] == ["n-a"]
+        assert set(discover_nodes(cluster.endpoints, layout)) == {"n-a"}
+    finally:
+        cluster.members[0].resume()
+
