@@ -33,7 +33,7 @@
 #include <sys/types.h>
 #include <time.h>
 
-#define KVT_ABI 5  /* native.py: ABI; bump with any cfg[]/st[]/signature change */
+#define KVT_ABI 6  /* native.py: ABI; bump with any cfg[]/st[]/signature change */
 
 /* cfg[] indexes (mirrored by kvstore/dataplane/native.py: _CFG_*). */
 enum {
@@ -46,6 +46,7 @@ enum {
     CFG_COPY_READ_MAX, CFG_MAX_VALUE_BYTES, CFG_ATTEMPTS,
     CFG_RING_ENTRIES, CFG_RING_ENTRY_BYTES, CFG_DRAIN_WAIT_MS, CFG_RECV_TICK_US,
     CFG_HEADER_TIMEOUT_NS,
+    CFG_TAG_LO_AT, CFG_TAG_HI_AT, CFG_OWNER_CHECK, CFG_OWNER_A, CFG_OWNER_B,
     CFG_COUNT
 };
 
@@ -116,6 +117,12 @@ static inline uint64_t aload64(const uint8_t *p) {
 static inline uint8_t aload8(const uint8_t *p) {
     return __atomic_load_n(p, __ATOMIC_ACQUIRE);
 }
+static inline uint16_t aload16(const uint8_t *p) {
+    return __atomic_load_n((const uint16_t *)p, __ATOMIC_ACQUIRE);
+}
+static inline uint32_t aload32(const uint8_t *p) {
+    return __atomic_load_n((const uint32_t *)p, __ATOMIC_ACQUIRE);
+}
 
 int kvt_abi(void) { return KVT_ABI; }
 
@@ -158,6 +165,10 @@ static void copy_out(uint8_t *dst, const uint8_t *src, size_t n) {
  * when the slot kept changing (conflict), -4 when `verified` is given and does not hold this
  * publish (then declined[0] = slot + 1, declined[1] = its seq).
  *
+ * Owner tags (read_index.py, "Owners"): with cfg[CFG_OWNER_CHECK], a slot whose 48-bit owner
+ * tag (low 16 bits at CFG_TAG_LO_AT, high 32 at CFG_TAG_HI_AT) is neither cfg[CFG_OWNER_A] nor
+ * cfg[CFG_OWNER_B] is a miss (another tenant's chunk: the caller's leased path refuses it).
+ *
  * Tenant-scoped connections (verified != NULL): the read index knows no tenant, so such a
  * connection serves only publishes Python verified for its tenant: `verified` is a direct-mapped
  * table of (slot + 1, seq) pairs indexed by slot & vmask, shared by the tenant's connections.
@@ -195,6 +206,11 @@ static int64_t index_copy(const int64_t *cfg, int64_t *st, const uint8_t *key, u
             uint8_t k[256];
             for (uint32_t j = 0; j < klen; j++) k[j] = aload8(slot + key_at + j);
             if (memcmp(k, key, klen) != 0) continue;
+            if (cfg[CFG_OWNER_CHECK]) {
+                const int64_t tag = (int64_t)aload16(slot + cfg[CFG_TAG_LO_AT])
+                    | ((int64_t)aload32(slot + cfg[CFG_TAG_HI_AT]) << 16);
+                if (tag != cfg[CFG_OWNER_A] && tag != cfg[CFG_OWNER_B]) return -1;
+            }
             uint64_t offset = aload64(slot + off_at), size = aload64(slot + size_at);
             if (aload64(slot + seq_at) != seq) { torn = 1; break; }
             if (verified) {

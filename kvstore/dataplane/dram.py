@@ -30,13 +30,22 @@ module for ownership, errors and threading). What is specific here:
   published (key, offset, size) so same-host clients copy it with no lease at all. The extent
   table unpublishes a chunk before its space can be reused. Where the index cannot be made
   (not x86-64 Linux), the tier logs why and runs without one.
+* **Owners.** Each published chunk carries its owning tenant's tag in the read index, so a
+  tenant-scoped reader can refuse another tenant's chunk (``read_index``, "Owners"). The
+  ``Tier`` calls take no tenant, so the writer names it around them: a chunk ``put`` or
+  ``reserve``-d while the calling thread is inside :func:`writing_for` ``(owner)`` is
+  ``owner``'s (a reserved slot keeps the owner it was reserved under for its commit); outside
+  it, the default tenant's (``""``). The cache wraps every tier write it makes for a tenant
+  (``TieredCache._place``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from kvstore.dataplane.allocator import ExtentAllocator
@@ -57,6 +66,26 @@ from kvstore.errors import (
 log = logging.getLogger(__name__)
 
 DEFAULT_ALIGNMENT_BYTES = 4096
+
+
+class _Writer(threading.local):
+    owner = ""
+
+
+_writer = _Writer()
+
+
+@contextlib.contextmanager
+def writing_for(owner: str) -> Iterator[None]:
+    """Chunks this thread puts or reserves in a :class:`DramTier` meanwhile are ``owner``'s
+    (a tenant's name) in the read index (module docstring, "Owners"). Nests; other threads
+    are not affected."""
+    previous = _writer.owner
+    _writer.owner = owner
+    try:
+        yield
+    finally:
+        _writer.owner = previous
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +116,8 @@ class DramSlot:
     caller exported it further, e.g. ``np.frombuffer(slot.buffer)``: don't keep those).
     """
 
-    __slots__ = ("_buffer", "_key", "_offset", "_size_bytes", "_state", "_tier", "_token")
+    __slots__ = ("_buffer", "_key", "_offset", "_owner", "_size_bytes", "_state", "_tier",
+                 "_token")
 
     def __init__(
         self,
@@ -105,6 +135,8 @@ class DramSlot:
         self._size_bytes = size_bytes
         self._buffer = buffer
         self._state = _SlotState.PENDING
+        self._owner = _writer.owner
+        """Whose chunk it is (:func:`writing_for` at reserve), for the read index."""
 
     @property
     def key(self) -> ChunkKey:
@@ -238,7 +270,8 @@ class DramTier(ExtentTableTier):
         offset = self._table.begin_write(chunk_key, stored.nbytes, token)
         try:
             copy_bytes(self._arena.view(offset, stored.nbytes, readonly=False), stored)
-            self._table.commit_write(chunk_key, token, offset, stored.nbytes, size, codec)
+            self._table.commit_write(chunk_key, token, offset, stored.nbytes, size, codec,
+                                     _writer.owner)
         except BaseException:
             self._table.abort_write(chunk_key, token, offset)
             raise
@@ -279,7 +312,8 @@ class DramTier(ExtentTableTier):
                     raise
                 offset, stored_bytes, codec = new_offset, len(packed), self._codec_spec.kind
         try:
-            self._table.commit_write(slot.key, token, offset, stored_bytes, slot.size_bytes, codec)
+            self._table.commit_write(slot.key, token, offset, stored_bytes, slot.size_bytes, codec,
+                                     slot._owner)
         except BaseException:
             if offset != slot._offset:
                 self._table.free_raw(offset)
@@ -349,6 +383,7 @@ class DramTier(ExtentTableTier):
             return out
         results: list[ChunkInfo | KvtierError | None] = [None] * len(slots)
         wanted: list[tuple[ChunkKey, object, int, int]] = []
+        owners: list[str] = []
         at: list[int] = []
         where = [-1] * len(slots)  # a slot's position in ``wanted``
         order: list[int] | None = None if after is None else []
@@ -367,8 +402,10 @@ class DramTier(ExtentTableTier):
                     order.append(where[after[i]] if after[i] >= 0 else -1)
                 where[i] = len(wanted)
                 wanted.append((slot._key, slot._token, slot._offset, slot._size_bytes))
+                owners.append(slot._owner)
                 at.append(i)
-        for i, extent in zip(at, self._table.commit_raw_many(wanted, order), strict=True):
+        for i, extent in zip(at, self._table.commit_raw_many(wanted, order, owners),
+                             strict=True):
             if isinstance(extent, KvtierError):
                 results[i] = extent
                 continue

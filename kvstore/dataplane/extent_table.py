@@ -54,11 +54,13 @@ class ExtentPublisher(Protocol):
     :class:`ExtentTable` calls these under its lock. ``unpublish`` runs **before** the extent's
     space can be reused (before ``free``, and before a removed extent's last reader releases it),
     on every path that ends a committed chunk: remove, drop (corruption) and close. Only extents
-    stored raw (``CodecKind.NONE``) are published. The calls must be quick and must not call
-    back into the table; ``publish`` may decline (a full index) by returning False.
+    stored raw (``CodecKind.NONE``) are published, each with its ``owner`` (the tenant that
+    owns the chunk, an opaque name here; ``""``: the default tenant), as the table's writer
+    gave it. The calls must be quick and must not call back into the table; ``publish`` may
+    decline (a full index) by returning False.
     """
 
-    def publish(self, key: bytes, offset: int, size_bytes: int) -> bool: ...
+    def publish(self, key: bytes, offset: int, size_bytes: int, owner: str = "") -> bool: ...
 
     def unpublish(self, key: bytes) -> bool: ...
 
@@ -141,8 +143,10 @@ class ExtentTable:
         stored_bytes: int,
         size_bytes: int,
         codec: CodecKind,
+        owner: str = "",
     ) -> Extent:
-        """Publish a pending write. Raises InvalidArgument when ``token`` is not pending."""
+        """Publish a pending write (to the publisher as ``owner``'s chunk). Raises
+        InvalidArgument when ``token`` is not pending."""
         with self._lock:
             self._check_open()
             if self._pending.get(key) is not token:
@@ -151,7 +155,7 @@ class ExtentTable:
             extent = Extent(key, offset, stored_bytes, size_bytes, codec)
             self._committed[key] = extent
             if self._publisher is not None and codec is CodecKind.NONE:
-                self._publisher.publish(key, offset, size_bytes)
+                self._publisher.publish(key, offset, size_bytes, owner)
             return extent
 
     def begin_write_many(self, items: Sequence[tuple[ChunkKey, int, object]]
@@ -181,9 +185,11 @@ class ExtentTable:
         return out
 
     def commit_raw_many(self, items: Sequence[tuple[ChunkKey, object, int, int]],
-                        after: Sequence[int] | None = None) -> list[Extent | InvalidArgument]:
+                        after: Sequence[int] | None = None,
+                        owners: Sequence[str] | None = None) -> list[Extent | InvalidArgument]:
         """:meth:`commit_write` of raw (``CodecKind.NONE``) writes, each ``(key, token, offset,
-        size_bytes)``, in order, in one lock round: per item its extent (published), or
+        size_bytes)`` (published as ``owners[i]``'s; None: all the default tenant's ``""``),
+        in order, in one lock round: per item its extent (published), or
         InvalidArgument where the write is not pending under that token, or where ``after[i]``
         (the position in ``items`` of an item that must be committed first: a parent; -1 for
         none) failed. A failed item stays as it was (pending: the caller aborts it), so a
@@ -208,7 +214,7 @@ class ExtentTable:
                 extent = Extent(key, offset, size_bytes, size_bytes, none)
                 committed[key] = extent
                 if publisher is not None:
-                    publisher.publish(key, offset, size_bytes)
+                    publisher.publish(key, offset, size_bytes, "" if owners is None else owners[i])
                 out.append(extent)
         return out
 

@@ -51,7 +51,7 @@ from kvstore.errors import InvalidArgument, TierUnavailable
 
 log = logging.getLogger(__name__)
 
-ABI = 5
+ABI = 6
 """Must equal ``KVT_ABI`` in fastpath.c (checked at load); bumped whenever ``cfg[]``/``st[]``
 or a signature changes."""
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -85,7 +85,8 @@ back-to-back requests pay one ``poll`` each instead of a return to Python)."""
  _CFG_MAX_KEY_BYTES, _CFG_FRAME_MAGIC, _CFG_FRAME_VERSION, _CFG_OP_GET, _CFG_FLAG_ANY_SIZE,
  _CFG_FLAG_MORE, _CFG_COPY_READ_MAX, _CFG_MAX_VALUE_BYTES, _CFG_ATTEMPTS, _CFG_RING_ENTRIES,
  _CFG_RING_ENTRY_BYTES, _CFG_DRAIN_WAIT_MS, _CFG_RECV_TICK_US, _CFG_HEADER_TIMEOUT_NS,
- _CFG_COUNT) = range(30)
+ _CFG_TAG_LO_AT, _CFG_TAG_HI_AT, _CFG_OWNER_CHECK, _CFG_OWNER_A, _CFG_OWNER_B,
+ _CFG_COUNT) = range(35)
 (ST_RPOS, ST_REND, ST_LAST_FLAGS, ST_GETS, ST_BYTES_SENT, ST_RING_COUNT, ST_RETRIES,
  ST_FALLBACKS, ST_ERRNO, ST_SENT, ST_SHORT_TICK, ST_FRAME_CLOCK, _ST_VERIFIED_ADDR,
  _ST_VERIFIED_MASK, _ST_DECLINED_SLOT, _ST_DECLINED_SEQ, _ST_COUNT) = range(17)
@@ -267,10 +268,13 @@ def _load_extension(path: str) -> ModuleType | None:
 
 
 def index_read_config(*, arena_address: int, arena_bytes: int, index_address: int, slots: int,
-                      attempts: int) -> ctypes.Array[ctypes.c_int64]:
+                      attempts: int, owner_tags: tuple[tuple[int, int], ...] | None = None
+                      ) -> ctypes.Array[ctypes.c_int64]:
     """A ``cfg[]`` with the read-index fields filled in: enough for the extension's
     ``IndexReader`` (the lease-free client read) and ``kvt_index_read``; the TCP loop adds its
-    frame fields (:meth:`NativeReadSource.config`).
+    frame fields (:meth:`NativeReadSource.config`). ``owner_tags``: the (low, high) owner-tag
+    halves a tenant-scoped reader accepts (at most two; any other slot is a miss:
+    ``read_index.py``, "Owners"); None: every slot.
     The addresses are of mappings the caller keeps alive while the config is in use."""
     cfg = (ctypes.c_int64 * _CFG_COUNT)()
     cfg[_CFG_ABI] = ABI
@@ -289,6 +293,15 @@ def index_read_config(*, arena_address: int, arena_bytes: int, index_address: in
     cfg[_CFG_STATE_LIVE] = layout.SlotState.LIVE.value
     cfg[_CFG_STATE_EMPTY] = layout.SlotState.EMPTY.value
     cfg[_CFG_ATTEMPTS] = attempts
+    cfg[_CFG_TAG_LO_AT] = layout.TAG_LO_AT
+    cfg[_CFG_TAG_HI_AT] = layout.TAG_HI_AT
+    if owner_tags is not None:
+        if len(owner_tags) > 2:
+            raise InvalidArgument(f"the native reader takes at most two owner tags, got "
+                                  f"{len(owner_tags)}")
+        accepted = [lo | hi << 16 for lo, hi in owner_tags] + [-1, -1]  # -1: never a tag
+        cfg[_CFG_OWNER_CHECK] = 1
+        cfg[_CFG_OWNER_A], cfg[_CFG_OWNER_B] = accepted[0], accepted[1]
     return cfg
 
 
@@ -354,7 +367,8 @@ class NativeReadSource:
         i = xxhash.xxh3_64_intdigest(key) & mask
         for _ in range(self.slots):
             at = layout.HEADER_BYTES + i * layout.SLOT_BYTES
-            seq, _offset, _size, state, kl = layout.SLOT_STRUCT.unpack_from(view, at)
+            seq, _offset, _size, state, kl, _tag_lo, _tag_hi = layout.SLOT_STRUCT.unpack_from(
+                view, at)
             if seq & 1:
                 return None
             if state == layout.SlotState.EMPTY:
@@ -374,7 +388,7 @@ class NativeReadSource:
             return False
         at = layout.HEADER_BYTES + slot * layout.SLOT_BYTES
         view = self._index_view
-        first, _offset, _size, state, klen = layout.SLOT_STRUCT.unpack_from(view, at)
+        first, _offset, _size, state, klen, _lo, _hi = layout.SLOT_STRUCT.unpack_from(view, at)
         if first != seq or state != layout.SlotState.LIVE or klen != len(key):
             return False
         same = view[at + layout.KEY_AT:at + layout.KEY_AT + klen] == key

@@ -15,20 +15,33 @@ Layout (all little-endian; the constants, shared with the native reader, are in
       the arena's name, and at :data:`OWNER_AT` a robust process-shared pthread mutex that one
       daemon thread holds for the index's whole life (see "Liveness").
     * slot: ``seq`` (u64; even: stable, odd: being written), arena offset (u64), size (u64),
-      state (u8: EMPTY, LIVE, TOMBSTONE), key length (u8), and the key at byte 32 (1..64 bytes).
+      state (u8: EMPTY, LIVE, TOMBSTONE), key length (u8), the owner tag (48 bits in bytes
+      26..31: :func:`~kvstore.dataplane.read_index_layout.owner_tag` of the tenant that owns
+      the chunk), and the key at byte 32 (1..64 bytes).
 
 Writer (:class:`ReadIndex`, the daemon only)
     Every change of a slot is ``seq += 1`` (odd), the fields, ``seq += 1`` (even), under the
     index's lock; ``seq`` only ever grows, so a reader can never see an old value again (no ABA).
     The DRAM tier's extent table calls :meth:`ReadIndex.unpublish` *before* it frees an extent
     (remove, eviction, demotion, corruption, close), so an extent is never reused while the index
-    still points at it. Only committed chunks stored raw (``CodecKind.NONE``) are published.
+    still points at it. Only committed chunks stored raw (``CodecKind.NONE``) are published,
+    each with its owner's tag (the tier is told the owner where the chunk is written:
+    :func:`kvstore.dataplane.dram.writing_for`).
 
 Reader (:class:`ReadIndexReader`, a client)
     probe → ``seq1`` (even, key matches) → copy ``size`` bytes → re-read ``seq``; equal: the copy
     is the chunk's (no write touched the slot meanwhile, hence the extent was not freed, hence not
     reused); different: retry a few times, then the caller takes the leased path. A key not found
     is a miss here (the leased path decides: the chunk may live in NVMe, or nowhere).
+
+Owners
+    A reader attached with ``owners`` (a tenant-scoped session: its own tenant and the shared
+    one) treats a slot whose owner tag is none of theirs as a miss, so the read takes the leased
+    path, where the daemon checks the tenant and refuses it (absent). This stops an honest
+    client's bug or guessed key; it is no boundary against a process that maps the arena (it
+    can read every byte anyway). Two owners share a tag with probability 2**-48 per pair; such
+    a pair is not kept apart here, only by the leased path's check, which this then skips
+    (docs/dram-arena.md, "Owner tags"). Without ``owners`` (no security) every slot is read.
 
 Memory ordering
     Correct on x86-64 only, where loads are not reordered with other loads and stores not with
@@ -61,7 +74,7 @@ import logging
 import platform
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -94,6 +107,8 @@ from kvstore.dataplane.read_index_layout import (
     IndexState,
     SlotState,
     lease_free_supported,
+    owner_tag,
+    split_owner_tag,
 )
 from kvstore.dataplane.tier import MAX_KEY_BYTES
 from kvstore.errors import InvalidArgument, InvariantViolation, TierUnavailable
@@ -207,8 +222,10 @@ class ReadIndex:
         self._lock = threading.Lock()
         self._states = bytearray(slots)
         """Mirror of each slot's state, so the writer probes without reading shared memory."""
-        self._entries: dict[bytes, tuple[int, int, int]] = {}
-        """key -> (slot, offset, size) of every live entry."""
+        self._entries: dict[bytes, tuple[int, int, int, int]] = {}
+        """key -> (slot, offset, size, owner tag) of every live entry."""
+        self._tags: dict[str, int] = {}
+        """owner -> its tag (a few tenants: computed once each)."""
         self._tombstones = 0
         self._closed = False
         self.refused = 0
@@ -285,19 +302,25 @@ class ReadIndex:
 
     # --- changes ------------------------------------------------------------------------------
 
-    def publish(self, key: bytes, offset: int, size_bytes: int) -> bool:
-        """Point ``key`` at ``size_bytes`` at ``offset`` in the arena. False when the table is
-        full (the chunk is then read through leases). Re-publishing a key moves it."""
+    def publish(self, key: bytes, offset: int, size_bytes: int, owner: str = "") -> bool:
+        """Point ``key`` at ``size_bytes`` at ``offset`` in the arena, tagged as ``owner``'s (a
+        tenant's name; ``""``: the default tenant; module docstring, "Owners"). False when the
+        table is full (the chunk is then read through leases). Re-publishing a key moves it."""
         if not 1 <= len(key) <= MAX_KEY_BYTES:
             raise InvalidArgument(f"read index keys are 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
         k = bytes(key)
+        tag = self._tags.get(owner)
+        if tag is None:
+            tag = owner_tag(owner)
+            if len(self._tags) < 4096:
+                self._tags[owner] = tag
         with self._lock:
             if self._closed:
                 return False
             old = self._entries.get(k)
             if old is not None:
-                self._write(old[0], _LIVE, k, offset, size_bytes)
-                self._entries[k] = (old[0], offset, size_bytes)
+                self._write(old[0], _LIVE, k, offset, size_bytes, tag)
+                self._entries[k] = (old[0], offset, size_bytes, tag)
                 return True
             slot = self._free_slot(k)
             if slot < 0:
@@ -305,8 +328,8 @@ class ReadIndex:
                 return False
             if self._states[slot] == _TOMB:
                 self._tombstones -= 1
-            self._write(slot, _LIVE, k, offset, size_bytes)
-            self._entries[k] = (slot, offset, size_bytes)
+            self._write(slot, _LIVE, k, offset, size_bytes, tag)
+            self._entries[k] = (slot, offset, size_bytes, tag)
             return True
 
     def unpublish(self, key: bytes) -> bool:
@@ -384,12 +407,12 @@ class ReadIndex:
         self._tombstones = 0
         self._entries.clear()
         mask, states = self._mask, self._states
-        for key, (_slot, offset, size) in live:
+        for key, (_slot, offset, size, tag) in live:
             i = _hash(key) & mask
             while states[i] != _EMPTY:
                 i = (i + 1) & mask
-            self._write(i, _LIVE, key, offset, size)
-            self._entries[key] = (i, offset, size)
+            self._write(i, _LIVE, key, offset, size, tag)
+            self._entries[key] = (i, offset, size, tag)
 
     def _reset_slots(self) -> None:
         for slot, state in enumerate(self._states):
@@ -397,15 +420,18 @@ class ReadIndex:
                 self._write(slot, _EMPTY, b"", 0, 0)
         self._tombstones = 0
 
-    def _write(self, slot: int, state: int, key: bytes, offset: int, size_bytes: int) -> None:
-        """One seqlock write of a slot: seq odd, fields, seq even (module docstring)."""
+    def _write(self, slot: int, state: int, key: bytes, offset: int, size_bytes: int,
+               tag: int = 0) -> None:
+        """One seqlock write of a slot: seq odd, fields (the owner tag among them), seq even
+        (module docstring)."""
         buf = self._buf
         at = HEADER_BYTES + (slot << SLOT_SHIFT)
         seq = SEQ_STRUCT.unpack_from(buf, at)[0]
         if seq & 1:
             raise InvariantViolation(f"read index slot {slot} was left half-written")
         SEQ_STRUCT.pack_into(buf, at, seq + 1)
-        BODY_STRUCT.pack_into(buf, at + 8, offset, size_bytes, state, len(key))
+        BODY_STRUCT.pack_into(buf, at + 8, offset, size_bytes, state, len(key), tag & 0xFFFF,
+                              tag >> 16)
         if key:
             buf[at + KEY_AT:at + KEY_AT + len(key)] = key
         SEQ_STRUCT.pack_into(buf, at, seq + 2)
@@ -424,7 +450,7 @@ class ReadIndexReader:
     (module docstring). Build with :meth:`attach`."""
 
     def __init__(self, segment: ShmArena, arena: ShmArena, slots: int, owner_word: int,
-                 attempts: int) -> None:
+                 attempts: int, owners: Sequence[str] | None = None) -> None:
         """Wrap an attached, verified index; use :meth:`attach`."""
         self._segment = segment
         self._buf = segment.view(0, segment.size_bytes)
@@ -434,6 +460,8 @@ class ReadIndexReader:
         self._slots = slots
         self._owner_word = owner_word
         self._attempts = attempts
+        self._owners = None if owners is None else tuple(owners)
+        self._tags = _tags_for(self._owners)
         self._retries = 0
         self._before_copy: Callable[[], None] | None = None
         self._native: Any = None
@@ -467,7 +495,7 @@ class ReadIndexReader:
         cfg = index_read_config(
             arena_address=buffer_address(self._arena), arena_bytes=self._arena_bytes,
             index_address=buffer_address(self._buf), slots=self._slots,
-            attempts=self._attempts)
+            attempts=self._attempts, owner_tags=self._tags)
         self._holder = _Mappings()
         self._native = module.IndexReader(
             bytes(cfg), buffer_address(self._buf) + OWNER_AT, self._owner_word, MAX_KEY_BYTES,
@@ -479,6 +507,12 @@ class ReadIndexReader:
         ``len(queue) == batch`` (``StoreClient``'s read reporter). Needs the extension."""
         if self._native is not None:
             self._native.set_report(queue, batch, wake)
+
+    @property
+    def owners(self) -> tuple[str, ...] | None:
+        """The owners whose chunks this reader copies (module docstring, "Owners"); None:
+        every owner's."""
+        return self._owners
 
     @property
     def native(self) -> bool:
@@ -500,14 +534,19 @@ class ReadIndexReader:
         return self._retries + int(self._native.counters()[3])
 
     @classmethod
-    def attach(cls, name: str, arena: ShmArena, *, attempts: int = 4) -> ReadIndexReader:
+    def attach(cls, name: str, arena: ShmArena, *, attempts: int = 4,
+               owners: Sequence[str] | None = None) -> ReadIndexReader:
         """Map the index ``name`` read-only and check that it indexes ``arena`` and that its
-        daemon is alive. Raises InvalidArgument (no such index, or it belongs to another
-        arena), TierUnavailable (closed, dead owner, or lease-free reads unsupported here)."""
+        daemon is alive. ``owners``: the tenants whose chunks this reader may copy (at most
+        two: a session's own and the shared tenant; empty: none), every other chunk is a miss
+        (module docstring, "Owners"); None: every chunk (no security). Raises
+        InvalidArgument (no such index, it belongs to another arena, more than two owners),
+        TierUnavailable (closed, dead owner, or lease-free reads unsupported here)."""
         if not lease_free_supported():
             raise TierUnavailable("lease-free reads need Linux on x86-64")
         if attempts < 1:
             raise InvalidArgument(f"attempts must be >= 1, got {attempts}")
+        _tags_for(None if owners is None else tuple(owners))  # checks them before mapping
         segment = ShmArena.attach(name, access=ArenaAccess.READ_ONLY)
         try:
             if segment.size_bytes < HEADER_BYTES:
@@ -529,7 +568,7 @@ class ReadIndexReader:
             if state != IndexState.OPEN or not owner_word & _FUTEX_TID_MASK \
                     or owner_word & _FUTEX_OWNER_DIED:
                 raise TierUnavailable(f"read index {name!r} is closed or its daemon is gone")
-            return cls(segment, arena, slots, owner_word, attempts)
+            return cls(segment, arena, slots, owner_word, attempts, owners)
         except BaseException:
             segment.close()
             raise
@@ -550,7 +589,7 @@ class ReadIndexReader:
             if n != NOT_TRIED:
                 return int(n)
         # The hot path of a same-host get: locals only, one unpack per slot, plain ints.
-        buf, mask, arena = self._buf, self._mask, self._arena
+        buf, mask, arena, tags = self._buf, self._mask, self._arena, self._tags
         slot_of, seq_of, owner_of = SLOT_STRUCT.unpack_from, SEQ_STRUCT.unpack_from, OWNER_STRUCT.unpack_from
         klen = len(key)
         start = _xxh3_64(key) & mask
@@ -560,11 +599,13 @@ class ReadIndexReader:
                 at = HEADER_BYTES + (i << SLOT_SHIFT)
                 # One unpack reads seq first, then the fields (struct reads them in order,
                 # each through its own call; module docstring, "Memory ordering").
-                seq, offset, size, state, kl = slot_of(buf, at)
+                seq, offset, size, state, kl, tag_lo, tag_hi = slot_of(buf, at)
                 if seq & 1:
                     break  # being written: retry
                 if state == _LIVE:
                     if kl == klen and buf[at + KEY_AT:at + KEY_AT + klen] == key:
+                        if tags is not None and (tag_lo, tag_hi) not in tags:
+                            return _MISS  # another tenant's: the leased path refuses it
                         if size != out.nbytes or offset + size > self._arena_bytes:
                             if seq_of(buf, at)[0] == seq:
                                 return _CONFLICT  # a real size mismatch: the leased path says so
@@ -591,7 +632,7 @@ class ReadIndexReader:
     def locate(self, key: bytes) -> tuple[int, int, int, int] | None:
         """Where chunk ``key`` lies now, for a caller that copies it out of the arena itself:
         ``(slot, seq, offset, size)``, or None (not published, being written: the leased path
-        decides). The caller's copy is the chunk's only if :meth:`unchanged` ``(slot, seq)``
+        decides; another tenant's chunk for a reader with ``owners``). The caller's copy is the chunk's only if :meth:`unchanged` ``(slot, seq)``
         and :meth:`alive` are true after it (the reader's protocol, module docstring, with the
         copy in between done by the caller)."""
         buf, mask = self._buf, self._mask
@@ -599,12 +640,13 @@ class ReadIndexReader:
         i = _xxh3_64(key) & mask
         for _probe in range(self._slots):
             at = HEADER_BYTES + (i << SLOT_SHIFT)
-            seq, offset, size, state, kl = SLOT_STRUCT.unpack_from(buf, at)
+            seq, offset, size, state, kl, tag_lo, tag_hi = SLOT_STRUCT.unpack_from(buf, at)
             if seq & 1:
                 return None
             if state == _LIVE:
                 if kl == klen and buf[at + KEY_AT:at + KEY_AT + klen] == key:
-                    if offset + size > self._arena_bytes:
+                    if offset + size > self._arena_bytes or (
+                            self._tags is not None and (tag_lo, tag_hi) not in self._tags):
                         return None
                     return at, seq, offset, size
             elif state == _EMPTY:
@@ -637,6 +679,16 @@ class ReadIndexReader:
 
     def _drop_native(self) -> None:
         self._native = self._holder = self.fast_get = None
+
+
+def _tags_for(owners: tuple[str, ...] | None) -> tuple[tuple[int, int], ...] | None:
+    """The (low, high) tag halves a reader of ``owners`` accepts (None: every slot)."""
+    if owners is None:
+        return None
+    if len(owners) > 2 or not all(isinstance(o, str) for o in owners):
+        raise InvalidArgument(f"a read index reader takes at most two owners (a tenant and the "
+                              f"shared one), got {owners!r}")
+    return tuple(split_owner_tag(owner_tag(o)) for o in owners)
 
 
 class _Mappings:
