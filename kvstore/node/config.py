@@ -239,8 +239,8 @@ class ServerConfig:
     header_timeout_s: float = 10.0
     """Once a frame's first byte arrived, the rest of its header must arrive within this."""
     max_connections: int = 1024
-    """Connections each listener (TCP data plane, lease channel) serves at once; one more is
-    refused with an error frame and closed."""
+    """Connections each listener (TCP data plane, lease channel, gRPC) serves at once; one more
+    is refused with an error frame and closed (gRPC: closed)."""
     tcp_tls: bool = False
     """TLS on the TCP data plane, with the gRPC port's certificate, key and client CA
     (``security.cert_file``/``key_file``/``client_ca_file``: client certificates required

@@ -354,6 +354,9 @@ class StoreDaemon:
             ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
+            # Bounded as each data-plane listener is: a flood of idle HTTP/2 connections would
+            # otherwise hold descriptors up to the process limit (found by the fault suite).
+            ("grpc.max_allowed_incoming_connections", cfg.server.max_connections),
         ])
         self._service = StoreService(self)
         self._service.register(server)  # decode-safe: bad bytes are INVALID_ARGUMENT

@@ -1,0 +1,62 @@
+"""The daemon's gRPC port serves at most ``server.max_connections`` connections, as each data
+plane listener does (issue 16, found by the fault suite's ``flood-connections``: 128 idle
+HTTP/2 connections all stayed open, bounded only by the process's descriptor limit). One more
+is closed by the daemon at once; once the flood goes, clients are served again.
+
+A real daemon; the flood is raw sockets that send the HTTP/2 preface and an empty SETTINGS
+frame (valid, idle connections); the daemon's sockets counted in ``/proc/<pid>/fd``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.support.common import wait_until
+from tests.support.daemon import DaemonProcess, running
+
+BOUND = 8
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
+def sockets(pid: int) -> int:
+    count = 0
+    for entry in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            count += os.readlink(entry).startswith("socket:")
+        except OSError:
+            continue
+    return count
+
+
+def test_the_grpc_port_holds_at_most_max_connections(tmp_path: Path) -> None:
+    daemon = DaemonProcess(tmp_path, "node-grpc-bound", nvme=False,
+                           settings={"server.max_connections": str(BOUND)})
+    with running(daemon):
+        host, _, port = daemon.grpc_address.rpartition(":")
+        before = sockets(daemon.pid)
+        flood = []
+        for _ in range(3 * BOUND):
+            sock = socket.create_connection((host, int(port)), timeout=5)
+            sock.sendall(PREFACE)
+            flood.append(sock)
+        served = 0
+        for sock in flood:  # a served connection gets the daemon's SETTINGS; one over: EOF
+            try:
+                served += len(sock.recv(4096)) > 0
+            except OSError:  # reset: refused
+                pass
+        assert served <= BOUND, f"{served} of {len(flood)} connections served"
+        wait_until(lambda: sockets(daemon.pid) <= before + BOUND, 20,
+                   f"the daemon to hold at most {BOUND} of the flood's connections")
+        for sock in flood:
+            sock.close()
+        wait_until(lambda: sockets(daemon.pid) <= before, 20, "the flood's sockets to close")
+        with grpc.insecure_channel(daemon.grpc_address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(  # type: ignore[no-untyped-call]
+                health_pb2.HealthCheckRequest(), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
