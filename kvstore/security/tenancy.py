@@ -22,7 +22,8 @@ from kvstore.errors import InvalidArgument, PermissionDenied
 from kvstore.security.identity import INSECURE, Principal, Role
 from kvstore.wire import TENANT_MAX_CHARS, TENANT_METADATA_KEY
 
-__all__ = ["DEFAULT_TENANT", "SHARED_TENANT", "requested_tenant", "resolve_tenant"]
+__all__ = ["DEFAULT_TENANT", "SHARED_TENANT", "readable_owners", "requested_tenant",
+           "resolve_tenant"]
 
 DEFAULT_TENANT = ""
 """The tenant of a request that names none (every client before tenants existed)."""
@@ -83,3 +84,18 @@ def resolve_tenant(principal: Principal, requested: str | None, *, write: bool =
             raise PermissionDenied(f"{principal.name} may not write the shared tenant "
                                    f"{SHARED_TENANT!r}: its credentials need shared_writer")
     return tenant
+
+
+def readable_owners(ticket_reply: Any) -> tuple[str, ...] | None:
+    """Whose chunks a data-plane session may read, from its ``IssueDataTicketResponse``: None
+    for every tenant's (``every_tenant``), else its tenant's and the shared tenant's (the
+    lease-free same-host reader copies only those: docs/security.md, "Same host").
+
+    The reply names the tenant the session writes as; a session that may only read the shared
+    tenant writes as none and says ``""``, as a default-tenant session does, so ``""`` gives
+    the shared tenant alone: a default-tenant session's own chunks then take the leased path,
+    never the other way round."""
+    if ticket_reply.every_tenant:
+        return None
+    tenant = str(ticket_reply.tenant)
+    return (tenant, SHARED_TENANT) if tenant and tenant != SHARED_TENANT else (SHARED_TENANT,)

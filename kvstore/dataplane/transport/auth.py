@@ -142,12 +142,16 @@ INSECURE_GRANT = SessionGrant("insecure", "operator", None, math.inf)
 @dataclass(frozen=True, slots=True)
 class SessionTicket:
     """A ticket as a client holds it: the bytes it presents, when it expires (wall clock,
-    Unix seconds: the issuing daemon's clock, so a client renews a margin before) and its
-    lifetime ``ttl_s`` when issued (0: unknown)."""
+    Unix seconds: the issuing daemon's clock, so a client renews a margin before), its
+    lifetime ``ttl_s`` when issued (0: unknown), and ``read_owners``: the owners (tenants) whose
+    chunks the session may read, for a same-host reader that copies chunks without asking the
+    daemon (the read index's "Owners"): None for every owner's, empty (the default) for none
+    known, so a ticket that says nothing makes every such read take the checked path."""
 
     ticket: bytes
     expires_at_unix_s: float
     ttl_s: float = 0.0
+    read_owners: tuple[str, ...] | None = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.ticket, bytes) or not self.ticket:
@@ -157,6 +161,10 @@ class SessionTicket:
                                   f"{len(self.ticket)}")
         if math.isnan(self.expires_at_unix_s):
             raise InvalidArgument("expires_at_unix_s must be a time, got nan")
+        if self.read_owners is not None and (not isinstance(self.read_owners, tuple) or not all(
+                isinstance(o, str) for o in self.read_owners)):
+            raise InvalidArgument(f"read_owners is a tuple of tenant names or None, got "
+                                  f"{self.read_owners!r}")
 
 
 @runtime_checkable
