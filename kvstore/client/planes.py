@@ -52,6 +52,7 @@ from kvstore.dataplane.transport.shm import LeaseFreeCounters, ShmBatchRead, Shm
 from kvstore.dataplane.transport.tcp import TcpClient
 from kvstore.dataplane.transport.ucx import UcxClient, ucx_unavailable
 from kvstore.errors import InvalidArgument, PeerUnavailable, TierUnavailable, TransportError
+from kvstore.security.tenancy import readable_owners
 from kvstore.security.tls import data_plane_client_context
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,8 @@ class DataTickets:
                 reply = self._control.call("IssueDataTicket",
                                            pb.IssueDataTicketRequest(ttl_s=self._ttl_s))
                 ticket = self._ticket = SessionTicket(bytes(reply.ticket),
-                                                      reply.expires_at_unix_s, reply.ttl_s)
+                                                      reply.expires_at_unix_s, reply.ttl_s,
+                                                      readable_owners(reply))
                 self.fetched += 1
             return ticket
 
