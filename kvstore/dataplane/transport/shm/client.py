@@ -538,8 +538,11 @@ class ShmClient:
         """Map the peer's read index for lease-free reads; when that fails every read takes a
         lease (logged once)."""
         cfg = self._config
+        # A ticketed session copies only its tenants' chunks lease-free (read_index, "Owners").
+        owners = None if self._ticket is None else self._ticket.current().read_owners
         try:
-            reader = ReadIndexReader.attach(name, self._arena, attempts=cfg.lease_free_attempts)
+            reader = ReadIndexReader.attach(name, self._arena, attempts=cfg.lease_free_attempts,
+                                            owners=owners)
         except KvtierError as exc:
             log.info("same-host reads take leases: %s", exc)
             return
