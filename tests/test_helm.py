@@ -195,7 +195,9 @@ CUSTOM: dict[str, Any] = {
     "imagePullSecrets": [{"name": "regcred"}],
     "etcd": {"enabled": False, "endpoint": "etcd.infra.svc:2379"},
     "daemon": {"nvme": {"hostPath": "/mnt/nvme1/kvtier"}, "gpu": True, "hostNetwork": False,
-               "nodeSelector": {"kvtier.example/cache": "true"}},
+               "nodeSelector": {"kvtier.example/cache": "true"},
+               "config": {"tenants": {"max_tracked": 16,
+                                      "quotas": ["alice:dram:max=4GiB;guaranteed=1GiB"]}}},
     "conductor": {"replicas": 3, "ttftSloS": 0.5},
     "metrics": {"serviceMonitor": {"enabled": True, "interval": "30s"}},
 }
@@ -525,6 +527,9 @@ def test_rendered_daemon_config_loads(helm: Helm, tmp_path: Path, value_set: str
     assert (probe["grpc"] if not config.security.tls else probe["tcpSocket"])["port"] == \
         config.server.grpc_port
     assert str(config.nvme.directory) == mounts["nvme"]
+    if value_set == "custom":  # daemon.config passes the tenants section through
+        assert config.tenants.max_tracked == 16
+        assert config.tenants.quotas == ("alice:dram:max=4GiB;guaranteed=1GiB",)
     assert config.etcd.endpoint == _env(daemon)["KVTIER_ETCD__ENDPOINT"]
     assert (config.shutdown.drain_timeout_s
             < daemon["spec"]["template"]["spec"]["terminationGracePeriodSeconds"])
