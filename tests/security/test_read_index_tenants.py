@@ -35,6 +35,7 @@ torch = pytest.importorskip("torch")
 from kvstore.client.kv_client import KVClient, KVClientConfig  # noqa: E402
 from kvstore.client.kvlayout import KVLayout, namespace_for  # noqa: E402
 from kvstore.client.layouts import ContiguousKV  # noqa: E402
+from kvstore.client.requests import LoadRequest  # noqa: E402
 
 SIZES = (4096, 64 << 10, 200 << 10)
 
@@ -127,6 +128,22 @@ def _kv(seed: int) -> tuple[torch.Tensor, list[int]]:
     return kv, torch.randint(0, 50_000, (BLOCKS * B,), generator=g).tolist()
 
 
+class _OneCopyCounted:
+    """A layout whose one-copy scatters (``ShmClient.read_free``'s lease-free views, the
+    KVClient load path of commit 529c0e4) are counted."""
+
+    def __init__(self, inner: ContiguousKV) -> None:
+        self._inner = inner
+        self.one_copy_blocks = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+    def scatter_chunks(self, layers: range, blocks: range, chunks: object) -> None:
+        self.one_copy_blocks += len(blocks)
+        self._inner.scatter_chunks(layers, blocks, chunks)  # type: ignore[arg-type]
+
+
 def _kv_client(world: SecuredDaemon, name: str, tenant: str | None = None) -> KVClient:
     return KVClient.connect(world.address, LAYOUT, NAMESPACE, KVClientConfig(
         security=ClientSecurity(token_file=world.tokens[name]), tenant=tenant))
@@ -150,16 +167,22 @@ def test_the_reproduction_a_kv_client_loads_no_block_of_another_tenant_on_its_ho
         for kv, toks in ((alice_kv, alice_tokens), (shared_kv, shared_tokens)):
             hits = alice.store.lease_free_counters().hits
             out = torch.zeros_like(kv)
-            got = alice.load(toks, ContiguousKV(out, LAYOUT)).result(30)
+            into = _OneCopyCounted(ContiguousKV(out, LAYOUT))
+            (handle,) = alice.load_many([LoadRequest(toks, into)])  # type: ignore[arg-type]
+            got = handle.result(30)
             assert got.error is None and got.complete and got.loaded_blocks == BLOCKS
             assert torch.equal(out, kv)
-            # The chunks came through the lease-free path (one per layer-block chunk).
+            # Every block came through the one-copy lease-free path (read_free).
+            assert into.one_copy_blocks == BLOCKS
             assert alice.store.lease_free_counters().hits >= hits + BLOCKS
         hits = alice.store.lease_free_counters().hits
         out = torch.zeros_like(bob_kv)
-        got = alice.load(bob_tokens, ContiguousKV(out, LAYOUT)).result(30)
+        into = _OneCopyCounted(ContiguousKV(out, LAYOUT))
+        (handle,) = alice.load_many([LoadRequest(bob_tokens, into)])  # type: ignore[arg-type]
+        got = handle.result(30)
         assert got.loaded_blocks == 0
         assert not out.any()  # nothing of bob's in alice's buffer
+        assert into.one_copy_blocks == 0
         assert alice.store.lease_free_counters().hits == hits
         # Nor by a lookup-free load_from of the same daemon.
         got = alice.load_from(world.address, bob_tokens, ContiguousKV(out, LAYOUT)).result(30)

@@ -961,11 +961,11 @@ class ShmClient:
         index publishes now, with no lease and no round trip (:class:`ShmFreeRead`: copy them,
         then ``confirm()``). None without a read index (none published, lease-free reads off,
         a daemon gone) or when the first key is not published; a chunk of another size ends
-        the run (the leased path says why). A tenant-scoped session (one with a ticket) gets
-        None: the index does not check whose chunk a slot holds, the leased path checks the
-        tenant. Raises InvalidArgument for a bad key."""
+        the run (the leased path says why). A tenant-scoped session (one with a ticket) sees
+        only its tenants' chunks here (the reader's owners: another tenant's chunk ends the
+        run, and the leased path refuses it). Raises InvalidArgument for a bad key."""
         reader = self._reader
-        if reader is None or self._closed or self._ticket is not None:
+        if reader is None or self._closed:
             return None
         checked = [check_key(k) for k in keys]
         elem = cuda.torch_module().empty(0, dtype=dtype).element_size()
