@@ -7,8 +7,10 @@ with a credential of their own tenant, save chunks on node-b in one key namespac
 whose credential names both tenants, configured ``KVClientConfig(tenant="alice")`` on node-a,
 loads alice's blocks from node-b bit for bit, over TCP and over shared memory, and the same
 client cannot load bob's (absent to alice: nothing arrives, nothing is leaked into its buffer).
-The daemons run without the lease-free read index, which a same-host reader uses without a tenant
-check by design (docs/security.md); leases, TCP and gRPC are checked.
+The daemons run without the lease-free read index (every same-host read takes the checked lease
+path) and with it (the default): then the shared-memory reader copies alice's blocks with no
+lease (the lease-free counters move) and treats bob's, whose slots carry bob's owner tag, as
+misses that the leased path refuses (docs/security.md, "Same host").
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ NAMESPACE = namespace_for(LAYOUT, "m", "common")
 BLOCKS = 4
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory
+@pytest.fixture(scope="module", params=[False, True], ids=["leased", "read-index"])
+def world(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
           ) -> Iterator[tuple[DaemonProcess, DaemonProcess, dict[str, Path]]]:
     work = tmp_path_factory.mktemp("remote-load-tenant")
     generate_key(work / "keys", "k1")
@@ -50,9 +52,7 @@ def world(tmp_path_factory: pytest.TempPathFactory
                                      tenants=tenants, ttl_s=3600))
     settings = {"security.token_keys": str(work / "keys"),
                 "security.token_reload_interval_s": "0", "server.shm_channel": "true",
-                # Same host: the lease-free read index is not tenant-checked (docs/security.md,
-                # "What is not checked (same host)"); the lease path the test wants is.
-                "dram.read_index": "false"}
+                "dram.read_index": "true" if request.param else "false"}
     a = DaemonProcess(work, "node-a", dram_bytes="8MiB", nvme=False, settings=settings)
     b = DaemonProcess(work, "node-b", dram_bytes="8MiB", nvme=False, settings=settings)
     with running(a, b):
@@ -94,6 +94,11 @@ def test_a_remote_load_acts_for_the_clients_tenant(
         assert torch.equal(out, alice_kv)
         remote = engine._remote_store(b.grpc_address)
         assert remote.data_plane is (DataPlane.SHM if plane is DataPlane.AUTO else DataPlane.TCP)
+        lease_free = remote.lease_free_counters()
+        if plane is DataPlane.AUTO and remote.info.shm_read_index:
+            assert lease_free.hits >= BLOCKS  # alice's came with no lease
+        else:
+            assert lease_free.hits == 0
         # Bob's, by their keys, from the same node and the same client: none arrive.
         assert engine.lookup(bob_tokens, address=b.grpc_address).blocks == 0
         out = torch.zeros_like(bob_kv)
@@ -101,6 +106,7 @@ def test_a_remote_load_acts_for_the_clients_tenant(
         assert got.loaded_blocks == got.remote_blocks == 0
         assert got.failed_blocks == tuple(range(BLOCKS))
         assert not out.any()
+        assert remote.lease_free_counters().hits == lease_free.hits  # none of bob's
     # Bob still reads his own (nothing was taken or replaced).
     with _client(b, tokens["bob"]) as bob:
         out = torch.zeros_like(bob_kv)
