@@ -9,13 +9,19 @@ import contextlib
 import socket
 import ssl
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from kvstore.dataplane.transport.frames import HEADER_BYTES, Opcode, Status, decode_header
+from kvstore.dataplane.transport.frames import (
+    HEADER_BYTES,
+    Opcode,
+    Status,
+    decode_header,
+    pack_header,
+)
 from kvstore.dataplane.transport.memory_backend import MemoryBackend
 from kvstore.dataplane.transport.tcp import TcpClient, TcpServer, TcpServerConfig
 from kvstore.errors import PeerUnavailable, ProtocolError, Unauthenticated
@@ -165,3 +171,40 @@ def test_garbage_on_the_tls_port_does_not_hurt_it(tls_server: TcpServer, ca: Ca,
         client.put(b"after", b"x" * 100)
         assert bytes(client.get(b"after")) == b"x" * 100
     assert tls_server.stats().tls_refused >= 5
+
+
+def _wait_for(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 30
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def test_an_idle_tls_connection_is_closed_and_the_client_goes_on(ca: Ca, tmp_path: Path) -> None:
+    """The server's idle ticks run under TLS (a TLS socket in timeout mode raises where a plain
+    one's SO_RCVTIMEO would: OpenSSL would otherwise retry its blocked read forever)."""
+    ctx = _server_context(ca, tmp_path, client_certs=False)
+    with TcpServer(MemoryBackend(), TcpServerConfig(idle_timeout_s=0.5), tls=lambda: ctx
+                   ) as server, _client(server, _client_context(ca, tmp_path)) as client:
+        client.put(b"idle-key", b"v" * 1000)
+        _wait_for(lambda: server.stats().connections_idle_closed == 1)
+        assert server.stats().connections_idle_closed == 1
+        assert bytes(client.get(b"idle-key")) == b"v" * 1000  # again, on a fresh connection
+
+
+def test_a_frame_trickling_in_over_tls_hits_the_header_timeout(ca: Ca, tmp_path: Path) -> None:
+    ctx = _server_context(ca, tmp_path, client_certs=False)
+    with TcpServer(MemoryBackend(), TcpServerConfig(header_timeout_s=1.0), tls=lambda: ctx
+                   ) as server, socket.create_connection(
+                       (server.endpoint.host, server.endpoint.port), timeout=10) as raw, \
+            _client_context(ca, tmp_path).wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+        header = bytearray(HEADER_BYTES)
+        pack_header(header, Opcode.PING, request_id=7)
+        tls.sendall(bytes(header[:10]))  # the rest never comes
+        buf = b""
+        while len(buf) < HEADER_BYTES:
+            got = tls.recv(HEADER_BYTES - len(buf))
+            assert got, "closed without an answer"
+            buf += got
+        assert decode_header(buf, 1 << 20).status is Status.PROTOCOL
+        _wait_for(lambda: server.stats().header_timeouts == 1)  # counted once it closed
+        assert server.stats().header_timeouts == 1
