@@ -139,6 +139,27 @@ def test_the_daemon_says_its_plane_speaks_tls_and_a_client_moves_values_over_it(
         other.close()
 
 
+def test_a_ticket_is_renewed_inside_tls(world: TlsWorld,
+                                       stored: tuple[StoreClient, dict[bytes, bytes]]) -> None:
+    c = StoreClient.connect(world.address, StoreClientConfig(
+        rpc_timeout_s=10.0, tcp_io_timeout_s=10.0, data_plane=DataPlane.TCP,
+        security=world.alice, data_ticket_ttl_s=2.0))
+    try:
+        remote = c._remote
+        assert isinstance(remote, RemotePlane) and remote.tickets is not None
+        c.put(b"renew-key-00000", b"before")
+        first = remote.tickets.current()
+        while time.time() <= first.expires_at_unix_s:  # the first ticket is gone
+            time.sleep(0.1)
+        assert bytes(_tcp(c).get(b"renew-key-00000")) == b"before"
+        c.put(b"renew-key-00001", b"after")
+        assert bytes(_tcp(c).get(b"renew-key-00001")) == b"after"
+        assert remote.tickets.fetched >= 2 and _tcp(c).tls
+    finally:
+        c.close()
+    _reads_back(stored[0], stored[1])
+
+
 def test_a_plain_client_hears_that_the_plane_speaks_tls(
         world: TlsWorld, stored: tuple[StoreClient, dict[bytes, bytes]]) -> None:
     host, port = world.tcp
