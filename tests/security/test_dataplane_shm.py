@@ -5,8 +5,9 @@ tenant scopes every request of the connection (ACQUIRE_READ, PUT, PUT_MANY, RESE
 RESERVE_MANY/COMMIT_MANY, SIZE_OF, REMOVE). docs/security.md, "Data planes".
 
 The daemon runs with ``dram.read_index: false``: the lease-free read index is a table any
-process that maps the arena reads, and cannot be scoped (what that means is in the docs), so
-with it off every same-host read takes a lease and is checked. Every refusal is paired with
+process that maps the arena reads (its owner tags only steer kvtier's own reader:
+``test_read_index_tenants.py``; what that means is in the docs), so with it off every same-host
+read takes a lease and is checked. Every refusal is paired with
 the same operation succeeding for the right identity; what alice stored before the attacks
 reads back byte for byte after them.
 """
