@@ -42,9 +42,10 @@ tenant owns is PermissionDenied, and remove drops only its own chunks. A scope t
 write (it named the shared tenant without ``shared_writer``) has every put refused. An unscoped
 connection (no security: no ticket) reads every chunk and writes the default tenant, as before.
 Scoped batches on the lease channel reserve and commit item by item (the cache's batch calls
-know no tenant); a scoped TCP connection's small reads copy pin-free between two tenant-checked
-index look-ups (:meth:`TenantLeaseBackend.read_into`) and never go through the native loop
-(which reads the read index and checks no tenant).
+know no tenant); a scoped TCP connection's small reads that Python serves copy pin-free between
+two tenant-checked index look-ups (:meth:`TenantLeaseBackend.read_into`); the native loop
+serves such a connection only publishes the TCP server verified for its tenant with
+``size_of`` (kvstore/dataplane/transport/tcp/server.py, "Tenants").
 
 Thread safety: everything here may be called from any thread.
 """
@@ -447,7 +448,8 @@ def _refuse_write(scope: TenantScope) -> PermissionDenied:
 class TenantLeaseBackend:
     """:class:`CacheLeaseBackend` as one TCP data-plane session of ``scope`` sees it (module
     docstring, "Tenants"); made by ``CacheLeaseBackend.scoped``. Offers no ``native_serving``:
-    the native loop reads the read index, which knows no tenant."""
+    the TCP server runs its native loop from the unscoped backend's, on publishes it verified
+    for this scope's tenant (``size_of`` here is that check)."""
 
     __slots__ = ("_backend", "_read", "_scope", "_write")
 
