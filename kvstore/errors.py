@@ -18,6 +18,7 @@ invariant is a bug and raises :class:`InvariantViolation`.
     ├── ChunkBusy                   pinned / leased / being written: cannot evict or remove now
     ├── CapacityError               a tier cannot make room
     │   ├── DiskFull                the filesystem under the NVMe tier is full (ENOSPC/EDQUOT)
+    │   ├── QuotaExceeded           the writer's tenant is at its cap in the tier (docs/tenants.md)
     │   └── TooManyLeases           the daemon holds ``server.max_leases`` leases and pins already
     ├── ChunkCorrupt                checksum mismatch, torn or truncated record
     ├── StorageError                I/O failed for a reason other than full or corrupt
@@ -109,6 +110,11 @@ class CapacityError(KvtierError):
 
 class DiskFull(CapacityError):
     """The filesystem under an NVMe tier ran out of space; nothing stored was lost."""
+
+
+class QuotaExceeded(CapacityError):
+    """The writer's tenant is at its quota (``max_bytes``) in a tier and evicting its own chunks
+    there cannot make room; other tenants' chunks are never taken for it. Audited as a refusal."""
 
 
 class TooManyLeases(CapacityError):

@@ -45,6 +45,7 @@ GRPC_CODE_NAMES: dict[type[KvtierError], str] = {
     errors.ChunkExists: "ALREADY_EXISTS",
     errors.ChunkBusy: "ABORTED",
     errors.DiskFull: "RESOURCE_EXHAUSTED",
+    errors.QuotaExceeded: "RESOURCE_EXHAUSTED",
     errors.CapacityError: "RESOURCE_EXHAUSTED",
     errors.ChunkCorrupt: "DATA_LOSS",
     errors.TierUnavailable: "UNAVAILABLE",

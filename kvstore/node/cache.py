@@ -129,6 +129,7 @@ from kvstore.errors import (
     InvalidArgument,
     KvtierError,
     PermissionDenied,
+    QuotaExceeded,
 )
 from kvstore.node.index import (
     DEFAULT_TENANT,
@@ -1070,7 +1071,8 @@ class TieredCache:
 
     def _make_room_under_cap(self, kind: TierKind, owner: str, size: int, request: bool) -> None:
         """Evict ``owner``'s own chunks in ``kind`` until ``size`` more bytes fit under its
-        cap there; CapacityError naming the tenant and the quota when they cannot."""
+        cap there; QuotaExceeded (a CapacityError) naming the tenant and the quota when they
+        cannot."""
         over = self._index.over_cap(kind, owner, size)
         if not over:
             return
@@ -1083,7 +1085,7 @@ class TieredCache:
         except CapacityError as exc:
             if request:
                 self.tenants.refused(owner)
-            raise CapacityError(
+            raise QuotaExceeded(
                 f"tenant {owner!r} is at its quota in {kind.value} (max_bytes "
                 f"{quota.max_bytes}): a {size}-byte chunk needs {over} bytes of its own chunks "
                 f"there evicted first, which is not possible ({exc})") from exc

@@ -9,7 +9,8 @@ What is written, by the server interceptors of :mod:`kvstore.security.auth`:
   its outcome (``ok``, or ``error`` with the status and the reason);
 * ``"event": "refused"``: every call refused with UNAUTHENTICATED or PERMISSION_DENIED, by the
   interceptor (no or bad credentials, a role the method table does not allow) or by the
-  handler (a tenant the credentials do not allow, a scoped operator acting on every tenant).
+  handler (a tenant the credentials do not allow, a scoped operator acting on every tenant),
+  and every put refused by its tenant's quota (RESOURCE_EXHAUSTED with ``QuotaExceeded``).
 
 Allowed calls of the other methods (an engine's put, get and lookup) write nothing: the hot
 path stays quiet and pays a ``try`` around the handler and, on ``grpc.aio``, a small wrapper
@@ -67,6 +68,8 @@ STDERR = Path("-")
 _REASON_MAX_CHARS = 512
 _PREFIX_MAX_BYTES = 64
 _REFUSED_CODES = frozenset({"UNAUTHENTICATED", "PERMISSION_DENIED"})
+_REFUSED_ERRORS = frozenset({"QuotaExceeded"})
+"""kvtier errors that are refusals of policy under another status (RESOURCE_EXHAUSTED)."""
 
 
 def utc_now_iso() -> str:
@@ -199,7 +202,7 @@ class AuditLog:
     def record(self, method: str, principal: Principal | None, context: Any, request: Any,
                code: str, details: Any, error: str | None) -> dict[str, Any]:
         """One record (module docstring) of a call that ended with ``code``."""
-        refused = code in _REFUSED_CODES
+        refused = code in _REFUSED_CODES or error in _REFUSED_ERRORS
         reason = None if details is None else (
             details.decode("utf-8", "replace") if isinstance(details, bytes) else str(details))
         return {"ts": utc_now_iso(), "service": self.service,
@@ -262,7 +265,7 @@ class AuditLog:
 class AuditedCall:
     """One call through the audited interceptor: writes its record, at most once, when it
     ends: always for an operator-only method, else only when it was refused (the handler
-    ended it UNAUTHENTICATED or PERMISSION_DENIED).
+    ended it UNAUTHENTICATED or PERMISSION_DENIED, or with a ``QuotaExceeded``).
 
     ``context`` is what the handler gets. On ``grpc.aio`` that is a proxy whose ``abort``
     writes the record first: aio's ``abort`` sends the status to the client before it
@@ -305,7 +308,7 @@ class AuditedCall:
         if self._done:
             return
         self._done = True
-        if self._operator or code in _REFUSED_CODES:
+        if self._operator or code in _REFUSED_CODES or error in _REFUSED_ERRORS:
             self._audit.write(self._audit.record(self._method, self._principal, self._context,
                                                  self._request, code, details, error))
 

@@ -27,7 +27,7 @@ from kvstore._proto.kvtier.v1 import store_pb2 as pb
 from kvstore.client.daemon_control import DaemonControl, open_channel
 from kvstore.client.store_config import StoreClientConfig
 from kvstore.dataplane.tier import TierKind
-from kvstore.errors import CapacityError, ConfigError, PermissionDenied
+from kvstore.errors import CapacityError, ConfigError, PermissionDenied, QuotaExceeded
 from kvstore.node.config import load_config
 from kvstore.security.config import ClientSecurity
 from kvstore.security.identity import Role
@@ -56,7 +56,8 @@ def _process(tmp: Path, **settings: str) -> DaemonProcess:
     return DaemonProcess(tmp, "quotas", nvme=False, dram_bytes="4MiB", settings={
         "security.token_keys": str(tmp / "keys"), "security.token_reload_interval_s": "0",
         "server.shm_channel": "false", "server.inline_max_bytes": "3MiB",
-        "metrics.enabled": "true", "metrics.port": "0", **settings})
+        "metrics.enabled": "true", "metrics.port": "0",
+        "security.audit_log": str(tmp / "audit.log"), **settings})
 
 
 @contextmanager
@@ -179,6 +180,18 @@ def test_a_tenant_over_its_cap_evicts_only_its_own_or_is_refused(tmp_path: Path)
         assert _get(c["carol"], b"carol-big") is None
         assert [k for k in carol if _get(c["carol"], k) is not None] == kept
         assert _stats(c["op"])["carol"].refused == 1
+        # The refusal is a QuotaExceeded (a CapacityError) and is audited as one; the puts
+        # that fitted by evicting carol's own chunks are not.
+        with pytest.raises(QuotaExceeded):
+            _put(c["carol"], b"carol-big", os.urandom(MiB + 4 * KiB))
+        lines = [json.loads(x) for x in (tmp_path / "audit.log").read_text().splitlines()]
+        quota = [x for x in lines if x.get("error") == "QuotaExceeded"]
+        assert len(quota) == 2, lines
+        assert {x["principal"]["name"] for x in quota} == {"carol"}
+        assert {(x["event"], x["code"], x["method"]) for x in quota} == {
+            ("refused", "RESOURCE_EXHAUSTED", "/kvtier.v1.Store/Put")}
+        assert "tenant 'carol' is at its quota in dram" in quota[0]["reason"]
+        assert not [x for x in lines if x["method"].endswith("/Put") and x not in quota]
 
 
 def test_metrics_per_tenant_with_a_bounded_label_set(tmp_path: Path) -> None:
