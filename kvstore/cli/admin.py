@@ -36,6 +36,7 @@ import typer
 from kvstore.cli.etcd_options import (
     ETCD_CA,
     ETCD_CERT,
+    ETCD_ENDPOINTS_HELP,
     ETCD_KEY,
     ETCD_PASSWORD_FILE,
     ETCD_SERVER_NAME,
@@ -190,7 +191,7 @@ def _nodes_from_etcd(command: str, endpoint: str, prefix: str) -> dict[str, Any]
 
 
 def nodes(
-    etcd: str = typer.Option(..., "--etcd", help="etcd endpoint, host:port."),
+    etcd: str = typer.Option(..., "--etcd", help=ETCD_ENDPOINTS_HELP),
     prefix: str = typer.Option("/kvtier/", "--prefix", help="The cluster's etcd key prefix."),
     as_json: bool = JSON,
     etcd_ca: Path | None = ETCD_CA,

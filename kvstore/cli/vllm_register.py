@@ -15,6 +15,7 @@ import typer
 from kvstore.cli.etcd_options import (
     ETCD_CA,
     ETCD_CERT,
+    ETCD_ENDPOINTS_HELP,
     ETCD_KEY,
     ETCD_PASSWORD_FILE,
     ETCD_SERVER_NAME,
@@ -25,7 +26,7 @@ from kvstore.errors import KvtierError
 
 
 def vllm_register(
-    etcd: str = typer.Option(..., "--etcd", help="etcd endpoint, http://host:port or host:port."),
+    etcd: str = typer.Option(..., "--etcd", help=ETCD_ENDPOINTS_HELP),
     prefix: str = typer.Option("/kvtier/", "--prefix", help="etcd key prefix of the cluster."),
     instance_id: str = typer.Option(..., "--instance-id", help="The engine's instance id."),
     role: str = typer.Option("prefill", "--role", help="prefill | decode"),
