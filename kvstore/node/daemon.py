@@ -311,8 +311,9 @@ class StoreDaemon:
                 if self.tickets is not None:
                     log.warning("the lease-free read index is on (dram.read_index): a same-host "
                                 "process that may map the arena reads every tenant's published "
-                                "chunks by key without a tenant check; set dram.read_index: "
-                                "false to lease and check every same-host read "
+                                "chunks by key without a tenant check (its owner tags only keep "
+                                "kvtier's own ticketed readers to their tenant's); set "
+                                "dram.read_index: false to lease and check every same-host read "
                                 "(docs/security.md, \"Data planes\")")
             tiers[TierKind.DRAM] = DramTier(cfg.dram.capacity_bytes, prefault=cfg.dram.prefault,
                                             arena_name=cfg.dram.arena_name,
