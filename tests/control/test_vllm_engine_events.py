@@ -230,6 +230,32 @@ def test_a_late_subscriber_learns_the_cache_by_replay_and_routes_to_it(fleet: Fl
     fleet.run(scenario())
 
 
+def test_a_salted_prompt_verifies_and_matches_under_its_salt(fleet: Fleet) -> None:
+    """A prompt served with a ``cache_salt`` (what the front door sends per tenant, and the
+    fleet bench per mode): its root block is re-hashed with the salt and agrees with vLLM's
+    hash (no mismatch), and a lookup under that salt, and only under it, finds the blocks."""
+    salted = tokens(6, 130)  # 4 full blocks
+
+    async def scenario() -> None:
+        before = (await fleet.caches())[ENGINE].verified_blocks
+        result = await asyncio.to_thread(fleet.llm.generate, [salted], max_tokens=2,
+                                         cache_salt="tenant-x")
+        assert result.outputs[0].num_cached_tokens == 0
+
+        async def seen() -> bool:
+            reply = await fleet.client.stub.Lookup(pb.ConductorLookupRequest(
+                model=MODEL, tenant="tenant-x", token_ids=salted), timeout=10)
+            return any(e.instance_id == ENGINE and e.cached_tokens == 128 for e in reply.engines)
+
+        await wait_for(seen, "the salted prompt's blocks under its salt")
+        good = (await fleet.caches())[ENGINE]
+        assert (good.hash_mismatches, good.mismatch) == (0, "")
+        assert good.verified_blocks > before
+        assert (await fleet.lookup(salted))[ENGINE] == (0, False)  # unsalted: another chain
+
+    fleet.run(scenario())
+
+
 def test_a_dropped_live_batch_is_repaired_by_replay(fleet: Fleet) -> None:
     async def scenario() -> None:
         follower, _ = fleet.conductor.engine_followers[ENGINE]
