@@ -16,7 +16,9 @@ readers would skip such records as malformed). The same server is the same engin
 what ``http_url`` identifies. Records without an ``http_url`` (kvtier's reference workers)
 are never paired.
 
-Pure functions; no I/O.
+:class:`InstanceBook` keeps a scheduler's instances equal to :func:`plan_instances`' answer; the
+conductor and the front door's in-process router (kvstore/frontdoor/local.py) share it, so both
+place the same records the same way. No I/O.
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ import logging
 from collections.abc import Mapping, Set
 from dataclasses import dataclass
 
+from conductor.scheduler import DecodeInstance, PrefillInstance, Scheduler
+from kvstore.errors import InvalidArgument
 from kvstore.membership.engines import EngineRecord, EngineRole
 
 log = logging.getLogger(__name__)
 
-__all__ = ["InstanceKind", "PlannedInstance", "plan_instances"]
+__all__ = ["InstanceBook", "InstanceKind", "PlannedInstance", "plan_instances"]
 
 
 class InstanceKind(enum.Enum):
@@ -93,3 +97,60 @@ def plan_instances(records: Mapping[str, EngineRecord], live_nodes: Set[str]
             rec.kv_capacity_tokens if kind is InstanceKind.DECODE else 0, (instance_id,))
     planned.update(paired)  # record ids are unique, and a pair's are in ``used``
     return planned
+
+
+class InstanceBook:
+    """The scheduler instances placed from engine records, and the records each stands for.
+
+    :meth:`sync` makes ``scheduler``'s instances :func:`plan_instances`' answer for the records
+    now: an instance whose plan or whose records changed is removed and added again, a record
+    the scheduler refuses (:class:`~kvstore.errors.InvalidArgument`) is left out with a
+    warning. Not thread-safe: the caller serializes (the conductor holds its lock)."""
+
+    __slots__ = ("alias", "placed", "scheduled")
+
+    def __init__(self) -> None:
+        self.placed: dict[str, PlannedInstance] = {}
+        """Scheduler instance id -> its plan."""
+        self.scheduled: dict[str, EngineRecord] = {}
+        """Record id -> the record as it was when its instance was placed."""
+        self.alias: dict[str, str] = {}
+        """Record id -> the scheduler instance it stands in."""
+
+    def sync(self, scheduler: Scheduler, records: Mapping[str, EngineRecord],
+             live_nodes: Set[str]) -> None:
+        wanted = plan_instances(records, live_nodes)
+        for instance_id, planned in list(self.placed.items()):
+            if wanted.get(instance_id) != planned or any(
+                    self.scheduled.get(r) != records.get(r) for r in planned.records):
+                scheduler.remove_instance(instance_id)
+                del self.placed[instance_id]
+                for r in planned.records:
+                    self.scheduled.pop(r, None)
+                    self.alias.pop(r, None)
+        for instance_id, planned in wanted.items():
+            if instance_id in self.placed:
+                continue
+            try:
+                if planned.kind is InstanceKind.PREFILL:
+                    scheduler.add_prefill_instance(
+                        PrefillInstance(instance_id, planned.node_id, planned.model))
+                elif planned.kind is InstanceKind.DECODE:
+                    scheduler.add_decode_instance(DecodeInstance(
+                        instance_id, planned.node_id, planned.model, planned.kv_capacity_tokens))
+                else:
+                    scheduler.add_colocated_instance(
+                        PrefillInstance(instance_id, planned.node_id, planned.model),
+                        planned.kv_capacity_tokens)
+            except InvalidArgument as exc:
+                log.warning("engine %s not schedulable: %s", instance_id, exc)
+                continue
+            self.placed[instance_id] = planned
+            for r in planned.records:
+                self.scheduled[r] = records[r]
+                self.alias[r] = instance_id
+
+    def scheduler_instance(self, record_id: str) -> str:
+        """The scheduler instance an engine record stands in (a colocated pair's decode
+        record is its prefill record's instance); the id itself when unknown."""
+        return self.alias.get(record_id, record_id)

@@ -74,12 +74,10 @@ import zmq.asyncio
 from conductor.engine_events import EngineEventFollower
 from conductor.engine_index import EngineCacheIndex, PromptMatch, TokenIds
 from conductor.index import ChunkEvent, ChunkEventKind, EventOutcome, GlobalPrefixIndex
-from conductor.instances import InstanceKind, PlannedInstance, plan_instances
+from conductor.instances import InstanceBook
 from conductor.perf.engine_model import default_engine_model
 from conductor.scheduler import (
-    DecodeInstance,
     Policy,
-    PrefillInstance,
     Scheduler,
     SchedulerConfig,
 )
@@ -275,12 +273,9 @@ class Conductor:
         """Engine records in etcd, by instance id."""
         self.engine_load: dict[str, tuple[int, int, int, float]] = {}
         """Latest ReportLoad per instance: (queued prefill tokens, decode batch, KV tokens, at)."""
-        self._scheduled: dict[str, EngineRecord] = {}
-        """Engine records the scheduler knows now (record present and node live), by record id."""
-        self._placed: dict[str, PlannedInstance] = {}
-        """The scheduler's instances, by scheduler instance id (``conductor.instances``)."""
-        self._alias: dict[str, str] = {}
-        """Record id -> scheduler instance id (a colocated decode record -> its pair's id)."""
+        self.instances = InstanceBook()
+        """The scheduler's instances and the engine records it knows now (record present and
+        node live): ``conductor.instances``."""
         self._hashers: dict[tuple[str, str], BlockHasher] = {}
         self.election: Election | None = None
         self.address: str | None = None
@@ -313,7 +308,7 @@ class Conductor:
         return sorted(n for n, f in self.nodes.items() if f.connected)
 
     def scheduled_instances(self, role: EngineRole) -> list[str]:
-        return sorted(i for i, rec in self._scheduled.items() if rec.role is role)
+        return sorted(i for i, rec in self.instances.scheduled.items() if rec.role is role)
 
     @property
     def is_leader(self) -> bool:
@@ -514,7 +509,7 @@ class Conductor:
             with self.lock:
                 if self._rebuild is None:
                     self._rebuild = _Rebuild("etcd was unreachable", set(self.live_nodes()),
-                                             set(self._scheduled))
+                                             set(self.instances.scheduled))
                 rebuild = self._rebuild
                 rebuild.gating = False  # until etcd is back, serve the view we have
             if rebuild.task is not None:
@@ -604,7 +599,7 @@ class Conductor:
                 missing.append(f"engine {instance_id} (not registered)")
             elif self._engine_created.get(instance_id) != engines[instance_id][0]:
                 missing.append(f"engine {instance_id} (its record not seen yet)")
-            elif instance_id not in self._scheduled:
+            elif instance_id not in self.instances.scheduled:
                 missing.append(f"engine {instance_id} (its node not live)")
         return missing
 
@@ -828,43 +823,14 @@ class Conductor:
     def _sync_instances(self) -> None:
         """Make the scheduler's instances = engine records whose node is live, a prefill and
         a decode record of one server paired into one colocated instance
-        (:func:`conductor.instances.plan_instances`). Hold the lock."""
-        live = {n for n, f in self.nodes.items() if f.connected}
-        wanted = plan_instances(self.engines, live)
-        for instance_id, planned in list(self._placed.items()):
-            if wanted.get(instance_id) != planned or any(
-                    self._scheduled.get(r) != self.engines.get(r) for r in planned.records):
-                self.scheduler.remove_instance(instance_id)
-                del self._placed[instance_id]
-                for r in planned.records:
-                    self._scheduled.pop(r, None)
-                    self._alias.pop(r, None)
-        for instance_id, planned in wanted.items():
-            if instance_id in self._placed:
-                continue
-            try:
-                if planned.kind is InstanceKind.PREFILL:
-                    self.scheduler.add_prefill_instance(
-                        PrefillInstance(instance_id, planned.node_id, planned.model))
-                elif planned.kind is InstanceKind.DECODE:
-                    self.scheduler.add_decode_instance(DecodeInstance(
-                        instance_id, planned.node_id, planned.model, planned.kv_capacity_tokens))
-                else:
-                    self.scheduler.add_colocated_instance(
-                        PrefillInstance(instance_id, planned.node_id, planned.model),
-                        planned.kv_capacity_tokens)
-            except InvalidArgument as exc:
-                log.warning("engine %s not schedulable: %s", instance_id, exc)
-                continue
-            self._placed[instance_id] = planned
-            for r in planned.records:
-                self._scheduled[r] = self.engines[r]
-                self._alias[r] = instance_id
+        (:class:`conductor.instances.InstanceBook`). Hold the lock."""
+        self.instances.sync(self.scheduler, self.engines,
+                            {n for n, f in self.nodes.items() if f.connected})
 
     def scheduler_instance(self, record_id: str) -> str:
         """The scheduler instance an engine record stands in (a colocated pair's decode
         record is its prefill record's instance); the id itself when unknown."""
-        return self._alias.get(record_id, record_id)
+        return self.instances.scheduler_instance(record_id)
 
     # ------------------------------------------------------------------ upkeep
 

@@ -84,13 +84,11 @@ import zmq.asyncio
 from conductor.engine_events import EngineEventFollower
 from conductor.engine_index import EngineCacheIndex, PromptMatch
 from conductor.index import GlobalPrefixIndex
-from conductor.instances import InstanceKind, PlannedInstance, plan_instances
+from conductor.instances import InstanceBook
 from conductor.perf.engine_model import default_engine_model
 from conductor.scheduler import (
     Decision,
-    DecodeInstance,
     Policy,
-    PrefillInstance,
     Scheduler,
     SchedulerConfig,
     ScheduleRequest,
@@ -185,9 +183,8 @@ class LocalRouter:
         self._created: dict[str, int] = {}
         self.nodes: set[str] = set()
         """Nodes registered in etcd."""
-        self._placed: dict[str, PlannedInstance] = {}
-        self._scheduled: dict[str, EngineRecord] = {}
-        """Engine records the scheduler knows now, by record id (as the conductor's)."""
+        self.instances = InstanceBook()
+        """The scheduler's instances and the engine records it knows now (as the conductor's)."""
         self._followers: dict[str, tuple[EngineEventFollower, asyncio.Task[None]]] = {}
         self._zmq: zmq.asyncio.Context | None = None
         self._etcd: Any = None
@@ -482,36 +479,9 @@ class LocalRouter:
             await changes.__aexit__(None, None, None)
 
     def _sync_instances(self) -> None:
-        """The scheduler's instances = engine records whose node is registered, paired as
-        the conductor pairs them (``Conductor._sync_instances``, conductor/server.py)."""
-        wanted = plan_instances(self.records, self.nodes)
-        for instance_id, planned in list(self._placed.items()):
-            if wanted.get(instance_id) != planned or any(
-                    self._scheduled.get(r) != self.records.get(r) for r in planned.records):
-                self.scheduler.remove_instance(instance_id)
-                del self._placed[instance_id]
-                for r in planned.records:
-                    self._scheduled.pop(r, None)
-        for instance_id, planned in wanted.items():
-            if instance_id in self._placed:
-                continue
-            try:
-                if planned.kind is InstanceKind.PREFILL:
-                    self.scheduler.add_prefill_instance(
-                        PrefillInstance(instance_id, planned.node_id, planned.model))
-                elif planned.kind is InstanceKind.DECODE:
-                    self.scheduler.add_decode_instance(DecodeInstance(
-                        instance_id, planned.node_id, planned.model, planned.kv_capacity_tokens))
-                else:
-                    self.scheduler.add_colocated_instance(
-                        PrefillInstance(instance_id, planned.node_id, planned.model),
-                        planned.kv_capacity_tokens)
-            except InvalidArgument as exc:
-                log.warning("engine %s not schedulable: %s", instance_id, exc)
-                continue
-            self._placed[instance_id] = planned
-            for r in planned.records:
-                self._scheduled[r] = self.records[r]
+        """The scheduler's instances = engine records whose node is registered, paired and
+        placed as the conductor places them (the same :class:`conductor.instances.InstanceBook`)."""
+        self.instances.sync(self.scheduler, self.records, self.nodes)
 
     def _sync_engine_events(self) -> None:
         """Follow the KV events of every engine record that has them (the conductor's
@@ -569,7 +539,7 @@ class LocalRouter:
         Remembers each engine's seq there for the next comparison."""
         if not info.is_leader:
             return "the conductor that answered does not lead"
-        mine = {role: sorted(r for r, rec in self._scheduled.items() if rec.role is role)
+        mine = {role: sorted(r for r, rec in self.instances.scheduled.items() if rec.role is role)
                 for role in (EngineRole.PREFILL, EngineRole.DECODE)}
         if list(info.prefill_instances) != mine[EngineRole.PREFILL] or \
                 list(info.decode_instances) != mine[EngineRole.DECODE]:

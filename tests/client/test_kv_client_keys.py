@@ -52,11 +52,12 @@ def random_kv(n_tokens: int, seed: int) -> torch.Tensor:
 
 
 def vllm_hashes(tokens: list[int], seed: str, cache_salt: str) -> list[bytes]:
-    """vLLM's hash_block_tokens chain re-derived with cbor2 + hashlib (salt on block 0)."""
+    """vLLM's hash_block_tokens chain re-derived with cbor2 + hashlib (the salt on block 0, as
+    vLLM 0.32 tags it: the extra key ``("cache_salt", salt)``)."""
     parent = hashlib.sha256(cbor2.dumps(seed, canonical=True)).digest()
     out = []
     for i in range(len(tokens) // B):
-        extra = (cache_salt,) if cache_salt and i == 0 else None
+        extra = (("cache_salt", cache_salt),) if cache_salt and i == 0 else None
         obj = (parent, tuple(tokens[i * B:(i + 1) * B]), extra)
         parent = hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
         out.append(parent)

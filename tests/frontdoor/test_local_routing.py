@@ -394,7 +394,7 @@ def test_the_replica_schedules_the_instances_the_conductor_schedules() -> None:
         router._sync_instances()
         for role in (EngineRole.PREFILL, EngineRole.DECODE):
             assert conductor.scheduled_instances(role) == sorted(
-                r for r, v in router._scheduled.items() if v.role is role), (i, role)
+                r for r, v in router.instances.scheduled.items() if v.role is role), (i, role)
         choices = []
         for scheduler in (conductor.scheduler, router.scheduler):
             try:
