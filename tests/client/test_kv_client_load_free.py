@@ -7,6 +7,7 @@ gets the chunk's current bytes or recomputes the block."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import pytest
@@ -52,10 +53,14 @@ class _FirstCopyHooked:
         self._inner.scatter_chunks(layers, blocks, chunks)
 
 
-def test_published_chunks_load_with_no_lease(daemon: DaemonProcess) -> None:
-    src = vllm_caches("layer-major", seed=40)
-    toks = tokens(4 * B, seed=41)
-    with client_for(daemon, "free") as client:
+@pytest.mark.parametrize("inline", [0, 16 << 20], ids=["transfer-thread", "inline"])
+def test_published_chunks_load_with_no_lease(daemon: DaemonProcess, inline: int) -> None:
+    """On a transfer thread (the default) and in the calling thread (``inline_load_bytes``,
+    off by default: docs/kv-client.md)."""
+    src = vllm_caches("layer-major", seed=40 + inline % 7)
+    toks = tokens(4 * B, seed=41 + inline % 7)
+    with client_for(daemon, f"free-{inline}") as client:
+        client.config = dataclasses.replace(client.config, inline_load_bytes=inline)
         save_blocks(client, [toks], src, [[3, 1, 4, 0]])
         before = client.store.lease_free_counters()
         dst = vllm_caches("layer-major", seed=None)
