@@ -29,7 +29,9 @@ from bench._meta import git_sha
 from bench.datapath import MemcpyPath, _split_cpus, spawn_daemon, stop_daemon
 
 KiB, MiB = 1 << 10, 1 << 20
-SIZES_BYTES = (64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)
+SIZES_BYTES = (64 * KiB, 256 * KiB, 512 * KiB, 1 * MiB, 4 * MiB)
+MODEL_BLOCK_BYTES = 512 * KiB
+"""One block of ``kvtier bench vllm``'s model (all its layers): the size issue 13's goal starts at."""
 BATCH_BLOCKS = 32
 BATCH_BYTES_TARGET = 256 * MiB
 """Bytes each size moves per round and path (at least 8 calls)."""
@@ -92,7 +94,8 @@ def run(quick: bool) -> dict[str, Any]:
         nbytes = size * BATCH_BLOCKS
         put_gbps = nbytes * len(put) / sum(put) / 1e9
         cp_gbps = nbytes * len(cp) / sum(cp) / 1e9
-        rows.append({"block_bytes": size, "blocks": BATCH_BLOCKS, "calls": len(put),
+        rows.append({"block_bytes": size, "model_block": size == MODEL_BLOCK_BYTES,
+                     "blocks": BATCH_BLOCKS, "calls": len(put),
                      "put_gbps": put_gbps, "memcpy_gbps": cp_gbps,
                      "ratio_to_memcpy": put_gbps / cp_gbps,
                      "put_p50_us": float(np.percentile(np.asarray(put) * 1e6, 50)),
@@ -123,9 +126,13 @@ def print_table(result: dict[str, Any]) -> None:
     for row in result["rows"]:
         size = row["block_bytes"]
         label = f"{size // MiB} MiB" if size >= MiB else f"{size // KiB} KiB"
+        if row.get("model_block"):
+            label = "*" + label
         print(f"{label:>8} {row['put_gbps']:9.2f} {row['memcpy_gbps']:12.2f} "
               f"{row['ratio_to_memcpy']:6.2f} {row['put_p50_us']:11.0f} "
               f"{row['memcpy_p50_us']:14.0f}")
+    print(f"* the model's block size ({MODEL_BLOCK_BYTES // KiB} KiB: one block of bench vllm's "
+          "model, all layers)")
     print(f"git {result['git_sha']}, {result['machine']['platform']}, "
           f"{result['machine']['cpus']} CPUs, load {result['machine']['load_average']}")
 
