@@ -130,12 +130,15 @@ class _RefusalLog:
 class Authenticator:
     """The credentials check of one service (module docstring). Thread-safe."""
 
-    def __init__(self, security: ServerSecurity, what: str) -> None:
+    def __init__(self, security: ServerSecurity, what: str,
+                 revocations: Revocations | None = None) -> None:
+        """``revocations``: shared with the TCP data plane's TLS (``SecureServing``); with
+        mTLS and None, one of its own."""
         self.mode = security.mode()
         if self.mode is AuthMode.NONE:
             raise InvariantViolation(f"an Authenticator needs mTLS or tokens: {security}")
         self.what = what
-        self._certs = CertificateAuthenticator(Revocations(security)) \
+        self._certs = CertificateAuthenticator(revocations or Revocations(security)) \
             if self.mode is AuthMode.MTLS else None
         self._tokens = TokenVerifier(KeyDirectory(security.token_keys,
                                                   security.token_reload_interval_s)) \

@@ -11,7 +11,7 @@ from typing import Any
 from kvstore.security.audit import AuditLog
 from kvstore.security.auth import AioAuthInterceptor, Authenticator, SyncAuthInterceptor
 from kvstore.security.config import AuthMode, ServerSecurity, check_binding
-from kvstore.security.tls import ServerCertificates
+from kvstore.security.tls import Revocations, ServerCertificates
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +26,11 @@ class SecureServing:
         self.security = security
         self.what = what
         line = check_binding(host, security, what)
-        self.certificates = ServerCertificates(security, what) if security.tls else None
-        self.authenticator = Authenticator(security, what) \
+        # One revocation list for the gRPC port and the TCP data plane's TLS (one CRL read).
+        revocations = Revocations(security) if security.mode() is AuthMode.MTLS else None
+        self.certificates = ServerCertificates(security, what, revocations) \
+            if security.tls else None
+        self.authenticator = Authenticator(security, what, revocations) \
             if security.mode() is not AuthMode.NONE else None
         self.audit = AuditLog.open(security.audit_log, security.audit_max_bytes,
                                    security.audit_backups, what) \

@@ -31,8 +31,14 @@ client CA as the gRPC port, as an ``ssl.SSLContext`` (:meth:`ServerCertificates.
 asked once per accepted data connection and rebuilt when the files change, with the same
 checks and the same keep-the-previous-set rule); a client builds its side with
 :func:`data_plane_client_context` from its :class:`~kvstore.security.config.ClientSecurity`.
-Revocation is not checked in that handshake: a revoked certificate cannot get the session
-ticket every data connection must present (IssueDataTicket is a gRPC call, refused per call).
+With mTLS the data plane's context is a
+:class:`~kvstore.dataplane.transport.tcp.tls.CheckedServerContext` whose ``peer_check`` is
+:meth:`CertificateAuthenticator.identify` over the *same* :class:`Revocations` as the gRPC
+port's (:class:`~kvstore.security.server.SecureServing` shares one): a revoked (CRL or
+``revoked_serials``), expired or identity-less client certificate is refused right after the
+handshake with UNAUTHENTICATED naming the serial and the list, and an open data connection is
+checked again every ``token_reload_interval_s`` (at least 1 s), so a CRL reloaded later ends it
+before its next request, as gRPC refuses the next call.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import ExtensionOID
 
+from kvstore.dataplane.transport.tcp.tls import CheckedServerContext
 from kvstore.errors import ConfigError, Unauthenticated
 from kvstore.security.config import ClientSecurity, ServerSecurity
 from kvstore.security.identity import Principal, Role
@@ -142,10 +149,17 @@ class ServerCertificates:
     """A service's certificate, key and client CA, reloaded when the files change (module
     docstring). :meth:`credentials` is what ``server.add_secure_port`` takes."""
 
-    def __init__(self, security: ServerSecurity, what: str) -> None:
+    def __init__(self, security: ServerSecurity, what: str,
+                 revocations: Revocations | None = None) -> None:
+        """``revocations``: the gRPC port's (shared, so the CRL is read and reloaded once);
+        with mTLS and None, one of its own."""
         assert security.cert_file is not None and security.key_file is not None
         self._security = security
         self._what = what
+        self._data_peers: CertificateAuthenticator | None = None
+        """Checks the TCP data plane's client certificates (mTLS only: module docstring)."""
+        if security.client_ca_file is not None:
+            self._data_peers = CertificateAuthenticator(revocations or Revocations(security))
         self._lock = threading.Lock()
         self._files = (security.cert_file, security.key_file, security.client_ca_file)
         self._signature = _file_signature(*self._files)
@@ -222,8 +236,11 @@ class ServerCertificates:
         sec = self._security
         assert sec.cert_file is not None and sec.key_file is not None
         load_key_pair(sec.cert_file, sec.key_file, self._what)  # the same checks as gRPC's
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context = CheckedServerContext(ssl.PROTOCOL_TLS_SERVER)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
+        if self._data_peers is not None:
+            context.peer_check = self._data_peers.identify_der
+            context.peer_recheck_s = max(1.0, sec.token_reload_interval_s)
         try:
             context.load_cert_chain(sec.cert_file, sec.key_file)
             if sec.client_ca_file is not None:
@@ -360,6 +377,11 @@ class CertificateAuthenticator:
         self._revocations = revocations
         self._cache: dict[bytes, CertificateIdentity | Unauthenticated] = {}
         self._lock = threading.Lock()
+
+    def identify_der(self, der: bytes) -> None:
+        """:meth:`identify` for a DER certificate (the TCP data plane's TLS peer check):
+        raises Unauthenticated when it is revoked, expired or names no kvtier identity."""
+        self.identify(ssl.DER_cert_to_PEM_cert(der).encode("ascii"))
 
     def identify(self, pem: bytes) -> Principal:
         with self._lock:

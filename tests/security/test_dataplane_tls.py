@@ -30,11 +30,11 @@ from kvstore.client.planes import RemotePlane
 from kvstore.client.store_client import StoreClient
 from kvstore.client.store_config import DataPlane, StoreClientConfig
 from kvstore.dataplane.transport.tcp import TcpClient
-from kvstore.errors import ConfigError, PeerUnavailable, ProtocolError
+from kvstore.errors import ConfigError, PeerUnavailable, ProtocolError, Unauthenticated
 from kvstore.security.config import ClientSecurity
 from kvstore.security.identity import Role
 from kvstore.security.tokens import generate_key, load_signing_key, mint
-from tests.security.pki import Ca, make_ca
+from tests.security.pki import Ca, Leaf, make_ca
 from tests.support.daemon import DaemonProcess
 
 SIZES = (4096, 64 << 10, 1 << 20, 9 << 20)
@@ -288,3 +288,77 @@ def test_tcp_tls_without_a_certificate_does_not_start(tmp_path: Path) -> None:
                            settings={"server.tcp_tls": "true"})
     with pytest.raises(RuntimeError, match="tcp_tls"):
         daemon.start(timeout_s=30)
+
+
+def test_a_revoked_client_certificate_is_refused_on_the_tls_data_plane(tmp_path: Path) -> None:
+    """The CRL the gRPC port checks is checked on the TCP data plane's TLS too: a ticket
+    obtained before the revocation does not let a revoked certificate in (refused after the
+    handshake, UNAUTHENTICATED naming the serial and the CRL), an open connection of a
+    certificate revoked later is ended before its next request once the CRL is reloaded, and
+    a certificate the CRL does not list keeps being served (paired), its values byte for
+    byte."""
+    ca = make_ca()
+    ca_file = ca.write(tmp_path / "ca.crt")
+    crl = tmp_path / "ca.crl"
+    crl.write_bytes(ca.crl([]))
+    cert, key = ca.issue("daemon", uri="kvtier://peer/daemon").write(tmp_path, "daemon")
+    daemon = DaemonProcess(tmp_path, "dp-tls-crl", nvme=False, dram_bytes="64MiB", settings={
+        "security.cert_file": str(cert), "security.key_file": str(key),
+        "security.client_ca_file": str(ca_file), "security.crl_file": str(crl),
+        "security.token_reload_interval_s": "0", "server.shm_channel": "false",
+        "server.tcp_tls": "true"})
+    daemon.start()
+    leaves = {name: ca.issue(name, uri=f"kvtier://engine/{name}?tenants=t")
+              for name in ("carol", "dave", "erin")}
+    security = {name: _security_of(leaf, tmp_path, ca_file) for name, leaf in leaves.items()}
+    host, _, port_text = str(daemon.addresses["tcp_address"]).rpartition(":")
+    port = int(port_text)
+    try:
+        tickets = {name: _ticket_of(daemon.grpc_address, sec) for name, sec in security.items()}
+        contexts = {name: _tls_context(sec) for name, sec in security.items()}
+        value = os.urandom(200_000)
+        with TcpClient(host, port, ticket=tickets["carol"], tls=contexts["carol"]) as carol:
+            carol.put(b"crl-key-0000000", value)
+            assert bytes(carol.get(b"crl-key-0000000")) == value
+            crl.write_bytes(ca.crl([leaves["dave"].serial]))
+            # dave's ticket is valid, his certificate passes OpenSSL's checks; the CRL says no.
+            with TcpClient(host, port, ticket=tickets["dave"], tls=contexts["dave"]) as dave, \
+                    pytest.raises(Unauthenticated, match=f"serial {leaves['dave'].serial:x}"
+                                  r"\) is revoked \(the CRL"):
+                dave.get(b"crl-key-0000000")
+            # Paired: carol's open connection and erin's new one are served.
+            assert bytes(carol.get(b"crl-key-0000000")) == value
+            with TcpClient(host, port, ticket=tickets["erin"], tls=contexts["erin"]) as erin:
+                assert bytes(erin.get(b"crl-key-0000000")) == value
+            # Revoking carol ends her open connection before its next request, once the
+            # connection's check is due (every second with a reload interval under 1 s).
+            crl.write_bytes(ca.crl([leaves["dave"].serial, leaves["carol"].serial]))
+            time.sleep(1.2)
+            with pytest.raises(Unauthenticated, match="is revoked"):
+                carol.get(b"crl-key-0000000")
+        with TcpClient(host, port, ticket=tickets["erin"], tls=contexts["erin"]) as erin:
+            assert bytes(erin.get(b"crl-key-0000000")) == value
+    finally:
+        daemon.stop()
+
+
+def _security_of(leaf: Leaf, tmp: Path, ca_file: Path) -> ClientSecurity:
+    cert, key = leaf.write(tmp, leaf.name)
+    return ClientSecurity(ca_file=ca_file, cert_file=cert, key_file=key)
+
+
+def _ticket_of(address: str, security: ClientSecurity) -> bytes:
+    cfg = StoreClientConfig(rpc_timeout_s=10.0, security=security)
+    channel, info = open_channel(address, cfg)
+    control = DaemonControl(address, info, channel, cfg)
+    try:
+        return bytes(control.call("IssueDataTicket", pb.IssueDataTicketRequest()).ticket)
+    finally:
+        control.close()
+
+
+def _tls_context(security: ClientSecurity) -> ssl.SSLContext:
+    assert security.ca_file and security.cert_file and security.key_file
+    ctx = ssl.create_default_context(cafile=str(security.ca_file))
+    ctx.load_cert_chain(security.cert_file, security.key_file)
+    return ctx

@@ -45,8 +45,11 @@ connections), before its first frame; the handshake must be done within ``header
 of the accept. A plain frame in its place is answered in plain text with one ``PROTOCOL``
 frame ("this data plane speaks TLS") and the close; a failed handshake (an untrusted or missing
 client certificate where the context requires one, garbage) is a WARNING and the close. Either
-is counted in ``tls_refused`` and touches nothing else. The session ticket's ``HELLO`` then
-runs inside TLS. TLS connections are served in Python: the native loop reads the raw socket.
+is counted in ``tls_refused`` and touches nothing else. A :class:`~.tls.CheckedServerContext`
+has the client certificate checked (revocation) after the handshake and every
+``peer_recheck_s`` before a request is served: a refused one is one ``UNAUTHENTICATED`` frame
+(request id 0) naming why, inside TLS, and the close, counted as ``connections_unauthenticated``.
+The session ticket's ``HELLO`` then runs inside TLS. TLS connections are served in Python: the native loop reads the raw socket.
 
 Tenants: a grant with a :class:`~.auth.TenantScope` is served through ``backend.scoped(scope)``
 for every frame of its connection (the backend passes the tenant to its reads, sizes, removes
@@ -124,6 +127,8 @@ from kvstore.dataplane.transport.tcp.sockets import (
     tune,
 )
 from kvstore.dataplane.transport.tcp.tls import (
+    CheckedServerContext,
+    PeerCheck,
     ServerTlsSource,
     TlsSocket,
     handshake,
@@ -673,6 +678,15 @@ class _ServerConnection:
         """The verified grant of this connection's ticket (None: no authorizer, or not yet)."""
         self._grant_expires_at = math.inf
         """When ``grant`` ends (wall clock); inf without one."""
+        self._peer_check: PeerCheck | None = None
+        """The TLS context's check of the client certificate (``.tls``, "Checks after the
+        handshake"), run again at ``_peer_check_at``; None: no such check."""
+        self._peer_der = b""
+        self._peer_recheck_s = math.inf
+        self._peer_check_at = math.inf
+        self._check_at = math.inf
+        """When the session must be looked at again before a request is served (wall clock):
+        the earlier of ``_grant_expires_at`` and ``_peer_check_at``; inf: never."""
         self.idle_closed = False
         """Closed after ``idle_timeout_s`` without a request."""
         self.header_timed_out = False
@@ -744,7 +758,7 @@ class _ServerConnection:
                 return  # closed before a byte, or shutdown
             while True:
                 self._frame_deadline = 0.0
-                if self._grant_expires_at < math.inf and self._grant_expired():
+                if self._check_at < math.inf and self._session_ended():
                     break
                 if loop is not None:
                     # The C loop serves plain small GETs of published chunks and hands back
@@ -771,7 +785,7 @@ class _ServerConnection:
                 header = decode_header(self.rbuf, self._max_value_bytes, self.rpos)
                 self.rpos += HEADER_BYTES
                 announced = bool(header.flags & MORE)
-                if self._grant_expires_at < math.inf and self._grant_expired():
+                if self._check_at < math.inf and self._session_ended():
                     break
                 self._serve_one(header)
         except PeerUnavailable as exc:
@@ -840,6 +854,28 @@ class _ServerConnection:
             return self._tls_refused(f"TLS handshake failed: {exc}")
         # Duck-typed: a TlsSocket has every socket method this connection calls.
         self.sock = cast(socket.socket, TlsSocket(tls_sock, self._io_timeout_s))
+        if isinstance(context, CheckedServerContext) and context.peer_check is not None:
+            der = tls_sock.getpeercert(binary_form=True)
+            if der is not None:  # none: the context does not ask for client certificates
+                # Checked when the first frame is in (the HELLO, else before the first request
+                # is served), so the refusal answers it rather than racing it into a reset.
+                self._peer_check, self._peer_der = context.peer_check, der
+                self._peer_recheck_s = context.peer_recheck_s
+                self._peer_check_at = self._check_at = 0.0
+        return True
+
+    def _peer_still_valid(self, now: float, h: Header | None = None) -> bool:
+        """Run the TLS context's check of the client certificate; when it refuses, the
+        connection is answered (UNAUTHENTICATED, to ``h`` or with request id 0) and to be
+        closed. Schedules the next check."""
+        assert self._peer_check is not None
+        try:
+            self._peer_check(self._peer_der)
+        except Unauthenticated as exc:
+            self._refuse_session(h, Status.UNAUTHENTICATED, exc)
+            return False
+        self._peer_check_at = now + self._peer_recheck_s
+        self._check_at = min(self._grant_expires_at, self._peer_check_at)
         return True
 
     def _tls_refused(self, why: str) -> bool:
@@ -881,6 +917,8 @@ class _ServerConnection:
             self._fill(h.payload_len, "session ticket")
         ticket = bytes(self.rview[self.rpos:self.rpos + h.payload_len])
         self.rpos += h.payload_len
+        if self._peer_check is not None and not self._peer_still_valid(time.time(), h):
+            return False  # the TLS client certificate is refused (revoked, expired)
         authorize = self.server._authorize
         if authorize is None:
             self._reply(h)
@@ -909,6 +947,7 @@ class _ServerConnection:
                 self.native_loop.scope(self.server._verified_for(grant.scope))
         self.grant = grant
         self._grant_expires_at = grant.expires_at_unix_s
+        self._check_at = min(self._grant_expires_at, self._peer_check_at)
         set_current_grant(grant)
         log.debug("data connection %s: session of %s (%s) until %.0f", self.peer, grant.name,
                   grant.role, grant.expires_at_unix_s)
@@ -919,14 +958,18 @@ class _ServerConnection:
         """The tenant scope this connection is served as (None: unscoped)."""
         return None if self.grant is None else self.grant.scope
 
-    def _grant_expired(self) -> bool:
-        """Whether this connection's grant has ended; if so it is answered (request id 0:
-        about the connection) and to be closed."""
-        if time.time() < self._grant_expires_at:
+    def _session_ended(self) -> bool:
+        """Whether this connection's session has ended (its grant expired, or the TLS
+        context's check now refuses its client certificate); if so it is answered (request id
+        0: about the connection) and to be closed."""
+        now = time.time()
+        if now < self._check_at:
             return False
-        self._refuse_session(None, Status.UNAUTHENTICATED, Unauthenticated(
-            "the session ticket of this data connection expired; reconnect with a new one"))
-        return True
+        if now >= self._grant_expires_at:
+            self._refuse_session(None, Status.UNAUTHENTICATED, Unauthenticated(
+                "the session ticket of this data connection expired; reconnect with a new one"))
+            return True
+        return not self._peer_still_valid(now)
 
     def _refuse_session(self, h: Header | None, status: Status, exc: KvtierError) -> None:
         """The last word to a connection refused for its ticket, then its write side shut and

@@ -31,6 +31,14 @@ so the framing code runs unchanged over TLS. What differs, and why:
 * **No native loop.** The native small-GET loop (server) and the extension's small GET
   (client) read and write the raw descriptor, so neither runs on a TLS connection.
 
+Checks after the handshake (:class:`CheckedServerContext`): OpenSSL verifies the client
+certificate's chain and dates, not what the daemon decides about it (revocation by its CRL or
+``revoked_serials``). A context that carries a ``peer_check`` has it run on the client's
+certificate once the handshake is done and again every ``peer_recheck_s`` while the connection
+serves (before its next request), so a certificate revoked later, or one that expires on an
+open connection, ends it as gRPC refuses its next call; the refusal is one ``UNAUTHENTICATED``
+frame inside TLS naming the reason, then the close.
+
 Plain clients: a plain frame arriving on a TLS port (its first bytes are the frame magic, not a
 TLS record) is answered in plain text with one ``PROTOCOL`` frame saying the plane needs TLS,
 and closed (:func:`looks_like_plain_frame`), so a client that does not speak TLS hears why
@@ -49,7 +57,22 @@ from kvstore.dataplane.tier import Buffer
 
 ServerTlsSource = Callable[[], ssl.SSLContext]
 """The TLS context for the next accepted connection (called once per connection, on its own
-thread; it must be thread-safe and cheap when nothing changed)."""
+thread; it must be thread-safe and cheap when nothing changed). A
+:class:`CheckedServerContext` also checks each client certificate after the handshake."""
+
+PeerCheck = Callable[[bytes], None]
+"""Called with the client's certificate (DER) after the handshake and while the connection
+serves; raises :class:`~kvstore.errors.Unauthenticated` naming why it is refused (revoked,
+expired). Thread-safe, cheap (called at most once per ``peer_recheck_s`` per connection)."""
+
+
+class CheckedServerContext(ssl.SSLContext):
+    """A server context whose connections' client certificates are also checked by
+    ``peer_check`` (module docstring, "Checks after the handshake"); with ``peer_check`` None
+    it is a plain ``ssl.SSLContext``."""
+
+    peer_check: PeerCheck | None = None
+    peer_recheck_s: float = 1.0
 
 _WRITE_PIECE_BYTES = 256 * 1024
 """Large writes go out in pieces of this many bytes, each with its own ``io_timeout_s``."""
