@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Mapping
 
 import zmq
 import zmq.asyncio
@@ -34,10 +35,11 @@ from conductor.engine_index import (
     EngineEventError,
     decode_batch,
 )
+from kvstore.membership.engines import VllmKvEvents
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EngineEventFollower"]
+__all__ = ["EngineEventFollower", "EngineFollowers"]
 
 _END_SEQ = -1
 _RECV_POLL_S = 0.5
@@ -156,3 +158,73 @@ class EngineEventFollower:
         finally:
             with contextlib.suppress(zmq.ZMQError):
                 dealer.close(linger=0)
+
+
+class EngineFollowers:
+    """The followers of a set of engine records: one :class:`EngineEventFollower` task per
+    record that describes a KV-event publisher, a fresh one when its description or its etcd
+    registration changed, none for records that left (their views leave ``index``). The
+    conductor and the front door's in-process router each keep one. Asyncio; one ZMQ context,
+    made when the first follower starts."""
+
+    def __init__(self, index: EngineCacheIndex, task_prefix: str) -> None:
+        self.index = index
+        self._task_prefix = task_prefix
+        self.followers: dict[str, tuple[EngineEventFollower, asyncio.Task[None]]] = {}
+        """Instance id -> its follower and the task running it."""
+        self._zmq: zmq.asyncio.Context | None = None
+        self._closed = False
+
+    def sync(self, wanted: Mapping[str, tuple[VllmKvEvents, int]]) -> list[str]:
+        """Follow exactly ``wanted`` (instance id -> (its record's ``vllm_kv_events``, the
+        record's create revision)); the ids whose view was dropped (their record is gone).
+        Call on the event loop; after :meth:`close` nothing new starts."""
+        dropped = []
+        for instance_id, (follower, task) in list(self.followers.items()):
+            want = wanted.get(instance_id)
+            if want == (follower.view.spec, follower.view.generation):
+                continue
+            task.cancel()
+            del self.followers[instance_id]
+            if want is None:
+                self.index.remove(instance_id)
+                dropped.append(instance_id)
+        if self._closed:
+            return dropped
+        loop = asyncio.get_running_loop()
+        for instance_id, (spec, generation) in wanted.items():
+            if instance_id in self.followers:
+                continue
+            if self._zmq is None:
+                self._zmq = zmq.asyncio.Context()
+            view = self.index.track(instance_id, spec, generation)
+            follower = EngineEventFollower(self.index, view, self._zmq)
+            task = loop.create_task(follower.run(), name=f"{self._task_prefix}-{instance_id}")
+            task.add_done_callback(_follower_ended)
+            self.followers[instance_id] = (follower, task)
+        return dropped
+
+    def tasks(self) -> list[asyncio.Task[None]]:
+        return [task for _, task in self.followers.values()]
+
+    def close(self) -> list[asyncio.Task[None]]:
+        """Cancel every follower (nothing new starts after this); the tasks, for the caller
+        to await before :meth:`destroy`."""
+        self._closed = True
+        tasks = self.tasks()
+        self.followers = {}
+        for task in tasks:
+            task.cancel()
+        return tasks
+
+    def destroy(self) -> None:
+        """Close the ZMQ context (after the tasks of :meth:`close` ended). Idempotent."""
+        if self._zmq is not None:
+            self._zmq.destroy(linger=0)
+            self._zmq = None
+
+
+def _follower_ended(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("%s stopped: %r; that engine's cache view no longer changes",
+                  task.get_name(), task.exception(), exc_info=task.exception())

@@ -69,9 +69,8 @@ from typing import Any
 import aetcd
 import grpc
 import xxhash
-import zmq.asyncio
 
-from conductor.engine_events import EngineEventFollower
+from conductor.engine_events import EngineFollowers
 from conductor.engine_index import EngineCacheIndex, PromptMatch, TokenIds
 from conductor.index import ChunkEvent, ChunkEventKind, EventOutcome, GlobalPrefixIndex
 from conductor.instances import InstanceBook
@@ -293,8 +292,7 @@ class Conductor:
         self._rebuild: _Rebuild | None = None
         self.engine_cache = EngineCacheIndex()
         """Each vLLM engine's own prefix cache, from its KV events (thread-safe by itself)."""
-        self.engine_followers: dict[str, tuple[EngineEventFollower, asyncio.Task[None]]] = {}
-        self._zmq: zmq.asyncio.Context | None = None
+        self.engine_events = EngineFollowers(self.engine_cache, "kvtier-conductor-kv-events")
         self.serving: SecureServing | None = None
         """How the gRPC service authenticates (valid after start)."""
         self._daemon_token: TokenSource | None = None
@@ -460,8 +458,7 @@ class Conductor:
         if self.election is not None:
             await self.election.resign()
         tasks = self._tasks + [f.task for f in self.nodes.values() if f.task is not None]
-        tasks += [task for _, task in self.engine_followers.values()]
-        self.engine_followers = {}
+        tasks += self.engine_events.close()
         if self._rebuild is not None and self._rebuild.task is not None:
             tasks.append(self._rebuild.task)
         for task in tasks:
@@ -477,9 +474,7 @@ class Conductor:
             with contextlib.suppress(Exception):  # closing a client whose etcd is gone
                 await self._etcd.close()
             self._etcd = None
-        if self._zmq is not None:
-            self._zmq.destroy(linger=0)
-            self._zmq = None
+        self.engine_events.destroy()
 
     # ------------------------------------------------------------------ leadership
 
@@ -785,40 +780,13 @@ class Conductor:
             await changes.__aexit__(None, None, None)
 
     def _sync_engine_events(self) -> None:
-        """Follow the KV events of every engine record that has them: a follower per record
-        (a new one when its description or registration changed), none for the others."""
+        """Follow the KV events of every engine record that has them
+        (:class:`conductor.engine_events.EngineFollowers`)."""
         with self.lock:
             wanted = {i: (rec.vllm_kv_events, self._engine_created.get(i, 0))
                       for i, rec in self.engines.items() if rec.vllm_kv_events is not None}
-        for instance_id, (follower, task) in list(self.engine_followers.items()):
-            want = wanted.get(instance_id)
-            if want == (follower.view.spec, follower.view.generation):
-                continue
-            task.cancel()
-            del self.engine_followers[instance_id]
-            if want is None:
-                self.engine_cache.remove(instance_id)
-                log.info("engine %s left the engine cache index (its record is gone)",
-                         instance_id)
-        if self._stopping:
-            return
-        loop = asyncio.get_running_loop()
-        for instance_id, (spec, generation) in wanted.items():
-            if instance_id in self.engine_followers or spec is None:
-                continue
-            if self._zmq is None:
-                self._zmq = zmq.asyncio.Context()
-            view = self.engine_cache.track(instance_id, spec, generation)
-            follower = EngineEventFollower(self.engine_cache, view, self._zmq)
-            task = loop.create_task(follower.run(), name=f"kvtier-conductor-kv-events-{instance_id}")
-            task.add_done_callback(self._follower_ended)
-            self.engine_followers[instance_id] = (follower, task)
-
-    @staticmethod
-    def _follower_ended(task: asyncio.Task[None]) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            log.error("%s stopped: %r; that engine's cache view no longer changes",
-                      task.get_name(), task.exception(), exc_info=task.exception())
+        for instance_id in self.engine_events.sync(wanted):
+            log.info("engine %s left the engine cache index (its record is gone)", instance_id)
 
     def _sync_instances(self) -> None:
         """Make the scheduler's instances = engine records whose node is live, a prefill and

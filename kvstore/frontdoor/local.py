@@ -12,7 +12,7 @@ same sources the conductor follows:
   as the conductor turns them (:func:`conductor.instances.plan_instances`: a prefill and a
   decode record of one server are one colocated instance);
 * each engine's vLLM KV events over ZMQ (:class:`~conductor.engine_events.
-  EngineEventFollower` into an :class:`~conductor.engine_index.EngineCacheIndex`: the same
+  EngineFollowers`, the conductor's own, into an :class:`~conductor.engine_index.EngineCacheIndex`: the same
   seq/gap/replay handling, the same mismatch probes, and its chain memo, so a conversation's
   next turn hashes only its new blocks). vLLM's PUB socket serves any number of subscribers
   and its replay socket any number of clients: the front door is one more;
@@ -79,9 +79,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
-import zmq.asyncio
 
-from conductor.engine_events import EngineEventFollower
+from conductor.engine_events import EngineFollowers
 from conductor.engine_index import EngineCacheIndex, PromptMatch
 from conductor.index import GlobalPrefixIndex
 from conductor.instances import InstanceBook
@@ -185,11 +184,9 @@ class LocalRouter:
         """Nodes registered in etcd."""
         self.instances = InstanceBook()
         """The scheduler's instances and the engine records it knows now (as the conductor's)."""
-        self._followers: dict[str, tuple[EngineEventFollower, asyncio.Task[None]]] = {}
-        self._zmq: zmq.asyncio.Context | None = None
+        self.engine_events = EngineFollowers(self.engine_cache, "kvtier-frontdoor-kv-events")
         self._etcd: Any = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._closing = False
         self._agreed_at = -float("inf")
         self._disagreement: str | None = "no check against the conductor yet"
         self._conductor_seq: dict[str, int] = {}
@@ -236,10 +233,8 @@ class LocalRouter:
 
     async def close(self) -> None:
         """Stop following; report nothing more. Idempotent."""
-        self._closing = True
-        tasks = self._tasks + [task for _, task in self._followers.values()] + \
-            list(self._shadows)
-        self._tasks, self._followers = [], {}
+        tasks = self._tasks + self.engine_events.close() + list(self._shadows)
+        self._tasks = []
         for task in tasks:
             task.cancel()
         if tasks:
@@ -248,9 +243,7 @@ class LocalRouter:
             with contextlib.suppress(Exception):  # closing a client whose etcd is gone
                 await self._etcd.close()
             self._etcd = None
-        if self._zmq is not None:
-            self._zmq.destroy(linger=0)
-            self._zmq = None
+        self.engine_events.destroy()
 
     async def __aenter__(self) -> LocalRouter:
         await self.start()
@@ -484,32 +477,11 @@ class LocalRouter:
         self.instances.sync(self.scheduler, self.records, self.nodes)
 
     def _sync_engine_events(self) -> None:
-        """Follow the KV events of every engine record that has them (the conductor's
-        ``_sync_engine_events``): a follower per record, a fresh one when its description or
-        registration changed, none for records that left."""
-        wanted = {i: (rec.vllm_kv_events, self._created.get(i, 0))
-                  for i, rec in self.records.items() if rec.vllm_kv_events is not None}
-        for instance_id, (follower, task) in list(self._followers.items()):
-            want = wanted.get(instance_id)
-            if want == (follower.view.spec, follower.view.generation):
-                continue
-            task.cancel()
-            del self._followers[instance_id]
-            if want is None:
-                self.engine_cache.remove(instance_id)
-        if self._closing:
-            return
-        loop = asyncio.get_running_loop()
-        for instance_id, (spec, generation) in wanted.items():
-            if instance_id in self._followers or spec is None:
-                continue
-            if self._zmq is None:
-                self._zmq = zmq.asyncio.Context()
-            view = self.engine_cache.track(instance_id, spec, generation)
-            follower = EngineEventFollower(self.engine_cache, view, self._zmq)
-            task = loop.create_task(follower.run(),
-                                    name=f"kvtier-frontdoor-kv-events-{instance_id}")
-            self._followers[instance_id] = (follower, task)
+        """Follow the KV events of every engine record that has them, as the conductor does
+        (:class:`conductor.engine_events.EngineFollowers`)."""
+        self.engine_events.sync({i: (rec.vllm_kv_events, self._created.get(i, 0))
+                                 for i, rec in self.records.items()
+                                 if rec.vllm_kv_events is not None})
 
     # -- freshness -----------------------------------------------------------------------------
 

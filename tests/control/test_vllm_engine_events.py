@@ -258,7 +258,7 @@ def test_a_salted_prompt_verifies_and_matches_under_its_salt(fleet: Fleet) -> No
 
 def test_a_dropped_live_batch_is_repaired_by_replay(fleet: Fleet) -> None:
     async def scenario() -> None:
-        follower, _ = fleet.conductor.engine_followers[ENGINE]
+        follower, _ = fleet.conductor.engine_events.followers[ENGINE]
         before = (await fleet.caches())[ENGINE]
         lost, after = tokens(6, 128), tokens(7, 96)
         follower.drop_live_batches = 1
@@ -309,7 +309,7 @@ def test_a_stopped_instance_leaves_the_index(fleet: Fleet) -> None:
         assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         async with etcd_client(fleet.etcd_url) as etcd:
             assert ENGINE not in await list_engines(etcd, layout=fleet.layout)
-        assert ENGINE not in fleet.conductor.engine_followers
+        assert ENGINE not in fleet.conductor.engine_events.followers
 
     fleet.run(scenario())
 

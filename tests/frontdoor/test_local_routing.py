@@ -228,7 +228,7 @@ def test_a_replica_cut_off_from_an_engine_asks_the_conductor(
             await s.settled()
             # The front door's subscription to v1 dies silently (as a SUB socket cut off from
             # its publisher does: nothing arrives); v1 then stores the prompt.
-            _, task = router._followers["v1"]
+            _, task = router.engine_events.followers["v1"]
             task.cancel()
             s.held["v1"].update(fleet.hashes.hashes(tokens))
             fleet.store("v1", tokens)
