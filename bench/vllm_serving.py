@@ -947,9 +947,10 @@ if __name__ == "__main__":
 
 def fleet_requests(trace: Path, conversations: int, vocab_size: int) -> list[FleetRequest]:
     """The fleet's prompts (``make run``, ``kvtier bench fleet``): this benchmark's
-    conversation slice of ``trace``."""
+    conversation slice of ``trace``, each tagged with its conversation (its second trace
+    block, as :func:`select_conversations` groups them)."""
     from kvstore.cluster.vllm_fleet import FleetRequest
 
     picked = select_conversations(load_requests(trace), conversations)
-    return [FleetRequest(f"trace-{r.trace_index}", tuple(prompt_ids(r, vocab_size)))
-            for r in picked]
+    return [FleetRequest(f"trace-{r.trace_index}", tuple(prompt_ids(r, vocab_size)),
+                         f"conversation-{r.block_ids[1]}") for r in picked]
