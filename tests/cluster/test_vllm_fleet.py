@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.cluster.vllm_fleet import Fleet, FleetRequest, FleetSpec, Mode, assemble
+from kvstore.cluster.vllm_fleet import Arrivals, Fleet, FleetRequest, FleetSpec, Mode, assemble
 from kvstore.cluster.vllm_instance import TinyLlama
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -42,7 +42,7 @@ def test_the_fleet_routes_reuses_and_disaggregates_with_identical_outputs(
     spec = FleetSpec(work_dir=tmp_path / "fleet", requests=REQUESTS, model=SPEC,
                      modes=(Mode.ROUND_ROBIN, Mode.CONDUCTOR, Mode.PD), max_tokens=4,
                      max_model_len=512, vllm_kv_bytes=32 << 20, dram_bytes=64 << 20,
-                     nvme_bytes=32 << 20)
+                     nvme_bytes=32 << 20, arrivals=Arrivals.CLOSED)
     fleet = Fleet(spec, log=lambda line: None)
     with fleet:
         results = fleet.replay()

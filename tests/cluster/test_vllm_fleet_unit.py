@@ -13,6 +13,7 @@ import pytest
 from bench.vllm_serving import fleet_requests
 from kvstore.cluster.vllm_fleet import (
     MODE_SERVERS,
+    Arrivals,
     FleetRequest,
     FleetSpec,
     Mode,
@@ -21,10 +22,13 @@ from kvstore.cluster.vllm_fleet import (
     ServerPlan,
     Slo,
     assemble,
+    conversations,
+    drive,
     format_tables,
     goodput,
     identical_outputs,
     kv_cache_tokens,
+    max_in_flight,
     parse_sse,
     percentile,
     routing_latency,
@@ -34,7 +38,7 @@ from kvstore.cluster.vllm_fleet import (
     working_set_blocks,
 )
 from kvstore.frontdoor.instrument import TimedRouter
-from kvstore.frontdoor.router import Backend, Rejection, RouteRequest
+from kvstore.frontdoor.router import Backend, BackendPool, Rejection, RoundRobinRouter, RouteRequest
 from planner.trace import default_trace_path
 
 
@@ -61,6 +65,8 @@ def test_the_trace_slice_is_the_benchmarks_conversations_as_token_ids() -> None:
         by_block.setdefault(r.token_ids[32:64], []).append(r)
     assert any(len(group) >= 2 for group in by_block.values())
     assert max(len(r.token_ids) for r in requests) <= 32 * 32
+    # Tagged with their conversations (the chat arrivals send each one's turns in order).
+    assert [len(c) for c in conversations(requests)] == [2, 4, 2]
 
 
 def test_summary_figures_are_exact() -> None:
@@ -240,3 +246,126 @@ def test_the_kv_cache_size_is_read_from_vllms_start_log() -> None:
            b"Maximum concurrency for 1,280 tokens per request: 3.20x\n")
     assert kv_cache_tokens(b"noise\n" + log) == 4096
     assert kv_cache_tokens(b"INFO starting\n") is None
+
+
+# -- arrivals ----------------------------------------------------------------------------------
+
+def _chats() -> list[FleetRequest]:
+    """Three conversations interleaved in trace order (x: 3 turns, y: 2, z: 1) and one request
+    of no conversation."""
+    turns = [("x1", "x"), ("y1", "y"), ("x2", "x"), ("z1", "z"), ("y2", "y"), ("lone", ""),
+             ("x3", "x")]
+    return [FleetRequest(label, (i + 3,), conv) for i, (label, conv) in enumerate(turns)]
+
+
+class _Engine:
+    """A stand-in for the fleet's ``send`` (the driver is pure logic): each request takes
+    ``steps[label]`` event-loop turns; records what was in flight when each was sent."""
+
+    def __init__(self, steps: dict[str, int] | None = None) -> None:
+        self.steps = steps or {}
+        self.in_flight: set[str] = set()
+        self.sent: list[tuple[str, frozenset[str]]] = []
+        self.answered: list[str] = []
+
+    async def send(self, r: FleetRequest) -> RequestRecord:
+        self.sent.append((r.label, frozenset(self.in_flight)))
+        self.in_flight.add(r.label)
+        for _ in range(self.steps.get(r.label, 3)):
+            await asyncio.sleep(0)
+        self.in_flight.discard(r.label)
+        self.answered.append(r.label)
+        return rec(r.label, [r.token_ids[0]])
+
+
+def test_conversations_group_turns_in_trace_order() -> None:
+    groups = conversations(_chats())
+    assert [[r.label for r in g] for g in groups] == [["x1", "x2", "x3"], ["y1", "y2"],
+                                                      ["z1"], ["lone"]]
+
+
+def test_chat_arrivals_keep_conversations_in_flight_each_turn_after_its_answer() -> None:
+    requests = _chats()
+    engine = _Engine()
+    records = asyncio.run(drive(requests, Arrivals.CHAT, 2, engine.send))
+    assert [r.label for r in records] == [r.label for r in requests]  # trace order
+    # Two requests were in flight at once (the closed loop never has more than one).
+    assert max(len(busy) for _, busy in engine.sent) == 1
+    assert engine.sent[:2] == [("x1", frozenset()), ("y1", frozenset({"x1"}))]
+    # A turn is sent only after the previous turn of its conversation answered.
+    order = [label for label, _ in engine.sent]
+    for a, b in (("x1", "x2"), ("x2", "x3"), ("y1", "y2")):
+        assert engine.answered.index(a) < order.index(b)
+    # Never a second turn of one conversation in flight beside another of it.
+    assert all(label[0] not in {x[0] for x in busy} for label, busy in engine.sent
+               if label != "lone")
+
+
+def test_chat_arrivals_start_conversations_in_trace_order_whatever_the_timings() -> None:
+    """The same arrivals in every mode: whichever mode answers faster, each conversation's
+    turns go in order and conversations start in trace order; only the interleaving moves."""
+    starts = []
+    for steps in ({}, {"x1": 50, "x2": 50, "x3": 50}, {"y1": 40, "z1": 1, "lone": 80}):
+        engine = _Engine(steps)
+        records = asyncio.run(drive(_chats(), Arrivals.CHAT, 2, engine.send))
+        assert sorted(r.label for r in records) == sorted(r.label for r in _chats())
+        order = [label for label, _ in engine.sent]
+        firsts = [label for label in order if label in ("x1", "y1", "z1", "lone")]
+        starts.append(firsts)
+        for conv in ("x", "y"):
+            mine = [label for label in order if label.startswith(conv)]
+            assert mine == sorted(mine)
+    assert starts == [["x1", "y1", "z1", "lone"]] * 3
+
+
+def test_closed_arrivals_send_one_request_at_a_time_in_trace_order() -> None:
+    engine = _Engine()
+    records = asyncio.run(drive(_chats(), Arrivals.CLOSED, 4, engine.send))
+    assert [label for label, _ in engine.sent] == [r.label for r in _chats()]
+    assert all(not busy for _, busy in engine.sent)
+    assert [r.label for r in records] == [r.label for r in _chats()]
+
+
+def test_a_failed_request_stops_the_replay_with_its_own_error() -> None:
+    async def send(r: FleetRequest) -> RequestRecord:
+        await asyncio.sleep(0)
+        if r.label == "y1":
+            raise ValueError("backend answered 503")
+        return rec(r.label, [1])
+
+    with pytest.raises(ValueError, match="503"):
+        asyncio.run(drive(_chats(), Arrivals.CHAT, 2, send))
+    with pytest.raises(ValueError):
+        asyncio.run(drive(_chats(), Arrivals.CHAT, 0, send))
+    with pytest.raises(ValueError):
+        FleetSpec(work_dir=Path("/x"), requests=(FleetRequest("a", (1,)),), in_flight=0)
+
+
+def test_max_in_flight_counts_overlapping_requests() -> None:
+    def timed(label: str, sent: float, done: float) -> RequestRecord:
+        r = rec(label, [1])
+        r.sent_s, r.done_s = sent, done
+        return r
+
+    assert max_in_flight([timed("a", 0, 2), timed("b", 1, 3), timed("c", 2.5, 4)]) == 2
+    assert max_in_flight([timed("a", 0, 1), timed("b", 1, 2)]) == 1  # end, then start
+    assert max_in_flight([]) == 0
+    s = summarize(result(Mode.CONDUCTOR, [timed("a", 0, 2), timed("b", 1, 3)],
+                         decision_s=[0.001, 0.002], floor_s=[1e-5, 3e-5]))
+    assert s["max_in_flight"] == 2
+    assert s["decision_floor_p50_s"] == pytest.approx(2e-5)
+
+
+def test_the_timed_router_times_its_floor_beside_each_decision() -> None:
+    b0, b1 = Backend("v0", "http://127.0.0.1:1"), Backend("v1", "http://127.0.0.1:2")
+    timed = TimedRouter(_Fixed([b1, b1, b1]), floor=RoundRobinRouter(BackendPool([b0, b1])))
+    req = RouteRequest("r", "/v1/completions", "m", 8, False)
+
+    async def go() -> list[object]:
+        return [await timed.route([1, 2], req) for _ in range(3)]
+
+    assert asyncio.run(go()) == [b1, b1, b1]  # the floor's picks are not answered
+    assert len(timed.floor_s) == len(timed.decision_s) == 3
+    assert dict(timed.backends) == {"v1": 3}
+    timed.reset()
+    assert timed.floor_s == []

@@ -25,7 +25,7 @@ import pytest
 
 from bench.routing import KvEventPublisher
 from conductor.engine_index import VllmBlockHashes
-from kvstore.frontdoor.instrument import TicketingConductorClient
+from kvstore.frontdoor.instrument import ReportingConductorRouter, TicketingConductorClient
 from kvstore.frontdoor.router import Backend, BackendPool, ConductorRouter, RouteRequest
 from kvstore.membership.engines import (
     EngineRecord,
@@ -196,6 +196,46 @@ def test_a_prompt_held_nowhere_is_placed_and_probed_on_the_chosen_engine(
             probes = {c.instance_id: (c.probes, c.probes_matched) for c in info.engine_caches}
             assert sum(p for p, _ in probes.values()) == 2
             assert all(m == 0 for _, m in probes.values())
+        finally:
+            await client.close()
+
+    aio.run(asyncio.wait_for(scenario(), 120))
+
+
+def test_the_reporting_router_releases_each_request_when_it_ends(
+        fleet: Fleet, aio: asyncio.Runner) -> None:
+    """Requests in flight at once (the fleet's chat arrivals): the front door's ``done`` hook
+    reports each one's own ticket to the real conductor, the others stay outstanding."""
+    for publisher in fleet.publishers.values():
+        publisher.start()
+    pool = BackendPool([Backend("v0", "http://127.0.0.1:9"), Backend("v1", "http://127.0.0.1:10")])
+    rng = random.Random(11)
+
+    async def scenario() -> None:
+        await fleet.register()
+        client = TicketingConductorClient(etcd_endpoint=fleet.etcd_url, layout=fleet.layout)
+        try:
+            async def ready() -> bool:
+                info = await client.leader_info()
+                return bool(info.is_leader) and len(info.engine_caches) == 2
+
+            await wait_until(ready, "the conductor follows both engines")
+            router = ReportingConductorRouter(client, pool, MODEL)
+            for name in ("a", "b", "c"):
+                tokens = [rng.randrange(3, 32000) for _ in range(2 * BLOCK + 1)]
+                decision = await router.route(tokens, RouteRequest(
+                    name, "/v1/completions", MODEL, 8, False))
+                assert isinstance(decision, Backend)
+            tickets = dict(client.outstanding)
+            assert sorted(tickets) == ["a", "b", "c"] and len(set(tickets.values())) == 3
+            router.done("b", 8)
+            router.done("nobody", 0)  # no ticket: nothing to report
+            await client.settle()  # the conductor took the report (else its error is raised)
+            assert client.outstanding == {"a": tickets["a"], "c": tickets["c"]}
+            router.done("a")
+            router.done("c")
+            await client.settle()
+            assert client.outstanding == {}
         finally:
             await client.close()
 
