@@ -193,7 +193,7 @@ def test_a_daemon_with_engine_credentials_does_not_start(secure: SecureEtcd,
                            extra_args=etcd_args(secure, secure.users["engine-1"]))
     try:
         with pytest.raises(RuntimeError, match="did not become ready"):
-            daemon.start()
+            daemon.start(timeout_s=180.0)  # it exits by itself; a loaded box may take long to get there
     finally:
         daemon.stop()
     assert "register node 'node-as-engine': etcd refused it: permission denied" in \
