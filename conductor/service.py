@@ -18,6 +18,9 @@ the per-node answers count only chunks that tenant owns and the shared tenant's 
 peer of every tenant naming none: every tenant's). A tenant the credentials do not allow is
 PERMISSION_DENIED (audited), whole batches included. ReportCompletion of a ticket is refused
 (PERMISSION_DENIED) to a caller that may not act for the tenant the ticket was scheduled for.
+ReportLoad carries one engine instance's figures, and instances have no tenant: it is bound to
+the caller's identity (:func:`kvstore.security.tenancy.check_instance_reporter`), so an engine
+of tenant A cannot make another tenant's instances look idle or busy.
 The request body's ``tenant`` is only the
 key namespace token ids are hashed in (a ``cache_salt``); with authentication on, a non-empty
 one must also be a tenant the credentials allow, so nobody hashes in another tenant's namespace
@@ -43,7 +46,7 @@ from kvstore._proto.kvtier.v1 import conductor_pb2_grpc as pb_grpc
 from kvstore.errors import InvalidArgument, KvtierError, MembershipError, PermissionDenied
 from kvstore.membership.engines import EngineRole
 from kvstore.security.identity import INSECURE, current_principal
-from kvstore.security.tenancy import requested_tenant, resolve_tenant
+from kvstore.security.tenancy import check_instance_reporter, requested_tenant, resolve_tenant
 from kvstore.wire import (
     ERROR_METADATA_KEY,
     LEADER_METADATA_KEY,
@@ -333,6 +336,7 @@ class ConductorService(pb_grpc.ConductorServicer):
     def ReportLoad(self, request: pb.EngineLoad, context: Any) -> pb.ReportLoadReply:
         if not request.instance_id:
             raise InvalidArgument("instance_id must not be empty")
+        check_instance_reporter(current_principal(), request.instance_id)
         if (request.queued_prefill_tokens < 0 or request.running_decode_batch < 0
                 or request.kv_used_tokens < 0):
             raise InvalidArgument("load figures must be >= 0")

@@ -18,12 +18,17 @@ from dataclasses import dataclass
 
 class Role(enum.Enum):
     """What a caller is. ``ENGINE``: put, get and lookup within its tenants. ``OPERATOR``: the
-    admin operations (stats, ls, inspect, evict, pin, drain) across tenants. ``PEER``: another
-    kvtier component (a daemon or the conductor) acting for the cluster."""
+    admin operations (stats, ls, inspect, evict, pin, drain) across tenants. ``PEER``: the
+    conductor, following the daemons' chunk events (Subscribe, Snapshot: every tenant's keys).
+    ``DAEMON``: a store daemon's own identity (its server certificate, or a token it holds):
+    it may call ``Info`` and nothing else, on daemons and conductors alike, and acts for no
+    tenant, so a daemon's certificate, which the CA signs for clientAuth as well, cannot follow
+    another daemon's events or read a chunk (docs/security.md, "Roles")."""
 
     ENGINE = "engine"
     OPERATOR = "operator"
     PEER = "peer"
+    DAEMON = "daemon"
 
 
 @dataclass(frozen=True)

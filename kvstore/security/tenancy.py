@@ -12,6 +12,11 @@ which see every tenant.
 
 The daemon resolves every chunk call with it (kvstore/node/service.py, "Tenants"); the conductor
 resolves Schedule, ScheduleBatch and Lookup with it (conductor/service.py, "Tenants").
+
+Engine instances carry no tenant, so what a caller may say about one (the conductor's
+ReportLoad) is bound to its identity instead (:func:`check_instance_reporter`): an engine whose
+credentials name tenants reports only for the instances its credential is named for, a shared
+engine (every tenant), an operator, or a service without security for any.
 """
 
 from __future__ import annotations
@@ -22,8 +27,8 @@ from kvstore.errors import InvalidArgument, PermissionDenied
 from kvstore.security.identity import INSECURE, Principal, Role
 from kvstore.wire import TENANT_MAX_CHARS, TENANT_METADATA_KEY
 
-__all__ = ["DEFAULT_TENANT", "SHARED_TENANT", "readable_owners", "requested_tenant",
-           "resolve_tenant"]
+__all__ = ["DEFAULT_TENANT", "SHARED_TENANT", "check_instance_reporter", "readable_owners",
+           "requested_tenant", "resolve_tenant"]
 
 DEFAULT_TENANT = ""
 """The tenant of a request that names none (every client before tenants existed)."""
@@ -84,6 +89,25 @@ def resolve_tenant(principal: Principal, requested: str | None, *, write: bool =
             raise PermissionDenied(f"{principal.name} may not write the shared tenant "
                                    f"{SHARED_TENANT!r}: its credentials need shared_writer")
     return tenant
+
+
+def check_instance_reporter(principal: Principal, instance_id: str) -> None:
+    """PermissionDenied unless ``principal`` may report figures (load) for engine instance
+    ``instance_id`` (module docstring): its credential's name, less a ``<role>/`` prefix
+    (certificates name ``engine/vllm-0``), is the instance id or the id's part before a ``.``
+    (``vllm-0`` reports for ``vllm-0`` and ``vllm-0.decode``); credentials of every tenant,
+    operators and ``INSECURE`` report for any instance. Checked before the instance is looked
+    up, so a refusal says nothing about whether it exists."""
+    if principal is INSECURE or principal.tenants is None or principal.role is Role.OPERATOR:
+        return
+    name = principal.name.removeprefix(f"{principal.role.value}/")
+    if instance_id == name or instance_id.startswith(name + "."):
+        return
+    raise PermissionDenied(
+        f"{principal.name} may not report for engine instance {instance_id!r}: an engine "
+        f"credential scoped to {_allowed(principal)} reports only for its own instances "
+        f"({name!r} or {name + '.*'!r}); a shared engine (tenants '*') or an operator may "
+        "report for any")
 
 
 def readable_owners(ticket_reply: Any) -> tuple[str, ...] | None:

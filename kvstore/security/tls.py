@@ -6,9 +6,10 @@ client certificate names a :class:`~kvstore.security.identity.Principal`.
     kvtier://<role>/<name>[?tenants=a,b|*][&shared_writer=1]
 
 e.g. ``kvtier://engine/vllm-0?tenants=acme,globex``, ``kvtier://operator/alice``,
-``kvtier://peer/conductor-1``. The role is ``engine``, ``operator`` or ``peer``; an engine must
-name its tenants (``*``: every tenant); an operator or a peer without ``tenants`` may use every
-tenant. A certificate without exactly one ``kvtier://`` URI is refused (UNAUTHENTICATED): the
+``kvtier://peer/conductor-1``, ``kvtier://daemon/node-a``. The role is ``engine``, ``operator``,
+``peer`` (the conductor) or ``daemon`` (a store daemon's own certificate: Info only); an engine
+must name its tenants (``*``: every tenant); an operator or a peer without ``tenants`` may use
+every tenant; a daemon acts for none. A certificate without exactly one ``kvtier://`` URI is refused (UNAUTHENTICATED): the
 subject's CN is not used, so a certificate issued by the same CA for something else (a web
 server) grants nothing. The URI is part of what the CA signs, so only the CA decides roles.
 

@@ -73,7 +73,13 @@ def check_key_id(kid: str) -> str:
 
 def check_tenants(role: Role, tenants: Iterable[str] | None) -> frozenset[str] | None:
     """The tenants a principal of ``role`` may use: ``None`` for every tenant. An engine must
-    name them (``["*"]`` for every tenant); a tenant is 1-128 characters without commas."""
+    name them (``["*"]`` for every tenant); a daemon acts for none (it may name none); a tenant
+    is 1-128 characters without commas."""
+    if role is Role.DAEMON:
+        if tenants is not None and list(tenants):
+            raise Unauthenticated("a daemon identity acts for no tenant: it may not name "
+                                  "tenants")
+        return frozenset()
     if tenants is None:
         if role is Role.ENGINE:
             raise Unauthenticated("an engine identity must name its tenants (a list, or '*' "

@@ -67,6 +67,9 @@ PRINCIPALS: dict[str, tuple[Role, list[str] | None, bool]] = {
     "sys": (Role.ENGINE, ["sys"], True),
     "op": (Role.OPERATOR, None, False),
     "conductor": (Role.PEER, None, False),
+    "p-node-a": (Role.ENGINE, ["alice"], False),
+    "shared-engine": (Role.ENGINE, ["*"], False),
+    "node-b": (Role.DAEMON, None, False),
 }
 """name -> (role, tenants, shared_writer)."""
 
@@ -504,3 +507,77 @@ def test_without_security_the_metadata_names_the_tenant(tmp_path: Path, etcd_ser
     finally:
         conductor.stop()
         daemon.stop()
+
+
+def test_load_reports_and_peer_calls_are_bound_to_identity(world: World) -> None:
+    """ReportLoad is bound to the caller's identity (an engine credential scoped to tenants
+    reports only for its own instances, whatever exists; a shared engine and an operator for
+    any), and a daemon's own identity may call Info and nothing else: not a daemon's chunk
+    events (Subscribe, Snapshot: the conductor's identity only), not a chunk, not the
+    conductor. Each attack paired with the right identity succeeding; alice's chunks read
+    back afterwards."""
+    tally = Tally()
+
+    async def scenario() -> None:
+        async with world.client("p-node-a") as own, world.client("alice") as alice, \
+                world.client("bob") as bob, world.client("op") as op, \
+                world.client("shared-engine") as shared, world.client("node-b") as daemon:
+            # The right identities.
+            assert await own.report_load("p-node-a", queued_prefill_tokens=0)
+            assert await shared.report_load("p-node-b", queued_prefill_tokens=0)
+            assert await op.report_load("d-0", running_decode_batch=0, kv_used_tokens=0)
+            assert not await op.report_load("ghost")  # an operator learns what exists
+            tally.paired += 4
+            for who, c, instance in (("alice", alice, "p-node-a"), ("alice", alice, "d-0"),
+                                     ("bob", bob, "p-node-b"), ("p-node-a", own, "p-node-b"),
+                                     ("p-node-a", own, "p-node-a-x"),
+                                     ("bob", bob, "ghost")):  # refused before any look-up
+                await tally.attack(f"{who} reports load for {instance}",
+                                   lambda c=c, i=instance: c.report_load(
+                                       i, queued_prefill_tokens=1 << 40),
+                                   match=f"may not report for engine instance {instance!r}")
+            # A daemon's identity on the conductor: nothing.
+            for what, call in (("lookup", lambda: daemon.lookup(keys=ALICE)),
+                               ("schedule", lambda: daemon.call(
+                                   "Schedule", _sched("daemon-1", ALICE))),
+                               ("report load", lambda: daemon.report_load("p-node-b")),
+                               ("leader", daemon.leader_info)):
+                await tally.attack(f"daemon identity {what} on the conductor", call,
+                                   match="(role daemon) may not call")
+            assert _blocks(await alice.lookup(keys=ALICE))["node-a"] == 4
+            tally.paired += 1
+
+    asyncio.run(scenario())
+
+    # A daemon's identity on another daemon: Info only; the conductor's identity follows it.
+    daemon_b = world.control("node-a", "node-b")
+    peer_a = world.control("node-a", "conductor")
+    alice_a = world.control("node-a", "alice")
+    try:
+        assert daemon_b.call("Info", spb.InfoRequest()).node_id == "node-a"
+        for what, fn in (("snapshot", lambda: daemon_b.snapshot()),
+                         ("subscribe", lambda: next(daemon_b.subscribe(timeout_s=10.0))),
+                         ("get", lambda: daemon_b.call("Get", spb.GetRequest(key=ALICE[1]))),
+                         ("put", lambda: daemon_b.call("Put", spb.PutRequest(
+                             key=_key(0xD0, 1), value=VALUE))),
+                         ("data ticket", lambda: daemon_b.call(
+                             "IssueDataTicket", spb.IssueDataTicketRequest()))):
+            asyncio.run(tally.attack(f"daemon identity {what} on another daemon", _sync(fn),
+                                     match="(role daemon) may not call"))
+        _epoch, _seq, entries = peer_a.snapshot()
+        assert {bytes(e.key) for e in entries} >= set(ALICE[1:])
+        assert _events(peer_a)
+        tally.paired += 2
+        for key in ALICE[1:]:
+            reply = alice_a.call("Get", spb.GetRequest(key=key))
+            if not (reply.found and bytes(reply.value) == VALUE):
+                tally.lost += 1
+    finally:
+        for c in (daemon_b, peer_a, alice_a):
+            c.close()
+
+    line = (f"conductor roles: attempts={tally.attempts} refused={tally.refused} "
+            f"leaked={len(tally.leaks)} lost={tally.lost} paired={tally.paired}")
+    print(line)
+    assert not tally.leaks, tally.leaks
+    assert tally.lost == 0 and tally.attempts == tally.refused
