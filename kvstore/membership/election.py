@@ -9,8 +9,9 @@ How it works
     one whose transaction succeeds leads; the others learn who leads from the same
     transaction's failure branch and try again every ``poll_interval_s``. When the leader
     dies its lease expires (``ttl_s`` plus etcd's ~0.5 s expiry tick), the key vanishes with
-    it and the next standby's transaction wins: a takeover within about ``ttl_s + 1`` s.
-    :meth:`Election.resign` revokes the lease, so a clean exit hands over at once.
+    it and the next standby's transaction wins, and acts one TTL later (the fence, below): a
+    takeover within about ``2 * ttl_s + 1`` s. :meth:`Election.resign` says so in etcd and
+    revokes the lease, so a clean exit hands over at once.
 
 Safety
     A leader is only *sure* to lead until ``confirmed_until`` = (time it sent the last
@@ -22,6 +23,24 @@ Safety
     after the last check (sent time) that found the key holding its record under its lease.
     When the lease is found gone, or the key holds another candidate's record, the candidate
     steps down and campaigns again (with a fresh lease if the old one is gone).
+
+The takeover fence (issue 16)
+    Those clocks bound a leader whose lease *expires*; they cannot bound one whose lease etcd
+    *revokes* early. etcd 3.4.23 does: a paused etcd leader, resumed, revokes every lease it
+    thinks expired while it slept, through the new leader (etcd-io/etcd#15247, fixed by
+    #16822), and a conductor that confirmed its lease and key a moment before decides on
+    until its next check finds the key gone (``poll_interval_s``) while a standby has already
+    won the next term (the fault suite's ``sigstop-etcd-leader`` caught one 60 ms into the
+    new term). So a candidate that wins a **new term** does not act for one TTL: every
+    confirmation the previous leader holds came from a request sent before its key vanished,
+    so it stopped acting by then. The wait is skipped when etcd says nobody can be acting:
+    the campaign transaction also reads and rewrites ``<prefix>conductor/term`` (under no
+    lease), which names the lease that won the newest term, or says its leader resigned
+    (:meth:`Election.resign` writes that, in the transaction that deletes the key, after
+    it stopped acting). No record (a fresh cluster), a resignation, or a term of one of our
+    own leases: no wait. Anything else (the previous leader's lease expired or was revoked,
+    or its key was deleted by hand): the wait. A leader that re-confirms the term it holds
+    (same create revision) never waits: nobody else can have led in between.
 
 Healing (issue 12)
     A leader key that no live candidate owns must not block leadership forever. Candidates
@@ -37,7 +56,7 @@ Healing (issue 12)
       not reach etcd has stopped leading by its own clock (both confirmations above), so
       clearing it never makes a second leader. A key deleted by hand is simply vacant: the
       first campaign to see it wins, and the old leader steps down at its next check
-      (within ``poll_interval_s``: the one window where two conductors may both decide).
+      (within ``poll_interval_s``), before the winner's fence ends.
 
 Contracts
     * etcd failures while running are logged and retried forever; the state callback
@@ -101,6 +120,16 @@ class LeaderRecord:
                                   ) from exc
 
 
+def _term_record(lease_id: int, conductor_id: str) -> bytes:
+    """The ``conductor/term`` value a campaign that wins writes: whose lease won."""
+    return json.dumps({"conductor_id": conductor_id, "lease": lease_id}, sort_keys=True).encode()
+
+
+def _resigned_record(term: int, conductor_id: str) -> bytes:
+    """The ``conductor/term`` value a resigning leader writes: nobody acts in ``term`` now."""
+    return json.dumps({"conductor_id": conductor_id, "resigned": term}, sort_keys=True).encode()
+
+
 @dataclass(frozen=True, slots=True)
 class LeaderView:
     """The leader as read from etcd: its record and the revision it was elected at (the term)."""
@@ -152,6 +181,7 @@ class Election:
         self._record = record
         self._ttl_s = ttl_s
         self._key = layout.conductor_leader_key.encode()
+        self._term_key = layout.conductor_term_key.encode()
         self._layout = layout
         self._refresh_interval_s = ttl_s / 3
         self._poll_interval_s = poll_interval_s if poll_interval_s is not None else ttl_s / 8
@@ -169,6 +199,20 @@ class Election:
         self._orphan: tuple[int, float] | None = None
         """(mod revision, first seen) of a leader key that no live candidate owns."""
         self._leading = False
+        """We hold the key (in ``_term``); we act on it from ``_acting_from`` on."""
+        self._acting = False
+        """What ``on_change`` was last told."""
+        self._acting_from = 0.0
+        """Monotonic time before which a term won is not acted on (the takeover fence)."""
+        self._own_leases: list[int] = []
+        """Leases this candidate was granted (the newest few): a term one of them won was
+        ours, and nobody else acted in it."""
+        self.fence_s = float(ttl_s)
+        """How long a new term waits before acting when etcd cannot tell that nobody else is
+        acting (see the module docstring): one TTL, the longest a previous leader can hold a
+        confirmation from before its key vanished."""
+        self.fences = 0
+        """Terms this candidate won and waited out the fence for."""
         self._term = 0
         self._leader: LeaderView | None = None
         self._task: asyncio.Task[None] | None = None
@@ -185,8 +229,10 @@ class Election:
     @property
     def is_leader(self) -> bool:
         """True while this candidate leads AND its lease is confirmed alive AND the leader key
-        was seen holding our record within the last TTL (see Safety)."""
-        return self._leading and time.monotonic() < self._confirmed_until()
+        was seen holding our record within the last TTL (see Safety) AND a new term's fence
+        is over (see "The takeover fence")."""
+        now = time.monotonic()
+        return self._leading and self._acting_from <= now < self._confirmed_until()
 
     def _confirmed_until(self) -> float:
         return min(self._lease_confirmed_until, self._key_confirmed_until)
@@ -197,8 +243,14 @@ class Election:
         return self._term
 
     @property
+    def fenced_s(self) -> float:
+        """Seconds until the term we hold may be acted on (0: none held, or already acting)."""
+        return max(0.0, self._acting_from - time.monotonic()) if self._leading else 0.0
+
+    @property
     def leader(self) -> LeaderView | None:
-        """The leader as last seen from etcd (ourselves while leading); None: none known."""
+        """The leader as last seen from etcd (ourselves while leading, also while our new
+        term's fence lasts); None: none known."""
         if self.is_leader:
             return LeaderView(self._record, self._term)
         return self._leader
@@ -228,7 +280,10 @@ class Election:
             self._task.cancel()
             await asyncio.wait({self._task})
             self._task = None
+        held = self._term if self._leading else 0
         self._set_leading(False)
+        if held:  # we act no more: say so where the next winner looks (no fence for it)
+            await self._say_resigned(held)
         lease_id, self._lease_id = self._lease_id, None
         if lease_id is not None:
             try:
@@ -246,6 +301,31 @@ class Election:
                         tb: TracebackType | None) -> None:
         await self.resign()
 
+    async def _say_resigned(self, term: int) -> None:
+        """Delete the leader key of ``term`` if it still holds our record, and write in the
+        same transaction that ``term`` resigned."""
+        client = self._client
+        try:
+            done, _ = await etcd_call(
+                "resign leadership",
+                client.transaction(
+                    compare=[client.transactions.create(self._key) == term,
+                             client.transactions.value(self._key) == self._record.to_json()],
+                    success=[client.transactions.delete(self._key),
+                             client.transactions.put(
+                                 self._term_key,
+                                 _resigned_record(term, self._record.conductor_id))],
+                    failure=[]),
+                self._rpc_timeout_s)
+        except MembershipError as exc:
+            log.warning("conductor %s could not record its resignation (%s); the next leader "
+                        "waits %.1f s before acting", self._record.conductor_id, exc,
+                        self.fence_s)
+            return
+        if not done:
+            log.info("conductor %s: the leader key of term %d was no longer ours at "
+                     "resignation", self._record.conductor_id, term)
+
     # ------------------------------------------------------------------ steps
 
     async def _grant(self) -> None:
@@ -253,6 +333,7 @@ class Election:
         lease = await etcd_call("grant election lease", self._client.lease(self._ttl_s),
                             self._rpc_timeout_s)
         self._lease_id = int(lease.id)
+        self._own_leases = [*self._own_leases[-7:], self._lease_id]
         self._lease_confirmed_until = sent_at + int(lease.ttl)
 
     async def _refresh(self) -> bool:
@@ -285,13 +366,26 @@ class Election:
             client.transaction(
                 compare=[client.transactions.version(self._key) == 0],
                 success=[client.transactions.put(self._key, self._record.to_json(),
-                                                 lease=self._lease_id)],
+                                                 lease=self._lease_id),
+                         client.transactions.get(self._term_key),
+                         client.transactions.put(
+                             self._term_key,
+                             _term_record(self._lease_id, self._record.conductor_id))],
                 failure=[client.transactions.get(self._key)]),
             self._rpc_timeout_s)
         if ok:
-            self._win(int(responses[0].response_put.header.revision), sent_at)
+            won_at = time.monotonic()
+            previous = responses[1][0][0] if len(responses) > 1 and responses[1] else None
+            why = self._fence_reason(previous)
+            self._win(int(responses[0].response_put.header.revision), sent_at,
+                      fence_until=won_at + self.fence_s if why else 0.0)
             self.terms_won += 1
-            log.info("conductor %s leads (term %d)", self._record.conductor_id, self._term)
+            if why:
+                self.fences += 1
+                log.info("conductor %s leads (term %d), acting in %.1f s: %s",
+                         self._record.conductor_id, self._term, self.fence_s, why)
+            else:
+                log.info("conductor %s leads (term %d)", self._record.conductor_id, self._term)
             return
         existing = responses[0][0][1] if responses and responses[0] else None
         if existing is None:  # deleted between compare and get: the next poll will tell
@@ -315,7 +409,29 @@ class Election:
             return
         await self._judge(kv, sent_at)
 
-    def _win(self, term: int, sent_at: float) -> None:
+    def _fence_reason(self, previous: bytes | None) -> str:
+        """Why a term just won must wait before acting ("": it need not), from what
+        ``conductor/term`` held before our campaign rewrote it."""
+        if previous is None:
+            return ""  # no conductor ever led under this prefix
+        try:
+            doc = json.loads(previous)
+            if "resigned" in doc:
+                return ""
+            if int(doc["lease"]) in self._own_leases:
+                return ""  # our own earlier term: nobody else acted in it
+            holder = str(doc["conductor_id"])
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+            return f"the term record {previous[:100]!r} is not one a candidate writes"
+        return (f"{holder}'s term ended without a resignation (its lease expired or was "
+                f"revoked); it may act until then")
+
+    def _win(self, term: int, sent_at: float, *, fence_until: float = 0.0) -> None:
+        """We hold the key in ``term``; a new term (``fence_until`` 0: one that needs no
+        fence) starts acting at ``fence_until``."""
+        if term != self._term:
+            self._set_leading(False)  # our old term, if any, is over
+            self._acting_from = fence_until
         self._term = term
         self._leader = LeaderView(self._record, term)
         self._key_confirmed_until = sent_at + self._ttl_s
@@ -333,7 +449,11 @@ class Election:
             log.debug("the leader key holds no candidate's record: %s", exc)
         if holder == self._lease_id:
             if kv.value == self._record.to_json():  # ours (perhaps a put whose answer was lost)
-                self._win(int(kv.create_revision), sent_at)
+                term = int(kv.create_revision)
+                # A term we did not see won (its answer was lost): whoever led before may
+                # still act for a TTL (we cannot tell who it was any more).
+                self._win(term, sent_at, fence_until=0.0 if term == self._term
+                          else time.monotonic() + self.fence_s)
             else:
                 await self._reassert(kv, "overwritten under our lease")
             return
@@ -439,8 +559,12 @@ class Election:
                 self._set_leading(False)
             # The leader checks its key as often as standbys campaign, so a key overwritten
             # by hand is re-asserted long before a standby would clear it (one TTL).
-            wait_s = max(0.0, min(self._poll_interval_s, next_refresh - time.monotonic()))
-            await asyncio.sleep(wait_s)
+            now = time.monotonic()
+            wait_s = min(self._poll_interval_s, next_refresh - now)
+            if self._leading and not self._acting:
+                wait_s = min(wait_s, self._acting_from - now)
+            await asyncio.sleep(max(0.0, wait_s))
+            self._update_acting()
 
     def _note_etcd(self, ok: bool, step_at: float = 0.0) -> None:
         """Tell ``on_etcd`` when etcd is lost and when it answers again (see __init__)."""
@@ -462,13 +586,19 @@ class Election:
                 log.exception("election on_etcd callback failed")
 
     def _set_leading(self, leading: bool) -> None:
-        if leading == self._leading:
-            return
         self._leading = leading
+        self._update_acting()
+
+    def _update_acting(self) -> None:
+        """Tell the owner when acting starts (a won term past its fence) or stops."""
+        acting = self._leading and time.monotonic() >= self._acting_from
+        if acting == self._acting:
+            return
+        self._acting = acting
         self._changed.set()
         if self._on_change is not None:
             try:
-                self._on_change(leading)
+                self._on_change(acting)
             except Exception:
                 log.exception("election on_change callback failed")
 

@@ -5,6 +5,7 @@ Key layout (under a configurable prefix, ``/kvtier/`` by default; see :class:`Ke
     /kvtier/nodes/<node_id>                    NodeRecord as JSON, under the daemon's lease (nodes.py)
     /kvtier/engines/<role>/<instance_id>       EngineRecord as JSON, under the engine's lease (engines.py)
     /kvtier/conductor/leader                   the conductor leader's record (election.py)
+    /kvtier/conductor/term                     who won the newest term, or that it resigned (election.py)
 
 Contracts
     * Every etcd or gRPC failure surfaces as :class:`~kvstore.errors.MembershipError`,
@@ -110,6 +111,12 @@ class KeyLayout:
     @property
     def conductor_leader_key(self) -> str:
         return f"{self.prefix}conductor/leader"
+
+    @property
+    def conductor_term_key(self) -> str:
+        """Under no lease: who won the newest term, or that its leader resigned (the
+        takeover fence, :mod:`~kvstore.membership.election`)."""
+        return f"{self.prefix}conductor/term"
 
 
 DEFAULT_LAYOUT = KeyLayout()

@@ -223,3 +223,84 @@ def test_leader_key_overwritten_or_orphaned_by_hand_heals(
                 await second.resign()
 
     run(aio, scenario(), timeout_s=120.0)
+
+
+def test_a_term_won_after_a_revoked_lease_waits_out_the_old_leader(
+        aio: asyncio.Runner, etcd_server: LocalEtcd, etcd_layout: KeyLayout) -> None:
+    """Issue 16 (the takeover fence): etcd revokes the leader's lease behind its back (as a
+    resumed etcd 3.4 leader does, etcd-io/etcd#15247). The leader, which confirmed its lease
+    and key a moment before, goes on acting until its next check; the standby wins the next
+    term at its next poll. The standby must not act before the old leader stopped: every
+    moment one of them was seen acting is checked, and no moment has both, nor the old one
+    after the new one's first. The old leader polls rarely (1 s) and the standby often
+    (0.05 s), so without the fence they overlap by most of a second."""
+
+    async def scenario() -> None:
+        async with etcd_client(etcd_server.client_url) as client:
+            old = Election(client, LeaderRecord("c-old", "127.0.0.1:1001"), ttl_s=TTL_S,
+                           layout=etcd_layout, poll_interval_s=1.0)
+            new = Election(client, LeaderRecord("c-new", "127.0.0.1:1002"), ttl_s=TTL_S,
+                           layout=etcd_layout, poll_interval_s=0.05)
+            await old.start()
+            await new.start()
+            try:
+                assert old.is_leader and not new.is_leader  # a fresh prefix: no fence
+                assert old.fences == 0
+                assert old._lease_id is not None
+                await client.revoke_lease(old._lease_id)
+                old_seen: list[float] = []
+                new_seen: list[float] = []
+                deadline = time.monotonic() + 10 * TTL_S
+                while not new_seen or time.monotonic() < new_seen[0] + 0.2:
+                    now = time.monotonic()
+                    if old.is_leader:
+                        old_seen.append(now)
+                    if new.is_leader:
+                        new_seen.append(now)
+                    assert now < deadline, "the standby never acted"
+                    await asyncio.sleep(0.005)
+                assert new.term > old.term and new.fences == 1
+                assert old_seen, "the old leader was never seen acting after the revocation"
+                assert max(old_seen) < min(new_seen), (
+                    f"the old leader acted {max(old_seen) - min(new_seen):.3f} s into the "
+                    f"new term")
+                assert not old.is_leader
+            finally:
+                await old.resign()
+                await new.resign()
+
+    run(aio, scenario(), timeout_s=60.0)
+
+
+def test_no_fence_after_a_resignation_or_on_a_fresh_prefix(
+        aio: asyncio.Runner, etcd_server: LocalEtcd, etcd_layout: KeyLayout) -> None:
+    """The fence is skipped when etcd says nobody can be acting: a fresh prefix (no term
+    record), a leader that resigned (it wrote so when it deleted its key), and our own
+    earlier term. A TTL far above the waits: a fenced term would not act within them."""
+    long_ttl_s = 60
+
+    async def scenario() -> None:
+        async with etcd_client(etcd_server.client_url) as client:
+            first = Election(client, LeaderRecord("c-1", "127.0.0.1:1001"), ttl_s=long_ttl_s,
+                             layout=etcd_layout, poll_interval_s=0.05)
+            second = Election(client, LeaderRecord("c-2", "127.0.0.1:1002"),
+                              ttl_s=long_ttl_s, layout=etcd_layout, poll_interval_s=0.05)
+            await first.start()
+            await second.start()
+            try:
+                assert first.is_leader and first.fences == 0
+                await first.resign()
+                await wait_for(lambda: second.is_leader, 15.0, "standby takes over at once")
+                assert second.fences == 0
+                term = await client.get(etcd_layout.conductor_term_key.encode())
+                assert term is not None and b"c-2" in term.value
+                # Our own key deleted by hand: the term we win next is after our own term.
+                await client.delete(etcd_layout.conductor_leader_key.encode())
+                await wait_for(lambda: second.term > term.mod_revision and second.is_leader,
+                               15.0, "re-elected after its own key was deleted")
+                assert second.fences == 0
+            finally:
+                await first.resign()
+                await second.resign()
+
+    run(aio, scenario(), timeout_s=60.0)
