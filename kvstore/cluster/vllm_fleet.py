@@ -226,6 +226,8 @@ class ModeResult:
     floor_s: list[float] = field(default_factory=list)
     """Beside each decision, the same process's trivial one (a round robin pick) timed
     right after it: the floor of the front door's routing step at that moment."""
+    decision_cpu_s: list[float] = field(default_factory=list)
+    """The front door thread's CPU seconds of each decision (wall minus this: waiting)."""
     placements: list[tuple[str, str]] = field(default_factory=list)
     """The conductor's accepted decisions (warm-ups included): (prefill, decode) instance."""
     wall_s: float = 0.0
@@ -342,6 +344,7 @@ def summarize(result: ModeResult, slo: Slo | None = None) -> dict[str, Any]:
         backends[r.backend] = backends.get(r.backend, 0) + 1
     routing = routing_latency(result.decision_s)
     floor = routing_latency(result.floor_s)
+    cpu = routing_latency(result.decision_cpu_s)
     return {
         "mode": result.mode, "status": "ok", "requests": len(result.records),
         "prompt_tokens": prompt,
@@ -359,6 +362,7 @@ def summarize(result: ModeResult, slo: Slo | None = None) -> dict[str, Any]:
         "decision_p50_s": routing["p50_s"], "decision_p99_s": routing["p99_s"],
         "decision_max_s": routing["max_s"],
         "decision_floor_p50_s": floor["p50_s"], "decision_floor_p99_s": floor["p99_s"],
+        "decision_cpu_p50_s": cpu["p50_s"], "decision_cpu_p99_s": cpu["p99_s"],
         "max_in_flight": max_in_flight(result.records),
         "backends": dict(sorted(backends.items())),
         "wall_s": result.wall_s,
@@ -455,13 +459,14 @@ def format_tables(doc: Mapping[str, Any]) -> list[Any]:
     modes.add_column("mode", justify="right", no_wrap=True)
     for col in ("TTFT mean ms", "p50", "p99", "TPOT p50 ms", "p99", "SLO met", "goodput /s",
                 "own-cache hits", "kvtier hits", "kvtier loaded MiB", "saved MiB",
-                "routing p50 / p99 us", "floor p99 us", "in flight", "requests per instance",
+                "routing p50 / p99 us", "CPU p50 / p99 us", "floor p99 us", "in flight",
+                "requests per instance",
                 "outputs"):
         modes.add_column(col, justify="right")
     same = doc.get("outputs_differ", {})
     for s in doc["modes"]:
         if s["status"] != "ok":
-            modes.add_row(s["mode"], *(["-"] * 15), s["status"])
+            modes.add_row(s["mode"], *(["-"] * 16), s["status"])
             continue
         dp50, dp99 = s["decision_p50_s"], s["decision_p99_s"]
         routing = "-" if dp50 is None else f"{dp50 * 1e6:.0f} / {dp99 * 1e6:.0f}"
@@ -474,7 +479,8 @@ def format_tables(doc: Mapping[str, Any]) -> list[Any]:
             "-" if s.get("goodput_per_s") is None else f"{s['goodput_per_s']:.2f}",
             _pct(s["engine_hit_ratio"]), _pct(s["kvtier_hit_ratio"]),
             f"{s['kvtier_loaded_bytes'] / MiB:.1f}", f"{s['kvtier_saved_bytes'] / MiB:.1f}",
-            routing, _us(s.get("decision_floor_p99_s")), str(s.get("max_in_flight", "-")),
+            routing, f"{_us(s.get('decision_cpu_p50_s'))} / {_us(s.get('decision_cpu_p99_s'))}",
+            _us(s.get("decision_floor_p99_s")), str(s.get("max_in_flight", "-")),
             " ".join(f"{k}:{v}" for k, v in s["backends"].items()),
             "identical" if differ == 0 else f"{differ} differ")
     tiers = Table(title="Bytes moved per tier and mode (daemon counters' increase)")
@@ -913,6 +919,7 @@ class Fleet:
                      for n in names) for key in METRICS}
         result.decision_s = list(router.decision_s)
         result.floor_s = list(router.floor_s)
+        result.decision_cpu_s = list(router.cpu_s)
         if conductor is not None:
             result.placements = [(d.prefill_instance, d.decode_instance)
                                  for d in conductor.decisions]

@@ -4,7 +4,9 @@
   each ``route`` call (the routing decision's latency at the front door: for the conductor's
   router one ``Schedule`` RPC, hashing included) and how many decisions named each backend;
   with a ``floor`` router, also that one's decision timed right after each (a trivial one,
-  e.g. round robin: what the routing step costs at that moment with nothing to decide).
+  e.g. round robin: what the routing step costs at that moment with nothing to decide); and
+  the thread's CPU time of each decision (``time.thread_time``: what the decision's own code
+  cost; wall minus CPU is time spent waiting, on a core or on I/O such as an RPC).
 * :class:`TicketingConductorClient` is a :class:`~kvstore.client.conductor_client.
   ConductorClient` that remembers the ticket of every accepted ``Schedule`` until
   :meth:`~TicketingConductorClient.finish` reports it done (``ReportCompletion`` with a
@@ -51,6 +53,9 @@ class TimedRouter:
         """Wall seconds of each ``route`` call, in order."""
         self.floor_s: list[float] = []
         """Wall seconds of the ``floor`` router's decision right after each (none without)."""
+        self.cpu_s: list[float] = []
+        """The calling thread's CPU seconds of each ``route`` call (other tasks the event loop
+        ran while it awaited included)."""
         self.backends: Counter[str] = Counter()
         """Decisions that named each backend (by name)."""
         self.rejections = 0
@@ -58,9 +63,11 @@ class TimedRouter:
     async def route(self, token_ids: Sequence[int], request: RouteRequest) -> Any:
         # Any on purpose: it answers whatever the wrapped router answers (a Backend,
         # a Rejection, or another kind of decision a router may add).
+        cpu = time.thread_time()
         began = time.perf_counter()
         decision: Any = await self.inner.route(token_ids, request)
         ended = time.perf_counter()
+        self.cpu_s.append(time.thread_time() - cpu)
         self.decision_s.append(ended - began)
         if self.floor is not None:
             await self.floor.route(token_ids, request)
@@ -80,6 +87,7 @@ class TimedRouter:
     def reset(self) -> None:
         self.decision_s.clear()
         self.floor_s.clear()
+        self.cpu_s.clear()
         self.backends.clear()
         self.rejections = 0
 

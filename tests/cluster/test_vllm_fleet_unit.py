@@ -351,9 +351,12 @@ def test_max_in_flight_counts_overlapping_requests() -> None:
     assert max_in_flight([timed("a", 0, 1), timed("b", 1, 2)]) == 1  # end, then start
     assert max_in_flight([]) == 0
     s = summarize(result(Mode.CONDUCTOR, [timed("a", 0, 2), timed("b", 1, 3)],
-                         decision_s=[0.001, 0.002], floor_s=[1e-5, 3e-5]))
+                         decision_s=[0.001, 0.002], floor_s=[1e-5, 3e-5],
+                         decision_cpu_s=[4e-4, 6e-4]))
     assert s["max_in_flight"] == 2
     assert s["decision_floor_p50_s"] == pytest.approx(2e-5)
+    assert s["decision_cpu_p50_s"] == pytest.approx(5e-4)
+    assert format_tables({"modes": [s], "config": {}})[0].row_count == 1
 
 
 def test_the_timed_router_times_its_floor_beside_each_decision() -> None:
@@ -365,7 +368,7 @@ def test_the_timed_router_times_its_floor_beside_each_decision() -> None:
         return [await timed.route([1, 2], req) for _ in range(3)]
 
     assert asyncio.run(go()) == [b1, b1, b1]  # the floor's picks are not answered
-    assert len(timed.floor_s) == len(timed.decision_s) == 3
+    assert len(timed.floor_s) == len(timed.decision_s) == len(timed.cpu_s) == 3
     assert dict(timed.backends) == {"v1": 3}
     timed.reset()
-    assert timed.floor_s == []
+    assert timed.floor_s == [] and timed.cpu_s == []
