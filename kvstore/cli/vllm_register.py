@@ -60,6 +60,10 @@ def vllm_register(
     ttl_s: int = typer.Option(10, "--ttl-s", help="Lease TTL of the records."),
     poll_interval_s: float = typer.Option(1.0, "--poll-interval-s", help="Health poll interval."),
     log_level: str = typer.Option("INFO", "--log-level"),
+    insecure: bool = typer.Option(
+        False, "--insecure",
+        help="Register a KV event endpoint on the network (tcp:// to another host): vLLM's "
+             "publisher authenticates nobody (docs/security.md, \"vLLM's KV events\")."),
     etcd_ca: Path | None = ETCD_CA,
     etcd_cert: Path | None = ETCD_CERT,
     etcd_key: Path | None = ETCD_KEY,
@@ -81,7 +85,11 @@ def vllm_register(
         VllmKvEvents,
     )
     from kvstore.membership.etcd import KeyLayout, etcd_client
-    from kvstore.membership.vllm_registration import hold_while_healthy, http_health
+    from kvstore.membership.vllm_registration import (
+        check_kv_events_endpoint,
+        hold_while_healthy,
+        http_health,
+    )
 
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -98,6 +106,9 @@ def vllm_register(
                               node_id=node_id, kv_capacity_tokens=kv_capacity_tokens,
                               http_url=http_url, vllm_kv_events=events)
         layout = KeyLayout(prefix)
+        for endpoint in (kv_events_endpoint, kv_replay_endpoint):
+            if endpoint is not None:
+                check_kv_events_endpoint(endpoint, insecure=insecure)
     except (KvtierError, ValueError) as exc:
         typer.echo(f"kvtier vllm-register: {exc}", err=True)
         raise typer.Exit(2) from exc
@@ -110,7 +121,8 @@ def vllm_register(
             loop.add_signal_handler(signum, task.cancel)
         async with etcd_client(etcd) as client:
             await hold_while_healthy(client, [record], http_health(http_url), ttl_s=ttl_s,
-                                     layout=layout, poll_interval_s=poll_interval_s)
+                                     layout=layout, poll_interval_s=poll_interval_s,
+                                     insecure=insecure)
 
     try:
         asyncio.run(main())

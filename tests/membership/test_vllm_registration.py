@@ -143,7 +143,8 @@ def test_the_record_is_held_only_while_the_server_is_healthy(
             record = vllm_record()
             task = asyncio.create_task(hold_while_healthy(
                 client, [record], check, ttl_s=2, layout=etcd_layout, poll_interval_s=0.05,
-                failures_to_drop=2, on_change=changes.append))
+                failures_to_drop=2, on_change=changes.append,
+                insecure=True))  # EVENTS is on tcp://10.0.0.5 (refused without it)
             try:
                 await asyncio.sleep(0.3)  # starting: not healthy yet, so not registered
                 assert await revisions() == {}
