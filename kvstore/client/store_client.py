@@ -9,7 +9,8 @@ plane (:class:`DataPlane`; the choice: :mod:`kvstore.client.planes`):
   **read index** publishes (it is in DRAM, stored raw) is lease-free: a lookup in the mapped
   index, one memcpy and a seqlock check, no round trip at all (Linux on x86-64 only,
   ``StoreClientConfig.lease_free_reads``); the keys read are reported to the daemon in batches
-  afterwards (hits, recency). Otherwise (not published, moved during the copy, or in NVMe)
+  afterwards (hits, recency); ``published_prefix`` asks the same index which leading keys it
+  publishes (a presence check: a vLLM scheduler's lookup without a round trip). Otherwise (not published, moved during the copy, or in NVMe)
   ``get_into`` = one ACQUIRE_READ round trip on the lease channel (~30 µs; the daemon pins the
   chunk in DRAM, promoting it from NVMe first) + one memcpy out of the mapped arena + a RELEASE
   sent without waiting for a reply. ``put`` = RESERVE (an invisible slot) + one memcpy into the
@@ -74,10 +75,12 @@ from kvstore._proto.kvtier.v1 import store_pb2 as pb
 from kvstore.client.daemon_control import DaemonControl, open_channel, translate_rpc_error
 from kvstore.client.planes import RemotePlane, ValuePlane, open_plane
 from kvstore.client.store_config import DataPlane, LookupResult, StoreClientConfig
+from kvstore.dataplane.read_index import ReadIndexReader
 from kvstore.dataplane.tier import Buffer, TierKind, check_key
 from kvstore.dataplane.transport.base import ReadLease
-from kvstore.dataplane.transport.shm import LeaseFreeCounters, ShmBatchRead
-from kvstore.errors import ChunkNotFound, LeaseExpired, short_key
+from kvstore.dataplane.transport.shm import LeaseFreeCounters, ShmBatchRead, ShmClient
+from kvstore.errors import ChunkNotFound, KvtierError, LeaseExpired, short_key
+from kvstore.security.tenancy import DEFAULT_TENANT, SHARED_TENANT
 
 __all__ = ["DataPlane", "LeaseFreeCounters", "LookupResult", "StoreClient", "StoreClientConfig",
            "translate_rpc_error"]
@@ -96,6 +99,10 @@ class StoreClient(DaemonControl):
         self._kind = DataPlane.TCP
         self._close_lock = threading.Lock()
         self._closed = False
+        self._scoped_reader: ReadIndexReader | None = None
+        """The read index scoped to this client's tenant, for :meth:`published_prefix` on a
+        daemon without security (whose data plane's reader sees every owner's chunks)."""
+        self._scoped_tried = False
 
     @classmethod
     def connect(cls, address: str, config: StoreClientConfig | None = None) -> StoreClient:
@@ -250,6 +257,55 @@ class StoreClient(DaemonControl):
         (its hit counters and recency then include every read this client finished)."""
         self.plane.flush_reads()
 
+    def published_prefix(self, keys: Sequence[bytes]) -> int | None:
+        """How many leading ``keys`` the daemon's read index publishes right now, for this
+        client's tenant scope, without a round trip (microseconds; never blocks): a presence
+        check, not a read (no hit counted, nothing pinned, so a chunk seen here may be evicted
+        before it is read). None when there is no read index to ask (not the daemon's host,
+        lease-free reads off or unsupported, the daemon gone).
+
+        The index publishes committed DRAM chunks stored raw only: a key it does not publish
+        may still be held by the daemon (in NVMe or HBM, compressed, being written, the index
+        full), so a short count is what the index knows, and only :meth:`lookup` says what the
+        daemon holds. The scope is the one :meth:`lookup` has on the daemon (``resolve_tenant``):
+        with security, the data-plane session's readable owners (its tenant and the shared
+        one); without, ``config.tenant`` (else the default tenant) and the shared one.
+        """
+        reader = self._presence_reader()
+        if reader is None:
+            return None
+        n = 0
+        locate = reader.locate
+        for key in keys:
+            if locate(key) is None:
+                break
+            n += 1
+        # A dead daemon's mapping stays readable, frozen: what it says is not the store's.
+        return n if reader.alive() else None
+
+    def _presence_reader(self) -> ReadIndexReader | None:
+        plane = self._plane
+        if not isinstance(plane, ShmClient):
+            return None
+        reader = plane.reader
+        if reader is None:  # off, unsupported, or dropped when the daemon died
+            return None
+        if reader.owners is not None or self.info.data_ticket_required:
+            return reader  # ticketed: scoped as the daemon scopes this session (or every owner)
+        # Without security the data plane's reader copies every owner's chunks (the daemon
+        # does not check them there); a lookup sees only the tenant's and the shared ones.
+        with self._close_lock:
+            if self._scoped_tried or self._closed:
+                return self._scoped_reader
+            self._scoped_tried = True
+            owners = (self._config.tenant or DEFAULT_TENANT, SHARED_TENANT)
+            try:
+                self._scoped_reader = ReadIndexReader.attach(
+                    self.info.shm_read_index, plane.arena, owners=owners)
+            except KvtierError:  # closed or gone since the plane attached it: no index
+                self._scoped_reader = None
+            return self._scoped_reader
+
     # --- control calls that wait for the data plane first ----------------------------------
 
     def remove(self, key: bytes) -> list[bytes]:
@@ -279,6 +335,9 @@ class StoreClient(DaemonControl):
                 return
             self._closed = True
             plane, remote = self._plane, self._remote
+            scoped, self._scoped_reader = self._scoped_reader, None
+        if scoped is not None:
+            scoped.close()
         if plane is not None:
             plane.close()
         if remote is not None and remote is not plane:

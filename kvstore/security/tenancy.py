@@ -25,6 +25,7 @@ from typing import Any
 
 from kvstore.errors import InvalidArgument, PermissionDenied
 from kvstore.security.identity import INSECURE, Principal, Role
+from kvstore.security.tickets import holder_scope
 from kvstore.wire import TENANT_MAX_CHARS, TENANT_METADATA_KEY
 
 __all__ = ["DEFAULT_TENANT", "SHARED_TENANT", "check_instance_reporter", "readable_owners",
@@ -115,11 +116,21 @@ def readable_owners(ticket_reply: Any) -> tuple[str, ...] | None:
     for every tenant's (``every_tenant``), else its tenant's and the shared tenant's (the
     lease-free same-host reader copies only those: docs/security.md, "Same host").
 
-    The reply names the tenant the session writes as; a session that may only read the shared
-    tenant writes as none and says ``""``, as a default-tenant session does, so ``""`` gives
-    the shared tenant alone: a default-tenant session's own chunks then take the leased path,
-    never the other way round."""
+    The read tenant comes from the ticket's own claims (:func:`~kvstore.security.tickets.
+    holder_scope`), so a default-tenant session (an operator or an every-tenant engine naming
+    ``""``) copies its own chunks lease-free too. The reply alone cannot say: it names the
+    tenant the session *writes* as, and a session that may only read the shared tenant writes
+    as none and says ``""`` as well; so a ticket whose claims do not parse falls back to
+    that, and ``""`` gives the shared tenant alone (the default tenant's chunks then take
+    the leased path, never the other way round)."""
     if ticket_reply.every_tenant:
         return None
+    try:
+        scope = holder_scope(ticket_reply.ticket)
+    except InvalidArgument:
+        scope = None
+    if scope is not None and scope.read is not None:
+        read = scope.read
+        return (read, SHARED_TENANT) if read != SHARED_TENANT else (SHARED_TENANT,)
     tenant = str(ticket_reply.tenant)
     return (tenant, SHARED_TENANT) if tenant and tenant != SHARED_TENANT else (SHARED_TENANT,)

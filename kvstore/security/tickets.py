@@ -197,6 +197,23 @@ class TicketAuthority:
         return principal, expires_at, scope
 
 
+def holder_scope(ticket: bytes) -> TenantScope | None:
+    """The scope ``ticket``'s claims name, read *without* checking its MAC (only the daemon
+    holds the key): for its holder, which got it from the daemon over an authenticated channel
+    and wants to know what it was issued (which owners its lease-free reads may copy), never
+    for a decision anyone else relies on. Raises InvalidArgument for a ticket that does not
+    parse."""
+    raw = bytes(ticket)
+    if not raw.startswith(TICKET_PREFIX) or raw.count(b".") != 2:
+        raise InvalidArgument("not a kvt1 session ticket")
+    body = raw.rpartition(b".")[0]
+    try:
+        raw_scope = json.loads(_unb64(body[len(TICKET_PREFIX):]))["scope"]
+        return None if raw_scope is None else TenantScope(*raw_scope)
+    except (ValueError, KeyError, TypeError, binascii.Error) as exc:
+        raise InvalidArgument(f"session ticket claims do not parse: {exc}") from None
+
+
 def _check_ttl(ttl_s: float) -> float:
     if not isinstance(ttl_s, int | float) or not 0 < ttl_s <= MAX_TTL_S:
         raise InvalidArgument(f"ticket ttl_s must be in (0, {MAX_TTL_S:g}] seconds, "

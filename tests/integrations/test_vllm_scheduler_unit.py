@@ -223,7 +223,8 @@ def test_lookup_is_deferred_then_resolved(model_dir: Path, daemon: DaemonProcess
                                           caplog: pytest.LogCaptureFixture) -> None:
     tokens = prompt(3 * BLOCK + 5, base=61)
     save_blocks(model_dir, daemon, tokens, seed=61)
-    cfg = create_vllm_config(model_dir, {"daemon": daemon.grpc_address})
+    # The daemon's lookup (a read-index answer never defers: test_vllm_index_lookup.py).
+    cfg = create_vllm_config(model_dir, {"daemon": daemon.grpc_address, "lookup_index": "off"})
     sched = create_scheduler(cfg)
     worker, _ = create_worker(cfg, 62)
     req = create_request("b", tokens[: 3 * BLOCK] + prompt(40, base=63))
@@ -253,7 +254,8 @@ def test_synchronous_lookups_answer_in_the_same_step(model_dir: Path,
                                                      daemon: DaemonProcess) -> None:
     tokens = prompt(2 * BLOCK + 5, base=71)
     save_blocks(model_dir, daemon, tokens, seed=71)
-    cfg = create_vllm_config(model_dir, {"daemon": daemon.grpc_address, "lookup_async": False})
+    cfg = create_vllm_config(model_dir, {"daemon": daemon.grpc_address, "lookup_async": False,
+                                         "lookup_index": "off"})
     sched = create_scheduler(cfg)
     sched.add_request(create_request("s", tokens))
     out = step(sched)
@@ -267,7 +269,7 @@ def test_stopped_daemon_lookup_is_zero_hits_and_never_blocks_the_loop(
         model_dir: Path, daemon: DaemonProcess, stop_daemon: Callable[[bool], None]) -> None:
     tokens = prompt(3 * BLOCK + 5, base=81)
     save_blocks(model_dir, daemon, tokens, seed=81)
-    cfg = create_vllm_config(model_dir, {"daemon": daemon.grpc_address,
+    cfg = create_vllm_config(model_dir, {"daemon": daemon.grpc_address, "lookup_index": "off",
                                          "lookup_timeout_s": 0.5, "reconnect_interval_s": 60})
     sched = create_scheduler(cfg)
     # A request already running: the engine loop must keep serving it.
@@ -297,7 +299,7 @@ def test_request_aborted_while_its_lookup_is_pending_is_forgotten(
         model_dir: Path, daemon: DaemonProcess, stop_daemon: Callable[[bool], None]) -> None:
     tokens = prompt(3 * BLOCK + 5, base=91)
     save_blocks(model_dir, daemon, tokens, seed=91)
-    cfg = create_vllm_config(model_dir, {"daemon": daemon.grpc_address,
+    cfg = create_vllm_config(model_dir, {"daemon": daemon.grpc_address, "lookup_index": "off",
                                          "lookup_timeout_s": 5.0})
     sched = create_scheduler(cfg)
     stop_daemon(True)

@@ -15,6 +15,7 @@ unscoped, as before. docs/security.md, "Same host".
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 
@@ -24,7 +25,7 @@ import pytest
 from kvstore._proto.kvtier.v1 import store_pb2 as pb
 from kvstore.client.store_client import StoreClient, StoreClientConfig
 from kvstore.client.store_config import DataPlane
-from kvstore.errors import ChunkNotFound
+from kvstore.errors import ChunkExists, ChunkNotFound
 from kvstore.security.config import ClientSecurity
 from kvstore.security.tenancy import SHARED_TENANT
 from tests.security.secured_daemon import SecuredDaemon, start_secured_daemon
@@ -232,3 +233,42 @@ def test_tickets_name_the_owners_a_session_reads(world: SecuredDaemon) -> None:
     assert readable_owners(pb.IssueDataTicketResponse(tenant="", every_tenant=False)) \
         == (SHARED_TENANT,)
 
+
+
+DEFAULT = _values(0xDE)
+
+
+def test_a_default_tenant_session_reads_its_own_chunks_lease_free(
+        world: SecuredDaemon, reader_kind: str) -> None:
+    """A session acting for the default tenant (an operator, or an engine of every tenant,
+    naming ``""``) copies the default tenant's chunks and the shared ones lease-free, and
+    another tenant's never: its ticket's claims say what it reads (the reply alone, which
+    names the tenant it writes as, cannot tell it from a shared-only reader). Before, every
+    read of its own chunks missed the read index and took a lease."""
+    from kvstore.security.tenancy import readable_owners
+
+    assert readable_owners(world.ticket("op", tenant="")) == ("", SHARED_TENANT)
+    # Paired: the shared-only reader (named the shared tenant, may not write it) stays so.
+    shared_only = world.ticket("op", tenant=SHARED_TENANT)
+    assert shared_only.tenant == "" and readable_owners(shared_only) == (SHARED_TENANT,)
+    op = _scoped(world, "op", reader_kind, tenant="")
+    for key, value in DEFAULT.items():
+        with contextlib.suppress(ChunkExists):  # stored by the other reader_kind's run
+            op.put(key, value)
+    assert op.plane.reader.owners == ("", SHARED_TENANT)  # type: ignore[attr-defined]
+    before = op.lease_free_counters()
+    for key, value in (DEFAULT | SHARED).items():
+        assert _get(op, key, len(value)).tobytes() == value
+    mid = op.lease_free_counters()
+    assert mid.hits == before.hits + len(DEFAULT) + len(SHARED)  # none took a lease
+    for key, value in ALICE.items():
+        out = np.zeros(len(value), dtype=np.uint8)
+        with pytest.raises(ChunkNotFound):
+            op.get_into(key, out)
+        assert not out.any()
+    assert op.lease_free_counters().hits == mid.hits
+    # Alice does not read the default tenant's chunks, lease-free or leased.
+    alice = _scoped(world, "alice", reader_kind)
+    for key, value in DEFAULT.items():
+        with pytest.raises(ChunkNotFound):
+            alice.get_into(key, np.zeros(len(value), dtype=np.uint8))

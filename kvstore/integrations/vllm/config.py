@@ -42,6 +42,17 @@ key                         default     meaning
                                         or ``lookup_timeout_s`` passed; ``false``: the
                                         scheduler waits for each lookup (up to
                                         ``lookup_timeout_s``), one step sooner per hit.
+``lookup_index``            ``auto``    ``auto`` | ``covered`` | ``off``: answer a lookup at
+                                        once from the read index of a daemon on this host
+                                        (shared memory, no round trip), never "ask again".
+                                        ``covered``: only when the index publishes every
+                                        block asked; ``auto``: also when the daemon runs no
+                                        tier but DRAM (the index then knows what it holds:
+                                        misses and partial hits are answered too; a daemon
+                                        that compresses its DRAM chunks needs ``covered``,
+                                        see docs/vllm-connector.md); ``off``: always ask the
+                                        daemon. Otherwise, and for a daemon on another host,
+                                        the daemon's lookup (``lookup_async``).
 ``load_timeout_s``          10.0        bound on a step's loads (worker); blocks not in by
                                         then are reported as load errors and recomputed.
 ``save_timeout_s``          30.0        a step's puts not done by then count as failed
@@ -92,7 +103,7 @@ from typing import Any
 from kvstore.errors import ConfigError
 from kvstore.wire import TENANT_MAX_CHARS
 
-__all__ = ["ENV_PREFIX", "ConnectorConfig", "DataPlaneName", "SaveMode"]
+__all__ = ["ENV_PREFIX", "ConnectorConfig", "DataPlaneName", "LookupIndex", "SaveMode"]
 
 ENV_PREFIX = "KVTIER_VLLM_"
 
@@ -100,6 +111,14 @@ ENV_PREFIX = "KVTIER_VLLM_"
 class SaveMode(enum.Enum):
     ALL = "all"
     NONE = "none"
+
+
+class LookupIndex(enum.Enum):
+    """When a scheduler lookup is answered from the same-host daemon's read index."""
+
+    AUTO = "auto"
+    COVERED = "covered"
+    OFF = "off"
 
 
 class DataPlaneName(enum.Enum):
@@ -120,6 +139,7 @@ class ConnectorConfig:
     data_plane: DataPlaneName = DataPlaneName.AUTO
     lookup_timeout_s: float = 1.0
     lookup_async: bool = True
+    lookup_index: LookupIndex = LookupIndex.AUTO
     load_timeout_s: float = 10.0
     save_timeout_s: float = 30.0
     save: SaveMode = SaveMode.ALL
@@ -148,6 +168,9 @@ class ConnectorConfig:
         if not isinstance(self.lookup_async, bool):
             raise ConfigError(f"kvtier connector: 'lookup_async' must be true or false, got "
                               f"{self.lookup_async!r}")
+        if not isinstance(self.lookup_index, LookupIndex):
+            raise ConfigError(f"kvtier connector: 'lookup_index' must be a LookupIndex, got "
+                              f"{self.lookup_index!r}")
         if len(self.tenant) > TENANT_MAX_CHARS or not all(" " <= c <= "~" for c in self.tenant):
             raise ConfigError(f"kvtier connector: 'tenant' must be printable ASCII of at most "
                               f"{TENANT_MAX_CHARS} characters (it travels as gRPC metadata), "
@@ -203,4 +226,7 @@ def _coerce(name: str, default: Any, value: Any) -> Any:
             raise ValueError(value)
         return value.strip()
     except ValueError as exc:
-        raise ConfigError(f"kvtier connector: bad value {value!r} for {name!r}") from exc
+        accepted = f" (one of {[m.value for m in type(default)]})" \
+            if isinstance(default, enum.Enum) else ""
+        raise ConfigError(f"kvtier connector: bad value {value!r} for {name!r}{accepted}"
+                          ) from exc

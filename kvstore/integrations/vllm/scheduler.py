@@ -5,7 +5,20 @@ the namespace prefix of the request's tenant: no token is rehashed), how many le
 the store holds (found by the lookup or saved since: the first block a save must store), and
 its vLLM block ids.
 
-**Lookups** run off vLLM's engine loop (``lookup_async``, the default): the first
+**Lookups** of a daemon on this host are answered at once from its **read index**
+(``lookup_index``, default ``auto``): the shared-memory table where the daemon publishes its
+committed raw DRAM chunks with their owners' tags (:meth:`StoreClient.published_prefix`: a
+probe per block, microseconds, no round trip, only chunks the session's tenant may read). When
+the index publishes every block asked, that is the hit; when it does not, its count is the
+answer only if the daemon runs no tier but DRAM (``auto``; what it holds beyond the index is
+then compressed or being written: rare, and missed, not wrong); otherwise (an NVMe or HBM tier
+may hold more, ``covered``, ``off``, or no index: another host, the daemon gone) the daemon is
+asked as below. A block seen in the index may be evicted before the worker loads it: the load
+fails for that block and the blocks after it, the worker reports them
+(``get_block_ids_with_load_errors``) and vLLM recomputes them (``kv_load_failure_policy=
+"recompute"``), as for any failed load (see "Saves" for the resave).
+
+**Daemon lookups** run off vLLM's engine loop (``lookup_async``, the default): the first
 ``get_num_new_matched_tokens`` of a request starts the daemon lookup on a background thread and
 answers ``None``, which vLLM 0.32's scheduler takes as "ask again": the request stays WAITING
 (skipped this step, not failed) and is asked again at the next step; once the daemon answered,
@@ -67,8 +80,9 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.client.kv_client import KVClient
 from kvstore.client.requests import BlockKeys
+from kvstore.dataplane.tier import TierKind
 from kvstore.errors import KvtierError
-from kvstore.integrations.vllm.config import ConnectorConfig, SaveMode
+from kvstore.integrations.vllm.config import ConnectorConfig, LookupIndex, SaveMode
 from kvstore.integrations.vllm.manifest import check_manifest
 from kvstore.integrations.vllm.metadata import (
     KvtierConnectorMetadata,
@@ -295,6 +309,30 @@ class SchedulerSide:
             # channel"); the session has dropped it already.
             return _Answer(0, f"{type(exc).__name__}: {exc}")
 
+    def _index_lookup(self, client: KVClient, keys: tuple[PrefixKey, ...]) -> int | None:
+        """The leading blocks of ``keys`` the same-host daemon's read index publishes, when
+        that is the answer (module docstring, "Lookups"); None: ask the daemon."""
+        mode = self.config.lookup_index
+        if mode is LookupIndex.OFF:
+            return None
+        store = client.store
+        try:
+            n = store.published_prefix(keys)
+        except ValueError:  # closed under this call (another thread's failure): no index
+            return None
+        if n is None:
+            return None
+        if n < len(keys) and not (mode is LookupIndex.AUTO and self._dram_only(store.info)):
+            return None  # the daemon may hold the rest outside the index (NVMe, HBM)
+        if self._manifest_client is not client:  # a new daemon: its manifest, off the loop
+            self._pool.submit(self._ensure_manifest, client)
+        return n
+
+    @staticmethod
+    def _dram_only(info: Any) -> bool:
+        """Whether the daemon of ``info`` (its ``NodeInfo``) runs no tier but DRAM."""
+        return set(info.tier_capacity_bytes) <= {TierKind.DRAM.value}
+
     def _settle(self, answer: _Answer) -> int:
         if answer.error is not None:
             self.stats.add("lookup_errors")
@@ -346,14 +384,20 @@ class SchedulerSide:
                 return None  # P/D: the store is asked again when the poll is due
         elif lk is not None and lk.future is not None:
             lk.future.cancel()  # the request grew: what it asked no longer matters
-        if self.session.get() is None:
+        client = self.session.get()
+        if client is None:
             tracked.lookup = None
             tracked.pd = None
             return 0  # no daemon now: nothing to wait for
         keys = self.keys_of(tracked.request, usable)
         self.stats.add("lookups")
-        if not self.config.lookup_async:
-            found = self._settle(self._lookup(keys))
+        local = self._index_lookup(client, keys)
+        if local is not None or not self.config.lookup_async:
+            if local is not None:
+                self.stats.add("lookups_local")
+                found = local
+            else:
+                found = self._settle(self._lookup(keys))
             if self._pd_wants_more(tracked, found, usable):
                 tracked.lookup = _Lookup(usable, None, 0.0,
                                          retry_at=time.monotonic() + PD_POLL_INTERVAL_S)

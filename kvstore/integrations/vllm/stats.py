@@ -13,8 +13,10 @@ Counters (all sums, so aggregation across steps and TP ranks is addition; bytes 
 summed over TP ranks are the bytes each rank moved for its shard):
 
 ==========================  =====================================================================
-``lookups``                 scheduler lookups asked of the daemon (one per request admission
-                            attempt: vLLM asking again reuses the answer)
+``lookups``                 scheduler lookups (one per request admission attempt: vLLM asking
+                            again reuses the answer)
+``lookups_local``           of those, answered from the same-host daemon's read index, with no
+                            round trip (``lookup_index``); the rest were asked of the daemon
 ``lookups_deferred``        scheduler asks answered "ask again" (``None``) while the lookup
                             was in flight (``lookup_async``)
 ``lookup_errors``           lookups that failed (daemon down, restarted, refused) or were not
@@ -69,7 +71,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 __all__ = ["COUNTERS", "KvtierConnectorStats", "KvtierPromMetrics"]
 
 COUNTERS: dict[str, str] = {
-    "lookups": "Scheduler lookups asked of the kvtier daemon.",
+    "lookups": "Scheduler lookups of kvtier (daemon or read index).",
+    "lookups_local": "Scheduler lookups answered from the daemon's read index (no round trip).",
     "lookups_deferred": "Scheduler asks answered 'ask again' while a kvtier lookup ran.",
     "lookup_errors": "kvtier lookups that failed (counted as 0 hits).",
     "lookup_timeouts": "kvtier lookups not answered within lookup_timeout_s.",
