@@ -546,8 +546,19 @@ class KVClient:
         if self.store.data_plane is not DataPlane.SHM or any(s is None for s in sinks) \
                 or getattr(self.store.plane, "read_free", None) is None:
             return jobs, [0] * len(jobs)
+        import torch
+
         try:
-            reach, copied_s = self._copy_lease_free(jobs, sinks)  # type: ignore[arg-type]
+            # Out of the caller's inference mode: vLLM calls load_many (start_load_kv) inside
+            # torch.inference_mode, and a tensor made there is an inference tensor, which
+            # nothing outside inference mode may write. The first lease-free read makes the
+            # arena-wide tensor the ShmClient keeps and derives every later arena view from,
+            # a save's reserved chunks too: made here in inference mode, a step's save whose
+            # layers were staged failed when the save thread moved them into those chunks
+            # (RuntimeError, the save lost: tests/integrations/test_vllm_inline_load.py).
+            # The engine's layouts enter inference mode for their own copies (InferenceModeKV).
+            with torch.inference_mode(False):
+                reach, copied_s = self._copy_lease_free(jobs, sinks)  # type: ignore[arg-type]
         except Exception as exc:  # a bug: logged, the blocks recomputed, never in the engine
             log.exception("lease-free load failed unexpectedly")
             for handle, _keys, _into in jobs:
