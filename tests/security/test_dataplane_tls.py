@@ -362,3 +362,30 @@ def _tls_context(security: ClientSecurity) -> ssl.SSLContext:
     ctx = ssl.create_default_context(cafile=str(security.ca_file))
     ctx.load_cert_chain(security.cert_file, security.key_file)
     return ctx
+
+
+def test_an_expired_client_certificate_is_refused_on_the_tls_data_plane(
+        world: TlsWorld, stored: tuple[StoreClient, dict[bytes, bytes]]) -> None:
+    """A certificate of the right CA that has expired fails the data plane's TLS handshake
+    (OpenSSL checks its dates), even with a valid ticket; kvtier's own client would not
+    present it (ConfigError). Paired: alice's certificate on the same port is served."""
+    host, port = world.tcp
+    cert, key = world.ca.issue("old", uri="kvtier://engine/alice?tenants=alice",
+                               valid_from_s=-7200, valid_for_s=3600).write(world.tmp, "old")
+    ctx = ssl.create_default_context(cafile=str(world.tmp / "ca.crt"))
+    ctx.load_cert_chain(cert, key)
+    key0, value0 = next(iter(stored[1].items()))
+    with TcpClient(host, port, ticket=world.ticket(), tls=ctx) as client, \
+            pytest.raises(PeerUnavailable, match="may refuse this client's certificate"):
+        client.get(key0)
+    assert "certificate has expired" in world.daemon.log_path.read_text()
+    from kvstore.security.tls import data_plane_client_context
+
+    with pytest.raises(ConfigError, match="expired"):
+        data_plane_client_context(ClientSecurity(ca_file=world.tmp / "ca.crt",
+                                                 cert_file=cert, key_file=key))
+    assert world.alice.cert_file is not None and world.alice.key_file is not None
+    good = ssl.create_default_context(cafile=str(world.tmp / "ca.crt"))
+    good.load_cert_chain(world.alice.cert_file, world.alice.key_file)
+    with TcpClient(host, port, ticket=world.ticket(), tls=good) as client:
+        assert bytes(client.get(key0)) == value0
