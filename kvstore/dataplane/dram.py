@@ -125,7 +125,7 @@ class DramSlot:
         key: ChunkKey,
         offset: int,
         size_bytes: int,
-        buffer: memoryview,
+        buffer: memoryview | None,
         token: object,
     ) -> None:
         self._tier = tier
@@ -134,6 +134,8 @@ class DramSlot:
         self._offset = offset
         self._size_bytes = size_bytes
         self._buffer = buffer
+        """None until ``buffer`` is first asked for: a same-host writer that mapped the arena
+        writes at ``offset`` and never needs this view (a batch reserve makes none per slot)."""
         self._state = _SlotState.PENDING
         self._owner = _writer.owner
         """Whose chunk it is (:func:`writing_for` at reserve), for the read index."""
@@ -148,6 +150,14 @@ class DramSlot:
 
     @property
     def buffer(self) -> memoryview:
+        """The slot's bytes in the arena, writable. Raises ValueError once the slot is
+        committed or aborted (as a released memoryview does)."""
+        if self._buffer is None:
+            if self._state is not _SlotState.PENDING:
+                raise ValueError(f"slot {self._key.hex()} is {self._state.value}: its buffer "
+                                 "was released")
+            self._buffer = self._tier._arena.view(self._offset, self._size_bytes,
+                                                  readonly=False)
         return self._buffer
 
     @property
@@ -157,6 +167,8 @@ class DramSlot:
 
     def _finish(self, state: _SlotState) -> None:
         self._state = state
+        if self._buffer is None:
+            return
         try:
             self._buffer.release()
         except BufferError:
@@ -343,19 +355,20 @@ class DramTier(ExtentTableTier):
                 continue
             wanted.append((k, size, object()))
             at.append(i)
-        view = self._arena.view
+        arena_bytes = self._arena.size_bytes
         for i, (key, size, token), got in zip(at, wanted, self._table.begin_write_many(wanted),
                                               strict=True):
             if isinstance(got, KvtierError):
                 out[i] = got
                 continue
-            try:
-                buffer = view(got, size, readonly=False)
-            except KvtierError as exc:  # (a broken allocator: the range is off the arena)
+            if got + size > arena_bytes:  # (a broken allocator: the range is off the arena)
                 self._table.abort_write(key, token, got)
-                out[i] = exc
+                out[i] = InvariantViolation(f"slot [{got}, {got + size}) lies past the "
+                                            f"{arena_bytes}-byte arena")
                 continue
-            out[i] = DramSlot(self, key, got, size, buffer, token)
+            # No view per slot: a same-host writer writes at the offset (``DramSlot.buffer``
+            # makes one when asked).
+            out[i] = DramSlot(self, key, got, size, None, token)
         return [r for r in out if r is not None]
 
     def commit_many(self, slots: Sequence[DramSlot], after: Sequence[int] | None = None

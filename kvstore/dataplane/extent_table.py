@@ -62,6 +62,11 @@ class ExtentPublisher(Protocol):
 
     def publish(self, key: bytes, offset: int, size_bytes: int, owner: str = "") -> bool: ...
 
+    def publish_many(self, items: Sequence[tuple[bytes, int, int, str]]) -> int:
+        """``publish`` each ``(key, offset, size_bytes, owner)`` in order; return how many
+        were published."""
+        ...
+
     def unpublish(self, key: bytes) -> bool: ...
 
     def clear(self) -> None: ...
@@ -197,9 +202,10 @@ class ExtentTable:
         TierUnavailable (closed)."""
         out: list[Extent | InvalidArgument] = []
         none = CodecKind.NONE
+        publish: list[tuple[bytes, int, int, str]] = []
         with self._lock:
             self._check_open()
-            committed, pending, publisher = self._committed, self._pending, self._publisher
+            committed, pending = self._committed, self._pending
             for i, (key, token, offset, size_bytes) in enumerate(items):
                 first = -1 if after is None else after[i]
                 if first >= 0 and (first >= i or not isinstance(out[first], Extent)):
@@ -213,9 +219,12 @@ class ExtentTable:
                 del pending[key]
                 extent = Extent(key, offset, size_bytes, size_bytes, none)
                 committed[key] = extent
-                if publisher is not None:
-                    publisher.publish(key, offset, size_bytes, "" if owners is None else owners[i])
+                publish.append((key, offset, size_bytes, "" if owners is None else owners[i]))
                 out.append(extent)
+            # Still under the lock (as ``commit_write``): nothing here can be removed and
+            # reused before its publication; a child follows its parent in the index too.
+            if self._publisher is not None and publish:
+                self._publisher.publish_many(publish)
         return out
 
     def abort_write(self, key: ChunkKey, token: object, offset: int) -> bool:

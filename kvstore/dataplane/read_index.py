@@ -317,20 +317,75 @@ class ReadIndex:
         with self._lock:
             if self._closed:
                 return False
-            old = self._entries.get(k)
-            if old is not None:
-                self._write(old[0], _LIVE, k, offset, size_bytes, tag)
-                self._entries[k] = (old[0], offset, size_bytes, tag)
-                return True
-            slot = self._free_slot(k)
-            if slot < 0:
-                self.refused += 1
-                return False
-            if self._states[slot] == _TOMB:
-                self._tombstones -= 1
-            self._write(slot, _LIVE, k, offset, size_bytes, tag)
-            self._entries[k] = (slot, offset, size_bytes, tag)
+            return self._publish_locked(k, offset, size_bytes, tag)
+
+    def publish_many(self, items: Sequence[tuple[bytes, int, int, str]]) -> int:
+        """:meth:`publish` each ``(key, offset, size_bytes, owner)``, in order, in one lock
+        round; return how many were published (the others: a full table, as ``publish``).
+        The probe and the seqlock write of a new key are inlined: this runs per block of a
+        batch commit."""
+        for key, _offset, _size, _owner in items:
+            if not 1 <= len(key) <= MAX_KEY_BYTES:
+                raise InvalidArgument(f"read index keys are 1..{MAX_KEY_BYTES} bytes, got "
+                                      f"{len(key)}")
+        tags = self._tags
+        published = 0
+        with self._lock:
+            if self._closed:
+                return 0
+            entries, states, buf, mask = self._entries, self._states, self._buf, self._mask
+            seq_at, body_at = SEQ_STRUCT.unpack_from, BODY_STRUCT.pack_into
+            seq_put = SEQ_STRUCT.pack_into
+            for key, offset, size_bytes, owner in items:
+                k = key if type(key) is bytes else bytes(key)
+                tag = tags.get(owner)
+                if tag is None:
+                    tag = owner_tag(owner)
+                    if len(tags) < 4096:
+                        tags[owner] = tag
+                if k in entries:
+                    published += self._publish_locked(k, offset, size_bytes, tag)
+                    continue
+                # A new key: the first non-live slot on its probe path, as ``_free_slot``
+                # takes it (a full table goes the long way: a rebuild, or a refusal)...
+                i = _hash(k) & mask
+                while states[i] == _LIVE:
+                    i = (i + 1) & mask
+                if states[i] == _TOMB:
+                    self._tombstones -= 1
+                elif len(entries) + self._tombstones >= self._max_used:
+                    published += self._publish_locked(k, offset, size_bytes, tag)
+                    continue
+                # ...written as ``_write`` writes it.
+                at = HEADER_BYTES + (i << SLOT_SHIFT)
+                seq = seq_at(buf, at)[0]
+                if seq & 1:
+                    raise InvariantViolation(f"read index slot {i} was left half-written")
+                seq_put(buf, at, seq + 1)
+                body_at(buf, at + 8, offset, size_bytes, _LIVE, len(k), tag & 0xFFFF, tag >> 16)
+                buf[at + KEY_AT:at + KEY_AT + len(k)] = k
+                seq_put(buf, at, seq + 2)
+                states[i] = _LIVE
+                entries[k] = (i, offset, size_bytes, tag)
+                published += 1
+        return published
+
+    def _publish_locked(self, k: bytes, offset: int, size_bytes: int, tag: int) -> bool:
+        """``publish``'s body, under the lock (the table is open)."""
+        old = self._entries.get(k)
+        if old is not None:
+            self._write(old[0], _LIVE, k, offset, size_bytes, tag)
+            self._entries[k] = (old[0], offset, size_bytes, tag)
             return True
+        slot = self._free_slot(k)
+        if slot < 0:
+            self.refused += 1
+            return False
+        if self._states[slot] == _TOMB:
+            self._tombstones -= 1
+        self._write(slot, _LIVE, k, offset, size_bytes, tag)
+        self._entries[k] = (slot, offset, size_bytes, tag)
+        return True
 
     def unpublish(self, key: bytes) -> bool:
         """Withdraw ``key`` (its slot's ``seq`` moves on, so a copy in flight is rejected).

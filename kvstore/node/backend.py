@@ -41,8 +41,9 @@ theirs: reads see that tenant's chunks and the shared ones, puts are owned by it
 tenant owns is PermissionDenied, and remove drops only its own chunks. A scope that may not
 write (it named the shared tenant without ``shared_writer``) has every put refused. An unscoped
 connection (no security: no ticket) reads every chunk and writes the default tenant, as before.
-Scoped batches on the lease channel reserve and commit item by item (the cache's batch calls
-know no tenant); a scoped TCP connection's small reads that Python serves copy pin-free between
+Scoped batches on the lease channel reserve and commit as a batch for the scope's write tenant
+(the cache's batch calls check owners and parents for it, and place each item of a tenant with
+a quota one by one, so its own chunks make room under its cap); a scoped TCP connection's small reads that Python serves copy pin-free between
 two tenant-checked index look-ups (:meth:`TenantLeaseBackend.read_into`); the native loop
 serves such a connection only publishes the TCP server verified for its tenant with
 ``size_of`` (kvstore/dataplane/transport/tcp/server.py, "Tenants").
@@ -716,68 +717,77 @@ class ShmLeases:
         return lease_id, offset
 
     def reserve_many(self, items: Sequence[tuple[bytes, bytes | None]], sizes_bytes: Sequence[int],
-                     ttl_s: float, *, owner: object | None = None
+                     ttl_s: float, *, owner: object | None = None, tenant: str | None = None
                      ) -> list[tuple[int, int] | KvtierError]:
         """:meth:`reserve` for a batch of ``(key, parent)`` items, in order, with one outcome
         per item: (lease id, arena offset), or the error ``reserve`` would have raised for it.
 
         A parent may be an open reservation of ``owner`` (an earlier request's, or an earlier
         item's of this batch): it is checked at commit. A child of an item that failed here
-        fails too (its prefix is not cached). Raises only for a TTL :func:`check_ttl` refuses.
-        One lock round, one budget count and one ``TieredCache.reserve_many`` for the batch.
+        fails too (its prefix is not cached). ``tenant``: whose chunks they will be, checked
+        as ``TieredCache.reserve_many`` checks them (None: the default tenant's, refused where
+        any tenant holds the key). Raises only for a TTL :func:`check_ttl` refuses. One lock
+        round, one budget count and one ``TieredCache.reserve_many`` for the batch.
         """
         check_ttl(ttl_s, self.max_ttl_s)
         n = len(items)
         if len(sizes_bytes) != n:
             raise InvalidArgument(f"{n} items but {len(sizes_bytes)} sizes")
         out: list[tuple[int, int] | KvtierError | None] = [None] * n
+        wanted: list[int] = []
         keys: list[bytes] = []
+        sizes: list[int] = []
         parents: list[bytes | None] = []
-        for i, (key, parent) in enumerate(items):
-            k: bytes = b""
-            p: bytes | None = None
-            try:
-                k = check_key(key)
-                p = None if parent is None else check_key(parent)
-            except InvalidArgument as exc:
-                out[i] = exc
-            keys.append(k)
-            parents.append(p)
+        pending: list[bool] = []
         with self._lock:
-            pending = [p is not None and self._reserved_by_locked(p, owner) for p in parents]
+            writing, writes = self._writing, self._writes
+            for i, (key, parent) in enumerate(items):
+                try:
+                    k = check_key(key)
+                    p = None if parent is None else check_key(parent)
+                except InvalidArgument as exc:
+                    out[i] = exc
+                    continue
+                # A parent still being written by this owner (reserved parent-first) is not
+                # cached yet: the cache's check moves to commit, as in ``reserve``.
+                lease_id = None if p is None else writing.get(p)
+                rec = None if lease_id is None else writes.get(lease_id)
+                pending.append(rec is not None and rec.owner == owner)
+                wanted.append(i)
+                keys.append(k)
+                sizes.append(sizes_bytes[i])
+                parents.append(p)
         deadline = time.monotonic() + ttl_s
-        wanted = [i for i in range(n) if out[i] is None]
-        # A parent still being written by this owner (reserved parent-first) is not cached
-        # yet: the cache's check moves to commit, as in ``reserve``.
         slots = self._cache.reserve_many(
-            [keys[i] for i in wanted], [sizes_bytes[i] for i in wanted],
-            [None if pending[i] else parents[i] for i in wanted], tier=TierKind.DRAM)
-        got: list[tuple[int, WriteSlot]] = []
-        for i, slot in zip(wanted, slots, strict=True):
+            keys, sizes, [None if w else p for p, w in zip(parents, pending, strict=True)],
+            tier=TierKind.DRAM, tenant=tenant)
+        got: list[tuple[int, int, WriteSlot]] = []  # (item, position in ``wanted``, slot)
+        for j, (i, slot) in enumerate(zip(wanted, slots, strict=True)):
             if isinstance(slot, KvtierError):
                 out[i] = slot
             else:
-                got.append((i, slot))
+                got.append((i, j, slot))
         # Only items that got a slot take a lease (as ``reserve``: a failed item holds none).
         # Past the budget the rest are freed in order, so no kept item's parent in the batch
         # is one of them.
         granted = self.budget.take_up_to(len(got))
-        for i, slot in got[granted:]:
+        for i, _j, slot in got[granted:]:
             self._cache.abort(slot, tier=TierKind.DRAM)
             out[i] = TooManyLeases(f"the daemon already holds {self.budget.max_leases} pins, "
                                    "read leases and reservations (server.max_leases); release "
                                    "some or retry once they expire")
+        owner_tenant = DEFAULT_TENANT if tenant is None else tenant
         records: list[tuple[int, _WriteRecord]] = []
         reserved: set[bytes] = set()
         try:
-            for i, slot in got[:granted]:
-                p = parents[i]
-                in_batch = p is not None and p in reserved
-                records.append((i, _WriteRecord(slot, p, owner, deadline, _slot_offset(slot),
-                                                pending[i] or in_batch)))
+            for i, j, slot in got[:granted]:
+                up = parents[j]
+                records.append((i, _WriteRecord(slot, up, owner, deadline, _slot_offset(slot),
+                                                pending[j] or (up is not None and up in reserved),
+                                                owner_tenant)))
                 reserved.add(slot.key)
         except BaseException:
-            for _i, slot in got[:granted]:
+            for _i, _j, slot in got[:granted]:
                 self._cache.abort(slot, tier=TierKind.DRAM)
             self.budget.give(granted)
             raise
@@ -797,7 +807,8 @@ class ShmLeases:
         """:meth:`commit` for a batch, in order, with one outcome per lease: None (published)
         or the error ``commit`` would have raised (the slot is then freed). A chunk whose
         parent is neither cached nor committed earlier in this batch is freed unpublished;
-        one ``TieredCache.commit_many`` for the batch."""
+        one ``TieredCache.commit_many`` for each run of leases of one tenant (one for the
+        batch of a session: its reservations are all its tenant's)."""
         out: list[KvtierError | None] = [None] * len(lease_ids)
         recs: list[tuple[int, _WriteRecord]] = []
         with self._lock:
@@ -814,20 +825,28 @@ class ShmLeases:
                 recs.append((i, rec))
         if recs:
             self.budget.give(len(recs))
-        try:
-            results = self._cache.commit_many([rec.slot for _i, rec in recs],
-                                              [rec.parent for _i, rec in recs],
-                                              tier=TierKind.DRAM)
-        except BaseException:
-            for _i, rec in recs:
-                self._cache.abort(rec.slot, tier=TierKind.DRAM)  # (a no-op once committed)
-            raise
         written = 0
-        for (i, rec), result in zip(recs, results, strict=True):
-            if isinstance(result, KvtierError):
-                out[i] = result
-            else:
-                written += rec.slot.size_bytes
+        start = 0
+        while start < len(recs):  # runs of one tenant, in order
+            tenant = recs[start][1].tenant
+            end = start + 1
+            while end < len(recs) and recs[end][1].tenant == tenant:
+                end += 1
+            run = recs[start:end]
+            try:
+                results = self._cache.commit_many([rec.slot for _i, rec in run],
+                                                  [rec.parent for _i, rec in run],
+                                                  tier=TierKind.DRAM, tenant=tenant)
+            except BaseException:
+                for _i, rec in recs[start:]:
+                    self._cache.abort(rec.slot, tier=TierKind.DRAM)  # (a no-op once committed)
+                raise
+            for (i, rec), result in zip(run, results, strict=True):
+                if isinstance(result, KvtierError):
+                    out[i] = result
+                else:
+                    written += rec.slot.size_bytes
+            start = end
         with self._lock:
             self.bytes_written += written
         return out
@@ -970,8 +989,8 @@ class TenantShmLeases:
     """:class:`ShmLeases` as one lease-channel session of ``scope`` sees them (module
     docstring, "Tenants"; contract: ``ArenaLeaseBackend``); made by ``ShmLeases.scoped``.
     Leases stay the shared table's (``drop_owner``, ``expire`` and ``close`` act on it); a
-    reservation keeps its tenant for its commit. Batches go item by item, in order, with the
-    outcomes ``reserve_many`` / ``commit_many`` would give."""
+    reservation keeps its tenant for its commit. Batches go as ``ShmLeases``' batches, for the
+    session's write tenant."""
 
     __slots__ = ("_leases", "_read", "_scope", "_write")
 
@@ -1013,31 +1032,21 @@ class TenantShmLeases:
     def reserve_many(self, items: Sequence[tuple[bytes, bytes | None]], sizes_bytes: Sequence[int],
                      ttl_s: float, *, owner: object | None = None
                      ) -> list[tuple[int, int] | KvtierError]:
-        """``reserve`` per item, in order (a parent reserved by an earlier item is pending,
-        checked at commit; a child of an item that failed finds its parent uncached)."""
+        """``ShmLeases.reserve_many`` for the session's write tenant (its chunks, checked as
+        ``reserve`` checks them, its quota); PermissionDenied for every item when the session
+        may not write."""
         check_ttl(ttl_s, self._leases.max_ttl_s)
         if len(sizes_bytes) != len(items):
             raise InvalidArgument(f"{len(items)} items but {len(sizes_bytes)} sizes")
-        tenant = self._write_tenant()
-        out: list[tuple[int, int] | KvtierError] = []
-        for (key, parent), size in zip(items, sizes_bytes, strict=True):
-            try:
-                out.append(self._leases.reserve(key, size, ttl_s, parent=parent, owner=owner,
-                                                tenant=tenant))
-            except KvtierError as exc:
-                out.append(exc)
-        return out
+        if self._write is None:
+            return [_refuse_write(self._scope) for _item in items]
+        return self._leases.reserve_many(items, sizes_bytes, ttl_s, owner=owner,
+                                         tenant=self._write)
 
     def commit_many(self, lease_ids: Sequence[int], *, owner: object | None = None
                     ) -> list[KvtierError | None]:
-        out: list[KvtierError | None] = []
-        for lease_id in lease_ids:
-            try:
-                self._leases.commit(lease_id, owner=owner)
-                out.append(None)
-            except KvtierError as exc:
-                out.append(exc)
-        return out
+        """``ShmLeases.commit_many``: each reservation keeps its tenant."""
+        return self._leases.commit_many(lease_ids, owner=owner)
 
     def abort(self, lease_id: int, *, owner: object | None = None) -> bool:
         return self._leases.abort(lease_id, owner=owner)

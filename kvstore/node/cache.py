@@ -68,7 +68,9 @@ Change notifications
     quick and must not raise, nor call back into the cache. The tier of a change is always the
     chunk's primary (fastest) tier: a promotion that keeps the NVMe copy is MOVED to DRAM, the
     eviction of a backed DRAM copy is MOVED to NVMe, a removal is one REMOVED, and adding or
-    dropping a backing copy alone is no change (the fastest copy stays where it was).
+    dropping a backing copy alone is no change (the fastest copy stays where it was). With
+    ``observe_many`` as well, a batch commit's STORED changes go to it in one call, in order
+    (the daemon's event log then takes its lock once per batch, not once per chunk).
 
 Tenants
     The calls that take ``tenant`` pass it to the index (:mod:`kvstore.node.index`, "Tenants"):
@@ -242,6 +244,7 @@ class TieredCache:
                  policy: EvictionPolicy | PolicyName | str = PolicyName.LRU,
                  config: CacheConfig | None = None,
                  observer: ChangeObserver | None = None,
+                 observe_many: Callable[[list[ChunkChange]], object] | None = None,
                  quotas: Sequence[TenantQuota] = (),
                  max_tenants: int = DEFAULT_MAX_TENANTS) -> None:
         if not tiers:
@@ -281,6 +284,8 @@ class TieredCache:
         self.tenants = TenantMeter(max_tenants)
         """Per-tenant counters (:mod:`kvstore.node.tenants`)."""
         self._observer = observer
+        self._observe_many = observe_many if observer is not None else None
+        """``observer`` for several changes in one call (a batch commit's STORED events)."""
 
     # -- introspection ---------------------------------------------------------------------
 
@@ -459,92 +464,109 @@ class TieredCache:
         self._host_memory_tier(tier or self._write_tier).abort(slot)
 
     def reserve_many(self, keys: Sequence[bytes], sizes_bytes: Sequence[int],
-                     parents: Sequence[bytes | None], *, tier: TierKind | None = None
-                     ) -> list[WriteSlot | KvtierError]:
+                     parents: Sequence[bytes | None], *, tier: TierKind | None = None,
+                     tenant: str | None = None) -> list[WriteSlot | KvtierError]:
         """:meth:`reserve` for a batch, in order, with one outcome per item: a slot, or the
         error ``reserve`` would have raised for it (a failed item reserves nothing).
 
         A parent may also be an earlier item of the batch reserved here: a chain reserved
         parent first. Such a child must be committed after its parent (:meth:`commit_many`
         checks it); a child of a failed item fails (InvalidArgument: its prefix is not cached).
-        Cheaper per item than ``reserve``: one index lookup round for the batch, and one
-        eviction for the bytes the whole batch needs beyond the tier's free space.
+        ``tenant``: whose chunks they will be, checked as ``reserve`` checks them (ChunkExists
+        where it sees the key, PermissionDenied where another tenant owns it, a parent it must
+        see); None: the default tenant's, the key refused when any tenant holds it. A tenant
+        with a quota in the tier has each item placed as ``reserve`` places it (its own chunks
+        make room under its cap). Cheaper per item than ``reserve``: one index lookup round for
+        the batch, and one eviction for the bytes the whole batch needs beyond the tier's free
+        space.
         """
         n = len(keys)
         if len(sizes_bytes) != n or len(parents) != n:
             raise InvalidArgument(f"{n} keys, {len(sizes_bytes)} sizes, {len(parents)} parents")
         kind = tier or self._write_tier
         target = self._host_memory_tier(kind)
+        owner = DEFAULT_TENANT if tenant is None else tenant
         out: list[WriteSlot | KvtierError | None] = [None] * n
         checked: list[bytes] = []
         for i, (key, size) in enumerate(zip(keys, sizes_bytes, strict=True)):
             k = b""
             try:
                 k = check_key(key)
-                if not isinstance(size, int) or size < 1:
+                if type(size) is not int or size < 1:
                     raise InvalidArgument(f"chunk size must be a positive int, got {size!r}")
             except InvalidArgument as exc:
                 out[i] = exc
             checked.append(k)
-        present = self._index.present([*checked, *(p for p in parents if p is not None)])
-        total = sum(size for i, size in enumerate(sizes_bytes)
-                    if out[i] is None and checked[i] not in present)
-        usage = self._index.usage(kind)
-        shortfall = usage.used_bytes + total - usage.capacity_bytes
-        if shortfall > 0 and total <= usage.capacity_bytes:
-            try:
-                self._evict(kind, shortfall, driver=DEFAULT_TENANT)
-            except CapacityError as exc:  # each item below makes what room it can
-                log.debug("batch reserve of %d bytes in %s: %s", total, kind.value, exc)
+        # Per key already indexed: whether the writer may see it (None: every tenant may).
+        seen = self._index.seen_by([*checked, *(p for p in parents if p is not None)], tenant)
         # In order, what each item gets if the items before it are reserved (a child of a
         # refused item is refused: its prefix is not cached)...
         todo: list[int] = []
         expected: set[bytes] = set()
+        total = 0
         for i, (key, parent) in enumerate(zip(checked, parents, strict=True)):
             if out[i] is not None:
                 continue
-            if key in present:
-                out[i] = ChunkExists(f"chunk {key.hex()} is already cached")
+            visible = seen.get(key)
+            if visible is not None:
+                if visible:
+                    out[i] = ChunkExists(f"chunk {key.hex()} is already cached")
+                else:
+                    self.tenants.refused(owner)
+                    out[i] = PermissionDenied(f"chunk {key.hex()} belongs to another tenant; "
+                                              f"tenant {owner!r} cannot write it")
                 continue
-            if parent is not None and parent not in present and parent not in expected:
+            if parent is not None and not seen.get(parent) and parent not in expected:
                 out[i] = _orphan_error(key, parent)
                 continue
             todo.append(i)
             expected.add(key)
-        # ...then one tier call for them (room made above), and in order again: an item the
-        # tier refused for room makes what room it can alone, and a child of an item that
-        # failed after all gives its slot back.
+            total += sizes_bytes[i]
         keys_todo = [checked[i] for i in todo]
         sizes_todo = [sizes_bytes[i] for i in todo]
         got: list[WriteSlot | KvtierError]
         batch = self._batch_memory.get(kind)
-        if batch is not None:
-            got = batch.reserve_many(keys_todo, sizes_todo)
+        capped = self._quotas and self._index.quota(kind, owner) is not None
+        if batch is not None and not capped:
+            usage = self._index.usage(kind)
+            shortfall = usage.used_bytes + total - usage.capacity_bytes
+            if shortfall > 0 and total <= usage.capacity_bytes:
+                try:
+                    self._evict(kind, shortfall, driver=owner)
+                except CapacityError as exc:  # each item below makes what room it can
+                    log.debug("batch reserve of %d bytes in %s: %s", total, kind.value, exc)
+            # ...then one tier call for them (room made above)...
+            with writing_for(owner):  # the read index tags the chunks with their owner
+                got = batch.reserve_many(keys_todo, sizes_todo)
         else:
-            got = [_try(target.reserve, key, size) for key, size in zip(keys_todo, sizes_todo,
-                                                                        strict=True)]
+            got = [_try(self._place_slot, kind, target, key, size, owner)
+                   for key, size in zip(keys_todo, sizes_todo, strict=True)]
+        # ...and in order again: an item the tier refused for room makes what room it can
+        # alone, and a child of an item that failed after all gives its slot back.
         reserved: set[bytes] = set()
         for i, result in zip(todo, got, strict=True):
-            key, size, parent = checked[i], sizes_bytes[i], parents[i]
-            if parent is not None and parent not in present and parent not in reserved:
+            key, parent = checked[i], parents[i]
+            if parent is not None and parent not in reserved and not seen.get(parent):
                 if not isinstance(result, KvtierError):
                     target.abort(result)
                 out[i] = _orphan_error(key, parent)
                 continue
-            if isinstance(result, CapacityError):
-                try:
-                    result, _seconds = self._place(kind, target, key, size,
-                                                   functools.partial(target.reserve, key, size),
-                                                   owner=DEFAULT_TENANT)
-                except KvtierError as exc:
-                    result = exc
+            if isinstance(result, CapacityError) and not capped:
+                result = _try(self._place_slot, kind, target, key, sizes_bytes[i], owner)
             out[i] = result
             if not isinstance(result, KvtierError):
                 reserved.add(key)
         return [r for r in out if r is not None]
 
+    def _place_slot(self, kind: TierKind, target: HostMemoryTier, key: bytes, size: int,
+                    owner: str) -> WriteSlot:
+        slot, _seconds = self._place(kind, target, key, size,
+                                     functools.partial(target.reserve, key, size), owner=owner)
+        return slot
+
     def commit_many(self, slots: Sequence[WriteSlot], parents: Sequence[bytes | None], *,
-                    tier: TierKind | None = None) -> list[ChunkInfo | KvtierError]:
+                    tier: TierKind | None = None, tenant: str = DEFAULT_TENANT
+                    ) -> list[ChunkInfo | KvtierError]:
         """:meth:`commit` for a batch, in order, with one outcome per slot: its info, or the
         error ``commit`` would have raised (that slot is then freed).
 
@@ -553,13 +575,15 @@ class TieredCache:
         durable puts each chunk is written through and published one by one, as ``commit``
         does (its NVMe record is written before it is published); otherwise the slots are
         published in the tier, then indexed in one lock round (:meth:`CacheIndex.insert_many`),
-        counted once, and notified one STORED event per chunk, in order.
+        counted once, and notified one STORED event per chunk, in order (one observer call
+        for the batch where the cache has ``observe_many``). The chunks are ``tenant``'s (as
+        reserved: :meth:`reserve_many`), each parent one it sees.
         """
         if len(parents) != len(slots):
             raise InvalidArgument(f"{len(slots)} slots but {len(parents)} parents")
         kind = tier or self._write_tier
         target = self._host_memory_tier(kind)
-        present = self._index.present(p for p in parents if p is not None)
+        present = self._index.present((p for p in parents if p is not None), tenant)
         done: set[bytes] = set()
         out: list[ChunkInfo | KvtierError] = []
 
@@ -571,11 +595,11 @@ class TieredCache:
         if self._backing_for(kind) is not None:
             for slot, parent in zip(slots, parents, strict=True):
                 if parent is not None and parent not in done and parent not in present \
-                        and parent not in self._index:
+                        and self.entry(parent, tenant) is None:
                     out.append(orphan(slot, parent))
                     continue
                 try:
-                    out.append(self.commit(slot, parent=parent, tier=kind))
+                    out.append(self.commit(slot, parent=parent, tier=kind, tenant=tenant))
                 except KvtierError as exc:
                     target.abort(slot)
                     out.append(exc)
@@ -585,22 +609,27 @@ class TieredCache:
         # In order, which slots can be published if the slots before them are...
         results: list[ChunkInfo | KvtierError | None] = []
         todo: list[int] = []
+        todo_slots: list[WriteSlot] = []
         after: list[int] = []  # per slot of ``todo``: its parent's position there, or -1
         position: dict[bytes, int] = {}
         for slot, parent in zip(slots, parents, strict=True):
-            if parent is not None and parent not in done and parent not in present:
-                results.append(orphan(slot, parent))
-                continue
-            after.append(-1 if parent is None or parent in present else position[parent])
+            if parent is None or parent in present:
+                after.append(-1)
+            else:
+                first = position.get(parent)
+                if first is None:
+                    results.append(orphan(slot, parent))
+                    continue
+                after.append(first)
             position[slot.key] = len(todo)
             todo.append(len(results))
+            todo_slots.append(slot)
             results.append(None)
-            done.add(slot.key)
         # ...then one tier call for them, and in order again: a slot the tier refused is
         # freed, and a child of a slot that failed after all is unpublished (never indexed).
         published: list[tuple[int, ChunkInfo]] = []
+        items: list[tuple[bytes, bytes | None, int, int | None]] = []
         try:
-            todo_slots = [slots[i] for i in todo]
             infos: list[ChunkInfo | KvtierError]
             batch = self._batch_memory.get(kind)
             if batch is not None:
@@ -613,19 +642,18 @@ class TieredCache:
                                  if first >= 0 and isinstance(infos[first], KvtierError)
                                  else _try(target.commit, slot))
             for i, info in zip(todo, infos, strict=True):
+                results[i] = info
                 if isinstance(info, KvtierError):
                     target.abort(slots[i])
-                    results[i] = info
                 else:
                     published.append((i, info))
-                    results[i] = info
+                    items.append((info.key, parents[i], info.size_bytes, info.checksum))
         except BaseException:
             for _i, info in published:
                 target.remove(info.key)
             raise
         out = [r for r in results if r is not None]
-        errors = self._index.insert_many(
-            [(info.key, parents[i], info.size_bytes, info.checksum) for i, info in published], kind)
+        errors = self._index.insert_many(items, kind, tenant)
         stored: list[tuple[ChunkInfo, bytes | None]] = []
         for (i, info), err in zip(published, errors, strict=True):
             if err is not None:
@@ -634,12 +662,22 @@ class TieredCache:
             else:
                 stored.append((info, parents[i]))
         if stored:
-            nbytes = sum(info.size_bytes for info, _p in stored)
-            self._count(kind, puts=len(stored), bytes_written=nbytes)
-            self.tenants.stored(DEFAULT_TENANT, nbytes)
-            for info, parent in stored:
-                self._notify(ChunkChangeKind.STORED, info.key, kind, info.size_bytes,
-                             parent=parent, tenant=DEFAULT_TENANT)  # as insert_many stored it
+            nbytes = 0
+            for info, _p in stored:
+                nbytes += info.size_bytes
+            with self._counter_lock:
+                c = self._counters[kind]
+                c.puts += len(stored)
+                c.bytes_written += nbytes
+            self.tenants.stored(tenant, nbytes)
+            if self._observe_many is not None:
+                self._observe_many([ChunkChange(ChunkChangeKind.STORED, info.key, kind,
+                                                info.size_bytes, parent, None, tenant)
+                                    for info, parent in stored])
+            else:
+                for info, parent in stored:
+                    self._notify(ChunkChangeKind.STORED, info.key, kind, info.size_bytes,
+                                 parent=parent, tenant=tenant)
         return out
 
     def _check_writable(self, key: bytes, parent: bytes | None, tenant: str) -> None:

@@ -656,6 +656,22 @@ class CacheIndex:
             entries = self._entries
             return {k for k in keys if _visible(entries.get(k), tenant) is not None}
 
+    def seen_by(self, keys: Iterable[bytes], tenant: str | None) -> dict[bytes, bool]:
+        """Of ``keys``, those cached (any tier), each with whether ``tenant`` sees it (True for
+        every one when ``tenant`` is None), in one lock round: what a batch of writes by
+        ``tenant`` checks (a key it sees exists, another tenant's is refused, a parent must be
+        seen)."""
+        with self._lock:
+            entries = self._entries
+            if tenant is None:
+                return {k: True for k in keys if k in entries}
+            out: dict[bytes, bool] = {}
+            for k in keys:
+                node = entries.get(k)
+                if node is not None:
+                    out[k] = node.tenant in (tenant, SHARED_TENANT)
+            return out
+
     def check_writable(self, key: bytes, parent: bytes | None, tenant: str) -> None:
         """The checks an insert of ``key`` by ``tenant`` makes, before any bytes move: ChunkExists
         (``tenant`` already sees that key), PermissionDenied (another tenant owns it),
