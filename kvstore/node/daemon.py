@@ -326,6 +326,7 @@ class StoreDaemon:
                     directory=cfg.nvme.directory, capacity_bytes=cfg.nvme.capacity_bytes,
                     segment_bytes=cfg.nvme.segment_bytes))
             return TieredCache(tiers, policy=cfg.cache.policy, observer=self._observe,
+                               observe_many=self.events.record_many,
                                config=CacheConfig(
                                    write_tier=cfg.cache.write_tier,
                                    promote_on_hit=cfg.cache.promote_on_hit,
