@@ -226,19 +226,50 @@ def _cbor_head(major: int, value: int) -> bytes:
     return bytes([major << 5 | 27]) + value.to_bytes(8, "big")
 
 
+def _cbor_u16_tables() -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.bool_]]:
+    """Every id below 2**16 as canonical CBOR padded to 3 bytes (head, then the argument's
+    bytes), and which of the 3 bytes its encoding uses: 192 KiB each."""
+    v = np.arange(1 << 16, dtype=np.uint32)
+    small, byte = v < 24, v < 256
+    table = np.empty((1 << 16, 3), dtype=np.uint8)
+    table[:, 0] = np.where(small, v, np.where(byte, 0x18, 0x19))
+    table[:, 1] = np.where(byte, v, v >> 8)
+    table[:, 2] = v & 0xFF
+    used = np.empty((1 << 16, 3), dtype=bool)
+    used[:, 0] = True
+    used[:, 1] = ~small
+    used[:, 2] = ~byte
+    return table, used
+
+
+_CBOR_U16, _CBOR_U16_USED = _cbor_u16_tables()
+
+
 def _cbor_uints(tokens: npt.NDArray[np.uint32], block_size: int
                 ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64]]:
     """Canonical CBOR of each token as an unsigned int, concatenated; plus block offsets.
 
     Byte-identical to ``b"".join(cbor2.dumps(int(t), canonical=True) for t in tokens)``
-    but done in a few numpy passes instead of one Python call per token: every token
-    is first written as 5 bytes (head + big-endian u32), then the bytes its shortest
-    form does not use are masked out. ``len(tokens)`` must be a multiple of
-    ``block_size``; ``offsets[i]`` is where block ``i`` starts (``len + 1`` entries).
-    Column writes and a per-block row sum stand in for per-token lookup tables and a
-    per-token cumsum, which measured about 3x slower here.
+    but done in a few numpy passes instead of one Python call per token. ``len(tokens)``
+    must be a multiple of ``block_size``; ``offsets[i]`` is where block ``i`` starts
+    (``len + 1`` entries).
+
+    Ids below 2**16 (every id of a vocabulary up to 65,536, the usual case) take rows of
+    two 65,536-entry tables (:func:`_cbor_u16_tables`): 4 numpy calls, measured 2.5-4x
+    faster than the general path from 1 to 128 blocks of 32 tokens (1 block: 16-24 -> 5 us,
+    128: 96-155 -> 37-42 us, at load ~10), the sizes a routing decision hashes. Otherwise every token is first
+    written as 5 bytes (head + big-endian u32), then the bytes its shortest form does not use
+    are masked out; column writes and a per-block row sum there measured about 3x faster
+    than per-token lookup tables of u32 width and a per-token cumsum.
     """
     n = tokens.size
+    if n and int(tokens.max()) < 1 << 16:
+        used = _CBOR_U16_USED.take(tokens, axis=0)
+        encoded = _CBOR_U16.take(tokens, axis=0)[used]
+        offsets = np.zeros(n // block_size + 1, dtype=np.int64)
+        np.cumsum(used.reshape(-1, block_size * 3).sum(axis=1, dtype=np.int64),
+                  out=offsets[1:])
+        return encoded, offsets
     ge24, ge2to8, ge2to16 = tokens >= 24, tokens >= 1 << 8, tokens >= 1 << 16
     lengths = np.ones(n, dtype=np.uint32)
     lengths += ge24
@@ -286,7 +317,7 @@ def _as_token_array(token_ids: object) -> npt.NDArray[np.uint32]:
         raise InvalidArgument(f"token ids must be one-dimensional, got shape {arr.shape}")
     if arr.dtype.kind not in "iu":
         raise InvalidArgument(f"token ids must be integers, got dtype {arr.dtype}")
-    if arr.size:
+    if arr.size and arr.dtype != np.uint32:  # (a uint32 is in range: no two passes over it)
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi > MAX_TOKEN_ID:
             raise InvalidArgument(f"token ids must be in [0, {MAX_TOKEN_ID}], got min {lo} max {hi}")

@@ -572,3 +572,19 @@ def test_prefill_reference_takes_the_fastest_linear_term(tmp_path: Path) -> None
     assert (ref.model, ref.tp) == ("m1", 2)
     assert ref.seconds == pytest.approx((5.0 + 50.0) / 1e3)
     assert ref.full_fit_seconds is None  # a negative quadratic term is not extrapolated
+
+
+def test_cbor_of_every_id_below_2_16_is_cbor2s() -> None:
+    """The table path of the token encoding (ids < 2**16), on every such id, and its block
+    offsets; a block with one wider id takes the general path and agrees too."""
+    from kvstore.keys import _cbor_uints
+
+    ids = np.arange(1 << 16, dtype=np.uint32)
+    encoded, offsets = _cbor_uints(ids, 16)
+    per_id = [cbor2.dumps(int(t), canonical=True) for t in ids]
+    assert encoded.tobytes() == b"".join(per_id)
+    ends = np.cumsum([len(b) for b in per_id]).tolist()
+    assert offsets.tolist() == [0, *ends[15::16]]
+    wide = np.array([5, 300, 70000, 2**32 - 1], dtype=np.uint32)
+    assert _cbor_uints(wide, 2)[0].tobytes() == b"".join(
+        cbor2.dumps(int(t), canonical=True) for t in wide)
