@@ -592,6 +592,8 @@ class Fleet:
         self.startup_s = 0.0
         self._etcd: Any = None
         self.run_id = uuid.uuid4().hex[:6]
+        self.replays = 0
+        """Replays begun: part of each mode's ``cache_salt`` (a second replay reuses nothing)."""
 
     @property
     def logs_dir(self) -> Path:
@@ -748,6 +750,7 @@ class Fleet:
     def replay(self, progress: Any = None) -> list[ModeResult]:
         """Run every mode of the spec (see the module docstring); ``progress`` is a rich
         ``Progress`` (one task per mode) or None."""
+        self.replays += 1
         return asyncio.run(self._replay(progress))
 
     async def _replay(self, progress: Any) -> list[ModeResult]:
@@ -855,7 +858,7 @@ class Fleet:
         router = TimedRouter(inner, floor=RoundRobinRouter(pool))
         tokenizer = PromptTokenizer.from_model_dir(self.servers[names[0]].model_dir)
         door = FrontDoor(pool, tokenizer, router=router)
-        salt = f"{mode.value}-{self.run_id}"
+        salt = f"{mode.value}-{self.run_id}-{self.replays}"
         async with contextlib.AsyncExitStack() as stack:
             if conductor is not None:
                 stack.push_async_callback(conductor.close)
@@ -1081,6 +1084,11 @@ def assemble(results: Sequence[ModeResult], spec: FleetSpec, startup_s: float
     return {
         "modes": summaries,
         "tiers": {r.mode: r.tiers for r in results if r.ok},
+        "requests": {r.mode: [{"label": x.label, "backend": x.backend,
+                               "prompt_tokens": x.prompt_tokens, "cached_tokens": x.cached_tokens,
+                               "ttft_s": x.ttft_s, "tpot_s": x.tpot_s, "sent_s": x.sent_s,
+                               "done_s": x.done_s} for x in r.records]
+                     for r in results if r.ok},
         "outputs_differ": differ,
         "outputs_identical": all(v == 0 for v in differ.values() if v is not None),
         "failed_modes": [r.mode for r in results if r.status.startswith("failed")],

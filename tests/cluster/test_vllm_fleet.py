@@ -14,11 +14,20 @@ One fleet start (two vLLM servers) for the module: ~2-3 minutes on this 2-core m
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from kvstore.cluster.vllm_fleet import Arrivals, Fleet, FleetRequest, FleetSpec, Mode, assemble
+from kvstore.cluster.vllm_fleet import (
+    Arrivals,
+    Fleet,
+    FleetRequest,
+    FleetSpec,
+    Mode,
+    assemble,
+    max_in_flight,
+)
 from kvstore.cluster.vllm_instance import TinyLlama
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -33,8 +42,8 @@ def _tokens(seed: int, n: int) -> tuple[int, ...]:
 
 
 A, B = _tokens(1, 5 * BLOCK), _tokens(2, 5 * BLOCK)
-REQUESTS = (FleetRequest("a1", A + _tokens(3, 10)), FleetRequest("a2", A + _tokens(4, 40)),
-            FleetRequest("b1", B + _tokens(5, 10)), FleetRequest("b2", B + _tokens(6, 40)))
+REQUESTS = (FleetRequest("a1", A + _tokens(3, 10), "a"), FleetRequest("a2", A + _tokens(4, 40), "a"),
+            FleetRequest("b1", B + _tokens(5, 10), "b"), FleetRequest("b2", B + _tokens(6, 40), "b"))
 
 
 def test_the_fleet_routes_reuses_and_disaggregates_with_identical_outputs(
@@ -46,6 +55,10 @@ def test_the_fleet_routes_reuses_and_disaggregates_with_identical_outputs(
     fleet = Fleet(spec, log=lambda line: None)
     with fleet:
         results = fleet.replay()
+        # The same fleet again with chat arrivals: both pairs' turns in flight at once.
+        fleet.spec = replace(spec, arrivals=Arrivals.CHAT, in_flight=2,
+                             modes=(Mode.ROUND_ROBIN, Mode.CONDUCTOR))
+        chat = fleet.replay()
         servers = list(fleet.servers.values())
         children = list(fleet.children.values())
     by_mode = {r.mode: r for r in results}
@@ -76,6 +89,22 @@ def test_the_fleet_routes_reuses_and_disaggregates_with_identical_outputs(
 
     doc = assemble(results, spec, fleet.startup_s)
     assert doc["outputs_identical"] and doc["failed_modes"] == []
+    assert {s["mode"]: s["max_in_flight"] for s in doc["modes"]} == {
+        m.value: 1 for m in spec.modes}
+
+    # Chat arrivals: a1 and b1 went out together, each follow-up after its own answer, on
+    # both instances at once; the outputs are the closed loop's.
+    assert all(r.ok for r in chat), [r.status for r in chat]
+    both = assemble([*results, *chat], spec, fleet.startup_s)
+    assert both["outputs_identical"]
+    for r in chat:
+        rec = {x.label: x for x in r.records}
+        assert max_in_flight(r.records) == 2, r.mode
+        assert rec["a1"].done_s <= rec["a2"].sent_s and rec["b1"].done_s <= rec["b2"].sent_s
+        first = sorted(r.records, key=lambda x: x.sent_s)[:2]
+        assert {x.label for x in first} == {"a1", "b1"}
+    rr_chat = {x.label: x for x in chat[0].records}
+    assert {rr_chat["a1"].backend, rr_chat["b1"].backend} == {"v0", "v1"}
     assert all(len(r.token_ids) == spec.max_tokens for r in rr.records)
     assert {t["node"] for t in rr.tiers} == {"node-a", "node-b"}
     assert sum(t["puts"] for t in rr.tiers if t["node"] == "node-a") > 0
