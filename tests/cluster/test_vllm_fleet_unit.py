@@ -372,3 +372,16 @@ def test_the_timed_router_times_its_floor_beside_each_decision() -> None:
     assert dict(timed.backends) == {"v1": 3}
     timed.reset()
     assert timed.floor_s == [] and timed.cpu_s == []
+
+
+def test_a_niced_server_runs_under_nice_and_the_spec_passes_it_on(tmp_path: Path) -> None:
+    from kvstore.cluster.vllm_server import VllmServer
+
+    plain = VllmServer(tmp_path, tmp_path, "s0").command()
+    niced = VllmServer(tmp_path, tmp_path, "s1", nice=10).command()
+    assert niced[:3] == ["nice", "-n", "10"] and niced[3:] == plain
+    with pytest.raises(ValueError):
+        VllmServer(tmp_path, tmp_path, "s2", nice=20)
+    spec = FleetSpec(work_dir=tmp_path, requests=(FleetRequest("a", (1, 2)),), engine_nice=5)
+    doc = assemble([result(Mode.CONDUCTOR, [rec("a", [1, 2])])], spec, 1.0)
+    assert doc["config"]["engine_nice"] == 5 and doc["config"]["arrivals"] == "chat"
