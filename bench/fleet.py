@@ -31,7 +31,8 @@ find the instance holding its prefix loaded, where (e) must queue there or recom
 other, and (c) can load the prefix from kvtier on the other. ``--closed-loop``: one request at
 a time in trace order instead (nothing queues; every KV-aware router then sends everything
 sharing the system prompt to one instance). Streaming, greedy, ``max_tokens`` 8,
-``ignore_eos``.
+``ignore_eos``. ``--engine-nice N`` runs the vLLM servers under ``nice -n N``, so this process
+(the front door, the client) runs first on the cores it shares with them.
 
 **Figures** per mode: TTFT and TPOT p50/p99 at the client, goodput under ``SLO`` (the fraction
 of requests meeting both objectives, and those per second of the mode's wall time), hit ratios

@@ -5,8 +5,10 @@ in etcd as colocated engines, and the front door, on the small default tiny Llam
 Four prompts, two pairs sharing 5 full blocks, through three modes. Round robin sends each
 follow-up to the other instance, which loads the shared blocks from kvtier (the instances share
 node-a's store); the conductor sends it to the instance that holds them in its own prefix cache
-(learned from vLLM's KV events); P/D prefills on v0 and decodes on v1 through kvtier. Greedy
-outputs are identical across modes, and everything is gone after the fleet stops.
+(learned from vLLM's KV events); P/D prefills on v0 and decodes on v1 through kvtier. Then
+round robin and the conductor again with chat arrivals (the pairs as two conversations, both in
+flight at once, each follow-up sent after its own answer). Greedy outputs are identical across
+modes and replays, and everything is gone after the fleet stops.
 
 One fleet start (two vLLM servers) for the module: ~2-3 minutes on this 2-core machine.
 """
