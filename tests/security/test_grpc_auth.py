@@ -132,6 +132,19 @@ def test_mtls_roles_revocation_and_untrusted_client(tmp_path: Path) -> None:
             _client(daemon.grpc_address, sec(stranger))
         with pytest.raises(PeerUnavailable):  # no client certificate at all: no handshake
             _client(daemon.grpc_address, ClientSecurity(ca_file=ca_path))
+        # An expired certificate of the right CA: kvtier's client will not present it, and
+        # the daemon's handshake refuses it from a raw channel.
+        expired = ca.issue("old", uri="kvtier://operator/old", valid_from_s=-7200,
+                           valid_for_s=3600)
+        with pytest.raises(ConfigError, match="expired"):
+            _client(daemon.grpc_address, sec(expired))
+        cert, key = expired.write(tmp_path)
+        creds = grpc.ssl_channel_credentials(ca_path.read_bytes(), key.read_bytes(),
+                                             cert.read_bytes())
+        with grpc.secure_channel(daemon.grpc_address, creds) as channel, \
+                pytest.raises(grpc.RpcError) as err:
+            channel.unary_unary("/kvtier.v1.Store/Stats")(b"", timeout=10)
+        assert err.value.code() is grpc.StatusCode.UNAVAILABLE
     finally:
         daemon.stop()
 
