@@ -41,11 +41,10 @@ module for ownership, errors and threading). What is specific here:
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstore.dataplane.allocator import ExtentAllocator
@@ -75,17 +74,24 @@ class _Writer(threading.local):
 _writer = _Writer()
 
 
-@contextlib.contextmanager
-def writing_for(owner: str) -> Iterator[None]:
+class writing_for:
     """Chunks this thread puts or reserves in a :class:`DramTier` meanwhile are ``owner``'s
     (a tenant's name) in the read index (module docstring, "Owners"). Nests; other threads
-    are not affected."""
-    previous = _writer.owner
-    _writer.owner = owner
-    try:
-        yield
-    finally:
-        _writer.owner = previous
+    are not affected. A class, not a ``contextlib`` generator: it wraps every batch reserve
+    (a generator's context costs ~3x as much)."""
+
+    __slots__ = ("_owner", "_previous")
+
+    def __init__(self, owner: str) -> None:
+        self._owner = owner
+        self._previous = ""
+
+    def __enter__(self) -> None:
+        self._previous = _writer.owner
+        _writer.owner = self._owner
+
+    def __exit__(self, *exc_info: object) -> None:
+        _writer.owner = self._previous
 
 
 @dataclass(frozen=True, slots=True)

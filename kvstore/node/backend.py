@@ -68,7 +68,7 @@ from kvstore.dataplane import native
 from kvstore.dataplane.arena import copy_bytes
 from kvstore.dataplane.compress import CodecKind
 from kvstore.dataplane.dram import DramSlot, DramTier
-from kvstore.dataplane.tier import ChunkKey, TierKind, WriteSlot, check_key
+from kvstore.dataplane.tier import MAX_KEY_BYTES, ChunkKey, TierKind, WriteSlot, check_key
 from kvstore.dataplane.transport.auth import TenantScope
 from kvstore.dataplane.transport.base import ArenaRange, ViewReadLease
 from kvstore.errors import (
@@ -742,12 +742,17 @@ class ShmLeases:
         with self._lock:
             writing, writes = self._writing, self._writes
             for i, (key, parent) in enumerate(items):
-                try:
-                    k = check_key(key)
-                    p = None if parent is None else check_key(parent)
-                except InvalidArgument as exc:
-                    out[i] = exc
-                    continue
+                # check_key's common case inlined (this loop runs per block).
+                k, p = key, parent
+                if type(k) is not bytes or not 0 < len(k) <= MAX_KEY_BYTES or (
+                        p is not None and (type(p) is not bytes
+                                           or not 0 < len(p) <= MAX_KEY_BYTES)):
+                    try:
+                        k = check_key(key)
+                        p = None if parent is None else check_key(parent)
+                    except InvalidArgument as exc:
+                        out[i] = exc
+                        continue
                 # A parent still being written by this owner (reserved parent-first) is not
                 # cached yet: the cache's check moves to commit, as in ``reserve``.
                 lease_id = None if p is None else writing.get(p)

@@ -181,7 +181,7 @@ class ChunkChange:
     """STORED only: the tenant that owns the chunk (what the conductor's index files it under)."""
 
 
-ChangeObserver = Callable[[ChunkChange], None]
+ChangeObserver = Callable[[ChunkChange], object]
 
 
 @dataclass(frozen=True, slots=True)
