@@ -46,7 +46,7 @@ def mint(
     key: Path = typer.Option(..., "--key", help="The signing key <kid>.key (its stem is the "
                              "key id)."),
     subject: str = typer.Option(..., "--subject", help="Who the token names (logs, audit)."),
-    role: str = typer.Option(..., "--role", help="engine | operator | peer"),
+    role: str = typer.Option(..., "--role", help="engine | operator | peer (the conductor) | daemon"),
     tenant: list[str] = typer.Option([], "--tenant", help="A tenant it may use (repeatable; "
                                      "'*': every tenant). Required for an engine."),
     shared_writer: bool = typer.Option(False, "--shared-writer",
