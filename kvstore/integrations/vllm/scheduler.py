@@ -11,7 +11,8 @@ committed raw DRAM chunks with their owners' tags (:meth:`StoreClient.published_
 probe per block, microseconds, no round trip, only chunks the session's tenant may read). When
 the index publishes every block asked, that is the hit; when it does not, its count is the
 answer only if the daemon runs no tier but DRAM (``auto``; what it holds beyond the index is
-then compressed or being written: rare, and missed, not wrong); otherwise (an NVMe or HBM tier
+then compressed, being written, or refused by a full index: rare, and missed, not wrong; a
+daemon that compresses its DRAM chunks wants ``covered``); otherwise (an NVMe or HBM tier
 may hold more, ``covered``, ``off``, or no index: another host, the daemon gone) the daemon is
 asked as below. A block seen in the index may be evicted before the worker loads it: the load
 fails for that block and the blocks after it, the worker reports them
