@@ -406,6 +406,12 @@ def report(doc: Mapping[str, Any], console: Any) -> None:
                       f"({fed['load_bandwidth_source']}); arrivals "
                       + (f"one every {fed['arrival_gap_s']:g} s" if fed.get("arrival_gap_s")
                          else f"{fed.get('arrivals')} (over {fed['arrival_span_s']:.1f} s)"))
+    rr, eo = doc.get("followup_ttft_speedup_vs_round_robin"), doc.get(
+        "followup_ttft_speedup_vs_events_only")
+    if rr is not None or eo is not None:
+        console.print("follow-up turns only (what routing can reuse): mean TTFT (b) / (c) = "
+                      + ("-" if rr is None else f"{rr:.2f}x") + ", (e) / (c) = "
+                      + ("-" if eo is None else f"{eo:.2f}x"))
     for line in goal_lines(doc["goals"]):
         console.print(line)
 

@@ -1082,9 +1082,24 @@ def assemble(results: Sequence[ModeResult], spec: FleetSpec, startup_s: float
     Speedups are mean TTFT ratios against ``kvtier+conductor``: ``..._vs_round_robin`` over
     ``vllm-alone`` (two instances, round robin, no kvtier: the issue's baseline (b)),
     ``..._vs_round_robin_kvtier`` over ``round-robin+kvtier``, ``..._vs_events_only`` over
-    ``events-only``, ``..._vs_vllm_single`` over ``vllm-single``."""
+    ``events-only``, ``..._vs_vllm_single`` over ``vllm-single``. Each mode also has its mean
+    TTFT over first turns (a conversation's first request: nothing but a shared system prompt
+    to reuse, whatever the routing) and over follow-ups (what routing can reuse), and
+    ``followup_ttft_speedup_vs_*`` the same ratios over follow-ups only."""
     summaries = [summarize(r, spec.slo) for r in results]
+    first = {turns[0].label for turns in conversations(spec.requests)}
+    for summary, r in zip(summaries, results, strict=True):
+        if r.ok:
+            for name, pick in (("first_turn", True), ("followup", False)):
+                ttft = [x.ttft_s for x in r.records if (x.label in first) is pick]
+                summary[f"{name}_ttft_mean_s"] = statistics.fmean(ttft) if ttft else None
     by_mode = {s["mode"]: s for s in summaries}
+
+    def followup(baseline: Mode) -> float | None:
+        base = by_mode.get(baseline.value, {}).get("followup_ttft_mean_s")
+        mine = by_mode.get(Mode.CONDUCTOR.value, {}).get("followup_ttft_mean_s")
+        return base / mine if base and mine else None
+
     differ = identical_outputs(results)
     return {
         "modes": summaries,
@@ -1102,6 +1117,8 @@ def assemble(results: Sequence[ModeResult], spec: FleetSpec, startup_s: float
                                                       Mode.CONDUCTOR),
         "ttft_speedup_vs_events_only": speedup(by_mode, Mode.EVENTS_ONLY, Mode.CONDUCTOR),
         "ttft_speedup_vs_vllm_single": speedup(by_mode, Mode.VLLM_SINGLE, Mode.CONDUCTOR),
+        "followup_ttft_speedup_vs_round_robin": followup(Mode.VLLM_ALONE),
+        "followup_ttft_speedup_vs_events_only": followup(Mode.EVENTS_ONLY),
         "startup_s": startup_s,
         "config": {"requests": len(spec.requests), "max_tokens": spec.max_tokens,
                    "prompt_tokens": sum(len(r.token_ids) for r in spec.requests),

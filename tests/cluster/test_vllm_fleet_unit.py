@@ -385,3 +385,19 @@ def test_a_niced_server_runs_under_nice_and_the_spec_passes_it_on(tmp_path: Path
     spec = FleetSpec(work_dir=tmp_path, requests=(FleetRequest("a", (1, 2)),), engine_nice=5)
     doc = assemble([result(Mode.CONDUCTOR, [rec("a", [1, 2])])], spec, 1.0)
     assert doc["config"]["engine_nice"] == 5 and doc["config"]["arrivals"] == "chat"
+
+
+def test_first_turns_and_follow_ups_are_told_apart() -> None:
+    requests = (FleetRequest("x1", (1, 2), "x"), FleetRequest("y1", (3, 4), "y"),
+                FleetRequest("x2", (1, 2, 5), "x"), FleetRequest("lone", (6,)))
+    spec = FleetSpec(work_dir=Path("/nonexistent"), requests=requests)
+    ttfts = {Mode.CONDUCTOR: {"x1": 1.0, "y1": 3.0, "x2": 0.2, "lone": 2.0},
+             Mode.EVENTS_ONLY: {"x1": 1.0, "y1": 1.0, "x2": 0.6, "lone": 1.0}}
+    doc = assemble([result(m, [rec(label, [1], ttft=t) for label, t in by.items()])
+                    for m, by in ttfts.items()], spec, 1.0)
+    c = {s["mode"]: s for s in doc["modes"]}[Mode.CONDUCTOR.value]
+    assert c["first_turn_ttft_mean_s"] == pytest.approx(2.0)  # x1, y1, lone
+    assert c["followup_ttft_mean_s"] == pytest.approx(0.2)    # x2
+    assert doc["followup_ttft_speedup_vs_events_only"] == pytest.approx(3.0)
+    assert doc["followup_ttft_speedup_vs_round_robin"] is None
+    assert doc["ttft_speedup_vs_events_only"] == pytest.approx(0.9 / 1.55)
