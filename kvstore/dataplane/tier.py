@@ -93,9 +93,12 @@ def check_key(key: bytes) -> ChunkKey:
     return ChunkKey(bytes(key))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ChunkInfo:
-    """What a tier knows about one committed chunk."""
+    """What a tier knows about one committed chunk (a fresh one per call: treat as immutable).
+    Not a frozen dataclass: a batch commit builds one per chunk, and a frozen one's
+    constructor costs ~1.2 µs here against ~0.15 µs (each field through
+    ``object.__setattr__``)."""
 
     key: ChunkKey
     size_bytes: int

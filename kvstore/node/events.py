@@ -37,7 +37,7 @@ EventKind = ChunkChangeKind
 """STORED, REMOVED or MOVED (the cache's change kinds)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # (not frozen: built per chunk stored; see ChunkChange)
 class ChunkEvent:
     seq: int
     kind: EventKind
