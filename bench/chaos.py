@@ -40,7 +40,8 @@ The load (``python -m bench.chaos loadgen CONFIG``, in the observer namespace)
     (``LEASE`` records) and the prefill node it chose (``SCHEDULE``). On ``stop`` (stdin) it reads back every acknowledged key from its node (so a durable
     chunk lost in a crash shows as an ``ABSENT`` get after the restart), closes its data
     connections and asks each daemon's Stats for connections and leases still open (the
-    leaks), then writes the history as JSON lines.
+    leaks), then writes the history as JSON lines. One more thread per daemon follows its
+    chunk events and records every REMOVED (an eviction at the budget is no loss).
 
 Faults (:data:`FAULTS`)
     ``kill-daemon``: ``kill -9`` of ``h1``'s daemon; after ``down_s`` (past the 2 s lease) it
@@ -49,7 +50,9 @@ Faults (:data:`FAULTS`)
     expired meanwhile). ``partition-host``: the host's bridge port down for ``down_s`` + 4 s
     (its etcd member loses quorum too; the extra time covers an etcd leader election, which
     extends every lease), then up. ``sigstop-etcd-member`` / ``sigstop-etcd-leader``: SIGSTOP
-    of ``h1``'s member / the leading member for ``down_s`` + 2 s, then SIGCONT;
+    of a follower member (``h1``'s, ``h2``'s when ``h1``'s leads) / the leading member for
+    ``down_s`` + 2 s, then SIGCONT (etcd 3.4 revokes every lease when a paused leader
+    resumes, docs/etcd-failover.md: the leader row notes which);
     ``etcd-quorum-loss``: the same for ``h1``'s and ``h2``'s members.
     ``corrupt-segment``: one byte flipped in three chunks of ``h1``'s segment files
     (:func:`flip_payload_bytes`), read at once from NVMe (the load empties the node's DRAM
@@ -116,6 +119,7 @@ from kvstore.cluster.chaos_check import (
     LeaseGap,
     Op,
     Record,
+    Removal,
     Restart,
     Result,
     Violation,
@@ -511,8 +515,8 @@ class ChaosCluster:
             proc = self.lab.popen(host, argv, stdout=subprocess.PIPE, stderr=log, text=True)
         self.etcd[host.name] = _Child(proc, f"etcd-{host.name}", log_path)
 
-    def etcd_leader(self) -> Host:
-        """The host whose etcd member leads now."""
+    def _etcd_members(self) -> tuple[dict[str, int], int]:
+        """Each host's etcd member id, and the id of the member that leads."""
         h0 = self.lab.hosts[0]
         endpoints = ",".join(self.etcd_endpoint(h) for h in self.lab.hosts)
         result = self.lab.run(h0, ["etcdctl", "--endpoints", endpoints, "--command-timeout=2s",
@@ -520,11 +524,42 @@ class ChaosCluster:
                               env=dict(os.environ, ETCDCTL_API="3"))
         if result.returncode != 0:
             raise ConfigError(f"etcdctl endpoint status failed: {result.stderr.strip()}")
+        ids: dict[str, int] = {}
+        leader = 0
         for status in json.loads(result.stdout):
-            if status["Status"]["header"]["member_id"] == status["Status"]["leader"]:
-                address = status["Endpoint"].removeprefix("http://").rpartition(":")[0]
-                return next(h for h in self.lab.hosts if h.address == address)
-        raise ConfigError(f"no etcd member leads: {result.stdout.strip()}")
+            address = status["Endpoint"].removeprefix("http://").rpartition(":")[0]
+            host = next(h for h in self.lab.hosts if h.address == address)
+            ids[host.name] = int(status["Status"]["header"]["member_id"])
+            leader = int(status["Status"]["leader"]) or leader
+        return ids, leader
+
+    def etcd_leader(self) -> Host:
+        """The host whose etcd member leads now."""
+        ids, leader = self._etcd_members()
+        for host in self.lab.hosts:
+            if ids.get(host.name) == leader:
+                return host
+        raise ConfigError(f"no etcd member leads: {ids}, leader {leader:x}")
+
+    def etcd_follower(self) -> Host:
+        """``h1`` if its etcd member does not lead, else the next host whose member does not."""
+        leader = self.etcd_leader()
+        hosts = self.lab.hosts
+        return next(hosts[(FAULTED_HOST + i) % len(hosts)] for i in range(len(hosts))
+                    if hosts[(FAULTED_HOST + i) % len(hosts)] is not leader)
+
+    def move_etcd_leader(self, away_from: Host) -> Host:
+        """Hand etcd's leadership from ``away_from``'s member to another (``etcdctl
+        move-leader``); the new leader's host."""
+        ids, _ = self._etcd_members()
+        to = next(h for h in self.lab.hosts if h is not away_from)
+        result = self.lab.run(away_from, ["etcdctl", "--endpoints",
+                                          self.etcd_endpoint(away_from), "--command-timeout=5s",
+                                          "move-leader", f"{ids[to.name]:x}"],
+                              env=dict(os.environ, ETCDCTL_API="3"))
+        if result.returncode != 0:
+            raise ConfigError(f"etcdctl move-leader failed: {result.stderr.strip()}")
+        return to
 
     def wait_etcd(self, host: Host) -> None:
         """Until ``host``'s etcd member answers healthy (it has a leader and a quorum)."""
@@ -648,6 +683,9 @@ class _Injected:
     must_serve_gets: bool = False
     """The faulted node must answer gets during the fault (a full disk leaves DRAM and the
     stored chunks readable)."""
+    paused_leader: bool = False
+    """An etcd fault paused the member that led (the row says which leases ended at its
+    resume: etcd 3.4 revokes them, docs/etcd-failover.md)."""
     detect_error: str = ""
     """Detect at the first request that failed with this error class, recover at the first
     put on the node that succeeded after the fault (a fault the node answers with an error,
@@ -1080,6 +1118,14 @@ def _stop_etcd(name: str, count: int) -> Callable[[ChaosCluster, Host, _Child], 
         hosts = cluster.lab.hosts
         first = hosts.index(host)
         members = [hosts[(first + i) % len(hosts)] for i in range(count)]
+        notes = []
+        leader = cluster.etcd_leader()
+        if name == "sigstop-etcd-member" and leader is host:
+            # A follower's pause is this fault; the leader's is sigstop-etcd-leader (which
+            # etcd 3.4 answers by revoking every lease when the leader resumes).
+            leader = cluster.move_etcd_leader(host)
+            notes.append(f"etcd's leadership moved from {host.name} to {leader.name} first")
+        notes.append(f"etcd leader when paused: {leader.name}")
         start = time.monotonic()
         for h in members:
             cluster.etcd[h.name].proc.send_signal(signal.SIGSTOP)
@@ -1090,7 +1136,8 @@ def _stop_etcd(name: str, count: int) -> Callable[[ChaosCluster, Host, _Child], 
         for h in hosts:
             cluster.wait_etcd(h)
         fault = Fault(name, "+".join(f"etcd-{h.name}" for h in members), start, end)
-        return _Injected(fault, healthy_at=time.monotonic())
+        return _Injected(fault, healthy_at=time.monotonic(), notes=notes,
+                         paused_leader=leader in members)
 
     return inject
 
@@ -1123,7 +1170,8 @@ FAULTS: dict[str, FaultPlan] = {
     "kill-daemon": FaultPlan(_faulted_host, _kill_daemon),
     "sigstop-daemon": FaultPlan(_faulted_host, _stop_daemon),
     "partition-host": FaultPlan(_faulted_host, _partition_host),
-    "sigstop-etcd-member": FaultPlan(_faulted_host, _stop_etcd("sigstop-etcd-member", 1)),
+    "sigstop-etcd-member": FaultPlan(lambda c: c.etcd_follower(),
+                                     _stop_etcd("sigstop-etcd-member", 1)),
     "sigstop-etcd-leader": FaultPlan(lambda c: c.etcd_leader(),
                                      _stop_etcd("sigstop-etcd-leader", 1)),
     "etcd-quorum-loss": FaultPlan(_faulted_host, _stop_etcd("etcd-quorum-loss", 2)),
@@ -1140,7 +1188,8 @@ FAULTS: dict[str, FaultPlan] = {
     "sigstop-conductor-leader": FaultPlan(lambda c: c.conductor_leader(), _stop_conductor),
 }
 """Every fault on ``h1`` but the leaders' (the etcd member or conductor that leads when the
-load starts); the quorum loss stops ``h1``'s and ``h2``'s members."""
+load starts) and the etcd follower's (``h1``'s member unless it leads); the quorum loss stops
+``h1``'s and ``h2``'s members."""
 
 
 def run_fault(name: str, *, spec: ChaosSpec | None = None,
@@ -1222,12 +1271,11 @@ def _finish_row(row: FaultRow, history: History, injected: _Injected,
     return row
 
 
-SOAK_EXCLUDED = {
-    "nvme-full": "its 48 MiB tmpfs under h1's NVMe fills with the load's own chunks within "
-                 "minutes; the tier then evicts acknowledged chunks, which the durable rule "
-                 "cannot tell from a loss",
-}
-"""Faults a soak does not draw, and why (``--fault`` can still name them)."""
+SOAK_EXCLUDED: dict[str, str] = {}
+"""Faults a soak does not draw, and why (``--fault`` can still name them). ``nvme-full`` was
+one until the load recorded the daemons' REMOVED events: its 48 MiB tmpfs fills with the
+load's own chunks within minutes, and the tier then evicts acknowledged chunks (as it should
+at its budget), which the durable rule could not tell from a loss."""
 
 
 @dataclass
@@ -1331,6 +1379,8 @@ def read_history(path: Path) -> History:
             history.restarts.append(Restart(**item))
         elif kind == "damage":
             history.damaged.append((item["node"], item["key"]))
+        elif kind == "removed":
+            history.removed.append(Removal(**item))
         else:
             history.records.append(Record.from_dict(item))
     return history
@@ -1407,6 +1457,12 @@ def _row(history: History, injected: _Injected, summary: dict[str, Any],
             name = r.error.partition(":")[0] or "no answer"
             errors[name] = errors.get(name, 0) + 1
     notes = list(injected.notes)
+    if injected.paused_leader:
+        revoked = sorted({g.node for g in history.lease_gaps
+                          if fault.end_s <= g.expired_s <= fault.end_s + 1.0})
+        if revoked:
+            notes.append(f"leases that ended within 1 s of the paused etcd leader's resume "
+                         f"(revoked by it: etcd-io/etcd#15247): {', '.join(revoked)}")
     if errors:
         notes.append("failed in the window: " + ", ".join(
             f"{n} {name}" for name, n in sorted(errors.items(), key=lambda kv: -kv[1])))
@@ -1564,6 +1620,12 @@ class _Load:
         """Nodes the workers send nothing new while a probe empties their DRAM."""
         self.in_flight: dict[str, int] = {}
         """Requests under way per node (a probe waits for none)."""
+        self.removed: list[Removal] = []
+        """REMOVED events the daemons reported (:meth:`follow_removals`)."""
+        self.following = threading.Event()
+        """Set while :meth:`follow_removals` should go on (past the read-back)."""
+        self.streams: dict[str, Any] = {}
+        """Each node's event stream in progress (cancelled to stop following)."""
 
     def add(self, record: Record) -> None:
         with self.lock:
@@ -1612,6 +1674,64 @@ class _Load:
                             error=f"{type(exc).__name__}: {exc}"[:200])
         self.add(record)
         return record
+
+    def follow_removals(self, node: str) -> None:
+        """Record every REMOVED event ``node`` reports (a chunk evicted at its budget or
+        removed is no loss: :class:`~kvstore.cluster.chaos_check.Removal`), from its event
+        stream over gRPC (no data connection), across restarts: after a break the stream is
+        asked again from the last seq seen; a RESYNC for a new epoch (the daemon restarted)
+        starts over from that epoch's first event, one in the same epoch (we fell behind the
+        ring) continues from the seq it names. Events missed that way can only make a removal
+        look like a loss, never the reverse."""
+        import grpc
+
+        from kvstore._proto.kvtier.v1 import store_pb2 as pb
+        from kvstore._proto.kvtier.v1 import store_pb2_grpc as pb_grpc
+
+        seq, epoch, address = 0, "", ""
+        channel: Any = None
+        while self.following.is_set():
+            record = self.membership.snapshot().get(node)
+            if record is None:
+                time.sleep(0.2)
+                continue
+            if record.grpc_address != address or channel is None:
+                if channel is not None:
+                    channel.close()
+                address = record.grpc_address
+                # Reconnect within 0.5 s of a restart, not after gRPC's backoff (1 s doubling
+                # to 120 s): a daemon killed again before the stream is back would take the
+                # events of its whole life with it.
+                channel = grpc.insecure_channel(address, options=[
+                    ("grpc.initial_reconnect_backoff_ms", 100),
+                    ("grpc.min_reconnect_backoff_ms", 100),
+                    ("grpc.max_reconnect_backoff_ms", 500)])
+            stub = pb_grpc.StoreStub(channel)  # type: ignore[no-untyped-call]
+            stream = stub.Subscribe(pb.SubscribeRequest(from_seq=seq, epoch=epoch),
+                                    timeout=30.0)
+            with self.lock:
+                self.streams[node] = stream
+            if not self.following.is_set():  # stopped before the stream was published
+                stream.cancel()
+            try:
+                for event in stream:
+                    if event.kind == pb.EVENT_RESYNC:
+                        # A new epoch (the daemon restarted): all of it, from its first
+                        # event (recovery, then the evictions right after). The same epoch:
+                        # we fell behind its ring; go on from where it is now.
+                        seq = 0 if event.epoch != epoch else int(event.seq)
+                        epoch = event.epoch
+                        break
+                    seq, epoch = int(event.seq), event.epoch
+                    if event.kind == pb.EVENT_REMOVED:
+                        removal = Removal(node, event.key.decode(errors="replace"),
+                                          time.monotonic())
+                        with self.lock:
+                            self.removed.append(removal)
+            except grpc.RpcError:
+                time.sleep(0.2)
+        if channel is not None:
+            channel.close()
 
     def worker(self, wid: int) -> None:
         rng = random.Random(wid)
@@ -1823,6 +1943,12 @@ class _Load:
         threads += [threading.Thread(target=self.scheduler, args=(cid, address),
                                      name=f"schedule-{cid}", daemon=True)
                     for cid, address in sorted(self.config.get("conductors", {}).items())]
+        followers = [threading.Thread(target=self.follow_removals, args=(node,),
+                                      name=f"removals-{node}", daemon=True)
+                     for node in sorted(expected)]
+        self.following.set()
+        for t in followers:
+            t.start()
         for t in threads:
             t.start()
         _say(LOADGEN_READY)
@@ -1855,9 +1981,20 @@ class _Load:
         self.clients.close_all()
         leaks = self.leaks()
         self.membership.stop()
+        self.following.clear()
+        with self.lock:
+            streams = list(self.streams.values())
+        for stream in streams:
+            stream.cancel()
+        for t in followers:
+            t.join(10)
         with open(self.config["history"], "w") as f:
             for r in self.records:
                 f.write(json.dumps({"kind": "record", **r.to_dict()}) + "\n")
+            with self.lock:
+                removed = list(self.removed)
+            for removal in removed:
+                f.write(json.dumps({"kind": "removed", **asdict(removal)}) + "\n")
             for g in self.membership.all_gaps():
                 f.write(json.dumps({"kind": "gap", **asdict(g)}) + "\n")
         _say(LOADGEN_DONE + json.dumps({"records": len(self.records), "leaks": leaks,

@@ -21,7 +21,11 @@ Invariants (one :class:`Invariant` each)
   back, that finds nothing (``Result.ABSENT``) is a loss. Durable puts with no such get are
   counted as unverified (:func:`durable_unverified`), not as losses. Chunks the run damaged
   on purpose (:attr:`History.damaged`: bytes flipped in a segment file) are exempt: they must
-  be dropped, never returned (a wrong read).
+  be dropped, never returned (a wrong read). So is a chunk the store said it removed
+  (:attr:`History.removed`: its REMOVED event, seen after the put started and at most
+  ``removal_slack_s`` after the get ended, for the event's way to the observer: evicted at
+  the tier's budget, or removed by a client): a daemon reports only what it held, so a chunk
+  it lost in a crash never has one.
 * **no placement after lease expiry**: no ``SCHEDULE`` record names a node, with its start
   more than ``placement_grace_s`` after the node's lease expired and more than that before it
   registered again (:class:`LeaseGap`: as one watch saw it; a scheduler watching through
@@ -54,8 +58,8 @@ from typing import Any
 
 from kvstore.errors import InvalidArgument
 
-__all__ = ["Fault", "FaultStats", "History", "Invariant", "LeaseGap", "Op", "Record", "Restart",
-           "Result", "Violation", "check", "chunk_value", "digest", "durable_unverified",
+__all__ = ["Fault", "FaultStats", "History", "Invariant", "LeaseGap", "Op", "Record", "Removal",
+           "Restart", "Result", "Violation", "check", "chunk_value", "digest", "durable_unverified",
            "expected_digest", "fault_stats", "longest_stall"]
 
 
@@ -193,6 +197,16 @@ class LeaseGap:
     renewed_s: float | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Removal:
+    """``node`` reported ``key`` removed (its REMOVED event; gone from every tier), as the
+    load received it at ``at_s`` (the removal itself was earlier)."""
+
+    node: str
+    key: str
+    at_s: float
+
+
 @dataclass
 class History:
     records: list[Record] = field(default_factory=list)
@@ -201,6 +215,8 @@ class History:
     lease_gaps: list[LeaseGap] = field(default_factory=list)
     damaged: list[tuple[str, str]] = field(default_factory=list)
     """(node, key) of chunks whose stored bytes the run corrupted."""
+    removed: list[Removal] = field(default_factory=list)
+    """REMOVED events the daemons reported (evictions at the budget, removals)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,15 +227,16 @@ class Violation:
 
 
 def check(history: History, *, placement_grace_s: float = 0.5, require_progress: bool = True,
-          max_stall_s: float | None = None,
-          request_timeout_s: float | None = None) -> list[Violation]:
+          max_stall_s: float | None = None, request_timeout_s: float | None = None,
+          removal_slack_s: float = 2.0) -> list[Violation]:
     """Every broken invariant of ``history`` (see the module docstring); [] when clean."""
     for name, value in (("placement_grace_s", placement_grace_s), ("max_stall_s", max_stall_s),
-                        ("request_timeout_s", request_timeout_s)):
+                        ("request_timeout_s", request_timeout_s),
+                        ("removal_slack_s", removal_slack_s)):
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise InvalidArgument(f"{name} must be finite and >= 0, got {value}")
     out = _wrong_reads(history.records)
-    out += _durable_lost(history)
+    out += _durable_lost(history, removal_slack_s)
     out += _placements_after_expiry(history.records, history.lease_gaps, placement_grace_s)
     out += _two_leaders(history.records)
     out += _stale_leaders(history.records)
@@ -257,20 +274,40 @@ def _wrong_reads(records: Sequence[Record]) -> list[Violation]:
     return out
 
 
-def _durable_before(history: History, restart: Restart) -> set[str]:
+def _durable_before(history: History, restart: Restart) -> dict[str, float]:
+    """Keys acknowledged durable on the restarted node before its kill, and when their
+    put started."""
     damaged = {key for node, key in history.damaged if node == restart.node}
-    return {r.key for r in history.records
+    return {r.key: r.start_s for r in history.records
             if r.durable and r.node == restart.node and r.end_s is not None
             and r.end_s <= restart.down_s and r.key not in damaged}
 
 
-def _durable_lost(history: History) -> list[Violation]:
+def _removals(history: History) -> dict[tuple[str, str], list[float]]:
+    out: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for removal in history.removed:
+        out[(removal.node, removal.key)].append(removal.at_s)
+    return out
+
+
+def _removed_between(removals: dict[tuple[str, str], list[float]], node: str, key: str,
+                     since_s: float, until_s: float) -> bool:
+    """Did ``node`` report ``key`` removed after ``since_s`` (its put started) and before
+    ``until_s`` (the get that found it absent ended, plus the slack)?"""
+    return any(since_s <= at <= until_s for at in removals.get((node, key), ()))
+
+
+def _durable_lost(history: History, removal_slack_s: float) -> list[Violation]:
     out = []
+    removals = _removals(history)
     for restart in history.restarts:
         durable = _durable_before(history, restart)
         for r in history.records:
             if (r.op is Op.GET and r.node == restart.node and r.key in durable
-                    and r.start_s >= restart.up_s and r.result is Result.ABSENT):
+                    and r.start_s >= restart.up_s and r.result is Result.ABSENT
+                    and not _removed_between(removals, r.node, r.key, durable[r.key],
+                                             math.inf if r.end_s is None
+                                             else r.end_s + removal_slack_s)):
                 out.append(Violation(Invariant.DURABLE_LOST,
                                      f"{r.key!r} was acknowledged durable on {r.node} before "
                                      f"the kill at {restart.down_s:.3f}, and a get at "
@@ -283,7 +320,7 @@ def durable_unverified(history: History) -> int:
     or found absent (neither kept nor shown lost)."""
     count = 0
     for restart in history.restarts:
-        durable = _durable_before(history, restart)
+        durable = set(_durable_before(history, restart))
         seen = {r.key for r in history.records
                 if r.op is Op.GET and r.node == restart.node and r.start_s >= restart.up_s
                 and r.result in (Result.OK, Result.ABSENT)}

@@ -12,6 +12,7 @@ from kvstore.cluster.chaos_check import (
     LeaseGap,
     Op,
     Record,
+    Removal,
     Restart,
     Result,
     Violation,
@@ -114,6 +115,29 @@ def test_a_durable_chunk_missing_after_the_restart_is_lost() -> None:
     [v] = broken(history, lost)
     assert v.invariant is Invariant.DURABLE_LOST and v.record == lost
     assert durable_unverified(history) == 0
+
+
+def test_a_durable_chunk_the_store_reported_removed_is_no_loss() -> None:
+    """Issue 16 (long soaks): a durable chunk evicted at the NVMe budget (its REMOVED event
+    seen after its put started, and at most the slack after the get that found it absent
+    ended) is no loss; the same miss with no REMOVED, with one from before the put (an older
+    copy), one past the slack, or another node's or key's, still is."""
+    def history_with(*removed: Removal) -> History:
+        history = clean()
+        history.records += [put("h", "n0", 5.0, 5.1, durable=True),
+                            get("h", "n0", 13.0, 13.1, result=Result.ABSENT)]
+        history.removed = list(removed)
+        return history
+
+    assert check(history_with(Removal("n0", "h", 7.0))) == []  # evicted before the kill
+    assert check(history_with(Removal("n0", "h", 12.8))) == []  # evicted after the restart
+    assert check(history_with(Removal("n0", "h", 14.0))) == []  # reported within the slack
+    for removed in ([], [Removal("n0", "h", 4.0)], [Removal("n0", "h", 15.5)],
+                    [Removal("n1", "h", 7.0)], [Removal("n0", "a", 7.0)]):
+        [v] = check(history_with(*removed))
+        assert v.invariant is Invariant.DURABLE_LOST, removed
+    [v] = check(history_with(Removal("n0", "h", 14.0)), removal_slack_s=0.5)
+    assert v.invariant is Invariant.DURABLE_LOST
 
 
 def test_a_miss_of_a_chunk_not_acknowledged_durable_is_no_loss() -> None:
