@@ -168,14 +168,14 @@ class KVClientConfig:
     """Transfer threads run on every CPU the container allows, not only on the cores of the
     thread that started them (an engine's model thread bound to its cores):
     :mod:`kvstore.client.cpus`."""
-    inline_load_bytes: int = 0
+    inline_load_bytes: int = 16 << 20
     """Same host: a :meth:`KVClient.load_many` of up to this many bytes copies the chunks the
     daemon's read index publishes in the calling thread, before it returns (no lease, no
     round trip, no hand-off to a transfer thread: for a 15-block request those were most of
     its cost); what is left (not published, moved during the copy) goes on on the transfer
-    threads. Such a copy never waits for the daemon. 0 (the default): every load on the
-    transfer threads; inline loads broke real vLLM's reuse in tests/integrations/
-    test_vllm_e2e.py (docs/kv-client.md), so they stay off until that is understood."""
+    threads. Such a copy never waits for the daemon, and runs out of the caller's
+    ``torch.inference_mode`` (vLLM's thread is in it: docs/kv-client.md, "One copy"). 0: every
+    load on the transfer threads."""
 
     def __post_init__(self) -> None:
         if self.staging_pool_bytes < 0:
