@@ -47,9 +47,10 @@ BLOCKS = 24
 MAX_MODEL_LEN = 2048
 KV_BYTES = 64 << 20
 KINDS = ("miss", "hit", "prefix")
-SETTLE_S = 0.5
-"""Pause after each request: its saves land in the store, and vLLM is idle when the next one
-arrives (the closed loop of ``bench.vllm_serving``)."""
+SETTLE_S = 1.2
+"""Pause after each request: its saves land in the store, and the instance that answered is
+idle before the next one starts (``bench.vllm_serving.SETTLE_S``: vLLM's CPU worker spins
+for about 1 s after an answer, and every instance's model runs on core 0 here)."""
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
