@@ -429,7 +429,9 @@ def test_stopped_daemon_is_bounded_and_reuse_resumes(model_dir: Path, tmp_path: 
         run_prefill(sched, worker, [create_request("p", tokens)])
         worker.shutdown()
 
-        sched2 = create_scheduler(create_vllm_config(model_dir, extra))
+        # The daemon's lookup: a stopped daemon's read index still answers at once
+        # (tests/integrations/test_vllm_index_lookup.py); this test bounds the daemon's.
+        sched2 = create_scheduler(create_vllm_config(model_dir, {**extra, "lookup_index": "off"}))
         # Over TCP every byte needs the daemon (same-host shm reads of committed chunks are
         # lease-free: they complete from the mapped arena even while the daemon is stopped).
         worker2 = KvtierConnector(create_vllm_config(model_dir, {**extra, "data_plane": "tcp"}),
