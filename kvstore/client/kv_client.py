@@ -468,7 +468,7 @@ class KVClient:
             for layer in range(self.layout.num_layers):
                 if loaded:
                     into.scatter_layer(layer, blocks, staging[:loaded, layer])
-                handle._layer_ready[layer].set()
+                handle._layers_ready(layer + 1)
             t2 = time.perf_counter()
             failed = tuple(range(first + loaded, first + total))
             why = _describe(error) if failed and error is not None else None
@@ -682,8 +682,7 @@ class KVClient:
                 closed[k] = True
                 handle = jobs[k][0]
                 handle._fetched.set_result(reach[k])
-                for event in handle._layer_ready:
-                    event.set()
+                handle._layers_ready()
 
         for k, (_h, keys, _i) in enumerate(jobs):
             if reach[k] == len(keys):
@@ -886,7 +885,7 @@ class KVClient:
                         into.scatter_layer(layer, range(handle.first_block,
                                                         handle.first_block + n),
                                            view[:n, layer])
-                    handle._layer_ready[layer].set()
+                    handle._layers_ready(layer + 1)
             t2 = time.perf_counter()
             offset = 0
             for (handle, keys, _into), n in zip(jobs, loaded, strict=True):
