@@ -38,9 +38,10 @@ chunks), in 4 requests with shuffled vLLM block ids: a step's ``begin_save_many`
 and the wait for the reservation), and ``load_many`` through the staging path (fetch into staging rows,
 then a scatter per layer: the path before the one-copy load, forced with a layout that has no
 ``scatter_chunks``) and through the one-copy path (one copy per block out of the arena: with no
-lease where the daemon's read index publishes the chunks, so "transfer" is 0; loads of up to
-16 MiB in the calling thread), each as ms and as a multiple of a memcpy of the same bytes in the
-same run.
+lease where the daemon's read index publishes the chunks, so "transfer" is 0), on the transfer
+threads (``inline_load_bytes=0``) and, for a step of up to ``INLINE_LOAD_BYTES`` (16 MiB), also
+in the calling thread ("one-copy inline"), each as ms and as a multiple of a memcpy of the same
+bytes in the same run; the load kinds take turns in order from one repetition to the next.
 Then the same rows for one request of ``--vllm-small-blocks`` (15) blocks, the size of an average
 request's load in ``kvtier bench vllm``, where per-call fixed costs weigh most (0 skips them).
 
@@ -50,6 +51,7 @@ The machine is shared and noisy (2 cores): compare ratios within one run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -263,6 +265,11 @@ VLLM_CPU_LAYOUT = KVLayout(num_layers=8, num_kv_heads=4, head_dim=64, block_toke
 CPU blocks of 32 tokens: 64 KiB per layer and block, 512 KiB chunks."""
 
 
+INLINE_LOAD_BYTES = 16 << 20
+"""``KVClientConfig.inline_load_bytes`` of the "one-copy inline" load rows (the other one-copy
+rows run with 0: on the transfer threads)."""
+
+
 class _StagedOnly:
     """An engine layout without ``scatter_chunks``: loads into it take the staging path."""
 
@@ -297,6 +304,7 @@ def measure_vllm_cpu(address: str, n_blocks: int, reps: int, n_requests: int = 4
     flat = layout.empty_chunks(n_requests * per)
     flat_src = torch.randn(flat.shape, generator=g)
     samples: dict[str, list[float]] = {}
+    inline = n_requests * per * layout.chunk_bytes <= INLINE_LOAD_BYTES
     ns = namespace_for(layout, "bench-vllm-cpu")
     with KVClient.connect(address, layout, ns, KVClientConfig(data_plane=DataPlane.SHM)
                           ) as client, \
@@ -325,12 +333,16 @@ def measure_vllm_cpu(address: str, n_blocks: int, reps: int, n_requests: int = 4
                 timed[f"save {kind} gather"] = saved[0].gather_s
                 timed[f"save {kind} put"] = saved[0].put_s
             toks = saved_toks["one-copy"]
-            for kind in (("staged", "one-copy") if rep % 2 else ("one-copy", "staged")):
+            kinds = ["staged", "one-copy"] + (["one-copy inline"] if inline else [])
+            for kind in kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]:
                 dst_all.zero_()
                 intos = [CpuBlocksKV(dst, ids, layout) for ids in dst_ids]
+                client.config = dataclasses.replace(
+                    client.config, inline_load_bytes=INLINE_LOAD_BYTES if kind.endswith(
+                        "inline") else 0)
                 t0 = time.perf_counter()
                 handles = client.load_many([
-                    LoadRequest(t, into if kind == "one-copy" else _StagedOnly(into))
+                    LoadRequest(t, into if kind.startswith("one-copy") else _StagedOnly(into))
                     for t, into in zip(toks, intos, strict=True)])
                 loaded = [h.result() for h in handles]
                 timed[f"load {kind}"] = time.perf_counter() - t0
@@ -360,8 +372,10 @@ def print_vllm_cpu(r: dict[str, float], n_blocks: int, n_requests: int = 4) -> N
                 "save one-copy", "save one-copy gather", "save one-copy put", "load staged",
                 "load staged transfer",
                 "load staged scatter", "load one-copy", "load one-copy transfer",
-                "load one-copy scatter"):
-        print(f"| {row} | {r[row]:.2f} | {r[row] / r['memcpy']:.2f} |")
+                "load one-copy scatter", "load one-copy inline",
+                "load one-copy inline transfer", "load one-copy inline scatter"):
+        if row in r:
+            print(f"| {row} | {r[row]:.2f} | {r[row] / r['memcpy']:.2f} |")
 
 
 def print_batch(results: dict[str, dict[str, float]], layout: KVLayout, n_requests: int,
