@@ -40,7 +40,8 @@ then a scatter per layer: the path before the one-copy load, forced with a layou
 ``scatter_chunks``) and through the one-copy path (one copy per block out of the arena: with no
 lease where the daemon's read index publishes the chunks, so "transfer" is 0), on the transfer
 threads (``inline_load_bytes=0``) and, for a step of up to ``INLINE_LOAD_BYTES`` (16 MiB), also
-in the calling thread ("one-copy inline"), each as ms and as a multiple of a memcpy of the same
+in the calling thread ("one-copy inline"); the requests carry their keys (``BlockKeys``, made
+before the clock starts, as the connector does), each as ms and as a multiple of a memcpy of the same
 bytes in the same run; the load kinds take turns in order from one repetition to the next.
 Then the same rows for one request of ``--vllm-small-blocks`` (15) blocks, the size of an average
 request's load in ``kvtier bench vllm``, where per-call fixed costs weigh most (0 skips them).
@@ -70,7 +71,7 @@ from kvstore.client.handles import LoadHandle
 from kvstore.client.kv_client import KVClient, KVClientConfig
 from kvstore.client.kvlayout import KVLayout, namespace_for
 from kvstore.client.layouts import ContiguousKV
-from kvstore.client.requests import LoadRequest, RemoteFetch, SaveRequest
+from kvstore.client.requests import BlockKeys, LoadRequest, RemoteFetch, SaveRequest
 from kvstore.client.store_client import DataPlane
 
 LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_tokens=32,
@@ -315,10 +316,13 @@ def measure_vllm_cpu(address: str, n_blocks: int, reps: int, n_requests: int = 4
             t0 = time.perf_counter()
             flat.copy_(flat_src)
             timed = {"memcpy": time.perf_counter() - t0}
-            saved_toks: dict[str, list[list[int]]] = {}
+            saved_toks: dict[str, list[BlockKeys]] = {}
             for kind in (("staged", "one-copy") if rep % 2 else ("one-copy", "staged")):
-                toks = [torch.randint(0, 100_000, (per * layout.block_tokens,), generator=g)
-                        .tolist() for _ in range(n_requests)]
+                # Keys made before the clock starts, as the connector's scheduler half makes
+                # them from vLLM's block hashes (the worker never hashes a token)
+                toks = [BlockKeys(tuple(client.keys(
+                    torch.randint(0, 100_000, (per * layout.block_tokens,), generator=g)
+                    .tolist()))) for _ in range(n_requests)]
                 saved_toks[kind] = toks
                 saving = client if kind == "one-copy" else staging
                 t0 = time.perf_counter()
@@ -352,7 +356,7 @@ def measure_vllm_cpu(address: str, n_blocks: int, reps: int, n_requests: int = 4
                 for s_ids, d_ids in zip(src_ids, dst_ids, strict=True):
                     assert torch.equal(dst_all[:, d_ids], src_all[:, s_ids])
             for t in (t for ts in saved_toks.values() for t in ts):
-                client.store.remove(client.keys(t)[0])
+                client.store.remove(t.keys[0])
             if rep == 0:
                 continue
             for name, seconds in timed.items():
