@@ -531,9 +531,9 @@ class TieredCache:
         batch = self._batch_memory.get(kind)
         capped = self._quotas and self._index.quota(kind, owner) is not None
         if batch is not None and not capped:
-            usage = self._index.usage(kind)
-            shortfall = usage.used_bytes + total - usage.capacity_bytes
-            if shortfall > 0 and total <= usage.capacity_bytes:
+            used, capacity = self._index.room(kind)
+            shortfall = used + total - capacity
+            if shortfall > 0 and total <= capacity:
                 try:
                     self._evict(kind, shortfall, driver=owner)
                 except CapacityError as exc:  # each item below makes what room it can

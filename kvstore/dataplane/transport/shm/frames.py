@@ -133,15 +133,18 @@ def unpack_keys(body: bytes | memoryview, count: int) -> list[bytes]:
     """Inverse of :func:`pack_keys`. Raises ProtocolError on a malformed body."""
     keys: list[bytes] = []
     pos = 0
-    view = memoryview(body)
+    # One copy of the (small) key section, then bytes slices: cheaper than a memoryview slice
+    # and a bytes() per key (a batch request's keys are unpacked on every request).
+    data = bytes(body)
+    end = len(data)
     for _ in range(count):
-        if pos >= len(view):
+        if pos >= end:
             raise errors.ProtocolError("lease channel body ends before its keys do")
-        n = view[pos]
-        keys.append(bytes(view[pos + 1:pos + 1 + n]))
+        n = data[pos]
+        keys.append(data[pos + 1:pos + 1 + n])
         pos += 1 + n
-    if pos != len(view):
-        raise errors.ProtocolError(f"lease channel body has {len(view) - pos} stray bytes")
+    if pos != end:
+        raise errors.ProtocolError(f"lease channel body has {end - pos} stray bytes")
     return keys
 
 
