@@ -82,6 +82,11 @@ def conductor(
                                            "with --client-ca: --tls-key)."),
     daemon_token_file: Path | None = typer.Option(None, "--daemon-token-file",
                                                   help="A peer token for the daemons."),
+    daemon_server_name: str | None = typer.Option(
+        None, "--daemon-server-name",
+        help="The name each daemon's server certificate must carry, with {node} for its node "
+             "id, e.g. {node}.daemons.kvtier: a node record pointing at another server of the "
+             "CA is not followed (default: the dialed address)."),
     etcd_ca: Path | None = ETCD_CA,
     etcd_cert: Path | None = ETCD_CERT,
     etcd_key: Path | None = ETCD_KEY,
@@ -119,7 +124,8 @@ def conductor(
         if client_ca is not None and daemon_ca is None and daemon_cert is None:
             daemon_ca, daemon_cert, daemon_key = client_ca, tls_cert, tls_key
         daemon_security = ClientSecurity(ca_file=daemon_ca, cert_file=daemon_cert,
-                                         key_file=daemon_key, token_file=daemon_token_file)
+                                         key_file=daemon_key, token_file=daemon_token_file,
+                                         server_name=daemon_server_name)
         config = ConductorConfig(
             etcd_endpoint=etcd, conductor_id=conductor_id or default_conductor_id(),
             listen=listen, advertise_host=advertise_host, layout=KeyLayout(prefix),

@@ -29,6 +29,7 @@ its own certificate and key (mTLS), or a token file. Its :meth:`ClientSecurity.f
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import ipaddress
 import math
@@ -210,7 +211,8 @@ class ClientSecurity:
     token_file: Path | None = None
     """A file holding one bearer token (re-read when it changes)."""
     server_name: str | None = None
-    """The name to check the server's certificate against when it is not the dialed host."""
+    """The name to check the server's certificate against when it is not the dialed host.
+    May hold ``{node}`` (the conductor's channels to daemons: :meth:`for_node`)."""
 
     def __post_init__(self) -> None:
         if (self.cert_file is None) != (self.key_file is None):
@@ -221,6 +223,23 @@ class ClientSecurity:
                               "CA that signed the server's certificate")
         if self.server_name is not None and self.ca_file is None:
             raise ConfigError("server_name checks the server's certificate: it needs ca_file")
+        if self.server_name is not None and ("{" in self.server_name
+                                             or "}" in self.server_name):
+            try:
+                self.server_name.format(node="n")
+            except (KeyError, IndexError, ValueError) as exc:
+                raise ConfigError(f"server_name {self.server_name!r}: the only field it may "
+                                  "hold is {node}") from exc
+
+    def for_node(self, node_id: str) -> ClientSecurity:
+        """This config for the channel to daemon ``node_id``: a ``server_name`` with
+        ``{node}`` in it becomes that name (``{node}.daemons.kvtier``: the daemon's server
+        certificate must carry ``node-a.daemons.kvtier``, so a node record in etcd that points
+        at another server of the same CA, another daemon's or an engine's, is not followed;
+        docs/security.md, "The conductor"); otherwise this config unchanged."""
+        if self.server_name is None or "{node}" not in self.server_name:
+            return self
+        return dataclasses.replace(self, server_name=self.server_name.format(node=node_id))
 
     @property
     def tls(self) -> bool:
