@@ -657,7 +657,8 @@ class Conductor:
         record = follower.record
         node_id = record.node_id
         backoff_s = _RECONNECT_MIN_S
-        async with aio_channel(record.grpc_address, self.config.daemon_security, options=[
+        async with aio_channel(record.grpc_address,
+                               self.config.daemon_security.for_node(node_id), options=[
                 ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 1000)]) as channel:
