@@ -31,7 +31,9 @@ find the instance holding its prefix loaded, where (e) must queue there or recom
 other, and (c) can load the prefix from kvtier on the other. ``--closed-loop``: one request at
 a time in trace order instead (nothing queues; every KV-aware router then sends everything
 sharing the system prompt to one instance). Streaming, greedy, ``max_tokens`` 8,
-``ignore_eos``. ``--engine-nice N`` runs the vLLM servers under ``nice -n N``, so this process
+``ignore_eos``. ``--rounds N`` replays every mode N times in turn (fresh salts each time)
+and pools each mode's requests: on a shared machine a load spike then falls on every mode
+instead of on the one it overlapped. ``--engine-nice N`` runs the vLLM servers under ``nice -n N``, so this process
 (the front door, the client) runs first on the cores it shares with them.
 
 **Figures** per mode: TTFT and TPOT p50/p99 at the client, goodput under ``SLO`` (the fraction
@@ -89,6 +91,7 @@ from kvstore.cluster.vllm_fleet import (
     Slo,
     assemble,
     format_tables,
+    pool_rounds,
 )
 from kvstore.cluster.vllm_instance import PREFILL_BOUND, TinyLlama
 
@@ -358,7 +361,7 @@ def sent_times(results: Sequence[Any], spec: FleetSpec, mode: Mode = Mode.CONDUC
 def run(quick: bool, trace: Path | None, work_dir: Path, console: Any,
         router: str = "conductor", arrivals: Arrivals = Arrivals.CHAT,
         in_flight: int = IN_FLIGHT, engine_nice: int = 0,
-        conversations: int | None = None) -> dict[str, Any]:
+        conversations: int | None = None, rounds: int = 1) -> dict[str, Any]:
     from rich.progress import Progress
 
     from bench.vllm_serving import fleet_requests
@@ -379,7 +382,8 @@ def run(quick: bool, trace: Path | None, work_dir: Path, console: Any,
     with fleet:
         console.print(f"fleet up in {fleet.startup_s:.1f} s")
         with Progress(console=console) as progress:
-            results = fleet.replay(progress)
+            # Each round replays every mode under fresh salts (Fleet.replays).
+            results = pool_rounds([fleet.replay(progress) for _ in range(rounds)])
         cache_tokens = fleet.cache_tokens()
         profiled = "alone-0" if "alone-0" in fleet.servers else "v0"
         profile = fleet.profile_engine(profiled, PROFILE_TOKENS)
@@ -439,6 +443,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="conversations in flight at once under chat arrivals")
     parser.add_argument("--conversations", type=int, default=None,
                         help="conversations in the slice (default: 4 with --quick, else 10)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="replay every mode this many times in turn and pool the figures "
+                             "(a load spike then falls on every mode, not on one)")
     parser.add_argument("--engine-nice", type=int, default=0,
                         help="the vLLM servers' CPU niceness (0-19): the front door in this "
                              "process then runs first on cores it shares with them")
@@ -454,7 +461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         doc = run(args.quick, args.trace, work_dir, console, args.router,
                   Arrivals.CLOSED if args.closed_loop else Arrivals.CHAT, args.in_flight,
-                  args.engine_nice, args.conversations)
+                  args.engine_nice, args.conversations, max(1, args.rounds))
     except BaseException:
         console.print(f"bench fleet failed; logs kept in {work_dir / 'logs'}")
         raise

@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import json
 import math
@@ -99,7 +100,7 @@ from kvstore.errors import KvtierError, MembershipError, PeerUnavailable
 __all__ = ["MODE_SERVERS", "ROUTED", "Arrivals", "Fleet", "FleetRequest", "FleetSpec", "Mode",
            "ModeResult", "RequestRecord", "ServerPlan", "Slo", "assemble", "conversations",
            "drive", "format_tables", "goodput", "identical_outputs", "kv_cache_tokens",
-           "max_in_flight", "routing_latency", "run_fleet", "servers_for", "speedup",
+           "max_in_flight", "pool_rounds", "routing_latency", "run_fleet", "servers_for", "speedup",
            "summarize", "tier_deltas", "working_set_blocks"]
 
 MiB = 1 << 20
@@ -316,6 +317,50 @@ async def drive(requests: Sequence[FleetRequest], arrivals: Arrivals, in_flight:
     except ExceptionGroup as failed:  # the mode's row says what failed first
         raise failed.exceptions[0] from None
     return sorted(records, key=lambda rec: order.get(rec.label, len(order)))
+
+
+def pool_rounds(rounds: Sequence[Sequence[ModeResult]]) -> list[ModeResult]:
+    """Several replays of the same modes (rounds: each runs every mode once, in order) as one
+    result per mode: its records, decisions and floors together, its server and tier counters
+    and its wall time summed; a mode that failed in any round is failed. The rounds spread a
+    load spike of a shared machine over every mode instead of the one it fell on."""
+    if not rounds:
+        return []
+    out = []
+    for i, first in enumerate(rounds[0]):
+        same = [r[i] for r in rounds]
+        if any(r.mode != first.mode for r in same):
+            raise ValueError("rounds must run the same modes in the same order")
+        failed = next((r for r in same if not r.ok), None)
+        if failed is not None:
+            out.append(ModeResult(first.mode, status=failed.status))
+            continue
+        pooled = ModeResult(first.mode)
+        for r in same:
+            # Times from the rounds' own starts, laid end to end (max_in_flight stays true).
+            shift = pooled.wall_s
+            pooled.records += [dataclasses.replace(x, sent_s=x.sent_s + shift,
+                                                   done_s=x.done_s + shift) for x in r.records]
+            pooled.decision_s += r.decision_s
+            pooled.floor_s += r.floor_s
+            pooled.decision_cpu_s += r.decision_cpu_s
+            pooled.placements += r.placements
+            pooled.wall_s += r.wall_s
+            for key, value in r.server_deltas.items():
+                pooled.server_deltas[key] = pooled.server_deltas.get(key, 0.0) + value
+        rows: dict[tuple[str, str], dict[str, Any]] = {}
+        for r in same:
+            for t in r.tiers:
+                row = rows.get((t["node"], t["tier"]))
+                if row is None:
+                    rows[(t["node"], t["tier"])] = dict(t)
+                    continue
+                for name in _TIER_COUNTERS:
+                    row[name] += t[name]
+                row["used_bytes"] = t["used_bytes"]  # at the end of the last round
+        pooled.tiers = list(rows.values())
+        out.append(pooled)
+    return out
 
 
 def max_in_flight(records: Sequence[RequestRecord]) -> int:

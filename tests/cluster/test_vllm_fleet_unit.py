@@ -31,6 +31,7 @@ from kvstore.cluster.vllm_fleet import (
     max_in_flight,
     parse_sse,
     percentile,
+    pool_rounds,
     routing_latency,
     servers_for,
     summarize,
@@ -401,3 +402,25 @@ def test_first_turns_and_follow_ups_are_told_apart() -> None:
     assert doc["followup_ttft_speedup_vs_events_only"] == pytest.approx(3.0)
     assert doc["followup_ttft_speedup_vs_round_robin"] is None
     assert doc["ttft_speedup_vs_events_only"] == pytest.approx(0.9 / 1.55)
+
+
+def test_rounds_pool_into_one_result_per_mode() -> None:
+    tier = {"node": "node-a", "tier": "dram", "puts": 2, "hits": 1, "bytes_written": 10,
+            "bytes_read": 5, "demotions": 0, "promotions": 0, "evictions": 0, "used_bytes": 7}
+    one = [result(Mode.VLLM_ALONE, [rec("a", [1], ttft=0.4)], decision_s=[1e-5], wall_s=2.0,
+                  server_deltas={"local_hits": 3.0}, tiers=[dict(tier)]),
+           result(Mode.CONDUCTOR, [rec("a", [1], ttft=0.2)], decision_s=[4e-4])]
+    two = [result(Mode.VLLM_ALONE, [rec("a", [1], ttft=0.8)], decision_s=[2e-5], wall_s=1.0,
+                  server_deltas={"local_hits": 1.0}, tiers=[{**tier, "used_bytes": 9}]),
+           ModeResult(Mode.CONDUCTOR.value, status="failed: PeerUnavailable: 503")]
+    alone, routed = pool_rounds([one, two])
+    assert [r.ttft_s for r in alone.records] == [0.4, 0.8] and alone.decision_s == [1e-5, 2e-5]
+    assert (alone.wall_s, alone.server_deltas) == (3.0, {"local_hits": 4.0})
+    assert [(t["puts"], t["bytes_read"], t["used_bytes"]) for t in alone.tiers] == [(4, 10, 9)]
+    assert routed.status.startswith("failed")  # a mode that failed in any round
+    assert summarize(alone)["ttft_mean_s"] == pytest.approx(0.6)
+    # The second round's times follow the first's wall time: never two rounds in flight.
+    assert [(r.sent_s, r.done_s) for r in alone.records] == [(0.0, 0.0), (2.0, 2.0)]
+    with pytest.raises(ValueError):
+        pool_rounds([one, list(reversed(one))])
+    assert pool_rounds([]) == []
