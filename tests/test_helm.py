@@ -772,3 +772,33 @@ def test_the_etcd_auth_job_sets_up_a_real_etcd(helm: Helm, tmp_path: Path) -> No
         asyncio.run(scenario())
     finally:
         server.close()
+
+
+def test_the_service_monitor_scrapes_as_an_operator_when_security_is_on(helm: Helm,
+                                                                         tmp_path: Path) -> None:
+    """With mTLS or tokens the daemons serve /metrics over HTTPS to operators only
+    (kvstore/security/http.py): the ServiceMonitor presents the operator certificate or token
+    of ``metrics.serviceMonitor.clientSecret``; without one the render is refused; with
+    security off it scrapes plain HTTP (paired)."""
+    monitor = {"enabled": True, "interval": "30s", "clientSecret": "kvtier-scrape"}
+
+    def endpoint(values: dict[str, Any]) -> dict[str, Any]:
+        kinds = _by_kind(_objects(_template(helm, tmp_path, values)))
+        return dict(kinds["ServiceMonitor"][f"{FULLNAME}-daemon"]["spec"]["endpoints"][0])
+
+    mtls = endpoint({**MTLS_ETCD_AUTH, "metrics": {"serviceMonitor": monitor}})
+    assert mtls["scheme"] == "https"
+    assert mtls["tlsConfig"]["cert"] == {"secret": {"name": "kvtier-scrape", "key": "tls.crt"}}
+    assert mtls["tlsConfig"]["keySecret"] == {"name": "kvtier-scrape", "key": "tls.key"}
+    assert "bearerTokenSecret" not in mtls
+    token = endpoint({**TOKEN_EXTERNAL_ETCD, "metrics": {"serviceMonitor": monitor}})
+    assert token["scheme"] == "https"
+    assert token["bearerTokenSecret"] == {"name": "kvtier-scrape", "key": "token"}
+    assert "cert" not in token["tlsConfig"]
+    plain = endpoint({"security": {"insecure": True}, "metrics": {"serviceMonitor": monitor}})
+    assert "scheme" not in plain and "tlsConfig" not in plain
+    missing = {**MTLS_ETCD_AUTH, "metrics": {"serviceMonitor": {"enabled": True}}}
+    result = helm("template", RELEASE, str(CHART), "-f", _values_file(tmp_path, missing),
+                  check=False)
+    assert result.returncode != 0
+    assert "metrics.serviceMonitor.clientSecret is required" in result.stderr

@@ -236,7 +236,8 @@ class StoreDaemon:
             self.metrics.source = self
             if cfg.metrics.enabled:
                 port = await loop.run_in_executor(self._executor, self.metrics.serve,
-                                                  cfg.metrics.host, cfg.metrics.port)
+                                                  cfg.metrics.host, cfg.metrics.port,
+                                                  cfg.security)
                 metrics_address = f"{cfg.metrics.host}:{port}"
             host = self._advertised_host()
             self._addresses = DaemonAddresses(

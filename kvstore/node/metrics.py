@@ -26,7 +26,6 @@ is counted separately.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -37,6 +36,8 @@ from prometheus_client.registry import Collector
 
 from kvstore.node.cache import TierReport
 from kvstore.node.tenants import TenantReport
+from kvstore.security.config import ServerSecurity
+from kvstore.security.http import SecureHttpEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -176,30 +177,25 @@ class DaemonMetrics:
         self.inline_bytes = Counter("kvtier_inline_bytes", "Value bytes carried inside gRPC.",
                                     ["direction"], registry=self.registry)
         self.registry.register(_ScrapeCollector(self))
-        self._server: object | None = None
-        self._thread: threading.Thread | None = None
+        self._server: SecureHttpEndpoint | None = None
         self.port: int | None = None
 
     def render(self) -> bytes:
         """The text exposition format, as the HTTP endpoint serves it."""
         return generate_latest(self.registry)
 
-    def serve(self, host: str, port: int) -> int:
-        """Serve ``/metrics`` over HTTP on ``host:port`` (0: ephemeral); return the port."""
-        from prometheus_client import start_http_server
-
-        server, thread = start_http_server(port, addr=host, registry=self.registry)
-        self._server, self._thread = server, thread
-        self.port = int(server.server_port)
-        log.info("metrics on http://%s:%d/metrics", host, self.port)
+    def serve(self, host: str, port: int, security: ServerSecurity | None = None) -> int:
+        """Serve ``/metrics`` on ``host:port`` (0: ephemeral) under the daemon's ``security``
+        (:class:`kvstore.security.http.SecureHttpEndpoint`: loopback only without it, an
+        operator's credentials and TLS with it); return the port. Raises ConfigError for a
+        binding the daemon's gRPC port would refuse as well."""
+        endpoint = SecureHttpEndpoint(security or ServerSecurity(), host, port, self.render,
+                                      "the daemon's metrics endpoint")
+        self.port = endpoint.start()
+        self._server = endpoint
         return self.port
 
     def close(self) -> None:
-        server = self._server
+        server, self._server = self._server, None
         if server is not None:
-            server.shutdown()  # type: ignore[attr-defined]
-            server.server_close()  # type: ignore[attr-defined]
-            self._server = None
-        if self._thread is not None:
-            self._thread.join(5.0)
-            self._thread = None
+            server.close()

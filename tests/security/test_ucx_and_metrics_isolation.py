@@ -5,15 +5,19 @@ host, data planes, metrics and etcd"), against real daemon processes.
   UCX plane at all: with ``server.ucx: auto`` it says so and publishes no worker address (a
   client can only use the ticketed planes), with ``required`` it does not start. Paired: the
   same machine's daemon without security serves UCX (``ucxx`` imports here).
-* **``/metrics``** has no authentication: it binds loopback by default and exposes figures
-  (per tier, per tenant), never a chunk's key or bytes: a scrape after tenants stored chunks
-  holds none of their keys (hex) nor value bytes, and is paired with the per-tenant series
-  being there (so the scrape is the real one).
+* **``/metrics``** is behind the daemon's security (:mod:`kvstore.security.http`): with tokens
+  a scrape without one is 401, an engine's is 403, an operator's is served; it binds loopback by
+  default and exposes figures (per tier, per tenant), never a chunk's key or bytes: a scrape
+  after tenants stored chunks holds none of their keys (hex) nor value bytes, and is paired with
+  the per-tenant series being there (so the scrape is the real one). Without security a
+  non-loopback ``metrics.host`` needs ``security.insecure``, as the gRPC port does.
 """
 
 from __future__ import annotations
 
 import os
+import ssl
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +26,7 @@ import pytest
 
 from kvstore.client.store_config import DataPlane
 from kvstore.dataplane.transport.ucx import ucx_unavailable
+from tests.security.pki import make_ca
 from tests.security.secured_daemon import SecuredDaemon, start_secured_daemon
 from tests.support.daemon import DaemonProcess
 
@@ -70,9 +75,79 @@ def test_metrics_bind_loopback_and_show_no_key_or_value(world: SecuredDaemon) ->
         key, value = os.urandom(16), os.urandom(4096)
         c.put(key, value)
         values[key] = value
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+    url = f"http://{address}/metrics"
+    for who, code in ((None, 401), ("alice", 403)):
+        headers = {} if who is None else {
+            "Authorization": f"Bearer {world.tokens[who].read_text().strip()}"}
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10)
+        assert refused.value.code == code
+        body = refused.value.read()
+        assert b"kvtier_" not in body, body
+    operator = {"Authorization": f"Bearer {world.tokens['op'].read_text().strip()}"}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=operator),
+                                timeout=10) as reply:
         text = reply.read()
     assert b'kvtier_tenant_bytes_written_total{tenant="alice"}' in text  # the real scrape
     for key, value in values.items():
         assert key.hex().encode() not in text and key not in text
         assert value[:64] not in text
+
+
+def test_metrics_on_a_public_address_need_security_or_insecure(tmp_path: Path) -> None:
+    """The metrics port follows the gRPC port's binding rule: no security config and a
+    non-loopback ``metrics.host`` is refused at start, naming the fix; with
+    ``security.insecure`` the daemon starts (and warns)."""
+    settings = {"metrics.enabled": "true", "metrics.port": "0", "metrics.host": "0.0.0.0"}
+    refused = DaemonProcess(tmp_path, "metrics-public", nvme=False, settings=settings)
+    with pytest.raises(RuntimeError, match="did not become ready"):
+        refused.start(timeout_s=120)
+    log = refused.log_path.read_text()
+    assert "metrics endpoint would listen on '0.0.0.0' without authentication" in log, log
+    allowed = DaemonProcess(tmp_path, "metrics-insecure", nvme=False,
+                            settings={**settings, "security.insecure": "true",
+                                      "server.host": "127.0.0.1"})
+    allowed.start()
+    try:
+        port = str(allowed.addresses["metrics_address"]).rsplit(":", 1)[1]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            assert b"kvtier_" in reply.read()
+        assert "metrics endpoint listens on 0.0.0.0 WITHOUT AUTHENTICATION" in \
+            allowed.log_path.read_text()
+    finally:
+        allowed.stop()
+
+
+def test_metrics_over_mtls_need_an_operator_certificate(tmp_path: Path) -> None:
+    """With mTLS the scrape is HTTPS with the daemon's certificate: no client certificate and
+    the handshake is refused; an engine's certificate of the same CA is 403; an operator's is
+    served (paired, the real scrape)."""
+    ca = make_ca()
+    ca_file = ca.write(tmp_path / "ca.crt")
+    cert, key = ca.issue("daemon", uri="kvtier://peer/daemon").write(tmp_path, "daemon")
+    daemon = DaemonProcess(tmp_path, "metrics-mtls", nvme=False, settings={
+        "security.cert_file": str(cert), "security.key_file": str(key),
+        "security.client_ca_file": str(ca_file), "server.shm_channel": "false",
+        "metrics.enabled": "true", "metrics.port": "0"})
+    daemon.start()
+    try:
+        url = f"https://{daemon.addresses['metrics_address']}/metrics"
+
+        def scrape(leaf_name: str | None, uri: str = "") -> int:
+            ctx = ssl.create_default_context(cafile=str(ca_file))
+            if leaf_name is not None:
+                ctx.load_cert_chain(*ca.issue(leaf_name, uri=uri).write(tmp_path, leaf_name))
+            try:
+                with urllib.request.urlopen(url, timeout=10, context=ctx) as reply:
+                    assert b"kvtier_" in reply.read()
+                    return int(reply.status)
+            except urllib.error.HTTPError as exc:
+                assert b"kvtier_" not in exc.read()
+                return exc.code
+
+        with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
+            scrape(None)
+        assert scrape("alice", "kvtier://engine/alice?tenants=alice") == 403
+        assert scrape("ops", "kvtier://operator/ops") == 200
+    finally:
+        daemon.stop()
