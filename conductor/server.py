@@ -37,7 +37,14 @@ What the conductor believes, and when it changes
       snapshot loaded, engines schedulable; or until ``view_rebuild_grace_s`` (a member that
       died meanwhile never returns). The refusal starts when the election hears from etcd
       again, or earlier, as soon as etcd removes an expected member. Without it a new leader
-      answered "no prefill instance serves model" for a fraction of a second.
+      answered "no prefill instance serves model" for a fraction of a second. A shorter
+      outage is compared with etcd too (no refusal past one read when nothing changed).
+    * **Leases revoked early** (issue 16: etcd 3.4.23 revokes every lease a paused etcd
+      leader thinks lapsed when it resumes, etcd-io/etcd#15247, with no outage any clock
+      sees). When a live node or a scheduled engine leaves etcd and no rebuild is pending,
+      the conductor still drops it at once, refuses (UNAVAILABLE) for 0.1 s plus one read of
+      the leader key, and rebuilds as above if the leader's term it knew is gone with it
+      (every lease went); a plain departure costs that 0.1 s of refusals only.
 
 Threading: discovery, event subscriptions and the election run on one asyncio event loop.
 RPCs are served by gRPC's threaded server (a pool of ``rpc_workers`` threads): measured here,
@@ -85,7 +92,7 @@ from kvstore._proto.kvtier.v1 import store_pb2_grpc as store_grpc
 from kvstore.dataplane.tier import TierKind
 from kvstore.errors import InvalidArgument, KvtierError, MembershipError
 from kvstore.keys import BlockHasher, Namespace
-from kvstore.membership.election import Election, LeaderRecord, LeaderView
+from kvstore.membership.election import Election, LeaderRecord, LeaderView, read_leader
 from kvstore.membership.engines import (
     EngineRecord,
     EngineRole,
@@ -123,12 +130,17 @@ _SNAPSHOT_PAGE_ENTRIES = 8192
 _HASHERS_KEPT = 1024
 GRPC_MAX_MESSAGE_BYTES = 16 << 20
 LEASES_MAY_EXPIRE_S = 1.0
-"""An etcd outage shorter than this cannot have expired a registration's lease (leases are at
-least 2 s, refreshed every third of that), so it needs no rebuild of the view."""
+"""An etcd outage shorter than this cannot have expired a registration's lease by the clocks
+(leases are at least 2 s, refreshed every third of that), so its rebuild compares the view
+with etcd at once, without waiting for expiries to settle; etcd 3.4 revokes leases early
+(etcd-io/etcd#15247), so it is compared all the same."""
 _LEASE_EXPIRY_SETTLE_S = 1.0
 """After a longer outage, wait this long before comparing the view with etcd: etcd revokes the
 leases that expired while it was away on its 0.5 s expiry tick, one proposal each."""
 _REBUILD_POLL_S = 0.05
+_REVOCATION_BURST_S = 0.1
+"""After a live member left etcd, read the leader key this much later: etcd 3.4 revokes the
+leases it thinks lapsed one proposal each, all within ~30 ms (measured in the fault suite)."""
 
 
 class ClockMode(enum.Enum):
@@ -250,6 +262,9 @@ class _Rebuild:
     """True while RPCs are refused (not while etcd is away: the view we have is served)."""
     started: bool = False
     """The rebuild began; a later short outage does not cancel it."""
+    revoked: bool = False
+    """Begun while etcd answered (a live member left and our term's key went with it: leases
+    revoked early); the election's report of the lost lease does not stop it."""
     task: asyncio.Task[None] | None = None
 
 
@@ -502,6 +517,8 @@ class Conductor:
         """The election lost etcd, or reached it again after ``outage_s`` seconds."""
         if not reachable:
             with self.lock:
+                if self._rebuild is not None and self._rebuild.revoked:
+                    return  # etcd answers; the rebuild under way reads it (its grace bounds it)
                 if self._rebuild is None:
                     self._rebuild = _Rebuild("etcd was unreachable", set(self.live_nodes()),
                                              set(self.instances.scheduled))
@@ -515,15 +532,14 @@ class Conductor:
         pending = self._rebuild
         if pending is None or pending.task is not None:
             return
-        if outage_s < LEASES_MAY_EXPIRE_S and not pending.started:
-            with self.lock:
-                self._rebuild = None
-            log.info("etcd answers again after %.1f s: no lease can have expired", outage_s)
-            return
-        log.warning("etcd answers again after %.1f s: rebuilding the view before deciding",
-                    outage_s)
+        # A short outage cannot have expired a lease by the clocks, but etcd 3.4 revokes
+        # leases early (etcd-io/etcd#15247; the election reports ours lost the same way): read
+        # the membership again at once rather than assume it is unchanged.
+        short = outage_s < LEASES_MAY_EXPIRE_S and not pending.started
+        log.log(logging.INFO if short else logging.WARNING,
+                "etcd answers again after %.1f s: rebuilding the view before deciding", outage_s)
         pending.task = asyncio.get_running_loop().create_task(
-            self._rebuild_view(pending, settle_s=_LEASE_EXPIRY_SETTLE_S),
+            self._rebuild_view(pending, settle_s=0.0 if short else _LEASE_EXPIRY_SETTLE_S),
             name="kvtier-conductor-rebuild")
 
     async def _rebuild_view(self, rebuild: _Rebuild, settle_s: float) -> None:
@@ -566,13 +582,60 @@ class Conductor:
         is back and expiring the leases that lapsed while it was away. Refuse from now on,
         not only once the election notices (hold the lock)."""
         rebuild = self._rebuild
-        if rebuild is None or rebuild.gating:
+        if rebuild is None:
+            self._check_departure(kind, member_id)
+            return
+        if rebuild.gating:
             return
         expected = rebuild.nodes if kind == "node" else rebuild.engines
         if expected is not None and member_id in expected:
             log.info("%s %s left etcd after an outage: refusing until the view is rebuilt",
                      kind, member_id)
             rebuild.gating = True
+
+    def _check_departure(self, kind: str, member_id: str) -> None:
+        """A live member left etcd while no rebuild is pending (hold the lock). Usually it died
+        or its lease lapsed; but etcd 3.4 also revokes leases early (etcd-io/etcd#15247: every
+        lease it thinks lapsed, the leader's too, in one burst with no outage any clock sees)
+        and the members register again a moment later. So refuse (UNAVAILABLE) until one read
+        of the leader key, after the burst, tells which: the leader's term as this conductor
+        knew it still there, a plain departure: serve again; gone, rebuild the view as after
+        an outage (wait for what was live to be back). Followers too: one of them may lead
+        next, from the same gap."""
+        election = self.election
+        if election is None:
+            return
+        live = self.live_nodes() if kind == "node" else list(self.instances.scheduled)
+        if member_id not in live:
+            return
+        known = election.leader
+        rebuild = _Rebuild(f"{kind} {member_id} left etcd", set(self.live_nodes()),
+                           set(self.instances.scheduled), gating=True, started=True,
+                           revoked=True)
+        self._rebuild = rebuild
+        rebuild.task = asyncio.get_running_loop().create_task(
+            self._after_departure(rebuild, None if known is None else known.term),
+            name="kvtier-conductor-departure")
+
+    async def _after_departure(self, rebuild: _Rebuild, term: int | None) -> None:
+        """See :meth:`_check_departure`."""
+        assert self._etcd is not None
+        self._set_health()
+        await asyncio.sleep(_REVOCATION_BURST_S)
+        try:
+            view = await read_leader(self._etcd, layout=self.config.layout)
+        except MembershipError:
+            pass  # cannot tell: rebuild (bounded by its grace)
+        else:
+            if (None if view is None else view.term) == term:
+                with self.lock:
+                    if self._rebuild is rebuild:
+                        self._rebuild = None
+                self._set_health()
+                return
+        log.warning("%s and the leader's term %s with it (leases revoked early): rebuilding "
+                    "the view before deciding", rebuild.why, term)
+        await self._rebuild_view(rebuild, settle_s=0.0)
 
     def _not_rebuilt(self, rebuild: _Rebuild, nodes: dict[str, int],
                      engines: dict[str, tuple[int, EngineRecord]]) -> list[str]:

@@ -607,3 +607,102 @@ def test_after_etcd_pause_no_decision_from_an_unbuilt_view(
         run(aio, scenario(), timeout_s=120.0)
     finally:
         cluster.close()
+
+
+# --------------------------------------------------------------------------- leases revoked early
+
+
+def test_leases_revoked_behind_the_conductors_back_never_answer_from_a_gap(
+        aio: asyncio.Runner, tmp_path: Path, etcd_server: LocalEtcd) -> None:
+    """Issue 16: etcd 3.4.23 revokes leases early when a paused etcd leader resumes
+    (etcd-io/etcd#15247): every daemon, engine and conductor lease goes at once, with no
+    outage a conductor could see (or one too short to expire anything by the clocks), and
+    the members register again within milliseconds. Here every lease under the prefix is
+    revoked by hand, the engines registered again at once (the daemons do it themselves),
+    three times, while Schedule is polled on both conductors: every reply is a placement,
+    a follower's refusal or UNAVAILABLE (never "no prefill instance serves model"), and the
+    leader decides on the re-registered instances after each."""
+    layout = KeyLayout("/revoked-early/")
+    cluster = Cluster(tmp_path, etcd_server.client_url, layout)
+    try:
+        cluster.daemon("node-a")
+        cluster.daemon("node-b")
+        conductors = [cluster.conductor("c-1"), cluster.conductor("c-2")]
+        keys = cluster.store_chain("node-a", tokens(5, 2))
+        records = (prefill("p-a", "node-a"), prefill("p-b", "node-b"),
+                   decode("d-a", "node-a"), decode("d-b", "node-b"))
+
+        async def register(etcd: Any) -> None:  # the engines' holder: a lease of its own
+            lease = await etcd.lease(60)
+            for record in records:
+                await put_engine_record(etcd, record, layout=layout, lease_id=lease.id)
+
+        async def scenario() -> None:
+            async with etcd_client(cluster.etcd_url) as etcd:
+                await register(etcd)
+            async with cluster.client() as client:
+                await ready(client, nodes={"node-a", "node-b"}, prefill_ids={"p-a", "p-b"})
+            channels = [grpc.aio.insecure_channel(c.address) for c in conductors]
+            stubs = [pb_grpc.ConductorStub(ch) for ch in channels]  # type: ignore[no-untyped-call]
+            seen: dict[str, int] = {}
+            wrong: list[str] = []
+            accepted = 0
+            stop = asyncio.Event()
+
+            async def poller(worker: int) -> None:
+                nonlocal accepted
+                n = 0
+                while not stop.is_set():
+                    n += 1
+                    for stub in stubs:
+                        try:
+                            reply = await stub.Schedule(pb.ScheduleRequest(
+                                request_id=f"r-{worker}-{n}", model=MODEL, keys=keys,
+                                input_tokens=1000), timeout=5.0)
+                        except grpc.aio.AioRpcError as exc:
+                            code = exc.code()
+                            seen[code.name] = seen.get(code.name, 0) + 1
+                            if code not in (grpc.StatusCode.UNAVAILABLE,
+                                            grpc.StatusCode.FAILED_PRECONDITION,
+                                            grpc.StatusCode.DEADLINE_EXCEEDED):
+                                wrong.append(f"{code.name}: {exc.details()}")
+                            continue
+                        seen["OK"] = seen.get("OK", 0) + 1
+                        accepted += 1
+                        if reply.prefill_node not in ("node-a", "node-b"):
+                            wrong.append(f"bad decision: {reply}")
+                    await asyncio.sleep(0.002)
+
+            async def decided(count: int, what: str) -> None:
+                target = accepted + count
+
+                async def check() -> bool:
+                    return accepted >= target
+
+                await wait_until(check, 30.0, what)
+
+            pollers = [asyncio.create_task(poller(w)) for w in range(4)]
+            try:
+                async with etcd_client(cluster.etcd_url) as etcd:
+                    for _ in range(3):
+                        await decided(50, "decisions before the revocation")
+                        got = await etcd.get_prefix(layout.prefix.encode())
+                        leases = {kv.lease for kv in got if kv.lease}
+                        assert len(leases) >= 4, leases  # daemons, engines, the leader
+                        # one burst, in no particular order, as etcd's own revocation
+                        await asyncio.gather(*(etcd.revoke_lease(lease) for lease in leases))
+                        await register(etcd)  # as the daemons do by themselves
+                        await decided(50, "decisions after the revocation")
+            finally:
+                stop.set()
+                await asyncio.gather(*pollers)
+                for ch in channels:
+                    await ch.close()
+            print(f"replies by status: {seen}")
+            assert not wrong, (wrong[:5], len(wrong), seen)
+            async with cluster.client() as client:
+                await ready(client, nodes={"node-a", "node-b"}, prefill_ids={"p-a", "p-b"})
+
+        run(aio, scenario(), timeout_s=150.0)
+    finally:
+        cluster.close()
