@@ -15,6 +15,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvstore.client.requests import LoadRequest, SaveRequest  # noqa: E402
+from kvstore.client.store_client import StoreClient  # noqa: E402
+from kvstore.client.store_config import DataPlane, StoreClientConfig  # noqa: E402
 from kvstore.integrations.vllm.layout import CpuBlocksKV, engine_kv_for  # noqa: E402
 from tests.client.test_kv_client_direct import (  # noqa: E402
     LAYOUT,
@@ -117,3 +119,25 @@ def test_a_chunk_removed_under_the_copy_is_a_miss_not_a_load(daemon: DaemonProce
         result = handle.result(30)
         assert result.loaded_blocks == 1 and result.failed_blocks == (1, 2)
         assert_blocks_equal(dst, [16], src, [4])
+
+
+def test_the_arena_tensor_made_in_inference_mode_is_a_normal_tensor(daemon: DaemonProcess
+                                                                    ) -> None:
+    """vLLM loads inside ``torch.inference_mode``: the first lease-free read of a fresh client
+    there makes its arena-wide tensor, from which every later view derives (a save's reserved
+    chunks too, written outside inference mode on the save thread). It must not be an
+    inference tensor (the cause of the inline-load failures, 316e54d), whoever reads first."""
+    with StoreClient.connect(daemon.grpc_address,
+                             StoreClientConfig(data_plane=DataPlane.SHM)) as store:
+        key = b"inference-mode-probe-0001"
+        store.put(key, bytes(range(256)) * 16)
+        plane = store.plane
+        with torch.inference_mode():
+            first = plane.read_free([key], torch.uint8, (4096,))
+            assert first is not None
+            first.confirm()
+        later = plane.read_free([key], torch.uint8, (4096,))
+        assert later is not None
+        assert not later.tensors[0].is_inference()
+        assert bytes(later.tensors[0].numpy()) == bytes(range(256)) * 16
+        later.confirm()

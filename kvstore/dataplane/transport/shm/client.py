@@ -495,6 +495,8 @@ class ShmClient:
         self._lf_hits = self._lf_misses = self._lf_conflicts = 0
         self._typed: dict[Any, Any] = {}
         """dtype -> a torch tensor over the whole arena (:meth:`_arena_tensors`)."""
+        self._geometries: dict[tuple[Any, tuple[int, ...]], tuple[int, int, int]] = {}
+        """(dtype, shape) -> (element size, bytes, elements) (:meth:`_geometry`)."""
 
     @classmethod
     def connect(cls, address: str, arena_name: str, *, read_index: str = "",
@@ -968,8 +970,7 @@ class ShmClient:
         if reader is None or self._closed:
             return None
         checked = [check_key(k) for k in keys]
-        elem = cuda.torch_module().empty(0, dtype=dtype).element_size()
-        want = int(np.prod(shape)) * elem
+        _elem, want, _n = self._geometry(dtype, shape)
         slots: list[tuple[int, int]] = []
         ranges: list[tuple[int, int]] = []
         for key in checked:
@@ -985,12 +986,20 @@ class ShmClient:
         return ShmFreeRead(self, reader, checked[:len(slots)], slots,
                            self._arena_tensors(ranges, dtype, shape))
 
+    def _geometry(self, dtype: Any, shape: tuple[int, ...]) -> tuple[int, int, int]:
+        """(element size, bytes, elements) of a chunk of ``shape`` and ``dtype``, cached."""
+        geometry = self._geometries.get((dtype, shape))
+        if geometry is None:
+            elem = cuda.torch_module().empty(0, dtype=dtype).element_size()
+            n = int(np.prod(shape))
+            geometry = self._geometries.setdefault((dtype, shape), (elem, n * elem, n))
+        return geometry
+
     def _arena_tensors(self, ranges: Sequence[tuple[int, int]], dtype: Any,
                        shape: tuple[int, ...]) -> list[Any]:
         """Torch views of arena ranges (see :meth:`ShmBatchRead.tensors`)."""
         torch = cuda.torch_module()
-        elem = torch.empty(0, dtype=dtype).element_size()
-        want = int(np.prod(shape)) * elem
+        elem, want, n = self._geometry(dtype, shape)
         for offset, size in ranges:
             if size != want:
                 raise SizeMismatch(f"batch read of the chunk at arena offset {offset}",
@@ -1001,11 +1010,14 @@ class ShmClient:
                 if self._closed:
                     raise PeerUnavailable("the client is closed")
                 # One tensor over the whole arena per dtype, made once: a chunk's view is then
-                # one slice and one view (two calls), not four.
-                whole = torch.from_numpy(self._arena.array(0, self._arena.size_bytes))
-                usable = self._arena.size_bytes // elem * elem
-                typed = self._typed.setdefault(dtype, whole[:usable].view(dtype))
-        n = want // elem
+                # one slice and one view (two calls), not four. Made outside inference mode
+                # whatever the caller's (vLLM loads inside it): every later view derives from
+                # it, a save's reserved chunks too, and an inference tensor could not be
+                # written outside inference mode.
+                with torch.inference_mode(False):
+                    whole = torch.from_numpy(self._arena.array(0, self._arena.size_bytes))
+                    usable = self._arena.size_bytes // elem * elem
+                    typed = self._typed.setdefault(dtype, whole[:usable].view(dtype))
         if any(offset % elem for offset, _size in ranges):  # not aligned: one view each
             array = self._arena.array
             return [torch.from_numpy(array(offset, size)).view(dtype).view(shape)
