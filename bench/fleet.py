@@ -55,8 +55,9 @@ simulate``), fed only: the model's shapes; the engine profile measured in this r
 modes (:meth:`Fleet.profile_engine`: all-miss prompts straight to ``alone-0``, or ``v0``; the
 median TTFT per length as prefill time, the mean TPOT as a batch-1 decode step); the slice's
 prompt lengths and chained block ids at 32 tokens a block, arriving when (c) sent them in
-this run (its last round's; chat arrivals; the planner is open loop, so it replays those times), or one every
-``CLOSED_LOOP_GAP_S`` with ``--closed-loop`` (so nothing queues); ``max_tokens`` outputs;
+this run (in its last round; chat arrivals: the planner is open loop, so it replays those
+times), or one every ``CLOSED_LOOP_GAP_S`` with ``--closed-loop`` (so nothing queues);
+``max_tokens`` outputs;
 vLLM's chunk budget on CPU (2,048 tokens); and kvtier's load bandwidth as measured in the run
 (bytes loaded over the connector's load seconds). The planner's prefix cache is one pool (it
 has no per-engine caches and no routing by cache), so each measured mode is set beside the
