@@ -269,6 +269,53 @@ def test_engine_credentials_cannot_write_membership_keys(secure: SecureEtcd,
     run(aio, scenario())
 
 
+def test_a_per_instance_engine_role_cannot_touch_another_engines_record(
+        secure: SecureEtcd, aio: asyncio.Runner) -> None:
+    """The shared ``kvtier-engine`` role lets one engine's credentials rewrite another
+    engine's record (pointing the conductor at a forged KV-event publisher). A role per instance
+    (docs/security.md, "etcd": read on the prefix, readwrite on that instance's two record keys
+    only) is enough for kvtier's registration, and etcd refuses the same writes to another
+    instance's record; paired with the shared role, which may (so the test can fail)."""
+    prefix = LAYOUT.prefix
+    role = "kvtier-engine-p-own"
+    secure.etcdctl("role", "add", role)
+    secure.etcdctl("role", "grant-permission", role, "--prefix=true", "read", prefix)
+    for engine_role in ("prefill", "decode"):
+        secure.etcdctl("role", "grant-permission", role, "readwrite",
+                       LAYOUT.engine_key(engine_role, "p-own"))
+    own = secure.security(secure.add_user("engine-own", role))
+    shared = secure.security(secure.users["engine-1"])
+
+    async def scenario() -> None:
+        async with etcd_client(secure.endpoint, security=own) as as_own, \
+                etcd_client(secure.endpoint, security=shared) as as_shared, \
+                register_engine(as_shared, engine_record("p-other", "node-x"), ttl_s=5,
+                                layout=LAYOUT):
+            other_key = LAYOUT.engine_key("prefill", "p-other").encode()
+            async with register_engine(as_own, engine_record("p-own", "node-x"), ttl_s=5,
+                                       layout=LAYOUT):
+                assert {"p-own", "p-other"} <= set(await list_engines(as_own, layout=LAYOUT))
+            with pytest.raises(MembershipError, match="permission denied") as caught:
+                async with register_engine(as_own, engine_record("p-other", "node-x"),
+                                           ttl_s=5, layout=LAYOUT):
+                    pass
+            assert is_permission_denied(caught.value)
+            for what, call in (("overwrite", lambda c: c.put(other_key, b"{}")),
+                               ("delete", lambda c: c.delete(other_key))):
+                with pytest.raises(MembershipError, match="permission denied") as caught:
+                    await etcd_call(what, call(as_own), 5.0)
+                assert is_permission_denied(caught.value), what
+            kv = await etcd_call("read", as_shared.get(other_key), 5.0)
+            assert kv is not None and b"p-other" in kv.value
+            # Paired: the shared role may overwrite another engine's record (the gap this
+            # closes), here on a scratch key of a made-up instance.
+            scratch = LAYOUT.engine_key("prefill", "p-scratch").encode()
+            await etcd_call("put", as_shared.put(scratch, b"{}"), 5.0)
+            assert await etcd_call("delete", as_shared.delete(scratch), 5.0)
+
+    run(aio, scenario())
+
+
 def test_a_refused_watch_is_an_error_not_a_silent_one(secure: SecureEtcd,
                                                       aio: asyncio.Runner) -> None:
     """etcd cancels a watch its user may not read; aetcd alone would take it for a live watch
