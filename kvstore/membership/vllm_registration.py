@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import os
 import stat
@@ -57,6 +56,7 @@ from kvstore.membership.endpoints import parse_host_port
 from kvstore.membership.engines import EngineRecord, register_engine
 from kvstore.membership.etcd import DEFAULT_LAYOUT, KeyLayout
 from kvstore.membership.registration import Registration
+from kvstore.security.config import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def check_kv_events_endpoint(endpoint: str, *, insecure: bool = False,
         host = rest.rpartition(":")[0].strip("[]") if ":" in rest else rest
         if host not in _WILDCARD_HOSTS:
             host = parse_host_port(rest)[0]
-        if _is_loopback(host):
+        if is_loopback(host):
             return
         where = "every address" if host in _WILDCARD_HOSTS else f"host {host!r}"
         if insecure:
@@ -147,15 +147,6 @@ def check_kv_events_endpoint(endpoint: str, *, insecure: bool = False,
             "steers routing. Use ipc:// in a private directory or loopback tcp (tcp://[::1]:"
             "PORT), or pass --insecure to accept that (docs/security.md, \"vLLM's KV events\")")
     raise ConfigError(f"{what} {endpoint!r}: expected ipc://PATH or tcp://HOST:PORT")
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def http_health(base_url: str, *, timeout_s: float = 2.0) -> HealthCheck:
