@@ -164,6 +164,9 @@ LOADGEN_LEFT = "KVTIER-LOADGEN-LEFT "
 """The load generator saw a node's key leave etcd (its lease expired)."""
 LOADGEN_REJOINED = "KVTIER-LOADGEN-REJOINED "
 """The load generator saw a node register again after its lease had expired."""
+LOADGEN_DECIDED = "KVTIER-LOADGEN-DECIDED "
+"""The load generator saw a conductor decide in a term newer than every earlier decision's:
+``<conductor id> <term>``."""
 REJOIN_TIMEOUT_S = 30.0
 SUSPECT_S = float(LEASE_TTL_S)
 """After a request to a node failed, the load sends it nothing new for this long (what an
@@ -1218,8 +1221,10 @@ def run_fault(name: str, *, spec: ChaosSpec | None = None,
         watch = cluster.lab.hosts[(cluster.lab.hosts.index(target) - 1) % 3]
         load = cluster.start_loadgen(history_path, watch)
         time.sleep(spec.warmup_s)
+        terms = len(load.seen(LOADGEN_DECIDED))
         injected = plan.inject(cluster, target, load)
         _await_rejoin(load)
+        _await_new_term(load, injected, terms)
         time.sleep(spec.after_s)
         summary = _stop_load(load)
         _append_injected(history_path, injected)
@@ -1237,6 +1242,20 @@ def _await_rejoin(load: _Child) -> None:
         left, back = load.seen(LOADGEN_LEFT), load.seen(LOADGEN_REJOINED)
         if all(left.count(n) <= back.count(n) for n in left):
             break
+        time.sleep(0.1)
+
+
+def _await_new_term(load: _Child, injected: _Injected, terms_before: int) -> None:
+    """After a conductor fault, wait (at most ``REJOIN_TIMEOUT_S``) until a conductor decided
+    in a new term, so that ``after_s`` of load follow the takeover whatever it took: since the
+    takeover fence (one election TTL after a term that ended without a resignation) the first
+    decision comes ~4 s after a SIGSTOP at best, past a 3.5 s fault plus 2 s of load on a
+    loaded box (the flaky ``sigstop-conductor-leader`` case: docs/chaos.md)."""
+    if not injected.fault.node.startswith("conductor-"):
+        return
+    deadline = time.monotonic() + REJOIN_TIMEOUT_S
+    while time.monotonic() < deadline and load.alive() \
+            and len(load.seen(LOADGEN_DECIDED)) <= terms_before:
         time.sleep(0.1)
 
 
@@ -1337,8 +1356,10 @@ def run_soak(minutes: float, *, spec: ChaosSpec | None = None, faults: list[str]
             if target is watch and name.startswith(("sigstop-etcd", "etcd-")):
                 continue
             print(f"soak: {name} on {target.name}", file=sys.stderr, flush=True)
+            terms = len(load.seen(LOADGEN_DECIDED))
             injected.append(plan.inject(cluster, target, load))
             _await_rejoin(load)
+            _await_new_term(load, injected[-1], terms)
             time.sleep(spec.after_s)
         summary = _stop_load(load)
         for one in injected:
@@ -1616,6 +1637,8 @@ class _Load:
         self.last_answer: dict[str, float] = {}
         """When each conductor last answered a Schedule (accepted, rejected or refused)."""
         self.schedule_errors: list[str] = []
+        self.top_term = 0
+        """The newest term any conductor decided in (LOADGEN_DECIDED)."""
         self.quiet: set[str] = set()
         """Nodes the workers send nothing new while a probe empties their DRAM."""
         self.in_flight: dict[str, int] = {}
@@ -1827,6 +1850,10 @@ class _Load:
                                     Result.OK))
                     with self.lock:
                         self.decisions += 1
+                        newer = max(term, after) > self.top_term
+                        self.top_term = max(self.top_term, term, after)
+                    if newer:
+                        _say(f"{LOADGEN_DECIDED}{conductor_id} {max(term, after)}")
                 term = after
                 time.sleep(0.02)
         finally:
