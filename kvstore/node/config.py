@@ -235,7 +235,8 @@ class ServerConfig:
     one is refused (RESOURCE_EXHAUSTED) until others end."""
     idle_timeout_s: float = 300.0
     """A data-plane or lease-channel connection with no request and nothing held for this long
-    is closed."""
+    is closed; a gRPC connection with no call open for this long too (GOAWAY: a client's
+    channel connects again at its next call)."""
     header_timeout_s: float = 10.0
     """Once a frame's first byte arrived, the rest of its header must arrive within this."""
     max_connections: int = 1024

@@ -360,6 +360,9 @@ class StoreDaemon:
             # Bounded as each data-plane listener is: a flood of idle HTTP/2 connections would
             # otherwise hold descriptors up to the process limit (found by the fault suite).
             ("grpc.max_allowed_incoming_connections", cfg.server.max_connections),
+            # ... and one with no call for idle_timeout_s is closed (GOAWAY), as a data-plane
+            # connection is: at the bound, idle connections kept an arriving client out.
+            ("grpc.max_connection_idle_ms", max(1, round(cfg.server.idle_timeout_s * 1000))),
         ])
         self._service = StoreService(self)
         self._service.register(server)  # decode-safe: bad bytes are INVALID_ARGUMENT

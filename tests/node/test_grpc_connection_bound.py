@@ -59,3 +59,37 @@ def test_the_grpc_port_holds_at_most_max_connections(tmp_path: Path) -> None:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=10)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_idle_http2_connections_at_the_bound_do_not_keep_a_client_out(tmp_path: Path) -> None:
+    """The fault suite's flood at the bound: idle HTTP/2 connections (preface and SETTINGS,
+    then nothing) filling every slot kept an arriving client out for as long as they stayed.
+    The gRPC port closes a connection with no call for ``server.idle_timeout_s``, as the data
+    plane does, so the client is served once they have been idle that long (here 1 s),
+    while they are still open on the flood's side."""
+    daemon = DaemonProcess(tmp_path, "node-grpc-idle", nvme=False,
+                           settings={"server.max_connections": str(BOUND),
+                                     "server.idle_timeout_s": "1"})
+    with running(daemon):
+        host, _, port = daemon.grpc_address.rpartition(":")
+        flood = []
+        try:
+            for _ in range(BOUND):
+                sock = socket.create_connection((host, int(port)), timeout=5)
+                sock.sendall(PREFACE)
+                assert sock.recv(4096)  # served: the daemon's SETTINGS
+                flood.append(sock)
+
+            def served() -> bool:
+                with grpc.insecure_channel(daemon.grpc_address) as channel:
+                    try:
+                        reply = health_pb2_grpc.HealthStub(channel).Check(
+                            health_pb2.HealthCheckRequest(), timeout=2)
+                    except grpc.RpcError:
+                        return False
+                return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+            wait_until(served, 30, "a client served while the flood's connections stay open")
+        finally:
+            for sock in flood:
+                sock.close()
