@@ -727,7 +727,7 @@ class Scheduler:
         model_s: dict[int, float] = {}
         load_by_node: dict[str, float] = {}
         factor = self.prefill_speed.factor
-        best: tuple[float, float, str] | None = None
+        best: tuple[float, float, float, str] | None = None
         best_plan: tuple[_PrefillState, int, str | None, float, float, float, int] | None = None
         # best_plan: (instance, blocks reused, fetch source or None, transfer, compute, load,
         #             tokens reused)
@@ -748,7 +748,9 @@ class Scheduler:
             # Option 1: reuse the local prefix (the engine's own cache, its node's) only.
             reused_tokens = max(local * block, own)
             compute_s = speed * self._model_prefill_s(input_tokens, reused_tokens, model_s)
-            rank = (queue_s + max(compute_s, load_s), queue_s, st.instance.instance_id)
+            # Ties (load hidden under compute) go to the instance that moves fewer bytes: the
+            # one holding the prefix in its own cache before one that loads it from its node.
+            rank = (queue_s + max(compute_s, load_s), queue_s, load_s, st.instance.instance_id)
             plan: tuple[_PrefillState, int, str | None, float, float, float, int] = (
                 st, local, None, 0.0, compute_s, load_s, reused_tokens)
             # Option 2 (GLOBAL_CACHE): fetch the rest of the longest prefix from its holder.
@@ -762,7 +764,7 @@ class Scheduler:
                     fetch_compute_s = speed * self._model_prefill_s(input_tokens, fetch_tokens,
                                                                     model_s)
                     fetch_rank = (queue_s + transfer_s + max(fetch_compute_s, load_s), queue_s,
-                                  st.instance.instance_id)
+                                  transfer_s + load_s, st.instance.instance_id)
                     if fetch_rank < rank:
                         rank = fetch_rank
                         plan = (st, best_len, src, transfer_s, fetch_compute_s, load_s,

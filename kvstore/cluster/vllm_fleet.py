@@ -97,6 +97,9 @@ from kvstore.cluster.vllm_instance import PREFILL_BOUND, TinyLlama, tiny_llama_c
 from kvstore.cluster.vllm_server import VllmServer, VllmServerError
 from kvstore.errors import KvtierError, MembershipError, PeerUnavailable
 
+VLLM_DTYPE = "float32"
+"""The servers' ``--dtype`` (and so their KV dtype, in the connector's fingerprint)."""
+
 __all__ = ["MODE_SERVERS", "ROUTED", "Arrivals", "Fleet", "FleetRequest", "FleetSpec", "Mode",
            "ModeResult", "RequestRecord", "ServerPlan", "Slo", "assemble", "conversations",
            "drive", "format_tables", "goodput", "identical_outputs", "kv_cache_tokens",
@@ -636,6 +639,8 @@ class Fleet:
         self.log = log
         self.children: dict[str, _Child] = {}
         self.servers: dict[str, VllmServer] = {}
+        self.connector_servers: set[str] = set()
+        """The servers started with kvtier's connector (their records carry its fingerprint)."""
         self.daemon_addresses: dict[str, str] = {}
         self.etcd_endpoint = ""
         self.startup_s = 0.0
@@ -696,7 +701,7 @@ class Fleet:
         events_dir = spec.work_dir / "events"
         events_dir.mkdir(parents=True, exist_ok=True)
         common: dict[str, Any] = {
-            "model_name": spec.model_name, "block_size": spec.block_tokens,
+            "model_name": spec.model_name, "block_size": spec.block_tokens, "dtype": VLLM_DTYPE,
             "max_model_len": spec.max_model_len, "kv_cache_memory_bytes": spec.vllm_kv_bytes,
             "tokenizer": True, "prompt_tokens_details": True}
 
@@ -707,6 +712,7 @@ class Fleet:
             i = _pair_index(plan.name)
             connector = None
             if plan.connector:
+                self.connector_servers.add(plan.name)
                 connector = {"kv_connector": "KvtierConnector",
                              "kv_connector_module_path": "kvstore.integrations.vllm.connector",
                              "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -778,7 +784,9 @@ class Fleet:
         it (colocated: a prefill and a decode record with the same ``http_url``). Every named
         server must publish KV events (the conductor follows its cache from them). The node
         is the host's store daemon (``node-a`` when shared): the conductor needs a live node;
-        a server without the connector never loads from it."""
+        a server without the connector never loads from it. A server with the connector
+        also carries its KV fingerprint (:meth:`connector_fingerprint`), so the conductor
+        hashes a prompt into the connector's keys and prices what the store holds for it."""
         from kvstore.membership.engines import EngineRecord, EngineRole
 
         spec = self.spec
@@ -791,11 +799,25 @@ class Fleet:
                                  "cannot route on its cache")
             out[name] = [
                 EngineRecord(name, EngineRole.PREFILL, spec.model_name, node,
-                             http_url=server.base_url, vllm_kv_events=server.kv_events_spec),
+                             http_url=server.base_url, vllm_kv_events=server.kv_events_spec,
+                             kv_fingerprint=self.connector_fingerprint()
+                             if name in self.connector_servers else None),
                 EngineRecord(f"{name}.decode", EngineRole.DECODE, spec.model_name, node,
                              kv_capacity_tokens=spec.kv_capacity_tokens,
                              http_url=server.base_url)]
         return out
+
+    def connector_fingerprint(self) -> Any:
+        """The KV fingerprint kvtier's connector derives in these servers
+        (:meth:`kvstore.integrations.vllm.spec.ConnectorSpec.fingerprint`: the configured model
+        name, the KV dtype the servers run, the model's layers, KV heads and head size, the
+        block size, one TP shard)."""
+        from kvstore.keys import KVDtype, KVFingerprint
+
+        m = self.spec.model
+        return KVFingerprint(model=self.spec.model_name, dtype=KVDtype(VLLM_DTYPE),
+                             num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
+                             head_dim=m.head_dim, block_size_tokens=self.spec.block_tokens)
 
     def replay(self, progress: Any = None) -> list[ModeResult]:
         """Run every mode of the spec (see the module docstring); ``progress`` is a rich
