@@ -213,13 +213,26 @@ def fleet(
     json_path: Path | None = typer.Option(None, "--json", help="Also write the results as JSON here."),
     router: str = typer.Option("conductor", "--router", help="conductor | local: how the routed "
                                "modes' front door decides (local: in its own process, docs/routing.md)."),
+    closed_loop: bool = typer.Option(False, "--closed-loop", help="One request at a time in "
+                                     "trace order (default: chat arrivals)."),
+    in_flight: int | None = typer.Option(None, "--in-flight", help="Conversations in flight at "
+                                         "once under chat arrivals."),
+    conversations: int | None = typer.Option(None, "--conversations", help="Conversations in "
+                                             "the slice."),
+    rounds: int = typer.Option(1, "--rounds", help="Replay every mode this many times in turn "
+                               "and pool the figures."),
 ) -> None:
     """The vLLM fleet: one trace slice through one vLLM, two with round robin, the conductor +
     kvtier, P/D through kvtier and routing on vLLM's KV events alone (TTFT, TPOT, goodput, hits,
-    bytes, routing latency, outputs) beside the planner's prediction."""
+    bytes, routing latency, outputs) beside the planner's prediction (``python -m bench.fleet
+    --help`` has every option)."""
     from bench import fleet as bench_fleet
 
     argv = (["--quick"] if quick else []) + (["--json", str(json_path)] if json_path else [])
+    argv += ["--closed-loop"] if closed_loop else []
+    argv += ["--in-flight", str(in_flight)] if in_flight is not None else []
+    argv += ["--conversations", str(conversations)] if conversations is not None else []
+    argv += ["--rounds", str(rounds)]
     code = bench_fleet.main([*argv, "--router", router])
     if code:
         raise typer.Exit(code)
