@@ -38,6 +38,7 @@ unlinked. Servers still running at interpreter exit are killed the same way. Out
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 import time
@@ -156,6 +157,10 @@ class VllmServer(ProcessGroupChild):
         """Where and how the server publishes KV events (None without ``kv_events``)."""
         if kv_events:
             where = (events_dir or work_dir).resolve()
+            # vLLM's publisher authenticates nobody: its sockets live in a directory only this
+            # user may enter (docs/security.md, "vLLM's KV events").
+            where.mkdir(parents=True, exist_ok=True)
+            os.chmod(where, 0o700)
             endpoint, replay = f"ipc://{where}/{name}-kv.sock", f"ipc://{where}/{name}-replay.sock"
             if len(replay) - len("ipc://") > _IPC_PATH_MAX:
                 raise ValueError(f"events_dir {where}: socket paths over {_IPC_PATH_MAX} "

@@ -424,3 +424,22 @@ def test_rounds_pool_into_one_result_per_mode() -> None:
     with pytest.raises(ValueError):
         pool_rounds([one, list(reversed(one))])
     assert pool_rounds([]) == []
+
+
+def test_a_servers_kv_event_sockets_live_in_a_private_directory(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's KV event publisher authenticates nobody: the launcher puts its ipc:// sockets in
+    a directory only this user may enter (docs/security.md), however loose it was made."""
+    from kvstore.cluster.vllm_server import VllmServer
+    from kvstore.membership.vllm_registration import check_kv_events_endpoint
+
+    events = tmp_path / "events"
+    events.mkdir(mode=0o777)
+    events.chmod(0o777)
+    server = VllmServer(tmp_path, tmp_path, "s0", kv_events=True, events_dir=events)
+    assert (events.stat().st_mode & 0o777) == 0o700
+    spec = server.kv_events_spec
+    assert spec is not None and spec.endpoint.startswith(f"ipc://{events.resolve()}/")
+    with caplog.at_level("WARNING"):
+        check_kv_events_endpoint(spec.endpoint)
+    assert "other users may reach" not in caplog.text  # the registration's check is content
