@@ -89,8 +89,11 @@ def _get(c: DaemonControl, key: bytes) -> bytes | None:
 
 
 def _scrape(d: DaemonProcess) -> str:
+    """A scrape with the operator's token (the daemon has security: /metrics is operators')."""
     url = f"http://{d.addresses['metrics_address']}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as reply:
+    token = (d.work_dir / "op.token").read_text().strip()
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=10) as reply:
         return str(reply.read().decode())
 
 
