@@ -237,7 +237,7 @@ class StoreDaemon:
             if cfg.metrics.enabled:
                 port = await loop.run_in_executor(self._executor, self.metrics.serve,
                                                   cfg.metrics.host, cfg.metrics.port,
-                                                  cfg.security)
+                                                  cfg.security, self.serving)
                 metrics_address = f"{cfg.metrics.host}:{port}"
             host = self._advertised_host()
             self._addresses = DaemonAddresses(
@@ -268,8 +268,8 @@ class StoreDaemon:
             raise ConfigError("server.tcp_tls needs the daemon's certificate: set "
                               "security.cert_file and security.key_file (the TCP data plane "
                               "serves the gRPC port's certificate)")
-        certificates.data_plane_context()
-        return certificates.data_plane_context
+        certificates.ssl_context()
+        return certificates.ssl_context
 
     def _start_ucx(self) -> bytes:
         """Serve the UCX data plane when the config and this machine allow; its worker address

@@ -38,6 +38,7 @@ from kvstore.node.cache import TierReport
 from kvstore.node.tenants import TenantReport
 from kvstore.security.config import ServerSecurity
 from kvstore.security.http import SecureHttpEndpoint
+from kvstore.security.server import SecureServing
 
 log = logging.getLogger(__name__)
 
@@ -184,13 +185,15 @@ class DaemonMetrics:
         """The text exposition format, as the HTTP endpoint serves it."""
         return generate_latest(self.registry)
 
-    def serve(self, host: str, port: int, security: ServerSecurity | None = None) -> int:
+    def serve(self, host: str, port: int, security: ServerSecurity | None = None,
+              serving: SecureServing | None = None) -> int:
         """Serve ``/metrics`` on ``host:port`` (0: ephemeral) under the daemon's ``security``
         (:class:`kvstore.security.http.SecureHttpEndpoint`: loopback only without it, an
-        operator's credentials and TLS with it); return the port. Raises ConfigError for a
-        binding the daemon's gRPC port would refuse as well."""
+        operator's credentials and TLS with it; ``serving``: the gRPC port's, whose rotated
+        certificates and CRL it shares); return the port. Raises ConfigError for a binding
+        the daemon's gRPC port would refuse as well."""
         endpoint = SecureHttpEndpoint(security or ServerSecurity(), host, port, self.render,
-                                      "the daemon's metrics endpoint")
+                                      "the daemon's metrics endpoint", serving=serving)
         self.port = endpoint.start()
         self._server = endpoint
         return self.port

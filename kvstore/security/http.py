@@ -15,8 +15,14 @@ tenant's name and traffic: operator information, not an engine's):
 A refusal is an HTTP 401 (no or bad credentials) or 403 (not an operator) whose body says why;
 nothing of the registry is rendered for it. The TLS handshake and the request are read on the
 connection's own thread within ``timeout_s``, so a client that stalls holds one thread for at
-most that long and never the accept loop. The certificate and key are read at start (gRPC's
-hot reload does not extend here: restart the daemon, or scrape over loopback, to rotate).
+most that long and never the accept loop.
+
+Rotation: the TLS context is :meth:`~kvstore.security.tls.ServerCertificates.ssl_context`, the
+one the TCP data plane takes, asked once per accepted connection: a rotated certificate, key or
+client CA on disk is served from the next handshake, a broken set is logged and the previous one
+kept (as gRPC's reload). Given the daemon's :class:`~kvstore.security.server.SecureServing`, the
+endpoint shares its certificates and its :class:`~kvstore.security.auth.Authenticator` (one CRL
+and one token key directory, reloaded once for all three ports).
 """
 
 from __future__ import annotations
@@ -31,8 +37,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from kvstore.errors import KvtierError, PermissionDenied, Unauthenticated
+from kvstore.security.auth import Authenticator
 from kvstore.security.config import AuthMode, ServerSecurity, check_binding
 from kvstore.security.identity import Role
+from kvstore.security.server import SecureServing
+from kvstore.security.tls import Revocations, ServerCertificates
 
 log = logging.getLogger(__name__)
 
@@ -45,31 +54,31 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class SecureHttpEndpoint:
     """Serves ``render()`` at ``path`` on ``host:port`` (0: ephemeral) under ``security``
     (module docstring). The constructor checks the binding (ConfigError naming the fix) and
-    loads the certificate; :meth:`start` binds and serves on a thread."""
+    loads the certificate (ConfigError for a broken set); :meth:`start` binds and serves on a
+    thread. ``serving``: the service's gRPC plan whose certificates and authenticator this
+    endpoint shares (its ``security`` must be ``security``); None: its own, built here."""
 
     def __init__(self, security: ServerSecurity, host: str, port: int,
                  render: Callable[[], bytes], what: str, *, path: str = "/metrics",
-                 timeout_s: float = 10.0) -> None:
+                 timeout_s: float = 10.0, serving: SecureServing | None = None) -> None:
         self.what = what
         self.line = check_binding(host, security, what)
         self._host, self._port = host, port
         self._render, self._path, self._timeout_s = render, path, timeout_s
         self._mode = security.mode()
-        self._context: ssl.SSLContext | None = None
-        if security.tls:
-            assert security.cert_file is not None and security.key_file is not None
-            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-            ctx.load_cert_chain(str(security.cert_file), str(security.key_file))
-            if security.client_ca_file is not None:
-                ctx.verify_mode = ssl.CERT_REQUIRED
-                ctx.load_verify_locations(str(security.client_ca_file))
-            self._context = ctx
-        self._authenticator: Any = None
-        if self._mode is not AuthMode.NONE:
-            from kvstore.security.auth import Authenticator
-
-            self._authenticator = Authenticator(security, what)
+        self._certificates: ServerCertificates | None = None
+        self._authenticator: Authenticator | None = None
+        if serving is not None:
+            assert serving.security is security, "the endpoint shares its service's security"
+            self._certificates, self._authenticator = serving.certificates, serving.authenticator
+        else:
+            revocations = Revocations(security) if self._mode is AuthMode.MTLS else None
+            if security.tls:
+                self._certificates = ServerCertificates(security, what, revocations)
+            if self._mode is not AuthMode.NONE:
+                self._authenticator = Authenticator(security, what, revocations)
+        if self._certificates is not None:
+            self._certificates.ssl_context()  # a set that does not load fails here, not later
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self.port: int | None = None
@@ -78,7 +87,7 @@ class SecureHttpEndpoint:
 
     @property
     def scheme(self) -> str:
-        return "https" if self._context is not None else "http"
+        return "https" if self._certificates is not None else "http"
 
     def start(self) -> int:
         """Bind and serve on a daemon thread; the port."""
@@ -133,9 +142,11 @@ class _Server(ThreadingHTTPServer):
         """On the connection's own thread: the TLS handshake (bounded), then the request."""
         ep = self.endpoint
         request.settimeout(ep._timeout_s)
-        if ep._context is not None:
+        if ep._certificates is not None:
             try:
-                request = ep._context.wrap_socket(request, server_side=True)
+                # The current context: rotated files are taken here, per connection.
+                context = ep._certificates.ssl_context()
+                request = context.wrap_socket(request, server_side=True)
             except (ssl.SSLError, OSError) as exc:
                 ep.refused += 1
                 log.info("%s: TLS handshake from %s refused: %s", ep.what, client_address, exc)

@@ -27,10 +27,11 @@ its own certificate's dates before connecting (:func:`client_credentials`). Revo
 (CRL or ``revoked_serials``) pass the handshake and are refused per call with UNAUTHENTICATED
 naming the serial.
 
-**The TCP data plane** (``server.tcp_tls``, docs/security.md): the same certificate, key and
-client CA as the gRPC port, as an ``ssl.SSLContext`` (:meth:`ServerCertificates.data_plane_context`,
-asked once per accepted data connection and rebuilt when the files change, with the same
-checks and the same keep-the-previous-set rule); a client builds its side with
+**The TCP data plane** (``server.tcp_tls``, docs/security.md) **and** ``/metrics``
+(:mod:`kvstore.security.http`): the same certificate, key and client CA as the gRPC port, as
+one ``ssl.SSLContext`` (:meth:`ServerCertificates.ssl_context`, asked once per accepted data or
+metrics connection and rebuilt when the files change, with the same checks and the same
+keep-the-previous-set rule); a client builds its side with
 :func:`data_plane_client_context` from its :class:`~kvstore.security.config.ClientSecurity`.
 With mTLS the data plane's context is a
 :class:`~kvstore.dataplane.transport.tcp.tls.CheckedServerContext` whose ``peer_check`` is
@@ -170,8 +171,8 @@ class ServerCertificates:
         self.serving_serial = self._serial
         self._ssl_signature: tuple[Any, ...] = ()
         self._ssl_context: ssl.SSLContext | None = None
-        self.data_plane_reloads = 0
-        """How many times the data plane's context was rebuilt for rotated files."""
+        self.ssl_context_reloads = 0
+        """How many times :meth:`ssl_context` was rebuilt for rotated files."""
 
     def _load(self) -> Any:
         import grpc
@@ -204,8 +205,9 @@ class ServerCertificates:
         log.info("%s: serving the rotated certificate (serial %x)", self._what, self._serial)
         return config
 
-    def data_plane_context(self) -> ssl.SSLContext:
-        """The TCP data plane's server context: this service's certificate chain and key, and,
+    def ssl_context(self) -> ssl.SSLContext:
+        """The ``ssl``-module server context of the TCP data plane and of ``/metrics``
+        (:mod:`kvstore.security.http`): this service's certificate chain and key, and,
         with a client CA (mTLS), client certificates required and verified against it (TLS 1.2
         at least). Rebuilt when the files changed since the last call (checked at each call:
         three ``stat``s), with the checks :func:`load_key_pair` makes; a set that fails them
@@ -223,13 +225,14 @@ class ServerCertificates:
             except ConfigError as exc:
                 if self._ssl_context is None:
                     raise
-                log.warning("%s: rotated certificate files not taken by the TCP data plane, "
-                            "serving the previous ones: %s", self._what, exc)
+                log.warning("%s: rotated certificate files not taken by the TCP data plane "
+                            "and /metrics, serving the previous ones: %s", self._what, exc)
                 self._ssl_signature = signature
                 return self._ssl_context
             if self._ssl_context is not None:
-                self.data_plane_reloads += 1
-                log.info("%s: the TCP data plane serves the rotated certificate", self._what)
+                self.ssl_context_reloads += 1
+                log.info("%s: the TCP data plane and /metrics serve the rotated certificate",
+                         self._what)
             self._ssl_context, self._ssl_signature = context, signature
             return context
 

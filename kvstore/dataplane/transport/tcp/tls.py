@@ -3,7 +3,7 @@
 The data plane knows no certificates: the daemon hands :class:`~.server.TcpServer` a
 :data:`ServerTlsSource` (a callable returning the current ``ssl.SSLContext``, asked once per
 accepted connection, so rotated certificate files take effect on new connections: the
-daemon's comes from :meth:`kvstore.security.tls.ServerCertificates.data_plane_context`) and
+daemon's comes from :meth:`kvstore.security.tls.ServerCertificates.ssl_context`) and
 a client hands :class:`~.client.TcpClient` an ``ssl.SSLContext`` (and the name to check the
 server's certificate against).
 
