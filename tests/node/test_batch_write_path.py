@@ -9,10 +9,19 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from xxhash import xxh3_64_intdigest
 
 from kvstore.dataplane.dram import DramTier
-from kvstore.dataplane.read_index import ReadIndex
-from kvstore.dataplane.read_index_layout import HEADER_BYTES
+from kvstore.dataplane.read_index import MAX_LOAD, ReadIndex
+from kvstore.dataplane.read_index_layout import (
+    BODY_STRUCT,
+    HEADER_BYTES,
+    KEY_AT,
+    SEQ_STRUCT,
+    SLOT_SHIFT,
+    SlotState,
+    owner_tag,
+)
 from kvstore.dataplane.tier import TierKind
 from kvstore.dataplane.transport.auth import TenantScope
 from kvstore.errors import ChunkExists, InvalidArgument, PermissionDenied, QuotaExceeded
@@ -23,6 +32,7 @@ from kvstore.node.index import SHARED_TENANT
 from kvstore.node.tenants import TenantQuota
 
 DRAM = TierKind.DRAM
+EMPTY, LIVE, TOMB = SlotState.EMPTY.value, SlotState.LIVE.value, SlotState.TOMBSTONE.value
 KiB = 1 << 10
 
 
@@ -132,36 +142,121 @@ def test_record_many_numbers_events_in_order_and_wakes_once(log: EventLog) -> No
         (i + 1, c.key, "t") for i, c in enumerate(changes)]
 
 
-def test_publish_many_writes_the_same_table_as_publish() -> None:
-    one = ReadIndex.create(64, arena_name="a", arena_bytes=1 << 20)
-    many = ReadIndex.create(64, arena_name="a", arena_bytes=1 << 20)
+class _TableModel:
+    """A naive model of the read index's table (linear probing, tombstones, one rebuild when a
+    new key would fill it past ``MAX_LOAD``), to check the segment the index writes."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots: list[tuple[int, bytes, int, int, int]] = [(EMPTY, b"", 0, 0, 0)] * slots
+        self.entries: dict[bytes, int] = {}
+        self.tombstones = 0
+        self.refused = 0
+        self.max_used = int(slots * MAX_LOAD)
+
+    def _probe(self, key: bytes) -> int:
+        i = xxh3_64_intdigest(key) % len(self.slots)
+        while self.slots[i][0] == LIVE:
+            i = (i + 1) % len(self.slots)
+        return i
+
+    def publish(self, key: bytes, offset: int, size: int, owner: str) -> bool:
+        row = (LIVE, key, offset, size, owner_tag(owner))
+        if key in self.entries:
+            self.slots[self.entries[key]] = row
+            return True
+        i = self._probe(key)
+        if self.slots[i][0] != TOMB and len(self.entries) + self.tombstones >= self.max_used:
+            if not self.tombstones:
+                self.refused += 1
+                return False
+            live = [(k, self.slots[j]) for k, j in self.entries.items()]
+            self.slots = [(EMPTY, b"", 0, 0, 0)] * len(self.slots)
+            self.entries, self.tombstones = {}, 0
+            for k, old in live:
+                j = self._probe(k)
+                self.slots[j] = old
+                self.entries[k] = j
+            i = self._probe(key)
+            if len(self.entries) >= self.max_used:
+                self.refused += 1
+                return False
+        if self.slots[i][0] == TOMB:
+            self.tombstones -= 1
+        self.slots[i] = row
+        self.entries[key] = i
+        return True
+
+    def unpublish(self, key: bytes) -> None:
+        n = len(self.slots)
+        i = self.entries.pop(key)
+        if self.slots[(i + 1) % n][0] != EMPTY:
+            self.slots[i] = (TOMB, b"", 0, 0, 0)
+            self.tombstones += 1
+            return
+        self.slots[i] = (EMPTY, b"", 0, 0, 0)
+        j = (i - 1) % n
+        while self.slots[j][0] == TOMB:
+            self.slots[j] = (EMPTY, b"", 0, 0, 0)
+            self.tombstones -= 1
+            j = (j - 1) % n
+
+
+def _segment_rows(index: ReadIndex, slots: int) -> list[tuple[int, bytes, int, int, int]]:
+    """Each slot of the shared segment as (state, key, offset, size, tag); every seq even."""
+    rows = []
+    for i in range(slots):
+        at = HEADER_BYTES + (i << SLOT_SHIFT)
+        seq, = SEQ_STRUCT.unpack_from(index._buf, at)
+        assert seq % 2 == 0, f"slot {i} left half-written"
+        offset, size, state, key_len, lo, hi = BODY_STRUCT.unpack_from(index._buf, at + 8)
+        if state == LIVE:
+            key = bytes(index._buf[at + KEY_AT:at + KEY_AT + key_len])
+            rows.append((state, key, offset, size, lo | hi << 16))
+        else:
+            rows.append((state, b"", 0, 0, 0))
+    return rows
+
+
+def test_publish_and_publish_many_write_the_table_a_naive_model_predicts() -> None:
+    """Byte for byte (slots, seqs, owner tags): new keys, re-published keys, keys on
+    tombstones, a rebuild in the middle of a batch, refusals past the load limit, and the
+    reader finds every published key at its place."""
+    slots = 64
+    index = ReadIndex.create(slots, arena_name="a", arena_bytes=1 << 30)
+    model = _TableModel(slots)
+
+    def publish_many(items: list[tuple[bytes, int, int, str]]) -> None:
+        assert index.publish_many(items) == sum(model.publish(*item) for item in items)
+
     try:
         first = [(_key(f"k{i}"), i * 4096, 100 + i, "alice" if i % 2 else "") for i in range(40)]
-        for key, offset, size, owner in first:
-            one.publish(key, offset, size, owner)
-        assert many.publish_many(first) == 40
-        # Tombstones, a re-publish of a live key, then more new keys (some land on tombstones).
-        for index in (one, many):
-            for key, *_rest in first[::3]:
-                assert index.unpublish(key)
-        second = [(_key("k1"), 9 * 4096, 7, "bob"),
-                  *((_key(f"m{i}"), i * 8192, 50, "") for i in range(20))]
-        for key, offset, size, owner in second:
-            one.publish(key, offset, size, owner)
-        assert many.publish_many(second) == 21
-        assert one.tombstones == many.tombstones
-        for key in [k for k, *_r in first + second]:
-            assert one.location(key) == many.location(key)
-            assert one.slot_of(key) == many.slot_of(key)
-        # The shared segment itself (slots, seqs, owner tags) is byte for byte the same.
-        assert bytes(one._buf[HEADER_BYTES:]) == bytes(many._buf[HEADER_BYTES:])
-        # Past the load limit both refuse the same keys.
-        full = [(_key(f"f{i}"), 0, 1, "") for i in range(64)]
-        taken = sum(one.publish(*item) for item in full)
-        assert many.publish_many(full) == taken and one.refused == many.refused
+        publish_many(first[:30])
+        for item in first[30:]:
+            assert index.publish(*item) == model.publish(*item)
+        for key, *_rest in first[::3]:
+            assert index.unpublish(key)
+            model.unpublish(key)
+        assert _segment_rows(index, slots) == model.slots
+        # A re-publish of a live key, then new keys (some land on tombstones).
+        publish_many([(_key("k1"), 9 * 4096, 7, "bob"),
+                      *((_key(f"m{i}"), i * 8192, 50, "") for i in range(10))])
+        assert _segment_rows(index, slots) == model.slots
+        assert index.tombstones == model.tombstones
+        # Tombstones that would fill the table: one batch rebuilds in its middle (the rows
+        # before the rebuild written first), then refuses past the limit.
+        for key in [k for k in model.entries if k.startswith(b"m")][:8]:
+            assert index.unpublish(key)
+            model.unpublish(key)
+        rebuilds = index.rebuilds
+        publish_many([(_key(f"f{i}"), i, 1 + i, "carol") for i in range(30)])
+        assert index.rebuilds == rebuilds + 1 and index.refused == model.refused > 0
+        assert _segment_rows(index, slots) == model.slots
+        assert index.tombstones == model.tombstones == 0
+        for key, at in model.entries.items():
+            assert index.slot_of(key) == at
+            assert index.location(key) == model.slots[at][2:4]
     finally:
-        one.close()
-        many.close()
+        index.close()
 
 
 def test_a_batch_reserved_slot_makes_its_view_only_when_asked() -> None:
