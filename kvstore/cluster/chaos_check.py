@@ -41,6 +41,18 @@ Invariants (one :class:`Invariant` each)
 * **bounded waits** (with ``request_timeout_s``): no put or get took longer than the
   client's configured timeout plus one second.
 
+Engine requests (``Op.ENGINE``: a prompt served by a real engine that saves its KV to and
+loads it from the daemons) are checked too:
+
+* an engine request that answered (``Result.OK``) returned greedy tokens whose digest
+  (:func:`tokens_digest`) equals the no-cache output of the same prompt
+  (:attr:`History.engine_expected`, computed by the same model without a store): anything else
+  is a wrong read (``Invariant.WRONG_READ``), as wrong KV loaded from the store would give;
+* with ``engine_timeout_s``, one that took longer than that plus one second is a bounded-wait
+  violation (``Invariant.OVER_TIMEOUT``) and counts as failed (:func:`engine_stats`);
+* progress: when engine requests started in a fault window, at least one of them completed
+  (the engines degrade to recomputing where the store cannot serve them).
+
 Times are seconds on one monotonic clock (``time.monotonic()`` is shared by every process
 of one machine, network namespaces included).
 """
@@ -60,7 +72,8 @@ from kvstore.errors import InvalidArgument
 
 __all__ = ["Fault", "FaultStats", "History", "Invariant", "LeaseGap", "Op", "Record", "Removal",
            "Restart", "Result", "Violation", "check", "chunk_value", "digest", "durable_unverified",
-           "expected_digest", "fault_stats", "longest_stall"]
+           "engine_reuse", "engine_stats", "expected_digest", "fault_stats", "longest_stall",
+           "tokens_digest"]
 
 
 class Op(enum.Enum):
@@ -70,6 +83,10 @@ class Op(enum.Enum):
     """A conductor acting as leader in ``epoch`` from ``start_s`` to ``end_s``."""
     SCHEDULE = "schedule"
     """A decision to send work (a put) to ``node``, made at ``start_s``."""
+    ENGINE = "engine"
+    """A prompt (``key``: its id in :attr:`History.engine_expected`) served by the engine on
+    ``node``: ``digest`` of its greedy tokens (:func:`tokens_digest`), ``prompt_tokens``, and
+    ``reused_tokens`` of it loaded from kvtier instead of computed."""
 
 
 class Result(enum.Enum):
@@ -109,6 +126,13 @@ def expected_digest(key: str, version: int, size_bytes: int) -> str:
     return digest(chunk_value(key, version, size_bytes))
 
 
+def tokens_digest(tokens: Sequence[int]) -> str:
+    """What an engine record keeps of the token ids a request returned."""
+    if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in tokens):
+        raise InvalidArgument(f"token ids must be ints >= 0, got {list(tokens)!r}")
+    return digest(",".join(str(t) for t in tokens).encode())
+
+
 @dataclass(frozen=True, slots=True)
 class Record:
     """One request of the load. ``end_s`` None: it never returned (in flight at the end).
@@ -127,6 +151,10 @@ class Record:
     durable: bool = False
     epoch: int = 0
     error: str = ""
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    """``ENGINE`` records: the prompt's length, and how much of it the engine loaded from
+    kvtier instead of computing."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.op, Op) or not isinstance(self.result, Result):
@@ -142,12 +170,19 @@ class Record:
             raise InvalidArgument(f"a put of {self.key!r} needs size_bytes > 0")
         if self.durable and not (self.op is Op.PUT and self.result is Result.OK):
             raise InvalidArgument("only an acknowledged (OK) put can be durable")
+        if self.op is Op.ENGINE and self.result is Result.OK and self.digest is None:
+            raise InvalidArgument(f"an OK engine request of {self.key!r} needs the digest of "
+                                  "its tokens")
+        if not 0 <= self.reused_tokens <= max(self.prompt_tokens, 0):
+            raise InvalidArgument(f"reused_tokens must be in [0, prompt_tokens], got "
+                                  f"{self.reused_tokens} of {self.prompt_tokens}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"op": self.op.value, "key": self.key, "node": self.node, "start_s": self.start_s,
                 "end_s": self.end_s, "result": self.result.value, "version": self.version,
                 "size_bytes": self.size_bytes, "digest": self.digest, "durable": self.durable,
-                "epoch": self.epoch, "error": self.error}
+                "epoch": self.epoch, "error": self.error, "prompt_tokens": self.prompt_tokens,
+                "reused_tokens": self.reused_tokens}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Record:
@@ -158,7 +193,9 @@ class Record:
                        result=Result(d["result"]), version=int(d.get("version", 0)),
                        size_bytes=int(d.get("size_bytes", 0)), digest=d.get("digest"),
                        durable=bool(d.get("durable", False)), epoch=int(d.get("epoch", 0)),
-                       error=str(d.get("error", "")))
+                       error=str(d.get("error", "")),
+                       prompt_tokens=int(d.get("prompt_tokens", 0)),
+                       reused_tokens=int(d.get("reused_tokens", 0)))
         except (KeyError, ValueError, TypeError) as exc:
             raise InvalidArgument(f"not a history record: {d!r} ({exc})") from exc
 
@@ -217,6 +254,9 @@ class History:
     """(node, key) of chunks whose stored bytes the run corrupted."""
     removed: list[Removal] = field(default_factory=list)
     """REMOVED events the daemons reported (evictions at the budget, removals)."""
+    engine_expected: dict[str, str] = field(default_factory=dict)
+    """Prompt id -> :func:`tokens_digest` of its greedy output without any store (the
+    reference every ``ENGINE`` record of that prompt must equal)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,22 +268,28 @@ class Violation:
 
 def check(history: History, *, placement_grace_s: float = 0.5, require_progress: bool = True,
           max_stall_s: float | None = None, request_timeout_s: float | None = None,
-          removal_slack_s: float = 2.0) -> list[Violation]:
+          removal_slack_s: float = 2.0, engine_timeout_s: float | None = None
+          ) -> list[Violation]:
     """Every broken invariant of ``history`` (see the module docstring); [] when clean."""
     for name, value in (("placement_grace_s", placement_grace_s), ("max_stall_s", max_stall_s),
                         ("request_timeout_s", request_timeout_s),
-                        ("removal_slack_s", removal_slack_s)):
+                        ("removal_slack_s", removal_slack_s),
+                        ("engine_timeout_s", engine_timeout_s)):
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise InvalidArgument(f"{name} must be finite and >= 0, got {value}")
     out = _wrong_reads(history.records)
+    out += _wrong_outputs(history)
     out += _durable_lost(history, removal_slack_s)
     out += _placements_after_expiry(history.records, history.lease_gaps, placement_grace_s)
     out += _two_leaders(history.records)
     out += _stale_leaders(history.records)
     if require_progress:
         out += _no_progress(history, max_stall_s)
+        out += _no_engine_progress(history, engine_timeout_s)
     if request_timeout_s is not None:
         out += _over_timeout(history.records, request_timeout_s)
+    if engine_timeout_s is not None:
+        out += _engine_over_timeout(history.records, engine_timeout_s)
     return out
 
 
@@ -271,6 +317,27 @@ def _wrong_reads(records: Sequence[Record]) -> list[Violation]:
             out.append(Violation(Invariant.WRONG_READ,
                                  f"get of {r.key!r} on {r.node} at {r.start_s:.3f} returned "
                                  f"bytes (digest {r.digest}) that {why}", r))
+    return out
+
+
+def _wrong_outputs(history: History) -> list[Violation]:
+    """Engine answers whose tokens differ from the prompt's no-cache output (or whose prompt
+    has no reference: nothing vouches for them)."""
+    out = []
+    for r in history.records:
+        if r.op is not Op.ENGINE or r.result is not Result.OK:
+            continue
+        expected = history.engine_expected.get(r.key)
+        if expected is None:
+            out.append(Violation(Invariant.WRONG_READ, f"engine request of prompt {r.key!r} on "
+                                 f"{r.node} at {r.start_s:.3f} has no no-cache output to "
+                                 "compare with", r))
+        elif r.digest != expected:
+            out.append(Violation(Invariant.WRONG_READ, f"engine request of prompt {r.key!r} on "
+                                 f"{r.node} at {r.start_s:.3f} returned tokens (digest "
+                                 f"{r.digest}) that differ from its no-cache output "
+                                 f"({expected}); {r.reused_tokens} of {r.prompt_tokens} prompt "
+                                 "tokens were loaded from kvtier", r))
     return out
 
 
@@ -391,6 +458,18 @@ def _no_progress(history: History, max_stall_s: float | None) -> list[Violation]
     return out
 
 
+def _no_engine_progress(history: History, engine_timeout_s: float | None) -> list[Violation]:
+    out = []
+    for fault in history.faults:
+        stats = engine_stats(history.records, fault, engine_timeout_s)
+        if stats.attempted and not stats.completed:
+            out.append(Violation(Invariant.NO_PROGRESS,
+                                 f"fault {fault.name} on {fault.node}: none of "
+                                 f"{stats.attempted} engine requests started in "
+                                 f"[{fault.start_s:.3f}, {fault.end_s:.3f}] completed"))
+    return out
+
+
 def longest_stall(records: Sequence[Record], fault: Fault) -> tuple[float, float]:
     """The longest span inside ``fault``'s window in which no put or get was answered, and
     when it began."""
@@ -407,6 +486,15 @@ def _over_timeout(records: Sequence[Record], timeout_s: float) -> list[Violation
                       f"{r.end_s - r.start_s:.3f} s (timeout {timeout_s} s + "
                       f"{TIMEOUT_SLACK_S} s)", r)
             for r in records if r.op in (Op.PUT, Op.GET) and r.end_s is not None
+            and r.end_s - r.start_s > timeout_s + TIMEOUT_SLACK_S]
+
+
+def _engine_over_timeout(records: Sequence[Record], timeout_s: float) -> list[Violation]:
+    return [Violation(Invariant.OVER_TIMEOUT,
+                      f"engine request of prompt {r.key!r} on {r.node} at {r.start_s:.3f} "
+                      f"took {r.end_s - r.start_s:.3f} s (timeout {timeout_s} s + "
+                      f"{TIMEOUT_SLACK_S} s)", r)
+            for r in records if r.op is Op.ENGINE and r.end_s is not None
             and r.end_s - r.start_s > timeout_s + TIMEOUT_SLACK_S]
 
 
@@ -431,3 +519,25 @@ def _window_stats(records: Sequence[Record], fault: Fault) -> FaultStats:
 
 def fault_stats(history: History) -> list[FaultStats]:
     return [_window_stats(history.records, f) for f in history.faults]
+
+
+def engine_stats(records: Sequence[Record], fault: Fault,
+                 timeout_s: float | None = None) -> FaultStats:
+    """Engine requests started inside ``fault``'s window. Failed: an error, no answer, or
+    (with ``timeout_s``) an answer later than the timeout plus one second."""
+    inside = [r for r in records if r.op is Op.ENGINE
+              and fault.start_s <= r.start_s <= fault.end_s]
+    limit = math.inf if timeout_s is None else timeout_s + TIMEOUT_SLACK_S
+    completed = sum(1 for r in inside if r.end_s is not None and r.result is Result.OK
+                    and r.end_s - r.start_s <= limit)
+    return FaultStats(fault.name, len(inside), completed, len(inside) - completed)
+
+
+def engine_reuse(records: Sequence[Record], since_s: float = -math.inf,
+                 until_s: float = math.inf) -> float | None:
+    """The share of prompt tokens the engines loaded from kvtier (not computed), over the
+    engine requests answered that started in ``[since_s, until_s)``; None: there were none."""
+    done = [r for r in records if r.op is Op.ENGINE and r.result is Result.OK
+            and since_s <= r.start_s < until_s]
+    prompt = sum(r.prompt_tokens for r in done)
+    return sum(r.reused_tokens for r in done) / prompt if prompt else None

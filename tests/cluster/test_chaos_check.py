@@ -20,8 +20,11 @@ from kvstore.cluster.chaos_check import (
     chunk_value,
     digest,
     durable_unverified,
+    engine_reuse,
+    engine_stats,
     expected_digest,
     fault_stats,
+    tokens_digest,
 )
 from kvstore.errors import InvalidArgument
 
@@ -249,3 +252,93 @@ def test_a_placement_just_before_the_watch_saw_the_node_return_is_allowed() -> N
     assert check(history) == []
     [v] = check(history, placement_grace_s=0.3)
     assert v.invariant is Invariant.PLACEMENT_AFTER_EXPIRY
+
+
+# --- engine requests (issue 16: real engines under the fault suite's load) --------------------
+
+NO_CACHE = {"p0": [5, 9, 9, 2], "p1": [7, 1, 3, 3]}
+"""Greedy outputs of two prompts without any store (the references)."""
+
+
+def engine(key: str, start: float, end: float | None, *, tokens: list[int] | None = None,
+           result: Result = Result.OK, reused: int = 0, node: str = "n0") -> Record:
+    d = tokens_digest(NO_CACHE[key] if tokens is None else tokens) \
+        if result is Result.OK else None
+    return Record(Op.ENGINE, key, node, start, end, result, digest=d, prompt_tokens=80,
+                  reused_tokens=reused)
+
+
+def with_engines(*records: Record) -> History:
+    """The clean history plus engine requests: one before the fault (all computed), one
+    during it that degraded to computing, one after it that loaded 64 of 80 tokens."""
+    history = clean()
+    history.engine_expected = {k: tokens_digest(v) for k, v in NO_CACHE.items()}
+    history.records += [engine("p0", 5.0, 5.2), engine("p1", 10.5, 11.0),
+                        engine("p0", 13.0, 13.1, reused=64), *records]
+    return history
+
+
+def test_engine_outputs_equal_to_their_no_cache_outputs_pass() -> None:
+    history = with_engines()
+    assert check(history, engine_timeout_s=2.0) == []
+    [fault] = history.faults
+    stats = engine_stats(history.records, fault, 2.0)
+    assert (stats.attempted, stats.completed, stats.failed) == (1, 1, 0)
+    assert engine_reuse(history.records, until_s=fault.start_s) == 0.0
+    assert engine_reuse(history.records, since_s=fault.end_s) == 64 / 80
+    assert engine_reuse(history.records, since_s=20.0) is None
+
+
+def test_an_engine_output_that_differs_from_its_no_cache_output_is_a_wrong_read() -> None:
+    wrong = engine("p1", 13.5, 13.6, tokens=[7, 1, 3, 4], reused=64)  # its last token differs
+    [v] = check(with_engines(wrong))
+    assert v.invariant is Invariant.WRONG_READ and v.record == wrong
+    assert "64 of 80 prompt tokens were loaded from kvtier" in v.message
+    other = engine("p0", 13.5, 13.6, tokens=NO_CACHE["p1"])  # another prompt's output
+    [v] = check(with_engines(other))
+    assert v.invariant is Invariant.WRONG_READ
+
+
+def test_an_engine_output_with_no_reference_is_a_wrong_read() -> None:
+    history = with_engines()
+    history.engine_expected.pop("p1")
+    [v] = check(history)
+    assert v.invariant is Invariant.WRONG_READ and "no no-cache output" in v.message
+
+
+def test_an_engine_request_past_its_timeout_fails_and_breaks_the_bound() -> None:
+    slow = engine("p0", 10.2, 13.5)  # 3.3 s: past 2 s + 1 s, started in the fault window
+    history = with_engines(slow)
+    [v] = check(history, engine_timeout_s=2.0)
+    assert v.invariant is Invariant.OVER_TIMEOUT and v.record == slow
+    assert check(history) == []  # no engine bound asked for
+    stats = engine_stats(history.records, history.faults[0], 2.0)
+    assert (stats.attempted, stats.completed, stats.failed) == (2, 1, 1)
+    stats = engine_stats(history.records, history.faults[0])
+    assert (stats.attempted, stats.completed, stats.failed) == (2, 2, 0)
+
+
+def test_no_engine_request_completed_during_a_fault_is_no_progress() -> None:
+    history = with_engines(engine("p0", 10.1, 10.4, result=Result.ERR),
+                           engine("p0", 11.0, None, result=Result.ERR))
+    history.records = [r for r in history.records if not (r.op is Op.ENGINE and r.key == "p1")]
+    [v] = check(history)
+    assert v.invariant is Invariant.NO_PROGRESS and "none of 2 engine requests" in v.message
+    assert check(history, require_progress=False) == []
+    stats = engine_stats(history.records, history.faults[0])
+    assert (stats.attempted, stats.completed, stats.failed) == (2, 0, 2)
+
+
+def test_engine_records_round_trip_and_bad_ones_are_refused() -> None:
+    for r in with_engines(engine("p0", 11.0, 11.5, result=Result.ERR)).records:
+        assert Record.from_dict(r.to_dict()) == r
+    with pytest.raises(InvalidArgument, match="digest of its tokens"):
+        Record(Op.ENGINE, "p0", "n0", 1.0, 2.0, Result.OK, prompt_tokens=8)
+    with pytest.raises(InvalidArgument, match="reused_tokens"):
+        Record(Op.ENGINE, "p0", "n0", 1.0, 2.0, Result.OK, digest="x", prompt_tokens=8,
+               reused_tokens=9)
+    with pytest.raises(InvalidArgument, match="token ids"):
+        tokens_digest([1, -2])
+    assert tokens_digest([1, 23]) != tokens_digest([12, 3])
+    with pytest.raises(InvalidArgument, match="engine_timeout_s"):
+        check(with_engines(), engine_timeout_s=-1.0)
