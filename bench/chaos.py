@@ -857,13 +857,16 @@ def rss_bytes(pid: int) -> int:
 def _leaks(before: dict[str, int], after: dict[str, int], fds_before: dict[str, int],
            fds_after: dict[str, int]) -> dict[str, int]:
     """What a daemon holds after a fault beyond what it held before: lease-channel leases,
-    data connections, DRAM bytes still pinned or reserved once its DRAM was emptied, socket
-    and other (not segment-file) descriptors. A probe that got no answer (-1) is one leak."""
+    data connections, UCX endpoints, DRAM bytes still pinned or reserved once its DRAM was
+    emptied, socket and other (not segment-file) descriptors. A probe that got no answer (-1)
+    is one leak."""
     if -1 in after.values():
         return {"no_answer": 1}
     return {"shm_leases": max(0, after["shm_leases_open"] - max(before["shm_leases_open"], 0)),
             "tcp_connections": max(0, after["tcp_connections_open"]
                                    - max(before["tcp_connections_open"], 0)),
+            "ucx_endpoints": max(0, after["ucx_endpoints_open"]
+                                 - max(before["ucx_endpoints_open"], 0)),
             "dram_bytes_held": max(0, after["dram_used_bytes"]
                                    - max(before["dram_used_bytes"], 0)),
             "sockets": max(0, fds_after["sockets"] - fds_before["sockets"]),
@@ -1922,7 +1925,7 @@ class _Load:
             record = self.membership.snapshot().get(node)
             if record is None:
                 return {"tcp_connections_open": -1, "shm_leases_open": -1,
-                        "dram_used_bytes": -1, "dram_chunks": -1}
+                        "ucx_endpoints_open": -1, "dram_used_bytes": -1, "dram_chunks": -1}
             try:
                 self.empty_dram(node)
                 with StoreClient.connect(record.grpc_address, StoreClientConfig(
@@ -1930,10 +1933,11 @@ class _Load:
                     stats = control.stats()
             except KvtierError:
                 return {"tcp_connections_open": -1, "shm_leases_open": -1,
-                        "dram_used_bytes": -1, "dram_chunks": -1}
+                        "ucx_endpoints_open": -1, "dram_used_bytes": -1, "dram_chunks": -1}
             [dram] = [t for t in stats.tiers if t.tier == pb.TIER_DRAM]
             return {"tcp_connections_open": int(stats.tcp_connections_open),
                     "shm_leases_open": int(stats.shm_leases_open),
+                    "ucx_endpoints_open": int(stats.ucx_endpoints_open),
                     "dram_used_bytes": int(dram.used_bytes), "dram_chunks": int(dram.chunks)}
         finally:
             with self.lock:
@@ -1952,7 +1956,8 @@ class _Load:
                 while True:
                     stats = control.stats()
                     held = {"tcp_connections_open": int(stats.tcp_connections_open),
-                            "shm_leases_open": int(stats.shm_leases_open)}
+                            "shm_leases_open": int(stats.shm_leases_open),
+                            "ucx_endpoints_open": int(stats.ucx_endpoints_open)}
                     corrupt = sum(int(t.corrupt) for t in stats.tiers)
                     if not any(held.values()) or time.monotonic() > deadline:
                         break

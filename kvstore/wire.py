@@ -158,6 +158,7 @@ def stats_doc(reply: Any, address: str) -> dict[str, Any]:
         "hit_ratio": hits / lookups if lookups else None, "last_seq": reply.last_seq,
         "shm_leases_open": reply.shm_leases_open,
         "tcp_connections_open": reply.tcp_connections_open,
+        "ucx_endpoints_open": reply.ucx_endpoints_open,
         "tiers": [{
             "tier": PB_TO_TIER[t.tier].value, "capacity_bytes": t.capacity_bytes,
             "used_bytes": t.used_bytes, "chunks": t.chunks, "hits": t.hits, "puts": t.puts,

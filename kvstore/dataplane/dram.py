@@ -43,18 +43,20 @@ from __future__ import annotations
 
 import enum
 import logging
+import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvstore.dataplane.allocator import ExtentAllocator
 from kvstore.dataplane.arena import PinMode, ShmArena, copy_bytes, host_byte_view
 from kvstore.dataplane.compress import Codec, CodecKind, CodecSpec, make_codec
 from kvstore.dataplane.extent_table import Extent, ExtentTable, ExtentTableTier
-from kvstore.dataplane.read_index import ReadIndex
-from kvstore.dataplane.tier import ChunkInfo, ChunkKey, TierKind, check_key
+from kvstore.dataplane.read_index import ReadIndex, slots_for
+from kvstore.dataplane.tier import ChunkInfo, ChunkKey, TierKind, TierStats, check_key
 from kvstore.errors import (
     ChunkCorrupt,
+    ChunkExists,
     InvalidArgument,
     InvariantViolation,
     KvtierError,
@@ -206,7 +208,11 @@ class DramTier(ExtentTableTier):
         arena_name: str | None = None,
         prefault: bool = True,
         read_index_slots: int = 0,
+        group: int | None = None,
     ) -> None:
+        """``group`` (a gid): the arena is that group's, ``0660``, and its read index ``0640``
+        (same-host clients of the group map them); else both are ``0600``
+        (:func:`~kvstore.dataplane.arena.arena_mode`)."""
         if not isinstance(capacity_bytes, int) or capacity_bytes < alignment_bytes:
             raise InvalidArgument(
                 f"capacity must be an int >= {alignment_bytes} bytes, got {capacity_bytes!r}"
@@ -216,7 +222,7 @@ class DramTier(ExtentTableTier):
         self._codec_spec = spec
         allocator = ExtentAllocator(capacity_bytes, alignment_bytes)  # validates alignment
         self._arena = ShmArena.create(
-            allocator.capacity_bytes, name=arena_name, prefault=prefault, pin=pin
+            allocator.capacity_bytes, name=arena_name, prefault=prefault, pin=pin, group=group
         )
         self._read_index: ReadIndex | None = None
         if read_index_slots > 0:
@@ -224,7 +230,7 @@ class DramTier(ExtentTableTier):
                 self._read_index = ReadIndex.create(
                     read_index_slots, arena_name=self._arena.name,
                     arena_bytes=self._arena.size_bytes,
-                    name=None if arena_name is None else f"{arena_name}.index")
+                    name=None if arena_name is None else f"{arena_name}.index", group=group)
             except TierUnavailable as exc:
                 log.warning("DRAM tier without a read index (same-host reads take leases): %s",
                             exc)
@@ -522,3 +528,331 @@ class DramTier(ExtentTableTier):
 
     def __repr__(self) -> str:
         return f"DramTier({self.capacity_bytes} bytes, arena={self._arena.name!r})"
+
+
+# --- arenas per tenant group ----------------------------------------------------------------
+
+DEFAULT_ARENA = ""
+"""The name of a :class:`GroupedDramTier`'s default arena: the chunks of every tenant in no
+group (the default tenant's and the shared tenant's among them)."""
+
+_GROUP_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+
+
+@dataclass(frozen=True, slots=True)
+class ArenaGroup:
+    """One arena of a :class:`GroupedDramTier`: the ``tenants`` whose chunks it alone holds,
+    its ``capacity_bytes``, and ``gid``, the group it is handed to (``0660``; None: ``0600``,
+    the daemon's uid only). Validates itself (InvalidArgument)."""
+
+    name: str
+    tenants: frozenset[str]
+    capacity_bytes: int
+    gid: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _GROUP_NAME_RE.match(self.name):
+            raise InvalidArgument(f"an arena group's name is 1-64 of [A-Za-z0-9_-], starting "
+                                  f"with a letter or digit, got {self.name!r}")
+        if not isinstance(self.tenants, frozenset) or not self.tenants or not all(
+                isinstance(t, str) for t in self.tenants):
+            raise InvalidArgument(f"arena group {self.name!r} needs a non-empty frozenset of "
+                                  f"tenant names, got {self.tenants!r}")
+        if not isinstance(self.capacity_bytes, int) or isinstance(self.capacity_bytes, bool) \
+                or self.capacity_bytes < 1:
+            raise InvalidArgument(f"arena group {self.name!r}: capacity_bytes must be a "
+                                  f"positive int, got {self.capacity_bytes!r}")
+        if self.gid is not None and (not isinstance(self.gid, int) or isinstance(self.gid, bool)
+                                     or self.gid < 0):
+            raise InvalidArgument(f"arena group {self.name!r}: gid must be an int >= 0 or None, "
+                                  f"got {self.gid!r}")
+
+
+class GroupedDramTier:
+    """The pinned-DRAM tier as several arenas, one per tenant group plus the default one
+    (:data:`DEFAULT_ARENA`: every tenant in no group), for hosts shared by engines that must
+    not read each other's chunks (docs/dram-arena.md, "Arenas per tenant group").
+
+    Each arena is a :class:`DramTier` of its own (shared-memory segment handed to its group's
+    gid, allocator, extent table, read index): a process that may map one arena reads only the
+    chunks of that group's tenants. Writes go to the arena of the tenant the calling thread
+    writes for (:func:`writing_for`, as the read index's owner tags do), so every copy the
+    cache places in DRAM (a put, a reservation, a promotion back from NVMe) lands in its
+    owner's arena; an arena that is full raises CapacityError even where another has room (the
+    cache then evicts only chunks of that arena's tenants: ``same_arena``). Reads, sizes and
+    removes find the key in whichever arena holds it (a key is in at most one: a write of a key
+    another arena holds is ChunkExists).
+
+    The ``Tier`` contract is :class:`DramTier`'s; ``capacity_bytes`` and ``stats`` are the
+    sums over the arenas. ``arena_name``, ``read_index`` and ``read_index_name`` are the default
+    arena's; :meth:`arena` gives a group's. Raises InvalidArgument for groups that overlap (a
+    tenant in two, two of one name) or leave the default arena less than ``alignment_bytes``,
+    and what :class:`DramTier` raises (nothing is left behind when one arena fails)."""
+
+    _KIND = TierKind.DRAM
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        groups: Sequence[ArenaGroup],
+        *,
+        alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
+        codec: CodecSpec | None = None,
+        pin: PinMode = PinMode.AUTO,
+        arena_name: str | None = None,
+        prefault: bool = True,
+        read_index_slots: int = 0,
+        group: int | None = None,
+    ) -> None:
+        """``capacity_bytes``: all arenas together; the default arena gets what the groups
+        leave. ``read_index_slots`` > 0: the default arena's index has that many slots and each
+        group's :func:`~kvstore.dataplane.read_index.slots_for` its capacity. ``group``: the
+        default arena's gid (as :class:`DramTier`'s)."""
+        if not groups:
+            raise InvalidArgument("a grouped DRAM tier needs at least one arena group")
+        owner_of: dict[str, str] = {}
+        names: set[str] = set()
+        for g in groups:
+            if not isinstance(g, ArenaGroup):
+                raise InvalidArgument(f"arena groups must be ArenaGroup, got {g!r}")
+            if g.name in names:
+                raise InvalidArgument(f"two arena groups are named {g.name!r}")
+            names.add(g.name)
+            for tenant in sorted(g.tenants):
+                if tenant in owner_of:
+                    raise InvalidArgument(f"tenant {tenant!r} is in arena groups "
+                                          f"{owner_of[tenant]!r} and {g.name!r}: a tenant's "
+                                          "chunks live in one arena")
+                owner_of[tenant] = g.name
+        rest = capacity_bytes - sum(g.capacity_bytes for g in groups)
+        if rest < alignment_bytes:
+            raise InvalidArgument(
+                f"the arena groups take {capacity_bytes - rest} of the tier's {capacity_bytes} "
+                f"bytes, leaving the default arena (every tenant in no group) {rest}: less than "
+                f"{alignment_bytes}")
+        self._group_of = owner_of
+        self._groups = tuple(groups)
+        self._parts: dict[str, DramTier] = {}
+        try:
+            self._parts[DEFAULT_ARENA] = DramTier(
+                rest, alignment_bytes=alignment_bytes, codec=codec, pin=pin,
+                arena_name=arena_name, prefault=prefault, read_index_slots=read_index_slots,
+                group=group)
+            for g in groups:
+                self._parts[g.name] = DramTier(
+                    g.capacity_bytes, alignment_bytes=alignment_bytes, codec=codec, pin=pin,
+                    arena_name=None if arena_name is None else f"{arena_name}.{g.name}",
+                    prefault=prefault,
+                    read_index_slots=slots_for(g.capacity_bytes) if read_index_slots > 0 else 0,
+                    group=g.gid)
+        except BaseException:
+            for part in self._parts.values():
+                part.close()
+            raise
+        self._default = self._parts[DEFAULT_ARENA]
+        self._all = tuple(self._parts.values())
+        log.info("DRAM tier in %d arenas: %s", len(self._parts), ", ".join(
+            f"{name or '(default)'} {part.capacity_bytes} bytes in {part.arena_name}"
+            for name, part in self._parts.items()))
+
+    # --- arenas -------------------------------------------------------------------------------
+
+    @property
+    def groups(self) -> tuple[ArenaGroup, ...]:
+        return self._groups
+
+    def arena(self, name: str) -> DramTier:
+        """The arena ``name`` (a group's, or :data:`DEFAULT_ARENA`). Raises InvalidArgument."""
+        part = self._parts.get(name)
+        if part is None:
+            raise InvalidArgument(f"no arena group {name!r} (groups: "
+                                  f"{', '.join(g.name for g in self._groups)})")
+        return part
+
+    def arena_of(self, tenant: str) -> str:
+        """The arena whose chunks are ``tenant``'s (:data:`DEFAULT_ARENA` for a tenant in no
+        group)."""
+        return self._group_of.get(tenant, DEFAULT_ARENA)
+
+    def same_arena(self, tenant: str) -> Callable[[str], bool]:
+        """A test of whether another tenant's chunks share ``tenant``'s arena: what eviction
+        made for ``tenant``'s write may take (a full arena frees room only in itself)."""
+        group_of, mine = self._group_of, self.arena_of(tenant)
+        return lambda other: group_of.get(other, DEFAULT_ARENA) == mine
+
+    def _writing(self) -> DramTier:
+        return self._parts[self._group_of.get(_writer.owner, DEFAULT_ARENA)]
+
+    def _holder(self, key: bytes) -> DramTier | None:
+        for part in self._all:
+            if part.contains(key):
+                return part
+        return None
+
+    def _elsewhere(self, key: bytes, part: DramTier) -> bool:
+        """Whether an arena other than ``part`` holds ``key``."""
+        return any(p is not part and p.contains(key) for p in self._all)
+
+    def _slot_part(self, slot: object) -> DramTier:
+        tier = slot._tier if isinstance(slot, DramSlot) else None
+        if tier is None or all(tier is not p for p in self._all):
+            raise InvalidArgument("slot was not reserved from this tier")
+        return tier
+
+    # --- identity -----------------------------------------------------------------------------
+
+    @property
+    def kind(self) -> TierKind:
+        return self._KIND
+
+    @property
+    def capacity_bytes(self) -> int:
+        return sum(p.capacity_bytes for p in self._all)
+
+    @property
+    def arena_name(self) -> str:
+        """The default arena's shared-memory name (a group's: ``arena(name).arena_name``)."""
+        return self._default.arena_name
+
+    @property
+    def read_index(self) -> ReadIndex | None:
+        return self._default.read_index
+
+    @property
+    def read_index_name(self) -> str:
+        return self._default.read_index_name
+
+    @property
+    def pinned(self) -> bool:
+        return all(p.pinned for p in self._all)
+
+    @property
+    def prefault_s(self) -> float | None:
+        times = [p.prefault_s for p in self._all if p.prefault_s is not None]
+        return sum(times) if times else None
+
+    @property
+    def codec(self) -> CodecSpec:
+        return self._default.codec
+
+    # --- writes -------------------------------------------------------------------------------
+
+    def put(self, key: bytes, src: object) -> ChunkInfo:
+        """:meth:`DramTier.put` into the writer's arena (ChunkExists when another holds it)."""
+        part = self._writing()
+        if self._elsewhere(key, part):
+            raise ChunkExists(f"chunk {check_key(key).hex()} is held in another arena")
+        return part.put(key, src)
+
+    def reserve(self, key: bytes, size_bytes: int) -> DramSlot:
+        """:meth:`DramTier.reserve` in the writer's arena (ChunkExists when another holds it)."""
+        part = self._writing()
+        if self._elsewhere(key, part):
+            raise ChunkExists(f"chunk {check_key(key).hex()} is held in another arena")
+        return part.reserve(key, size_bytes)
+
+    def commit(self, slot: DramSlot) -> ChunkInfo:
+        return self._slot_part(slot).commit(slot)
+
+    def abort(self, slot: DramSlot) -> None:
+        self._slot_part(slot).abort(slot)
+
+    def reserve_many(self, keys: Sequence[bytes], sizes_bytes: Sequence[int]
+                     ) -> list[DramSlot | KvtierError]:
+        """:meth:`DramTier.reserve_many` in the writer's arena; ChunkExists for a key another
+        arena holds."""
+        if len(keys) != len(sizes_bytes):
+            raise InvalidArgument(f"{len(keys)} keys but {len(sizes_bytes)} sizes")
+        part = self._writing()
+        out: list[DramSlot | KvtierError | None] = [None] * len(keys)
+        at: list[int] = []
+        for i, key in enumerate(keys):
+            try:
+                if self._elsewhere(key, part):
+                    out[i] = ChunkExists(f"chunk {check_key(key).hex()} is held in another "
+                                         "arena")
+                    continue
+            except InvalidArgument as exc:
+                out[i] = exc
+                continue
+            at.append(i)
+        got = part.reserve_many([keys[i] for i in at], [sizes_bytes[i] for i in at])
+        for i, result in zip(at, got, strict=True):
+            out[i] = result
+        return [r for r in out if r is not None]
+
+    def commit_many(self, slots: Sequence[DramSlot], after: Sequence[int] | None = None
+                    ) -> list[ChunkInfo | KvtierError]:
+        """:meth:`DramTier.commit_many`: in one call to the arena when every slot is one
+        arena's (a tenant's batch), else slot by slot (``after`` as there)."""
+        if after is not None and len(after) != len(slots):
+            raise InvalidArgument(f"{len(slots)} slots but {len(after)} parent positions")
+        first = slots[0]._tier if slots and isinstance(slots[0], DramSlot) else None
+        if first is not None and any(first is p for p in self._all) and all(
+                isinstance(s, DramSlot) and s._tier is first for s in slots):
+            return first.commit_many(slots, after)
+        out: list[ChunkInfo | KvtierError] = []
+        for i, slot in enumerate(slots):
+            parent = -1 if after is None else after[i]
+            if parent >= 0 and (parent >= i or isinstance(out[parent], KvtierError)):
+                out.append(InvalidArgument(f"slot {slot.key.hex()} must follow the slot "
+                                           "before it in the batch, which failed"))
+                continue
+            try:
+                out.append(self.commit(slot))
+            except KvtierError as exc:
+                out.append(exc)
+        return out
+
+    # --- reads --------------------------------------------------------------------------------
+
+    def get_into(self, key: bytes, dst: object) -> int:
+        return (self._holder(key) or self._default).get_into(key, dst)
+
+    def view(self, key: bytes) -> memoryview:
+        return (self._holder(key) or self._default).view(key)
+
+    def is_zero_copy(self, key: bytes) -> bool | None:
+        part = self._holder(key)
+        return None if part is None else part.is_zero_copy(key)
+
+    def locate(self, key: bytes) -> ChunkLocation | None:
+        """Where the chunk lies in the arena holding it (which one: :meth:`arena_of` its
+        owner), or None."""
+        part = self._holder(key)
+        return None if part is None else part.locate(key)
+
+    def contains(self, key: bytes) -> bool:
+        return self._holder(key) is not None
+
+    def size_of(self, key: bytes) -> int | None:
+        part = self._holder(key)
+        return None if part is None else part.size_of(key)
+
+    def remove(self, key: bytes) -> bool:
+        part = self._holder(key)
+        return False if part is None else part.remove(key)
+
+    def chunks(self) -> Iterator[ChunkInfo]:
+        return iter([info for part in self._all for info in part.chunks()])
+
+    def stats(self) -> TierStats:
+        parts = [p.stats() for p in self._all]
+        return TierStats(self._KIND, sum(s.capacity_bytes for s in parts),
+                         sum(s.used_bytes for s in parts), sum(s.chunks for s in parts),
+                         max(s.largest_free_bytes for s in parts))
+
+    def close(self) -> None:
+        """Close every arena. Idempotent."""
+        for part in self._all:
+            part.close()
+
+    def __enter__(self) -> GroupedDramTier:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"GroupedDramTier({self.capacity_bytes} bytes, arenas "
+                f"{[name or '(default)' for name in self._parts]})")

@@ -234,9 +234,11 @@ class ReadIndex:
 
     @classmethod
     def create(cls, slots: int, *, arena_name: str, arena_bytes: int,
-               name: str | None = None) -> ReadIndex:
+               name: str | None = None, group: int | None = None) -> ReadIndex:
         """Make, map and initialise an index segment of ``slots`` slots (a power of two >=
-        :data:`MIN_SLOTS`) for the arena ``arena_name`` of ``arena_bytes``.
+        :data:`MIN_SLOTS`) for the arena ``arena_name`` of ``arena_bytes``. ``group`` (a gid):
+        the segment is that group's, ``0640`` (its arena's readers map it read-only); else
+        ``0600``.
 
         Raises InvalidArgument (bad slot count or name), CapacityError (no room in /dev/shm),
         TierUnavailable (not supported here: :func:`lease_free_supported`, robust mutexes).
@@ -250,7 +252,8 @@ class ReadIndex:
         encoded = arena_name.encode()
         if len(encoded) > 255:
             raise InvalidArgument(f"arena name {arena_name!r} is too long for the read index")
-        segment = ShmArena.create(HEADER_BYTES + slots * SLOT_BYTES, name=name, pin=PinMode.OFF)
+        segment = ShmArena.create(HEADER_BYTES + slots * SLOT_BYTES, name=name, pin=PinMode.OFF,
+                                  group=group, group_access=ArenaAccess.READ_ONLY)
         try:
             buf = segment.view(0, HEADER_BYTES, readonly=False)
             HEADER_STRUCT.pack_into(buf, 0, MAGIC, VERSION, SLOT_BYTES, slots, arena_bytes,

@@ -67,7 +67,7 @@ from dataclasses import dataclass
 from kvstore.dataplane import native
 from kvstore.dataplane.arena import copy_bytes
 from kvstore.dataplane.compress import CodecKind
-from kvstore.dataplane.dram import DramSlot, DramTier
+from kvstore.dataplane.dram import DEFAULT_ARENA, DramSlot, DramTier, GroupedDramTier
 from kvstore.dataplane.tier import MAX_KEY_BYTES, ChunkKey, TierKind, WriteSlot, check_key
 from kvstore.dataplane.transport.auth import TenantScope
 from kvstore.dataplane.transport.base import ArenaRange, ViewReadLease
@@ -320,10 +320,10 @@ class CacheLeaseBackend:
     def __init__(self, cache: TieredCache, *, parents: ParentHints | None = None,
                  read_ttl_s: float | None = None) -> None:
         dram = cache.tiers.get(TierKind.DRAM)
-        if not isinstance(dram, DramTier):
+        if not isinstance(dram, DramTier | GroupedDramTier):
             raise InvalidArgument("the daemon's lease backend needs a DRAM tier")
         self.cache = cache
-        self.dram: DramTier = dram
+        self.dram: DramTier | GroupedDramTier = dram
         self.parents = parents or ParentHints()
         self._read_ttl_s = read_ttl_s or cache.config.lease_ttl_s
         self._native_lock = threading.Lock()
@@ -559,16 +559,31 @@ class ShmLeases:
 
     ``max_ttl_s`` bounds every TTL (:func:`check_ttl`); ``budget`` counts this object's
     leases (one per read lease, however many keys, and one per reservation) together with the
-    daemon's gRPC pins (a fresh one of ``max_leases`` when not given)."""
+    daemon's gRPC pins (a fresh one of ``max_leases`` when not given).
+
+    Arenas per tenant group (a :class:`~kvstore.dataplane.dram.GroupedDramTier`): these leases
+    are on one arena, ``arena`` (a group's name; None or "": the default arena), whose clients
+    map only it. They serve only the tenants whose chunks that arena holds: a session of another
+    tenant is refused (:meth:`scoped`: PermissionDenied, "not in this arena's group"), as is a
+    write for one, and a read sees only chunks of this arena (another arena's, such as a shared
+    chunk in the default arena read through a group's leases, is a miss here)."""
 
     def __init__(self, cache: TieredCache, *, max_ttl_s: float = DEFAULT_MAX_TTL_S,
-                 max_leases: int = DEFAULT_MAX_LEASES, budget: LeaseBudget | None = None
-                 ) -> None:
+                 max_leases: int = DEFAULT_MAX_LEASES, budget: LeaseBudget | None = None,
+                 arena: str | None = None) -> None:
         dram = cache.tiers.get(TierKind.DRAM)
-        if not isinstance(dram, DramTier):
+        if isinstance(dram, GroupedDramTier):
+            self.arena = arena or DEFAULT_ARENA
+            part = dram.arena(self.arena)
+            self._grouped: GroupedDramTier | None = dram
+        elif isinstance(dram, DramTier):
+            if arena:
+                raise InvalidArgument(f"no arena group {arena!r}: the DRAM tier has one arena")
+            self.arena, part, self._grouped = DEFAULT_ARENA, dram, None
+        else:
             raise InvalidArgument("same-host leases need a DRAM tier")
         self._cache = cache
-        self._dram = dram
+        self._dram: DramTier = part
         self._lock = threading.Lock()
         self._reads: dict[int, _ReadRecord] = {}
         self._writes: dict[int, _WriteRecord] = {}
@@ -584,6 +599,30 @@ class ShmLeases:
     @property
     def arena_name(self) -> str:
         return self._dram.arena_name
+
+    @property
+    def read_index_name(self) -> str:
+        """The read index of this arena ("" when off)."""
+        return self._dram.read_index_name
+
+    def admits(self, tenant: str) -> bool:
+        """Whether ``tenant``'s chunks live in this arena (always, with one arena)."""
+        return self._grouped is None or self._grouped.arena_of(tenant) == self.arena
+
+    def _check_admits(self, tenant: str) -> None:
+        if not self.admits(tenant):
+            assert self._grouped is not None
+            raise PermissionDenied(
+                f"tenant {tenant!r} is not in this arena's group ("
+                f"{self.arena or 'the default arena'}): its chunks live in arena group "
+                f"{self._grouped.arena_of(tenant) or '(default)'}, served on that group's lease "
+                "channel only")
+
+    def has_write(self, lease_id: int, owner: object | None) -> bool:
+        """Whether ``lease_id`` is an open reservation of ``owner`` here."""
+        with self._lock:
+            rec = self._writes.get(lease_id)
+            return rec is not None and rec.owner == owner
 
     def open_count(self) -> tuple[int, int]:
         """(read leases, write leases) outstanding."""
@@ -637,6 +676,8 @@ class ShmLeases:
         lease: Lease | None = None
         for _attempt in range(_PREFIX_RETRIES):
             wanted = checked[:self._cache.lookup(checked, tenant).length] if prefix else checked
+            if self._grouped is not None:
+                wanted = self._in_this_arena(wanted, tenant, prefix)
             if not wanted:
                 self._cache.count_miss(tenant)
                 return None, []
@@ -661,6 +702,23 @@ class ShmLeases:
             self._cache.unpin(lease)
             raise
         return lease, ranges
+
+    def _in_this_arena(self, keys: list[ChunkKey], tenant: str | None, prefix: bool
+                       ) -> list[ChunkKey]:
+        """``keys`` up to the first one whose chunk lies in another arena (a chunk's arena is
+        its owner's, which never changes, so this holds for the pin that follows). Without
+        ``prefix`` such a key is a miss (ChunkNotFound). A key not cached stays: ``pin_in``
+        reports it."""
+        assert self._grouped is not None
+        arena_of = self._grouped.arena_of
+        for i, key in enumerate(keys):
+            entry = self._cache.entry(key, tenant)
+            if entry is not None and arena_of(entry.tenant) != self.arena:
+                if not prefix:
+                    raise ChunkNotFound(key, "this lease channel's arena (it is in another "
+                                        "tenant group's)")
+                return keys[:i]
+        return keys
 
     def release(self, lease_id: int, *, owner: object | None = None) -> bool:
         """End a read lease of ``owner``. False, and nothing changes, when it is unknown
@@ -692,6 +750,7 @@ class ShmLeases:
         check_ttl(ttl_s, self.max_ttl_s)
         k = check_key(key)
         p = None if parent is None else check_key(parent)
+        self._check_admits(tenant)
         pending = p is not None and self._reserved_by(p, owner)
         deadline = time.monotonic() + ttl_s
         self.budget.take()
@@ -733,6 +792,11 @@ class ShmLeases:
         n = len(items)
         if len(sizes_bytes) != n:
             raise InvalidArgument(f"{n} items but {len(sizes_bytes)} sizes")
+        if not self.admits(DEFAULT_TENANT if tenant is None else tenant):
+            try:
+                self._check_admits(DEFAULT_TENANT if tenant is None else tenant)
+            except PermissionDenied as exc:
+                return [exc for _item in items]
         out: list[tuple[int, int] | KvtierError | None] = [None] * n
         wanted: list[int] = []
         keys: list[bytes] = []
@@ -868,7 +932,11 @@ class ShmLeases:
 
     def scoped(self, scope: TenantScope) -> TenantShmLeases:
         """These leases as one lease-channel session of ``scope`` sees them (module docstring,
-        "Tenants")."""
+        "Tenants"). Raises PermissionDenied for a scope whose tenant is not in this arena's
+        group (class docstring)."""
+        for tenant in (scope.read, scope.write):
+            if tenant is not None:
+                self._check_admits(tenant)
         return TenantShmLeases(self, scope)
 
     def size_of(self, key: bytes, *, tenant: str | None = None) -> int | None:
@@ -891,6 +959,7 @@ class ShmLeases:
         """Store a small value that arrived with its request (no lease), owned by ``tenant``;
         as ``TieredCache.put``. ``value`` is read only during the call (the lease channel lends
         its receive buffer)."""
+        self._check_admits(tenant)
         self._cache.put(check_key(key), value, parent=None if parent is None else
                         check_key(parent), tenant=tenant)
         with self._lock:

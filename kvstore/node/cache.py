@@ -535,7 +535,7 @@ class TieredCache:
             shortfall = used + total - capacity
             if shortfall > 0 and total <= capacity:
                 try:
-                    self._evict(kind, shortfall, driver=owner)
+                    self._evict(kind, shortfall, driver=owner, only=_arena_mates(target, owner))
                 except CapacityError as exc:  # each item below makes what room it can
                     log.debug("batch reserve of %d bytes in %s: %s", total, kind.value, exc)
             # ...then one tier call for them (room made above)...
@@ -1091,9 +1091,10 @@ class TieredCache:
         if self._quotas:
             self._make_room_under_cap(kind, owner, size, request)
             usage = self._index.usage(kind)
+        mates = _arena_mates(target, owner)
         shortfall = usage.used_bytes + size - usage.capacity_bytes
         if shortfall > 0:
-            self._evict(kind, shortfall, driver=driver)
+            self._evict(kind, shortfall, driver=driver, only=mates)
         for _attempt in range(_MAX_ROOM_ATTEMPTS):
             try:
                 start = time.perf_counter()
@@ -1105,8 +1106,10 @@ class TieredCache:
                 # reuse their space would trade acknowledged (durable) data for new puts.
                 raise
             except CapacityError:
-                # Logical room exists but the tier needs more (alignment, headers, fragments).
-                self._evict(kind, max(size, target.capacity_bytes // 64), driver=driver)
+                # Logical room exists but the tier needs more (alignment, headers, fragments;
+                # or, in a tier of several arenas, the owner's arena is full).
+                self._evict(kind, max(size, target.capacity_bytes // 64), driver=driver,
+                            only=mates)
         raise CapacityError(f"{kind.value}: no room for {size} bytes after evicting "
                             f"{_MAX_ROOM_ATTEMPTS} times")
 
@@ -1132,10 +1135,11 @@ class TieredCache:
                 f"there evicted first, which is not possible ({exc})") from exc
 
     def _evict(self, kind: TierKind, bytes_needed: int, *, include_backing: bool = True,
-               driver: str | None = None, only: str | None = None,
+               driver: str | None = None, only: str | Callable[[str], bool] | None = None,
                guarantees: bool = True) -> None:
         """Free ``bytes_needed`` in ``kind`` (demoting, else dropping) for ``driver``'s write
-        (None: the cache's own work); ``only``: only that tenant's chunks; ``guarantees``:
+        (None: the cache's own work); ``only``: only that tenant's chunks (or those of the
+        tenants the test admits: :func:`_arena_mates`); ``guarantees``:
         keep other tenants' guaranteed shares (``CacheIndex``, "Quotas")."""
         claim = self._index.claim_eviction(kind, bytes_needed, self._config.lease_ttl_s,
                                            include_backing=include_backing, tenant=driver,
@@ -1311,6 +1315,14 @@ class TieredCache:
             c = self._counters[kind]
             for name, delta in deltas.items():
                 setattr(c, name, getattr(c, name) + delta)
+
+
+def _arena_mates(target: Tier, owner: str) -> Callable[[str], bool] | None:
+    """In a tier of several arenas (``GroupedDramTier``): which tenants' chunks share
+    ``owner``'s arena, the only ones whose eviction makes room for its write (a full arena of
+    one tenant group never evicts another group's chunks). None: any tenant's."""
+    same_arena = getattr(target, "same_arena", None)
+    return None if same_arena is None else same_arena(owner)  # type: ignore[no-any-return]
 
 
 def _orphan_error(key: bytes, parent: bytes) -> InvalidArgument:

@@ -10,7 +10,8 @@ KVTIER_DRAM__CAPACITY_BYTES)``. Unknown keys are errors too (a typo must not be 
 File layout (YAML shown; TOML uses ``[dram]`` tables)::
 
     node_id: node-a
-    dram: {capacity_bytes: 1GiB}
+    dram: {capacity_bytes: 1GiB,
+           arena_groups: ["team-a:tenants=alice+carol;group=kvtier-a;capacity=256MiB"]}
     nvme: {directory: /var/lib/kvtier, capacity_bytes: 64GiB}
     server: {host: 0.0.0.0, grpc_port: 50051, tcp_port: 50052}
     etcd: {endpoints: [10.0.0.1:2379, 10.0.0.2:2379, 10.0.0.3:2379],
@@ -51,8 +52,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import grp
 import math
 import os
+import pwd
 import re
 import socket
 import tomllib
@@ -65,6 +68,7 @@ from typing import Annotated, Any
 
 import yaml
 
+from kvstore.dataplane.dram import ArenaGroup
 from kvstore.dataplane.tier import TierKind
 from kvstore.errors import ConfigError, InvalidArgument
 from kvstore.membership.endpoints import parse_etcd_endpoints
@@ -117,8 +121,88 @@ def _port(name: str, value: int) -> None:
 
 
 @dataclass(frozen=True, slots=True)
+class ArenaGroupConfig:
+    """One entry of ``dram.arena_groups``, parsed (:func:`parse_arena_group`): an arena of its
+    own for ``tenants``, ``capacity_bytes`` of the DRAM tier, handed to the unix group ``gid``
+    (``0660``: only the daemon and that group can open it), and a lease channel of its own that
+    admits only peers whose uid is the daemon's or in ``uids``, or whose primary gid is ``gid``
+    (docs/dram-arena.md, "Arenas per tenant group")."""
+
+    name: str
+    tenants: frozenset[str]
+    gid: int
+    uids: frozenset[int]
+    capacity_bytes: int
+
+    def arena(self) -> ArenaGroup:
+        """The data plane's description of this arena."""
+        return ArenaGroup(self.name, self.tenants, self.capacity_bytes, self.gid)
+
+
+def parse_arena_group(spec: str) -> ArenaGroupConfig:
+    """One arena group from its config text ``NAME:tenants=T1+T2;group=GROUP;users=U1+U2;
+    capacity=SIZE``: ``group`` a unix group name or gid (required), ``users`` user names or
+    uids (optional), ``capacity`` a size (``64MiB``). Example:
+    ``team-a:tenants=alice+carol;group=kvtier-a;users=engine-a;capacity=4GiB``. Names are
+    looked up on this host now: an unknown group or user is a ConfigError."""
+    name, colon, rest = spec.strip().partition(":")
+    if not colon:
+        raise ConfigError(f"arena group {spec!r} must read NAME:tenants=T1+T2;group=GROUP;"
+                          "users=U1+U2;capacity=SIZE")
+    values: dict[str, str] = {}
+    for item in rest.split(";"):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or key not in ("tenants", "group", "users", "capacity") or key in values:
+            raise ConfigError(f"arena group {spec!r}: fields are tenants=, group=, users= and "
+                              "capacity=, each once, joined by ';'")
+        values[key] = value.strip()
+    for required in ("tenants", "group", "capacity"):
+        if not values.get(required):
+            raise ConfigError(f"arena group {spec!r} needs {required}=")
+    tenants = frozenset(t.strip() for t in values["tenants"].split("+"))
+    if "" in tenants:
+        raise ConfigError(f"arena group {spec!r}: an empty tenant name (the default tenant's "
+                          "chunks stay in the default arena)")
+    m = _SIZE_RE.match(values["capacity"])
+    if m is None:
+        raise ConfigError(f"arena group {spec!r}: capacity {values['capacity']!r} is not a size "
+                          "in bytes (4096, 64MiB, 1GiB)")
+    capacity = int(m.group(1).replace("_", "")) * _UNITS[m.group(2)]
+    _require(capacity >= 64 * KiB, f"arena group {spec!r}: capacity must be >= 64 KiB, got "
+             f"{capacity}")
+    users = [u.strip() for u in values.get("users", "").split("+") if u.strip()]
+    try:
+        group = ArenaGroupConfig(name.strip(), tenants, _gid(values["group"], spec),
+                                 frozenset(_uid(u, spec) for u in users), capacity)
+        group.arena()  # the data plane's checks (name, tenants)
+    except InvalidArgument as exc:
+        raise ConfigError(f"arena group {spec!r}: {exc}") from None
+    return group
+
+
+def _gid(text: str, spec: str) -> int:
+    if text.isdigit():
+        return int(text)
+    try:
+        return grp.getgrnam(text).gr_gid
+    except KeyError:
+        raise ConfigError(f"arena group {spec!r}: no unix group {text!r} on this host") from None
+
+
+def _uid(text: str, spec: str) -> int:
+    if text.isdigit():
+        return int(text)
+    try:
+        return pwd.getpwnam(text).pw_uid
+    except KeyError:
+        raise ConfigError(f"arena group {spec!r}: no user {text!r} on this host") from None
+
+
+@dataclass(frozen=True, slots=True)
 class DramConfig:
-    """The pinned-DRAM tier: one pre-faulted shared-memory arena (same-host clients map it)."""
+    """The pinned-DRAM tier: one pre-faulted shared-memory arena (same-host clients map it), or
+    with ``arena_groups`` one per tenant group plus the default one."""
 
     capacity_bytes: SizeBytes = 256 * MiB
     prefault: bool = True
@@ -131,6 +215,13 @@ class DramConfig:
     read_index_slots: int = 0
     """Slots of the read index (a power of two >= 64); 0: enough for the arena full of 64 KiB
     chunks. A chunk that finds the index full is still served, through a lease."""
+    arena_groups: tuple[str, ...] = ()
+    """Separate arenas per tenant group, for hosts shared by mutually untrusted engines
+    (docs/dram-arena.md, "Arenas per tenant group"): ``NAME:tenants=T1+T2;group=GROUP;
+    users=U1+U2;capacity=SIZE`` entries (:func:`parse_arena_group`; in text, entries are
+    separated by ``,``). Each group's capacity comes out of ``capacity_bytes``; the default
+    arena (every other tenant) keeps the rest, at least 64 KiB. A tenant is in one group at
+    most. Needs security (the tenant of a same-host session comes from its identity)."""
 
     def __post_init__(self) -> None:
         _require(self.capacity_bytes >= 64 * KiB,
@@ -138,6 +229,24 @@ class DramConfig:
         slots = self.read_index_slots
         _require(slots == 0 or (slots >= 64 and slots & (slots - 1) == 0),
                  f"read_index_slots must be 0 (auto) or a power of two >= 64, got {slots}")
+        groups = self.arena_group_list()
+        seen: dict[str, str] = {}
+        for g in groups:
+            _require(g.name not in {h.name for h in groups if h is not g},
+                     f"arena_groups: two groups are named {g.name!r}")
+            for tenant in sorted(g.tenants):
+                _require(tenant not in seen, f"arena_groups: tenant {tenant!r} is in groups "
+                         f"{seen.get(tenant)!r} and {g.name!r} (a tenant's chunks live in one "
+                         "arena)")
+                seen[tenant] = g.name
+        taken = sum(g.capacity_bytes for g in groups)
+        _require(not groups or self.capacity_bytes - taken >= 64 * KiB,
+                 f"arena_groups take {taken} of capacity_bytes {self.capacity_bytes}: the "
+                 "default arena (every tenant in no group) needs at least 64 KiB of it")
+
+    def arena_group_list(self) -> tuple[ArenaGroupConfig, ...]:
+        """The arena groups, parsed (ConfigError naming a bad entry)."""
+        return tuple(parse_arena_group(spec) for spec in self.arena_groups)
 
 
 @dataclass(frozen=True, slots=True)

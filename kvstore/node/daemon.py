@@ -54,9 +54,10 @@ from grpc_reflection.v1alpha import reflection
 from kvstore import __version__
 from kvstore._proto.kvtier.v1 import store_pb2 as pb
 from kvstore.dataplane.arena import remove_stale_arenas
-from kvstore.dataplane.dram import DramTier
+from kvstore.dataplane.dram import DEFAULT_ARENA, DramTier, GroupedDramTier
 from kvstore.dataplane.read_index import slots_for
 from kvstore.dataplane.tier import Tier, TierKind
+from kvstore.dataplane.transport.auth import PeerAllowlist
 from kvstore.dataplane.transport.shm import ShmServer
 from kvstore.dataplane.transport.tcp import TcpServer, TcpServerConfig
 from kvstore.dataplane.transport.tcp.tls import ServerTlsSource
@@ -127,6 +128,10 @@ class StoreDaemon:
         self._tcp: TcpServer | None = None
         self._ucx: UcxServer | None = None
         self._shm: ShmServer | None = None
+        self._group_leases: dict[str, ShmLeases] = {}
+        """Each arena group's leases (``dram.arena_groups``; docs/dram-arena.md)."""
+        self._group_shm: dict[str, ShmServer] = {}
+        """Each arena group's lease channel, admitting only that group's users."""
         self._grpc: grpc.aio.Server | None = None
         self._health: Any = None
         self._service: StoreService | None = None
@@ -192,6 +197,11 @@ class StoreDaemon:
         self.serving = SecureServing(cfg.security, cfg.server.host, "the daemon's gRPC service")
         if self.serving.authenticator is not None:
             self.tickets = TicketAuthority(cfg.node_id)
+        if cfg.dram.arena_groups and self.tickets is None:
+            raise ConfigError("dram.arena_groups needs security (security.token_keys or mTLS): "
+                              "a same-host session's tenant, which picks its arena, comes from "
+                              "its identity, and without it every session is the default "
+                              "tenant's")
         if cfg.etcd.enabled:  # a wrong etcd certificate or password path fails before binding
             cfg.etcd.security().check_files()
         swept = remove_stale_arenas()
@@ -231,6 +241,7 @@ class StoreDaemon:
                                       authorize=None if self.tickets is None
                                       else self.tickets.authorize)
                 shm_socket = self._shm.start().host  # the abstract address, @kvtier-...
+                self._start_group_channels()
             grpc_port = await self._start_grpc()
             metrics_address = ""
             self.metrics.source = self
@@ -256,6 +267,41 @@ class StoreDaemon:
         log.info("node %s serving: gRPC %s, TCP %s, epoch %s", cfg.node_id,
                  self._addresses.grpc_address, self._addresses.tcp_address, self.events.epoch)
         return self._addresses
+
+    def _start_group_channels(self) -> None:
+        """One lease table and one lease channel per arena group (``dram.arena_groups``): the
+        channel admits (``SO_PEERCRED``) the daemon's uid, the group's users and peers whose
+        primary gid is the group's, and serves only sessions of the group's tenants."""
+        cfg = self.config
+        for group in cfg.dram.arena_group_list():
+            leases = ShmLeases(self.cache, max_ttl_s=cfg.server.max_ttl_s,
+                               budget=self.leases.budget, arena=group.name)
+            self._group_leases[group.name] = leases
+            server = ShmServer(leases, lease_ttl_s=cfg.server.shm_lease_ttl_s,
+                               on_reads=self._record_lease_free_reads,
+                               header_timeout_s=cfg.server.header_timeout_s,
+                               idle_timeout_s=cfg.server.idle_timeout_s,
+                               max_connections=cfg.server.max_connections,
+                               allowed_peers=PeerAllowlist.of(uids=sorted(group.uids),
+                                                              gids=[group.gid]),
+                               authorize=None if self.tickets is None
+                               else self.tickets.authorize)
+            self._group_shm[group.name] = server
+            log.info("arena group %s (tenants %s): arena %s, lease channel %s for %s",
+                     group.name, ", ".join(sorted(group.tenants)),
+                     leases.arena_name, server.start().host, server.allowed_peers.describe())
+
+    def leases_for(self, tenant: str | None) -> ShmLeases:
+        """The same-host leases on ``tenant``'s arena (the default arena's for None and for a
+        tenant in no arena group)."""
+        dram = self.cache.tier(TierKind.DRAM)
+        if tenant is None or not isinstance(dram, GroupedDramTier):
+            return self.leases
+        return self._group_leases.get(dram.arena_of(tenant), self.leases)
+
+    def lease_tables(self) -> list[ShmLeases]:
+        """Every same-host lease table: the default arena's, then each group's."""
+        return [self.leases, *self._group_leases.values()]
 
     def _data_plane_tls(self) -> ServerTlsSource | None:
         """The TCP plane's TLS context source with ``server.tcp_tls`` (the gRPC certificate
@@ -295,7 +341,10 @@ class StoreDaemon:
         self._ucx = UcxServer(self.backend, UcxServerConfig(
             host=self._advertised_host(), max_value_bytes=cfg.max_value_bytes,
             io_timeout_s=cfg.ucx_io_timeout_s,
-            drain_timeout_s=self.config.shutdown.drain_timeout_s))
+            drain_timeout_s=self.config.shutdown.drain_timeout_s,
+            # Bounded and reaped as the TCP plane's connections are (docs/transport.md).
+            max_connections=cfg.max_connections,
+            client_idle_ttl_s=min(cfg.idle_timeout_s, 86400.0)))
         return self._ucx.start().worker_address
 
     def _build_cache(self) -> TieredCache:
@@ -316,9 +365,17 @@ class StoreDaemon:
                                 "kvtier's own ticketed readers to their tenant's); set "
                                 "dram.read_index: false to lease and check every same-host read "
                                 "(docs/security.md, \"Data planes\")")
-            tiers[TierKind.DRAM] = DramTier(cfg.dram.capacity_bytes, prefault=cfg.dram.prefault,
-                                            arena_name=cfg.dram.arena_name,
-                                            read_index_slots=slots)
+            groups = cfg.dram.arena_group_list()
+            if groups:
+                tiers[TierKind.DRAM] = GroupedDramTier(
+                    cfg.dram.capacity_bytes, [g.arena() for g in groups],
+                    prefault=cfg.dram.prefault, arena_name=cfg.dram.arena_name,
+                    read_index_slots=slots)
+            else:
+                tiers[TierKind.DRAM] = DramTier(cfg.dram.capacity_bytes,
+                                                prefault=cfg.dram.prefault,
+                                                arena_name=cfg.dram.arena_name,
+                                                read_index_slots=slots)
             if cfg.nvme.directory is not None:
                 from kvstore.dataplane.nvme.config import NvmeTierConfig
                 from kvstore.dataplane.nvme.tier import NvmeTier
@@ -414,7 +471,10 @@ class StoreDaemon:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(REAPER_INTERVAL_S):
                     await self.stopping.wait()
-            reads, writes = self.leases.expire()
+            reads = writes = 0
+            for table in self.lease_tables():
+                r, w = table.expire()
+                reads, writes = reads + r, writes + w
             if reads or writes:
                 log.info("expired %d read and %d write lease(s)", reads, writes)
             if self._service is not None:
@@ -436,17 +496,25 @@ class StoreDaemon:
 
     # --- queries used by the service --------------------------------------------------------
 
-    def node_info(self) -> pb.NodeInfo:
+    def node_info(self, tenant: str | None = None) -> pb.NodeInfo:
+        """What Info answers. With arena groups, the same-host fields (arena, lease channel,
+        read index) are those of ``tenant``'s arena: the caller's (None: the default arena)."""
         a = self.addresses
+        shm_arena, shm_socket = a.shm_arena, a.shm_socket
+        read_index = self.backend.dram.read_index_name
+        leases = self.leases_for(tenant) if shm_socket else self.leases
+        if leases.arena != DEFAULT_ARENA:
+            shm_arena, read_index = leases.arena_name, leases.read_index_name
+            shm_socket = self._group_shm[leases.arena].address
         return pb.NodeInfo(
             node_id=a.node_id, epoch=a.epoch, hostname=socket.gethostname(), boot_id=boot_id(),
             version=__version__, pid=a.pid, grpc_address=a.grpc_address,
-            tcp_address=a.tcp_address, shm_arena=a.shm_arena, shm_socket=a.shm_socket,
+            tcp_address=a.tcp_address, shm_arena=shm_arena, shm_socket=shm_socket,
             inline_max_bytes=self.config.server.inline_max_bytes,
             max_value_bytes=self.config.server.max_value_bytes,
             tier_capacity_bytes={k.value: t.capacity_bytes for k, t in self.cache.tiers.items()},
             draining=self.draining, ucx_worker_address=bytes.fromhex(a.ucx_address),
-            shm_read_index=self.backend.dram.read_index_name if a.shm_socket else "",
+            shm_read_index=read_index if shm_socket else "",
             data_ticket_required=self.tickets is not None,
             data_tls_required=self.config.server.tcp_tls)
 
@@ -513,11 +581,12 @@ class StoreDaemon:
                 demotions_out=c.demotions_out, promotions_in=c.promotions_in, drops=c.drops,
                 corrupt=report.corrupt))
         tcp_open = self._tcp.stats().connections_open if self._tcp is not None else 0
+        ucx_open = self._ucx.stats().endpoints_open if self._ucx is not None else 0
         return pb.StatsResponse(
             node_id=self.config.node_id, epoch=self.events.epoch, tiers=tiers,
             misses=cache.misses, lookups=cache.lookups, last_seq=self.events.last_seq,
             shm_leases_open=reads + writes, tcp_connections_open=tcp_open,
-            uptime_s=time.monotonic() - self.started_monotonic)
+            ucx_endpoints_open=ucx_open, uptime_s=time.monotonic() - self.started_monotonic)
 
     def metrics_snapshot(self) -> MetricsSnapshot:
         tcp = self._tcp.stats() if self._tcp is not None else None
@@ -561,6 +630,8 @@ class StoreDaemon:
         stops = []
         if self._shm is not None:
             stops.append(loop.run_in_executor(self.executor, self._shm.close, timeout))
+        for group_shm in self._group_shm.values():
+            stops.append(loop.run_in_executor(self.executor, group_shm.close, timeout))
         if self._tcp is not None:
             stops.append(loop.run_in_executor(self.executor, self._tcp.close, timeout))
         if self._ucx is not None:
@@ -601,10 +672,14 @@ class StoreDaemon:
             self._grpc = None
         if self._shm is not None:
             self._shm.close()
+        for group_shm in self._group_shm.values():
+            group_shm.close()
         if self._tcp is not None:
             self._tcp.close(0)
         if self._ucx is not None:
             self._ucx.close(0)
+        for group_leases in self._group_leases.values():
+            group_leases.close()
         if self._leases is not None:
             self._leases.close()
         self.metrics.close()

@@ -1050,7 +1050,8 @@ class CacheIndex:
 
     def plan_eviction(self, tier: TierKind, bytes_needed: int, *,
                       include_backing: bool = False, tenant: str | None = None,
-                      only_tenant: str | None = None, guarantees: bool = True) -> list[bytes]:
+                      only_tenant: str | Callable[[str], bool] | None = None,
+                      guarantees: bool = True) -> list[bytes]:
         """Victims to evict from ``tier``, in order, freeing at least ``bytes_needed``.
 
         Pure planning: nothing is removed (the policy may reorder its own state).
@@ -1063,7 +1064,8 @@ class CacheIndex:
         tells them by ``get(key).tier is not tier`` and drops just that copy
         (``drop_backing``). ``tenant``: whose write the room is for (its own guaranteed share
         does not protect it from itself); ``only_tenant``: plan only that tenant's chunks (a
-        put over its cap); ``guarantees=False``: ignore guaranteed shares (a drain persisting
+        put over its cap), or those of the tenants a test admits (a tier of several arenas:
+        only chunks sharing the writer's arena free room for it); ``guarantees=False``: ignore guaranteed shares (a drain persisting
         memory tiers). "Quotas" says the rule. Raises CapacityError when no such set exists
         (everything left is leased, guaranteed, or ``bytes_needed`` exceeds the capacity).
         """
@@ -1075,7 +1077,8 @@ class CacheIndex:
 
     def claim_eviction(self, tier: TierKind, bytes_needed: int, ttl_s: float, *,
                        include_backing: bool = False, tenant: str | None = None,
-                       only_tenant: str | None = None, guarantees: bool = True) -> Lease:
+                       only_tenant: str | Callable[[str], bool] | None = None,
+                       guarantees: bool = True) -> Lease:
         """``plan_eviction`` plus an EXCLUSIVE lease on the victims, atomically.
 
         ``lease.keys`` is the plan, in order. Readers cannot pin the victims while
@@ -1126,10 +1129,13 @@ class CacheIndex:
 
     def _plan(self, tier: TierKind, bytes_needed: int, now: float,
               include_backing: bool = False, driver: str | None = None,
-              only: str | None = None, guarantees: bool = True) -> list[_Node]:
+              only: str | Callable[[str], bool] | None = None,
+              guarantees: bool = True) -> list[_Node]:
         st = self._state(tier)
         if bytes_needed <= 0:
             return []
+        admits: Callable[[str], bool] | None = (
+            None if only is None else only if callable(only) else only.__eq__)
         # Quotas: which victims this plan may take (``only``: that tenant's; a guaranteed share
         # of a tenant other than ``driver`` is never planned below its floor).
         planned: dict[str, int] = {}
@@ -1140,7 +1146,7 @@ class CacheIndex:
         def may_take(node: _Node) -> bool:
             nonlocal kept_for_guarantee
             owner = node.tenant
-            if only is not None and owner != only:
+            if admits is not None and not admits(owner):
                 return False
             floor = floors.get(owner)
             if floor is not None:
@@ -1180,7 +1186,7 @@ class CacheIndex:
                         len(node.children) > planned_children.get(node, 0):
                     ok = False
                     blocked.add(node)
-                if ok and (floors or only is not None) and not may_take(node):
+                if ok and (floors or admits is not None) and not may_take(node):
                     ok = False
                 if ok:
                     cascade: _Node | None = node
@@ -1197,7 +1203,7 @@ class CacheIndex:
                             # planned goes next, unless the plan is already big enough.
                             if freed < bytes_needed and parent in blocked \
                                     and done == parent.n_children() and not parent.held(now) \
-                                    and (not (floors or only is not None) or may_take(parent)):
+                                    and (not (floors or admits is not None) or may_take(parent)):
                                 blocked.discard(parent)
                                 cascade = parent
                     if freed >= bytes_needed:
@@ -1211,7 +1217,8 @@ class CacheIndex:
             freed = self._plan_backing(st, tier, bytes_needed, freed, now, victims, taken,
                                        may_take)
         if freed < bytes_needed:
-            whose = "" if only is None else f" of tenant {only!r}"
+            whose = "" if only is None else f" of tenant {only!r}" if isinstance(only, str) \
+                else " of the tenants sharing the writer's arena"
             raise CapacityError(
                 f"{tier.value}: cannot free {bytes_needed} bytes{whose}; only {freed} are "
                 f"evictable ({st.used_bytes}/{st.budget.capacity_bytes} used; the rest is leased"

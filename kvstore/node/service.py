@@ -315,7 +315,14 @@ class StoreService(pb_grpc.StoreServicer):
 
     @_rpc
     async def Info(self, request: pb.InfoRequest, context: Any) -> pb.NodeInfo:
-        return self._daemon.node_info()
+        # With arena groups the same-host fields are the caller's tenant's arena's (a caller
+        # that may not act for the tenant it names gets the default arena's; its data-plane
+        # calls are refused as ever).
+        try:
+            tenant = resolve_tenant(current_principal(), requested_tenant(context))
+        except PermissionDenied:
+            tenant = None
+        return self._daemon.node_info(tenant)
 
     @_rpc
     async def IssueDataTicket(self, request: pb.IssueDataTicketRequest, context: Any
@@ -581,17 +588,19 @@ class StoreService(pb_grpc.StoreServicer):
                           ) -> pb.AcquireReadResponse:
         self._refuse_when_draining()
         ttl = self._ttl(request.ttl_s, self._daemon.config.cache.lease_ttl_s)
+        tenant = self._tenant(context)
         lease_id, ranges = await self._blocking(
-            functools.partial(self._daemon.leases.acquire_read, _check_keys(request.keys), ttl,
-                              prefix=request.prefix, owner=session_of(context),
-                              tenant=self._tenant(context)))
+            functools.partial(self._daemon.leases_for(tenant).acquire_read,
+                              _check_keys(request.keys), ttl, prefix=request.prefix,
+                              owner=session_of(context), tenant=tenant))
         return pb.AcquireReadResponse(lease_id=lease_id, chunks=[
             pb.ChunkLocation(offset=r.offset, size_bytes=r.size_bytes) for r in ranges])
 
     @_rpc
     async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
-        return pb.ReleaseResponse(released=self._daemon.leases.release(
-            request.lease_id, owner=session_of(context)))
+        owner = session_of(context)
+        return pb.ReleaseResponse(released=any(
+            table.release(request.lease_id, owner=owner) for table in self._daemon.lease_tables()))
 
     @_rpc
     async def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveResponse:
@@ -599,21 +608,26 @@ class StoreService(pb_grpc.StoreServicer):
         ttl = self._ttl(request.ttl_s, self._daemon.config.server.reservation_ttl_s)
         key = _check_field(request.key, "key")
         parent = _check_field(request.parent, "parent") if request.parent else None
+        tenant = self._write_tenant(context)
         lease_id, offset = await self._blocking(functools.partial(
-            self._daemon.leases.reserve, key, int(request.size_bytes), ttl,
-            parent=parent, owner=session_of(context), tenant=self._write_tenant(context)))
+            self._daemon.leases_for(tenant).reserve, key, int(request.size_bytes), ttl,
+            parent=parent, owner=session_of(context), tenant=tenant))
         return pb.ReserveResponse(lease_id=lease_id, offset=offset)
 
     @_rpc
     async def Commit(self, request: pb.CommitRequest, context: Any) -> pb.CommitResponse:
-        tier = await self._blocking(functools.partial(
-            self._daemon.leases.commit, request.lease_id, owner=session_of(context)))
+        owner = session_of(context)
+        table = next((t for t in self._daemon.lease_tables()
+                      if t.has_write(request.lease_id, owner)), self._daemon.leases)
+        tier = await self._blocking(functools.partial(table.commit, request.lease_id,
+                                                      owner=owner))
         return pb.CommitResponse(tier=TIER_TO_PB[tier])
 
     @_rpc
     async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortResponse:
-        return pb.AbortResponse(aborted=self._daemon.leases.abort(
-            request.lease_id, owner=session_of(context)))
+        owner = session_of(context)
+        return pb.AbortResponse(aborted=any(
+            table.abort(request.lease_id, owner=owner) for table in self._daemon.lease_tables()))
 
     @_rpc
     async def SetParents(self, request: pb.SetParentsRequest, context: Any

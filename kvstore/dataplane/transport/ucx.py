@@ -49,6 +49,17 @@ Messages (tags are 64 bits: ``kind << 60 | client_id << 28 | seq``)
       its endpoint forever: UCX cannot tell), and a client lane idle for half of it says HELLO
       again before its next request.
 
+Endpoints, counted and bounded
+    The server holds one endpoint per client lane that said HELLO (``UcxServerStats.
+    endpoints_open``, the daemon's ``Stats.ucx_endpoints_open``), at most ``max_connections``
+    (the daemon's ``server.max_connections``, as for TCP). A HELLO past the bound is answered
+    CAPACITY naming the limit (the client raises CapacityError) on an endpoint made for that
+    answer alone and closed once it has left (or after ``io_timeout_s``); at most
+    ``_MAX_REFUSING`` such answers are in flight, HELLOs past those get none (the client times
+    out). An endpoint ends with the client's BYE, with a transfer of its client that does not
+    finish within ``io_timeout_s`` (a client killed mid-transfer), or after
+    ``client_idle_ttl_s`` of silence (a client killed between requests); none outlives those.
+
 Threads
     The server runs one thread that owns its UCX worker (UCX workers are single-threaded here):
     it waits in ``progress_worker_event`` (epoll; the GIL is released) and drives every
@@ -126,6 +137,8 @@ _FLAG_INLINE = 8
 """GET request: the client takes the value inside the RESPONSE (``INLINE_GET_BYTES``);
 RESPONSE: the value follows the header."""
 _NO_SIZE = (1 << 64) - 1
+_MAX_REFUSING = 64
+"""Refusals (HELLO past ``max_connections``) in flight at once; each holds an endpoint."""
 
 
 class Op(enum.IntEnum):
@@ -309,6 +322,7 @@ class _Lane:
         try:
             self.hello()
         except BaseException:
+            self.broken = True  # never introduced (or refused): nothing to say BYE to
             self.close()
             raise
 
@@ -594,6 +608,9 @@ class UcxServerConfig:
     and its endpoint closed: UCX cannot tell an idle client from a dead one. Told to clients
     in the HELLO answer; a client idle for half of it says HELLO again before its next
     request. 0: never forget."""
+    max_connections: int = 1024
+    """Client endpoints (one per client lane) held at once; a HELLO past it is refused with
+    CAPACITY (module docstring, "Endpoints, counted and bounded")."""
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -614,6 +631,8 @@ class UcxServerConfig:
         if not 0 <= self.client_idle_ttl_s <= 86400:
             raise InvalidArgument(f"client_idle_ttl_s must be 0..86400, got "
                                   f"{self.client_idle_ttl_s}")
+        if self.max_connections < 1:
+            raise InvalidArgument(f"max_connections must be >= 1, got {self.max_connections}")
 
 
 @dataclass(slots=True)
@@ -621,9 +640,14 @@ class UcxServerStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     clients: int = 0
+    """Client lanes introduced (HELLO), each with its endpoint."""
     transfers_open: int = 0
     transfers_timed_out: int = 0
     clients_expired: int = 0
+    endpoints_open: int = 0
+    """Every endpoint the server holds: its clients' and those answering a refusal."""
+    connections_refused: int = 0
+    """HELLOs refused at ``max_connections``."""
 
 
 class _Transfer:
@@ -669,6 +693,8 @@ class UcxServer:
         self._slots: list[tuple[bytearray, Any]] = []
         self._transfers: list[_Transfer] = []
         self._sends: list[tuple[Any, bytearray]] = []
+        self._refusing: list[tuple[Any, Any, bytearray, float]] = []
+        """(endpoint, send, buffer, deadline) of each CAPACITY answer in flight."""
 
     # --- TransportServer --------------------------------------------------------------------
 
@@ -696,8 +722,10 @@ class UcxServer:
 
     def stats(self) -> UcxServerStats:
         s = self._stats
-        return UcxServerStats(s.bytes_sent, s.bytes_received, len(self._clients),
-                              len(self._transfers), s.transfers_timed_out, s.clients_expired)
+        clients = len(self._clients)
+        return UcxServerStats(s.bytes_sent, s.bytes_received, clients, len(self._transfers),
+                              s.transfers_timed_out, s.clients_expired,
+                              clients + len(self._refusing), s.connections_refused)
 
     def close(self, drain_timeout_s: float | None = None) -> None:
         """Refuse new requests (SHUTTING_DOWN), let transfers in flight finish for up to
@@ -787,6 +815,8 @@ class UcxServer:
             self._transfers = still
         if self._sends:
             self._sends = [(r, b) for r, b in self._sends if not r.completed]
+        if self._refusing:
+            self._end_refusals(now)
         ttl = self._config.client_idle_ttl_s
         if ttl and now >= self._next_sweep:
             self._next_sweep = now + ttl / 4
@@ -801,6 +831,38 @@ class UcxServer:
                 log.info("forgetting UCX client %08x, silent for %.0f s", client_id, now - seen)
                 self._drop_client(client_id)
                 self._stats.clients_expired += 1
+
+    def _refuse(self, client_id: int, seq: int, worker_address: bytes) -> None:
+        """Answer a HELLO past ``max_connections`` with CAPACITY, on an endpoint of its own
+        that :meth:`_end_refusals` closes once the answer has left."""
+        limit = self._config.max_connections
+        self._stats.connections_refused += 1
+        if len(self._refusing) >= _MAX_REFUSING:
+            log.warning("refusing UCX client %08x silently: at the limit of %d endpoints and "
+                        "%d refusals in flight", client_id, limit, _MAX_REFUSING)
+            return
+        log.warning("refusing UCX client %08x: at the limit of %d endpoints", client_id, limit)
+        assert self._w is not None
+        w = self._w
+        ep = w.endpoint_to(worker_address)
+        raw = (f"the server is at its limit of {limit} UCX endpoints (max_connections); "
+               "try again later").encode()
+        buf = bytearray(RESP.size + len(raw))
+        RESP.pack_into(buf, 0, MAGIC, int(Status.CAPACITY), 0, len(raw), seq, 0)
+        buf[RESP.size:] = raw
+        send = ep.tag_send(w.array(buf), tag=w.ucx.UCXXTag(_tag(Kind.RESPONSE, client_id, seq)))
+        self._refusing.append((ep, send, buf, time.monotonic() + self._config.io_timeout_s))
+
+    def _end_refusals(self, now: float) -> None:
+        """Close the endpoints of refusals whose answer left (or that timed out)."""
+        still = []
+        for ep, send, buf, deadline in self._refusing:
+            if send.completed or now >= deadline:
+                with contextlib.suppress(Exception):
+                    ep.close()  # cancels the answer if it is still posted
+            else:
+                still.append((ep, send, buf, deadline))
+        self._refusing = still
 
     def _finish(self, t: _Transfer, error: str | None) -> None:
         lease = t.lease
@@ -844,8 +906,12 @@ class UcxServer:
             if not 0 < size <= _MAX_WORKER_ADDRESS_BYTES:
                 raise ProtocolError(f"HELLO with a {size}-byte worker address")
             assert self._w is not None
-            self._drop_client(client_id)
-            self._clients[client_id] = self._w.endpoint_to(bytes(buf[body:body + size]))
+            address = bytes(buf[body:body + size])
+            self._drop_client(client_id)  # a lane saying HELLO again keeps its place
+            if len(self._clients) >= self._config.max_connections:
+                self._refuse(client_id, seq, address)
+                return
+            self._clients[client_id] = self._w.endpoint_to(address)
             self._last_seen[client_id] = time.monotonic()
             self._respond(client_id, seq, Kind.RESPONSE, None,
                           size=int(self._config.client_idle_ttl_s * 1000))
@@ -968,6 +1034,7 @@ class UcxServer:
         """Cut what is still in flight, close every endpoint, stop the worker."""
         for client_id in list(self._clients):
             self._drop_client(client_id)
+        self._end_refusals(float("inf"))
         for t in self._transfers:
             self._finish(t, "server shut down")
         self._transfers = []

@@ -380,7 +380,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., largest_free_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., puts: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., demotions_out: _Optional[int] = ..., promotions_in: _Optional[int] = ..., drops: _Optional[int] = ..., corrupt: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("node_id", "epoch", "tiers", "misses", "lookups", "last_seq", "shm_leases_open", "tcp_connections_open", "uptime_s", "tenants")
+    __slots__ = ("node_id", "epoch", "tiers", "misses", "lookups", "last_seq", "shm_leases_open", "tcp_connections_open", "uptime_s", "tenants", "ucx_endpoints_open")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -391,6 +391,7 @@ class StatsResponse(_message.Message):
     TCP_CONNECTIONS_OPEN_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
+    UCX_ENDPOINTS_OPEN_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: str
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
@@ -401,7 +402,8 @@ class StatsResponse(_message.Message):
     tcp_connections_open: int
     uptime_s: float
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., misses: _Optional[int] = ..., lookups: _Optional[int] = ..., last_seq: _Optional[int] = ..., shm_leases_open: _Optional[int] = ..., tcp_connections_open: _Optional[int] = ..., uptime_s: _Optional[float] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
+    ucx_endpoints_open: int
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., misses: _Optional[int] = ..., lookups: _Optional[int] = ..., last_seq: _Optional[int] = ..., shm_leases_open: _Optional[int] = ..., tcp_connections_open: _Optional[int] = ..., uptime_s: _Optional[float] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., ucx_endpoints_open: _Optional[int] = ...) -> None: ...
 
 class TenantTierStats(_message.Message):
     __slots__ = ("tier", "used_bytes", "max_bytes", "guaranteed_bytes")

@@ -58,7 +58,9 @@ a WARNING log line, before anything of that connection is served. A grant with a
 :class:`~kvstore.dataplane.transport.auth.TenantScope` is served through ``leases.scoped(scope)``
 for every request of its connection (reads, sizes and removes see only what that tenant may
 read; puts and reservations are owned by it); a backend without ``scoped`` cannot keep tenants
-apart, so such a connection is refused. Once the grant expires the connection stays open (its
+apart, so such a connection is refused, and so is one whose scope ``scoped`` refuses
+(PermissionDenied: the daemon's lease channel of one tenant group's arena refuses a tenant of
+another group, docs/dram-arena.md, "Arenas per tenant group"). Once the grant expires the connection stays open (its
 leases are the client's memory: ending them under a reader would be worse) but every request
 that reads, writes or takes a lease is answered ``Unauthenticated`` until a ``HELLO`` renews the
 grant (same scope only; one wall-clock read per such request); RELEASE, COMMIT, ABORT, READS and
@@ -472,8 +474,8 @@ class ShmServer:
         if not self._allowed.allows(peer):
             return PermissionDenied(
                 f"the lease channel {self.address} refuses {peer}: it serves only "
-                f"{self._allowed.describe()} (the daemon's server.shm_allowed_uids / "
-                "shm_allowed_gids)")
+                f"{self._allowed.describe()} (the daemon's own uid; a tenant group's lease "
+                "channel also its dram.arena_groups users and group)")
         if self._authorize_peer is not None:
             try:
                 self._authorize_peer(peer)
@@ -610,7 +612,11 @@ class ShmServer:
                     "this lease channel's backend keeps no tenants apart, so it cannot serve a "
                     f"session scoped to {grant.scope}"))
                 return False
-            conn.leases = scoped(grant.scope)
+            try:
+                conn.leases = scoped(grant.scope)
+            except PermissionDenied as exc:  # e.g. a tenant of another arena's group
+                self._refuse_session(conn, exc)
+                return False
         conn.session = grant
         conn.expires_at_unix_s = grant.expires_at_unix_s
         log.debug("lease channel %s: session of %s (%s) until %.0f", conn.peer, grant.name,

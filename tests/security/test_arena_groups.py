@@ -1,0 +1,215 @@
+"""Arenas per tenant group (``dram.arena_groups``, issue 15) against a real daemon process with
+token security: alice's tenant group has an arena and a lease channel of its own, bob's another.
+
+What is shown: each engine is told (Info) its own group's arena, read index and lease channel;
+the segments carry their group's gid and mode; alice's chunks lie in her group's arena only and
+read back byte for byte; a process of bob's uid (65534, a real child process) cannot open
+alice's arena or read index (EACCES), is refused by alice's lease channel (SO_PEERCRED), and
+through its own channel with its own ticket gets no lease on alice's chunk; a ticket of one
+group is refused on the other group's channel (the daemon: "not in this arena's group"). Each
+refusal is paired with the same operation succeeding for the right identity. docs/dram-arena.md,
+"Arenas per tenant group"; docs/security.md, "Same host".
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterator
+
+import pytest
+
+from kvstore._proto.kvtier.v1 import store_pb2 as pb
+from kvstore.client.store_client import StoreClient
+from kvstore.client.store_config import DataPlane
+from kvstore.dataplane.arena import SHM_DIR, ArenaAccess, ShmArena
+from kvstore.dataplane.transport.shm import ShmClient
+from kvstore.dataplane.transport.shm.channel import LeaseChannel
+from kvstore.dataplane.transport.shm.frames import ChannelOp
+from kvstore.errors import ChunkNotFound, PermissionDenied
+from tests.security.secured_daemon import SecuredDaemon, start_secured_daemon
+from tests.security.test_samehost import NOBODY, as_nobody
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0,
+                                reason="needs root to run a child as uid 65534")
+
+GID_A = 4242
+"""Alice's group's gid: one uid 65534 is not in."""
+GROUPS = (f"team-a:tenants=alice;group={GID_A};capacity=8MiB,"
+          f"team-b:tenants=bob;group={NOBODY};users={NOBODY};capacity=8MiB")
+
+ALICE = {bytes([0xA1]) * 8 + i.to_bytes(8, "big"): os.urandom(size)
+         for i, size in enumerate((4096, 64 << 10, 300 << 10))}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecuredDaemon]:
+    w = start_secured_daemon(tmp_path_factory.mktemp("arena-groups"), "arena-groups",
+                             settings={"dram.arena_groups": GROUPS})
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+def _info(world: SecuredDaemon, name: str) -> pb.NodeInfo:
+    return world.control(name).info
+
+
+@pytest.fixture(scope="module")
+def alice(world: SecuredDaemon) -> StoreClient:
+    c = world.client("alice", DataPlane.SHM)
+    for key, value in ALICE.items():
+        c.put(key, value)
+    return c
+
+
+def _alice_intact(alice: StoreClient) -> None:
+    for key, value in ALICE.items():
+        out = bytearray(len(value))
+        assert alice.get_into(key, out) == len(value)
+        assert out == value, f"{key.hex()} did not read back byte for byte"
+
+
+def _hello(chan: LeaseChannel, ticket: bytes) -> None:
+    chan.call(ChannelOp.HELLO, arg=len(ticket), payload=memoryview(ticket))
+
+
+def test_each_engine_is_told_its_own_groups_arena_read_index_and_lease_channel(
+        world: SecuredDaemon) -> None:
+    a, b, default = _info(world, "alice"), _info(world, "bob"), _info(world, "op")
+    assert len({a.shm_arena, b.shm_arena, default.shm_arena}) == 3
+    assert len({a.shm_socket, b.shm_socket, default.shm_socket}) == 3
+    assert len({a.shm_read_index, b.shm_read_index, default.shm_read_index}) == 3
+    assert default.shm_arena == world.daemon.addresses["shm_arena"]
+    modes = {}
+    for info, gid in ((a, GID_A), (b, NOBODY), (default, 0)):
+        arena = os.stat(os.path.join(SHM_DIR, info.shm_arena))
+        index = os.stat(os.path.join(SHM_DIR, info.shm_read_index))
+        modes[info.shm_arena] = stat.S_IMODE(arena.st_mode)
+        assert arena.st_gid == index.st_gid == gid
+        assert stat.S_IMODE(index.st_mode) == (0o640 if gid else 0o600)
+    assert modes == {a.shm_arena: 0o660, b.shm_arena: 0o660, default.shm_arena: 0o600}
+    # The tiers' capacities: the groups' 8 MiB each come out of the 32 MiB tier.
+    assert a.tier_capacity_bytes["dram"] == 32 << 20
+
+
+def test_alice_reads_back_byte_for_byte_and_her_chunks_lie_in_her_arena_only(
+        world: SecuredDaemon, alice: StoreClient) -> None:
+    assert isinstance(alice.plane, ShmClient)
+    a, b, default = _info(world, "alice"), _info(world, "bob"), _info(world, "op")
+    assert alice.plane.arena.name == a.shm_arena
+    _alice_intact(alice)
+    for name, expected in ((a.shm_arena, True), (b.shm_arena, False),
+                           (default.shm_arena, False)):
+        arena = ShmArena.attach(name, access=ArenaAccess.READ_ONLY)
+        try:
+            content = bytes(arena.view(0, arena.size_bytes))
+        finally:
+            arena.close()
+        for key, value in ALICE.items():
+            assert (content.find(value) >= 0) is expected, \
+                f"alice's {key.hex()} {'missing from' if expected else 'found in'} {name}"
+
+
+NOBODY_ATTEMPTS = """
+import errno
+from kvstore.errors import KvtierError
+out = {}
+for label, name in (("a_arena", a_arena), ("a_index", a_index), ("b_arena", b_arena)):
+    try:
+        os.close(os.open("/dev/shm/" + name, os.O_RDONLY))
+        out[label] = "opened"
+    except OSError as exc:
+        out[label] = errno.errorcode[exc.errno]
+try:
+    ShmArena.attach(a_arena).close()
+    out["attach_a"] = "mapped"
+except KvtierError as exc:
+    out["attach_a"] = type(exc).__name__
+for label, address in (("a_channel", a_socket), ("b_channel", b_socket)):
+    chan = LeaseChannel(address, io_timeout_s=10)
+    try:
+        chan.call(ChannelOp.HELLO, arg=len(bytes.fromhex(ticket)),
+                  payload=memoryview(bytes.fromhex(ticket)))
+        try:
+            chan.call(ChannelOp.ACQUIRE_READ, keys=[bytes.fromhex(key)])
+            out[label] = "leased"
+        except KvtierError as exc:
+            out[label] = "after hello: " + type(exc).__name__
+        _lease, ranges = chan.call(ChannelOp.SIZE_OF, keys=[bytes.fromhex(key)])
+        out[label + "_size"] = ranges[0][0]
+        chan.call(ChannelOp.PUT, keys=[b"bob-own", b""], arg=3, payload=memoryview(b"bob"))
+        lease_id, ranges = chan.call(ChannelOp.ACQUIRE_READ, keys=[b"bob-own"])
+        out[label + "_own"] = ranges[0][1]
+    except KvtierError as exc:
+        out[label] = type(exc).__name__ + ": " + str(exc)
+    finally:
+        chan.close()
+return json.dumps(out)
+"""
+
+
+def test_bobs_engine_cannot_map_alices_arena_nor_lease_her_chunk(
+        world: SecuredDaemon, alice: StoreClient) -> None:
+    import json
+
+    a, b = _info(world, "alice"), _info(world, "bob")
+    key = next(iter(ALICE))
+    ticket = world.ticket("bob").ticket
+    out = json.loads(as_nobody(NOBODY_ATTEMPTS, a_arena=a.shm_arena, a_index=a.shm_read_index,
+                               b_arena=b.shm_arena, a_socket=a.shm_socket,
+                               b_socket=b.shm_socket, ticket=ticket.hex(), key=key.hex()))
+    # The filesystem: alice's arena and read index do not open for uid 65534; bob's arena does.
+    assert out["a_arena"] == out["a_index"] == "EACCES", out
+    assert out["attach_a"] == "StorageError", out
+    assert out["b_arena"] == "opened", out
+    # Alice's lease channel refuses the peer before any frame (SO_PEERCRED).
+    assert out["a_channel"].startswith("PermissionDenied:") and f"uid {NOBODY}" in \
+        out["a_channel"], out
+    # Bob's own channel serves bob (his own chunk, leased) but not alice's chunk.
+    assert out["b_channel"] == "after hello: ChunkNotFound", out
+    assert out["b_channel_size"] == 0, out
+    assert out["b_channel_own"] == 3, out
+    _alice_intact(alice)
+
+
+def test_a_ticket_of_one_group_is_refused_on_the_other_groups_lease_channel(
+        world: SecuredDaemon, alice: StoreClient) -> None:
+    a, b, default = _info(world, "alice"), _info(world, "bob"), _info(world, "op")
+    refusals = 0
+    for ticket_of, address in (("bob", a.shm_socket), ("alice", b.shm_socket),
+                               ("alice", default.shm_socket), ("bob", default.shm_socket)):
+        chan = LeaseChannel(address, io_timeout_s=10)
+        try:
+            with pytest.raises(PermissionDenied, match="not in this arena's group"):
+                _hello(chan, world.ticket(ticket_of).ticket)
+            refusals += 1
+        finally:
+            chan.close()
+    assert refusals == 4
+    # The same ticket on its own group's channel is served.
+    chan = LeaseChannel(a.shm_socket, io_timeout_s=10)
+    try:
+        _hello(chan, world.ticket("alice").ticket)
+        lease_id, ranges = chan.call(ChannelOp.ACQUIRE_READ, keys=[next(iter(ALICE))])
+        assert lease_id and ranges[0][1] == len(next(iter(ALICE.values())))
+        chan.call(ChannelOp.RELEASE, arg=lease_id)
+    finally:
+        chan.close()
+    _alice_intact(alice)
+
+
+def test_bob_over_the_shared_memory_plane_gets_none_of_alices_chunks(
+        world: SecuredDaemon, alice: StoreClient) -> None:
+    bob = world.client("bob", DataPlane.SHM)
+    assert isinstance(bob.plane, ShmClient)
+    assert bob.plane.arena.name == _info(world, "bob").shm_arena
+    for key, value in ALICE.items():
+        with pytest.raises(ChunkNotFound):
+            bob.get_into(key, bytearray(len(value)))
+    value = os.urandom(64 << 10)
+    bob.put(b"bob-chunk-1", value)
+    out = bytearray(len(value))
+    assert bob.get_into(b"bob-chunk-1", out) == len(value) and out == value
+    _alice_intact(alice)
