@@ -70,15 +70,27 @@ class WorkerBase:
 
     def kv_client(self, address: str, tenant: str) -> KVClient:
         """One KVClient per (daemon, tenant), connected on first use (compute thread only)."""
-        from kvstore.client.kv_client import KVClient
+        from kvstore.client.kv_client import KVClient, KVClientConfig
         from kvstore.client.kvlayout import namespace_for
 
         client = self._clients.get((address, tenant))
         if client is None:
             client = KVClient.connect(address, self.layout,
-                                      namespace_for(self.layout, self.config.model_name, tenant))
+                                      namespace_for(self.layout, self.config.model_name, tenant),
+                                      KVClientConfig(rpc_timeout_s=self.config.kv_rpc_timeout_s))
             self._clients[(address, tenant)] = client
         return client
+
+    def drop_kv_client(self, address: str, tenant: str) -> None:
+        """Close and forget the KVClient of (daemon, tenant) after that daemon failed it
+        (compute thread only): the next request connects afresh. Kept, its gRPC channel would
+        wait out its reconnect backoff (1 s, growing to 2 min while the daemon stays away)
+        before it tried again, and the worker would go on recomputing for that long after the
+        daemon came back."""
+        client = self._clients.pop((address, tenant), None)
+        if client is not None:
+            with contextlib.suppress(KvtierError, OSError):
+                client.close()
 
     async def start(self) -> str:
         import torch

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m kvstore.engine.worker --role prefill|decode --instance-id ID --node-id N
     --daemon HOST:PORT --etcd URL [--prefix P] [--model-name M] [--spec-json J]
     [--block-tokens B] [--threads T] [--kv-capacity-tokens K] [--device cpu|cuda|cuda:N|auto]
-    [--max-decode-batch N]``.
+    [--max-decode-batch N] [--listen HOST:PORT] [--kv-timeout-s S]``.
 
     Exit code 2 for a bad flag, a device this machine lacks included (``--device cuda``
     without CUDA is refused before anything starts, never run on the CPU instead)."""
@@ -73,11 +73,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="cpu (default), cuda, cuda:N, or auto (cuda when available)")
     parser.add_argument("--max-decode-batch", type=int, default=64,
                         help="most sequences per batched decode step (decode role)")
+    parser.add_argument("--listen", default="127.0.0.1:0",
+                        help="HOST:PORT the worker serves on (default 127.0.0.1, any port)")
+    parser.add_argument("--kv-timeout-s", type=float, default=30.0,
+                        help="the KV clients' rpc timeout (a daemon that does not answer)")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        listen_host, sep, listen_port = args.listen.rpartition(":")
+        if not sep or not listen_host or not listen_port.isdigit():
+            raise ValueError(f"--listen must be HOST:PORT, got {args.listen!r}")
         config = WorkerConfig(
             role=EngineRole(args.role), instance_id=args.instance_id, node_id=args.node_id,
             daemon_address=args.daemon, etcd_endpoint=args.etcd, etcd_prefix=args.prefix,
@@ -85,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             model_path=args.model_path,
             block_tokens=args.block_tokens, torch_threads=args.threads,
             kv_capacity_tokens=args.kv_capacity_tokens, device=args.device,
-            max_decode_batch=args.max_decode_batch)
+            max_decode_batch=args.max_decode_batch, listen_host=listen_host,
+            listen_port=int(listen_port), kv_rpc_timeout_s=args.kv_timeout_s)
         resolve_device(config.device)  # refuse a missing GPU here, before anything starts
     except (KvtierError, TypeError, ValueError) as exc:
         print(f"kvstore.engine.worker: {exc}", file=sys.stderr)

@@ -41,6 +41,9 @@ class WorkerConfig:
     :func:`~kvstore.engine.worker.device.resolve_device`."""
     max_decode_batch: int = 64
     """Most sequences in one batched decode step (decode role); later ones wait to join."""
+    kv_rpc_timeout_s: float = 30.0
+    """The KV clients' ``rpc_timeout_s``: how long a lookup, load or save waits for a daemon
+    that does not answer before the worker recomputes (docs/chaos.md: 2 s under the faults)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, EngineRole):
@@ -51,6 +54,8 @@ class WorkerConfig:
                 raise InvalidArgument(f"WorkerConfig.{name} must be positive")
         if self.lease_ttl_s < 2:  # etcd's unit is a second; Registration needs two
             raise InvalidArgument("WorkerConfig.lease_ttl_s must be >= 2 seconds")
+        if not self.kv_rpc_timeout_s > 0:
+            raise InvalidArgument("WorkerConfig.kv_rpc_timeout_s must be > 0")
         if not 0 <= self.listen_port < 65536:
             raise InvalidArgument(f"listen_port out of range: {self.listen_port}")
         if not DEVICE_RE.fullmatch(self.device):

@@ -171,10 +171,15 @@ class DecodeWorker(WorkerBase):
             job.buffer = torch.empty((lay.num_layers, 2, lay.num_kv_heads, len(job.token_ids),
                                       lay.head_dim), dtype=lay.dtype, device=self.device)
             if job.full_blocks:
-                job.handle = self.kv_client(job.kv_address, job.tenant).load(
-                    job.token_ids[:job.full_blocks * lay.block_tokens],
-                    ContiguousKV(job.buffer, lay))
-        except Exception as exc:  # daemon unreachable (PeerUnavailable) or a bug: this job only
+                try:
+                    job.handle = self.kv_client(job.kv_address, job.tenant).load(
+                        job.token_ids[:job.full_blocks * lay.block_tokens],
+                        ContiguousKV(job.buffer, lay))
+                except PeerUnavailable as exc:  # the daemon is gone: recompute every block
+                    log.warning("daemon %s unreachable, recomputing the prompt: %s",
+                                job.kv_address, exc)
+                    self.drop_kv_client(job.kv_address, job.tenant)
+        except Exception as exc:  # a bug: this job only
             job.deliver(None, exc)
             return
         loading.append(job)
@@ -196,6 +201,8 @@ class DecodeWorker(WorkerBase):
                 if result.failed_blocks:
                     log.warning("decode load stopped at block %d (%s): recomputing",
                                 job.loaded, result.error)
+                if result.error is not None:  # the daemon failed it: connect afresh next time
+                    self.drop_kv_client(job.kv_address, job.tenant)
             assert job.buffer is not None
             if job.loaded == job.full_blocks:
                 if job.tail_tokens:

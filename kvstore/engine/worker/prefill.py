@@ -16,6 +16,12 @@ node (``KVClient.load(..., remote=RemoteFetch)``) and put into the own daemon af
 (``replicate``); the worker waits for that before it saves the new blocks, which chain onto
 them. A fetch that comes back short computes more, never wrong (tests/engine/test_fetch.py).
 
+**When the own daemon is gone** (killed, paused past the KV client's ``rpc_timeout_s``:
+``WorkerConfig.kv_rpc_timeout_s``, cut off), the lookup's PeerUnavailable is not the
+request's: the worker computes the whole prompt and saves nothing, and the decode worker,
+whose load of the blocks then fails too, recomputes them (docs/chaos.md: the engines under
+the fault suite).
+
 One prompt per forward, in arrival order, on the compute thread.
 """
 
@@ -33,6 +39,7 @@ from kvstore.errors import InvalidArgument, KvtierError, PeerUnavailable
 
 if TYPE_CHECKING:
     from kvstore.client.handles import LoadHandle
+    from kvstore.client.kv_client import KVClient
     from kvstore.client.requests import RemoteFetch
 
 log = logging.getLogger(__name__)
@@ -146,21 +153,31 @@ class PrefillWorker(WorkerBase):
         B = lay.block_tokens
         full = len(token_ids) // B
         reusable = min(full, (len(token_ids) - 1) // B) if reuse else 0
-        client = self.kv_client(self.config.daemon_address, tenant)
         t0 = time.perf_counter()
         local = 0
         tiers: dict[str, int] = {}
-        if reusable:
-            match = client.lookup(token_ids[:reusable * B])
-            local = match.blocks
-            tiers = {k.value: v for k, v in match.by_tier.items()}
+        client: KVClient | None = None
+        try:
+            client = self.kv_client(self.config.daemon_address, tenant)
+            if reusable:
+                match = client.lookup(token_ids[:reusable * B])
+                local = match.blocks
+                tiers = {k.value: v for k, v in match.by_tier.items()}
+        except PeerUnavailable as exc:
+            # The own daemon is gone (killed, paused, cut off): compute the whole prompt and
+            # save nothing; slower, never wrong (the decode worker recomputes what it lacks).
+            log.warning("daemon %s unreachable, computing without kvtier: %s",
+                        self.config.daemon_address, exc)
+            self.drop_kv_client(self.config.daemon_address, tenant)
+            client = None
         fetch_end = min(reusable, fetch.end_block) if fetch is not None else 0
         remote = fetch if fetch is not None and fetch_end > local else None
-        want = min(reusable, max(local, planned_blocks, fetch_end))
+        want = (min(reusable, max(local, planned_blocks, fetch_end)) if client is not None
+                else 0)
         handle: LoadHandle | None = None
         loaded = 0
         cache: Any = DynamicCache()
-        if want:
+        if want and client is not None:
             buffer = torch.empty((lay.num_layers, 2, lay.num_kv_heads, want * B, lay.head_dim),
                                  dtype=lay.dtype, device=self.device)
             # Blocks the own daemon lacks come from the plan's node, and are put into the own
@@ -173,7 +190,7 @@ class PrefillWorker(WorkerBase):
                 cache = layered_cache(buffer, loaded * B, handle)
         t1 = time.perf_counter()
         saver = (client.begin_save(token_ids, HFCacheKV(cache, lay), first_block=loaded)
-                 if full > loaded else None)
+                 if full > loaded and client is not None else None)
         hooks = []
         for index, layer in enumerate(self.model.model.layers):
             if loaded and handle is not None:
