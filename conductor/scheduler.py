@@ -62,7 +62,8 @@ Hot prefixes: when ``GLOBAL_CACHE`` fetches the same prefix from a remote node
 to copy it to the least-loaded nodes that lack it (the fetch itself already
 leaves a copy on the chosen node, as in Mooncake).
 
-Feedback: the caller reports completions (:meth:`Scheduler.prefill_done`,
+Feedback: the caller reports completions (:meth:`Scheduler.prefill_done`, or
+:meth:`Scheduler.first_token` from a caller that sees only a request's first token,
 :meth:`Scheduler.decode_done`) with measured times; these calibrate the
 estimators and correct the queue predictions. Time is the caller's clock,
 passed in as ``now_s`` (seconds, monotonic).
@@ -396,9 +397,9 @@ class _DecodeState:
 
 
 class _Ticket:
-    __slots__ = ("decided_at_s", "decode_end_s", "decode_id", "fetch", "kv_tokens", "new_tokens",
-                 "prefill_id", "prefill_work_s", "prefilled", "prefilled_at_s", "prior_tokens",
-                 "request_id", "tpot_s")
+    __slots__ = ("alone", "decided_at_s", "decode_end_s", "decode_id", "fetch", "kv_tokens",
+                 "new_tokens", "prefill_id", "prefill_work_s", "prefilled", "prefilled_at_s",
+                 "prior_tokens", "request_id", "tpot_s")
 
     def __init__(self, request_id: str, prefill_id: str, decode_id: str, prefill_work_s: float,
                  new_tokens: int, prior_tokens: int, fetch: FetchPlan | None, decode_end_s: float,
@@ -416,6 +417,10 @@ class _Ticket:
         self.prefilled = False
         self.decided_at_s = decided_at_s
         self.prefilled_at_s: float | None = None
+        self.alone = False
+        """Nothing else of ours waited to prefill on its instance when it was decided: the
+        time from the decision to its first token is its own prefill (:meth:`Scheduler.
+        first_token`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -646,6 +651,7 @@ class Scheduler:
         tk = _Ticket(rid, pst.instance.instance_id, dstate.instance.instance_id, work_s,
                      option.new_tokens, option.prior_tokens, option.fetch, decode_end_s,
                      kv_tokens, tpot_s, now_s)
+        tk.alone = not pst.queued
         self._tickets[ticket] = tk
         pst.queued[ticket] = tk
         dstate.tickets[ticket] = tk
@@ -897,19 +903,51 @@ class Scheduler:
         """
         _check_number("now_s", now_s, low=0.0, strict=False)
         _check_number("prefill_s", prefill_s)
-        tk = self._tickets.get(ticket)
-        if tk is None:
-            raise InvalidArgument(f"unknown ticket {ticket}")
-        if tk.prefilled:
-            raise InvalidArgument(f"ticket {ticket} already reported its prefill")
-        tk.prefilled = True
-        tk.prefilled_at_s = now_s
+        tk = self._unprefilled(ticket)
         new = tk.new_tokens if computed_tokens is None else computed_tokens
         prior = tk.prior_tokens if reused_tokens is None else reused_tokens
         self.prefill_speed.observe(tk.prefill_id, prefill_s,
                                    self._latency.prefill_s([new], [prior]))
         if tk.fetch is not None and transfer_s is not None and transferred_bytes > 0:
             self.links.observe(tk.fetch.src_node, tk.fetch.dst_node, transferred_bytes, transfer_s)
+        self._prefilled(ticket, tk, now_s)
+
+    def first_token(self, ticket: int, now_s: float) -> None:
+        """The request's first token came out at ``now_s``: its prefill is over. For a caller
+        that sees only whole requests (a front door: it relays the first token, and measures
+        no compute time), in place of :meth:`prefill_done`.
+
+        The instance's queue is re-anchored as by :meth:`prefill_done`. The speed is
+        calibrated only from a request that had its instance's prefill queue to itself (none
+        of our requests there was still waiting for its first token when it was decided):
+        then ``now_s - decided at`` is its own prefill, as the engine ran it (a decode batch
+        beside it, a kvtier load included), and the factor learns what the latency model
+        does not know (other hardware, another model). A request decided behind others
+        waited for them too: timing it would count their prefill as its own, so it only
+        re-anchors the queue. Without this the factor stays 1, and on an engine 10-20x slower
+        than the model every queue looks empty (bench/RESULTS.md, issue 14, session 13).
+        """
+        _check_number("now_s", now_s, low=0.0, strict=False)
+        tk = self._unprefilled(ticket)
+        measured_s = now_s - tk.decided_at_s
+        if tk.alone and measured_s > 0:
+            self.prefill_speed.observe(tk.prefill_id, measured_s, self._latency.prefill_s(
+                [tk.new_tokens], [tk.prior_tokens]))
+        self._prefilled(ticket, tk, now_s)
+
+    def _unprefilled(self, ticket: int) -> _Ticket:
+        tk = self._tickets.get(ticket)
+        if tk is None:
+            raise InvalidArgument(f"unknown ticket {ticket}")
+        if tk.prefilled:
+            raise InvalidArgument(f"ticket {ticket} already reported its prefill")
+        return tk
+
+    def _prefilled(self, ticket: int, tk: _Ticket, now_s: float) -> None:
+        """Take a request whose prefill ended at ``now_s`` out of its queue, and re-predict
+        its decode end from there."""
+        tk.prefilled = True
+        tk.prefilled_at_s = now_s
         st = self._prefill.get(tk.prefill_id)
         if st is not None:
             st.queued.pop(ticket, None)

@@ -401,6 +401,9 @@ class ConductorService(pb_grpc.ConductorServicer):
                                       "leader, or already finished)")
         elif phase == "prefill":
             p = request.prefill
+            if p.prefill_s == 0:  # not measured: its first token came out now (a front door)
+                c.scheduler.first_token(request.ticket, now_s)
+                return
             planned = p.computed_tokens == 0 and p.reused_tokens == 0
             c.scheduler.prefill_done(
                 request.ticket, now_s, prefill_s=p.prefill_s,

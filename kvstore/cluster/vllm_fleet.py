@@ -50,9 +50,11 @@ are loaded and a follow-up can find the instance holding its prefix busy. ``clos
 request at a time in trace order (nothing queues: every KV-aware router then sends each prefix
 to the one instance that has it). Every request streams (TTFT = first token's arrival at the
 client, TPOT = the rest over their count), greedy with ``ignore_eos``. The conductor's router
-reports each request done when its answer ended (the front door's ``done`` hook,
-:class:`~kvstore.frontdoor.instrument.ReportingConductorRouter`), so its reservations are
-released as requests end. Figures per mode: server ``/metrics`` deltas (vLLM's own prefix-cache hits, the
+reports each request's first token (its prefill is over; the conductor times it) and its end
+(the front door's ``first_token`` and ``done`` hooks,
+:class:`~kvstore.frontdoor.instrument.ReportingConductorRouter`), so its queues follow the
+engines and its reservations are released as requests end; each routed request's record keeps
+the conductor's prediction for it (``predicted``: TTFT and its parts) beside what it got. Figures per mode: server ``/metrics`` deltas (vLLM's own prefix-cache hits, the
 connector's external hits, kvtier's bytes loaded and saved), daemon ``Stats`` deltas per tier,
 the front door's routing decision latency, and every request's output token ids, compared
 across modes.
@@ -214,6 +216,10 @@ class RequestRecord:
     sent_s: float = 0.0
     """When it was sent, and when its answer ended: seconds since the mode's replay began."""
     done_s: float = 0.0
+    request_id: str = ""
+    """The front door's id of the request (``x-kvtier-request-id``)."""
+    predicted: dict[str, Any] | None = None
+    """The conductor's estimate for it (routed modes): instance, TTFT and its parts, s."""
 
 
 @dataclass
@@ -239,6 +245,15 @@ class ModeResult:
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+
+def predicted_parts(reply: Any) -> dict[str, Any]:
+    """What the conductor predicted for a request it accepted (a ``ScheduleReply``): the
+    instance, the TTFT and its parts (seconds), and the reuse it planned."""
+    return {"instance": reply.prefill_instance, "ttft_s": reply.ttft_estimate_s,
+            "queue_s": reply.queue_s, "prefill_s": reply.prefill_s, "load_s": reply.load_s,
+            "transfer_s": reply.transfer_s, "engine_cached_tokens": reply.engine_cached_tokens,
+            "prefix_blocks": reply.prefix_blocks}
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -998,6 +1013,9 @@ class Fleet:
         if conductor is not None:
             result.placements = [(d.prefill_instance, d.decode_instance)
                                  for d in conductor.decisions]
+            predicted = {d.request_id: predicted_parts(d) for d in conductor.decisions}
+            for x in result.records:
+                x.predicted = predicted.get(x.request_id)
 
     def cache_tokens(self) -> dict[str, int | None]:
         """Each server's KV cache in tokens, as vLLM reported it in its log at start."""
@@ -1072,6 +1090,7 @@ class Fleet:
                 raise PeerUnavailable(f"request {request.label}: front door answered "
                                       f"{answer.status}: {await answer.text()}")
             backend = answer.headers.get("x-kvtier-backend", "?")
+            request_id = answer.headers.get("x-kvtier-request-id", "")
             prefill = answer.headers.get("x-kvtier-prefill")
             fallback = answer.headers.get("x-kvtier-pd-fallback")
             if prefill:
@@ -1102,7 +1121,7 @@ class Fleet:
         return RequestRecord(
             request.label, backend, len(request.token_ids), details.get("cached_tokens"),
             first_s - began, (last_s - first_s) / (n - 1) if n > 1 else None, token_ids,
-            began - zero, time.perf_counter() - zero)
+            began - zero, time.perf_counter() - zero, request_id)
 
     async def _metrics(self, names: Sequence[str]) -> dict[str, dict[str, float]]:
         out = {}
@@ -1174,7 +1193,8 @@ def assemble(results: Sequence[ModeResult], spec: FleetSpec, startup_s: float
         "requests": {r.mode: [{"label": x.label, "backend": x.backend,
                                "prompt_tokens": x.prompt_tokens, "cached_tokens": x.cached_tokens,
                                "ttft_s": x.ttft_s, "tpot_s": x.tpot_s, "sent_s": x.sent_s,
-                               "done_s": x.done_s} for x in r.records]
+                               "done_s": x.done_s, "predicted": x.predicted}
+                              for x in r.records]
                      for r in results if r.ok},
         "outputs_differ": differ,
         "outputs_identical": all(v == 0 for v in differ.values() if v is not None),

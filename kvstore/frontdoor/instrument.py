@@ -14,9 +14,12 @@
   prefill work). Without completions the conductor's reservations only grow, and an instance
   whose ``kv_capacity_tokens`` they fill is refused (``DECODE_KV_FULL``).
 * :class:`ReportingConductorRouter` is the conductor's router with the front door's ``done``
-  hook: at the end of each request it has the client report that request's ticket (in the
-  background; :meth:`TicketingConductorClient.settle` waits for the reports), so requests in
-  flight at once are each released when they end.
+  and ``first_token`` hooks: at each request's first token it has the client report its
+  prefill over (``PrefillDone`` without a measured time: the conductor times it from its
+  decision, ``Scheduler.first_token``), at its end its ticket done (both in the background;
+  :meth:`TicketingConductorClient.settle` waits for the reports), so requests in flight at
+  once each leave the instance's prefill queue when their first token comes and release
+  their decode room when they end.
 
 Why the client keeps the tickets: :class:`~kvstore.frontdoor.router.ConductorRouter` keeps
 none (its reply's ticket is the caller's to report), so the caller that knows when requests end
@@ -84,6 +87,12 @@ class TimedRouter:
         if done is not None:
             done(request_id, output_tokens)
 
+    def first_token(self, request_id: str) -> None:
+        """Pass a request's first token on to the wrapped router, if it wants it."""
+        first_token = getattr(self.inner, "first_token", None)
+        if first_token is not None:
+            first_token(request_id)
+
     def reset(self) -> None:
         self.decision_s.clear()
         self.floor_s.clear()
@@ -101,7 +110,9 @@ class TicketingConductorClient(ConductorClient):
         """Request id -> ticket of each accepted decision not yet reported done."""
         self.decisions: list[pb.ScheduleReply] = []
         """Every accepted reply, in order (for reports: instance, predicted prefix)."""
-        self._reports: set[asyncio.Task[None]] = set()
+        self._reports: set[asyncio.Task[Any]] = set()
+        self._first: dict[str, asyncio.Task[Any]] = {}
+        """Request id -> its first-token report (until its done report is started)."""
 
     async def schedule(self, request_id: str, model: str, *, keys: Sequence[bytes] = (),
                        token_ids: Sequence[int] = (), tenant: str = "", input_tokens: int = 0,
@@ -114,18 +125,39 @@ class TicketingConductorClient(ConductorClient):
             self.decisions.append(reply)
         return reply
 
+    def first_token(self, request_id: str) -> None:
+        """Report that request ``request_id``'s first token came out (``PrefillDone`` with
+        no measured time: the conductor's ``Scheduler.first_token``, which ends its prefill
+        in the instance's queue and calibrates the instance's speed), in the background;
+        nothing when it has no ticket, or was reported already."""
+        ticket = self.outstanding.get(request_id)
+        if ticket is None or request_id in self._first:
+            return
+        self._first[request_id] = self._start(
+            self.report_completion(pb.CompletionReport(
+                ticket=ticket, prefill=pb.PrefillDone(prefill_s=0.0))),
+            f"kvtier-first-token-{request_id}")
+
     def done(self, request_id: str, output_tokens: int = 0) -> None:
         """Report request ``request_id``'s ticket done in the background (nothing when it has
-        none: refused, or not asked); :meth:`settle` waits for it."""
+        none: refused, or not asked), after its first-token report if one is in flight (the
+        conductor forgets a ticket once it is done); :meth:`settle` waits for it."""
         ticket = self.outstanding.pop(request_id, None)
+        first = self._first.pop(request_id, None)
         if ticket is None:
             return
-        task = asyncio.get_running_loop().create_task(self._report(ticket, output_tokens),
-                                                      name=f"kvtier-done-{request_id}")
+        self._start(self._report(ticket, output_tokens, first), f"kvtier-done-{request_id}")
+
+    def _start(self, work: Any, name: str) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(work, name=name)
         self._reports.add(task)
         task.add_done_callback(self._reports.discard)
+        return task
 
-    async def _report(self, ticket: int, output_tokens: int) -> None:
+    async def _report(self, ticket: int, output_tokens: int,
+                      after: asyncio.Task[Any] | None = None) -> None:
+        if after is not None:
+            await asyncio.wait([after])  # its own error is settle()'s to raise
         await self.report_completion(pb.CompletionReport(
             ticket=ticket, decode=pb.DecodeDone(output_tokens=output_tokens)))
 
@@ -157,3 +189,6 @@ class ReportingConductorRouter(ConductorRouter):
 
     def done(self, request_id: str, output_tokens: int = 0) -> None:
         self.tickets.done(request_id, output_tokens)
+
+    def first_token(self, request_id: str) -> None:
+        self.tickets.first_token(request_id)

@@ -16,8 +16,10 @@ same sources the conductor follows:
   seq/gap/replay handling, the same mismatch probes, and its chain memo, so a conversation's
   next turn hashes only its new blocks). vLLM's PUB socket serves any number of subscribers
   and its replay socket any number of clients: the front door is one more;
-* its own decisions and their completions (:meth:`LocalRouter.done`), which are the queue and
-  decode reservations the scheduler predicts from.
+* its own decisions, their first tokens (:meth:`LocalRouter.first_token`: the prefill is
+  over, and timed for the instance's speed when the request had its queue to itself) and
+  their completions (:meth:`LocalRouter.done`), which are the queue, the speeds and the decode
+  reservations the scheduler predicts from.
 
 ``route`` is then one match and one ``Scheduler.schedule``, with no ``await`` between reading
 the state and reserving on it. The match hashes the prompt only as far as an engine holds it
@@ -197,7 +199,9 @@ class LocalRouter:
         """Request id -> ticket the conductor gave (fallback or shadow), until done."""
         self._done_early: set[str] = set()
         """Requests done while their shadow was still in flight."""
-        self._shadows: set[asyncio.Task[None]] = set()
+        self._first_reports: dict[str, asyncio.Task[Any]] = {}
+        """Request id -> its first-token report to the conductor, until its done report."""
+        self._shadows: set[asyncio.Task[Any]] = set()
         """Shadow decisions, completion reports and prompt hashing in flight."""
         self._shadows_in_flight = 0
         self._probe: dict[str, str] = {}
@@ -425,19 +429,51 @@ class LocalRouter:
             # Unknown when its instance left meanwhile (the scheduler dropped its tickets).
             with contextlib.suppress(InvalidArgument):
                 self.scheduler.decode_done(ticket, now_s, output_tokens=output_tokens)
+        first = self._first_reports.pop(request_id, None)
         theirs = self._conductor_tickets.pop(request_id, None)
         if theirs is not None:
-            self._background(self._report(theirs, output_tokens, self._at_s(now_s)),
+            self._background(self._report(theirs, output_tokens, self._at_s(now_s), first),
                              f"kvtier-report-{request_id}")
         elif ticket is not None and f"kvtier-shadow-{request_id}" in self._shadow_names:
             self._done_early.add(request_id)
 
-    def _background(self, work: Any, name: str) -> None:
+    def first_token(self, request_id: str) -> None:
+        """The request's first token came out: its prefill is over (``Scheduler.first_token``:
+        it leaves its instance's prefill queue, and times the instance's speed when it had
+        that queue to itself), here at once and at the conductor in the background, for the
+        ticket its shadow or its fallback holds there (one still in flight is not reported:
+        the conductor then releases it at the request's end only)."""
+        now_s = time.monotonic()
+        ticket = self._local_tickets.get(request_id)
+        if ticket is not None:
+            # Unknown when its instance left meanwhile; reported twice is a caller's bug.
+            with contextlib.suppress(InvalidArgument):
+                self.scheduler.first_token(ticket, now_s)
+        theirs = self._conductor_tickets.get(request_id)
+        if theirs is not None and request_id not in self._first_reports:
+            self._first_reports[request_id] = self._background(
+                self._report_first_token(theirs, self._at_s(now_s)),
+                f"kvtier-first-token-{request_id}")
+
+    def _background(self, work: Any, name: str) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(work, name=name)
         self._shadows.add(task)
         task.add_done_callback(self._shadows.discard)
+        return task
 
-    async def _report(self, ticket: int, output_tokens: int, at_s: float) -> None:
+    async def _report_first_token(self, ticket: int, at_s: float) -> None:
+        try:
+            await self.conductor.report_completion(pb.CompletionReport(
+                ticket=ticket, at_s=at_s, prefill=pb.PrefillDone(prefill_s=0.0)))
+        except KvtierError as exc:
+            self.counters["report_failed"] += 1
+            log.warning("reporting ticket %d's first token to the conductor failed: %s",
+                        ticket, exc)
+
+    async def _report(self, ticket: int, output_tokens: int, at_s: float,
+                      after: asyncio.Task[Any] | None = None) -> None:
+        if after is not None:  # the conductor forgets a ticket once it is done
+            await asyncio.wait([after])
         try:
             await self.conductor.report_completion(pb.CompletionReport(
                 ticket=ticket, at_s=at_s, decode=pb.DecodeDone(output_tokens=output_tokens)))

@@ -8,13 +8,15 @@ For ``POST /v1/completions`` and ``POST /v1/chat/completions`` it
    malformed prompt or messages),
 3. asks the :class:`~kvstore.frontdoor.router.Router` for a backend (a rejection is its
    status, 429 or 503, with the reason); a router with a ``done`` hook is told when the
-   request ended (answered, failed or abandoned),
+   request ended (answered, failed or abandoned), one with a ``first_token`` hook when the
+   first bytes of a streamed answer were relayed (the request's prefill is over),
 4. forwards the request body unchanged to that backend and relays the answer: a
    non-streaming one whole (status and body as vLLM gave them, 4xx included), a streaming one
    (``"stream": true``, Server-Sent Events) chunk by chunk as the bytes arrive.
 
 Every answer the front door makes itself is an OpenAI error object (``{"error": {"message",
-"type", "code"}}``); answers that went to a backend carry ``x-kvtier-backend: <name>``.
+"type", "code"}}``); answers that went to a backend carry ``x-kvtier-backend: <name>`` and
+``x-kvtier-request-id: <the front door's id of the request>``.
 
 Errors: a backend that refuses the connection or drops it before answering is marked down
 (the router skips it) and the client gets 502 naming it; the probe loop marks it up again once
@@ -83,6 +85,8 @@ READY_PREFIX = "KVTIER-FRONTDOOR-READY"
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 BACKEND_HEADER = "x-kvtier-backend"
+REQUEST_ID_HEADER = "x-kvtier-request-id"
+"""The front door's id of the request (what the router and the conductor know it by)."""
 PREFILL_HEADER = "x-kvtier-prefill"
 """P/D: the backend that prefilled the request."""
 PD_FALLBACK_HEADER = "x-kvtier-pd-fallback"
@@ -290,7 +294,7 @@ class FrontDoor:
             if route.stream and upstream.status == 200 and \
                     upstream.content_type == "text/event-stream":
                 stream, finished = await self._relay_stream(request, backend, upstream,
-                                                            extra)
+                                                            extra, route.request_id)
                 return stream
             else:
                 payload = await upstream.read()
@@ -298,7 +302,8 @@ class FrontDoor:
                     self._check_prompt_tokens(backend, payload, prompt_tokens)
                 response = web.Response(body=payload, status=upstream.status, headers={
                     "Content-Type": upstream.headers.get("Content-Type", "application/json"),
-                    BACKEND_HEADER: backend.name, **extra})
+                    BACKEND_HEADER: backend.name, REQUEST_ID_HEADER: route.request_id,
+                    **extra})
             finished = True
             return response
         except _CONNECT_ERRORS as exc:
@@ -317,16 +322,24 @@ class FrontDoor:
                 upstream.close()  # drop the connection: vLLM aborts the request
 
     async def _relay_stream(self, request: web.Request, backend: Backend,
-                            upstream: aiohttp.ClientResponse, extra: Mapping[str, str]
-                            ) -> tuple[web.StreamResponse, bool]:
+                            upstream: aiohttp.ClientResponse, extra: Mapping[str, str],
+                            request_id: str) -> tuple[web.StreamResponse, bool]:
         """Relay the SSE bytes as they come; also whether the backend's stream was read to
-        its end (False: the client went away and the backend's request must be dropped)."""
+        its end (False: the client went away and the backend's request must be dropped).
+        The router's ``first_token`` hook, if it has one, is called once the first bytes
+        came: vLLM sends nothing of a completion before its first token, so the prefill
+        (queue included) is over then."""
         response = web.StreamResponse(status=200, headers={
             "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
-            "Cache-Control": "no-cache", BACKEND_HEADER: backend.name, **extra})
+            "Cache-Control": "no-cache", BACKEND_HEADER: backend.name,
+            REQUEST_ID_HEADER: request_id, **extra})
         await response.prepare(request)
+        first_token = getattr(self.router, "first_token", None)
         try:
             async for chunk in upstream.content.iter_any():
+                if first_token is not None:
+                    first_token(request_id)
+                    first_token = None
                 await response.write(chunk)
         except (aiohttp.ClientPayloadError, *_CONNECT_ERRORS, TimeoutError) as exc:
             self.counters["backend_errors"] += 1

@@ -706,3 +706,49 @@ def test_leases_revoked_behind_the_conductors_back_never_answer_from_a_gap(
         run(aio, scenario(), timeout_s=150.0)
     finally:
         cluster.close()
+
+
+# --------------------------------------------------------------------------- first-token reports
+
+
+def test_first_token_reports_end_the_prefill_and_calibrate_the_instance(
+        aio: asyncio.Runner, cluster: Cluster) -> None:
+    """A front door reports ``PrefillDone`` without a measured time when a request's first
+    token came out: the conductor then times the prefill from its decision (the request had
+    the instance to itself) and prices later prompts with that speed; a request decided
+    behind another is not timed, only taken out of the queue. On the caller's clock, so the
+    figures are exact."""
+    cluster.daemon("node-a")
+    cluster.conductor("c-1", "--clock", "client")
+
+    async def scenario() -> None:
+        await cluster.engines(prefill("p-a", "node-a"), decode("d-a", "node-a"))
+        async with cluster.client() as client:
+            await ready(client, nodes={"node-a"}, prefill_ids={"p-a"})
+            prompt = tokens(7, 2)
+            first = await client.schedule("r-1", MODEL, token_ids=prompt, at_s=10.0)
+            assert first.accepted and first.queue_s == 0.0
+            modelled_s = first.prefill_s
+            await client.report_completion(pb.CompletionReport(
+                ticket=first.ticket, at_s=10.0 + 20 * modelled_s,
+                prefill=pb.PrefillDone(prefill_s=0.0)))
+            factor = 20 ** 0.2  # one sample of SpeedCalibration (alpha 0.2)
+            a = await client.schedule("r-2", MODEL, token_ids=prompt, at_s=100.0)
+            b = await client.schedule("r-3", MODEL, token_ids=prompt, at_s=100.0)
+            assert a.prefill_s == pytest.approx(modelled_s * factor)
+            assert b.queue_s == pytest.approx(a.prefill_s)  # behind r-2
+            # r-2 (alone: r-1 was over) took 3x its estimate: a sample; r-3, decided behind
+            # r-2, took 10x but is not one (it waited for r-2).
+            await client.report_completion(pb.CompletionReport(
+                ticket=a.ticket, at_s=100.0 + 3 * a.prefill_s,
+                prefill=pb.PrefillDone(prefill_s=0.0)))
+            await client.report_completion(pb.CompletionReport(
+                ticket=b.ticket, at_s=100.0 + 10 * a.prefill_s,
+                prefill=pb.PrefillDone(prefill_s=0.0)))
+            c = await client.schedule("r-4", MODEL, token_ids=prompt, at_s=200.0)
+            assert c.queue_s == 0.0 and c.prefill_s == pytest.approx(a.prefill_s * 3 ** 0.2)
+            with pytest.raises(InvalidArgument, match="already reported its prefill"):
+                await client.report_completion(pb.CompletionReport(
+                    ticket=b.ticket, at_s=201.0, prefill=pb.PrefillDone(prefill_s=0.0)))
+
+    run(aio, scenario())

@@ -240,12 +240,14 @@ def test_the_kvtier_frontdoor_command(vllm: VllmServer, model_dir: Path,
 
 
 class _RecordingRouter(RoundRobinRouter):
-    """Round robin that records what it routed and the ``done`` calls the front door makes."""
+    """Round robin that records what it routed and the ``done`` and ``first_token`` calls the
+    front door makes (in order)."""
 
     def __init__(self, pool: BackendPool) -> None:
         super().__init__(pool)
         self.routed: list[str] = []
         self.done_calls: list[str] = []
+        self.calls: list[tuple[str, str]] = []
 
     async def route(self, token_ids: Sequence[int], request: RouteRequest
                     ) -> Backend | Rejection:
@@ -256,13 +258,19 @@ class _RecordingRouter(RoundRobinRouter):
 
     def done(self, request_id: str, output_tokens: int = 0) -> None:
         self.done_calls.append(request_id)
+        self.calls.append(("done", request_id))
+
+    def first_token(self, request_id: str) -> None:
+        self.calls.append(("first_token", request_id))
 
 
 def test_the_router_hears_when_each_request_it_routed_ended(
         vllm: VllmServer, tokenizer: PromptTokenizer) -> None:
     """What a router that reserves capacity per request (LocalRouter) relies on: one ``done``
     per routed request, whether vLLM answered, streamed, refused it, or was unreachable; none
-    for a request the front door itself refused."""
+    for a request the front door itself refused. A streamed answer's first bytes are a
+    ``first_token`` call before its ``done`` (the conductor's queue and speed learn from it);
+    every answer from a backend names the request's id."""
     dead = Backend("dead", f"http://127.0.0.1:{free_port()}")
     alive = Backend("alive", vllm.base_url)
     pool = BackendPool([dead, alive])
@@ -275,9 +283,11 @@ def test_the_router_hears_when_each_request_it_routed_ended(
         assert status == 502  # the dead backend's turn: marked down
         status, _, _ = request(thread.url, "POST", "/v1/completions", _body(prompt=TEXT))
         assert status == 200
-        status, _, _ = request(thread.url, "POST", "/v1/completions",
-                               _body(prompt=TEXT, stream=True))
+        status, headers, _ = request(thread.url, "POST", "/v1/completions",
+                                     _body(prompt=TEXT, stream=True))
         assert status == 200
+        streamed = router.routed[-1]
+        assert headers["x-kvtier-request-id"] == streamed
         status, _, _ = request(thread.url, "POST", "/v1/completions",
                                _body(prompt=[5] * 1100))
         assert status == 400  # vLLM's own refusal (longer than max_model_len), relayed
@@ -285,5 +295,8 @@ def test_the_router_hears_when_each_request_it_routed_ended(
         assert status == 400  # the front door's: never routed
         assert len(router.routed) == 4
         assert router.done_calls == router.routed
+        assert [call for call in router.calls if call[1] == streamed] == [
+            ("first_token", streamed), ("done", streamed)]
+        assert [c for c in router.calls if c[0] == "first_token"] == [("first_token", streamed)]
     finally:
         thread.close()

@@ -168,6 +168,7 @@ def test_local_decisions_are_the_conductors_on_the_same_state(
             # Again, now that queues and reservations differ (either engine may be best).
             prompts += [(longer_on_v0, None), (held_by_v1, None), (longer_on_v1, None)]
             outstanding: list[str] = []
+            prefilling: list[str] = []
             for i, (tokens, expected) in enumerate(prompts):
                 request = RouteRequest(f"req-{i}", "/v1/completions", MODEL, 8, False)
                 decision = await router.route(tokens, request)
@@ -177,6 +178,16 @@ def test_local_decisions_are_the_conductors_on_the_same_state(
                     assert decision.name == expected, i
                 await router.idle()  # the conductor decided on the same request (shadow)
                 assert router.counters["shadow_disagreed"] == 0, list(router.disagreements)
+                # Its first token: its prefill leaves the queues, and the instance's speed is
+                # timed, here and at the conductor at the same instant (the shared clock);
+                # from the new prompts on (timing changes the speeds, and so which engine
+                # the expected choices above would take).
+                prefilling.append(request.request_id)
+                if expected is None:
+                    for request_id in prefilling:
+                        router.first_token(request_id)
+                    prefilling.clear()
+                    await router.idle()
                 # Every third request stays outstanding: queues and reservations differ
                 # between the engines, on both sides alike.
                 if i % 3 == 2:
@@ -199,6 +210,9 @@ def test_local_decisions_are_the_conductors_on_the_same_state(
             await router.idle()
             assert router.counters["report_failed"] == 0
             assert router.scheduler.outstanding() == 0
+            # The first tokens calibrated both engines' speed here as at the conductor.
+            speeds = router.scheduler.prefill_speed
+            assert speeds.snapshot("v0").samples + speeds.snapshot("v1").samples > 0
         finally:
             await router.close()
             await client.close()
