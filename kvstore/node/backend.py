@@ -565,8 +565,9 @@ class ShmLeases:
     are on one arena, ``arena`` (a group's name; None or "": the default arena), whose clients
     map only it. They serve only the tenants whose chunks that arena holds: a session of another
     tenant is refused (:meth:`scoped`: PermissionDenied, "not in this arena's group"), as is a
-    write for one, and a read sees only chunks of this arena (another arena's, such as a shared
-    chunk in the default arena read through a group's leases, is a miss here)."""
+    write for one, and a read leases only chunks of this arena (another arena's that the reader
+    may see, such as a shared chunk in the default arena read through a group's leases, is
+    CapacityError: the client reads it over TCP; a prefix read stops before it)."""
 
     def __init__(self, cache: TieredCache, *, max_ttl_s: float = DEFAULT_MAX_TTL_S,
                  max_leases: int = DEFAULT_MAX_LEASES, budget: LeaseBudget | None = None,
@@ -705,18 +706,21 @@ class ShmLeases:
 
     def _in_this_arena(self, keys: list[ChunkKey], tenant: str | None, prefix: bool
                        ) -> list[ChunkKey]:
-        """``keys`` up to the first one whose chunk lies in another arena (a chunk's arena is
-        its owner's, which never changes, so this holds for the pin that follows). Without
-        ``prefix`` such a key is a miss (ChunkNotFound). A key not cached stays: ``pin_in``
-        reports it."""
+        """``keys`` up to the first one whose chunk ``tenant`` may read but lies in another
+        arena (a shared chunk read through a group's leases: a chunk's arena is its owner's,
+        which never changes, so this holds for the pin that follows). Without ``prefix`` such a
+        key raises CapacityError, the refusal a same-host client answers by reading over TCP,
+        where the tenant check serves it. A key not cached, or not ``tenant``'s to read, stays:
+        ``pin_in`` reports it as a miss."""
         assert self._grouped is not None
         arena_of = self._grouped.arena_of
         for i, key in enumerate(keys):
             entry = self._cache.entry(key, tenant)
             if entry is not None and arena_of(entry.tenant) != self.arena:
                 if not prefix:
-                    raise ChunkNotFound(key, "this lease channel's arena (it is in another "
-                                        "tenant group's)")
+                    raise CapacityError(
+                        f"chunk {short_key(key)} lies in another arena than this lease "
+                        f"channel's ({self.arena or 'the default arena'}): read it over TCP")
                 return keys[:i]
         return keys
 

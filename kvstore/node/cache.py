@@ -1322,7 +1322,7 @@ def _arena_mates(target: Tier, owner: str) -> Callable[[str], bool] | None:
     ``owner``'s arena, the only ones whose eviction makes room for its write (a full arena of
     one tenant group never evicts another group's chunks). None: any tenant's."""
     same_arena = getattr(target, "same_arena", None)
-    return None if same_arena is None else same_arena(owner)  # type: ignore[no-any-return]
+    return None if same_arena is None else same_arena(owner)
 
 
 def _orphan_error(key: bytes, parent: bytes) -> InvalidArgument:

@@ -26,7 +26,7 @@ from kvstore.dataplane.arena import SHM_DIR, ArenaAccess, ShmArena
 from kvstore.dataplane.transport.shm import ShmClient
 from kvstore.dataplane.transport.shm.channel import LeaseChannel
 from kvstore.dataplane.transport.shm.frames import ChannelOp
-from kvstore.errors import ChunkNotFound, PermissionDenied
+from kvstore.errors import CapacityError, ChunkNotFound, PermissionDenied
 from tests.security.secured_daemon import SecuredDaemon, start_secured_daemon
 from tests.security.test_samehost import NOBODY, as_nobody
 
@@ -195,6 +195,26 @@ def test_a_ticket_of_one_group_is_refused_on_the_other_groups_lease_channel(
         lease_id, ranges = chan.call(ChannelOp.ACQUIRE_READ, keys=[next(iter(ALICE))])
         assert lease_id and ranges[0][1] == len(next(iter(ALICE.values())))
         chan.call(ChannelOp.RELEASE, arg=lease_id)
+    finally:
+        chan.close()
+    _alice_intact(alice)
+
+
+def test_a_shared_chunk_in_the_default_arena_reads_back_for_a_group_engine(
+        world: SecuredDaemon, alice: StoreClient) -> None:
+    """The shared tenant lives in the default arena, which alice's group does not map: her
+    lease channel refuses the lease (read it over TCP), and her client reads it over TCP,
+    where the tenant check lets her read the shared tenant."""
+    value = os.urandom(96 << 10)
+    writer = world.client("sys", DataPlane.TCP, tenant="kvtier.shared")
+    writer.put(b"shared-prompt", value)
+    out = bytearray(len(value))
+    assert alice.get_into(b"shared-prompt", out) == len(value) and out == value
+    chan = LeaseChannel(_info(world, "alice").shm_socket, io_timeout_s=10)
+    try:
+        _hello(chan, world.ticket("alice").ticket)
+        with pytest.raises(CapacityError, match="lies in another arena"):
+            chan.call(ChannelOp.ACQUIRE_READ, keys=[b"shared-prompt"])
     finally:
         chan.close()
     _alice_intact(alice)

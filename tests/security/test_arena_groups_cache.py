@@ -19,7 +19,7 @@ from kvstore.dataplane.nvme.config import NvmeTierConfig
 from kvstore.dataplane.nvme.tier import NvmeTier
 from kvstore.dataplane.tier import TierKind
 from kvstore.dataplane.transport.auth import TenantScope
-from kvstore.errors import ChunkNotFound, ConfigError, PermissionDenied
+from kvstore.errors import CapacityError, ChunkNotFound, ConfigError, PermissionDenied
 from kvstore.node.backend import ShmLeases
 from kvstore.node.cache import TieredCache
 from kvstore.node.config import load_config
@@ -162,11 +162,15 @@ def test_one_arenas_lease_table_serves_only_its_groups_tenants(
                 (r.offset, r.size_bytes)
             assert bytes(arena.view(key)) == fill * CHUNK
         assert scoped.release(lease_id)
-        # Another arena's chunk is a miss here (every tenant's reader: the operator's).
-        with pytest.raises(ChunkNotFound, match="in another tenant group"):
-            leases_a.acquire_read([b"shared"], 10.0)
+        # Another arena's chunk is not leased here (read it over TCP): for every tenant's
+        # reader (the operator's), and for alice's of the default tenant's chunk...
+        for leases, key in ((leases_a, b"shared"), (leases_default, b"alice-root")):
+            with pytest.raises(CapacityError, match="lies in another arena"):
+                leases.acquire_read([key], 10.0)
+        # ... while a chunk alice may not read at all is a plain miss.
+        cache.put(b"bob-root", b"b" * CHUNK, tenant="bob")
         with pytest.raises(ChunkNotFound):
-            leases_default.acquire_read([b"alice-root"], 10.0)
+            scoped.acquire_read([b"bob-root"], 10.0)
         lease_id, ranges = leases_default.acquire_read([b"shared", b"alice-root"], 10.0,
                                                        prefix=True)
         assert len(ranges) == 1 and leases_default.release(lease_id)
