@@ -168,6 +168,26 @@ def test_a_typo_in_the_chart_config_is_refused(tmp_path: Path) -> None:
         load_config(path, env={})
 
 
+def test_the_chart_config_takes_arena_groups_as_a_yaml_list(tmp_path: Path) -> None:
+    """``daemon.config.dram.arena_groups`` as the values comment shows it loads (a YAML list of
+    group entries) and is checked by the loader (a tenant in two groups is refused)."""
+    from kvstore.errors import ConfigError
+
+    config = dict(_values()["daemon"]["config"])
+    assert config["dram"]["arena_groups"] == []
+    groups = ["team-a:tenants=alice+carol;group=2001;capacity=4GiB",
+              "team-b:tenants=bob;group=2002;capacity=4GiB"]
+    path = tmp_path / "daemon.yaml"
+    path.write_text(yaml.safe_dump({**config, "dram": {**config["dram"], "arena_groups": groups}}))
+    a, b = load_config(path, env={}).dram.arena_group_list()
+    assert (a.name, a.tenants, a.gid, b.name, b.gid) == \
+        ("team-a", frozenset({"alice", "carol"}), 2001, "team-b", 2002)
+    groups[1] = "team-b:tenants=bob+carol;group=2002;capacity=4GiB"
+    path.write_text(yaml.safe_dump({**config, "dram": {**config["dram"], "arena_groups": groups}}))
+    with pytest.raises(ConfigError, match="tenant 'carol' is in groups"):
+        load_config(path, env={})
+
+
 @pytest.mark.parametrize(("template", "command"), [
     ("conductor.yaml", ("conductor",)),
     ("daemon-daemonset.yaml", ("daemon",)),

@@ -303,6 +303,11 @@ class StoreDaemon:
         """Every same-host lease table: the default arena's, then each group's."""
         return [self.leases, *self._group_leases.values()]
 
+    def _leases_open(self) -> tuple[int, int]:
+        """(read leases, write leases) open in every lease table."""
+        counts = [t.open_count() for t in self.lease_tables()]
+        return sum(r for r, _w in counts), sum(w for _r, w in counts)
+
     def _data_plane_tls(self) -> ServerTlsSource | None:
         """The TCP plane's TLS context source with ``server.tcp_tls`` (the gRPC certificate
         files, loaded now so that a broken set fails the start), else None."""
@@ -570,7 +575,7 @@ class StoreDaemon:
 
     def stats_pb(self) -> pb.StatsResponse:
         cache = self.cache
-        reads, writes = self.leases.open_count()
+        reads, writes = self._leases_open()
         tiers = []
         for report in cache.report():
             s, c = report.stats, report.counters
@@ -592,8 +597,9 @@ class StoreDaemon:
         tcp = self._tcp.stats() if self._tcp is not None else None
         return MetricsSnapshot(
             tiers=self.cache.report(), misses=self.cache.misses,
-            events_last_seq=self.events.last_seq, shm_leases_open=self.leases.open_count(),
-            shm_bytes=(self.leases.bytes_read + self.lease_free_bytes, self.leases.bytes_written),
+            events_last_seq=self.events.last_seq, shm_leases_open=self._leases_open(),
+            shm_bytes=(sum(t.bytes_read for t in self.lease_tables()) + self.lease_free_bytes,
+                       sum(t.bytes_written for t in self.lease_tables())),
             tcp_bytes=(tcp.bytes_sent, tcp.bytes_received) if tcp else (0, 0),
             tcp_connections_open=tcp.connections_open if tcp else 0)
 
