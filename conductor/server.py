@@ -87,11 +87,12 @@ from conductor.scheduler import (
     Scheduler,
     SchedulerConfig,
 )
+from conductor.store_keys import store_hasher
 from kvstore._proto.kvtier.v1 import store_pb2 as store_pb
 from kvstore._proto.kvtier.v1 import store_pb2_grpc as store_grpc
 from kvstore.dataplane.tier import TierKind
 from kvstore.errors import InvalidArgument, KvtierError, MembershipError
-from kvstore.keys import BlockHasher, HashMode, Namespace
+from kvstore.keys import BlockHasher
 from kvstore.membership.election import Election, LeaderRecord, LeaderView, read_leader
 from kvstore.membership.engines import (
     EngineRecord,
@@ -379,36 +380,24 @@ class Conductor:
         return self.engine_cache.match(token_ids, tenant, instances)
 
     def hasher(self, model: str, tenant: str) -> BlockHasher:
-        """The key chain of ``model`` for ``tenant``: kvtier's own chain, or, for a vLLM engine
-        record (``vllm_kv_events`` with ``sha256_cbor``) that carries the fingerprint of its
-        kvtier connector, vLLM's block hashes with that record's seed and the tenant as the
-        salt, which are the connector's keys (so the store's tiers count for that engine);
-        InvalidArgument when no engine of the model published a KV fingerprint (then requests
-        must carry keys)."""
+        """The key chain of ``model`` for ``tenant``, as its engine records name it
+        (:func:`conductor.store_keys.store_hasher`: kvtier's own chain, or, for vLLM engines
+        with kvtier's connector, vLLM's ``sha256_cbor`` block hashes with the records' seed and
+        the tenant as the salt, which are the connector's keys). InvalidArgument when no
+        engine of the model published a KV fingerprint (then requests must carry keys), or
+        when its engines make their keys differently (one request's keys could not be priced
+        on all of them)."""
         with self.lock:
             cached = self._hashers.get((model, tenant))
             if cached is not None:
                 return cached
-            record = next((rec for rec in self.engines.values()
-                           if rec.model == model and rec.kv_fingerprint is not None), None)
-            fingerprint = None if record is None else record.kv_fingerprint
-            events = None if record is None else record.vllm_kv_events
-            known = sorted({rec.model for rec in self.engines.values()})
-        if fingerprint is None:
+            records = list(self.engines.items())
+        hasher = store_hasher(records, model, tenant, self.engine_model.block_size_tokens)
+        if hasher is None:
+            known = sorted({rec.model for _, rec in records})
             raise InvalidArgument(
                 f"cannot hash token ids for model {model!r}: no engine of it published a KV "
                 f"fingerprint (known models: {', '.join(known) or 'none'}); send chained keys")
-        if fingerprint.block_size_tokens != self.engine_model.block_size_tokens:
-            raise InvalidArgument(
-                f"model {model!r} uses blocks of {fingerprint.block_size_tokens} tokens; this "
-                f"conductor schedules blocks of {self.engine_model.block_size_tokens}")
-        if events is not None and events.hash_algo == HashMode.SHA256_CBOR.value:
-            # A vLLM engine with kvtier's connector: its keys are vLLM's sha256_cbor block
-            # hashes behind the namespace (kvstore.integrations.vllm), salted by the tenant.
-            hasher = BlockHasher(Namespace(fingerprint, tenant), mode=HashMode.SHA256_CBOR,
-                                 vllm_hash_seed=events.hash_seed)
-        else:
-            hasher = BlockHasher(Namespace(fingerprint, tenant))
         with self.lock:
             if len(self._hashers) >= _HASHERS_KEPT:
                 self._hashers.clear()

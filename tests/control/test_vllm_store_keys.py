@@ -13,9 +13,10 @@ import asyncio
 
 import pytest
 
+from kvstore.errors import InvalidArgument
 from kvstore.keys import BlockHasher, HashMode, KVDtype, KVFingerprint, Namespace
 from kvstore.membership.engines import EngineRecord, EngineRole, VllmKvEvents
-from kvstore.membership.etcd import KeyLayout
+from kvstore.membership.etcd import KeyLayout, etcd_client
 from kvstore.membership.launcher import LocalEtcd
 from tests.control.test_conductor_service import CHUNK, Cluster, ready, run, wait_until
 
@@ -90,6 +91,47 @@ def test_the_connectors_saved_blocks_count_for_a_vllm_engine(
                     assert other.best_blocks == 0  # another salt: other keys
                 else:  # only the engine's own cache can be matched
                     assert reply.blocks == 0 and placed.local_blocks == 0
+
+        run(aio, scenario(), timeout_s=120.0)
+    finally:
+        cluster.close()
+
+
+def test_a_model_whose_engines_make_keys_differently_is_refused_by_name(
+        aio: asyncio.Runner, tmp_path: pytest.TempPathFactory, etcd_server: LocalEtcd) -> None:
+    """A reference worker (kvtier's xxh3 chain) and a vLLM engine with the connector
+    (sha256_cbor) under one model name: the conductor used to hash every prompt with the first
+    fingerprinted record it found, so one of the two was priced with keys it never stores. It
+    refuses token ids for that model now, naming both engines and their schemes; chained keys
+    still schedule, and the vLLM engine alone (the worker gone) is priced on its own keys."""
+    layout = KeyLayout("/vllm-store-keys-mixed/")
+    cluster = Cluster(tmp_path, etcd_server.client_url, layout)  # type: ignore[arg-type]
+    token_ids = [(5 * i + 1) % 30_000 for i in range(2 * BLOCK + 3)]
+    worker = EngineRecord("w1", EngineRole.PREFILL, MODEL, "node-a", kv_fingerprint=FINGERPRINT)
+    try:
+        cluster.daemon("node-a")
+        cluster.conductor("c-1", "--block-size-tokens", str(BLOCK))
+
+        async def scenario() -> None:
+            await cluster.engines(vllm_record("v1", "node-a", FINGERPRINT, str(tmp_path)),
+                                  vllm_decode_record("v1", "node-a"), worker)
+            async with cluster.client() as client:
+                await ready(client, nodes={"node-a"}, prefill_ids={"v1", "w1"})
+                with pytest.raises(InvalidArgument, match=r"make their store keys differently"
+                                   r" \(v1: sha256_cbor keys .*; w1: xxh3_128 keys"):
+                    await client.schedule("r-1", MODEL, token_ids=token_ids, tenant="t")
+                keyed = await client.schedule("r-2", MODEL, keys=[b"k1", b"k2"],
+                                              input_tokens=2 * BLOCK + 3)
+                assert keyed.accepted, keyed.message
+                async with etcd_client(cluster.etcd_url) as etcd:
+                    await etcd.delete(layout.engine_key("prefill", "w1").encode())
+
+                async def worker_gone() -> bool:
+                    return "w1" not in (await client.leader_info()).prefill_instances
+
+                await wait_until(worker_gone, 30.0, "the worker's record leaves")
+                placed = await client.schedule("r-3", MODEL, token_ids=token_ids, tenant="t")
+                assert placed.accepted and placed.prefill_instance == "v1", placed.message
 
         run(aio, scenario(), timeout_s=120.0)
     finally:
