@@ -127,8 +127,11 @@ from kvstore.cluster.chaos_check import (
     chunk_value,
     digest,
     durable_unverified,
+    engine_reuse,
+    engine_stats,
     fault_stats,
     longest_stall,
+    tokens_digest,
 )
 from kvstore.cluster.netns import Host, NetnsLab, unavailable_reason
 from kvstore.errors import (
@@ -219,6 +222,77 @@ GRPC_HANDSHAKE_BOUND_S = 60.0 + TIMEOUT_SLACK_S
 server handshake timeout (not set by the daemon; measured 60.0 s here), plus the slack."""
 
 
+class Engines(enum.Enum):
+    """Which real engines serve prompts during a run (``--engines``)."""
+
+    NONE = "none"
+    REFERENCE = "reference"
+    """A prefill and a decode worker of the reference engine (``python -m
+    kvstore.engine.worker``: a real transformer, random fixed-seed weights) on each of
+    ``ENGINE_HOSTS``, saving to and loading from their node's daemon over TCP."""
+
+
+ENGINE_HOSTS = (0, FAULTED_HOST)
+"""Hosts with an engine pair: ``h1``, whose daemon the daemon faults hit (its engine must
+degrade to recomputing), and ``h0``, which keeps serving."""
+ENGINE_MODEL = "chaos-ref"
+ENGINE_SPEC: dict[str, int] = {"vocab_size": 1000, "hidden_size": 128,
+                               "intermediate_size": 256, "num_layers": 2,
+                               "num_attention_heads": 4, "num_kv_heads": 2, "head_dim": 32,
+                               "max_positions": 1024, "seed": 7}
+"""The engines' model (:class:`~kvstore.engine.model.ModelSpec` fields): the tests' tiny
+2-layer reference Llama (tests/support/models.py), cheap on 2 cores next to the cluster."""
+ENGINE_BLOCK_TOKENS = 16
+ENGINE_PREFILL_PORT = 50071
+ENGINE_DECODE_PORT = 50072
+ENGINE_NEW_TOKENS = 4
+ENGINE_FAMILIES = 4
+"""Prompt families: each shares a 4-block prefix; ``ENGINE_VARIANTS`` prompts per family."""
+ENGINE_VARIANTS = 6
+ENGINE_KV_TIMEOUT_S = REQUEST_TIMEOUT_S
+"""The engines' KV clients' ``rpc_timeout_s`` (``--kv-timeout-s``), as the load's clients."""
+ENGINE_TIMEOUT_S = 10.0
+"""The bound on one engine request (generate to done): a prefill whose daemon does not
+answer waits for its KV client's timeout on the lookup and on the save, and the decode
+on its load, before recomputing; the history checks every engine request against it."""
+ENGINE_PAUSE_S = 0.05
+ENGINE_TENANT = "chaos"
+
+
+def engine_prompts() -> dict[str, list[int]]:
+    """The prompts the engines serve (a deterministic function of nothing): ``ENGINE_FAMILIES``
+    families of ``ENGINE_VARIANTS``, each a shared 4-block prefix plus a suffix of its own of
+    1-2 blocks and a partial block (so requests of a family reuse its prefix, and a repeated
+    prompt reuses every full block)."""
+    rng = random.Random(16)
+    vocab = ENGINE_SPEC["vocab_size"]
+    prompts = {}
+    for f in range(ENGINE_FAMILIES):
+        prefix = [rng.randrange(vocab) for _ in range(4 * ENGINE_BLOCK_TOKENS)]
+        for v in range(ENGINE_VARIANTS):
+            n = ENGINE_BLOCK_TOKENS * (1 + v % 2) + 1 + rng.randrange(ENGINE_BLOCK_TOKENS - 1)
+            prompts[f"f{f}v{v}"] = prefix + [rng.randrange(vocab) for _ in range(n)]
+    return prompts
+
+
+def no_cache_outputs(prompts: dict[str, list[int]]) -> dict[str, str]:
+    """Each prompt's greedy output by the engines' model with no store at all (one full
+    prefill, then one decode per token), as :func:`~kvstore.cluster.chaos_check.tokens_digest`."""
+    import torch
+
+    from kvstore.engine.colocated import reference_generate
+    from kvstore.engine.model import ModelSpec, build_reference_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = build_reference_model(ModelSpec(**ENGINE_SPEC))
+        return {key: tokens_digest(reference_generate(model, tokens, ENGINE_NEW_TOKENS))
+                for key, tokens in prompts.items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
 class Need(enum.Enum):
     """What a fault needs of the cluster beyond the common setup (:attr:`FaultPlan.needs`)."""
 
@@ -248,10 +322,17 @@ class ChaosSpec:
     slowloris_wait_s: float = GRPC_HANDSHAKE_BOUND_S + 1.0
     """How long the slowloris fault watches its connections (long enough for gRPC's bound;
     quick: the data plane's only)."""
+    engines: Engines = Engines.REFERENCE
+    """Real engines serving prompts beside the synthetic load (:class:`Engines`)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.engines, Engines):
+            raise ConfigError(f"ChaosSpec.engines must be an Engines, not {self.engines!r}")
 
     @classmethod
-    def quick(cls) -> ChaosSpec:
-        return cls(warmup_s=1.5, down_s=3.5, after_s=2.0, workers=2, slowloris_wait_s=5.0)
+    def quick(cls, engines: Engines = Engines.REFERENCE) -> ChaosSpec:
+        return cls(warmup_s=1.5, down_s=3.5, after_s=2.0, workers=2, slowloris_wait_s=5.0,
+                   engines=engines)
 
 
 @dataclass
@@ -290,6 +371,19 @@ class FaultRow:
     notes: list[str] = field(default_factory=list)
     skipped: str = ""
     """Why the fault did not run here (the row holds no figures)."""
+    engine_attempted: int = 0
+    engine_completed: int = 0
+    engine_failed: int = 0
+    """Engine requests started during the fault: answered within ``ENGINE_TIMEOUT_S`` + 1 s,
+    or not (an error, no answer, or later)."""
+    engine_wrong: int = 0
+    """Engine answers that differ from their prompt's no-cache output (counted in
+    ``wrong_reads`` too)."""
+    reuse_before: float | None = None
+    reuse_after: float | None = None
+    """Share of the prompt tokens the faulted node's engine (every engine, when the fault hit
+    no engine's node) loaded from kvtier instead of computing, before the fault and after it;
+    None: no engine request answered there."""
 
     @property
     def clean(self) -> bool:
@@ -385,6 +479,8 @@ class ChaosCluster:
         self.engines: dict[str, _Child] = {}
         self.conductors: dict[str, _Child] = {}
         self.conductor_addresses: dict[str, str] = {}
+        self.workers: dict[str, _Child] = {}
+        """The real engines' worker processes (``prefill-h1``, ``decode-h1``...)."""
         self.node_ids = [f"node-{h.name}" for h in self.lab.hosts]
 
     def __enter__(self) -> ChaosCluster:
@@ -446,10 +542,46 @@ class ChaosCluster:
             self.engines[host.name] = self._spawn_engines(host)
         for host in self.lab.hosts:
             self.engines[host.name].wait_line(ENGINES_READY, self.spec.start_timeout_s)
+        if self.spec.engines is Engines.REFERENCE:  # model loads overlap the conductors'
+            for i in ENGINE_HOSTS:
+                for role in ("prefill", "decode"):
+                    name = f"{role}-{self.lab.hosts[i].name}"
+                    self.workers[name] = self._spawn_worker(self.lab.hosts[i], role)
         for i in CONDUCTOR_HOSTS:
             self.conductors[self.lab.hosts[i].name] = self._spawn_conductor(self.lab.hosts[i])
         for i in CONDUCTOR_HOSTS:
             self._wait_conductor(self.lab.hosts[i])
+        from kvstore.engine.worker import READY_PREFIX
+
+        for child in self.workers.values():
+            child.wait_line(READY_PREFIX, self.spec.start_timeout_s)
+
+    def _spawn_worker(self, host: Host, role: str) -> _Child:
+        """One worker of the reference engine on ``host`` (:data:`Engines.REFERENCE`), its
+        node's daemon its store; listening on the host's address."""
+        port = ENGINE_PREFILL_PORT if role == "prefill" else ENGINE_DECODE_PORT
+        argv = [sys.executable, "-m", "kvstore.engine.worker", "--role", role,
+                "--instance-id", f"ref-{role}-{host.name}", "--node-id", f"node-{host.name}",
+                "--daemon", f"{host.address}:{GRPC_PORT}", "--etcd", self.etcd_endpoints(host),
+                "--prefix", PREFIX, "--model-name", ENGINE_MODEL,
+                "--spec-json", json.dumps(ENGINE_SPEC),
+                "--block-tokens", str(ENGINE_BLOCK_TOKENS), "--threads", "1",
+                "--listen", f"{host.address}:{port}",
+                "--kv-timeout-s", str(ENGINE_KV_TIMEOUT_S)]
+        log_path = self.work_dir / f"{role}-{host.name}.log"
+        with log_path.open("a") as log:
+            proc = self.lab.popen(host, argv, stdout=subprocess.PIPE, stderr=log, text=True,
+                                  cwd=REPO, env=_env())
+        return _Child(proc, f"{role}-{host.name}", log_path)
+
+    def engine_addresses(self) -> list[dict[str, str]]:
+        """What the load's engine driver sends prompts to: per engine host its node and its
+        prefill and decode workers' addresses."""
+        if self.spec.engines is Engines.NONE:
+            return []
+        return [{"node": f"node-{h.name}", "prefill": f"{h.address}:{ENGINE_PREFILL_PORT}",
+                 "decode": f"{h.address}:{ENGINE_DECODE_PORT}"}
+                for h in (self.lab.hosts[i] for i in ENGINE_HOSTS)]
 
     def _spawn_engines(self, host: Host) -> _Child:
         """The engine records of ``host`` (one prefill, one decode instance on its node),
@@ -647,7 +779,9 @@ class ChaosCluster:
                   "nodes": self.node_ids, "history": str(history_path),
                   "workers": self.spec.workers, "value_bytes": self.spec.value_bytes,
                   "op_pause_s": self.spec.op_pause_s,
-                  "conductors": self.conductor_addresses}
+                  "conductors": self.conductor_addresses,
+                  "engines": self.engine_addresses(), "prompts": engine_prompts()
+                  if self.spec.engines is not Engines.NONE else {}}
         config_path = self.work_dir / "loadgen.json"
         config_path.write_text(json.dumps(config))
         log_path = self.work_dir / "loadgen.log"
@@ -694,6 +828,10 @@ class _Injected:
     paused_leader: bool = False
     """An etcd fault paused the member that led (the row says which leases ended at its
     resume: etcd 3.4 revokes them, docs/etcd-failover.md)."""
+    cut_off: str = ""
+    """The node whose host the fault cut off the network (its engine cannot be reached: its
+    requests may fail); every other engine must answer every request, recomputing what the
+    store cannot give it."""
     detect_error: str = ""
     """Detect at the first request that failed with this error class, recover at the first
     put on the node that succeeded after the fault (a fault the node answers with an error,
@@ -724,7 +862,8 @@ def _partition_host(cluster: ChaosCluster, host: Host, load: _Child) -> _Injecte
     # new leader (which extends every lease by its TTL) before the host's lease can expire.
     time.sleep(cluster.spec.down_s + 2 * LEASE_TTL_S)
     cluster.lab.heal(host)
-    return _Injected(Fault("partition-host", f"node-{host.name}", start, time.monotonic()))
+    return _Injected(Fault("partition-host", f"node-{host.name}", start, time.monotonic()),
+                     cut_off=f"node-{host.name}")
 
 
 def _kill_conductor(cluster: ChaosCluster, host: Host, load: _Child) -> _Injected:
@@ -1215,6 +1354,8 @@ def run_fault(name: str, *, spec: ChaosSpec | None = None,
     why_not = FAULTS[name].skip()
     if why_not is not None:
         return FaultRow(name, 0, 0, 0, 0, 0, 0, None, None, 0, skipped=why_not)
+    expected = (no_cache_outputs(engine_prompts()) if spec.engines is not Engines.NONE
+                else {})
     with contextlib.ExitStack() as stack:
         if work_dir is None:
             work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(
@@ -1236,8 +1377,10 @@ def run_fault(name: str, *, spec: ChaosSpec | None = None,
         time.sleep(spec.after_s)
         summary = _stop_load(load)
         _append_injected(history_path, injected)
+        _append_expected(history_path, expected)
         history = read_history(history_path)
-        violations = check(history, max_stall_s=MAX_STALL_S, request_timeout_s=REQUEST_TIMEOUT_S)
+        violations = check(history, max_stall_s=MAX_STALL_S, request_timeout_s=REQUEST_TIMEOUT_S,
+                           engine_timeout_s=ENGINE_TIMEOUT_S)
         return _finish_row(_row(history, injected, summary, violations), history, injected,
                            summary)
 
@@ -1284,6 +1427,14 @@ def _append_injected(history_path: Path, injected: _Injected) -> None:
             f.write(json.dumps({"kind": "restart", **asdict(restart)}) + "\n")
         for node, key in injected.damaged:
             f.write(json.dumps({"kind": "damage", "node": node, "key": key}) + "\n")
+
+
+def _append_expected(history_path: Path, expected: dict[str, str]) -> None:
+    """The engines' prompts' no-cache outputs (:func:`no_cache_outputs`) into the history."""
+    with history_path.open("a") as f:
+        for key, tokens in sorted(expected.items()):
+            f.write(json.dumps({"kind": "engine_expected", "key": key, "digest": tokens})
+                    + "\n")
 
 
 def _finish_row(row: FaultRow, history: History, injected: _Injected,
@@ -1345,6 +1496,8 @@ def run_soak(minutes: float, *, spec: ChaosSpec | None = None, faults: list[str]
     seed = secrets_seed() if seed is None else seed
     rng = random.Random(seed)
     needs = frozenset(need for n in names for need in FAULTS[n].needs)
+    expected = (no_cache_outputs(engine_prompts()) if spec.engines is not Engines.NONE
+                else {})
     with contextlib.ExitStack() as stack:
         if work_dir is None:
             work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(
@@ -1372,8 +1525,10 @@ def run_soak(minutes: float, *, spec: ChaosSpec | None = None, faults: list[str]
         summary = _stop_load(load)
         for one in injected:
             _append_injected(history_path, one)
+        _append_expected(history_path, expected)
         history = read_history(history_path)
-    violations = check(history, max_stall_s=MAX_STALL_S, request_timeout_s=REQUEST_TIMEOUT_S)
+    violations = check(history, max_stall_s=MAX_STALL_S, request_timeout_s=REQUEST_TIMEOUT_S,
+                       engine_timeout_s=ENGINE_TIMEOUT_S)
     rows = []
     for i, one in enumerate(injected):  # each row counts the violations of its own stretch
         until = injected[i + 1].fault.start_s if i + 1 < len(injected) else math.inf
@@ -1410,6 +1565,8 @@ def read_history(path: Path) -> History:
             history.damaged.append((item["node"], item["key"]))
         elif kind == "removed":
             history.removed.append(Removal(**item))
+        elif kind == "engine_expected":
+            history.engine_expected[str(item["key"])] = str(item["digest"])
         else:
             history.records.append(Record.from_dict(item))
     return history
@@ -1495,13 +1652,40 @@ def _row(history: History, injected: _Injected, summary: dict[str, Any],
     if errors:
         notes.append("failed in the window: " + ", ".join(
             f"{n} {name}" for name, n in sorted(errors.items(), key=lambda kv: -kv[1])))
+    engine = engine_stats(history.records, fault, ENGINE_TIMEOUT_S)
+    engine_errors: dict[str, int] = {}
+    for r in history.records:
+        if r.op is Op.ENGINE and r.result is Result.ERR and \
+                fault.start_s <= r.start_s <= fault.end_s:
+            name = f"{r.node} " + (r.error.partition(":")[0] or "no answer")
+            engine_errors[name] = engine_errors.get(name, 0) + 1
+    if engine_errors:
+        notes.append("engine requests failed in the window: " + ", ".join(
+            f"{n} {name}" for name, n in sorted(engine_errors.items(), key=lambda kv: -kv[1])))
+    degraded_not = [r for r in history.records if r.op is Op.ENGINE
+                    and r.result is Result.ERR and r.node != injected.cut_off
+                    and fault.start_s <= r.start_s <= fault.end_s]
+    if degraded_not:
+        others.append(f"{fault.name}: {len(degraded_not)} engine requests failed on a reachable "
+                      f"engine instead of recomputing (first: {degraded_not[0].node} "
+                      f"{degraded_not[0].error})")
+    # Reuse of the faulted node's engine where it has one (the one whose store the fault
+    # hit), else of every engine.
+    reuse_of = [r for r in history.records if r.op is Op.ENGINE and r.node == fault.node] \
+        or history.records
+    engine_wrong = sum(1 for v in violations if v.invariant is Invariant.WRONG_READ
+                       and v.record is not None and v.record.op is Op.ENGINE)
     return FaultRow(fault.name, stats.attempted, stats.completed, stats.failed,
                     count(Invariant.WRONG_READ), count(Invariant.DURABLE_LOST),
                     durable_unverified(history), detect, recover, leaks,
                     sum(1 for g in history.lease_gaps if fault.start_s - 1.0 <= g.expired_s
                         <= fault.end_s + LEASE_TTL_S + 1.0), count(Invariant.OVER_TIMEOUT),
                     longest_stall(history.records, fault)[0], others + injected.violations,
-                    leak_detail=dict(injected.leaks), notes=notes)
+                    leak_detail=dict(injected.leaks), notes=notes,
+                    engine_attempted=engine.attempted, engine_completed=engine.completed,
+                    engine_failed=engine.failed, engine_wrong=engine_wrong,
+                    reuse_before=engine_reuse(reuse_of, until_s=fault.start_s),
+                    reuse_after=engine_reuse(reuse_of, since_s=fault.end_s))
 
 
 # --- the load generator (runs in the observer namespace) -------------------------------------
@@ -1867,6 +2051,63 @@ class _Load:
         finally:
             channel.close()
 
+    def engine_driver(self, engine: dict[str, str], prompts: dict[str, list[int]],
+                      seed: int) -> None:
+        """Send one engine's prefill worker a prompt at a time (drawn at random from
+        ``prompts``) and record each request (``Op.ENGINE``): its greedy tokens' digest and
+        how many prompt tokens the prefill loaded from kvtier. A request is bounded by
+        ``ENGINE_TIMEOUT_S`` (no answer by then: an error). No store is named here: the
+        worker uses its node's daemon, and the history compares the tokens with the prompt's
+        no-cache output."""
+        import asyncio
+
+        rng = random.Random(seed)
+        keys = sorted(prompts)
+
+        async def drive() -> None:
+            seq = 0
+            while not self.stopping.is_set():
+                key = rng.choice(keys)
+                seq += 1
+                self.add(await self._engine_request(engine, key, prompts[key], seq))
+                await asyncio.sleep(ENGINE_PAUSE_S)
+
+        asyncio.run(drive())
+
+    async def _engine_request(self, engine: dict[str, str], key: str, tokens: list[int],
+                              seq: int) -> Record:
+        import asyncio
+
+        from kvstore.engine.frames import read_frame, write_frame
+
+        start = time.monotonic()
+        writer: Any = None
+        try:
+            async with asyncio.timeout(ENGINE_TIMEOUT_S):
+                host, _, port = engine["prefill"].rpartition(":")
+                reader, writer = await asyncio.open_connection(host, int(port))
+                await write_frame(writer, {
+                    "op": "generate", "request_id": f"{engine['node']}/{seq}",
+                    "token_ids": tokens, "tenant": ENGINE_TENANT, "reuse": True,
+                    "prefix_blocks": 0, "ticket": 0, "decode_address": engine["decode"],
+                    "max_new_tokens": ENGINE_NEW_TOKENS, "fetch": None})
+                first, _ = await read_frame(reader)
+                done = first if first.get("event") == "error" else (await read_frame(reader))[0]
+            if done.get("event") == "error":
+                raise KvtierError(f"{done.get('error')}: {done.get('message')}")
+            out = [int(t) for t in done["decode"]["tokens"]]
+            reused = int(first["prefill"]["reused_tokens"])
+            return Record(Op.ENGINE, key, engine["node"], start, time.monotonic(), Result.OK,
+                          digest=tokens_digest(out), prompt_tokens=len(tokens),
+                          reused_tokens=reused)
+        except (TimeoutError, KvtierError, OSError, KeyError, TypeError, ValueError) as exc:
+            return Record(Op.ENGINE, key, engine["node"], start, time.monotonic(), Result.ERR,
+                          prompt_tokens=len(tokens),
+                          error=f"{type(exc).__name__}: {exc}"[:200])
+        finally:
+            if writer is not None:
+                writer.close()
+
     def read_back(self) -> None:
         """Every acknowledged key from its node, once (after the faults were removed)."""
         with self.lock:
@@ -1980,6 +2221,10 @@ class _Load:
         threads += [threading.Thread(target=self.scheduler, args=(cid, address),
                                      name=f"schedule-{cid}", daemon=True)
                     for cid, address in sorted(self.config.get("conductors", {}).items())]
+        threads += [threading.Thread(target=self.engine_driver,
+                                     args=(engine, self.config["prompts"], i),
+                                     name=f"engine-{engine['node']}", daemon=True)
+                    for i, engine in enumerate(self.config.get("engines", []))]
         followers = [threading.Thread(target=self.follow_removals, args=(node,),
                                       name=f"removals-{node}", daemon=True)
                      for node in sorted(expected)]
@@ -2048,16 +2293,22 @@ def _fmt_s(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
+def _fmt_pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.0f}"
+
+
 def print_table(rows: list[FaultRow], out: IO[str] = sys.stdout, *, soak: bool = False) -> None:
     """The table, then each row's notes (``soak``: without the per-run totals, which a soak's
     rows share)."""
     head = ("fault", "attempted", "completed", "failed", "wrong reads", "durable lost",
-            "unverified", "detect s", "recover s", "leaks", "left", "over timeout", "stall s")
+            "unverified", "detect s", "recover s", "leaks", "left", "over timeout", "stall s",
+            "engine a/c/f", "reuse % before/after")
     lines = [head] + [(r.fault, str(r.attempted), str(r.completed), str(r.failed),
                        str(r.wrong_reads), str(r.durable_lost), str(r.durable_unverified),
                        _fmt_s(r.detect_s), _fmt_s(r.recover_s), str(r.leaks), str(r.nodes_left),
-                       str(r.over_timeout),
-                       _fmt_s(r.longest_stall_s)) for r in rows]
+                       str(r.over_timeout), _fmt_s(r.longest_stall_s),
+                       f"{r.engine_attempted}/{r.engine_completed}/{r.engine_failed}",
+                       f"{_fmt_pct(r.reuse_before)}/{_fmt_pct(r.reuse_after)}") for r in rows]
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     for line in lines:
         print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
@@ -2079,23 +2330,27 @@ def print_table(rows: list[FaultRow], out: IO[str] = sys.stdout, *, soak: bool =
             print(f"{r.fault}: VIOLATION {v}", file=out)
         for e in r.schedule_errors:
             print(f"{r.fault}: schedule error {e}", file=out)
-    print(f"goals: wrong reads 0, durable lost 0, leaks 0, over timeout 0 (requests "
-          f"{REQUEST_TIMEOUT_S} s + {TIMEOUT_SLACK_S} s), stall <= {MAX_STALL_S} s; detect "
-          f"about the {LEASE_TTL_S} s lease TTL", file=out)
+    print(f"goals: wrong reads 0 (engine outputs: equal to the no-cache ones), durable lost "
+          f"0, leaks 0, over timeout 0 (requests {REQUEST_TIMEOUT_S} s + {TIMEOUT_SLACK_S} s, "
+          f"engine requests {ENGINE_TIMEOUT_S} s + {TIMEOUT_SLACK_S} s), stall <= "
+          f"{MAX_STALL_S} s, engine requests completing in every window; detect about the "
+          f"{LEASE_TTL_S} s lease TTL", file=out)
 
 
 def main(json_path: Path | None, quick: bool, faults: list[str] | None = None,
-         soak_minutes: float | None = None) -> list[FaultRow]:
+         soak_minutes: float | None = None, engines: Engines = Engines.REFERENCE
+         ) -> list[FaultRow]:
     """Run ``faults`` (default: all), one cluster each, or with ``soak_minutes`` a soak
-    (:func:`run_soak`) drawing from them; print the table, write the JSON. A soak whose
-    whole history broke an invariant, or that leaked, returns a row that is not clean."""
+    (:func:`run_soak`) drawing from them, with ``engines`` serving prompts; print the table,
+    write the JSON. A soak whose whole history broke an invariant, or that leaked, returns a
+    row that is not clean."""
     from bench._meta import run_header
 
     unknown = [f for f in faults or () if f not in FAULTS]
     if unknown:
         raise ConfigError(f"unknown fault(s) {', '.join(unknown)} (known: {', '.join(FAULTS)})")
 
-    spec = ChaosSpec.quick() if quick else ChaosSpec()
+    spec = ChaosSpec.quick(engines) if quick else ChaosSpec(engines=engines)
     extra: dict[str, Any] = {}
     if soak_minutes is not None:
         soak = run_soak(soak_minutes, spec=spec, faults=faults)
@@ -2119,7 +2374,8 @@ def main(json_path: Path | None, quick: bool, faults: list[str] | None = None,
         rows = [run_fault(name, spec=spec) for name in (faults or list(FAULTS))]
         print_table(rows)
     if json_path is not None:
-        result = {**run_header("chaos"), "spec": asdict(spec), **extra,
+        result = {**run_header("chaos"), "spec": {**asdict(spec), "engines": spec.engines.value},
+                  **extra,
                   "rows": [asdict(r) for r in rows]}
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(result, indent=2) + "\n")

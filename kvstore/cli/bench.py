@@ -246,6 +246,9 @@ def chaos(
     soak: float | None = typer.Option(None, "--soak", metavar="MINUTES",
                                       help="One cluster for MINUTES: random faults (from --fault, "
                                       "default: all) one at a time, the whole history checked."),
+    engines: str = typer.Option("reference", "--engines",
+                                help="Real engines serving prompts during the faults: reference "
+                                "(the reference workers, tiny model) or none."),
 ) -> None:
     """Faults under load on a three-host cluster in network namespaces (root): requests completed
     and failed during each fault, wrong reads, durable chunks lost, time to detect and recover,
@@ -254,7 +257,13 @@ def chaos(
     from kvstore.errors import ConfigError
 
     try:
-        rows = bench_chaos.main(json_path, quick, fault or None, soak)
+        try:
+            kind = bench_chaos.Engines(engines)
+        except ValueError as exc:
+            raise ConfigError(f"--engines must be one of "
+                              f"{', '.join(e.value for e in bench_chaos.Engines)}, "
+                              f"got {engines!r}") from exc
+        rows = bench_chaos.main(json_path, quick, fault or None, soak, kind)
     except ConfigError as exc:
         typer.echo(f"kvtier bench chaos: {exc}", err=True)
         raise typer.Exit(2) from exc

@@ -1,8 +1,9 @@
 """The fault suite's runs as tests: a three-host cluster in network namespaces (a real
-three-member etcd, three real daemons with DRAM and NVMe, two real conductors), a steady load
-from the observer namespace, one fault per test, and the recorded history checked for every
-invariant (docs/chaos.md). The quick one (unmarked): ``kill -9`` of a daemon and its restart
-on the same NVMe directory, ~20 s. The others (``slow``): SIGSTOP of a daemon, a host
+three-member etcd, three real daemons with DRAM and NVMe, two real conductors, real reference
+engines on two hosts), a steady load from the observer namespace, one fault per test, and the
+recorded history checked for every invariant (docs/chaos.md). The quick one (unmarked):
+``kill -9`` of a daemon and its restart on the same NVMe directory, ~40 s (~17 s of it
+without the engines). The others (``slow``): SIGSTOP of a daemon, a host
 partition, etcd member / leader / quorum faults, the leading conductor killed or paused,
 corrupted chunks, and a shared-memory client killed mid-transfer. The rest of the faults
 (full disk, truncation, other clients, floods, slowloris, a soak) are in
@@ -14,7 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from bench.chaos import MAX_STALL_S, REQUEST_TIMEOUT_S, ChaosSpec, FaultRow, read_history, run_fault
+from bench.chaos import (
+    ENGINE_TIMEOUT_S,
+    MAX_STALL_S,
+    REQUEST_TIMEOUT_S,
+    ChaosSpec,
+    FaultRow,
+    read_history,
+    run_fault,
+)
 from kvstore.cluster.chaos_check import History, Op, Result, check, durable_unverified
 from kvstore.cluster.netns import lab_leftovers, unavailable_reason
 from tests.support.daemon import kvtier
@@ -27,7 +36,8 @@ pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
 def _assert_clean(row: FaultRow, history: History) -> None:
     """Every invariant held, and the run did what it claims: load on every node, the faulted
     node's lease expired during the fault and it registered again after it."""
-    assert check(history, max_stall_s=MAX_STALL_S, request_timeout_s=REQUEST_TIMEOUT_S) == []
+    assert check(history, max_stall_s=MAX_STALL_S, request_timeout_s=REQUEST_TIMEOUT_S,
+                 engine_timeout_s=ENGINE_TIMEOUT_S) == []
     assert row.clean, row
     ok_puts = {r.node for r in history.records if r.op is Op.PUT and r.result is Result.OK}
     assert ok_puts == {"node-h0", "node-h1", "node-h2"}
@@ -39,11 +49,27 @@ def _assert_clean(row: FaultRow, history: History) -> None:
 
 
 def test_kill_9_of_a_daemon_under_load_breaks_no_invariant(tmp_path: Path) -> None:
+    """Also with real engines (the reference workers on h0 and on the killed daemon's h1):
+    every engine request completes with its prompt's no-cache output, h1's recomputing while
+    its daemon is dead, and h1's engine loads prefixes from its restarted daemon again."""
     require_etcd()
     before = set(lab_leftovers())
-    row = run_fault("kill-daemon", spec=ChaosSpec.quick(), work_dir=tmp_path)
+    spec = ChaosSpec.quick()
+    row = run_fault("kill-daemon", spec=spec, work_dir=tmp_path)
     history = read_history(tmp_path / "history.jsonl")
     _assert_clean(row, history)
+    [fault] = history.faults
+    engine = [r for r in history.records if r.op is Op.ENGINE]
+    assert {r.node for r in engine} == {"node-h0", "node-h1"}
+    assert history.engine_expected and check(
+        history, engine_timeout_s=ENGINE_TIMEOUT_S) == []  # outputs equal the no-cache ones
+    assert row.engine_attempted > 0 and row.engine_failed == 0, row
+    dead = [r for r in engine if r.node == "node-h1" and r.result is Result.OK  # before the
+            and fault.start_s <= r.start_s <= fault.start_s + spec.down_s]  # restart
+    assert dead and all(r.reused_tokens == 0 for r in dead)  # recomputed: no store
+    assert any(r.reused_tokens for r in engine if r.node == "node-h1"
+               and r.start_s < fault.start_s)  # the outputs compared include loaded KV
+    assert row.reuse_after, row  # h1's engine reuses from its restarted daemon
     assert any(r.node == "node-h1" and r.result is Result.ERR for r in history.records)
     # every chunk acknowledged on the killed node before the kill was read back after it
     assert durable_unverified(history) == 0
@@ -83,7 +109,8 @@ def test_etcd_faults_leave_the_data_plane_serving(fault: str, tmp_path: Path) ->
     require_etcd()
     row = run_fault(fault, spec=ChaosSpec.quick(), work_dir=tmp_path)
     history = read_history(tmp_path / "history.jsonl")
-    assert check(history, max_stall_s=MAX_STALL_S, request_timeout_s=REQUEST_TIMEOUT_S) == []
+    assert check(history, max_stall_s=MAX_STALL_S, request_timeout_s=REQUEST_TIMEOUT_S,
+                 engine_timeout_s=ENGINE_TIMEOUT_S) == []
     assert row.clean and row.completed > 0 and row.recover_s is not None, row
     for gap in history.lease_gaps:  # a node evicted meanwhile came back
         assert gap.renewed_s is not None, gap
@@ -99,7 +126,8 @@ def test_a_conductor_leader_killed_or_paused_is_replaced_and_fenced(fault: str,
     require_etcd()
     row = run_fault(fault, spec=ChaosSpec.quick(), work_dir=tmp_path)
     history = read_history(tmp_path / "history.jsonl")
-    assert check(history, max_stall_s=MAX_STALL_S, request_timeout_s=REQUEST_TIMEOUT_S) == []
+    assert check(history, max_stall_s=MAX_STALL_S, request_timeout_s=REQUEST_TIMEOUT_S,
+                 engine_timeout_s=ENGINE_TIMEOUT_S) == []
     assert row.clean and row.schedule_errors == [], row
     assert row.detect_s is not None and row.recover_s is not None, row  # a new term decided
     [f] = history.faults
@@ -133,7 +161,8 @@ def test_a_shared_memory_client_killed_mid_transfer_leaks_nothing(tmp_path: Path
     require_etcd()
     row = run_fault("kill-client-shm", spec=ChaosSpec.quick(), work_dir=tmp_path)
     history = read_history(tmp_path / "history.jsonl")
-    assert check(history, max_stall_s=MAX_STALL_S, request_timeout_s=REQUEST_TIMEOUT_S) == []
+    assert check(history, max_stall_s=MAX_STALL_S, request_timeout_s=REQUEST_TIMEOUT_S,
+                 engine_timeout_s=ENGINE_TIMEOUT_S) == []
     assert row.clean and row.completed > 0, row
     assert row.leak_detail and not any(row.leak_detail.values()), row.leak_detail
     assert "shm put reserved, half written" in row.notes[0], row.notes  # it was mid-transfer
