@@ -889,12 +889,20 @@ def _stop_conductor(cluster: ChaosCluster, host: Host, load: _Child) -> _Injecte
                            time.monotonic()))
 
 
+def load_key(key: bytes) -> bool:
+    """Whether a stored chunk's key is one of the load's (printable ASCII, as ``w0/17``), not
+    an engine's (a binary namespace prefix and block hash, :mod:`kvstore.keys`): the faults
+    that damage chunks on disk report the load's, which the history can check; an engine
+    must survive losing its own (it recomputes)."""
+    return bool(key) and all(0x21 <= b <= 0x7E for b in key)
+
+
 def flip_payload_bytes(directory: Path, count: int) -> list[str]:
-    """Flip one byte in the middle of the payload of ``count`` LIVE records of the NVMe
-    segment files in ``directory``, durably; return their keys. The oldest record (read
-    before, so likely promoted to DRAM; past the 64 newest a restart verifies, once enough
-    were written) and the ``count - 1`` newest (likely never read: on NVMe only; verified at
-    a restart). Walks the header chain as a scan does."""
+    """Flip one byte in the middle of the payload of ``count`` LIVE records of the load's
+    (:func:`load_key`) in the NVMe segment files in ``directory``, durably; return their keys.
+    The oldest record (read before, so likely promoted to DRAM; past the 64 newest a restart
+    verifies, once enough were written) and the ``count - 1`` newest (likely never read: on
+    NVMe only; verified at a restart). Walks the header chain as a scan does."""
     from kvstore.dataplane.nvme.format import (
         HEADER_BYTES,
         RecordKind,
@@ -916,7 +924,7 @@ def flip_payload_bytes(directory: Path, count: int) -> list[str]:
                                                  segment_bytes=segment.segment_bytes)
                 if header is None:
                     break
-                if header.kind is RecordKind.LIVE:
+                if header.kind is RecordKind.LIVE and load_key(header.key):
                     found.append((path, header))
                 pos = header.end
     found.sort(key=lambda item: item[1].seq)
@@ -1067,7 +1075,8 @@ def _kill_client(plane: str) -> Callable[[ChaosCluster, Host, _Child], _Injected
 def truncate_segment(directory: Path, count: int, oldest: bool = False) -> list[str]:
     """Cut the segment file holding the newest LIVE record of ``directory`` (``oldest``: the
     one holding the oldest) in the middle of the payload of its ``count``-th record from the
-    end, durably; return the keys of every record the cut reaches (torn or gone)."""
+    end, durably; return the keys of every record of the load's (:func:`load_key`) the cut
+    reaches (torn or gone). An engine's chunks the cut reaches are gone too, unreported."""
     from kvstore.dataplane.nvme.directio import ALIGN_BYTES
     from kvstore.dataplane.nvme.format import (
         HEADER_BYTES,
@@ -1107,7 +1116,7 @@ def truncate_segment(directory: Path, count: int, oldest: bool = False) -> list[
         os.fsync(fd)
     finally:
         os.close(fd)
-    return [h.key.decode() for h in records if h.end > cut]
+    return [h.key.decode() for h in records if h.end > cut and load_key(h.key)]
 
 
 def _truncate_segment(cluster: ChaosCluster, host: Host, load: _Child) -> _Injected:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.chaos import truncate_segment
+from bench.chaos import flip_payload_bytes, load_key, truncate_segment
 from kvstore.dataplane.nvme.config import NvmeTierConfig
 from kvstore.dataplane.nvme.tier import NvmeTier
 from kvstore.errors import ChunkCorrupt, ChunkNotFound
@@ -70,3 +70,23 @@ def test_a_second_cut_of_the_same_file_reports_the_records_past_the_first(
         survivors = {info.key for info in tier.chunks()}
     every = {b"a%02d" % i for i in range(20)} | {b"b%02d" % i for i in range(5)}
     assert survivors == every - {k.encode() for k in [*first, *second]}
+
+
+def test_the_disk_faults_damage_and_report_the_loads_chunks_not_the_engines(
+        tmp_path: Path) -> None:
+    """With real engines in the cluster (issue 16) the NVMe tier also holds their chunks,
+    whose keys are binary (a namespace prefix and a block hash): the faults damage and report
+    only the load's (printable) keys, which the history checks; the first version decoded
+    every key and crashed (UnicodeDecodeError) on the engines' first chunk."""
+    directory = tmp_path / "nvme"
+    engine = [bytes([0x8F, i]) + bytes(range(30)) for i in range(30)]
+    ours = [b"w0/%d" % i for i in range(30)]
+    with NvmeTier.open(config(directory)) as tier:
+        for i in range(30):  # interleaved, an engine's chunk newest
+            tier.put(ours[i], value(i))
+            tier.put(engine[i], value(100 + i))
+    flipped = flip_payload_bytes(directory, 3)
+    assert flipped == [ours[0].decode(), ours[-2].decode(), ours[-1].decode()]
+    cut = truncate_segment(directory, 4)  # the last 4 records: 2 of the load's, 2 engine's
+    assert cut == [ours[-2].decode(), ours[-1].decode()]
+    assert not load_key(engine[0]) and load_key(ours[0]) and not load_key(b"")
