@@ -18,8 +18,9 @@ Lifecycle and ownership
       write reserved slots in place) or ``0640`` (``READ_ONLY``), set with ``fchown`` /
       ``fchmod`` on the new descriptor before any byte is written, so the umask changes
       nothing and no other mode is ever visible. A process that may map an arena can read
-      every chunk in it, of every tenant: keep tenant groups that must not see each other on
-      separate daemons (separate arenas).
+      every chunk in it, of every tenant: keep tenant groups that must not see each other in
+      separate arenas (one per group: :class:`~kvstore.dataplane.dram.GroupedDramTier`, each
+      handed to its group's gid).
     * :meth:`ShmArena.attach` maps an existing arena read-only (the default) or
       read-write from another local process; it never unlinks.
     * Views handed out (:meth:`view`) keep the mapping alive: if any is still
