@@ -1,4 +1,4 @@
-"""The pinned-DRAM tier: chunks in one pre-touched shared-memory arena.
+"""The pinned-DRAM tier: chunks in one pre-touched shared-memory arena (or one per tenant group).
 
 ``DramTier`` implements :class:`~kvstore.dataplane.tier.HostMemoryTier` (see that
 module for ownership, errors and threading). What is specific here:
@@ -37,6 +37,11 @@ module for ownership, errors and threading). What is specific here:
   ``owner``'s (a reserved slot keeps the owner it was reserved under for its commit); outside
   it, the default tenant's (``""``). The cache wraps every tier write it makes for a tenant
   (``TieredCache._place``).
+* **Arenas per tenant group.** :class:`GroupedDramTier` is the tier as one ``DramTier`` per
+  :class:`ArenaGroup` (its tenants, capacity and gid) plus the default one, for hosts shared by
+  engines that must not read each other's chunks: a write goes to the arena of the tenant it is
+  made for (:func:`writing_for`), so a process that may map one group's arena reads only that
+  group's tenants' chunks (docs/dram-arena.md, "Arenas per tenant group").
 """
 
 from __future__ import annotations
