@@ -246,6 +246,30 @@ def test_a_shared_chunk_in_the_default_arena_reads_back_for_a_group_engine(
     _alice_intact(alice)
 
 
+def test_alices_chunks_in_her_groups_arena_read_back_over_tcp_too(
+        world: SecuredDaemon, alice: StoreClient) -> None:
+    """The TCP data plane serves chunks of every arena (tenant-checked): alice's over TCP, and
+    a TCP put of hers lands in her group's arena, where her shared-memory client reads it."""
+    tcp = world.client("alice", DataPlane.TCP)
+    for key, value in ALICE.items():
+        out = bytearray(len(value))
+        assert tcp.get_into(key, out) == len(value) and out == value
+    value = os.urandom(200 << 10)
+    tcp.put(b"alice-over-tcp", value)
+    out = bytearray(len(value))
+    assert alice.get_into(b"alice-over-tcp", out) == len(value) and out == value
+    arena = ShmArena.attach(_info(world, "alice").shm_arena, access=ArenaAccess.READ_ONLY)
+    try:
+        assert bytes(arena.view(0, arena.size_bytes)).find(value) >= 0
+    finally:
+        arena.close()
+    bob = world.client("bob", DataPlane.TCP)
+    for key, value in ALICE.items():
+        with pytest.raises(ChunkNotFound):
+            bob.get_into(key, bytearray(len(value)))
+        TALLY.count(absent=1)
+
+
 def test_bob_over_the_shared_memory_plane_gets_none_of_alices_chunks(
         world: SecuredDaemon, alice: StoreClient) -> None:
     bob = world.client("bob", DataPlane.SHM)

@@ -19,11 +19,13 @@ from kvstore.dataplane.nvme.config import NvmeTierConfig
 from kvstore.dataplane.nvme.tier import NvmeTier
 from kvstore.dataplane.tier import TierKind
 from kvstore.dataplane.transport.auth import TenantScope
+from kvstore.dataplane.transport.base import LeaseBackend
 from kvstore.errors import CapacityError, ChunkNotFound, ConfigError, PermissionDenied
-from kvstore.node.backend import ShmLeases
+from kvstore.node.backend import CacheLeaseBackend, ShmLeases
 from kvstore.node.cache import TieredCache
 from kvstore.node.config import load_config
 from kvstore.node.daemon import StoreDaemon
+from tests.dataplane.lease_backend_conformance import LeaseBackendConformance
 
 KiB, MiB = 1 << 10, 1 << 20
 CHUNK = 64 * KiB
@@ -177,6 +179,20 @@ def test_one_arenas_lease_table_serves_only_its_groups_tenants(
     finally:
         leases_a.close()
         leases_default.close()
+
+
+class TestCacheLeaseBackendOverArenaGroups(LeaseBackendConformance):
+    """The TCP plane's lease backend runs its conformance suite over a grouped DRAM tier (an
+    unscoped connection writes the default tenant: the default arena)."""
+
+    @pytest.fixture
+    def backend(self, tmp_path: Path) -> Iterator[LeaseBackend]:
+        nvme = NvmeTier.open(NvmeTierConfig(directory=tmp_path / "nvme", capacity_bytes=8 * MiB,
+                                            segment_bytes=MiB))
+        dram = GroupedDramTier(28 * MiB, [ArenaGroup("a", frozenset({"alice"}), 4 * MiB)])
+        cache = TieredCache({TierKind.DRAM: dram, TierKind.NVME: nvme})
+        yield CacheLeaseBackend(cache)
+        cache.close()
 
 
 GOOD = "team-a:tenants=alice+carol;group=4242;users=65534;capacity=8MiB"
