@@ -1108,8 +1108,8 @@ class TieredCache:
             except CapacityError:
                 # Logical room exists but the tier needs more (alignment, headers, fragments;
                 # or, in a tier of several arenas, the owner's arena is full).
-                self._evict(kind, max(size, target.capacity_bytes // 64), driver=driver,
-                            only=mates)
+                self._evict(kind, max(size, _arena_capacity(target, owner) // 64),
+                            driver=driver, only=mates)
         raise CapacityError(f"{kind.value}: no room for {size} bytes after evicting "
                             f"{_MAX_ROOM_ATTEMPTS} times")
 
@@ -1323,6 +1323,16 @@ def _arena_mates(target: Tier, owner: str) -> Callable[[str], bool] | None:
     one tenant group never evicts another group's chunks). None: any tenant's."""
     same_arena = getattr(target, "same_arena", None)
     return None if same_arena is None else same_arena(owner)
+
+
+def _arena_capacity(target: Tier, owner: str) -> int:
+    """The capacity of ``owner``'s arena in ``target`` (a tier of several arenas), else of the
+    tier: what an evict-and-retry round is sized by (a 64th of it), so a small group's full
+    arena is not emptied for one chunk because the whole tier is large."""
+    arena_of = getattr(target, "arena_of", None)
+    if arena_of is None:
+        return target.capacity_bytes
+    return int(target.arena(arena_of(owner)).capacity_bytes)  # type: ignore[attr-defined]
 
 
 def _orphan_error(key: bytes, parent: bytes) -> InvalidArgument:

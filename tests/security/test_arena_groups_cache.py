@@ -79,6 +79,22 @@ def test_a_full_groups_arena_evicts_only_its_own_groups_chunks(
     assert all(cache.entry(k) is not None for k in stored if k.startswith(b"default"))
 
 
+def test_a_small_groups_full_arena_evicts_what_a_write_needs_not_a_share_of_the_tier() -> None:
+    """An evict-and-retry round is sized by the writer's arena (a 64th of it, at least the
+    chunk), not by the whole tier: alice's 1 MiB arena in a 64 MiB tier keeps all but the one
+    chunk each new write needs."""
+    dram = GroupedDramTier(64 * MiB, [ArenaGroup("a", frozenset({"alice"}), MiB)])
+    cache = TieredCache({TierKind.DRAM: dram})
+    try:
+        keys = [_key("alice", i) for i in range(24)]
+        for key in keys:
+            cache.put(key, os.urandom(CHUNK), tenant="alice")
+        held = [key for key in keys if cache.entry(key) is not None]
+        assert held == keys[-16:], f"{len(held)} of alice's chunks left in her 16-chunk arena"
+    finally:
+        cache.close()
+
+
 def test_the_batch_reserve_evicts_only_its_own_groups_chunks(
         dram_only: tuple[TieredCache, GroupedDramTier]) -> None:
     cache, dram = dram_only
