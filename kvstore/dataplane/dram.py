@@ -685,6 +685,16 @@ class GroupedDramTier:
         group_of, mine = self._group_of, self.arena_of(tenant)
         return lambda other: group_of.get(other, DEFAULT_ARENA) == mine
 
+    def arenas(self) -> dict[str, tuple[int, Callable[[str], bool]]]:
+        """Each arena's capacity and a test of which tenants' chunks it holds, by name
+        (:data:`DEFAULT_ARENA` first): what per-arena watermarks are applied with."""
+        group_of = self._group_of
+
+        def members(name: str) -> Callable[[str], bool]:
+            return lambda tenant: group_of.get(tenant, DEFAULT_ARENA) == name
+
+        return {name: (part.capacity_bytes, members(name)) for name, part in self._parts.items()}
+
     def _writing(self) -> DramTier:
         return self._parts[self._group_of.get(_writer.owner, DEFAULT_ARENA)]
 

@@ -976,7 +976,11 @@ class TieredCache:
     def demote_to_low_watermark(self) -> dict[TierKind, int]:
         """Background work: bring every tier above its high watermark down to its low one."""
         freed: dict[TierKind, int] = {}
-        for kind in self._tiers:
+        for kind, tier in self._tiers.items():
+            arenas = getattr(tier, "arenas", None)
+            if arenas is not None:  # several arenas: each against its own watermarks
+                freed[kind] = self._demote_arenas(kind, arenas())
+                continue
             if self._index.over_high_watermark(kind):
                 need = self._index.bytes_above_low_watermark(kind)
                 before = self._index.usage(kind).used_bytes
@@ -987,6 +991,28 @@ class TieredCache:
                     freed[kind] = before - self._index.usage(kind).used_bytes
                 except CapacityError as exc:
                     log.info("cannot reach the low watermark of %s: %s", kind.value, exc)
+        return freed
+
+    def _demote_arenas(self, kind: TierKind,
+                       arenas: Mapping[str, tuple[int, Callable[[str], bool]]]) -> int:
+        """``demote_to_low_watermark`` for a tier of several arenas (``GroupedDramTier``):
+        each arena above its own high watermark is brought down to its low one by evicting
+        only its own tenants' chunks, so one full group never moves another group's chunks.
+        Returns the bytes freed."""
+        freed = 0
+        for name, (capacity, members) in arenas.items():
+            held = self._index.tenant_usage().get(kind, {})
+            used = sum(n for tenant, n in held.items() if members(tenant))
+            if used <= capacity * self._config.high_watermark:
+                continue
+            need = used - int(capacity * self._config.low_watermark)
+            before = self._index.usage(kind).used_bytes
+            try:
+                self._evict(kind, need, include_backing=False, only=members)
+            except CapacityError as exc:
+                log.info("cannot reach the low watermark of %s arena %s: %s", kind.value,
+                         name or "(default)", exc)
+            freed += before - self._index.usage(kind).used_bytes
         return freed
 
     def persist(self) -> int:

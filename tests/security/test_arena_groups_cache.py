@@ -22,7 +22,7 @@ from kvstore.dataplane.transport.auth import TenantScope
 from kvstore.dataplane.transport.base import LeaseBackend
 from kvstore.errors import CapacityError, ChunkNotFound, ConfigError, PermissionDenied
 from kvstore.node.backend import CacheLeaseBackend, ShmLeases
-from kvstore.node.cache import TieredCache
+from kvstore.node.cache import CacheConfig, TieredCache
 from kvstore.node.config import load_config
 from kvstore.node.daemon import StoreDaemon
 from tests.dataplane.lease_backend_conformance import LeaseBackendConformance
@@ -91,6 +91,30 @@ def test_a_small_groups_full_arena_evicts_what_a_write_needs_not_a_share_of_the_
             cache.put(key, os.urandom(CHUNK), tenant="alice")
         held = [key for key in keys if cache.entry(key) is not None]
         assert held == keys[-16:], f"{len(held)} of alice's chunks left in her 16-chunk arena"
+    finally:
+        cache.close()
+
+
+def test_the_watermark_demoter_brings_each_arena_down_by_its_own_chunks() -> None:
+    """Background demotion works per arena: the default arena and bob's above their high
+    watermark lose their own oldest chunks; alice's arena, below its own, keeps all of hers
+    (they are the oldest in the tier, so one watermark for the whole tier took them first)."""
+    dram = GroupedDramTier(4 * MiB, _groups())
+    cache = TieredCache({TierKind.DRAM: dram},
+                        config=CacheConfig(high_watermark=0.9, low_watermark=0.5))
+    try:
+        alice = [_key("alice", i) for i in range(12)]  # 75% of her arena, written first
+        for key in alice:
+            cache.put(key, os.urandom(CHUNK), tenant="alice")
+        for tenant, count in (("bob", 16), ("", 32)):  # both full: the tier is at 94%
+            for i in range(count):
+                cache.put(_key(tenant or "default", i), os.urandom(CHUNK), tenant=tenant)
+        assert cache.demote_to_low_watermark()[TierKind.DRAM] > 0
+        assert all(cache.entry(key) is not None for key in alice)
+        for name in ("b", DEFAULT_ARENA):
+            stats = dram.arena(name).stats()
+            assert stats.used_bytes <= stats.capacity_bytes // 2, (name, stats)
+        assert cache.entry(_key("bob", 15)) is not None and cache.entry(_key("bob", 0)) is None
     finally:
         cache.close()
 
