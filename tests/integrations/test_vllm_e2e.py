@@ -257,6 +257,18 @@ def _stored_chunks(daemon: DaemonProcess) -> int:
     return sum(int(t["chunks"]) for t in _daemon_stats(daemon)["tiers"])
 
 
+def _held_blocks(daemon: DaemonProcess, keys: list[bytes]) -> int:
+    """Leading blocks of ``keys`` the daemon holds (a Lookup over gRPC, from this process)."""
+    from kvstore.client.store_client import DataPlane, StoreClient, StoreClientConfig
+
+    client = StoreClient.connect(daemon.grpc_address, StoreClientConfig(
+        data_plane=DataPlane.TCP, rpc_timeout_s=5.0))
+    try:
+        return client.lookup(keys).length
+    finally:
+        client.close()
+
+
 def _served(daemon: DaemonProcess) -> int:
     """Lookups and reads the daemon answered so far (grows once B asks it anything)."""
     doc = _daemon_stats(daemon)
@@ -365,7 +377,8 @@ def test_a_fully_stored_prompt_still_computes_its_last_token(
 
 
 def test_a_prompt_extending_a_conversation_reuses_its_decoded_blocks_too(
-        instance_b: VllmProcess, reference: dict[str, list[int]]) -> None:
+        instance_b: VllmProcess, daemon: DaemonProcess,
+        reference: dict[str, list[int]]) -> None:
     queries = _queries(reference)
     turn2 = queries["turn2"]
     expected = _expected_external(turn2)
@@ -378,6 +391,13 @@ def test_a_prompt_extending_a_conversation_reuses_its_decoded_blocks_too(
     result3 = _ask(instance_b, "turn3", turn3, reset=False)
     assert result3.outputs[0].num_cached_tokens >= len(turn2.tokens) // BLOCK * BLOCK
     # And with B's own cache emptied, what B itself saved of turn2 comes back from kvtier.
+    # B's puts run on after its steps (docs/vllm-connector.md, "Saves"): the block B computed
+    # in turn2's first step may land after turn3 was asked, so wait until it is in the store.
+    # (Not waiting, this saw 256 hit tokens of 288 once in a full make test, and every time
+    # with turn2's commit held back 4 s on the save thread: the block was stored after.)
+    turn2_keys = _block_keys(turn2.tokens)
+    wait_until(lambda: _held_blocks(daemon, turn2_keys) == len(turn2_keys), timeout_s=60,
+               what="B's save of turn2's blocks in the store")
     result3 = _ask(instance_b, "turn3", turn3)
     assert result3.external_hit_tokens >= len(turn2.tokens) // BLOCK * BLOCK, result3.counters
 
@@ -557,7 +577,10 @@ def test_blocks_rotted_on_nvme_are_never_loaded_and_are_recomputed(
     assert _nvme_corrupt(daemon) == 2, "the read did not count the corrupt block"
     # The daemon dropped it (and its descendants); the connector saved the blocks vLLM
     # recomputed, so the next lookup of that prefix finds all 6 shared blocks again (it once
-    # stopped before the corrupt block: the recomputed blocks were never saved).
+    # stopped before the corrupt block: the recomputed blocks were never saved). Those puts
+    # run on after B's steps, as in the conversation test: wait until they landed.
+    wait_until(lambda: _held_blocks(daemon, read_keys[:6]) == 6, timeout_s=60,
+               what="B's saves of the recomputed rot-read blocks in the store")
     result = _ask(instance_b, "rot-read+tail2", queries["rot-read+tail2"])
     assert result.external_hit_tokens == 6 * BLOCK, result.counters
     assert result.counters.get(LOAD_ERRORS, 0) == 0, result.counters
