@@ -365,8 +365,9 @@ class StoreDaemon:
                 slots = cfg.dram.read_index_slots or slots_for(cfg.dram.capacity_bytes)
                 if self.tickets is not None:
                     log.warning("the lease-free read index is on (dram.read_index): a same-host "
-                                "process that may map the arena reads every tenant's published "
-                                "chunks by key without a tenant check (its owner tags only keep "
+                                "process that may map an arena reads every published chunk in "
+                                "it by key without a tenant check (every tenant's with one arena, "
+                                "its group's tenants' with dram.arena_groups; owner tags only keep "
                                 "kvtier's own ticketed readers to their tenant's); set "
                                 "dram.read_index: false to lease and check every same-host read "
                                 "(docs/security.md, \"Data planes\")")
