@@ -79,8 +79,9 @@ import xxhash
 
 from conductor.engine_events import EngineFollowers
 from conductor.engine_index import EngineCacheIndex, PromptMatch, TokenIds
-from conductor.index import ChunkEvent, ChunkEventKind, EventOutcome, GlobalPrefixIndex
+from conductor.index import GlobalPrefixIndex
 from conductor.instances import InstanceBook
+from conductor.node_events import GRPC_MAX_MESSAGE_BYTES, follow_node
 from conductor.perf.engine_model import default_engine_model
 from conductor.scheduler import (
     Policy,
@@ -88,10 +89,8 @@ from conductor.scheduler import (
     SchedulerConfig,
 )
 from conductor.store_keys import store_hasher
-from kvstore._proto.kvtier.v1 import store_pb2 as store_pb
-from kvstore._proto.kvtier.v1 import store_pb2_grpc as store_grpc
 from kvstore.dataplane.tier import TierKind
-from kvstore.errors import InvalidArgument, KvtierError, MembershipError
+from kvstore.errors import InvalidArgument, MembershipError
 from kvstore.keys import BlockHasher
 from kvstore.membership.election import Election, LeaderRecord, LeaderView, read_leader
 from kvstore.membership.engines import (
@@ -107,11 +106,10 @@ from kvstore.membership.nodes import (
     node_create_revisions,
     watch_nodes,
 )
-from kvstore.security.client import TokenSource, aio_channel, token_source
+from kvstore.security.client import TokenSource, token_source
 from kvstore.security.config import ClientSecurity, ServerSecurity
 from kvstore.security.server import SecureServing
 from kvstore.security.tls import client_credentials
-from kvstore.wire import PB_TO_TIER
 
 log = logging.getLogger(__name__)
 
@@ -121,15 +119,7 @@ __all__ = ["READY_PREFIX", "ClockMode", "Conductor", "ConductorConfig", "default
 READY_PREFIX = "KVTIER-CONDUCTOR-READY "
 """``kvtier conductor`` prints this, then its address as JSON, once it serves."""
 
-_PB_EVENT = {store_pb.EVENT_STORED: ChunkEventKind.STORED,
-             store_pb.EVENT_REMOVED: ChunkEventKind.REMOVED,
-             store_pb.EVENT_MOVED: ChunkEventKind.MOVED}
-_HEALED = (EventOutcome.APPLIED, EventOutcome.DUPLICATE, EventOutcome.STALE)
-_RECONNECT_MIN_S = 0.1
-_RECONNECT_MAX_S = 1.0
-_SNAPSHOT_PAGE_ENTRIES = 8192
 _HASHERS_KEPT = 1024
-GRPC_MAX_MESSAGE_BYTES = 16 << 20
 LEASES_MAY_EXPIRE_S = 1.0
 """An etcd outage shorter than this cannot have expired a registration's lease by the clocks
 (leases are at least 2 s, refreshed every third of that), so its rebuild compares the view
@@ -717,112 +707,20 @@ class Conductor:
                         node_id, why)
 
     async def _follow_node(self, follower: _NodeFollower) -> None:
-        """Snapshot, then Subscribe; resync on gaps; reconnect with backoff; forever."""
+        """Snapshot, then Subscribe; resync on gaps; reconnect with backoff; forever
+        (:func:`conductor.node_events.follow_node`, which the front door's router runs too)."""
         record = follower.record
-        node_id = record.node_id
-        backoff_s = _RECONNECT_MIN_S
-        async with aio_channel(record.grpc_address,
-                               self.config.daemon_security.for_node(node_id), options=[
-                ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
-                ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 1000)]) as channel:
-            stub = store_grpc.StoreStub(channel)  # type: ignore[no-untyped-call]
-            while True:
-                try:
-                    seq, epoch = await self._load_snapshot(stub, node_id)
-                    self._set_connected(follower, True)
-                    follower.settled = True
-                    backoff_s = _RECONNECT_MIN_S
-                    after: int | None = seq
-                    while after is not None:
-                        after, epoch = await self._subscribe(stub, node_id, after, epoch)
-                    # The daemon ended the stream (stopping); its key leaves etcd shortly.
-                    self._set_connected(follower, False, "event stream ended")
-                except grpc.aio.AioRpcError as exc:
-                    self._set_connected(follower, False, f"{exc.code().name}: {exc.details()}")
-                except KvtierError as exc:  # a snapshot the index refused, a malformed stream
-                    log.warning("node %s: %s: %s", node_id, type(exc).__name__, exc)
-                    self._set_connected(follower, False, str(exc))
-                follower.settled = True
-                await asyncio.sleep(backoff_s)
-                backoff_s = min(_RECONNECT_MAX_S, backoff_s * 2)
+
+        def on_state(connected: bool, why: str) -> None:
+            self._set_connected(follower, connected, why)
+            follower.settled = True
+
+        await follow_node(self.index, record.node_id, record.grpc_address,
+                          self.config.daemon_security, on_state, self._daemon_metadata)
 
     def _daemon_metadata(self) -> tuple[tuple[str, str], ...]:
         """The bearer token the daemons get from this conductor, when it has one."""
         return () if self._daemon_token is None else (self._daemon_token.metadata(),)
-
-    async def _load_snapshot(self, stub: Any, node_id: str) -> tuple[int, str]:
-        """Replace the node's index entries with a snapshot; (its seq, its epoch)."""
-        loader = None
-        try:
-            async for page in stub.Snapshot(
-                    store_pb.SnapshotRequest(page_entries=_SNAPSHOT_PAGE_ENTRIES),
-                    metadata=self._daemon_metadata()):
-                if loader is None:
-                    loader = self.index.begin_snapshot(node_id, page.epoch, int(page.seq))
-                by_tenant: dict[str, list[tuple[bytes, TierKind]]] = {}
-                for e in page.entries:
-                    if e.tier in PB_TO_TIER:  # filed under its owner (conductor/index.py)
-                        by_tenant.setdefault(e.tenant, []).append((e.key, PB_TO_TIER[e.tier]))
-                for tenant, entries in by_tenant.items():
-                    loader.add(entries, tenant)
-            if loader is None:
-                raise InvalidArgument(f"node {node_id} sent an empty snapshot stream")
-        except BaseException:
-            if loader is not None:
-                loader.abort()
-            raise
-        if not loader.commit():
-            log.info("snapshot of %s superseded; following from its seq anyway", node_id)
-        log.info("node %s: snapshot of %d blocks at seq %d (epoch %s)", node_id, loader.blocks,
-                 loader.seq, loader.epoch)
-        return loader.seq, str(loader.epoch)
-
-    async def _subscribe(self, stub: Any, node_id: str, after: int, epoch: str
-                         ) -> tuple[int | None, str]:
-        """Apply events after ``after`` until the stream ends or must be re-opened.
-
-        Returns where to re-open from, or None when the daemon ended the stream.
-        """
-        index = self.index
-        stream = stub.Subscribe(store_pb.SubscribeRequest(from_seq=after, epoch=epoch),
-                                metadata=self._daemon_metadata())
-        try:
-            async for ev in stream:
-                if ev.kind == store_pb.EVENT_RESYNC:
-                    log.info("node %s: the daemon no longer holds events after %d; snapshot",
-                             node_id, after)
-                    after, epoch = await self._load_snapshot(stub, node_id)
-                    return after, epoch
-                kind = _PB_EVENT.get(ev.kind)
-                if kind is None:
-                    log.warning("node %s sent an event of unknown kind %d; snapshot", node_id,
-                                ev.kind)
-                    return await self._load_snapshot(stub, node_id)
-                try:
-                    event = ChunkEvent(
-                        node_id, ev.epoch, int(ev.seq), kind, ev.key,
-                        PB_TO_TIER.get(ev.tier) if kind is not ChunkEventKind.REMOVED else None,
-                        tenant=ev.tenant)
-                except InvalidArgument as exc:
-                    # Skipping it would leave a gap that replays the same event forever.
-                    log.warning("node %s sent a malformed event (%s); snapshot", node_id, exc)
-                    return await self._load_snapshot(stub, node_id)
-                outcome = index.apply_event(event)
-                if outcome in _HEALED:
-                    if outcome is EventOutcome.APPLIED:
-                        after, epoch = int(ev.seq), ev.epoch
-                    continue
-                need = index.needs_resync(node_id)
-                if need is None:  # a new epoch's seq 1 was applied
-                    after, epoch = int(ev.seq), ev.epoch
-                    continue
-                log.info("node %s: %s at seq %d; replay after %d", node_id, outcome.value,
-                         ev.seq, need.after_seq)
-                return need.after_seq, str(need.epoch)
-        finally:
-            stream.cancel()
-        return None, epoch
 
     # ------------------------------------------------------------------ engines
 

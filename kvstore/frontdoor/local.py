@@ -11,6 +11,11 @@ same sources the conductor follows:
   EngineWatch`, :func:`~kvstore.membership.nodes.watch_nodes`), turned into scheduler instances
   as the conductor turns them (:func:`conductor.instances.plan_instances`: a prefill and a
   decode record of one server are one colocated instance);
+* each store daemon's chunk events (:func:`conductor.node_events.follow_node`, the conductor's
+  own loop: a snapshot, then ``Subscribe``) into :attr:`LocalRouter.index`, and a prompt's
+  store keys as the conductor makes them from the engine records
+  (:func:`conductor.store_keys.store_hasher`), so the daemons' tiers count as at the
+  conductor (a node is live once followed, as there);
 * each engine's vLLM KV events over ZMQ (:class:`~conductor.engine_events.
   EngineFollowers`, the conductor's own, into an :class:`~conductor.engine_index.EngineCacheIndex`: the same
   seq/gap/replay handling, the same mismatch probes, and its chain memo, so a conversation's
@@ -39,8 +44,9 @@ vouch for itself; the front door never routes on a guess:
   membership change the replica missed (its etcd watch broken) within a check. ``Leader`` is
   an operator method (docs/security.md): with a lesser credential no check ever agrees, and
   every request is the conductor's;
-* **store keys**: an engine of the model published a KV fingerprint, so the conductor would
-  also match the daemons' tiers, which are not followed here;
+* **store keys**: the model's engines make their store keys differently (the conductor
+  refuses such a request, naming them), or a registered node's chunk events are not followed
+  yet (not fresh);
 * **a local rejection** (TTFT or TPOT target, no decode room), or a request the scheduler
   refuses (no instance serves the model): the conductor stays authoritative for admission,
   only its answer rejects;
@@ -57,9 +63,9 @@ more are skipped (``shadow_skipped``).
 Decisions are the conductor's on the same state: the same scheduler code with the same
 configuration (give the conductor's ``policy``, ``block_size_tokens`` and SLOs), the same
 instances and cache views, the same request fields (tests/frontdoor/test_local_routing.py).
-What differs: the replica counts a node live while its key is in etcd (the conductor also
-waits for its event stream; the freshness check sees any difference in instances), and the
-time: the replica decides now, the conductor's shadow a round trip later, when a queue
+What differs: the tenant scope (the replica matches the store for the default tenant, as the
+conductor does for a caller without credentials: a conductor with authentication scopes the
+front door's own principal), and the time: the replica decides now, the conductor's shadow a round trip later, when a queue
 predicted to drain meanwhile can tip a near tie (``send_clock`` with a conductor on
 ``--clock client``: it decides at the replica's instant).
 
@@ -86,6 +92,7 @@ from conductor.engine_events import EngineFollowers
 from conductor.engine_index import EngineCacheIndex, PromptMatch
 from conductor.index import GlobalPrefixIndex
 from conductor.instances import InstanceBook
+from conductor.node_events import follow_node
 from conductor.perf.engine_model import default_engine_model
 from conductor.scheduler import (
     Decision,
@@ -94,6 +101,7 @@ from conductor.scheduler import (
     SchedulerConfig,
     ScheduleRequest,
 )
+from conductor.store_keys import store_hasher
 from kvstore._proto.kvtier.v1 import conductor_pb2 as pb
 from kvstore.errors import InvalidArgument, KvtierError
 from kvstore.frontdoor.router import (
@@ -104,9 +112,12 @@ from kvstore.frontdoor.router import (
     RouteRequest,
     backend_named,
 )
+from kvstore.keys import BlockHasher
 from kvstore.membership.engines import EngineRecord, EngineRole, EngineWatch
 from kvstore.membership.etcd import DEFAULT_LAYOUT, KeyLayout, etcd_client
-from kvstore.membership.nodes import NodeEventKind, watch_nodes
+from kvstore.membership.nodes import NodeEventKind, NodeRecord, watch_nodes
+from kvstore.security.client import TokenSource, token_source
+from kvstore.security.config import ClientSecurity
 
 if TYPE_CHECKING:
     from kvstore.client.conductor_client import ConductorClient
@@ -115,6 +126,10 @@ __all__ = ["LocalRouter", "local_scheduler"]
 
 log = logging.getLogger(__name__)
 
+
+MAX_KEYS = 65536
+"""Most blocks a prompt may have (as the conductor's ``Schedule`` allows)."""
+_HASHERS_KEPT = 1024
 
 _UINT32 = next(code for code in "IL" if array.array(code).itemsize == 4)
 
@@ -133,15 +148,17 @@ def _token_array(token_ids: Sequence[int]) -> npt.NDArray[np.uint32] | None:
 
 
 def local_scheduler(policy: Policy = Policy.GLOBAL_CACHE, block_size_tokens: int = 512,
-                    ttft_slo_s: float | None = None, tpot_slo_s: float | None = None
-                    ) -> Scheduler:
+                    ttft_slo_s: float | None = None, tpot_slo_s: float | None = None,
+                    index: GlobalPrefixIndex | None = None) -> Scheduler:
     """A scheduler configured as a conductor started with these settings configures its own
-    (``conductor.server.Conductor``: the default engine model at this block size), on an
-    empty store index."""
+    (``conductor.server.Conductor``: the default engine model at this block size), on
+    ``index`` (default: an empty store index)."""
     engine = default_engine_model(block_size_tokens)
-    return Scheduler(GlobalPrefixIndex(), engine.latency, SchedulerConfig(
+    config = SchedulerConfig(
         policy=policy, block_size_tokens=engine.block_size_tokens,
-        block_size_bytes=engine.block_size_bytes, ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s))
+        block_size_bytes=engine.block_size_bytes, ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s)
+    # (An empty index is falsy: "index or ..." would drop the caller's.)
+    return Scheduler(GlobalPrefixIndex() if index is None else index, engine.latency, config)
 
 
 class LocalRouter:
@@ -156,7 +173,8 @@ class LocalRouter:
                  policy: Policy = Policy.GLOBAL_CACHE, block_size_tokens: int = 512,
                  ttft_slo_s: float | None = None, tpot_slo_s: float | None = None,
                  shadow: bool = True, max_shadows: int = 64, check_interval_s: float = 1.0,
-                 max_check_age_s: float = 3.0, send_clock: bool = False) -> None:
+                 max_check_age_s: float = 3.0, send_clock: bool = False,
+                 daemon_security: ClientSecurity | None = None) -> None:
         if not check_interval_s > 0 or not max_check_age_s > check_interval_s:
             raise InvalidArgument("check_interval_s must be > 0 and max_check_age_s larger")
         if max_shadows < 1:
@@ -165,7 +183,14 @@ class LocalRouter:
         self.conductor = conductor
         self.pool = pool
         self.model = model
-        self.scheduler = local_scheduler(policy, block_size_tokens, ttft_slo_s, tpot_slo_s)
+        self.index = GlobalPrefixIndex()
+        """The daemons' tiers, followed from their chunk events as the conductor follows them
+        (:func:`conductor.node_events.follow_node`)."""
+        self.scheduler = local_scheduler(policy, block_size_tokens, ttft_slo_s, tpot_slo_s,
+                                         self.index)
+        self._daemon_security = daemon_security or ClientSecurity()
+        self._daemon_token: TokenSource | None = None
+        self._hashers: dict[tuple[str, str], BlockHasher | None] = {}
         self.engine_cache = EngineCacheIndex()
         self.shadow = shadow
         self.send_clock = send_clock
@@ -182,8 +207,12 @@ class LocalRouter:
         self.records: dict[str, EngineRecord] = {}
         """Engine records in etcd, by instance id."""
         self._created: dict[str, int] = {}
-        self.nodes: set[str] = set()
+        self.nodes: dict[str, NodeRecord] = {}
         """Nodes registered in etcd."""
+        self.connected: set[str] = set()
+        """Nodes whose chunk events are followed (snapshot loaded, stream open): the live
+        nodes, as the conductor counts them."""
+        self._node_tasks: dict[str, asyncio.Task[None]] = {}
         self.instances = InstanceBook()
         """The scheduler's instances and the engine records it knows now (as the conductor's)."""
         self.engine_events = EngineFollowers(self.engine_cache, "kvtier-frontdoor-kv-events")
@@ -219,6 +248,7 @@ class LocalRouter:
     async def start(self) -> None:
         """Read etcd's engines and nodes, follow them and the engines' KV events, start the
         freshness checks. Raises MembershipError when etcd cannot be reached."""
+        self._daemon_token = token_source(self._daemon_security)
         self._etcd = etcd_client(self._etcd_endpoint)
         loop = asyncio.get_running_loop()
         try:
@@ -237,8 +267,10 @@ class LocalRouter:
 
     async def close(self) -> None:
         """Stop following; report nothing more. Idempotent."""
-        tasks = self._tasks + self.engine_events.close() + list(self._shadows)
+        tasks = (self._tasks + self.engine_events.close() + list(self._shadows)
+                 + list(self._node_tasks.values()))
         self._tasks = []
+        self._node_tasks = {}
         for task in tasks:
             task.cancel()
         if tasks:
@@ -265,6 +297,9 @@ class LocalRouter:
         age_s = time.monotonic() - self._agreed_at
         if age_s > self._max_check_age_s:
             return f"no agreeing check with the conductor for {age_s:.1f} s"
+        for node_id in self.nodes:
+            if node_id not in self.connected:
+                return f"node {node_id}'s chunk events are not followed (yet)"
         for instance_id, rec in self.records.items():
             if rec.model != self.model or rec.vllm_kv_events is None:
                 continue
@@ -294,22 +329,26 @@ class LocalRouter:
         if why is not None:
             return f"stale: {why}"
         model = self.model
-        events: set[str] = set()
-        for instance_id, rec in self.records.items():
-            if rec.model != model:
-                continue
-            if rec.kv_fingerprint is not None:
-                return f"store-keys: engine {instance_id} of {model!r} has a KV fingerprint"
-            if rec.vllm_kv_events is not None:
-                events.add(instance_id)
+        events = {instance_id for instance_id, rec in self.records.items()
+                  if rec.model == model and rec.vllm_kv_events is not None}
         if not events or not len(token_ids):
             return f"no-events: no engine of {model!r} publishes KV events, or no token ids"
         # What the conductor's Schedule handler does with the same request (conductor/
-        # service.py): the ids as a uint32 array (the chain memo's input), no store keys, the
-        # engines' cached prefixes, the scheduler, and the mismatch probe of the chosen engine.
+        # service.py): the ids as a uint32 array (the chain memo's input), the store keys
+        # its engines' records name (none without a fingerprint), the engines' cached
+        # prefixes, the scheduler, and the mismatch probe of the chosen engine.
         tokens = _token_array(token_ids)
         if tokens is None:
             return "bad-ids: a token id is not a uint32"
+        try:
+            hasher = self._hasher(request.tenant)
+        except InvalidArgument as exc:  # the conductor refuses it alike: its answer is given
+            return f"store-keys: {exc}"
+        keys: tuple[bytes, ...] = ()
+        if hasher is not None:
+            if len(tokens) > MAX_KEYS * hasher.block_size_tokens:
+                return f"too-long: more than {MAX_KEYS} blocks of token ids"
+            keys = tuple(hasher.hash_blocks(tokens))
         # Hashed only as far as an engine holds the prompt; the rest (the mismatch probe's
         # last block, the chain memo's entry for the next turn) after the route: _finish.
         match: PromptMatch = self.engine_cache.match_held(tokens, request.tenant, events)
@@ -320,7 +359,7 @@ class LocalRouter:
         now_s = time.monotonic()
         try:
             decision: Decision = self.scheduler.schedule(ScheduleRequest(
-                request.request_id, model, (), len(tokens), request.max_tokens or None),
+                request.request_id, model, keys, len(tokens), request.max_tokens or None),
                 now_s, match.cached_tokens)
         except InvalidArgument as exc:
             return f"not-placed: {exc}"
@@ -337,6 +376,20 @@ class LocalRouter:
         if self.shadow:  # the caller's own array is not kept past the call (Router)
             self._start_shadow(mine, request, decision, now_s)
         return backend
+
+    def _hasher(self, tenant: str) -> BlockHasher | None:
+        """The model's store keys for ``tenant`` (None: no engine of it has a fingerprint),
+        as the conductor makes them (:func:`conductor.store_keys.store_hasher`); remembered
+        until the engine records change. InvalidArgument as the conductor raises it."""
+        cache_key = (self.model, tenant)
+        if cache_key in self._hashers:
+            return self._hashers[cache_key]
+        hasher = store_hasher(self.records.items(), self.model, tenant,
+                              self.scheduler.config.block_size_tokens)
+        if len(self._hashers) >= _HASHERS_KEPT:
+            self._hashers.clear()
+        self._hashers[cache_key] = hasher
+        return hasher
 
     async def _finish(self, tokens: npt.NDArray[np.uint32], request_id: str, tenant: str,
                       match: PromptMatch) -> None:
@@ -484,14 +537,53 @@ class LocalRouter:
     # -- following etcd ------------------------------------------------------------------------
 
     async def _follow_nodes(self, events: Any) -> None:
+        """Each registered node's chunk events into :attr:`index`, as the conductor follows
+        them: a node that joins is followed, one that leaves (or re-registers at another
+        address) drops out of the index and the live set at once."""
         async with contextlib.AsyncExitStack() as stack:
             stack.push_async_callback(events.close)
             async for event in events:
-                if event.kind is NodeEventKind.LEFT:
-                    self.nodes.discard(event.node_id)
-                else:
-                    self.nodes.add(event.node_id)
+                node_id = event.node_id
+                known = self.nodes.get(node_id)
+                if event.kind is NodeEventKind.LEFT or event.kind is NodeEventKind.JOINED or (
+                        known is not None and known.grpc_address != event.record.grpc_address):
+                    self._drop_node(node_id)
+                if event.kind is not NodeEventKind.LEFT:
+                    self.nodes[node_id] = event.record
+                    if node_id not in self._node_tasks:
+                        self._node_tasks[node_id] = asyncio.get_running_loop().create_task(
+                            self._follow_node(event.record),
+                            name=f"kvtier-frontdoor-follow-{node_id}")
                 self._sync_instances()
+
+    def _drop_node(self, node_id: str) -> None:
+        self.nodes.pop(node_id, None)
+        task = self._node_tasks.pop(node_id, None)
+        if task is not None:
+            task.cancel()
+        self.connected.discard(node_id)
+        self.index.remove_node(node_id)
+
+    async def _follow_node(self, record: NodeRecord) -> None:
+        node_id = record.node_id
+
+        def on_state(connected: bool, why: str) -> None:
+            if self._node_tasks.get(node_id) is not asyncio.current_task():
+                return  # a follower dropped meanwhile
+            if connected:
+                self.connected.add(node_id)
+            elif node_id in self.connected:
+                self.connected.discard(node_id)
+                self.index.remove_node(node_id)
+                log.warning("node %s unreachable from the front door (%s)", node_id, why)
+            self._sync_instances()
+
+        def metadata() -> tuple[tuple[str, str], ...]:
+            token = self._daemon_token
+            return () if token is None else (token.metadata(),)
+
+        await follow_node(self.index, node_id, record.grpc_address, self._daemon_security,
+                          on_state, metadata)
 
     async def _follow_engines(self, changes: EngineWatch) -> None:
         try:
@@ -502,6 +594,7 @@ class LocalRouter:
                 else:
                     self.records[change.instance_id] = change.record
                     self._created[change.instance_id] = change.create_revision
+                self._hashers.clear()
                 self._sync_instances()
                 self._sync_engine_events()
         finally:
@@ -510,7 +603,7 @@ class LocalRouter:
     def _sync_instances(self) -> None:
         """The scheduler's instances = engine records whose node is registered, paired and
         placed as the conductor places them (the same :class:`conductor.instances.InstanceBook`)."""
-        self.instances.sync(self.scheduler, self.records, self.nodes)
+        self.instances.sync(self.scheduler, self.records, self.connected)
 
     def _sync_engine_events(self) -> None:
         """Follow the KV events of every engine record that has them, as the conductor does
@@ -547,6 +640,9 @@ class LocalRouter:
         Remembers each engine's seq there for the next comparison."""
         if not info.is_leader:
             return "the conductor that answered does not lead"
+        if sorted(info.live_nodes) != sorted(self.connected):
+            return (f"the conductor follows nodes {sorted(info.live_nodes)}, this front door "
+                    f"{sorted(self.connected)}")
         mine = {role: sorted(r for r, rec in self.instances.scheduled.items() if rec.role is role)
                 for role in (EngineRole.PREFILL, EngineRole.DECODE)}
         if list(info.prefill_instances) != mine[EngineRole.PREFILL] or \

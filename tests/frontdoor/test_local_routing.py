@@ -27,15 +27,18 @@ import pytest
 from conductor.scheduler import Policy, ScheduleRequest
 from conductor.server import Conductor, ConductorConfig, _NodeFollower
 from kvstore.client.conductor_client import ConductorClient
+from kvstore.client.store_client import StoreClient
 from kvstore.dataplane.tier import TierKind
 from kvstore.errors import InvalidArgument
 from kvstore.frontdoor.local import LocalRouter, local_scheduler
 from kvstore.frontdoor.router import Backend, BackendPool, Rejection, RouteRequest
-from kvstore.membership.engines import EngineRecord, EngineRole
-from kvstore.membership.etcd import KeyLayout
+from kvstore.keys import BlockHasher, HashMode, KVDtype, KVFingerprint, Namespace
+from kvstore.membership.engines import EngineRecord, EngineRole, put_engine_record
+from kvstore.membership.etcd import KeyLayout, etcd_client
 from kvstore.membership.launcher import LocalEtcd
 from kvstore.membership.nodes import NodeRecord
-from tests.frontdoor.test_conductor_routing import BLOCK, MODEL, Fleet, wait_until
+from tests.frontdoor.test_conductor_routing import BLOCK, MODEL, NODE, SEED, Fleet, wait_until
+from tests.support.daemon import DaemonProcess
 
 VOCAB = 32000
 
@@ -404,7 +407,7 @@ def test_the_replica_schedules_the_instances_the_conductor_schedules() -> None:
         conductor.nodes = {n: node(n) for n in live}
         conductor._sync_instances()
         router.records = dict(recs)
-        router.nodes = set(live)
+        router.connected = set(live)
         router._sync_instances()
         for role in (EngineRole.PREFILL, EngineRole.DECODE):
             assert conductor.scheduled_instances(role) == sorted(
@@ -419,3 +422,95 @@ def test_the_replica_schedules_the_instances_the_conductor_schedules() -> None:
             else:
                 choices.append((d.prefill_instance, d.decode_instance))
         assert choices[0] == choices[1], (i, choices)
+
+
+def test_the_replica_prices_the_store_as_the_conductor_does(
+        same_clock_fleet: Fleet, aio: asyncio.Runner) -> None:
+    """Engines with kvtier's connector (their records carry its KV fingerprint): the front door
+    follows the daemons' chunk events as the conductor does (``conductor.node_events``), hashes
+    the prompt into the connector's keys as the conductor does (``conductor.store_keys``), and
+    decides in process with the same answers, where it used to hand every such request to the
+    conductor (``fallback:store-keys``). v0 on node-a, v1 on node-b; what node-b's daemon holds
+    sends a prompt to v1, which nothing else would (ties go to v0); a chunk removed from the
+    daemon is a prefix no longer priced, here as there."""
+    fleet = same_clock_fleet
+    rng = random.Random(13)
+    tenant = "salt-13"
+    fingerprint = KVFingerprint(MODEL, KVDtype.FLOAT32, num_layers=2, num_kv_heads=2,
+                                head_dim=16, block_size_tokens=BLOCK)
+    connector = BlockHasher(Namespace(fingerprint, tenant), mode=HashMode.SHA256_CBOR,
+                            vllm_hash_seed=SEED)
+    in_store = _prompt(rng, 6)
+    nowhere = _prompt(rng, 6)
+    node_b = DaemonProcess(fleet.work, "node-b", etcd_endpoint=fleet.etcd_url,
+                           etcd_prefix=fleet.layout.prefix, nvme=False)
+    node_b.start()
+    keys = connector.hash_blocks(in_store)
+    with StoreClient.connect(node_b.grpc_address) as store:
+        parent = None
+        for key in keys[:4]:
+            store.put(key, b"k" * 4096, parent=parent)
+            parent = key
+
+    async def scenario() -> None:
+        async with etcd_client(fleet.etcd_url) as etcd:
+            for i, (name, node) in enumerate((("v0", NODE), ("v1", "node-b"))):
+                url = f"http://127.0.0.1:{9 + i}"
+                await put_engine_record(etcd, EngineRecord(
+                    name, EngineRole.PREFILL, MODEL, node, http_url=url,
+                    vllm_kv_events=fleet.specs[name], kv_fingerprint=fingerprint),
+                    layout=fleet.layout)
+                await put_engine_record(etcd, EngineRecord(
+                    f"{name}.decode", EngineRole.DECODE, MODEL, node,
+                    kv_capacity_tokens=1 << 30, http_url=url), layout=fleet.layout)
+        client = ConductorClient(etcd_endpoint=fleet.etcd_url, layout=fleet.layout)
+        router = _router(fleet, client, BackendPool(POOL), send_clock=True)
+        for publisher in fleet.publishers.values():
+            publisher.start()
+        try:
+            await router.start()
+            s = Scenario(fleet, router, client)
+            await s.settled()
+
+            async def indexed() -> bool:
+                lookup = await client.lookup(token_ids=in_store, model=MODEL, tenant=tenant)
+                return lookup.best_blocks == 4 and \
+                    router.index.match(keys, None).length("node-b") == 4
+
+            await wait_until(indexed, "the conductor and the front door index node-b's chunks")
+            for i, (tokens, expected) in enumerate([(in_store, "v1"), (nowhere, "v0"),
+                                                    (in_store, "v1")]):
+                request = RouteRequest(f"req-{i}", "/v1/completions", MODEL, 8, False,
+                                       tenant=tenant)
+                decision = await router.route(tokens, request)
+                assert router.last_fallback == "", (i, router.last_fallback)
+                assert isinstance(decision, Backend) and decision.name == expected, i
+                await router.idle()
+                assert router.counters["shadow_disagreed"] == 0, list(router.disagreements)
+                router.done(request.request_id, 8)
+                await router.idle()
+            # node-b drops the prefix's first block: nothing of it is a prefix any more.
+            with StoreClient.connect(node_b.grpc_address) as store:
+                store.remove(keys[0])
+
+            async def forgotten() -> bool:
+                lookup = await client.lookup(token_ids=in_store, model=MODEL, tenant=tenant)
+                return lookup.best_blocks == 0 and \
+                    router.index.match(keys, None).length("node-b") == 0
+
+            await wait_until(forgotten, "both forget the removed block")
+            decision = await router.route(in_store, RouteRequest(
+                "req-last", "/v1/completions", MODEL, 8, False, tenant=tenant))
+            assert isinstance(decision, Backend) and decision.name == "v0"
+            await router.idle()
+            router.done("req-last", 8)
+            await router.idle()
+            assert router.counters["local"] == 4 and router.counters["fallback"] == 0
+            assert router.counters["shadow_agreed"] == 4
+            assert router.counters["report_failed"] == 0
+        finally:
+            await router.close()
+            await client.close()
+            node_b.stop()
+
+    aio.run(asyncio.wait_for(scenario(), 180))
