@@ -56,7 +56,7 @@ from kvstore._proto.kvtier.v1 import store_pb2 as pb
 from kvstore.dataplane.arena import remove_stale_arenas
 from kvstore.dataplane.dram import DEFAULT_ARENA, DramTier, GroupedDramTier
 from kvstore.dataplane.read_index import slots_for
-from kvstore.dataplane.tier import Tier, TierKind
+from kvstore.dataplane.tier import Tier, TierKind, TierStats
 from kvstore.dataplane.transport.auth import PeerAllowlist
 from kvstore.dataplane.transport.shm import ShmServer
 from kvstore.dataplane.transport.tcp import TcpServer, TcpServerConfig
@@ -602,7 +602,15 @@ class StoreDaemon:
             shm_bytes=(sum(t.bytes_read for t in self.lease_tables()) + self.lease_free_bytes,
                        sum(t.bytes_written for t in self.lease_tables())),
             tcp_bytes=(tcp.bytes_sent, tcp.bytes_received) if tcp else (0, 0),
-            tcp_connections_open=tcp.connections_open if tcp else 0)
+            tcp_connections_open=tcp.connections_open if tcp else 0,
+            dram_arenas=self._arena_stats())
+
+    def _arena_stats(self) -> tuple[tuple[str, TierStats], ...]:
+        """Each DRAM arena's stats, with arena groups (none with one arena)."""
+        dram = self.cache.tier(TierKind.DRAM)
+        if not isinstance(dram, GroupedDramTier):
+            return ()
+        return tuple((name, dram.arena(name).stats()) for name in dram.arenas())
 
     # --- stop -------------------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvstore.dataplane.tier import TierStats
 from kvstore.node.cache import TierReport
 from kvstore.node.tenants import TenantReport
 from kvstore.security.config import ServerSecurity
@@ -57,6 +58,8 @@ class MetricsSnapshot:
     tcp_bytes: tuple[int, int]
     """(sent, received)"""
     tcp_connections_open: int
+    dram_arenas: tuple[tuple[str, TierStats], ...] = ()
+    """Each DRAM arena's stats by name, with ``dram.arena_groups`` (the default arena: "")."""
 
 
 class MetricsSource(Protocol):
@@ -121,6 +124,18 @@ class _ScrapeCollector(Collector):
         yield leases
         yield GaugeMetricFamily("kvtier_tcp_connections_open", "Open data-plane connections.",
                                 value=snap.tcp_connections_open)
+        if snap.dram_arenas:
+            families = [GaugeMetricFamily(f"kvtier_dram_arena_{what}", text, labels=["arena"])
+                        for what, text in (
+                            ("capacity_bytes", "Capacity of a DRAM arena (dram.arena_groups)."),
+                            ("used_bytes", "Bytes stored in a DRAM arena."),
+                            ("chunks", "Chunks in a DRAM arena."))]
+            for name, stats in snap.dram_arenas:
+                label = name or "(default)"
+                for family, value in zip(families, (stats.capacity_bytes, stats.used_bytes,
+                                                    stats.chunks), strict=True):
+                    family.add_metric([label], value)
+            yield from families
         tenants = self._metrics.tenant_source
         if tenants is not None:
             yield from _tenant_families(tenants())

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import stat
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -46,7 +47,8 @@ ALICE = {bytes([0xA1]) * 8 + i.to_bytes(8, "big"): os.urandom(size)
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecuredDaemon]:
     w = start_secured_daemon(tmp_path_factory.mktemp("arena-groups"), "arena-groups",
-                             settings={"dram.arena_groups": GROUPS})
+                             settings={"dram.arena_groups": GROUPS, "metrics.enabled": "true",
+                                       "metrics.port": "0"})
     try:
         yield w
     finally:
@@ -268,6 +270,21 @@ def test_alices_chunks_in_her_groups_arena_read_back_over_tcp_too(
         with pytest.raises(ChunkNotFound):
             bob.get_into(key, bytearray(len(value)))
         TALLY.count(absent=1)
+
+
+def test_metrics_show_each_arenas_capacity_and_use(world: SecuredDaemon,
+                                                  alice: StoreClient) -> None:
+    url = f"http://{world.daemon.addresses['metrics_address']}/metrics"
+    operator = {"Authorization": f"Bearer {world.tokens['op'].read_text().strip()}"}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=operator),
+                                timeout=10) as reply:
+        text = reply.read().decode()
+    gauges = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line.startswith("kvtier_dram_arena_")}
+    assert gauges['kvtier_dram_arena_capacity_bytes{arena="team-a"}'] == 8 << 20
+    assert gauges['kvtier_dram_arena_capacity_bytes{arena="(default)"}'] == 16 << 20
+    assert gauges['kvtier_dram_arena_used_bytes{arena="team-a"}'] >= sum(map(len, ALICE.values()))
+    assert gauges['kvtier_dram_arena_chunks{arena="team-a"}'] >= len(ALICE)
 
 
 def test_bob_over_the_shared_memory_plane_gets_none_of_alices_chunks(
