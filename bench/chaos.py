@@ -376,6 +376,8 @@ class FaultRow:
     engine_failed: int = 0
     """Engine requests started during the fault: answered within ``ENGINE_TIMEOUT_S`` + 1 s,
     or not (an error, no answer, or later)."""
+    engine_slowest_s: float = 0.0
+    """The longest engine request started during the fault (what degrading cost)."""
     engine_wrong: int = 0
     """Engine answers that differ from their prompt's no-cache output (counted in
     ``wrong_reads`` too)."""
@@ -1693,6 +1695,10 @@ def _row(history: History, injected: _Injected, summary: dict[str, Any],
                     leak_detail=dict(injected.leaks), notes=notes,
                     engine_attempted=engine.attempted, engine_completed=engine.completed,
                     engine_failed=engine.failed, engine_wrong=engine_wrong,
+                    engine_slowest_s=max((r.end_s - r.start_s for r in history.records
+                                          if r.op is Op.ENGINE and r.end_s is not None
+                                          and fault.start_s <= r.start_s <= fault.end_s),
+                                         default=0.0),
                     reuse_before=engine_reuse(reuse_of, until_s=fault.start_s),
                     reuse_after=engine_reuse(reuse_of, since_s=fault.end_s))
 
@@ -2330,6 +2336,11 @@ def print_table(rows: list[FaultRow], out: IO[str] = sys.stdout, *, soak: bool =
             print(f"{r.fault}: {note}", file=out)
         if any(r.leak_detail.values()):
             print(f"{r.fault}: LEAKED {r.leak_detail}", file=out)
+        if r.engine_attempted:
+            print(f"{r.fault}: engine requests in the window: {r.engine_attempted} started, "
+                  f"{r.engine_completed} answered in time, the slowest "
+                  f"{r.engine_slowest_s:.2f} s (bound {ENGINE_TIMEOUT_S} s + "
+                  f"{TIMEOUT_SLACK_S} s)", file=out)
         if not soak:
             print(f"{r.fault}: {r.decisions} conductor decisions, {r.records} records", file=out)
         if r.damaged:
