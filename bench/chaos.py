@@ -19,7 +19,10 @@ The cluster (:class:`ChaosCluster`)
     ``h0`` and ``h2`` also run a conductor (leader and standby, 2 s election TTL), and every
     host holds the records of one prefill and one decode engine on its node, under their own
     leases from a process in its namespace (``python -m bench.chaos engines``): the
-    conductors schedule onto them. No engine runs; the decisions are what is checked.
+    conductors schedule onto them (those do not run; the decisions are what is checked).
+    With :attr:`Engines.REFERENCE` (``--engines``, the default) real engines run too: a
+    prefill and a decode worker of the reference engine on each of ``ENGINE_HOSTS``
+    (:meth:`ChaosCluster._spawn_worker`), their node's daemon their store.
     The namespaces share a boot id, a hostname and ``/dev/shm``: a client would take a daemon
     in another namespace for a same-host one, so the load uses ``DataPlane.TCP`` and the
     daemons serve no lease channel (``server.shm_channel=false``) and no UCX, but where a
@@ -41,7 +44,10 @@ The load (``python -m bench.chaos loadgen CONFIG``, in the observer namespace)
     chunk lost in a crash shows as an ``ABSENT`` get after the restart), closes its data
     connections and asks each daemon's Stats for connections and leases still open (the
     leaks), then writes the history as JSON lines. One more thread per daemon follows its
-    chunk events and records every REMOVED (an eviction at the budget is no loss).
+    chunk events and records every REMOVED (an eviction at the budget is no loss). One more
+    per engine (:meth:`_Load.engine_driver`) sends its prefill worker prompts
+    (:func:`engine_prompts`) one at a time, each an ``ENGINE`` record checked against the
+    prompt's no-cache output (:func:`no_cache_outputs`, computed before the cluster starts).
 
 Faults (:data:`FAULTS`)
     ``kill-daemon``: ``kill -9`` of ``h1``'s daemon; after ``down_s`` (past the 2 s lease) it
@@ -84,8 +90,11 @@ Row figures
     evicted); over
     timeout: requests that took longer than the clients' ``rpc_timeout_s`` (2 s) + 1 s; stall:
     the longest span of the window with no request answered (at most 3 s: a request that needs
-    the faulted node gives up in time and the load goes on with the others). Times come from
-    one monotonic clock (the namespaces share it).
+    the faulted node gives up in time and the load goes on with the others); engine a/c/f:
+    engine requests started in the window, answered within ``ENGINE_TIMEOUT_S`` + 1 s, failed
+    (one failed on an engine the fault did not cut off is a violation: it must recompute);
+    reuse before/after: the share of prompt tokens the faulted node's engine loaded from
+    kvtier. Times come from one monotonic clock (the namespaces share it).
 """
 
 from __future__ import annotations
