@@ -169,6 +169,27 @@ for label, address in (("a_channel", a_socket), ("b_channel", b_socket)):
         out[label] = type(exc).__name__ + ": " + str(exc)
     finally:
         chan.close()
+# Bob's engine writes in place in its own arena: RESERVE, copy into the mapping, COMMIT.
+from kvstore.dataplane.arena import ArenaAccess
+payload = bytes(range(256)) * 256
+arena = ShmArena.attach(b_arena, access=ArenaAccess.READ_WRITE)
+chan = LeaseChannel(b_socket, io_timeout_s=10)
+try:
+    chan.call(ChannelOp.HELLO, arg=len(bytes.fromhex(ticket)),
+              payload=memoryview(bytes.fromhex(ticket)))
+    lease_id, ranges = chan.call(ChannelOp.RESERVE, keys=[b"bob-in-place", b""],
+                                 arg=len(payload))
+    offset = ranges[0][0]
+    view = arena.view(offset, len(payload), readonly=False)
+    view[:] = payload
+    view.release()
+    chan.call(ChannelOp.COMMIT, arg=lease_id)
+    out["in_place"] = "committed"
+except KvtierError as exc:
+    out["in_place"] = type(exc).__name__ + ": " + str(exc)
+finally:
+    chan.close()
+    arena.close()
 return json.dumps(out)
 """
 
@@ -195,6 +216,17 @@ def test_bobs_engine_cannot_map_alices_arena_nor_lease_her_chunk(
     assert out["b_channel_size"] == 0, out
     assert out["b_channel_own"] == 3, out
     TALLY.count(refused=4, absent=2)  # two files, one attach, one channel; lease and size
+    # What bob's engine wrote in place in its arena reads back for bob, from bob's arena.
+    assert out["in_place"] == "committed", out
+    bob = world.client("bob", DataPlane.SHM)
+    payload = bytes(range(256)) * 256
+    got = bytearray(len(payload))
+    assert bob.get_into(b"bob-in-place", got) == len(payload) and got == payload
+    arena = ShmArena.attach(b.shm_arena, access=ArenaAccess.READ_ONLY)
+    try:
+        assert bytes(arena.view(0, arena.size_bytes)).find(payload) >= 0
+    finally:
+        arena.close()
     _alice_intact(alice)
 
 
