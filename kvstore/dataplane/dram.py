@@ -60,6 +60,7 @@ from kvstore.dataplane.extent_table import Extent, ExtentTable, ExtentTableTier
 from kvstore.dataplane.read_index import ReadIndex, slots_for
 from kvstore.dataplane.tier import ChunkInfo, ChunkKey, TierKind, TierStats, check_key
 from kvstore.errors import (
+    ChunkBusy,
     ChunkCorrupt,
     ChunkExists,
     InvalidArgument,
@@ -656,6 +657,11 @@ class GroupedDramTier:
             raise
         self._default = self._parts[DEFAULT_ARENA]
         self._all = tuple(self._parts.values())
+        self._lock = threading.Lock()
+        self._claims: dict[ChunkKey, tuple[DramTier, int]] = {}
+        """Keys being written (put, or reserved and not yet committed or aborted) -> the arena
+        and how many writes there: a write of the key in another arena meanwhile is ChunkBusy,
+        so a key never lands in two arenas (each arena alone refuses a second writer)."""
         log.info("DRAM tier in %d arenas: %s", len(self._parts), ", ".join(
             f"{name or '(default)'} {part.capacity_bytes} bytes in {part.arena_name}"
             for name, part in self._parts.items()))
@@ -708,6 +714,29 @@ class GroupedDramTier:
         """Whether an arena other than ``part`` holds ``key``."""
         return any(p is not part and p.contains(key) for p in self._all)
 
+    def _claim(self, key: bytes, part: DramTier) -> ChunkKey:
+        """Note a write of ``key`` in ``part``. Raises ChunkBusy (being written in another
+        arena), ChunkExists (another arena holds it), InvalidArgument (bad key)."""
+        k = check_key(key)
+        with self._lock:
+            held = self._claims.get(k)
+            if held is not None and held[0] is not part:
+                raise ChunkBusy(f"chunk {k.hex()} is being written in another arena")
+            if self._elsewhere(k, part):
+                raise ChunkExists(f"chunk {k.hex()} is held in another arena")
+            self._claims[k] = (part, 1 if held is None else held[1] + 1)
+        return k
+
+    def _unclaim(self, key: ChunkKey) -> None:
+        with self._lock:
+            held = self._claims.get(key)
+            if held is None:
+                return
+            if held[1] <= 1:
+                del self._claims[key]
+            else:
+                self._claims[key] = (held[0], held[1] - 1)
+
     def _slot_part(self, slot: object) -> DramTier:
         tier = slot._tier if isinstance(slot, DramSlot) else None
         if tier is None or all(tier is not p for p in self._all):
@@ -753,24 +782,37 @@ class GroupedDramTier:
     # --- writes -------------------------------------------------------------------------------
 
     def put(self, key: bytes, src: object) -> ChunkInfo:
-        """:meth:`DramTier.put` into the writer's arena (ChunkExists when another holds it)."""
+        """:meth:`DramTier.put` into the writer's arena (ChunkExists when another holds it,
+        ChunkBusy while another writes it)."""
         part = self._writing()
-        if self._elsewhere(key, part):
-            raise ChunkExists(f"chunk {check_key(key).hex()} is held in another arena")
-        return part.put(key, src)
+        k = self._claim(key, part)
+        try:
+            return part.put(k, src)
+        finally:
+            self._unclaim(k)
 
     def reserve(self, key: bytes, size_bytes: int) -> DramSlot:
-        """:meth:`DramTier.reserve` in the writer's arena (ChunkExists when another holds it)."""
+        """:meth:`DramTier.reserve` in the writer's arena (ChunkExists when another holds it,
+        ChunkBusy while another writes it)."""
         part = self._writing()
-        if self._elsewhere(key, part):
-            raise ChunkExists(f"chunk {check_key(key).hex()} is held in another arena")
-        return part.reserve(key, size_bytes)
+        k = self._claim(key, part)
+        try:
+            return part.reserve(k, size_bytes)
+        except BaseException:
+            self._unclaim(k)
+            raise
 
     def commit(self, slot: DramSlot) -> ChunkInfo:
-        return self._slot_part(slot).commit(slot)
+        info = self._slot_part(slot).commit(slot)
+        self._unclaim(slot.key)
+        return info
 
     def abort(self, slot: DramSlot) -> None:
-        self._slot_part(slot).abort(slot)
+        part = self._slot_part(slot)
+        pending = slot._state is _SlotState.PENDING
+        part.abort(slot)
+        if pending:
+            self._unclaim(slot.key)
 
     def reserve_many(self, keys: Sequence[bytes], sizes_bytes: Sequence[int]
                      ) -> list[DramSlot | KvtierError]:
@@ -781,19 +823,24 @@ class GroupedDramTier:
         part = self._writing()
         out: list[DramSlot | KvtierError | None] = [None] * len(keys)
         at: list[int] = []
+        claimed: list[ChunkKey] = []
         for i, key in enumerate(keys):
             try:
-                if self._elsewhere(key, part):
-                    out[i] = ChunkExists(f"chunk {check_key(key).hex()} is held in another "
-                                         "arena")
-                    continue
-            except InvalidArgument as exc:
+                claimed.append(self._claim(key, part))
+            except KvtierError as exc:
                 out[i] = exc
                 continue
             at.append(i)
-        got = part.reserve_many([keys[i] for i in at], [sizes_bytes[i] for i in at])
-        for i, result in zip(at, got, strict=True):
+        try:
+            got = part.reserve_many(claimed, [sizes_bytes[i] for i in at])
+        except BaseException:
+            for k in claimed:
+                self._unclaim(k)
+            raise
+        for i, k, result in zip(at, claimed, got, strict=True):
             out[i] = result
+            if isinstance(result, KvtierError):
+                self._unclaim(k)
         return [r for r in out if r is not None]
 
     def commit_many(self, slots: Sequence[DramSlot], after: Sequence[int] | None = None
@@ -805,7 +852,11 @@ class GroupedDramTier:
         first = slots[0]._tier if slots and isinstance(slots[0], DramSlot) else None
         if first is not None and any(first is p for p in self._all) and all(
                 isinstance(s, DramSlot) and s._tier is first for s in slots):
-            return first.commit_many(slots, after)
+            results = first.commit_many(slots, after)
+            for slot, result in zip(slots, results, strict=True):
+                if not isinstance(result, KvtierError):
+                    self._unclaim(slot.key)
+            return results
         out: list[ChunkInfo | KvtierError] = []
         for i, slot in enumerate(slots):
             parent = -1 if after is None else after[i]

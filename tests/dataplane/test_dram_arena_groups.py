@@ -23,7 +23,13 @@ from kvstore.dataplane.dram import (
     writing_for,
 )
 from kvstore.dataplane.tier import Tier
-from kvstore.errors import CapacityError, ChunkExists, ChunkNotFound, InvalidArgument
+from kvstore.errors import (
+    CapacityError,
+    ChunkBusy,
+    ChunkExists,
+    ChunkNotFound,
+    InvalidArgument,
+)
 
 from .tier_conformance import HostMemoryTierConformance, KiB, MiB, TierFactory
 
@@ -124,6 +130,30 @@ def test_a_key_lives_in_one_arena(tier: GroupedDramTier) -> None:
         (result,) = tier.reserve_many([b"k"], [100])
     assert isinstance(result, ChunkExists)
     assert tier.arena("a").contains(b"k") and not tier.arena("b").contains(b"k")
+
+
+def test_a_key_being_written_in_one_arena_is_busy_for_the_others(
+        tier: GroupedDramTier) -> None:
+    """Two writers of one key in different arenas at once: the second is ChunkBusy (each arena
+    alone would take it, and the key would then live in two arenas)."""
+    with writing_for("alice"):
+        slot = tier.reserve(b"k", 4 * KiB)
+    with writing_for("bob"):
+        with pytest.raises(ChunkBusy, match="another arena"):
+            tier.put(b"k", b"b" * 100)
+        with pytest.raises(ChunkBusy):
+            tier.reserve(b"k", 100)
+        (busy,) = tier.reserve_many([b"k"], [100])
+        assert isinstance(busy, ChunkBusy)
+    tier.abort(slot)  # the write ended: bob may write the key now
+    with writing_for("bob"):
+        tier.put(b"k", b"b" * 100)
+    assert tier.arena("b").contains(b"k") and not tier.arena("a").contains(b"k")
+    with writing_for("alice"):
+        slots = tier.reserve_many([b"m", b"n"], [4 * KiB, 4 * KiB])
+    assert all(not isinstance(r, Exception) for r in tier.commit_many(slots))  # type: ignore[arg-type]
+    with writing_for("bob"), pytest.raises(ChunkExists):  # committed: held, no longer busy
+        tier.put(b"m", b"b" * 100)
 
 
 def test_a_full_arena_is_full_while_the_others_have_room(tier: GroupedDramTier) -> None:
