@@ -136,6 +136,7 @@ from kvstore.cluster.chaos_check import (
     chunk_value,
     digest,
     durable_unverified,
+    engine_requests_during,
     engine_reuse,
     engine_stats,
     fault_stats,
@@ -383,10 +384,10 @@ class FaultRow:
     engine_attempted: int = 0
     engine_completed: int = 0
     engine_failed: int = 0
-    """Engine requests started during the fault: answered within ``ENGINE_TIMEOUT_S`` + 1 s,
-    or not (an error, no answer, or later)."""
+    """Engine requests under way during the fault (started in it, or in flight at its start):
+    answered within ``ENGINE_TIMEOUT_S`` + 1 s, or not (an error, no answer, or later)."""
     engine_slowest_s: float = 0.0
-    """The longest engine request started during the fault (what degrading cost)."""
+    """The longest of those (what degrading cost)."""
     engine_wrong: int = 0
     """Engine answers that differ from their prompt's no-cache output (counted in
     ``wrong_reads`` too)."""
@@ -1673,18 +1674,16 @@ def _row(history: History, injected: _Injected, summary: dict[str, Any],
         notes.append("failed in the window: " + ", ".join(
             f"{n} {name}" for name, n in sorted(errors.items(), key=lambda kv: -kv[1])))
     engine = engine_stats(history.records, fault, ENGINE_TIMEOUT_S)
+    caught = engine_requests_during(history.records, fault)
     engine_errors: dict[str, int] = {}
-    for r in history.records:
-        if r.op is Op.ENGINE and r.result is Result.ERR and \
-                fault.start_s <= r.start_s <= fault.end_s:
+    for r in caught:
+        if r.result is Result.ERR:
             name = f"{r.node} " + (r.error.partition(":")[0] or "no answer")
             engine_errors[name] = engine_errors.get(name, 0) + 1
     if engine_errors:
         notes.append("engine requests failed in the window: " + ", ".join(
             f"{n} {name}" for name, n in sorted(engine_errors.items(), key=lambda kv: -kv[1])))
-    degraded_not = [r for r in history.records if r.op is Op.ENGINE
-                    and r.result is Result.ERR and r.node != injected.cut_off
-                    and fault.start_s <= r.start_s <= fault.end_s]
+    degraded_not = [r for r in caught if r.result is Result.ERR and r.node != injected.cut_off]
     if degraded_not:
         others.append(f"{fault.name}: {len(degraded_not)} engine requests failed on a reachable "
                       f"engine instead of recomputing (first: {degraded_not[0].node} "
@@ -1704,10 +1703,8 @@ def _row(history: History, injected: _Injected, summary: dict[str, Any],
                     leak_detail=dict(injected.leaks), notes=notes,
                     engine_attempted=engine.attempted, engine_completed=engine.completed,
                     engine_failed=engine.failed, engine_wrong=engine_wrong,
-                    engine_slowest_s=max((r.end_s - r.start_s for r in history.records
-                                          if r.op is Op.ENGINE and r.end_s is not None
-                                          and fault.start_s <= r.start_s <= fault.end_s),
-                                         default=0.0),
+                    engine_slowest_s=max((r.end_s - r.start_s for r in caught
+                                          if r.end_s is not None), default=0.0),
                     reuse_before=engine_reuse(reuse_of, until_s=fault.start_s),
                     reuse_after=engine_reuse(reuse_of, since_s=fault.end_s))
 
@@ -2346,7 +2343,7 @@ def print_table(rows: list[FaultRow], out: IO[str] = sys.stdout, *, soak: bool =
         if any(r.leak_detail.values()):
             print(f"{r.fault}: LEAKED {r.leak_detail}", file=out)
         if r.engine_attempted:
-            print(f"{r.fault}: engine requests in the window: {r.engine_attempted} started, "
+            print(f"{r.fault}: engine requests in the window: {r.engine_attempted} under way, "
                   f"{r.engine_completed} answered in time, the slowest "
                   f"{r.engine_slowest_s:.2f} s (bound {ENGINE_TIMEOUT_S} s + "
                   f"{TIMEOUT_SLACK_S} s)", file=out)

@@ -50,8 +50,9 @@ loads it from the daemons) are checked too:
   is a wrong read (``Invariant.WRONG_READ``), as wrong KV loaded from the store would give;
 * with ``engine_timeout_s``, one that took longer than that plus one second is a bounded-wait
   violation (``Invariant.OVER_TIMEOUT``) and counts as failed (:func:`engine_stats`);
-* progress: when engine requests started in a fault window, at least one of them completed
-  (the engines degrade to recomputing where the store cannot serve them).
+* progress: when engine requests were under way in a fault window (:func:`engine_stats`: also
+  the ones in flight at its start), at least one of them completed (the engines degrade to
+  recomputing where the store cannot serve them).
 
 Times are seconds on one monotonic clock (``time.monotonic()`` is shared by every process
 of one machine, network namespaces included).
@@ -72,7 +73,7 @@ from kvstore.errors import InvalidArgument
 
 __all__ = ["Fault", "FaultStats", "History", "Invariant", "LeaseGap", "Op", "Record", "Removal",
            "Restart", "Result", "Violation", "check", "chunk_value", "digest", "durable_unverified",
-           "engine_reuse", "engine_stats", "expected_digest", "fault_stats", "longest_stall",
+           "engine_requests_during", "engine_reuse", "engine_stats", "expected_digest", "fault_stats", "longest_stall",
            "tokens_digest"]
 
 
@@ -465,7 +466,7 @@ def _no_engine_progress(history: History, engine_timeout_s: float | None) -> lis
         if stats.attempted and not stats.completed:
             out.append(Violation(Invariant.NO_PROGRESS,
                                  f"fault {fault.name} on {fault.node}: none of "
-                                 f"{stats.attempted} engine requests started in "
+                                 f"{stats.attempted} engine requests under way in "
                                  f"[{fault.start_s:.3f}, {fault.end_s:.3f}] completed"))
     return out
 
@@ -523,14 +524,21 @@ def fault_stats(history: History) -> list[FaultStats]:
 
 def engine_stats(records: Sequence[Record], fault: Fault,
                  timeout_s: float | None = None) -> FaultStats:
-    """Engine requests started inside ``fault``'s window. Failed: an error, no answer, or
-    (with ``timeout_s``) an answer later than the timeout plus one second."""
-    inside = [r for r in records if r.op is Op.ENGINE
-              and fault.start_s <= r.start_s <= fault.end_s]
+    """Engine requests under way during ``fault``'s window: started inside it, or in flight
+    when it began (the request the fault caught is the one that waits longest). Failed: an
+    error, no answer, or (with ``timeout_s``) an answer later than the timeout plus one
+    second."""
+    inside = engine_requests_during(records, fault)
     limit = math.inf if timeout_s is None else timeout_s + TIMEOUT_SLACK_S
     completed = sum(1 for r in inside if r.end_s is not None and r.result is Result.OK
                     and r.end_s - r.start_s <= limit)
     return FaultStats(fault.name, len(inside), completed, len(inside) - completed)
+
+
+def engine_requests_during(records: Sequence[Record], fault: Fault) -> list[Record]:
+    """Engine records started in ``fault``'s window or in flight at its start."""
+    return [r for r in records if r.op is Op.ENGINE and r.start_s <= fault.end_s
+            and (r.end_s is None or r.end_s >= fault.start_s)]
 
 
 def engine_reuse(records: Sequence[Record], since_s: float = -math.inf,

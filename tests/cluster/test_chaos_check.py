@@ -318,6 +318,15 @@ def test_an_engine_request_past_its_timeout_fails_and_breaks_the_bound() -> None
     assert (stats.attempted, stats.completed, stats.failed) == (2, 2, 0)
 
 
+def test_an_engine_request_in_flight_when_the_fault_began_is_counted() -> None:
+    """The request a fault catches (started just before it, answered after the timeout) is
+    the one that waits longest: it counts as under way during the fault."""
+    caught = engine("p0", 9.9, 13.5)  # 3.6 s, across the fault's start at 10
+    history = with_engines(caught, engine("p1", 9.0, 9.5))  # over before: not counted
+    stats = engine_stats(history.records, history.faults[0], 2.0)
+    assert (stats.attempted, stats.completed, stats.failed) == (2, 1, 1)
+
+
 def test_no_engine_request_completed_during_a_fault_is_no_progress() -> None:
     history = with_engines(engine("p0", 10.1, 10.4, result=Result.ERR),
                            engine("p0", 11.0, None, result=Result.ERR))
