@@ -8,7 +8,9 @@ prefill instance the scheduler estimates the time to first token
 * ``T_queue``: the work already queued on the instance: the sum of the
   estimated durations of the requests it was given and has not finished,
   re-anchored at every completion report (``queue drains at now + remaining
-  work``), so one late request delays the estimate of those behind it once.
+  work``), so one late request delays the estimate of those behind it once;
+  never less than the work queued behind the oldest unfinished request
+  (``_queue_at``). Ties go to the instance with fewer requests waiting.
 * ``T_prefill``: ``factor(instance) * latency_model.prefill_s(uncached,
   reused)``: the latency model of :mod:`conductor.perf.latency`, corrected
   per instance by a moving average of measured/modelled times
@@ -634,7 +636,7 @@ class Scheduler:
 
         # Accepted: reserve the prefill queue, the source link and the decode room.
         pst = option.state
-        start_s = max(now_s, pst.busy_until_s)
+        start_s = now_s + ttft.queue_s  # behind what is queued (see _queue_at)
         work_s = ttft.transfer_s + max(ttft.prefill_s, ttft.load_s)
         done_s = start_s + work_s
         pst.busy_until_s = done_s
@@ -733,7 +735,7 @@ class Scheduler:
         model_s: dict[int, float] = {}
         load_by_node: dict[str, float] = {}
         factor = self.prefill_speed.factor
-        best: tuple[float, float, float, str] | None = None
+        best: tuple[float, float, int, float, str] | None = None
         best_plan: tuple[_PrefillState, int, str | None, float, float, float, int] | None = None
         # best_plan: (instance, blocks reused, fetch source or None, transfer, compute, load,
         #             tokens reused)
@@ -747,16 +749,17 @@ class Scheduler:
                 load_by_node[node] = load_s
             if own and local:  # store blocks the engine holds itself are not loaded again
                 load_s *= max(0, local * block - own) / (local * block)
-            queue_s = st.busy_until_s - now_s
-            if queue_s < 0.0:
-                queue_s = 0.0
+            queue_s = self._queue_at(st, now_s)
+            waiting = len(st.queued)
             speed = factor(st.instance.instance_id)
             # Option 1: reuse the local prefix (the engine's own cache, its node's) only.
             reused_tokens = max(local * block, own)
             compute_s = speed * self._model_prefill_s(input_tokens, reused_tokens, model_s)
-            # Ties (load hidden under compute) go to the instance that moves fewer bytes: the
+            # Ties (load hidden under compute) go to the instance with fewer of our requests
+            # still waiting for their first token, then to the one that moves fewer bytes: the
             # one holding the prefix in its own cache before one that loads it from its node.
-            rank = (queue_s + max(compute_s, load_s), queue_s, load_s, st.instance.instance_id)
+            rank = (queue_s + max(compute_s, load_s), queue_s, waiting, load_s,
+                    st.instance.instance_id)
             plan: tuple[_PrefillState, int, str | None, float, float, float, int] = (
                 st, local, None, 0.0, compute_s, load_s, reused_tokens)
             # Option 2 (GLOBAL_CACHE): fetch the rest of the longest prefix from its holder.
@@ -770,7 +773,7 @@ class Scheduler:
                     fetch_compute_s = speed * self._model_prefill_s(input_tokens, fetch_tokens,
                                                                     model_s)
                     fetch_rank = (queue_s + transfer_s + max(fetch_compute_s, load_s), queue_s,
-                                  transfer_s + load_s, st.instance.instance_id)
+                                  waiting, transfer_s + load_s, st.instance.instance_id)
                     if fetch_rank < rank:
                         rank = fetch_rank
                         plan = (st, best_len, src, transfer_s, fetch_compute_s, load_s,
@@ -790,6 +793,22 @@ class Scheduler:
         tiers = match.tier_counts(node) if local else TierCounts()
         own = min(engine_cached.get(st.instance.instance_id, 0), input_tokens)
         return _Option(st, ttft, local, tiers, reused, fetch, new_tokens, prior_tokens, own)
+
+    @staticmethod
+    def _queue_at(st: _PrefillState, now_s: float) -> float:
+        """Predicted seconds before a request decided at ``now_s`` starts on ``st``: until the
+        queue is predicted to drain, and never less than the work of the requests queued
+        behind the oldest one still waiting for its first token. Those have not started (the
+        queue is FIFO) whatever the prediction said; the oldest may be overdue, its engine
+        slower than estimated, and is the one whose progress is unknown. Without this floor a
+        queue predicted to drain read empty while two requests still prefilled there."""
+        queue_s = st.busy_until_s - now_s
+        if st.queued:
+            oldest = next(iter(st.queued.values()))
+            behind_s = st.pending_work_s - oldest.prefill_work_s
+            if queue_s < behind_s:
+                queue_s = behind_s
+        return queue_s if queue_s > 0.0 else 0.0
 
     def _model_prefill_s(self, input_tokens: int, reused_tokens: int,
                          memo: dict[int, float]) -> float:

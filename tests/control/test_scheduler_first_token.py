@@ -94,21 +94,51 @@ def test_a_slow_engine_learned_from_first_tokens_sends_a_store_hit_to_the_idle_i
         first_tokens: bool) -> None:
     """The fleet's case (bench/RESULTS.md, issue 14, session 13): engines 20x slower than
     the latency model, both reading one store. A follow-up whose prefix v0 holds in its own
-    cache, and the store holds too, finds v0 still prefilling a long prompt decided 0.5 s
-    ago. Calibrated from first tokens, the scheduler knows that prompt is far from done and
-    sends the follow-up to idle v1 (it loads the prefix from the store); never told of a
-    first token, it believes the prompt done after its modelled 0.3 s, sees both queues
-    empty and keeps the follow-up on v0, behind the prompt, as the fleet's conductor did."""
+    cache (one block more than the store holds) finds v0 still prefilling a long prompt
+    decided 0.5 s ago. Calibrated from first tokens, the scheduler knows that prompt is far
+    from done and sends the follow-up to idle v1 (it loads the prefix from the store); never
+    told of a first token, it believes the prompt done after its modelled 0.3 s, sees both
+    queues empty and keeps the follow-up on v0 for its one block, behind the prompt."""
     sched = shared_store(held_blocks=10)
     now_s = _calibrate(sched, 20.0, 0.0) if first_tokens else 10.0
     busy = sched.schedule(req("busy", 301), now_s, {"v0": 1})
     assert busy.prefill_instance == "v0"
-    follow_up = sched.schedule(req("follow-up", 120, n_keys=10), now_s + 0.5, {"v0": 100})
-    assert follow_up.prefix_blocks == 10  # both reuse the 100 cached tokens
+    follow_up = sched.schedule(req("follow-up", 120, n_keys=12), now_s + 0.5, {"v0": 110})
+    assert follow_up.ttft is not None
     if first_tokens:
         assert sched.prefill_speed.factor("v0") > 10
-        assert follow_up.prefill_instance == "v1"
-        assert follow_up.ttft is not None and follow_up.ttft.queue_s == 0.0
+        assert follow_up.prefill_instance == "v1" and follow_up.prefix_blocks == 10
+        assert follow_up.ttft.queue_s == 0.0
     else:
-        assert follow_up.prefill_instance == "v0"
-        assert follow_up.ttft is not None and follow_up.ttft.queue_s == 0.0
+        assert follow_up.prefill_instance == "v0" and follow_up.ttft.queue_s == 0.0
+
+
+def test_ties_go_to_the_instance_with_fewer_requests_waiting_for_a_first_token() -> None:
+    """Both engines read the prompt's prefix from one store, and the one that holds it in its
+    own cache too has a request still prefilling, predicted done (the engine is slower than
+    the model says): the estimates tie, and the follow-up goes to the idle engine instead of
+    queueing behind (the fleet's conductor sent 73 of 108 requests to v0 so: ties went to
+    the lower instance id, or to the one holding the prefix)."""
+    sched = shared_store(held_blocks=10)
+    busy = sched.schedule(req("busy", 301), 0.0, {"v0": 1})
+    assert busy.prefill_instance == "v0"
+    tie = sched.schedule(req("follow-up", 120, n_keys=12), 5.0, {"v0": 100})
+    assert sched.queue_s("v0", 5.0) == 0.0  # predicted done long ago, no first token yet
+    assert tie.prefill_instance == "v1" and tie.ttft is not None and tie.ttft.queue_s == 0.0
+
+
+def test_the_queue_is_never_less_than_the_work_behind_its_oldest_request() -> None:
+    """Three requests on the only engine, none with its first token after their predicted
+    end: the second and third have not started (FIFO), so a fourth waits at least their
+    estimates, not nothing; once the oldest's first token comes the queue re-anchors."""
+    sched = shared_store(engines=("v0",))
+    a = sched.schedule(req("a", 101), 0.0)
+    b = sched.schedule(req("b", 201), 0.0)
+    c = sched.schedule(req("c", 301), 0.0)
+    assert b.ttft is not None and c.ttft is not None
+    late = sched.schedule(req("d", 11), 10.0)
+    assert late.ttft is not None
+    assert late.ttft.queue_s == pytest.approx(b.ttft.prefill_s + c.ttft.prefill_s)
+    sched.first_token(a.ticket, 10.5)  # b, c and d are left, from now
+    assert sched.queue_s("v0", 10.5) == pytest.approx(
+        b.ttft.prefill_s + c.ttft.prefill_s + late.ttft.prefill_s)
