@@ -1,6 +1,6 @@
 """The fault suite's runs as tests: a three-host cluster in network namespaces (a real
 three-member etcd, three real daemons with DRAM and NVMe, two real conductors, real reference
-engines on two hosts), a steady load from the observer namespace, one fault per test, and the
+engines on two hosts in the kill-daemon test), a steady load from the observer namespace, one fault per test, and the
 recorded history checked for every invariant (docs/chaos.md). The quick one (unmarked):
 ``kill -9`` of a daemon and its restart on the same NVMe directory, ~40 s (~17 s of it
 without the engines). The others (``slow``): SIGSTOP of a daemon, a host
@@ -20,6 +20,7 @@ from bench.chaos import (
     MAX_STALL_S,
     REQUEST_TIMEOUT_S,
     ChaosSpec,
+    Engines,
     FaultRow,
     read_history,
     run_fault,
@@ -28,6 +29,10 @@ from kvstore.cluster.chaos_check import History, Op, Result, check, durable_unve
 from kvstore.cluster.netns import lab_leftovers, unavailable_reason
 from tests.support.daemon import kvtier
 from tests.support.etcd import require_etcd
+
+QUICK = ChaosSpec.quick(Engines.NONE)
+"""The slow tests' runs: without the real engines (~25 s each on 2 cores; `make test` runs
+these too). The kill-daemon test has them, and test_chaos_faults.py (outside `make test`)."""
 
 _REASON = unavailable_reason()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
@@ -87,7 +92,7 @@ def test_sigstop_of_a_daemon_past_its_lease(tmp_path: Path) -> None:
     """A zombie: paused past its 2 s lease, then continued. It comes back through a new
     registration; the load routes around it meanwhile, within its 2 s request timeout."""
     require_etcd()
-    row = run_fault("sigstop-daemon", spec=ChaosSpec.quick(), work_dir=tmp_path)
+    row = run_fault("sigstop-daemon", spec=QUICK, work_dir=tmp_path)
     _assert_clean(row, read_history(tmp_path / "history.jsonl"))
 
 
@@ -95,7 +100,7 @@ def test_sigstop_of_a_daemon_past_its_lease(tmp_path: Path) -> None:
 def test_partition_of_a_host_past_its_lease(tmp_path: Path) -> None:
     """The host's bridge port down past the lease (its etcd member loses quorum too), healed."""
     require_etcd()
-    row = run_fault("partition-host", spec=ChaosSpec.quick(), work_dir=tmp_path)
+    row = run_fault("partition-host", spec=QUICK, work_dir=tmp_path)
     _assert_clean(row, read_history(tmp_path / "history.jsonl"))
 
 
@@ -107,7 +112,7 @@ def test_etcd_faults_leave_the_data_plane_serving(fault: str, tmp_path: Path) ->
     the daemons keep serving what the load's last membership view points at, and etcd is
     whole again after."""
     require_etcd()
-    row = run_fault(fault, spec=ChaosSpec.quick(), work_dir=tmp_path)
+    row = run_fault(fault, spec=QUICK, work_dir=tmp_path)
     history = read_history(tmp_path / "history.jsonl")
     assert check(history, max_stall_s=MAX_STALL_S, request_timeout_s=REQUEST_TIMEOUT_S,
                  engine_timeout_s=ENGINE_TIMEOUT_S) == []
@@ -124,7 +129,7 @@ def test_a_conductor_leader_killed_or_paused_is_replaced_and_fenced(fault: str,
     and continued: the standby takes over in a new term, and no conductor decides in a term
     older than the newest (the woken one answers again, as a follower)."""
     require_etcd()
-    row = run_fault(fault, spec=ChaosSpec.quick(), work_dir=tmp_path)
+    row = run_fault(fault, spec=QUICK, work_dir=tmp_path)
     history = read_history(tmp_path / "history.jsonl")
     assert check(history, max_stall_s=MAX_STALL_S, request_timeout_s=REQUEST_TIMEOUT_S,
                  engine_timeout_s=ENGINE_TIMEOUT_S) == []
@@ -142,7 +147,7 @@ def test_corrupt_chunks_are_dropped_counted_and_never_returned(tmp_path: Path) -
     then a kill -9 and a restart on the damaged directory: no wrong bytes ever, the node
     counts them corrupt, every other acknowledged chunk survives."""
     require_etcd()
-    row = run_fault("corrupt-segment", spec=ChaosSpec.quick(), work_dir=tmp_path)
+    row = run_fault("corrupt-segment", spec=QUICK, work_dir=tmp_path)
     history = read_history(tmp_path / "history.jsonl")
     _assert_clean(row, history)
     assert row.damaged == 3 and row.corrupt_reported >= 1, row
@@ -159,7 +164,7 @@ def test_a_shared_memory_client_killed_mid_transfer_leaks_nothing(tmp_path: Path
     lease, its loops putting and getting, SIGKILLed: the daemon ends its leases, frees the
     extents and closes its descriptors (counts after = before), and nobody else notices."""
     require_etcd()
-    row = run_fault("kill-client-shm", spec=ChaosSpec.quick(), work_dir=tmp_path)
+    row = run_fault("kill-client-shm", spec=QUICK, work_dir=tmp_path)
     history = read_history(tmp_path / "history.jsonl")
     assert check(history, max_stall_s=MAX_STALL_S, request_timeout_s=REQUEST_TIMEOUT_S,
                  engine_timeout_s=ENGINE_TIMEOUT_S) == []
