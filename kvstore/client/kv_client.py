@@ -168,15 +168,15 @@ class KVClientConfig:
     """Transfer threads run on every CPU the container allows, not only on the cores of the
     thread that started them (an engine's model thread bound to its cores):
     :mod:`kvstore.client.cpus`."""
-    inline_load_bytes: int = 0
+    inline_load_bytes: int = 16 << 20
     """Same host: a :meth:`KVClient.load_many` of up to this many bytes copies the chunks the
     daemon's read index publishes in the calling thread, before it returns (no lease, no
     round trip, no hand-off to a transfer thread: for a 15-block request those were most of
     its cost); what is left (not published, moved during the copy) goes on on the transfer
     threads. Such a copy never waits for the daemon, and runs out of the caller's
-    ``torch.inference_mode`` (vLLM's thread is in it: docs/kv-client.md, "One copy"). 0 (the
-    default again since session 12: real vLLM still lost a turn's block once with 16 MiB, after
-    the inference-mode fix): every load on the transfer threads."""
+    ``torch.inference_mode`` (vLLM's thread is in it: docs/kv-client.md, "One copy"). 0: every
+    load on the transfer threads (the default during session 12, until the turn's block real
+    vLLM lost with 16 MiB was found to be a test reading before the save landed)."""
 
     def __post_init__(self) -> None:
         if self.staging_pool_bytes < 0:

@@ -57,7 +57,7 @@ class _FirstCopyHooked:
 
 @pytest.mark.parametrize("inline", [0, 16 << 20], ids=["transfer-thread", "inline"])
 def test_published_chunks_load_with_no_lease(daemon: DaemonProcess, inline: int) -> None:
-    """On a transfer thread (``inline_load_bytes`` 0) and in the calling thread (16 MiB: off by
+    """On a transfer thread (``inline_load_bytes`` 0) and in the calling thread (16 MiB: the
     default, docs/kv-client.md)."""
     src = vllm_caches("layer-major", seed=40 + inline % 7)
     toks = tokens(4 * B, seed=41 + inline % 7)
