@@ -134,6 +134,11 @@ class KVClientConfig:
     load_batch_blocks: int = 32
     """Blocks fetched per daemon call in a load (one lease round trip each on SHM)."""
     rpc_timeout_s: float = 30.0
+    """Bound on each gRPC call to a daemon (``StoreClientConfig.rpc_timeout_s``)."""
+    tcp_io_timeout_s: float | None = None
+    """Bound on a TCP data-plane request that makes no progress
+    (``StoreClientConfig.tcp_io_timeout_s``); None: ``rpc_timeout_s``, so that a stopped or
+    partitioned daemon holds a load or save over TCP no longer than a gRPC call."""
     security: ClientSecurity | None = None
     """Credentials presented to daemons (docs/security.md); None: the environment's
     (``KVTIER_TLS_*``, ``KVTIER_TOKEN_FILE``), no credentials when none is set."""
@@ -197,8 +202,18 @@ class KVClientConfig:
             raise InvalidArgument("workers and load_batch_blocks must be >= 1")
         if self.rpc_timeout_s <= 0:
             raise InvalidArgument("rpc_timeout_s must be > 0")
+        if self.tcp_io_timeout_s is not None and not self.tcp_io_timeout_s > 0:
+            raise InvalidArgument("tcp_io_timeout_s must be > 0 (or None: rpc_timeout_s)")
         if self.inline_load_bytes < 0:
             raise InvalidArgument("inline_load_bytes must be >= 0")
+
+    def store_config(self, data_plane: DataPlane) -> StoreClientConfig:
+        """The StoreClient settings of a connection to a daemon over ``data_plane``."""
+        return StoreClientConfig(
+            data_plane=data_plane, rpc_timeout_s=self.rpc_timeout_s,
+            tcp_io_timeout_s=(self.rpc_timeout_s if self.tcp_io_timeout_s is None
+                              else self.tcp_io_timeout_s),
+            security=self.security, tenant=self.tenant)
 
 
 _DIRECT_PART_BLOCKS = 16
@@ -261,10 +276,7 @@ class KVClient:
                 key_layout: KeyLayout | None = None) -> KVClient:
         """Connect to the daemon at ``host:port``. Raises PeerUnavailable."""
         cfg = config or KVClientConfig()
-        store = StoreClient.connect(address, StoreClientConfig(data_plane=cfg.data_plane,
-                                                               rpc_timeout_s=cfg.rpc_timeout_s,
-                                                               security=cfg.security,
-                                                               tenant=cfg.tenant))
+        store = StoreClient.connect(address, cfg.store_config(cfg.data_plane))
         try:
             return cls(store, layout, namespace, cfg, etcd_endpoint=etcd_endpoint,
                        key_layout=key_layout)
@@ -937,9 +949,7 @@ class KVClient:
         if store is not None:
             return store
         cfg = self.config
-        store = StoreClient.connect(address, StoreClientConfig(
-            data_plane=cfg.remote_data_plane, rpc_timeout_s=cfg.rpc_timeout_s,
-            security=cfg.security, tenant=cfg.tenant))
+        store = StoreClient.connect(address, cfg.store_config(cfg.remote_data_plane))
         with self._remote_lock:
             kept = None if self._closed else self._remotes.setdefault(address, store)
         if kept is not store:  # closed meanwhile, or another thread connected first
