@@ -296,7 +296,7 @@ def test_lease_channel_connections_release_everything_on_close() -> None:
     zero-filled frame buffer, freed by an exited thread, stayed in the allocator's arena):
     ~300 MiB here; the bound below is far above the noise and far below that."""
     with shm_server() as srv:
-        threads_before = threading.active_count()
+        threads_before = set(threading.enumerate())
         rss_before = _rss_bytes()
         for _ in range(3):
             chans = [LeaseChannel(srv.address, io_timeout_s=5) for _ in range(100)]
@@ -306,7 +306,9 @@ def test_lease_channel_connections_release_everything_on_close() -> None:
             for chan in chans:
                 chan.close()
             wait_until(lambda: srv.connection_count() == 0, 10, "every connection to end")
-            wait_until(lambda: threading.active_count() == threads_before, 10,
+            # The threads started since (not a count: another test's thread ending meanwhile
+            # would make a count never equal).
+            wait_until(lambda: not set(threading.enumerate()) - threads_before, 10,
                        "every connection thread to exit")
         grown = _rss_bytes() - rss_before
         assert grown < 48 << 20, f"resident memory grew {grown >> 20} MiB"

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -135,13 +136,15 @@ def execute(worker: KvtierConnector, out: SchedulerOutput) -> KVConnectorOutput:
     return kv
 
 
-_SHIPPED: dict[int, KvtierConnectorStats] = {}
+# By scheduler object, not id(): a test's scheduler freed, the next one can get its id.
+_SHIPPED: weakref.WeakKeyDictionary[Scheduler, KvtierConnectorStats] = \
+    weakref.WeakKeyDictionary()
 
 
 def update(sched: Scheduler, out: SchedulerOutput, kv: KVConnectorOutput | None = None) -> None:
     """``update_from_output``; the connector stats vLLM ships from it are kept (``shipped``)."""
     outputs = sched.update_from_output(out, create_model_runner_output(out, kv))
-    acc = _SHIPPED.setdefault(id(sched), KvtierConnectorStats())
+    acc = _SHIPPED.setdefault(sched, KvtierConnectorStats())
     for o in outputs.values():
         if o.scheduler_stats is not None and o.scheduler_stats.kv_connector_stats:
             acc.aggregate(KvtierConnectorStats(data=dict(o.scheduler_stats.kv_connector_stats)))
@@ -149,7 +152,7 @@ def update(sched: Scheduler, out: SchedulerOutput, kv: KVConnectorOutput | None 
 
 def shipped(sched: Scheduler) -> KvtierConnectorStats:
     """The connector stats vLLM shipped from ``sched`` so far (the scheduler's and workers')."""
-    return _SHIPPED.get(id(sched), KvtierConnectorStats())
+    return _SHIPPED.get(sched, KvtierConnectorStats())
 
 
 def step(sched: Scheduler, worker: KvtierConnector | None = None) -> SchedulerOutput:
