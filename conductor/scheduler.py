@@ -27,6 +27,10 @@ An engine's own prefix cache (vLLM's, learned from its KV events:
 leading tokens cost the instance nothing (they are in its GPU memory already), so the tokens
 it reuses are the larger of its own cached prefix and its node's; store blocks it already
 holds are not loaded again.
+The instance holding the most of the prompt in its own cache keeps the request, when no
+more of our requests wait there, unless another is predicted faster by more than
+``cache_affinity_margin`` (25%): like engines' speed factors differ by noise, and a store
+load costs a real engine more than the model's bytes over PCIe.
 
 Policies (:class:`Policy`), compared by ``kvtier bench schedule``:
 
@@ -151,6 +155,14 @@ class SchedulerConfig:
     tpot_slo_s: float | None = None
     kvcache_balancing_threshold: float = 1.0
     """GLOBAL_CACHE considers a fetch when ``best / local >= threshold`` (local 0: always)."""
+    cache_affinity_margin: float = 0.25
+    """A request goes to the instance holding the most of its prompt in its own cache (engine
+    KV events), when no more of our requests wait there for a first token, unless another is
+    predicted faster by more than this fraction of the best predicted TTFT; 0: the lowest
+    prediction wins outright. Two like engines' speed factors,
+    learned from a few noisy first tokens, differ by more than the compute a cached prefix
+    saves them, and the store load the model hides under compute costs a real engine a lookup
+    and a scheduler step more (docs/conductor.md)."""
     remote_link_bytes_per_s: float = 45e9
     """Nominal node-to-node bandwidth before calibration (400 Gb/s RoCE, ~45 GB/s effective)."""
     dram_read_bytes_per_s: float = 64e9
@@ -184,6 +196,8 @@ class SchedulerConfig:
         _check_number("tpot_slo_s", self.tpot_slo_s, allow_none=True)
         _check_number("kvcache_balancing_threshold", self.kvcache_balancing_threshold,
                       low=1.0, strict=False)
+        _check_number("cache_affinity_margin", self.cache_affinity_margin, low=0.0,
+                      strict=False)
         for name in ("remote_link_bytes_per_s", "dram_read_bytes_per_s", "nvme_read_bytes_per_s",
                      "initial_output_tokens"):
             _check_number(name, getattr(self, name))
@@ -735,10 +749,11 @@ class Scheduler:
         model_s: dict[int, float] = {}
         load_by_node: dict[str, float] = {}
         factor = self.prefill_speed.factor
-        best: tuple[float, float, int, float, str] | None = None
-        best_plan: tuple[_PrefillState, int, str | None, float, float, float, int] | None = None
-        # best_plan: (instance, blocks reused, fetch source or None, transfer, compute, load,
-        #             tokens reused)
+        # Per instance: (rank, plan, tokens in its own cache); a plan is (instance, blocks
+        # reused, fetch source or None, transfer, compute, load, tokens reused).
+        options: list[tuple[tuple[float, float, int, float, str],
+                            tuple[_PrefillState, int, str | None, float, float, float, int],
+                            int]] = []
         for st in pool:
             node = st.instance.node_id
             local = match.length(node)
@@ -778,10 +793,20 @@ class Scheduler:
                         rank = fetch_rank
                         plan = (st, best_len, src, transfer_s, fetch_compute_s, load_s,
                                 fetch_tokens)
-            if best is None or rank < best:
-                best, best_plan = rank, plan
-        if best is None or best_plan is None:
+            options.append((rank, plan, own))
+        if not options:
             raise InvariantViolation("a model with prefill instances produced no option")
+        best, best_plan, best_own = min(options, key=lambda o: o[0])
+        # Cache affinity: an instance holding more of the prompt in its own cache, with no
+        # more of our requests waiting for a first token, keeps the request unless another is
+        # predicted faster by more than the margin (the speed factors of two like engines
+        # differ by noise; the store load the model hides under compute is not free: see
+        # SchedulerConfig.cache_affinity_margin).
+        limit = best[0] * (1.0 + self._config.cache_affinity_margin)
+        holders = [o for o in options
+                   if o[2] > best_own and o[0][0] <= limit and o[0][2] <= best[2]]
+        if holders:
+            best, best_plan, _ = min(holders, key=lambda o: (-o[2], o[0]))
         st, reused, src_node, transfer_s, compute_s, load_s, reused_tokens = best_plan
         node = st.instance.node_id
         local = match.length(node)

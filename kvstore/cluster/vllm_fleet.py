@@ -1065,10 +1065,16 @@ class Fleet:
                           "prefill = median TTFT, decode = mean TPOT (batch 1)"}
 
     async def _warm(self, url: str, names: Sequence[str]) -> None:
-        """One untimed request per backend (vLLM's first request is slow), under a salt no
-        mode uses, through the front door."""
+        """Untimed requests under salts no mode uses: one to each backend directly (vLLM's first
+        request is slow; a routed front door may send every warm-up to one instance, and the
+        other's 1 s first answer then lands in the replay and in the conductor's speed
+        factor), then one per backend through the front door (its own first requests; a round
+        robin goes round once and starts the replay at the first backend)."""
         warm = FleetRequest("warm", tuple(range(3, 3 + 2 * self.spec.block_tokens)))
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
+            for name in names:
+                await self._one(http, self.servers[name].base_url, warm,
+                                f"warm-{self.run_id}-{name}")
             for i in range(len(names)):
                 await self._one(http, url, warm, f"warm-{self.run_id}-{i}")
 

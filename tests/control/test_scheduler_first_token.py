@@ -24,13 +24,15 @@ from tests.control.test_scheduler import BLOCK_BYTES, BLOCK_TOKENS, MODEL, Linea
 ALPHA = 0.2  # SpeedCalibration's default weight of a sample
 
 
-def shared_store(held_blocks: int = 0, engines: tuple[str, ...] = ("v0", "v1")) -> Scheduler:
+def shared_store(held_blocks: int = 0, engines: tuple[str, ...] = ("v0", "v1"),
+                 cache_affinity_margin: float = 0.25) -> Scheduler:
     """Colocated engines on one node (the fleet: both connectors on node-a's daemon), which
     holds the first ``held_blocks`` blocks of ``keys()``."""
     index = GlobalPrefixIndex()
     assert index.apply_snapshot("n0", 1, 0, [(key, TierKind.DRAM) for key in keys(held_blocks)])
     cfg = SchedulerConfig(policy=Policy.GLOBAL_CACHE, block_size_tokens=BLOCK_TOKENS,
-                          block_size_bytes=BLOCK_BYTES, dram_read_bytes_per_s=1e6)
+                          block_size_bytes=BLOCK_BYTES, dram_read_bytes_per_s=1e6,
+                          cache_affinity_margin=cache_affinity_margin)
     sched = Scheduler(index, LinearLatency(), cfg)
     for name in engines:
         sched.add_colocated_instance(PrefillInstance(name, "n0", MODEL), 1_000_000)
@@ -142,3 +144,26 @@ def test_the_queue_is_never_less_than_the_work_behind_its_oldest_request() -> No
     sched.first_token(a.ticket, 10.5)  # b, c and d are left, from now
     assert sched.queue_s("v0", 10.5) == pytest.approx(
         b.ttft.prefill_s + c.ttft.prefill_s + late.ttft.prefill_s)
+
+
+@pytest.mark.parametrize(("slowdown", "holder_keeps"), [(1.2, True), (1.5, False)])
+def test_the_engine_holding_the_prefix_keeps_it_against_a_speed_difference_within_the_margin(
+        slowdown: float, holder_keeps: bool) -> None:
+    """The fleet's case (tests/cluster/test_vllm_fleet.py failed on it in CI): both engines
+    read the prefix from one store; v0 holds it in its own cache too (nothing more) but measured
+    slower on its one calibrating request. Within ``cache_affinity_margin`` (25%) of v1's estimate it
+    keeps the follow-up (no bytes move; a real store load costs a lookup and a step the model
+    does not price); 1.5x slower, the follow-up goes to v1."""
+    sched = shared_store(held_blocks=10)
+    d = sched.schedule(req("a", 101), 0.0, {"v0": 1})
+    assert d.prefill_instance == "v0" and d.ttft is not None
+    sched.first_token(d.ticket, d.ttft.prefill_s * slowdown ** (1 / ALPHA))
+    sched.decode_done(d.ticket, 1.0, output_tokens=8)
+    assert sched.prefill_speed.factor("v0") == pytest.approx(slowdown)
+    follow_up = sched.schedule(req("follow-up", 120, n_keys=12), 2.0, {"v0": 100})
+    assert follow_up.prefill_instance == ("v0" if holder_keeps else "v1")
+    assert follow_up.engine_cached_tokens == (100 if holder_keeps else 0)
+    # With no margin the lower estimate wins outright.
+    plain = shared_store(held_blocks=10, cache_affinity_margin=0.0)
+    plain.prefill_speed.observe("v0", slowdown ** (1 / ALPHA), 1.0)
+    assert plain.schedule(req("f", 120, n_keys=12), 0.0, {"v0": 100}).prefill_instance == "v1"
