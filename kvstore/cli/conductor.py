@@ -41,6 +41,10 @@ def conductor(
                                             help="Reject requests whose TTFT estimate exceeds it."),
     tpot_slo_s: float | None = typer.Option(None, "--tpot-slo-s",
                                             help="Reject requests whose predicted TPOT exceeds it."),
+    cache_affinity_margin: float = typer.Option(
+        0.25, "--cache-affinity-margin",
+        help="A request stays with the engine holding its prefix in its own cache unless "
+             "another is predicted faster by more than this fraction (0: lowest estimate)."),
     block_size_tokens: int = typer.Option(512, "--block-size-tokens",
                                           help="Tokens per KV block (must match the engines)."),
     election_ttl_s: int = typer.Option(2, "--election-ttl-s",
@@ -130,7 +134,8 @@ def conductor(
             etcd_endpoint=etcd, conductor_id=conductor_id or default_conductor_id(),
             listen=listen, advertise_host=advertise_host, layout=KeyLayout(prefix),
             policy=Policy(policy),
-            ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s, block_size_tokens=block_size_tokens,
+            ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s,
+            cache_affinity_margin=cache_affinity_margin, block_size_tokens=block_size_tokens,
             election_ttl_s=election_ttl_s, rpc_workers=rpc_workers,
             preload_blocks=preload_blocks, clock=ClockMode(clock), security=security,
             daemon_security=daemon_security)

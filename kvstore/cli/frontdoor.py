@@ -51,6 +51,9 @@ def frontdoor(
                                             help="--router local: the conductor's --ttft-slo-s."),
     tpot_slo_s: float | None = typer.Option(None, "--tpot-slo-s",
                                             help="--router local: the conductor's --tpot-slo-s."),
+    cache_affinity_margin: float = typer.Option(
+        0.25, "--cache-affinity-margin",
+        help="--router local: the conductor's --cache-affinity-margin."),
     read_timeout_s: float = typer.Option(600.0, "--read-timeout-s",
                                          help="Longest wait for a backend's next bytes."),
     log_level: str = typer.Option("INFO", "--log-level"),
@@ -120,7 +123,8 @@ def frontdoor(
             local = chosen = LocalRouter(
                 conductor, pool, conductor_model, etcd_endpoint=etcd, layout=KeyLayout(prefix),
                 policy=Policy(policy), block_size_tokens=block_size_tokens,
-                ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s)
+                ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s,
+                cache_affinity_margin=cache_affinity_margin)
             await local.start()
         door = FrontDoor(pool, tokenizer, router=chosen, host=host, port=port,
                          read_timeout_s=read_timeout_s)

@@ -149,14 +149,16 @@ def _token_array(token_ids: Sequence[int]) -> npt.NDArray[np.uint32] | None:
 
 def local_scheduler(policy: Policy = Policy.GLOBAL_CACHE, block_size_tokens: int = 512,
                     ttft_slo_s: float | None = None, tpot_slo_s: float | None = None,
-                    index: GlobalPrefixIndex | None = None) -> Scheduler:
+                    index: GlobalPrefixIndex | None = None,
+                    cache_affinity_margin: float = 0.25) -> Scheduler:
     """A scheduler configured as a conductor started with these settings configures its own
     (``conductor.server.Conductor``: the default engine model at this block size), on
     ``index`` (default: an empty store index)."""
     engine = default_engine_model(block_size_tokens)
     config = SchedulerConfig(
         policy=policy, block_size_tokens=engine.block_size_tokens,
-        block_size_bytes=engine.block_size_bytes, ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s)
+        block_size_bytes=engine.block_size_bytes, ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s,
+        cache_affinity_margin=cache_affinity_margin)
     # (An empty index is falsy: "index or ..." would drop the caller's.)
     return Scheduler(GlobalPrefixIndex() if index is None else index, engine.latency, config)
 
@@ -172,7 +174,7 @@ class LocalRouter:
                  etcd_endpoint: str, layout: KeyLayout = DEFAULT_LAYOUT,
                  policy: Policy = Policy.GLOBAL_CACHE, block_size_tokens: int = 512,
                  ttft_slo_s: float | None = None, tpot_slo_s: float | None = None,
-                 shadow: bool = True, max_shadows: int = 64, check_interval_s: float = 1.0,
+                 cache_affinity_margin: float = 0.25, shadow: bool = True, max_shadows: int = 64, check_interval_s: float = 1.0,
                  max_check_age_s: float = 3.0, send_clock: bool = False,
                  daemon_security: ClientSecurity | None = None) -> None:
         if not check_interval_s > 0 or not max_check_age_s > check_interval_s:
@@ -187,7 +189,7 @@ class LocalRouter:
         """The daemons' tiers, followed from their chunk events as the conductor follows them
         (:func:`conductor.node_events.follow_node`)."""
         self.scheduler = local_scheduler(policy, block_size_tokens, ttft_slo_s, tpot_slo_s,
-                                         self.index)
+                                         self.index, cache_affinity_margin)
         self._daemon_security = daemon_security or ClientSecurity()
         self._daemon_token: TokenSource | None = None
         self._hashers: dict[tuple[str, str], BlockHasher | None] = {}

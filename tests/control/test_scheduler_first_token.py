@@ -167,3 +167,15 @@ def test_the_engine_holding_the_prefix_keeps_it_against_a_speed_difference_withi
     plain = shared_store(held_blocks=10, cache_affinity_margin=0.0)
     plain.prefill_speed.observe("v0", slowdown ** (1 / ALPHA), 1.0)
     assert plain.schedule(req("f", 120, n_keys=12), 0.0, {"v0": 100}).prefill_instance == "v1"
+
+
+def test_the_conductors_margin_reaches_its_scheduler_and_a_bad_one_is_refused() -> None:
+    from conductor.server import Conductor, ConductorConfig
+
+    conductor = Conductor(ConductorConfig(etcd_endpoint="127.0.0.1:1", cache_affinity_margin=0))
+    assert conductor.scheduler.config.cache_affinity_margin == 0
+    assert Conductor(ConductorConfig(etcd_endpoint="127.0.0.1:1")).scheduler.config \
+        .cache_affinity_margin == 0.25
+    for bad in (-0.1, math.inf, "0.2"):
+        with pytest.raises(InvalidArgument, match="cache_affinity_margin"):
+            ConductorConfig(etcd_endpoint="127.0.0.1:1", cache_affinity_margin=bad)  # type: ignore[arg-type]
