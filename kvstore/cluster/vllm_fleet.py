@@ -48,7 +48,8 @@ answer has arrived (the chat pattern: a user reads the answer, then asks again; 
 a new conversation starting, in trace order, when one ends (:func:`drive`); so both instances
 are loaded and a follow-up can find the instance holding its prefix busy. ``closed`` sends one
 request at a time in trace order (nothing queues: every KV-aware router then sends each prefix
-to the one instance that has it). Every request streams (TTFT = first token's arrival at the
+to the one instance that has it), each after the previous one's KV is in the store (the
+connector's puts are asynchronous: :meth:`Fleet._await_saved`). Every request streams (TTFT = first token's arrival at the
 client, TPOT = the rest over their count), greedy with ``ignore_eos``. The conductor's router
 reports each request's first token (its prefill is over; the conductor times it) and its end
 (the front door's ``first_token`` and ``done`` hooks,
@@ -584,6 +585,8 @@ class FleetSpec:
     start_timeout_s: float = 600.0
     stop_timeout_s: float = 15.0
     conductor_policy: str = "global-cache"
+    cache_affinity_margin: float = 0.25
+    """The conductor's (and a local router's) ``--cache-affinity-margin``."""
     router: str = "conductor"
     """How the routed modes' front door decides: ``conductor`` (a ``Schedule`` RPC per
     request) or ``local`` (``kvstore.frontdoor.local.LocalRouter``: the conductor's decision
@@ -746,7 +749,8 @@ class Fleet:
             _python(), "-m", "kvstore.cli.main", "conductor", "--etcd", self.etcd_endpoint,
             "--prefix", self.spec.prefix, "--id", "conductor-0",
             "--block-size-tokens", str(self.spec.block_tokens),
-            "--policy", self.spec.conductor_policy], READY_PREFIX,
+            "--policy", self.spec.conductor_policy,
+            "--cache-affinity-margin", str(self.spec.cache_affinity_margin)], READY_PREFIX,
             self.logs_dir / "conductor.log")
         self.children["conductor"] = child
         return child
@@ -926,7 +930,8 @@ class Fleet:
                 ConductorClient(etcd_endpoint=self.etcd_endpoint, layout=layout), pool,
                 self.spec.model_name, etcd_endpoint=self.etcd_endpoint, layout=layout,
                 policy=Policy(self.spec.conductor_policy),
-                block_size_tokens=self.spec.block_tokens)
+                block_size_tokens=self.spec.block_tokens,
+                cache_affinity_margin=self.spec.cache_affinity_margin)
         elif mode in ROUTED:
             conductor = TicketingConductorClient(etcd_endpoint=self.etcd_endpoint,
                                                  layout=KeyLayout(self.spec.prefix))
@@ -992,8 +997,10 @@ class Fleet:
 
             async def send(request: FleetRequest) -> RequestRecord:
                 record = await self._one(http, door.url, request, salt, began)
-                if conductor is not None and spec.arrivals is Arrivals.CLOSED:
-                    await conductor.settle()  # released before the next decision
+                if spec.arrivals is Arrivals.CLOSED:
+                    await self._await_saved(record, request, salt)
+                    if conductor is not None:
+                        await conductor.settle()  # released before the next decision
                 if task is not None:
                     progress.advance(task)
                 return record
@@ -1063,6 +1070,39 @@ class Fleet:
                 "decode": [{"batch_size": 1, "time_ms": round(statistics.fmean(tpots) * 1e3, 3)}],
                 "method": f"all-miss prompts, {repeats} per length, streamed to {name}: "
                           "prefill = median TTFT, decode = mean TPOT (batch 1)"}
+
+    async def _await_saved(self, record: RequestRecord, request: FleetRequest, salt: str,
+                           timeout_s: float = 10.0) -> None:
+        """The closed loop's next request waits until the store holds the full blocks of this
+        one's prompt, when a server with the connector computed it (the prefill's, for P/D).
+        The connector's puts end after the step that queued them, so an answer can be back
+        before its KV is in the store; a follow-up sent at once on the other instance then
+        races them (a CI run: 0 of 160 tokens from kvtier). Past ``timeout_s`` it goes anyway,
+        logged (the row then shows the miss)."""
+        from conductor.store_keys import key_scheme
+        from kvstore.client.store_client import StoreClient
+
+        saver = record.backend.split(">")[0]
+        n = len(request.token_ids) // self.spec.block_tokens
+        if saver not in self.connector_servers or n == 0:
+            return
+        scheme = key_scheme(self.records([saver])[saver][0])
+        if scheme is None:
+            return
+        keys = scheme.hasher(salt).hash_blocks(list(request.token_ids))[:n]
+        address = self.daemon_addresses[self.spec.store_of(_pair_index(saver))]
+
+        def wait() -> int:
+            deadline = time.monotonic() + timeout_s
+            with StoreClient.connect(address) as store:
+                while (held := store.lookup(keys).length) < n and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            return held
+
+        held = await asyncio.to_thread(wait)
+        if held < n:
+            self.log(f"request {request.label}: {held} of its {n} blocks in the store "
+                     f"{timeout_s} s after its answer; the next request goes anyway")
 
     async def _warm(self, url: str, names: Sequence[str]) -> None:
         """Untimed requests under salts no mode uses: one to each backend directly (vLLM's first
@@ -1221,6 +1261,7 @@ def assemble(results: Sequence[ModeResult], spec: FleetSpec, startup_s: float
                    "dram_bytes": spec.dram_bytes, "nvme_bytes": spec.nvme_bytes,
                    "slo": {"ttft_s": spec.slo.ttft_s, "tpot_s": spec.slo.tpot_s},
                    "modes": [m.value for m in spec.modes], "router": spec.router,
+                   "cache_affinity_margin": spec.cache_affinity_margin,
                    "arrivals": spec.arrivals.value, "engine_nice": spec.engine_nice,
                    "in_flight": spec.in_flight if spec.arrivals is Arrivals.CHAT else 1},
     }
