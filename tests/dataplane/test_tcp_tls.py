@@ -189,6 +189,13 @@ def test_an_idle_tls_connection_is_closed_and_the_client_goes_on(ca: Ca, tmp_pat
         _wait_for(lambda: server.stats().connections_idle_closed == 1)
         assert server.stats().connections_idle_closed == 1
         assert bytes(client.get(b"idle-key")) == b"v" * 1000  # again, on a fresh connection
+        # A put on a connection the server idle-closed: the send fails with TLS's own EOF
+        # (ssl.SSLEOFError, no errno), which must read as stale too (a quiet datapath run
+        # here died on it: "EOF occurred in violation of protocol" after a 300 s idle).
+        _wait_for(lambda: server.stats().connections_idle_closed == 2)
+        big = b"w" * (4 << 20)  # more than the socket buffers: the send itself fails
+        client.put(b"idle-key-2", big)
+        assert bytes(client.get(b"idle-key-2")) == big
 
 
 def test_a_frame_trickling_in_over_tls_hits_the_header_timeout(ca: Ca, tmp_path: Path) -> None:

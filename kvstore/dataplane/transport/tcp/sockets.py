@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import socket
+import ssl
 import struct
 from collections.abc import Sequence
 
@@ -31,8 +32,10 @@ class PeerClosed(PeerUnavailable):
 
 
 def peer_closed(exc: OSError) -> bool:
-    """Whether ``exc`` says the peer closed or reset the connection."""
-    return exc.errno in _CLOSED_ERRNOS
+    """Whether ``exc`` says the peer closed or reset the connection. Under TLS a send into a
+    connection the peer closed fails with OpenSSL's own EOF (``SSLEOFError``, or a clean
+    ``close_notify``: ``SSLZeroReturnError``), which carries no errno."""
+    return exc.errno in _CLOSED_ERRNOS or isinstance(exc, ssl.SSLEOFError | ssl.SSLZeroReturnError)
 
 
 # --- socket helpers --------------------------------------------------------------------------------
