@@ -30,9 +30,9 @@ import os
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, PermissionDenied
 
 MAX_TICKET_BYTES = 1024
 """Longest session ticket a listener reads (a ticket rides in one frame's payload)."""
@@ -199,6 +199,31 @@ SessionAuthorizer = Callable[[bytes, str], SessionGrant]
 peer ``peer`` (``host:port``, for logs and optional binding) and return its grant. Raises
 ``Unauthenticated`` (forged, stale, expired, malformed) or ``PermissionDenied``. Called on the
 connection's own thread, once per connection; it must be thread-safe."""
+
+def renewed_grant(authorize: SessionAuthorizer, ticket: bytes, peer: str,
+                  previous: SessionGrant | None) -> SessionGrant:
+    """The grant of the ticket a session's HELLO carries (``previous``: the grant the session
+    already has; None on its first HELLO). A renewal must act for the same tenant scope as the
+    first ticket. Raises Unauthenticated (the authorizer refused the ticket), PermissionDenied
+    (another scope than the session's). Shared by the TCP and UCX listeners."""
+    grant = authorize(ticket, peer)
+    if previous is not None and grant.scope != previous.scope:
+        raise PermissionDenied(f"a renewed session ticket must act for the same tenant as the "
+                               f"session's first ({previous.scope} then {grant.scope}); open "
+                               "a new session")
+    return grant
+
+
+def scoped_backend(backend: Any, scope: TenantScope) -> Any:
+    """``backend.scoped(scope)``: the backend one session of ``scope`` is served through (module
+    docstring, :class:`TenantScope`). Raises PermissionDenied for a backend without ``scoped``
+    (it keeps no tenants apart)."""
+    scoped = getattr(backend, "scoped", None)
+    if scoped is None:
+        raise PermissionDenied("this data plane's backend keeps no tenants apart, so it cannot "
+                               f"serve a session scoped to {scope}")
+    return scoped(scope)
+
 
 _current_grant: ContextVar[SessionGrant] = ContextVar("kvtier_session_grant",
                                                        default=INSECURE_GRANT)

@@ -100,6 +100,8 @@ from kvstore.dataplane.transport.auth import (
     SessionAuthorizer,
     SessionGrant,
     TenantScope,
+    renewed_grant,
+    scoped_backend,
     set_current_grant,
 )
 from kvstore.dataplane.transport.base import Endpoint, LeaseBackend, TransportKind, WriteLease
@@ -924,27 +926,17 @@ class _ServerConnection:
             self._reply(h)
             return True
         try:
-            grant = authorize(ticket, self.peer)
+            grant = renewed_grant(authorize, ticket, self.peer, self.grant)
+            scope = None if self.grant is not None else grant.scope  # scoped on the first
+            if scope is not None:
+                backend = scoped_backend(self.server._backend, scope)
         except (Unauthenticated, PermissionDenied) as exc:
-            status = Status.PERMISSION_DENIED if isinstance(exc, PermissionDenied) \
-                else Status.UNAUTHENTICATED
-            self._refuse_session(h, status, exc)
+            self._refuse_session(h, status_for_error(exc), exc)
             return False
-        if self.grant is not None and grant.scope != self.grant.scope:
-            self._refuse_session(h, Status.PERMISSION_DENIED, PermissionDenied(
-                f"a renewed session ticket must act for the same tenant as the connection's "
-                f"first ({self.grant.scope} then {grant.scope}); open a new connection"))
-            return False
-        if self.grant is None and grant.scope is not None:
-            scoped = getattr(self.server._backend, "scoped", None)
-            if scoped is None:
-                self._refuse_session(h, Status.PERMISSION_DENIED, PermissionDenied(
-                    "this data plane's backend keeps no tenants apart, so it cannot serve a "
-                    f"session scoped to {grant.scope}"))
-                return False
-            self._backend = scoped(grant.scope)
+        if scope is not None:
+            self._backend = backend
             if self.native_loop is not None:  # the read index knows no tenant: verified only
-                self.native_loop.scope(self.server._verified_for(grant.scope))
+                self.native_loop.scope(self.server._verified_for(scope))
         self.grant = grant
         self._grant_expires_at = grant.expires_at_unix_s
         self._check_at = min(self._grant_expires_at, self._peer_check_at)
