@@ -13,10 +13,10 @@ what it dispatches to.
 * **TCP** otherwise (:class:`RemotePlane`).
 
 Session tickets: a daemon with security (``NodeInfo.data_ticket_required``) serves its TCP
-plane and lease channel only after a ticket from its ``IssueDataTicket`` call, which acts for
-the tenant this client's gRPC calls resolve to (``StoreClientConfig.tenant`` and its
-credentials). :class:`DataTickets` fetches one when first needed, shares it between the TCP
-client and the shared-memory client (every connection of either presents it), fetches a new one
+plane, UCX plane and lease channel only after a ticket from its ``IssueDataTicket`` call, which
+acts for the tenant this client's gRPC calls resolve to (``StoreClientConfig.tenant`` and its
+credentials). :class:`DataTickets` fetches one when first needed, shares it between the TCP,
+UCX and shared-memory clients (every connection or UCX lane of each presents it), fetches a new one
 a margin before it expires (connections renew theirs with a HELLO) and at once after a plane
 refused it (a stale ticket after the daemon restarted).
 
@@ -270,7 +270,8 @@ class RemotePlane:
                                       io_timeout_s=cfg.ucx_io_timeout_s,
                                       liveness=self._control.daemon_alive,
                                       liveness_interval_s=cfg.ucx_liveness_interval_s,
-                                      max_value_bytes=info.max_value_bytes or (1 << 30))
+                                      max_value_bytes=info.max_value_bytes or (1 << 30),
+                                      ticket=self.tickets)
             return self._ucx
 
     def _ucx_failed(self, exc: TransportError) -> None:

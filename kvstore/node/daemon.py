@@ -15,10 +15,9 @@ What :meth:`StoreDaemon.start` brings up, in order (the constructor only records
    the gRPC service with health checking and reflection (authenticated as ``security`` says:
    mTLS or bearer tokens, or no authentication on loopback; see docs/security.md),
    and the metrics endpoint when enabled. With authentication configured the daemon draws a
-   :class:`~kvstore.security.tickets.TicketAuthority` (a random key per start) and both data
-   planes serve a connection only after a session ticket from ``IssueDataTicket``, acting for
-   the tenant it names (``NodeInfo.data_ticket_required``); the UCX plane, which checks no
-   ticket, is then not served;
+   :class:`~kvstore.security.tickets.TicketAuthority` (a random key per start) and the data
+   planes serve a connection (a UCX lane) only after a session ticket from ``IssueDataTicket``,
+   acting for the tenant it names (``NodeInfo.data_ticket_required``);
 3. background tasks: a reaper (expired same-host leases and pins, every 0.5 s) and a demoter
    (tiers above their high watermark down to their low one);
 4. etcd registration under a lease with keepalive, when an endpoint is configured.
@@ -328,15 +327,6 @@ class StoreDaemon:
         cfg = self.config.server
         if cfg.ucx is UcxMode.DISABLED:
             return b""
-        if self.tickets is not None:
-            # The UCX plane checks no session ticket and carries no tenant: on a daemon that
-            # authenticates it would serve anyone every chunk.
-            if cfg.ucx is UcxMode.REQUIRED:
-                raise ConfigError("server.ucx is required, but the UCX data plane checks no "
-                                  "session ticket, so a daemon with security configured "
-                                  "cannot serve it: set server.ucx to auto or disabled")
-            log.info("no UCX data plane: it checks no session ticket (security is configured)")
-            return b""
         reason = ucx_unavailable()
         if reason is not None:
             if cfg.ucx is UcxMode.REQUIRED:
@@ -349,7 +339,9 @@ class StoreDaemon:
             drain_timeout_s=self.config.shutdown.drain_timeout_s,
             # Bounded and reaped as the TCP plane's connections are (docs/transport.md).
             max_connections=cfg.max_connections,
-            client_idle_ttl_s=min(cfg.idle_timeout_s, 86400.0)))
+            client_idle_ttl_s=min(cfg.idle_timeout_s, 86400.0)),
+            # With security each lane's HELLO carries a session ticket, as a TCP connection's.
+            authorize=None if self.tickets is None else self.tickets.authorize)
         return self._ucx.start().worker_address
 
     def _build_cache(self) -> TieredCache:

@@ -1,10 +1,10 @@
 """The isolation suite's UCX and ``/metrics`` cells (docs/security.md, "Data planes", "Same
 host, data planes, metrics and etcd"), against real daemon processes.
 
-* **UCX** checks no session ticket and carries no tenant, so a daemon with security serves no
-  UCX plane at all: with ``server.ucx: auto`` it says so and publishes no worker address (a
-  client can only use the ticketed planes), with ``required`` it does not start. Paired: the
-  same machine's daemon without security serves UCX (``ucxx`` imports here).
+* **UCX** serves a lane only after a HELLO with a session ticket, scoped to its tenant, as TCP
+  does (the attacks: ``test_dataplane_ucx.py``): with ``server.ucx: auto`` a daemon with
+  security publishes its worker address, and a lane without a ticket is refused there. Paired:
+  the same client with its ticket moves a value.
 * **``/metrics``** is behind the daemon's security (:mod:`kvstore.security.http`): with tokens
   a scrape without one is 401, an engine's is 403, an operator's is served; it binds loopback by
   default and exposes figures (per tier, per tenant), never a chunk's key or bytes: a scrape
@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 
 from kvstore.client.store_config import DataPlane
-from kvstore.dataplane.transport.ucx import ucx_unavailable
+from kvstore.dataplane.transport.ucx import UcxClient, ucx_unavailable
+from kvstore.errors import Unauthenticated
 from tests.security.pki import make_ca
 from tests.security.secured_daemon import SecuredDaemon, start_secured_daemon
 from tests.support.daemon import DaemonProcess
@@ -46,24 +47,17 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecuredDaemon]:
 
 
 @needs_ucx
-def test_a_daemon_with_security_serves_no_ucx_plane(world: SecuredDaemon,
-                                                    tmp_path: Path) -> None:
-    alice = world.client("alice", DataPlane.TCP)
-    assert alice.info.data_ticket_required and not alice.info.ucx_worker_address
-    assert not world.daemon.addresses.get("ucx_address")
-    assert "it checks no session ticket" in world.daemon.log_path.read_text()
-    required = DaemonProcess(tmp_path, "ucx-required", nvme=False, settings={
-        "security.token_keys": str(world.daemon.work_dir / "keys"),
-        "server.ucx": "required"})
-    with pytest.raises(RuntimeError, match="checks no session ticket"):
-        required.start(timeout_s=30)
-    # Paired: without security the same machine serves UCX.
-    plain = DaemonProcess(tmp_path, "ucx-plain", nvme=False, settings={"server.ucx": "auto"})
-    plain.start()
-    try:
-        assert plain.addresses.get("ucx_address")
-    finally:
-        plain.stop()
+def test_a_daemon_with_security_serves_ucx_only_with_a_ticket(world: SecuredDaemon) -> None:
+    alice = world.client("alice", DataPlane.UCX, ucx_min_bytes=0)
+    assert alice.info.data_ticket_required and alice.info.ucx_worker_address
+    address = bytes.fromhex(str(world.daemon.addresses["ucx_address"]))
+    key, value = os.urandom(16), os.urandom(4096)
+    with UcxClient(address, lanes=1) as anonymous, pytest.raises(Unauthenticated,
+                                                                 match="no session ticket"):
+        anonymous.put(key, value)
+    assert not world.control("alice").exists(key)  # nothing stored
+    alice.put(key, value)  # paired: with its ticket, over UCX
+    assert bytes(alice.get(key)) == value
 
 
 def test_metrics_bind_loopback_and_show_no_key_or_value(world: SecuredDaemon) -> None:

@@ -49,6 +49,29 @@ Messages (tags are 64 bits: ``kind << 60 | client_id << 28 | seq``)
       its endpoint forever: UCX cannot tell), and a client lane idle for half of it says HELLO
       again before its next request.
 
+Session tickets (``authorize``, optional; :mod:`.auth`, the same hook and checks as TCP's)
+    With an authorizer, a lane's HELLO carries a session ticket in its key field (``key_len``
+    up to ``MAX_TICKET_BYTES``; a client without one sends none). The server verifies it
+    (:meth:`~kvstore.security.tickets.TicketAuthority.authorize`: MAC first in constant time,
+    audience, expiry) before it makes the lane an endpoint of its own: a refused ticket (none,
+    forged, stale, another daemon's, expired) is answered UNAUTHENTICATED naming the reason on
+    an endpoint made for that answer alone (as CAPACITY is), counted in
+    ``connections_unauthenticated``, and the lane is not known, so none of its requests is
+    served. A request from a lane that never had a HELLO accepted is counted and dropped
+    unanswered: a tag message names no sender, so without the HELLO's worker address there is
+    no endpoint to answer on (the client times out). A verified grant binds the lane: with a
+    tenant scope it is served through ``backend.scoped(scope)`` (reads see that tenant's chunks,
+    puts are stored as it; a backend without ``scoped`` refuses the lane, PERMISSION_DENIED);
+    once the grant expires the lane's next request is answered UNAUTHENTICATED until a HELLO
+    renews it, whose ticket must carry the same scope (another: PERMISSION_DENIED and the lane
+    forgotten). A client with a :class:`~.auth.TicketSource` presents ``current()`` in every
+    HELLO and says HELLO again once the ticket is due for renewal (``auth.renew_at``); a
+    refused HELLO is reported (``refused``) and retried once with a fresh ticket. The binding
+    is the lane's 32-bit random ``client_id`` in the tag: UCX tag messages are not
+    authenticated per sender, so a peer that guesses a live lane's id could send requests as it
+    (it never sees the answers); keep the UCX plane on a trusted network, as for TCP without
+    TLS. Without an authorizer every HELLO is accepted and its ticket ignored.
+
 Endpoints, counted and bounded
     The server holds one endpoint per client lane that said HELLO (``UcxServerStats.
     endpoints_open``, the daemon's ``Stats.ucx_endpoints_open``), at most ``max_connections``
@@ -86,6 +109,15 @@ from typing import Any, TypeGuard, cast
 
 from kvstore.dataplane.arena import host_byte_view
 from kvstore.dataplane.tier import MAX_KEY_BYTES, Buffer, check_key
+from kvstore.dataplane.transport.auth import (
+    MAX_TICKET_BYTES,
+    SessionAuthorizer,
+    SessionGrant,
+    TicketSource,
+    renew_at,
+    renewed_grant,
+    scoped_backend,
+)
 from kvstore.dataplane.transport.base import (
     Endpoint,
     LeaseBackend,
@@ -105,8 +137,10 @@ from kvstore.errors import (
     InvalidArgument,
     KvtierError,
     PeerUnavailable,
+    PermissionDenied,
     ProtocolError,
     TransportError,
+    Unauthenticated,
 )
 
 log = logging.getLogger(__name__)
@@ -125,6 +159,8 @@ INLINE_GET_BYTES = 64 * KiB
 value (copied out of the backend with ``read_into``), instead of a RESPONSE and then the bytes
 from a read lease. Part of the protocol: the client's response buffer holds this much."""
 _RESP_BUFFER_BYTES = RESP.size + max(_MAX_DETAIL_BYTES, INLINE_GET_BYTES)
+_KEY_FIELD_BYTES = max(MAX_KEY_BYTES, MAX_TICKET_BYTES)
+"""The longest "key" a request carries: a key, or a HELLO's session ticket."""
 _SEQ_MASK = (1 << 28) - 1
 _KIND_SHIFT = 60
 _KIND_MASK = 0xF << _KIND_SHIFT
@@ -304,16 +340,20 @@ class _Lane:
     """One client worker + endpoint to the server, used by one thread at a time."""
 
     def __init__(self, server_address: bytes, config: UcxClientConfig,
-                 liveness: Callable[[], bool] | None) -> None:
+                 liveness: Callable[[], bool] | None, ticket: TicketSource | None) -> None:
         self._config = config
         self._liveness = liveness
+        self._ticket = ticket
+        self.renew_at = 0.0
+        """When this lane presents a new session ticket (wall clock; 0: never)."""
         self.worker = _Worker(config.net_devices)
         self.client_id = secrets.randbits(32)
         self.seq = 0
         self.broken = False
         self.ep = self.worker.endpoint_to(server_address)
         inline = config.inline_put_bytes
-        self.req = bytearray(REQ.size + MAX_KEY_BYTES + max(inline, len(self.worker.address)))
+        self.req = bytearray(REQ.size + _KEY_FIELD_BYTES
+                             + max(inline, len(self.worker.address)))
         self.resp = bytearray(_RESP_BUFFER_BYTES)
         self.req_arr_cache: dict[int, Any] = {}
         self.idle_ttl_s = 0.0
@@ -327,10 +367,27 @@ class _Lane:
             raise
 
     def hello(self) -> None:
-        """Introduce this lane (its worker address) to the server; learn the server's idle
-        TTL. Repeated before a lane idle for half that TTL is used again, so a server that
-        forgot it (and closed its endpoint) knows it again."""
-        _status, _flags, ttl_ms = self.call(Op.HELLO, b"", len(self.worker.address),
+        """Introduce this lane (its worker address and, with a TicketSource, its session
+        ticket) to the server; learn the server's idle TTL. Repeated before a lane idle for half
+        that TTL is used again, so a server that forgot it (and closed its endpoint) knows it
+        again, and before its ticket is due for renewal. A ticket the server refuses (stale
+        after a restart, expired early) is reported to the source and a fresh one presented
+        once; a second refusal is raised (Unauthenticated / PermissionDenied)."""
+        source = self._ticket
+        if source is None:
+            self._hello(b"")
+            return
+        current = source.current()
+        try:
+            self._hello(current.ticket)
+        except Unauthenticated:
+            source.refused(current.ticket)
+            current = source.current()
+            self._hello(current.ticket)
+        self.renew_at = renew_at(current)
+
+    def _hello(self, ticket: bytes) -> None:
+        _status, _flags, ttl_ms = self.call(Op.HELLO, ticket, len(self.worker.address),
                                             payload=memoryview(self.worker.address))
         self.idle_ttl_s = ttl_ms / 1000
         self.last_used = time.monotonic()
@@ -438,8 +495,10 @@ class UcxClient:
                  liveness: Callable[[], bool] | None = None, liveness_interval_s: float = 0.5,
                  inline_put_bytes: int = DEFAULT_INLINE_PUT_BYTES,
                  max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
-                 net_devices: str | None = None) -> None:
-        """``net_devices``: :attr:`UcxClientConfig.net_devices`."""
+                 net_devices: str | None = None, ticket: TicketSource | None = None) -> None:
+        """``net_devices``: :attr:`UcxClientConfig.net_devices`. ``ticket``: where each lane
+        gets the session ticket its HELLO presents, for a server that requires one (module
+        docstring, "Session tickets"; None: no ticket)."""
         if not worker_address:
             raise InvalidArgument("a UCX worker address must not be empty")
         self._server_address = bytes(worker_address)
@@ -449,6 +508,7 @@ class UcxClient:
                                        max_value_bytes=max_value_bytes,
                                        net_devices=net_devices)
         self._liveness = liveness
+        self._ticket = ticket
         self._lock = threading.Lock()
         self._idle: list[_Lane] = []
         self._slots = threading.BoundedSemaphore(lanes)
@@ -469,11 +529,17 @@ class UcxClient:
                     raise PeerUnavailable("the UCX client is closed")
                 lane = self._idle.pop() if self._idle else None
             if lane is None:
-                lane = _Lane(self._server_address, self._config, self._liveness)
+                lane = _Lane(self._server_address, self._config, self._liveness, self._ticket)
             try:
-                if lane.idle_ttl_s and time.monotonic() - lane.last_used > lane.idle_ttl_s / 2:
-                    lane.hello()  # the server may have forgotten this lane meanwhile
+                forgotten = lane.idle_ttl_s and \
+                    time.monotonic() - lane.last_used > lane.idle_ttl_s / 2
+                if forgotten or (lane.renew_at and time.time() >= lane.renew_at):
+                    lane.hello()  # forgotten by the server meanwhile, or the ticket is due
                 yield lane
+            except Unauthenticated:
+                if lane.renew_at:  # its session ended early (clocks apart): renew on next use
+                    lane.renew_at = 1.0
+                raise
             finally:
                 lane.last_used = time.monotonic()
                 with self._lock:
@@ -648,6 +714,9 @@ class UcxServerStats:
     """Every endpoint the server holds: its clients' and those answering a refusal."""
     connections_refused: int = 0
     """HELLOs refused at ``max_connections``."""
+    connections_unauthenticated: int = 0
+    """Lanes refused for their session ticket (none, forged, stale, another scope's) and
+    requests refused or dropped without a valid one (before any HELLO, after expiry)."""
 
 
 class _Transfer:
@@ -674,9 +743,13 @@ class UcxServer:
     when ucxx is unavailable.
     """
 
-    def __init__(self, backend: LeaseBackend, config: UcxServerConfig | None = None) -> None:
+    def __init__(self, backend: LeaseBackend, config: UcxServerConfig | None = None, *,
+                 authorize: SessionAuthorizer | None = None) -> None:
+        """``authorize``: the session-ticket check every lane's HELLO passes before anything
+        is served for it (module docstring, "Session tickets"); None serves every lane."""
         self._backend = backend
         self._config = config or UcxServerConfig()
+        self._authorize = authorize
         self._endpoint: Endpoint | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -688,6 +761,11 @@ class UcxServer:
         # owned by the serving thread after start
         self._w: _Worker | None = None
         self._clients: dict[int, Any] = {}
+        self._grants: dict[int, SessionGrant] = {}
+        """The verified grant of each lane (with an authorizer only)."""
+        self._backends: dict[int, LeaseBackend] = {}
+        """The scoped backend of each lane whose grant has a tenant scope."""
+        self._unauthenticated = 0
         self._last_seen: dict[int, float] = {}
         self._next_sweep = 0.0
         self._slots: list[tuple[bytearray, Any]] = []
@@ -725,7 +803,8 @@ class UcxServer:
         clients = len(self._clients)
         return UcxServerStats(s.bytes_sent, s.bytes_received, clients, len(self._transfers),
                               s.transfers_timed_out, s.clients_expired,
-                              clients + len(self._refusing), s.connections_refused)
+                              clients + len(self._refusing), s.connections_refused,
+                              self._unauthenticated)
 
     def close(self, drain_timeout_s: float | None = None) -> None:
         """Refuse new requests (SHUTTING_DOWN), let transfers in flight finish for up to
@@ -774,7 +853,7 @@ class UcxServer:
         assert w is not None
         cfg = self._config
         if buf is None:
-            buf = bytearray(REQ.size + MAX_KEY_BYTES
+            buf = bytearray(REQ.size + _KEY_FIELD_BYTES
                             + max(cfg.inline_put_bytes, _MAX_WORKER_ADDRESS_BYTES))
         req = w.worker.tag_recv(w.array(buf), tag=w.ucx.UCXXTag(int(Kind.REQUEST) << _KIND_SHIFT),
                                 tag_mask=w.ucx.UCXXTagMask(_KIND_MASK))
@@ -832,23 +911,29 @@ class UcxServer:
                 self._drop_client(client_id)
                 self._stats.clients_expired += 1
 
-    def _refuse(self, client_id: int, seq: int, worker_address: bytes) -> None:
-        """Answer a HELLO past ``max_connections`` with CAPACITY, on an endpoint of its own
-        that :meth:`_end_refusals` closes once the answer has left."""
+    def _refuse(self, client_id: int, seq: int, worker_address: bytes,
+                status: Status = Status.CAPACITY, why: str = "") -> None:
+        """Answer a HELLO with ``status`` (CAPACITY: past ``max_connections``; or a refused
+        session ticket, ``why``), on an endpoint of its own that :meth:`_end_refusals` closes
+        once the answer has left."""
         limit = self._config.max_connections
-        self._stats.connections_refused += 1
+        if status is Status.CAPACITY:
+            self._stats.connections_refused += 1
+            why = (f"the server is at its limit of {limit} UCX endpoints (max_connections); "
+                   "try again later")
+        else:
+            self._unauthenticated += 1
         if len(self._refusing) >= _MAX_REFUSING:
-            log.warning("refusing UCX client %08x silently: at the limit of %d endpoints and "
-                        "%d refusals in flight", client_id, limit, _MAX_REFUSING)
+            log.warning("refusing UCX client %08x silently (%s): %d refusals in flight",
+                        client_id, why, _MAX_REFUSING)
             return
-        log.warning("refusing UCX client %08x: at the limit of %d endpoints", client_id, limit)
+        log.warning("refusing UCX client %08x: %s", client_id, why)
         assert self._w is not None
         w = self._w
         ep = w.endpoint_to(worker_address)
-        raw = (f"the server is at its limit of {limit} UCX endpoints (max_connections); "
-               "try again later").encode()
+        raw = why.encode("utf-8", "replace")[:_MAX_DETAIL_BYTES]
         buf = bytearray(RESP.size + len(raw))
-        RESP.pack_into(buf, 0, MAGIC, int(Status.CAPACITY), 0, len(raw), seq, 0)
+        RESP.pack_into(buf, 0, MAGIC, int(status), 0, len(raw), seq, 0)
         buf[RESP.size:] = raw
         send = ep.tag_send(w.array(buf), tag=w.ucx.UCXXTag(_tag(Kind.RESPONSE, client_id, seq)))
         self._refusing.append((ep, send, buf, time.monotonic() + self._config.io_timeout_s))
@@ -887,6 +972,8 @@ class UcxServer:
 
     def _drop_client(self, client_id: int) -> None:
         self._last_seen.pop(client_id, None)
+        self._grants.pop(client_id, None)
+        self._backends.pop(client_id, None)
         ep = self._clients.pop(client_id, None)
         if ep is None:
             return
@@ -898,46 +985,49 @@ class UcxServer:
 
     def _handle(self, buf: bytearray) -> None:
         magic, op, flags, key_len, client_id, seq, size = REQ.unpack_from(buf)
-        if magic != MAGIC or key_len > MAX_KEY_BYTES:
+        if magic != MAGIC or key_len > (MAX_TICKET_BYTES if op == Op.HELLO else MAX_KEY_BYTES):
             raise ProtocolError(f"malformed UCX request (magic {magic!r}, key_len {key_len})")
         key = bytes(buf[REQ.size:REQ.size + key_len])
         body = REQ.size + key_len
-        if op == Op.HELLO:
+        if op == Op.HELLO:  # "key": the session ticket (module docstring, "Session tickets")
             if not 0 < size <= _MAX_WORKER_ADDRESS_BYTES:
                 raise ProtocolError(f"HELLO with a {size}-byte worker address")
-            assert self._w is not None
-            address = bytes(buf[body:body + size])
-            self._drop_client(client_id)  # a lane saying HELLO again keeps its place
-            if len(self._clients) >= self._config.max_connections:
-                self._refuse(client_id, seq, address)
-                return
-            self._clients[client_id] = self._w.endpoint_to(address)
-            self._last_seen[client_id] = time.monotonic()
-            self._respond(client_id, seq, Kind.RESPONSE, None,
-                          size=int(self._config.client_idle_ttl_s * 1000))
+            self._hello(client_id, seq, key, bytes(buf[body:body + size]))
             return
         if op == Op.BYE:  # also from a client already forgotten for its silence
             self._drop_client(client_id)
             return
         if client_id not in self._clients:
-            raise ProtocolError(f"request from unknown UCX client {client_id:08x}")
+            if self._authorize is not None:
+                self._unauthenticated += 1
+            raise ProtocolError(f"request from unknown UCX client {client_id:08x} (no HELLO "
+                                "accepted from it: nothing is served, and there is no "
+                                "endpoint to answer on)")
         self._last_seen[client_id] = time.monotonic()
         if self._draining:
             self._respond(client_id, seq, Kind.RESPONSE, None, status=Status.SHUTTING_DOWN,
                           detail="the server is shutting down")
             return
+        if self._authorize is not None and time.time() >= \
+                self._grants[client_id].expires_at_unix_s:
+            self._unauthenticated += 1
+            log.warning("UCX client %08x refused: its session ticket expired", client_id)
+            self._respond(client_id, seq, Kind.RESPONSE, Unauthenticated(
+                "the session ticket of this UCX lane expired; say HELLO with a new one"))
+            return
+        backend = self._backends.get(client_id, self._backend)
         try:
             check_key(key)
             if op == Op.GET:
-                self._get(client_id, seq, key, flags, size)
+                self._get(backend, client_id, seq, key, flags, size)
             elif op == Op.PUT:
-                self._put(client_id, seq, key, size, memoryview(buf)[body:body + size])
+                self._put(backend, client_id, seq, key, size, memoryview(buf)[body:body + size])
             elif op == Op.SIZE:
-                found = self._backend.size_of(key)
+                found = backend.size_of(key)
                 self._respond(client_id, seq, Kind.RESPONSE, None,
                               size=_NO_SIZE if found is None else found)
             elif op == Op.REMOVE:
-                removed = self._backend.remove(key)
+                removed = backend.remove(key)
                 self._respond(client_id, seq, Kind.RESPONSE, None,
                               flags=_FLAG_REMOVED if removed else 0)
             else:
@@ -945,11 +1035,42 @@ class UcxServer:
         except KvtierError as exc:
             self._respond(client_id, seq, Kind.RESPONSE, exc)
 
-    def _get(self, client_id: int, seq: int, key: bytes, flags: int, size: int) -> None:
-        if flags & _FLAG_INLINE and not flags & _FLAG_ANY_SIZE and size <= INLINE_GET_BYTES:
-            self._get_inline(client_id, seq, key, size)
+    def _hello(self, client_id: int, seq: int, ticket: bytes, address: bytes) -> None:
+        """Introduce (or renew) lane ``client_id``: with an authorizer, only for a ticket it
+        accepts (a renewal: for the lane's tenant scope), else refused on an endpoint of the
+        refusal's own, the lane forgotten (module docstring, "Session tickets")."""
+        assert self._w is not None
+        previous = self._grants.get(client_id)
+        backend = self._backends.get(client_id)
+        self._drop_client(client_id)  # a lane saying HELLO again keeps its place
+        grant = None
+        if self._authorize is not None:
+            try:
+                grant = renewed_grant(self._authorize, ticket, f"UCX lane {client_id:08x}",
+                                      previous)
+                if previous is None and grant.scope is not None:
+                    backend = scoped_backend(self._backend, grant.scope)
+            except (Unauthenticated, PermissionDenied) as exc:
+                self._refuse(client_id, seq, address, status_for_error(exc), str(exc))
+                return
+        if len(self._clients) >= self._config.max_connections:
+            self._refuse(client_id, seq, address)
             return
-        lease = self._backend.open_read(key)
+        self._clients[client_id] = self._w.endpoint_to(address)
+        if grant is not None:
+            self._grants[client_id] = grant
+            if backend is not None:
+                self._backends[client_id] = backend
+        self._last_seen[client_id] = time.monotonic()
+        self._respond(client_id, seq, Kind.RESPONSE, None,
+                      size=int(self._config.client_idle_ttl_s * 1000))
+
+    def _get(self, backend: LeaseBackend, client_id: int, seq: int, key: bytes, flags: int,
+             size: int) -> None:
+        if flags & _FLAG_INLINE and not flags & _FLAG_ANY_SIZE and size <= INLINE_GET_BYTES:
+            self._get_inline(backend, client_id, seq, key, size)
+            return
+        lease = backend.open_read(key)
         try:
             if not flags & _FLAG_ANY_SIZE and lease.size_bytes != size:
                 self._respond(client_id, seq, Kind.RESPONSE, None, status=Status.SIZE_MISMATCH,
@@ -968,7 +1089,8 @@ class UcxServer:
                                          time.monotonic() + self._config.io_timeout_s,
                                          lease.size_bytes))
 
-    def _get_inline(self, client_id: int, seq: int, key: bytes, size: int) -> None:
+    def _get_inline(self, backend: LeaseBackend, client_id: int, seq: int, key: bytes,
+                    size: int) -> None:
         """One message for a small GET: the value copied behind the RESPONSE header (no lease
         outlives the call). SizeMismatch / ChunkNotFound reach ``_handle``, which answers them
         before any byte moved."""
@@ -976,7 +1098,7 @@ class UcxServer:
         if ep is None:
             return
         buf = bytearray(RESP.size + size)
-        self._backend.read_into(key, memoryview(buf)[RESP.size:])
+        backend.read_into(key, memoryview(buf)[RESP.size:])
         RESP.pack_into(buf, 0, MAGIC, int(Status.OK), _FLAG_INLINE, 0, seq, size)
         assert self._w is not None
         w = self._w
@@ -985,12 +1107,13 @@ class UcxServer:
         if not send.completed:
             self._sends.append((send, buf))  # keep the buffer alive until it has left
 
-    def _put(self, client_id: int, seq: int, key: bytes, size: int, inline: memoryview) -> None:
+    def _put(self, backend: LeaseBackend, client_id: int, seq: int, key: bytes, size: int,
+             inline: memoryview) -> None:
         cfg = self._config
         if size > cfg.max_value_bytes:
             raise InvalidArgument(f"value of {size} bytes exceeds max_value_bytes "
                                   f"{cfg.max_value_bytes}")
-        lease = self._backend.open_write(key, size)
+        lease = backend.open_write(key, size)
         try:
             if size <= cfg.inline_put_bytes:
                 lease.buffer[:size] = inline
