@@ -22,7 +22,10 @@ The cluster (:class:`ChaosCluster`)
     conductors schedule onto them (those do not run; the decisions are what is checked).
     With :attr:`Engines.REFERENCE` (``--engines``, the default) real engines run too: a
     prefill and a decode worker of the reference engine on each of ``ENGINE_HOSTS``
-    (:meth:`ChaosCluster._spawn_worker`), their node's daemon their store.
+    (:meth:`ChaosCluster._spawn_worker`), their node's daemon their store; with
+    :attr:`Engines.VLLM` one ``vllm serve`` with kvtier's connector on each instead
+    (:func:`_vllm_main`), each prompt's no-cache output computed by the servers before the
+    load starts.
     The namespaces share a boot id, a hostname and ``/dev/shm``: a client would take a daemon
     in another namespace for a same-host one, so the load uses ``DataPlane.TCP`` and the
     daemons serve no lease channel (``server.shm_channel=false``) and no UCX, but where a
@@ -47,7 +50,9 @@ The load (``python -m bench.chaos loadgen CONFIG``, in the observer namespace)
     chunk events and records every REMOVED (an eviction at the budget is no loss). One more
     per engine (:meth:`_Load.engine_driver`) sends its prefill worker prompts
     (:func:`engine_prompts`) one at a time, each an ``ENGINE`` record checked against the
-    prompt's no-cache output (:func:`no_cache_outputs`, computed before the cluster starts).
+    prompt's no-cache output (:func:`no_cache_outputs`, computed before the cluster starts;
+    vLLM: :meth:`_Load._vllm_request` to the host's server, checked against the outputs the
+    servers computed under salts nothing else uses).
 
 Faults (:data:`FAULTS`)
     ``kill-daemon``: ``kill -9`` of ``h1``'s daemon; after ``down_s`` (past the 2 s lease) it
@@ -240,6 +245,11 @@ class Engines(enum.Enum):
     """A prefill and a decode worker of the reference engine (``python -m
     kvstore.engine.worker``: a real transformer, random fixed-seed weights) on each of
     ``ENGINE_HOSTS``, saving to and loading from their node's daemon over TCP."""
+    VLLM = "vllm"
+    """One ``vllm serve`` with kvtier's connector (``kv_both``) on each of ``ENGINE_HOSTS``,
+    in the host's namespace, its node's daemon its store over TCP (:func:`_vllm_main`): the
+    tiny Llama of :class:`~kvstore.cluster.vllm_instance.TinyLlama`, greedy, vLLM's own
+    prefix cache off (every cached prompt token came from kvtier)."""
 
 
 ENGINE_HOSTS = (0, FAULTED_HOST)
@@ -269,20 +279,122 @@ ENGINE_PAUSE_S = 0.05
 ENGINE_TENANT = "chaos"
 
 
-def engine_prompts() -> dict[str, list[int]]:
-    """The prompts the engines serve (a deterministic function of nothing): ``ENGINE_FAMILIES``
-    families of ``ENGINE_VARIANTS``, each a shared 4-block prefix plus a suffix of its own of
-    1-2 blocks and a partial block (so requests of a family reuse its prefix, and a repeated
-    prompt reuses every full block)."""
+VLLM_PORT = 8000
+"""Where each host's ``vllm serve`` listens (on the host's address: its own network stack)."""
+VLLM_BLOCK_TOKENS = 32
+"""vLLM's block size (a multiple of 32 on CPU) and so the connector's chunk: 64 KiB of the
+tiny Llama's KV (2 layers x 2 KV heads x 64 x float32, K and V)."""
+VLLM_MAX_MODEL_LEN = 512
+VLLM_KV_BYTES = 16 << 20
+"""Each server's own KV cache (256 blocks: room for a few requests; prefix caching is off,
+so it holds nothing between them)."""
+VLLM_START_TIMEOUT_S = 600.0
+"""Two ``vllm serve`` starting beside the cluster on 2 cores: ~1-2 min; a loaded box more."""
+VLLM_READY = "KVTIER-VLLM-READY "
+"""The launcher's line once its server is healthy and computed the no-cache outputs."""
+VLLM_NICE = 10
+"""The servers' niceness. vLLM's Worker busy-polls its message queue (``sched_yield``) for 1 s
+after every step (``shm_broadcast``), so under a steady load each server's Worker takes a
+core; at niceness 0 the two starved the daemons, etcd and the load on 2 cores (a first put
+took 6.3 s against its 2 s timeout, a restarted daemon 12.5 s to come up, a lookup of a
+healthy daemon timed out). At 10 they get what the others leave."""
+VLLM_PAUSE_S = 0.1
+"""The vLLM driver's pause between requests (each server is an API server, an EngineCore
+and a Worker process on 2 shared cores: less load than the reference workers' pause)."""
+
+
+def engine_prompts(block_tokens: int = ENGINE_BLOCK_TOKENS,
+                   vocab: int = ENGINE_SPEC["vocab_size"]) -> dict[str, list[int]]:
+    """The prompts the engines serve (a deterministic function of the block size and the
+    vocabulary): ``ENGINE_FAMILIES`` families of ``ENGINE_VARIANTS``, each a shared 4-block
+    prefix plus a suffix of its own of 1-2 blocks and a partial block (so requests of a family
+    reuse its prefix, and a repeated prompt reuses every full block)."""
     rng = random.Random(16)
-    vocab = ENGINE_SPEC["vocab_size"]
     prompts = {}
     for f in range(ENGINE_FAMILIES):
-        prefix = [rng.randrange(vocab) for _ in range(4 * ENGINE_BLOCK_TOKENS)]
+        prefix = [rng.randrange(vocab) for _ in range(4 * block_tokens)]
         for v in range(ENGINE_VARIANTS):
-            n = ENGINE_BLOCK_TOKENS * (1 + v % 2) + 1 + rng.randrange(ENGINE_BLOCK_TOKENS - 1)
+            n = block_tokens * (1 + v % 2) + 1 + rng.randrange(block_tokens - 1)
             prompts[f"f{f}v{v}"] = prefix + [rng.randrange(vocab) for _ in range(n)]
     return prompts
+
+
+def vllm_prompts() -> dict[str, list[int]]:
+    """:func:`engine_prompts` in vLLM's blocks (``VLLM_BLOCK_TOKENS``) and the tiny Llama's
+    vocabulary: at most 223 tokens, 4 new ones fit ``VLLM_MAX_MODEL_LEN``."""
+    from kvstore.cluster.vllm_instance import TinyLlama
+
+    return engine_prompts(VLLM_BLOCK_TOKENS, TinyLlama().vocab_size)
+
+
+def prompts_for(engines: Engines) -> dict[str, list[int]]:
+    """The prompts ``engines`` serve (none without engines)."""
+    if engines is Engines.VLLM:
+        return vllm_prompts()
+    return engine_prompts() if engines is Engines.REFERENCE else {}
+
+
+def vllm_model_name() -> str:
+    """The connector's ``model`` (its key namespace) and vLLM's ``--served-model-name``."""
+    from kvstore.cluster.vllm_instance import TinyLlama
+
+    return f"tiny-llama-{TinyLlama().key()}"
+
+
+def vllm_kv_transfer_config(daemon_address: str) -> dict[str, Any]:
+    """``--kv-transfer-config`` of a host's ``vllm serve``: kvtier's connector on the host's
+    daemon over TCP (the namespaces share ``/dev/shm`` and a boot id, and the daemons serve no
+    lease channel or read index: docs/chaos.md), bounded by the suite's timeouts
+    (``ENGINE_KV_TIMEOUT_S`` for a lookup, a step's loads and its saves), a failed load
+    recomputed."""
+    return {"kv_connector": "KvtierConnector",
+            "kv_connector_module_path": "kvstore.integrations.vllm.connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "daemon": daemon_address, "model": vllm_model_name(), "data_plane": "tcp",
+                "lookup_index": "off", "lookup_timeout_s": ENGINE_KV_TIMEOUT_S,
+                "load_timeout_s": ENGINE_KV_TIMEOUT_S, "save_timeout_s": ENGINE_KV_TIMEOUT_S}}
+
+
+def http_post(address: str, path: str, body: dict[str, Any]) -> bytes:
+    """An HTTP/1.1 POST of ``body`` as JSON to ``address`` (``host:port``), asking the server
+    to close the connection after its answer (so the answer is everything read to the end)."""
+    data = json.dumps(body).encode()
+    head = (f"POST {path} HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n")
+    return head.encode("ascii") + data
+
+
+def http_answer(raw: bytes) -> tuple[int, Any]:
+    """The status and the JSON body (None when empty) of an HTTP/1.1 answer read to its end:
+    a ``Content-Length`` body or a chunked one. ValueError for anything else."""
+    head, sep, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status_line = lines[0].split()
+    if not sep or len(status_line) < 2 or not status_line[0].startswith("HTTP/"):
+        raise ValueError(f"not an HTTP answer: {raw[:60]!r}")
+    headers = {name.strip().lower(): value.strip()
+               for name, _, value in (line.partition(":") for line in lines[1:])}
+    if headers.get("transfer-encoding", "").lower() == "chunked":
+        out, rest = bytearray(), body
+        while True:
+            size_line, crlf, rest = rest.partition(b"\r\n")
+            if not crlf:
+                raise ValueError("a chunked answer cut short")
+            size = int(size_line.split(b";")[0], 16)
+            if size == 0:
+                break
+            if len(rest) < size + 2:
+                raise ValueError("a chunked answer cut short")
+            out += rest[:size]
+            rest = rest[size + 2:]
+        body = bytes(out)
+    elif "content-length" in headers:
+        length = int(headers["content-length"])
+        if len(body) < length:
+            raise ValueError(f"an answer of {len(body)} of its {length} bytes")
+        body = body[:length]
+    return int(status_line[1]), (json.loads(body) if body.strip() else None)
 
 
 def no_cache_outputs(prompts: dict[str, list[int]]) -> dict[str, str]:
@@ -493,6 +605,11 @@ class ChaosCluster:
         self.conductor_addresses: dict[str, str] = {}
         self.workers: dict[str, _Child] = {}
         """The real engines' worker processes (``prefill-h1``, ``decode-h1``...)."""
+        self.vllm: dict[str, _Child] = {}
+        """The ``vllm serve`` launchers (:data:`Engines.VLLM`), per host name."""
+        self.vllm_expected: dict[str, str] = {}
+        """Each prompt's no-cache output by the vLLM servers (:func:`_vllm_main`), once up."""
+        self.vllm_start_s: dict[str, float] = {}
         self.node_ids = [f"node-{h.name}" for h in self.lab.hosts]
 
     def __enter__(self) -> ChaosCluster:
@@ -508,6 +625,7 @@ class ChaosCluster:
 
     def close(self) -> None:
         try:
+            self._stop_vllm()
             self.lab.close()
         finally:
             for path in reversed(self._mounted):  # after every process in the lab died
@@ -550,6 +668,13 @@ class ChaosCluster:
             self.daemons[host.name] = self._spawn_daemon(host)
         for host in self.lab.hosts:
             self.daemons[host.name].wait_line(DAEMON_READY, self.spec.start_timeout_s)
+        if self.spec.engines is Engines.VLLM:  # the longest start: under way from here on
+            from kvstore.cluster.vllm_instance import TinyLlama, tiny_llama_checkpoint
+
+            model_dir = tiny_llama_checkpoint(TinyLlama())
+            for n, i in enumerate(ENGINE_HOSTS):
+                host = self.lab.hosts[i]
+                self.vllm[host.name] = self._spawn_vllm(host, model_dir, n)
         for host in self.lab.hosts:
             self.engines[host.name] = self._spawn_engines(host)
         for host in self.lab.hosts:
@@ -567,6 +692,55 @@ class ChaosCluster:
 
         for child in self.workers.values():
             child.wait_line(READY_PREFIX, self.spec.start_timeout_s)
+        self._wait_vllm()
+
+    def _spawn_vllm(self, host: Host, model_dir: Path, n: int) -> _Child:
+        """The launcher of ``host``'s ``vllm serve`` (:func:`_vllm_main`) in its namespace: the
+        server on the host's address, kvtier's connector on the host's daemon, its model bound
+        to the ``n``-th core this process may use (two servers on two cores: one each)."""
+        cpus = sorted(os.sched_getaffinity(0))
+        config = {"model_dir": str(model_dir), "work_dir": str(self.work_dir),
+                  "name": f"vllm-{host.name}", "host": host.address,
+                  "kv_transfer_config": vllm_kv_transfer_config(f"{host.address}:{GRPC_PORT}"),
+                  "env": {"VLLM_CPU_OMP_THREADS_BIND": str(cpus[n % len(cpus)]),
+                          "VLLM_NO_USAGE_STATS": "1"},
+                  "prompts": vllm_prompts()}
+        path = self.work_dir / f"vllm-{host.name}.json"
+        path.write_text(json.dumps(config))
+        return self.spawn_tool(host, ["vllm", str(path)], f"vllm-{host.name}-launcher")
+
+    def _wait_vllm(self) -> None:
+        """Until every ``vllm serve`` is healthy and computed each prompt's no-cache output;
+        those become :attr:`vllm_expected` (the servers must agree on every one)."""
+        answers: dict[str, dict[str, str]] = {}
+        for name, child in self.vllm.items():
+            ready = json.loads(child.wait_line(VLLM_READY, VLLM_START_TIMEOUT_S))
+            answers[name] = {str(k): str(v) for k, v in ready["expected"].items()}
+            self.vllm_start_s[name] = float(ready["start_s"])
+        if not answers:
+            return
+        first, *others = answers.items()
+        for name, outputs in others:
+            differ = sorted(k for k in outputs if outputs[k] != first[1].get(k))
+            if differ or set(outputs) != set(first[1]):
+                raise ConfigError(f"the vLLM servers of {first[0]} and {name} disagree on the "
+                                  f"no-cache output of {len(differ)} prompts ({differ[:4]}): "
+                                  "no reference to check engine answers against")
+        self.vllm_expected = dict(first[1])
+
+    def _stop_vllm(self) -> None:
+        """SIGTERM to every launcher, which closes its server (SIGTERM to the server's group,
+        SIGKILL what is left, its shared memory unlinked:
+        :class:`~kvstore.cluster.vllm_server.VllmServer`), also one still starting, before
+        the lab's teardown SIGKILLs what is left in the namespaces (vLLM's shared memory would
+        stay behind)."""
+        for child in self.vllm.values():
+            if child.alive():
+                child.proc.send_signal(signal.SIGTERM)
+        for child in self.vllm.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.proc.wait(60)
+        self.vllm.clear()
 
     def _spawn_worker(self, host: Host, role: str) -> _Child:
         """One worker of the reference engine on ``host`` (:data:`Engines.REFERENCE`), its
@@ -591,6 +765,10 @@ class ChaosCluster:
         prefill and decode workers' addresses."""
         if self.spec.engines is Engines.NONE:
             return []
+        if self.spec.engines is Engines.VLLM:
+            return [{"node": f"node-{h.name}", "kind": Engines.VLLM.value,
+                     "url": f"{h.address}:{VLLM_PORT}", "model": vllm_model_name()}
+                    for h in (self.lab.hosts[i] for i in ENGINE_HOSTS)]
         return [{"node": f"node-{h.name}", "prefill": f"{h.address}:{ENGINE_PREFILL_PORT}",
                  "decode": f"{h.address}:{ENGINE_DECODE_PORT}"}
                 for h in (self.lab.hosts[i] for i in ENGINE_HOSTS)]
@@ -792,8 +970,8 @@ class ChaosCluster:
                   "workers": self.spec.workers, "value_bytes": self.spec.value_bytes,
                   "op_pause_s": self.spec.op_pause_s,
                   "conductors": self.conductor_addresses,
-                  "engines": self.engine_addresses(), "prompts": engine_prompts()
-                  if self.spec.engines is not Engines.NONE else {}}
+                  "engines": self.engine_addresses(),
+                  "prompts": prompts_for(self.spec.engines)}
         config_path = self.work_dir / "loadgen.json"
         config_path.write_text(json.dumps(config))
         log_path = self.work_dir / "loadgen.log"
@@ -1375,7 +1553,7 @@ def run_fault(name: str, *, spec: ChaosSpec | None = None,
     why_not = FAULTS[name].skip()
     if why_not is not None:
         return FaultRow(name, 0, 0, 0, 0, 0, 0, None, None, 0, skipped=why_not)
-    expected = (no_cache_outputs(engine_prompts()) if spec.engines is not Engines.NONE
+    expected = (no_cache_outputs(engine_prompts()) if spec.engines is Engines.REFERENCE
                 else {})
     with contextlib.ExitStack() as stack:
         if work_dir is None:
@@ -1384,6 +1562,7 @@ def run_fault(name: str, *, spec: ChaosSpec | None = None,
         work_dir.mkdir(parents=True, exist_ok=True)
         plan = FAULTS[name]
         cluster = stack.enter_context(ChaosCluster(work_dir, spec, plan.needs))
+        expected = cluster.vllm_expected or expected  # vLLM's: computed by the servers
         history_path = work_dir / "history.jsonl"
         target = plan.target(cluster)
         # The load watches membership through a member the fault leaves alone (the quorum
@@ -1402,8 +1581,12 @@ def run_fault(name: str, *, spec: ChaosSpec | None = None,
         history = read_history(history_path)
         violations = check(history, max_stall_s=MAX_STALL_S, request_timeout_s=REQUEST_TIMEOUT_S,
                            engine_timeout_s=ENGINE_TIMEOUT_S)
-        return _finish_row(_row(history, injected, summary, violations), history, injected,
-                           summary)
+        row = _finish_row(_row(history, injected, summary, violations), history, injected,
+                          summary)
+        if cluster.vllm_start_s:
+            row.notes.append("vllm serve healthy after " + ", ".join(
+                f"{n} {s:.0f} s" for n, s in sorted(cluster.vllm_start_s.items())))
+        return row
 
 
 def _await_rejoin(load: _Child) -> None:
@@ -1517,7 +1700,7 @@ def run_soak(minutes: float, *, spec: ChaosSpec | None = None, faults: list[str]
     seed = secrets_seed() if seed is None else seed
     rng = random.Random(seed)
     needs = frozenset(need for n in names for need in FAULTS[n].needs)
-    expected = (no_cache_outputs(engine_prompts()) if spec.engines is not Engines.NONE
+    expected = (no_cache_outputs(engine_prompts()) if spec.engines is Engines.REFERENCE
                 else {})
     with contextlib.ExitStack() as stack:
         if work_dir is None:
@@ -1525,6 +1708,7 @@ def run_soak(minutes: float, *, spec: ChaosSpec | None = None, faults: list[str]
                 prefix="kvtier-soak-")))
         work_dir.mkdir(parents=True, exist_ok=True)
         cluster = stack.enter_context(ChaosCluster(work_dir, spec, needs))
+        expected = cluster.vllm_expected or expected
         history_path = work_dir / "history.jsonl"
         watch = cluster.lab.hosts[0]  # no fault stops h0's member (etcd-leader: redrawn)
         load = cluster.start_loadgen(history_path, watch)
@@ -2084,14 +2268,17 @@ class _Load:
 
         rng = random.Random(seed)
         keys = sorted(prompts)
+        vllm = engine.get("kind") == Engines.VLLM.value
+        request = self._vllm_request if vllm else self._engine_request
+        pause_s = VLLM_PAUSE_S if vllm else ENGINE_PAUSE_S
 
         async def drive() -> None:
             seq = 0
             while not self.stopping.is_set():
                 key = rng.choice(keys)
                 seq += 1
-                self.add(await self._engine_request(engine, key, prompts[key], seq))
-                await asyncio.sleep(ENGINE_PAUSE_S)
+                self.add(await request(engine, key, prompts[key], seq))
+                await asyncio.sleep(pause_s)
 
         asyncio.run(drive())
 
@@ -2122,6 +2309,44 @@ class _Load:
                           digest=tokens_digest(out), prompt_tokens=len(tokens),
                           reused_tokens=reused)
         except (TimeoutError, KvtierError, OSError, KeyError, TypeError, ValueError) as exc:
+            return Record(Op.ENGINE, key, engine["node"], start, time.monotonic(), Result.ERR,
+                          prompt_tokens=len(tokens),
+                          error=f"{type(exc).__name__}: {exc}"[:200])
+        finally:
+            if writer is not None:
+                writer.close()
+
+    async def _vllm_request(self, engine: dict[str, str], key: str, tokens: list[int],
+                            seq: int) -> Record:
+        """One greedy ``/v1/completions`` of ``tokens`` to a host's ``vllm serve`` (no
+        ``cache_salt``: the connector's keys are the prompt's), bounded by
+        ``ENGINE_TIMEOUT_S``. ``reused_tokens`` is vLLM's ``cached_tokens``: with its own prefix
+        cache off, the prompt tokens it took from kvtier (a load that then failed is recomputed
+        but still counted)."""
+        import asyncio
+
+        start = time.monotonic()
+        writer: Any = None
+        try:
+            async with asyncio.timeout(ENGINE_TIMEOUT_S):
+                host, _, port = engine["url"].rpartition(":")
+                reader, writer = await asyncio.open_connection(host, int(port))
+                writer.write(http_post(engine["url"], "/v1/completions", {
+                    "model": engine["model"], "prompt": tokens,
+                    "max_tokens": ENGINE_NEW_TOKENS, "temperature": 0.0, "ignore_eos": True,
+                    "return_token_ids": True}))
+                await writer.drain()
+                raw = await reader.read()  # to the end: the request says Connection: close
+            status, answer = http_answer(raw)
+            if status != 200:
+                raise KvtierError(f"vllm answered HTTP {status}: {str(answer)[:120]}")
+            out = [int(t) for t in answer["choices"][0]["token_ids"]]
+            details = answer["usage"].get("prompt_tokens_details") or {}
+            return Record(Op.ENGINE, key, engine["node"], start, time.monotonic(), Result.OK,
+                          digest=tokens_digest(out), prompt_tokens=len(tokens),
+                          reused_tokens=int(details.get("cached_tokens") or 0))
+        except (TimeoutError, KvtierError, OSError, KeyError, TypeError, ValueError,
+                IndexError) as exc:
             return Record(Op.ENGINE, key, engine["node"], start, time.monotonic(), Result.ERR,
                           prompt_tokens=len(tokens),
                           error=f"{type(exc).__name__}: {exc}"[:200])
@@ -2429,6 +2654,53 @@ def _engines_main(endpoint: str, prefix: str, node_id: str, host_name: str) -> N
     asyncio.run(hold())
 
 
+def _vllm_main(config_path: str) -> None:
+    """``python -m bench.chaos vllm CONFIG``, in an engine host's namespace: start its ``vllm
+    serve`` (:class:`~kvstore.cluster.vllm_server.VllmServer` on the host's address, kvtier's
+    connector from CONFIG, vLLM's own prefix cache off), compute every prompt's no-cache output
+    on it (each under a ``cache_salt`` of its own that nothing else uses: vLLM's hash and so
+    the connector's keys differ, the store has nothing for it), say ``VLLM_READY`` with them,
+    and close the server on SIGTERM (or when stdin ends). A no-cache request that
+    reports cached tokens is a ConfigError: the reference would not be one."""
+    import secrets
+
+    from kvstore.cluster.vllm_server import VllmServer
+
+    os.environ["no_proxy"] = os.environ["NO_PROXY"] = "*"  # its health checks: in the lab
+    config = json.loads(Path(config_path).read_text())
+    server = VllmServer(Path(config["model_dir"]), Path(config["work_dir"]), config["name"],
+                        host=config["host"], port=VLLM_PORT, model_name=vllm_model_name(),
+                        block_size=VLLM_BLOCK_TOKENS, max_model_len=VLLM_MAX_MODEL_LEN,
+                        kv_cache_memory_bytes=VLLM_KV_BYTES,
+                        kv_transfer_config=config["kv_transfer_config"],
+                        extra_args=["--no-enable-prefix-caching"],
+                        env={**config["env"], "no_proxy": "*", "NO_PROXY": "*"},
+                        prompt_tokens_details=True, nice=VLLM_NICE)
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        server.start(VLLM_START_TIMEOUT_S)
+        salt = f"no-cache-{config['name']}-{secrets.token_hex(4)}"
+        expected = {}
+        for key, tokens in sorted(config["prompts"].items()):
+            answer = server.complete(tokens, max_tokens=ENGINE_NEW_TOKENS,
+                                     cache_salt=f"{salt}-{key}")
+            cached = (answer.raw["usage"].get("prompt_tokens_details") or {}).get(
+                "cached_tokens") or 0
+            if cached:
+                raise ConfigError(f"{config['name']}: the no-cache request of {key} found "
+                                  f"{cached} cached tokens")
+            expected[key] = tokens_digest(answer.token_ids)
+        _say(VLLM_READY + json.dumps({"url": server.base_url, "start_s": server.start_s,
+                                      "expected": expected}))
+        sys.stdin.readline()
+    finally:
+        server.close()
+
+
 def _loadgen_main(config_path: str) -> None:
     _Load(json.loads(Path(config_path).read_text())).run()
 
@@ -2611,6 +2883,8 @@ if __name__ == "__main__":
     sub = parser.add_subparsers(dest="cmd", required=True)
     gen = sub.add_parser("loadgen", help="(internal) the load generator, in the observer ns")
     gen.add_argument("config")
+    vll = sub.add_parser("vllm", help="(internal) one host's vllm serve, in its ns")
+    vll.add_argument("config")
     eng = sub.add_parser("engines", help="(internal) hold one host's engine records")
     for name in ("endpoint", "prefix", "node_id", "host_name"):
         eng.add_argument(name)
@@ -2631,6 +2905,8 @@ if __name__ == "__main__":
     args = parser.parse_args()
     if args.cmd == "loadgen":
         _loadgen_main(args.config)
+    elif args.cmd == "vllm":
+        _vllm_main(args.config)
     elif args.cmd == "client":
         _client_main(args.address, args.plane, args.threads)
     elif args.cmd == "flood":

@@ -248,7 +248,8 @@ def chaos(
                                       "default: all) one at a time, the whole history checked."),
     engines: str = typer.Option("reference", "--engines",
                                 help="Real engines serving prompts during the faults: reference "
-                                "(the reference workers, tiny model) or none."),
+                                "(the reference workers, tiny model), vllm (vllm serve with "
+                                "kvtier's connector on h0 and h1) or none."),
 ) -> None:
     """Faults under load on a three-host cluster in network namespaces (root): requests completed
     and failed during each fault, wrong reads, durable chunks lost, time to detect and recover,
