@@ -40,7 +40,7 @@ from kvstore.errors import (
     PermissionDenied,
     Unauthenticated,
 )
-from tests.security.secured_daemon import SecuredDaemon, start_secured_daemon
+from tests.security.secured_daemon import SecuredDaemon, secured_daemon_fixture
 
 _REASON = ucx_unavailable()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"ucxx: {_REASON}")
@@ -90,24 +90,16 @@ class Tally:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecuredDaemon]:
     # ``required``: before tickets on UCX this daemon did not start at all.
-    w = start_secured_daemon(tmp_path_factory.mktemp("dp-ucx"), "dp-ucx", shm=False,
-                             settings={"dram.capacity_bytes": "96MiB",
-                                       "server.ucx": "required"})
-    try:
-        yield w
-    finally:
-        w.close()
+    yield from secured_daemon_fixture(tmp_path_factory.mktemp("dp-ucx"), "dp-ucx", shm=False,
+                                      settings={"dram.capacity_bytes": "96MiB",
+                                                "server.ucx": "required"})
 
 
 @pytest.fixture(scope="module")
 def other(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecuredDaemon]:
     """A second daemon with security (its own ticket key)."""
-    w = start_secured_daemon(tmp_path_factory.mktemp("dp-ucx-other"), "dp-ucx-other",
-                             shm=False, settings={"server.ucx": "required"})
-    try:
-        yield w
-    finally:
-        w.close()
+    yield from secured_daemon_fixture(tmp_path_factory.mktemp("dp-ucx-other"), "dp-ucx-other",
+                                      shm=False, settings={"server.ucx": "required"})
 
 
 def _address(w: SecuredDaemon) -> bytes:
