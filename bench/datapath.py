@@ -50,8 +50,10 @@ to a peer process and back. Ops: ``put`` and ``get`` of one value per call; ``pu
     before it sleeps (``StoreClientConfig.tcp_spin_us``; the native extension does it with the
     GIL released). On this VM a sleeping receiver's wake-up costs ~10-30 µs, so this shows what
     a spinning client buys for small values, each against a limit that spins alike.
-``shm-auth`` / ``tcp-daemon-auth`` / ``tcp-daemon-tls`` (the cost of security; get only)
-    The ``shm`` and ``tcp-daemon`` paths against a daemon with authentication: bearer tokens
+``shm-auth`` / ``tcp-daemon-auth`` / ``ucx-daemon-auth`` / ``tcp-daemon-tls`` (the cost of
+security; get only)
+    The ``shm``, ``tcp-daemon`` and ``ucx-daemon`` paths against a daemon with authentication
+    (UCX lanes ticketed like TCP connections): bearer tokens
     on gRPC (a signing key and a token of one tenant minted at run time), so the TCP
     plane serves ticketed, tenant-scoped connections and the lease channel scoped ones
     (docs/security.md, "Data planes"). ``tcp-daemon-tls`` adds TLS on the TCP plane
@@ -654,7 +656,8 @@ class DaemonPath:
         if security:
             self._dir = tempfile.mkdtemp(prefix="kvtier-bench-security-")
             settings, client_security = _bench_security(Path(self._dir), security == "tls")
-            self.limit = "shm" if self._plane is DataPlane.SHM else "tcp-daemon"
+            self.limit = {DataPlane.SHM: "shm", DataPlane.UCX: "ucx-daemon"}.get(
+                self._plane, "tcp-daemon")
             self.ops = ("get",)
         self._proc, address = spawn_daemon(f"bench-{plane}{'-' + security if security else ''}",
                                            settings=settings)
@@ -739,13 +742,15 @@ PATHS: dict[str, Callable[[], DataPath]] = {
     "tls-socket": lambda: SocketPath(tls=True),
     "ucx": UcxPath,
     "ucx-daemon": lambda: DaemonPath("ucx"),
+    "ucx-daemon-auth": lambda: DaemonPath("ucx", security="auth"),
     "redis": RedisPath,
 }
 """Every path the benchmark runs, limits first. Add new paths here; ``socket`` must stay (and
 ``memcpy`` wherever ``shm`` runs). The key is the row's ``variant``. The ``ucx`` paths run only
 where ``ucxx`` imports (``main`` drops them otherwise and says why)."""
-UCX_PATHS = ("ucx", "ucx-daemon")
-SECURED_PATHS = {"shm-auth": "shm", "tcp-daemon-auth": "tcp-daemon", "tcp-daemon-tls": "tcp-daemon"}
+UCX_PATHS = ("ucx", "ucx-daemon", "ucx-daemon-auth")
+SECURED_PATHS = {"shm-auth": "shm", "tcp-daemon-auth": "tcp-daemon", "tcp-daemon-tls": "tcp-daemon",
+                 "ucx-daemon-auth": "ucx-daemon"}
 """The cost-of-security paths and the path each is a ratio to (its ``limit``)."""
 SPIN_US = 50
 """How long ``socket-spin`` and ``tcp-daemon-spin`` poll before sleeping (a few of this

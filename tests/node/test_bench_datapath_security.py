@@ -35,3 +35,27 @@ def test_security_paths_smoke(monkeypatch: pytest.MonkeyPatch) -> None:
                 row["gbps"] / rows[(physical[variant], "get", size)]["gbps"])
     with pytest.raises(ValueError, match="tcp-daemon-tls path needs the tcp-daemon path"):
         datapath.run(quick=True, path_names=("socket", "tcp-daemon-tls"))
+
+
+@pytest.mark.slow
+def test_ucx_security_path_smoke(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ucx-daemon-auth``: UCX lanes ticketed by a daemon with tokens, a ratio to
+    ``ucx-daemon`` in the same run (skipped where ``ucxx`` does not import)."""
+    from bench import datapath
+    from kvstore.dataplane.transport.ucx import ucx_unavailable
+
+    reason = ucx_unavailable()
+    if reason is not None:
+        pytest.skip(f"ucxx: {reason}")
+    monkeypatch.setattr(datapath, "SIZES_BYTES", (4 * KiB, 1 * MiB))
+    monkeypatch.setattr(datapath, "OPS", ("put", "get"))
+    monkeypatch.setattr(datapath, "DAEMON_DRAM", "32MiB")
+    monkeypatch.setattr(datapath, "calls_for", lambda size, batch, quick: 3)
+    result = datapath.run(quick=True, path_names=("socket", "ucx-daemon", "ucx-daemon-auth"))
+    rows = {(r["variant"], r["op"], r["value_bytes"]): r for r in result["rows"]}
+    for size in datapath.SIZES_BYTES:
+        row = rows[("ucx-daemon-auth", "get", size)]
+        assert row["gbps"] > 0
+        assert row["limit_gbps"] == pytest.approx(rows[("ucx-daemon", "get", size)]["gbps"])
+    with pytest.raises(ValueError, match="ucx-daemon-auth path needs the ucx-daemon path"):
+        datapath.run(quick=True, path_names=("socket", "ucx-daemon-auth"))
