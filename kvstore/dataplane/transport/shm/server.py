@@ -91,6 +91,8 @@ from kvstore.dataplane.transport.auth import (
     PeerCredentials,
     SessionAuthorizer,
     SessionGrant,
+    renewed_grant,
+    scoped_backend,
 )
 from kvstore.dataplane.transport.base import ArenaLeaseBackend, Endpoint, TransportKind
 from kvstore.dataplane.transport.shm.frames import (
@@ -594,29 +596,13 @@ class ShmServer:
         """Verify a HELLO's ticket and make its grant (and scope) the connection's. False when
         it was refused (answered with a closing reply; the caller ends the connection)."""
         try:
-            grant = authorize(bytes(ticket), conn.peer)
+            grant = renewed_grant(authorize, bytes(ticket), conn.peer, conn.session)
+            if conn.session is None and grant.scope is not None:
+                # PermissionDenied also from ``scoped``: e.g. a tenant of another arena's group
+                conn.leases = scoped_backend(self._leases, grant.scope)
         except (Unauthenticated, PermissionDenied) as exc:
             self._refuse_session(conn, exc)
             return False
-        if conn.session is not None:
-            if grant.scope != conn.session.scope:
-                self._refuse_session(conn, PermissionDenied(
-                    f"a renewed session ticket must act for the same tenant as the "
-                    f"connection's first ({conn.session.scope} then {grant.scope}); open a new "
-                    "connection"))
-                return False
-        elif grant.scope is not None:
-            scoped = getattr(self._leases, "scoped", None)
-            if scoped is None:
-                self._refuse_session(conn, PermissionDenied(
-                    "this lease channel's backend keeps no tenants apart, so it cannot serve a "
-                    f"session scoped to {grant.scope}"))
-                return False
-            try:
-                conn.leases = scoped(grant.scope)
-            except PermissionDenied as exc:  # e.g. a tenant of another arena's group
-                self._refuse_session(conn, exc)
-                return False
         conn.session = grant
         conn.expires_at_unix_s = grant.expires_at_unix_s
         log.debug("lease channel %s: session of %s (%s) until %.0f", conn.peer, grant.name,
