@@ -379,11 +379,15 @@ class _Lane:
             return
         current = source.current()
         try:
-            self._hello(current.ticket)
-        except Unauthenticated:
-            source.refused(current.ticket)
-            current = source.current()
-            self._hello(current.ticket)
+            try:
+                self._hello(current.ticket)
+            except Unauthenticated:
+                source.refused(current.ticket)
+                current = source.current()
+                self._hello(current.ticket)
+        except (Unauthenticated, PermissionDenied):
+            self.broken = True  # the server forgot this lane: it is not used again
+            raise
         self.renew_at = renew_at(current)
 
     def _hello(self, ticket: bytes) -> None:
