@@ -1265,8 +1265,11 @@ def _kill_client(plane: str) -> Callable[[ChaosCluster, Host, _Child], _Injected
 def truncate_segment(directory: Path, count: int, oldest: bool = False) -> list[str]:
     """Cut the segment file holding the newest LIVE record of ``directory`` (``oldest``: the
     one holding the oldest) in the middle of the payload of its ``count``-th record from the
-    end, durably; return the keys of every record of the load's (:func:`load_key`) the cut
-    reaches (torn or gone). An engine's chunks the cut reaches are gone too, unreported."""
+    end, or of the load's newest record there when that cut would reach only engines'
+    chunks (vLLM's 64 KiB chunks, saved several a request, fill a file's tail: the first
+    ``--engines vllm`` run of the fault found none of the load's to cut), durably; return the
+    keys of every record of the load's (:func:`load_key`) the cut reaches (torn or gone). An
+    engine's chunks the cut reaches are gone too, unreported."""
     from kvstore.dataplane.nvme.directio import ALIGN_BYTES
     from kvstore.dataplane.nvme.format import (
         HEADER_BYTES,
@@ -1299,6 +1302,9 @@ def truncate_segment(directory: Path, count: int, oldest: bool = False) -> list[
     path = pick(per_file, key=lambda p: pick(h.seq for h in per_file[p]))
     records = sorted(per_file[path], key=lambda h: h.offset)
     victim = records[-min(count, len(records))]
+    ours = [h for h in records if load_key(h.key)]
+    if ours and ours[-1].offset < victim.offset:  # past the cut only engines' chunks
+        victim = ours[-1]
     cut = victim.offset + HEADER_BYTES + victim.payload_bytes // 2
     fd = os.open(path, os.O_RDWR)
     try:

@@ -34,6 +34,7 @@ from bench.chaos import (
     prompts_for,
     read_history,
     run_fault,
+    truncate_segment,
     vllm_kv_transfer_config,
     vllm_prompts,
 )
@@ -89,6 +90,29 @@ def test_the_connector_takes_the_suites_settings() -> None:
     assert parsed.daemon == "10.213.1.2:50051" and parsed.data_plane is DataPlaneName.TCP
     assert parsed.lookup_index is LookupIndex.OFF
     assert parsed.lookup_timeout_s == parsed.load_timeout_s == ENGINE_KV_TIMEOUT_S
+
+
+def test_a_cut_reaching_only_vllms_chunks_moves_back_to_the_loads_newest(
+        tmp_path: Path) -> None:
+    """truncate-segment under vLLM traffic: the file's last records are all engine chunks
+    (binary keys, several a request), so a cut of the 3rd-newest record would reach none of
+    the load's and the fault had nothing to check (the first ``--engines vllm`` run stopped
+    there: "no stored chunk on node-h1 to cut"). The cut moves back to the load's newest
+    record in that file; every record past it, the engines' too, is gone at reopen."""
+    from kvstore.dataplane.nvme.config import NvmeTierConfig
+    from kvstore.dataplane.nvme.tier import NvmeTier
+
+    config = NvmeTierConfig(directory=tmp_path / "nvme", capacity_bytes=8 << 20,
+                            segment_bytes=1 << 20)
+    ours = [b"w0/%d" % i for i in range(10)]
+    engine = [bytes([0x8F, i]) + bytes(range(30)) for i in range(5)]
+    with NvmeTier.open(config) as tier:
+        for i, key in enumerate([*ours, *engine]):
+            tier.put(key, bytes([i]) * (16 << 10))
+    assert truncate_segment(tmp_path / "nvme", 3) == [ours[-1].decode()]
+    with NvmeTier.open(config) as tier:
+        survivors = {info.key for info in tier.chunks()}
+    assert survivors == set(ours[:-1])
 
 
 # --- the cluster ------------------------------------------------------------------------------
