@@ -656,6 +656,8 @@ class DaemonPath:
         if security:
             self._dir = tempfile.mkdtemp(prefix="kvtier-bench-security-")
             settings, client_security = _bench_security(Path(self._dir), security == "tls")
+            if self._plane is DataPlane.UCX:  # under security UCX is served only when asked
+                settings["server.ucx"] = "required"
             self.limit = {DataPlane.SHM: "shm", DataPlane.UCX: "ucx-daemon"}.get(
                 self._plane, "tcp-daemon")
             self.ops = ("get",)

@@ -327,6 +327,13 @@ class StoreDaemon:
         cfg = self.config.server
         if cfg.ucx is UcxMode.DISABLED:
             return b""
+        if self.tickets is not None and cfg.ucx is UcxMode.AUTO:
+            # Secure by default: a ticketed lane is bound only by its unauthenticated 32-bit
+            # id in the tags (docs/security.md, "Data planes"), so UCX under security is served
+            # only when asked for (server.ucx: required, on a trusted network).
+            log.info("no UCX data plane: security is configured and server.ucx is auto (set "
+                     "it to required to serve UCX with session tickets on a trusted network)")
+            return b""
         reason = ucx_unavailable()
         if reason is not None:
             if cfg.ucx is UcxMode.REQUIRED:

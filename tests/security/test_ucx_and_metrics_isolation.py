@@ -2,8 +2,9 @@
 host, data planes, metrics and etcd"), against real daemon processes.
 
 * **UCX** serves a lane only after a HELLO with a session ticket, scoped to its tenant, as TCP
-  does (the attacks: ``test_dataplane_ucx.py``): with ``server.ucx: auto`` a daemon with
-  security publishes its worker address, and a lane without a ticket is refused there. Paired:
+  does (the attacks: ``test_dataplane_ucx.py``): with ``server.ucx: required`` a daemon with
+  security publishes its worker address, and a lane without a ticket is refused there; with
+  ``auto`` (the default) it serves no UCX at all. Paired:
   the same client with its ticket moves a value.
 * **``/metrics``** is behind the daemon's security (:mod:`kvstore.security.http`): with tokens
   a scrape without one is 401, an engine's is 403, an operator's is served; it binds loopback by
@@ -38,7 +39,7 @@ needs_ucx = pytest.mark.skipif(ucx_unavailable() is not None,
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecuredDaemon]:
     w = start_secured_daemon(tmp_path_factory.mktemp("ucx-metrics"), "ucx-metrics", shm=False,
-                             settings={"server.ucx": "auto", "metrics.enabled": "true",
+                             settings={"server.ucx": "required", "metrics.enabled": "true",
                                        "metrics.port": "0"})
     try:
         yield w
@@ -58,6 +59,23 @@ def test_a_daemon_with_security_serves_ucx_only_with_a_ticket(world: SecuredDaem
     assert not world.control("alice").exists(key)  # nothing stored
     alice.put(key, value)  # paired: with its ticket, over UCX
     assert bytes(alice.get(key)) == value
+
+
+@needs_ucx
+def test_a_daemon_with_security_and_ucx_auto_serves_no_ucx(tmp_path: Path) -> None:
+    """Secure by default: a ticketed UCX lane is bound only by its unauthenticated 32-bit id,
+    so under security UCX is served only when ``server.ucx: required`` asks for it. Paired:
+    the same daemon serves its TCP plane."""
+    w = start_secured_daemon(tmp_path, "ucx-auto", shm=False, settings={"server.ucx": "auto"})
+    try:
+        alice = w.client("alice", DataPlane.TCP)
+        assert alice.info.data_ticket_required and not alice.info.ucx_worker_address
+        assert not w.daemon.addresses.get("ucx_address")
+        key, value = os.urandom(16), os.urandom(4096)
+        alice.put(key, value)
+        assert bytes(alice.get(key)) == value
+    finally:
+        w.close()
 
 
 def test_metrics_bind_loopback_and_show_no_key_or_value(world: SecuredDaemon) -> None:
